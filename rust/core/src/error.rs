@@ -1,0 +1,43 @@
+//! The one error type of the core crate.
+//!
+//! Every variant carries enough context (the argument, the layer, the value) for the
+//! bindings to raise a Python exception whose message stands on its own.
+
+/// Errors raised by the pure-Rust core.
+///
+/// The bindings map each variant to one Python exception class:
+/// `InvalidArgument` -> `ValueError`, `Overflow` -> `OverflowError`,
+/// `Config` -> `RuntimeError`, `UnknownRequest` -> `KeyError`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CoreError {
+    /// A value that is out of its documented domain (negative size, unknown label, ...).
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// A size computed from `arg` does not fit the native integer type.
+    #[error("{arg}: result does not fit in an unsigned 64-bit integer")]
+    Overflow {
+        /// The argument (or expression over arguments) whose value overflowed.
+        arg: String,
+    },
+    /// A configuration that cannot run (incompatible backend, missing groups, build flag off).
+    #[error("{0}")]
+    Config(String),
+    /// A request id that has no tables.
+    #[error("unknown request id {0}")]
+    UnknownRequest(String),
+}
+
+/// Shorthand for results of the core crate.
+pub type CoreResult<T> = Result<T, CoreError>;
+
+impl CoreError {
+    /// An `InvalidArgument` error with a formatted message.
+    pub fn invalid(msg: impl Into<String>) -> Self {
+        Self::InvalidArgument(msg.into())
+    }
+
+    /// An `Overflow` error naming the argument.
+    pub fn overflow(arg: impl Into<String>) -> Self {
+        Self::Overflow { arg: arg.into() }
+    }
+}
