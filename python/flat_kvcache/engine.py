@@ -1,0 +1,3 @@
+"""Native-backed engine API (placeholder until written)."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""Native-backed memory API (placeholder until written)."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""Reference engine (placeholder until written)."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""Reference memory (placeholder until written)."""
+
+__all__: list[str] = []

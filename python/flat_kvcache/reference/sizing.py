@@ -1,0 +1,3 @@
+"""Reference sizing (placeholder until written)."""
+
+__all__: list[str] = []

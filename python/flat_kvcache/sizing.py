@@ -1,0 +1,3 @@
+"""Native-backed sizing API (placeholder until written)."""
+
+__all__: list[str] = []
