@@ -7,7 +7,8 @@
 ///
 /// The bindings map each variant to one Python exception class:
 /// `InvalidArgument` -> `ValueError`, `Overflow` -> `OverflowError`,
-/// `Config` -> `RuntimeError`, `UnknownRequest` -> `KeyError`.
+/// `Config` -> `RuntimeError`, `UnknownRequest` -> `KeyError`, `Invariant` -> `RuntimeError`,
+/// `OutOfMemory` -> `MemoryError`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CoreError {
     /// A value that is out of its documented domain (negative size, unknown label, ...).
@@ -25,6 +26,12 @@ pub enum CoreError {
     /// A request id that has no tables.
     #[error("unknown request id {0}")]
     UnknownRequest(String),
+    /// An engine invariant does not hold (the message describes the first violation).
+    #[error("invariant violated: {0}")]
+    Invariant(String),
+    /// Memory for a structure sized from an argument could not be allocated.
+    #[error("out of memory: {0}")]
+    OutOfMemory(String),
 }
 
 /// Shorthand for results of the core crate.

@@ -6,9 +6,13 @@
 //! Modules, one concern each:
 //! - [`sizing`]: group specs, page counts, capture widths, slab pairing, validation (SPEC 2).
 //! - [`plan`]: the memory plan, bytes -> pages (SPEC 3).
+//! - [`hash`]: content hashes and group keys (SPEC 4).
+//! - [`pool`]: the block pool (SPEC 5).
 
 pub mod checked;
 pub mod error;
+pub mod hash;
+pub mod pool;
 
 pub use error::{CoreError, CoreResult};
 

@@ -1,7 +1,7 @@
 //! Translation of core errors into Python exceptions, and checked extraction of Python ints.
 
 use flat_kvcache_core::CoreError;
-use pyo3::exceptions::{PyKeyError, PyOverflowError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyKeyError, PyMemoryError, PyOverflowError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBool;
 
@@ -22,6 +22,8 @@ impl From<PyCoreError> for PyErr {
             CoreError::Overflow { .. } => PyOverflowError::new_err(msg),
             CoreError::Config(_) => PyRuntimeError::new_err(msg),
             CoreError::UnknownRequest(_) => PyKeyError::new_err(msg),
+            CoreError::Invariant(_) => PyRuntimeError::new_err(msg),
+            CoreError::OutOfMemory(_) => PyMemoryError::new_err(msg),
         }
     }
 }

@@ -1,0 +1,718 @@
+//! The block pool (SPEC 5): one page-id space, reference counts, an LRU free list and the
+//! prefix-cache key map.
+//!
+//! The free list is an intrusive doubly-linked list over page indices stored in two flat
+//! vectors, with the null page 0 as its sentinel (page 0 is never free, so its link slot is
+//! free to serve as the list head). Every list operation is O(1) and allocates nothing.
+//! Free-list order is eviction order: allocation pops the front, a released page is pushed to
+//! the back, and a prefix hit on a free page unlinks it from the middle.
+//!
+//! The pool is generic over the key type: the coordinator uses [`crate::hash::GroupKey`]
+//! (fixed-size bytes), the Python `BlockPool` uses strings.
+
+use std::hash::Hash;
+
+use hashbrown::{Equivalent, HashMap};
+use rustc_hash::FxBuildHasher;
+
+use crate::error::{CoreError, CoreResult};
+
+/// The null page: never free, never cached, never counted.
+pub const NULL_PAGE: u32 = 0;
+
+/// Largest pool size: page ids are written into `int32` block tables.
+pub const MAX_BLOCKS: u64 = i32::MAX as u64;
+
+/// The pages holding one key, in registration order (one page in the common case, so no
+/// allocation is made for it).
+#[derive(Clone, Debug)]
+enum Holders {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+impl Holders {
+    fn first(&self) -> u32 {
+        match self {
+            Self::One(p) => *p,
+            // `Many` is never left empty (see `remove`), so index 0 exists.
+            Self::Many(ps) => ps.first().copied().unwrap_or(NULL_PAGE),
+        }
+    }
+
+    fn push(&mut self, page: u32) {
+        match self {
+            Self::One(p) => *self = Self::Many(vec![*p, page]),
+            Self::Many(ps) => ps.push(page),
+        }
+    }
+
+    /// Remove `page`; returns true when no page is left.
+    fn remove(&mut self, page: u32) -> bool {
+        match self {
+            Self::One(p) => *p == page,
+            Self::Many(ps) => {
+                if let Some(i) = ps.iter().position(|&p| p == page) {
+                    ps.remove(i);
+                }
+                match ps.as_slice() {
+                    [] => true,
+                    [only] => {
+                        *self = Self::One(*only);
+                        false
+                    }
+                    _ => false,
+                }
+            }
+        }
+    }
+
+    fn pages(&self) -> &[u32] {
+        match self {
+            Self::One(p) => std::slice::from_ref(p),
+            Self::Many(ps) => ps,
+        }
+    }
+}
+
+/// Doubly-linked list links of one page.
+#[derive(Clone, Copy, Debug, Default)]
+struct Link {
+    prev: u32,
+    next: u32,
+}
+
+/// The page pool of one cache.
+#[derive(Clone, Debug)]
+pub struct BlockPool<K> {
+    enable_caching: bool,
+    /// Reference count per page (page 0 always 0).
+    refs: Vec<u32>,
+    /// Free-list links per page; `links[0]` is the sentinel (`next` = front, `prev` = back).
+    links: Vec<Link>,
+    num_free: usize,
+    /// The key each page holds, if any.
+    keys: Vec<Option<K>>,
+    /// Key -> pages holding it, in registration order.
+    map: HashMap<K, Holders, FxBuildHasher>,
+    num_cached: usize,
+    num_cached_free: usize,
+}
+
+/// Allocate a vector of `n` copies of `value`, reporting allocation failure as an error.
+fn try_filled<T: Clone>(n: usize, value: T) -> CoreResult<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n)
+        .map_err(|_| CoreError::OutOfMemory(format!("num_blocks = {n}: the page pool does not fit in memory")))?;
+    v.resize(n, value);
+    Ok(v)
+}
+
+impl<K: Clone + Eq + Hash> BlockPool<K> {
+    /// A pool of `num_blocks` pages (page 0 included), all but the null page free in order.
+    pub fn new(num_blocks: u64, enable_caching: bool) -> CoreResult<Self> {
+        if num_blocks == 0 {
+            return Err(CoreError::invalid("num_blocks must be >= 1, got 0"));
+        }
+        if num_blocks > MAX_BLOCKS {
+            return Err(CoreError::invalid(format!(
+                "num_blocks must be <= {MAX_BLOCKS} (page ids are int32), got {num_blocks}"
+            )));
+        }
+        // Both conversions hold: num_blocks <= i32::MAX.
+        let n = usize::try_from(num_blocks).map_err(|_| CoreError::overflow("num_blocks"))?;
+        let last = u32::try_from(num_blocks - 1).map_err(|_| CoreError::overflow("num_blocks"))?;
+        let mut links = try_filled(n, Link::default())?;
+        for page in 1..=last {
+            let i = page as usize;
+            links[i] = Link {
+                prev: page - 1,
+                next: if page == last { NULL_PAGE } else { page + 1 },
+            };
+        }
+        links[0] = Link {
+            prev: last,
+            next: if last == 0 { NULL_PAGE } else { 1 },
+        };
+        Ok(Self {
+            enable_caching,
+            refs: try_filled(n, 0)?,
+            links,
+            num_free: n - 1,
+            keys: try_filled(n, None)?,
+            map: HashMap::default(),
+            num_cached: 0,
+            num_cached_free: 0,
+        })
+    }
+
+    // ----- probes -------------------------------------------------------------------------
+
+    /// Total pages, the null page included.
+    pub fn num_blocks(&self) -> usize {
+        self.refs.len()
+    }
+
+    /// Pages on the free list.
+    pub fn num_free(&self) -> usize {
+        self.num_free
+    }
+
+    /// Pages holding a key.
+    pub fn num_cached(&self) -> usize {
+        self.num_cached
+    }
+
+    /// Pages holding a key with reference count 0 (reusable by a prefix hit, or evictable).
+    pub fn num_cached_free(&self) -> usize {
+        self.num_cached_free
+    }
+
+    /// Pages holding a key with reference count > 0.
+    pub fn num_cached_pinned(&self) -> usize {
+        self.num_cached - self.num_cached_free
+    }
+
+    /// Whether prefix caching is on.
+    pub fn caching_enabled(&self) -> bool {
+        self.enable_caching
+    }
+
+    /// Check that `page` is a page id of this pool.
+    pub fn check_page(&self, page: u64) -> CoreResult<usize> {
+        match usize::try_from(page) {
+            Ok(i) if i < self.refs.len() => Ok(i),
+            _ => Err(CoreError::invalid(format!(
+                "page {page} is out of range [0, {})",
+                self.refs.len()
+            ))),
+        }
+    }
+
+    /// Reference count of `page`.
+    pub fn ref_count(&self, page: u64) -> CoreResult<u32> {
+        Ok(self.refs[self.check_page(page)?])
+    }
+
+    /// Whether `page` holds a key.
+    pub fn is_cached(&self, page: u64) -> CoreResult<bool> {
+        Ok(self.keys[self.check_page(page)?].is_some())
+    }
+
+    /// Reference count of a page id known to be in range (tables only hold such ids).
+    #[inline]
+    pub(crate) fn refs_of(&self, page: u32) -> u32 {
+        self.refs[page as usize]
+    }
+
+    /// The key a page id known to be in range holds.
+    #[inline]
+    pub(crate) fn key_of(&self, page: u32) -> Option<&K> {
+        self.keys[page as usize].as_ref()
+    }
+
+    /// The earliest-registered page still holding `key`, or `None` (always `None` with
+    /// caching off). Never changes counts or order.
+    #[inline]
+    pub fn lookup<Q: Hash + Equivalent<K> + ?Sized>(&self, key: &Q) -> Option<u32> {
+        if !self.enable_caching {
+            return None;
+        }
+        self.map.get(key).map(Holders::first)
+    }
+
+    /// Pages on the free list, front (next to evict) first.
+    pub fn free_list(&self) -> FreeIter<'_, K> {
+        FreeIter {
+            pool: self,
+            at: self.links[0].next,
+            left: self.num_free,
+        }
+    }
+
+    // ----- free-list primitives -----------------------------------------------------------
+
+    #[inline]
+    fn unlink(&mut self, page: u32) {
+        let Link { prev, next } = self.links[page as usize];
+        self.links[prev as usize].next = next;
+        self.links[next as usize].prev = prev;
+        self.num_free -= 1;
+    }
+
+    #[inline]
+    fn push_back(&mut self, page: u32) {
+        let tail = self.links[0].prev;
+        self.links[page as usize] = Link { prev: tail, next: 0 };
+        self.links[tail as usize].next = page;
+        self.links[0].prev = page;
+        self.num_free += 1;
+    }
+
+    /// Drop the key of `page` (a page being handed out again).
+    fn evict(&mut self, page: u32) {
+        if let Some(key) = self.keys[page as usize].take() {
+            self.num_cached -= 1;
+            self.num_cached_free -= 1;
+            if let Some(holders) = self.map.get_mut(&key) {
+                if holders.remove(page) {
+                    self.map.remove(&key);
+                }
+            }
+        }
+    }
+
+    // ----- operations ---------------------------------------------------------------------
+
+    /// Take `n` pages from the front of the free list and append them to `out`, all or
+    /// nothing: with fewer than `n` free pages nothing changes and `false` is returned.
+    /// Taking a cached page evicts its key; new pages have count 1.
+    pub fn allocate_into(&mut self, out: &mut Vec<u32>, n: usize) -> bool {
+        if n > self.num_free {
+            return false;
+        }
+        out.reserve(n);
+        for _ in 0..n {
+            let page = self.links[0].next;
+            self.unlink(page);
+            self.evict(page);
+            self.refs[page as usize] = 1;
+            out.push(page);
+        }
+        true
+    }
+
+    /// [`Self::allocate_into`] into a new vector; an empty vector when `n` pages are not free.
+    pub fn allocate(&mut self, n: usize) -> Vec<u32> {
+        let mut out = Vec::new();
+        self.allocate_into(&mut out, n);
+        out
+    }
+
+    /// Claim one more reference on `page` (unlinking it from the free list if its count was
+    /// 0). The null page is a no-op.
+    pub fn touch(&mut self, page: u64) -> CoreResult<()> {
+        let i = self.check_page(page)?;
+        if i == 0 {
+            return Ok(());
+        }
+        let count = self.refs[i];
+        let Some(next) = count.checked_add(1) else {
+            return Err(CoreError::invalid(format!("page {page}: reference count overflow")));
+        };
+        self.touch_unchecked(page_u32(i), next);
+        Ok(())
+    }
+
+    /// Set the count of a real in-range page to `next` (= count + 1), unlinking it if free.
+    #[inline]
+    fn touch_unchecked(&mut self, page: u32, next: u32) {
+        if self.refs[page as usize] == 0 {
+            self.unlink(page);
+            if self.keys[page as usize].is_some() {
+                self.num_cached_free -= 1;
+            }
+        }
+        self.refs[page as usize] = next;
+    }
+
+    /// Take one more reference on a real page known to be in range (coordinator use; the
+    /// caller has checked that the count cannot overflow).
+    #[inline]
+    pub(crate) fn retain(&mut self, page: u32) {
+        let next = self.refs[page as usize].saturating_add(1);
+        self.touch_unchecked(page, next);
+    }
+
+    /// Release one reference on a real page whose count is known to be > 0; at 0 it goes to
+    /// the back of the free list with its key intact.
+    #[inline]
+    pub(crate) fn release(&mut self, page: u32) {
+        let count = &mut self.refs[page as usize];
+        debug_assert!(*count > 0, "release of page {page} with count 0");
+        *count = count.saturating_sub(1);
+        if *count == 0 {
+            self.push_back(page);
+            if self.keys[page as usize].is_some() {
+                self.num_cached_free += 1;
+            }
+        }
+    }
+
+    /// Release `pages` in reverse order (a chain's tail is evicted before its head); null
+    /// entries are skipped. Validated first: a page out of range or a count that would go
+    /// below zero (repeats in the call counted) is an error and changes nothing.
+    pub fn free(&mut self, pages: &[u64]) -> CoreResult<()> {
+        // Pass 1 tentatively decrements so repeats are counted; on error it rolls back.
+        for (done, &page) in pages.iter().enumerate() {
+            let bad = match self.check_page(page) {
+                Err(e) => Some(e),
+                Ok(0) => None,
+                Ok(i) if self.refs[i] == 0 => Some(CoreError::invalid(format!(
+                    "page {page} is freed more times than it is referenced"
+                ))),
+                Ok(i) => {
+                    self.refs[i] -= 1;
+                    None
+                }
+            };
+            if let Some(err) = bad {
+                self.undo_decrements(&pages[..done]);
+                return Err(err);
+            }
+        }
+        // Pass 2 restores, pass 3 releases for real in reverse order.
+        self.undo_decrements(pages);
+        for &page in pages.iter().rev() {
+            if page != 0 {
+                self.release(page_u32(checked_index(page)));
+            }
+        }
+        Ok(())
+    }
+
+    /// Add back the decrements of [`Self::free`]'s validation pass (all pages in range).
+    fn undo_decrements(&mut self, pages: &[u64]) {
+        for &page in pages {
+            if page != 0 {
+                self.refs[checked_index(page)] += 1;
+            }
+        }
+    }
+
+    /// Register `key` for `page`: a no-op with caching off or for the null page; a page that
+    /// already holds a key is an error. Keys are never de-duplicated.
+    pub fn cache(&mut self, page: u64, key: K) -> CoreResult<()> {
+        let i = self.check_page(page)?;
+        if !self.enable_caching || i == 0 {
+            return Ok(());
+        }
+        if self.keys[i].is_some() {
+            return Err(CoreError::invalid(format!("page {page} already holds a key")));
+        }
+        self.cache_unchecked(page_u32(i), key);
+        Ok(())
+    }
+
+    /// Register `key` for a real, in-range page that holds no key (caching on).
+    pub(crate) fn cache_unchecked(&mut self, page: u32, key: K) {
+        self.map
+            .entry(key.clone())
+            .and_modify(|h| h.push(page))
+            .or_insert(Holders::One(page));
+        self.keys[page as usize] = Some(key);
+        self.num_cached += 1;
+        if self.refs[page as usize] == 0 {
+            self.num_cached_free += 1;
+        }
+    }
+
+    /// Check the pool's own invariants: free-list links and membership, counters and the
+    /// key map. Returns a description of the first violation.
+    pub fn check(&self) -> Result<(), String> {
+        let mut seen = 0usize;
+        let mut prev = 0u32;
+        let mut at = self.links[0].next;
+        let mut on_list = vec![false; self.refs.len()];
+        while at != 0 {
+            if seen >= self.num_free || on_list[at as usize] {
+                return Err(format!("free list is longer than num_free = {}", self.num_free));
+            }
+            on_list[at as usize] = true;
+            if self.links[at as usize].prev != prev {
+                return Err(format!("free list link of page {at} is broken"));
+            }
+            prev = at;
+            at = self.links[at as usize].next;
+            seen += 1;
+        }
+        if seen != self.num_free || self.links[0].prev != prev {
+            return Err(format!("free list holds {seen} pages but num_free = {}", self.num_free));
+        }
+        for (page, (&count, &listed)) in self.refs.iter().zip(&on_list).enumerate().skip(1) {
+            if count == 0 && !listed {
+                return Err(format!("page {page} has count 0 but is not on the free list"));
+            }
+            if count > 0 && listed {
+                return Err(format!("page {page} has count {count} but is on the free list"));
+            }
+        }
+        if self.refs[0] != 0 || self.keys[0].is_some() || on_list[0] {
+            return Err("the null page 0 is counted, cached or free".to_owned());
+        }
+        for (key, holders) in &self.map {
+            for &page in holders.pages() {
+                if self.keys.get(page as usize).and_then(Option::as_ref) != Some(key) {
+                    return Err(format!(
+                        "key map entry points at page {page}, which does not hold that key"
+                    ));
+                }
+            }
+        }
+        let cached = self.keys.iter().filter(|k| k.is_some()).count();
+        let cached_free = self
+            .keys
+            .iter()
+            .zip(&self.refs)
+            .filter(|(k, &c)| k.is_some() && c == 0)
+            .count();
+        let mapped: usize = self.map.values().map(|h| h.pages().len()).sum();
+        if cached != self.num_cached || cached_free != self.num_cached_free || mapped != cached {
+            return Err(format!(
+                "cache counters disagree: {cached} pages hold keys, {mapped} map entries, \
+                 num_cached = {}, {cached_free} cached free vs num_cached_free = {}",
+                self.num_cached, self.num_cached_free
+            ));
+        }
+        let in_use = self.refs.iter().filter(|&&c| c > 0).count();
+        if self.num_free + in_use + 1 != self.refs.len() {
+            return Err(format!(
+                "free ({}) + in use ({in_use}) + 1 != num_pages ({})",
+                self.num_free,
+                self.refs.len()
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Convert an index known to be a page id of a pool (< `MAX_BLOCKS`) to `u32`.
+#[inline]
+#[allow(
+    clippy::cast_possible_truncation,
+    reason = "page indices are < MAX_BLOCKS = i32::MAX"
+)]
+fn page_u32(i: usize) -> u32 {
+    i as u32
+}
+
+/// Convert a page id already validated by [`BlockPool::check_page`] to an index.
+#[inline]
+#[allow(
+    clippy::cast_possible_truncation,
+    reason = "validated page ids are < MAX_BLOCKS = i32::MAX"
+)]
+fn checked_index(page: u64) -> usize {
+    page as usize
+}
+
+/// Iterator over the free list, front first.
+pub struct FreeIter<'a, K> {
+    pool: &'a BlockPool<K>,
+    at: u32,
+    left: usize,
+}
+
+impl<K> Iterator for FreeIter<'_, K> {
+    type Item = u32;
+
+    fn next(&mut self) -> Option<u32> {
+        if self.at == 0 || self.left == 0 {
+            return None;
+        }
+        let page = self.at;
+        self.at = self.pool.links[page as usize].next;
+        self.left -= 1;
+        Some(page)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    type Pool = BlockPool<String>;
+
+    fn free_list(pool: &Pool) -> Vec<u32> {
+        pool.free_list().collect()
+    }
+
+    #[test]
+    fn new_pool_frees_pages_in_order_and_never_the_null_page() {
+        let pool = Pool::new(5, true).unwrap();
+        assert_eq!(free_list(&pool), vec![1, 2, 3, 4]);
+        assert_eq!((pool.num_blocks(), pool.num_free()), (5, 4));
+        let single = Pool::new(1, true).unwrap();
+        assert_eq!(single.num_free(), 0);
+        assert!(free_list(&single).is_empty());
+        single.check().unwrap();
+        assert!(Pool::new(0, true).is_err());
+        assert!(Pool::new(MAX_BLOCKS + 1, true).is_err());
+    }
+
+    #[test]
+    fn allocate_is_all_or_nothing_from_the_front() {
+        let mut pool = Pool::new(5, true).unwrap();
+        assert_eq!(pool.allocate(2), vec![1, 2]);
+        assert!(pool.allocate(3).is_empty());
+        assert_eq!(pool.num_free(), 2);
+        assert_eq!(pool.allocate(0), Vec::<u32>::new());
+        assert_eq!(pool.ref_count(1).unwrap(), 1);
+        pool.check().unwrap();
+    }
+
+    #[test]
+    fn free_releases_in_reverse_to_the_back() {
+        let mut pool = Pool::new(6, true).unwrap();
+        let pages = pool.allocate(3); // [1, 2, 3]; free list [4, 5]
+        pool.free(&[1, 2, 3]).unwrap();
+        // Reverse order: 3, 2, 1 go to the back.
+        assert_eq!(free_list(&pool), vec![4, 5, 3, 2, 1]);
+        assert_eq!(pages, vec![1, 2, 3]);
+        pool.check().unwrap();
+    }
+
+    #[test]
+    fn free_validates_before_changing_anything() {
+        let mut pool = Pool::new(5, true).unwrap();
+        pool.allocate(2); // 1, 2 with count 1
+        let before = free_list(&pool);
+        // Page 1 twice: the second release would go below zero.
+        assert!(pool.free(&[1, 2, 1]).is_err());
+        assert!(pool.free(&[1, 9]).is_err());
+        assert!(pool.free(&[3]).is_err());
+        assert_eq!(free_list(&pool), before);
+        assert_eq!((pool.ref_count(1).unwrap(), pool.ref_count(2).unwrap()), (1, 1));
+        // Null entries are skipped.
+        pool.free(&[0, 2, 0]).unwrap();
+        assert_eq!(free_list(&pool), vec![3, 4, 2]);
+        pool.check().unwrap();
+    }
+
+    #[test]
+    fn repeats_release_at_the_earliest_occurrence() {
+        let mut pool = Pool::new(4, true).unwrap();
+        pool.allocate(2); // 1, 2
+        pool.touch(1).unwrap(); // count 2
+        pool.free(&[1, 2, 1]).unwrap(); // reverse: 1 -> 1, 2 -> 0 (back), 1 -> 0 (back)
+        assert_eq!(free_list(&pool), vec![3, 2, 1]);
+        pool.check().unwrap();
+    }
+
+    #[test]
+    fn cached_free_page_is_reusable_until_evicted_least_recently_freed_first() {
+        let mut pool = Pool::new(4, true).unwrap();
+        let p = pool.allocate(3); // [1, 2, 3], free list empty
+        pool.cache(1, "a".into()).unwrap();
+        pool.cache(2, "b".into()).unwrap();
+        pool.free(&[u64::from(p[0])]).unwrap(); // 1 -> back
+        pool.free(&[u64::from(p[1])]).unwrap(); // 2 -> back
+        assert_eq!(free_list(&pool), vec![1, 2]);
+        assert_eq!(
+            (pool.num_cached(), pool.num_cached_free(), pool.num_cached_pinned()),
+            (2, 2, 0)
+        );
+        assert_eq!(pool.lookup("a"), Some(1));
+        // A prefix hit on the free page 2 unlinks it from the middle/back.
+        pool.touch(2).unwrap();
+        assert_eq!(free_list(&pool), vec![1]);
+        assert_eq!((pool.num_cached_free(), pool.num_cached_pinned()), (1, 1));
+        // Allocation evicts page 1's key.
+        assert_eq!(pool.allocate(1), vec![1]);
+        assert_eq!(pool.lookup("a"), None);
+        assert!(!pool.is_cached(1).unwrap());
+        assert_eq!(pool.lookup("b"), Some(2));
+        pool.check().unwrap();
+    }
+
+    #[test]
+    fn touch_and_null_page() {
+        let mut pool = Pool::new(3, true).unwrap();
+        pool.touch(0).unwrap();
+        assert_eq!(pool.ref_count(0).unwrap(), 0);
+        pool.touch(2).unwrap(); // free page: unlinked, count 1
+        assert_eq!(free_list(&pool), vec![1]);
+        assert_eq!(pool.ref_count(2).unwrap(), 1);
+        assert!(pool.touch(3).is_err());
+        pool.cache(0, "x".into()).unwrap();
+        assert_eq!(pool.lookup("x"), None);
+        pool.check().unwrap();
+    }
+
+    #[test]
+    fn keys_map_to_several_pages_in_registration_order() {
+        let mut pool = Pool::new(5, true).unwrap();
+        pool.allocate(3);
+        pool.cache(2, "k".into()).unwrap();
+        pool.cache(1, "k".into()).unwrap();
+        pool.cache(3, "k".into()).unwrap();
+        assert_eq!(pool.lookup("k"), Some(2));
+        assert!(pool.cache(2, "other".into()).is_err());
+        pool.free(&[2]).unwrap();
+        // Page 2 is freed (key intact) and evicted by the next allocations: [4, 2].
+        assert_eq!(pool.allocate(2), vec![4, 2]);
+        assert_eq!(pool.lookup("k"), Some(1));
+        pool.free(&[1]).unwrap();
+        assert_eq!(pool.allocate(1), vec![1]);
+        assert_eq!(pool.lookup("k"), Some(3));
+        pool.check().unwrap();
+    }
+
+    #[test]
+    fn caching_off_registers_nothing() {
+        let mut pool = Pool::new(3, false).unwrap();
+        pool.allocate(1);
+        pool.cache(1, "k".into()).unwrap();
+        assert_eq!(pool.lookup("k"), None);
+        assert_eq!(pool.num_cached(), 0);
+        assert!(pool.cache(7, "k".into()).is_err());
+    }
+}
+
+#[cfg(test)]
+mod properties {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Allocate(usize),
+        Touch(u64),
+        Free(Vec<u64>),
+        Cache(u64, u8),
+        Lookup(u8),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0usize..5).prop_map(Op::Allocate),
+            (0u64..10).prop_map(Op::Touch),
+            proptest::collection::vec(0u64..10, 0..4).prop_map(Op::Free),
+            (0u64..10, 0u8..4).prop_map(|(p, k)| Op::Cache(p, k)),
+            (0u8..4).prop_map(Op::Lookup),
+        ]
+    }
+
+    proptest! {
+        /// Random op sequences keep every pool invariant, and failed ops change nothing.
+        #[test]
+        fn random_ops_keep_invariants(ops in proptest::collection::vec(op(), 0..60)) {
+            let mut pool: BlockPool<u8> = BlockPool::new(8, true).unwrap();
+            for op in ops {
+                let before: (Vec<u32>, Vec<u32>) = (pool.free_list().collect(), pool.refs.clone());
+                let failed = match op {
+                    Op::Allocate(n) => {
+                        let got = pool.allocate(n);
+                        prop_assert!(got.len() == n || got.is_empty());
+                        got.len() != n
+                    }
+                    Op::Touch(p) => pool.touch(p).is_err(),
+                    Op::Free(ps) => pool.free(&ps).is_err(),
+                    Op::Cache(p, k) => pool.cache(p, k).is_err(),
+                    Op::Lookup(k) => {
+                        if let Some(p) = pool.lookup(&k) {
+                            prop_assert_eq!(pool.key_of(p), Some(&k));
+                        }
+                        false
+                    }
+                };
+                if failed {
+                    let after: (Vec<u32>, Vec<u32>) = (pool.free_list().collect(), pool.refs.clone());
+                    prop_assert_eq!(before, after);
+                }
+                prop_assert_eq!(pool.check(), Ok(()));
+            }
+        }
+    }
+}
