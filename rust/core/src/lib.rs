@@ -8,11 +8,19 @@
 //! - [`plan`]: the memory plan, bytes -> pages (SPEC 3).
 //! - [`hash`]: content hashes and group keys (SPEC 4).
 //! - [`pool`]: the block pool (SPEC 5).
+//! - [`table`]: per-request tables and the three group managers (SPEC 6).
+//! - [`coordinator`]: all groups of a model over one pool (SPEC 7).
+//! - [`cache`]: request ids -> tables, step operations, flat block tables (SPEC 8).
+//! - [`request`]: request ids.
 
+pub mod cache;
 pub mod checked;
+pub mod coordinator;
 pub mod error;
 pub mod hash;
 pub mod pool;
+pub mod request;
+pub mod table;
 
 pub use error::{CoreError, CoreResult};
 

@@ -1,0 +1,746 @@
+//! The coordinator (SPEC 7): all groups of one model over one shared [`BlockPool`].
+//!
+//! It works on a request's tables (one [`Table`] per group, in group order) and knows nothing
+//! of request ids; [`crate::cache::FlatCache`] maps ids to tables.
+
+use crate::error::{CoreError, CoreResult};
+use crate::hash::{fold_layout, fold_run, fold_skip, ContentHash, GroupKey};
+use crate::pool::{BlockPool, NULL_PAGE};
+use crate::table::{GroupKind, GroupManager, Table};
+
+/// One group of a cache: its id, rule and page size in tokens.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GroupSpec {
+    /// The group id (used as the key of the flat block tables).
+    pub group_id: String,
+    /// The retention rule.
+    pub kind: GroupKind,
+    /// Tokens per page (`> 0`).
+    pub page_size: u64,
+}
+
+/// The result of a prefix match: per-group pages (holes as 0) and the common token count.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PrefixMatch {
+    /// Tokens every group can resume from (a multiple of the lcm page size).
+    pub num_common_tokens: u64,
+    /// Per group, the matched page per slot (0 = hole).
+    pub pages: Vec<Vec<u32>>,
+    /// Per group, the number of real (non-hole) pages.
+    pub num_hit_pages: Vec<usize>,
+}
+
+impl PrefixMatch {
+    /// The empty match of a cache with `groups` groups.
+    pub fn empty(groups: usize) -> Self {
+        Self {
+            num_common_tokens: 0,
+            pages: vec![Vec::new(); groups],
+            num_hit_pages: vec![0; groups],
+        }
+    }
+}
+
+/// Greatest common divisor (Euclid).
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// `a` rounded down to a multiple of `m > 0`.
+#[inline]
+fn align_down(a: u64, m: u64) -> u64 {
+    a - a % m
+}
+
+/// Tokens covered by `slots` pages of `page_size`; saturating is safe because callers only
+/// compare the result against bounds that fit in `u64` (a saturated extent never undercuts one).
+#[inline]
+fn extent(slots: usize, page_size: u64) -> u64 {
+    u64::try_from(slots).unwrap_or(u64::MAX).saturating_mul(page_size)
+}
+
+/// Where one group's `register` writes: slots `[start, start + count)` of its table, whose
+/// keys fold base hashes starting at `skip`.
+#[derive(Clone, Copy, Debug)]
+struct RegisterPlan {
+    start: usize,
+    count: usize,
+    skip: usize,
+}
+
+/// All groups of one model, sharing one pool.
+#[derive(Clone, Debug)]
+pub struct Coordinator {
+    specs: Vec<GroupSpec>,
+    managers: Vec<GroupManager>,
+    /// Base pages per page of each group (`m_g = P_g / base`).
+    mult: Vec<u64>,
+    base: u64,
+    lcm: u64,
+    /// Full groups first, then the others, each in index order.
+    match_order: Vec<usize>,
+    pool: BlockPool<GroupKey>,
+}
+
+impl Coordinator {
+    /// A coordinator over `specs` (at least one) with a pool of `num_pages` pages.
+    pub fn new(specs: Vec<GroupSpec>, num_pages: u64, enable_caching: bool) -> CoreResult<Self> {
+        if specs.is_empty() {
+            return Err(CoreError::invalid("specs must hold at least one group"));
+        }
+        if u32::try_from(specs.len()).is_err() {
+            return Err(CoreError::invalid("specs: too many groups (group indices are u32)"));
+        }
+        for (i, spec) in specs.iter().enumerate() {
+            if spec.page_size == 0 {
+                return Err(CoreError::invalid(format!("specs[{i}].page_size must be > 0, got 0")));
+            }
+            if let GroupKind::SlidingWindow { window: 0 } = spec.kind {
+                return Err(CoreError::invalid(format!(
+                    "specs[{i}].sliding_window must be >= 1 for a sliding_window group, got 0"
+                )));
+            }
+            if specs[..i].iter().any(|s| s.group_id == spec.group_id) {
+                return Err(CoreError::invalid(format!(
+                    "specs: group id {:?} appears more than once",
+                    spec.group_id
+                )));
+            }
+        }
+        let base = specs.iter().fold(0, |g, s| gcd(g, s.page_size));
+        let mut lcm = 1u64;
+        for s in &specs {
+            lcm = (lcm / gcd(lcm, s.page_size))
+                .checked_mul(s.page_size)
+                .ok_or_else(|| CoreError::overflow("specs"))?;
+        }
+        let managers = specs.iter().map(|s| GroupManager::new(s.kind, s.page_size)).collect();
+        let mult = specs.iter().map(|s| s.page_size / base).collect();
+        let mut match_order: Vec<usize> = (0..specs.len()).filter(|&g| specs[g].kind.is_prefix_closed()).collect();
+        match_order.extend((0..specs.len()).filter(|&g| !specs[g].kind.is_prefix_closed()));
+        Ok(Self {
+            specs,
+            managers,
+            mult,
+            base,
+            lcm,
+            match_order,
+            pool: BlockPool::new(num_pages, enable_caching)?,
+        })
+    }
+
+    /// The group specs, in index order.
+    pub fn specs(&self) -> &[GroupSpec] {
+        &self.specs
+    }
+
+    /// Number of groups.
+    pub fn num_groups(&self) -> usize {
+        self.specs.len()
+    }
+
+    /// The base page size (gcd of the groups' page sizes).
+    pub fn base_page_size(&self) -> u64 {
+        self.base
+    }
+
+    /// The lcm of the groups' page sizes.
+    pub fn lcm_page_size(&self) -> u64 {
+        self.lcm
+    }
+
+    /// The shared pool.
+    pub fn pool(&self) -> &BlockPool<GroupKey> {
+        &self.pool
+    }
+
+    /// The group managers, in index order.
+    pub fn managers(&self) -> &[GroupManager] {
+        &self.managers
+    }
+
+    /// Group index as `u32` (validated in [`Self::new`]).
+    #[allow(
+        clippy::cast_possible_truncation,
+        reason = "the group count is checked to fit u32 in new()"
+    )]
+    fn group_u32(g: usize) -> u32 {
+        g as u32
+    }
+
+    // ----- match --------------------------------------------------------------------------
+
+    /// The key of group `g`'s slot `i`: the fold of base pages `[i*m, (i+1)*m)` (the caller
+    /// guarantees they exist), memoised per slot for groups wider than the base page.
+    fn slot_key(&self, g: usize, i: usize, hashes: &[ContentHash], memo: &mut Vec<Option<ContentHash>>) -> GroupKey {
+        let group = Self::group_u32(g);
+        let m = self.mult[g];
+        if m == 1 {
+            return GroupKey::new(hashes[i], group);
+        }
+        if memo.len() <= i {
+            memo.resize(i + 1, None);
+        }
+        let hash = *memo[i].get_or_insert_with(|| {
+            // m <= hashes.len() here, so it fits usize.
+            let m = usize::try_from(m).unwrap_or(usize::MAX);
+            fold_run(&hashes[i * m..(i + 1) * m])
+        });
+        GroupKey::new(hash, group)
+    }
+
+    /// Match group `g` over its slots below `bound` tokens.
+    fn match_group(
+        &self,
+        g: usize,
+        bound: u64,
+        hashes: &[ContentHash],
+        memo: &mut Vec<Option<ContentHash>>,
+    ) -> (Vec<u32>, usize) {
+        // bound <= len(hashes) * base, so bound / P_g <= len(hashes) fits usize.
+        let end = usize::try_from(bound / self.specs[g].page_size).unwrap_or(0);
+        self.managers[g].match_slots(end, |i| self.pool.lookup(&self.slot_key(g, i, hashes, memo)))
+    }
+
+    /// The hybrid prefix match of base-page content hashes (read-only).
+    ///
+    /// Sweep: in match order, match each group up to the bound, then lower the bound to that
+    /// group's extent (aligned down to the lcm). Converge: re-match every non-prefix-closed
+    /// group whose extent exceeds the bound until nothing changes. Finally truncate every
+    /// group to the bound.
+    pub fn match_prefix(&self, hashes: &[ContentHash]) -> CoreResult<PrefixMatch> {
+        let groups = self.specs.len();
+        if !self.pool.caching_enabled() {
+            return Ok(PrefixMatch::empty(groups));
+        }
+        let total = u64::try_from(hashes.len())
+            .ok()
+            .and_then(|n| n.checked_mul(self.base))
+            .ok_or_else(|| CoreError::overflow("content_hashes"))?;
+        let mut bound = align_down(total, self.lcm);
+        let mut found: Vec<Vec<u32>> = vec![Vec::new(); groups];
+        let mut memo: Vec<Vec<Option<ContentHash>>> = vec![Vec::new(); groups];
+        for &g in &self.match_order {
+            found[g] = self.match_group(g, bound, hashes, &mut memo[g]).0;
+            bound = bound.min(align_down(extent(found[g].len(), self.specs[g].page_size), self.lcm));
+        }
+        loop {
+            let mut changed = false;
+            for g in 0..groups {
+                let page_size = self.specs[g].page_size;
+                if self.specs[g].kind.is_prefix_closed() || extent(found[g].len(), page_size) <= bound {
+                    continue;
+                }
+                found[g] = self.match_group(g, bound, hashes, &mut memo[g]).0;
+                bound = bound.min(align_down(extent(found[g].len(), page_size), self.lcm));
+                changed = true;
+            }
+            if !changed {
+                break;
+            }
+        }
+        let mut num_hit_pages = Vec::with_capacity(groups);
+        for (g, pages) in found.iter_mut().enumerate() {
+            let slots = usize::try_from(bound / self.specs[g].page_size).unwrap_or(usize::MAX);
+            pages.truncate(slots);
+            num_hit_pages.push(pages.iter().filter(|&&p| p != NULL_PAGE).count());
+        }
+        Ok(PrefixMatch {
+            num_common_tokens: bound,
+            pages: found,
+            num_hit_pages,
+        })
+    }
+
+    // ----- claim --------------------------------------------------------------------------
+
+    /// Check that `m` can be claimed by a request holding `tables` (`None`: a new request).
+    pub fn check_claim(&self, tables: Option<&[Table]>, m: &PrefixMatch) -> CoreResult<()> {
+        if tables.is_some_and(|ts| ts.iter().any(|t| !t.is_empty())) {
+            return Err(CoreError::invalid("claim: the request's tables already hold pages"));
+        }
+        if m.pages.len() != self.specs.len() {
+            return Err(CoreError::invalid(format!(
+                "claim: the match has {} groups but the cache has {}",
+                m.pages.len(),
+                self.specs.len()
+            )));
+        }
+        let total: usize = m.pages.iter().map(Vec::len).sum();
+        for &page in m.pages.iter().flatten() {
+            self.pool.check_page(u64::from(page))?;
+            if page == NULL_PAGE {
+                continue;
+            }
+            if self.pool.key_of(page).is_none() {
+                return Err(CoreError::invalid(format!(
+                    "claim: page {page} of the match no longer holds a key (stale match)"
+                )));
+            }
+            if u64::from(self.pool.refs_of(page)) + u64::try_from(total).unwrap_or(u64::MAX) > u64::from(u32::MAX) {
+                return Err(CoreError::invalid(format!(
+                    "claim: page {page}: reference count overflow"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Take references on the matched pages and make them the tables (after [`Self::check_claim`]).
+    pub fn claim(&mut self, tables: &mut [Table], m: &PrefixMatch) {
+        for (table, pages) in tables.iter_mut().zip(&m.pages) {
+            for &page in pages {
+                if page != NULL_PAGE {
+                    self.pool.retain(page);
+                }
+            }
+            *table = Table::from_claim(pages.clone());
+        }
+    }
+
+    /// Pages a claim of `m` takes off the free list: distinct real pages with count 0.
+    pub fn pages_consumed_by_claim(&self, m: &PrefixMatch) -> CoreResult<usize> {
+        let mut pages: Vec<u32> = Vec::new();
+        for &page in m.pages.iter().flatten() {
+            self.pool.check_page(u64::from(page))?;
+            if page != NULL_PAGE && self.pool.refs_of(page) == 0 {
+                pages.push(page);
+            }
+        }
+        pages.sort_unstable();
+        pages.dedup();
+        Ok(pages.len())
+    }
+
+    // ----- acquire ------------------------------------------------------------------------
+
+    /// Pages an acquire of `n` tokens would allocate over all groups (`None`: fresh tables).
+    pub fn pages_needed(&self, tables: Option<&[Table]>, n: u64) -> CoreResult<u64> {
+        let fresh = Table::default();
+        let mut sum = 0u64;
+        for (g, manager) in self.managers.iter().enumerate() {
+            let table = tables.map_or(&fresh, |ts| &ts[g]);
+            sum = sum
+                .checked_add(manager.blocks_needed(table, n))
+                .ok_or_else(|| CoreError::overflow("num_tokens"))?;
+        }
+        Ok(sum)
+    }
+
+    /// Make room for `n` more tokens in every group, check-then-act: if the pages needed over
+    /// all groups exceed the free pages, nothing is allocated and `false` is returned.
+    /// Groups allocate in index order.
+    pub fn acquire(&mut self, tables: &mut [Table], n: u64) -> bool {
+        // Saturating is exact here: a saturated sum exceeds any free count, which is the answer.
+        let needed = self
+            .managers
+            .iter()
+            .zip(tables.iter())
+            .fold(0u64, |acc, (m, t)| acc.saturating_add(m.blocks_needed(t, n)));
+        if needed > u64::try_from(self.pool.num_free()).unwrap_or(u64::MAX) {
+            return false;
+        }
+        for (manager, table) in self.managers.iter().zip(tables.iter_mut()) {
+            let ok = manager.acquire(&mut self.pool, table, n);
+            debug_assert!(ok, "acquire failed after the check");
+        }
+        true
+    }
+
+    // ----- register -----------------------------------------------------------------------
+
+    /// Where group `g` registers base hashes `[first_slot, first_slot + len)`, or `None` if it
+    /// registers nothing (state groups unless the range ends exactly at `end_tokens` on a
+    /// page boundary). A range past the end of the table is an error.
+    fn register_plan(
+        &self,
+        g: usize,
+        table: &Table,
+        len: usize,
+        first_slot: u64,
+        end_tokens: Option<u64>,
+    ) -> CoreResult<Option<RegisterPlan>> {
+        let m = self.mult[g];
+        let (skip, runs) = fold_layout(len, first_slot, m)?;
+        // ceil(first_slot / m) = (first_slot + skip) / m, computed without overflow.
+        let start = first_slot / m + u64::from(fold_skip(first_slot, m) > 0);
+        let mut plan = RegisterPlan {
+            start: usize::try_from(start).unwrap_or(usize::MAX),
+            count: runs,
+            skip,
+        };
+        if self.specs[g].kind == GroupKind::State {
+            let page_size = self.specs[g].page_size;
+            let ends_here = end_tokens.is_some_and(|end| {
+                end % page_size == 0
+                    && u64::try_from(len)
+                        .ok()
+                        .and_then(|len| first_slot.checked_add(len))
+                        .and_then(|n| n.checked_mul(self.base))
+                        == Some(end)
+            });
+            if !ends_here || runs == 0 {
+                return Ok(None);
+            }
+            plan = RegisterPlan {
+                start: plan.start.saturating_add(runs - 1),
+                count: 1,
+                skip: skip + (runs - 1) * usize::try_from(m).unwrap_or(usize::MAX),
+            };
+        }
+        if plan.start.checked_add(plan.count).is_none_or(|end| end > table.len()) {
+            return Err(CoreError::invalid(format!(
+                "register: {} key(s) from slot {} of group {:?} run past the end of the request's table ({} slots)",
+                plan.count,
+                plan.start,
+                self.specs[g].group_id,
+                table.len()
+            )));
+        }
+        Ok(Some(plan))
+    }
+
+    /// Register base-page hashes `hashes` (base pages `first_slot ..`) in every group's table:
+    /// keys are the group's folds of complete aligned runs; state groups register only the
+    /// last key and only when the range ends exactly at `end_tokens` on their page boundary.
+    /// Every group's range is checked before anything is registered. Nothing at all happens
+    /// with caching off.
+    pub fn register(
+        &mut self,
+        tables: &[Table],
+        hashes: &[ContentHash],
+        first_slot: u64,
+        end_tokens: Option<u64>,
+    ) -> CoreResult<()> {
+        if !self.pool.caching_enabled() {
+            return Ok(());
+        }
+        for (g, table) in tables.iter().enumerate() {
+            self.register_plan(g, table, hashes.len(), first_slot, end_tokens)?;
+        }
+        for (g, table) in tables.iter().enumerate() {
+            let Some(plan) = self.register_plan(g, table, hashes.len(), first_slot, end_tokens)? else {
+                continue;
+            };
+            let group = Self::group_u32(g);
+            // m <= len(hashes) when count > 0, so it fits usize.
+            let m = usize::try_from(self.mult[g]).unwrap_or(usize::MAX);
+            let manager = self.managers[g];
+            manager.register(&mut self.pool, table, plan.start, plan.count, |j| {
+                let at = plan.skip + j * m;
+                let hash = if m == 1 {
+                    hashes[at]
+                } else {
+                    fold_run(&hashes[at..at + m])
+                };
+                GroupKey::new(hash, group)
+            });
+        }
+        Ok(())
+    }
+
+    // ----- reclaim, free ------------------------------------------------------------------
+
+    /// Reclaim the slid-out pages of every group at `n` computed tokens (index order).
+    pub fn reclaim(&mut self, tables: &mut [Table], n: u64) {
+        for (manager, table) in self.managers.iter().zip(tables.iter_mut()) {
+            manager.reclaim(&mut self.pool, table, n);
+        }
+    }
+
+    /// Pages [`Self::reclaim`] at `n` would return to the free list.
+    pub fn pages_reclaimable(&self, tables: &[Table], n: u64, count_uncached: bool) -> usize {
+        self.managers
+            .iter()
+            .zip(tables)
+            .map(|(m, t)| m.reclaimable(&self.pool, t, n, count_uncached))
+            .sum()
+    }
+
+    /// Release every group's pages (index order, each table tail first) and empty the tables.
+    pub fn free(&mut self, tables: &mut [Table]) {
+        for (manager, table) in self.managers.iter().zip(tables.iter_mut()) {
+            manager.free(&mut self.pool, table);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hash::hash_pages;
+
+    fn spec(id: &str, kind: GroupKind, page_size: u64) -> GroupSpec {
+        GroupSpec {
+            group_id: id.to_owned(),
+            kind,
+            page_size,
+        }
+    }
+
+    fn sw(window: u64) -> GroupKind {
+        GroupKind::SlidingWindow { window }
+    }
+
+    fn fresh(c: &Coordinator) -> Vec<Table> {
+        vec![Table::default(); c.num_groups()]
+    }
+
+    fn prompt(n: u32, base: usize) -> Vec<ContentHash> {
+        let tokens: Vec<u32> = (0..n).collect();
+        hash_pages::<&str>(&tokens, base, &[], &[]).unwrap()
+    }
+
+    #[test]
+    fn new_derives_base_lcm_and_match_order() {
+        let c = Coordinator::new(
+            vec![
+                spec("a", sw(8), 4),
+                spec("b", GroupKind::Full, 6),
+                spec("c", GroupKind::State, 2),
+            ],
+            10,
+            true,
+        )
+        .unwrap();
+        assert_eq!((c.base_page_size(), c.lcm_page_size()), (2, 12));
+        assert_eq!(c.match_order, vec![1, 0, 2]);
+        assert_eq!(c.mult, vec![2, 3, 1]);
+        assert!(Coordinator::new(vec![], 10, true).is_err());
+        assert!(Coordinator::new(vec![spec("a", GroupKind::Full, 0)], 10, true).is_err());
+        assert!(Coordinator::new(vec![spec("a", sw(0), 4)], 10, true).is_err());
+        assert!(Coordinator::new(vec![spec("a", GroupKind::Full, 4), spec("a", sw(4), 4)], 10, true).is_err());
+        let huge = vec![
+            spec("a", GroupKind::Full, u64::MAX),
+            spec("b", GroupKind::Full, u64::MAX - 1),
+        ];
+        assert_eq!(
+            Coordinator::new(huge, 10, true).unwrap_err(),
+            CoreError::overflow("specs")
+        );
+    }
+
+    #[test]
+    fn acquire_is_all_or_nothing_across_groups() {
+        let mut c = Coordinator::new(vec![spec("f", GroupKind::Full, 4), spec("s", sw(4), 4)], 6, true).unwrap();
+        let mut t = fresh(&c);
+        // 5 free pages; 8 tokens need 2 + 2.
+        assert_eq!(c.pages_needed(None, 8).unwrap(), 4);
+        assert!(c.acquire(&mut t, 8));
+        assert_eq!((t[0].pages(), t[1].pages()), (&[1, 2][..], &[3, 4][..]));
+        // 4 more tokens need 1 + 1 but only 1 page is free: nothing changes in either group.
+        assert_eq!(c.pages_needed(Some(&t), 4).unwrap(), 2);
+        assert!(!c.acquire(&mut t, 4));
+        assert_eq!((t[0].len(), t[1].len(), c.pool().num_free()), (2, 2, 1));
+        assert!(!c.acquire(&mut t, u64::MAX));
+        let ones = Coordinator::new(
+            vec![spec("a", GroupKind::Full, 1), spec("b", GroupKind::Full, 1)],
+            6,
+            true,
+        )
+        .unwrap();
+        assert_eq!(
+            ones.pages_needed(None, u64::MAX).unwrap_err(),
+            CoreError::overflow("num_tokens")
+        );
+    }
+
+    /// Prefill `n` tokens of `hashes` for a fresh request, register them, and free it.
+    fn cache_prompt(c: &mut Coordinator, hashes: &[ContentHash], n: u64) {
+        let mut t = fresh(c);
+        assert!(c.acquire(&mut t, n));
+        c.register(&t, hashes, 0, Some(n)).unwrap();
+        c.free(&mut t);
+    }
+
+    #[test]
+    fn full_and_sliding_match_converge_on_a_common_boundary() {
+        // base 2; full P = 4 (m = 2), sliding P = 2, W = 3 (needed = 1); lcm = 4.
+        let mut c = Coordinator::new(vec![spec("sw", sw(3), 2), spec("full", GroupKind::Full, 4)], 64, true).unwrap();
+        let hashes = prompt(16, 2); // 8 base pages
+        cache_prompt(&mut c, &hashes, 16);
+        let m = c.match_prefix(&hashes).unwrap();
+        assert_eq!(m.num_common_tokens, 16);
+        assert_eq!(m.num_hit_pages, vec![1, 4]);
+        assert_eq!(m.pages[0][..7], [0; 7]);
+        assert_ne!(m.pages[0][7], 0);
+        // A miss in the prefix: a request whose 4th base page differs.
+        let mut other = hashes.clone();
+        other[5] = [7; 32];
+        let m = c.match_prefix(&other).unwrap();
+        // Full stops at slot 2 (base pages 4, 5): extent 8. Sliding re-matched to bound 8.
+        assert_eq!(m.num_common_tokens, 8);
+        assert_eq!(m.pages[1].len(), 2);
+        assert_eq!(m.pages[0].len(), 4);
+        assert_eq!(m.num_hit_pages[0], 1);
+        // Odd number of base pages: bound aligned down to lcm 4 -> 12 tokens.
+        let m = c.match_prefix(&hashes[..7]).unwrap();
+        assert_eq!(m.num_common_tokens, 12);
+    }
+
+    /// Register group `g`'s keys (m = 1) for exactly `slots` of its table.
+    fn cache_slots(c: &mut Coordinator, t: &[Table], g: usize, slots: &[usize], hashes: &[ContentHash]) {
+        for &s in slots {
+            let key = GroupKey::new(hashes[s], Coordinator::group_u32(g));
+            c.pool.cache_unchecked(t[g].pages()[s], key);
+        }
+    }
+
+    #[test]
+    fn converge_rematches_until_every_sliding_group_agrees() {
+        // base = lcm = 2; x and y need 1 cached page behind a boundary (W = 3, P = 2).
+        let mut c = Coordinator::new(
+            vec![
+                spec("full", GroupKind::Full, 2),
+                spec("x", sw(3), 2),
+                spec("y", sw(3), 2),
+            ],
+            64,
+            true,
+        )
+        .unwrap();
+        let hashes = prompt(12, 2); // 6 base pages
+        let mut t = fresh(&c);
+        assert!(c.acquire(&mut t, 12));
+        cache_slots(&mut c, &t, 0, &[0, 1, 2, 3, 4, 5], &hashes);
+        cache_slots(&mut c, &t, 1, &[0, 1, 2, 5], &hashes);
+        cache_slots(&mut c, &t, 2, &[0, 1, 3, 4], &hashes);
+        // Sweep: full -> 12; x hits slot 5 -> 12; y misses slot 5, hits 4 -> 10.
+        // Converge round 1: x at 10 misses 4, 3, hits 2 -> 6; y at 6 misses 2, hits 1 -> 4.
+        // Round 2: x at 4 hits 1 -> 4. Round 3: no change.
+        let m = c.match_prefix(&hashes).unwrap();
+        assert_eq!(m.num_common_tokens, 4);
+        assert_eq!(m.pages[0], t[0].pages()[..2].to_vec());
+        assert_eq!(m.pages[1], vec![0, t[1].pages()[1]]);
+        assert_eq!(m.pages[2], vec![0, t[2].pages()[1]]);
+        assert_eq!(m.num_hit_pages, vec![2, 1, 1]);
+    }
+
+    #[test]
+    fn match_is_read_only_and_empty_with_caching_off() {
+        let mut c = Coordinator::new(vec![spec("f", GroupKind::Full, 2)], 16, true).unwrap();
+        let hashes = prompt(8, 2);
+        cache_prompt(&mut c, &hashes, 8);
+        let before: Vec<u32> = c.pool().free_list().collect();
+        let m = c.match_prefix(&hashes).unwrap();
+        assert_eq!(m.num_hit_pages, vec![4]);
+        assert_eq!(c.pool().free_list().collect::<Vec<_>>(), before);
+        let off = Coordinator::new(vec![spec("f", GroupKind::Full, 2)], 16, false).unwrap();
+        assert_eq!(off.match_prefix(&hashes).unwrap(), PrefixMatch::empty(1));
+    }
+
+    #[test]
+    fn claim_touches_real_pages_and_rejects_stale_or_misshaped_matches() {
+        let mut c = Coordinator::new(vec![spec("f", GroupKind::Full, 2), spec("s", sw(3), 2)], 32, true).unwrap();
+        let hashes = prompt(8, 2);
+        cache_prompt(&mut c, &hashes, 8);
+        let m = c.match_prefix(&hashes).unwrap();
+        assert_eq!(c.pages_consumed_by_claim(&m).unwrap(), 4 + 1);
+        let mut t = fresh(&c);
+        c.check_claim(Some(&t), &m).unwrap();
+        c.claim(&mut t, &m);
+        assert_eq!(t[0].pages(), m.pages[0].as_slice());
+        assert_eq!(t[1].tail_avail(), 0);
+        assert_eq!(c.pages_consumed_by_claim(&m).unwrap(), 0);
+        // Tables hold pages now.
+        assert!(c.check_claim(Some(&t), &m).is_err());
+        let wrong = PrefixMatch::empty(3);
+        assert!(c.check_claim(None, &wrong).is_err());
+        c.free(&mut t);
+        // Evict every cached page: the match is stale.
+        let free = c.pool().num_free();
+        let _ = c.pool.allocate(free);
+        assert!(c.check_claim(None, &m).is_err());
+        let mut out_of_range = PrefixMatch::empty(2);
+        out_of_range.pages[0] = vec![99];
+        assert!(c.check_claim(None, &out_of_range).is_err());
+        assert!(c.pages_consumed_by_claim(&out_of_range).is_err());
+    }
+
+    #[test]
+    fn register_folds_and_state_registers_only_at_a_page_boundary() {
+        // base 2 (from "a"): full and state have P = 4, so m = 2.
+        let mut c = Coordinator::new(
+            vec![
+                spec("f", GroupKind::Full, 4),
+                spec("st", GroupKind::State, 4),
+                spec("a", GroupKind::Full, 2),
+            ],
+            64,
+            true,
+        )
+        .unwrap();
+        let hashes = prompt(12, 2); // 6 base pages
+        let mut t = fresh(&c);
+        assert!(c.acquire(&mut t, 12)); // 3 + 3 + 6 pages
+        let cached = |c: &Coordinator, g: usize, s: usize| c.pool().is_cached(u64::from(t[g].pages()[s])).unwrap();
+        // The range ends at 10 tokens, not a state page boundary: state registers nothing.
+        c.register(&t, &hashes[..5], 0, Some(10)).unwrap();
+        assert_eq!(
+            (cached(&c, 0, 1), cached(&c, 0, 2), cached(&c, 2, 4)),
+            (true, false, true)
+        );
+        assert!((0..3).all(|s| !cached(&c, 1, s)));
+        // No end_tokens: state registers nothing.
+        c.register(&t, &hashes, 0, None).unwrap();
+        assert!(cached(&c, 0, 2) && (0..3).all(|s| !cached(&c, 1, s)));
+        // end_tokens is a boundary but the range (8 tokens) does not end there: nothing.
+        c.register(&t, &hashes[..4], 0, Some(12)).unwrap();
+        assert!((0..3).all(|s| !cached(&c, 1, s)));
+        // Ends exactly at 12 on a page boundary: only the last state slot (2) registers.
+        c.register(&t, &hashes, 0, Some(12)).unwrap();
+        assert_eq!(
+            (cached(&c, 1, 0), cached(&c, 1, 1), cached(&c, 1, 2)),
+            (false, false, true)
+        );
+        let want = GroupKey::new(fold_run(&hashes[4..6]), 1);
+        assert_eq!(c.pool().lookup(&want), Some(t[1].pages()[2]));
+        let want = GroupKey::new(fold_run(&hashes[0..2]), 0);
+        assert_eq!(c.pool().lookup(&want), Some(t[0].pages()[0]));
+        let want = GroupKey::new(hashes[3], 2);
+        assert_eq!(c.pool().lookup(&want), Some(t[2].pages()[3]));
+        assert_eq!(c.pool().num_cached(), 3 + 1 + 6);
+    }
+
+    #[test]
+    fn register_from_an_unaligned_first_slot_starts_at_the_next_run() {
+        let mut c = Coordinator::new(vec![spec("f", GroupKind::Full, 6)], 32, true).unwrap();
+        let mut c3 = Coordinator::new(
+            vec![spec("f", GroupKind::Full, 2), spec("g", GroupKind::Full, 6)],
+            32,
+            true,
+        )
+        .unwrap();
+        let hashes = prompt(24, 2); // 12 base pages
+        let mut t = fresh(&c3);
+        // 12 + 4 pages. Base pages 1..12: group g skips to base 3 -> slots 1, 2, 3.
+        assert!(c3.acquire(&mut t, 24));
+        c3.register(&t, &hashes[1..], 1, None).unwrap();
+        assert!(!c3.pool().is_cached(u64::from(t[1].pages()[0])).unwrap());
+        for s in 1..4 {
+            let want = GroupKey::new(fold_run(&hashes[s * 3..s * 3 + 3]), 1);
+            assert_eq!(c3.pool().lookup(&want), Some(t[1].pages()[s]));
+        }
+        // Past the table: an error before anything is registered.
+        let cached = c3.pool().num_cached();
+        assert!(c3.register(&t, &hashes, 1, None).is_err());
+        assert_eq!(c3.pool().num_cached(), cached);
+        let mut t1 = fresh(&c);
+        assert!(c.acquire(&mut t1, 6));
+        assert!(c.register(&t1, &[], 5, None).is_err());
+        c.register(&t1, &[], 1, None).unwrap();
+    }
+
+    #[test]
+    fn register_does_nothing_with_caching_off() {
+        let mut c = Coordinator::new(vec![spec("f", GroupKind::Full, 2)], 8, false).unwrap();
+        let mut t = fresh(&c);
+        assert!(c.acquire(&mut t, 4));
+        c.register(&t, &prompt(4, 2), 0, Some(4)).unwrap();
+        assert_eq!(c.pool().num_cached(), 0);
+    }
+}
