@@ -20,9 +20,8 @@ impl From<PyCoreError> for PyErr {
         match err.0 {
             CoreError::InvalidArgument(_) => PyValueError::new_err(msg),
             CoreError::Overflow { .. } => PyOverflowError::new_err(msg),
-            CoreError::Config(_) => PyRuntimeError::new_err(msg),
+            CoreError::Config(_) | CoreError::Invariant(_) => PyRuntimeError::new_err(msg),
             CoreError::UnknownRequest(_) => PyKeyError::new_err(msg),
-            CoreError::Invariant(_) => PyRuntimeError::new_err(msg),
             CoreError::OutOfMemory(_) => PyMemoryError::new_err(msg),
         }
     }

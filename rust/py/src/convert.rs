@@ -1,0 +1,269 @@
+//! Checked extraction of the page engine's Python arguments: counts, token sequences, hex
+//! hashes and request ids. Every error names the argument (and index) it is about.
+
+use flat_kvcache_core::hash::{parse_hash, parse_hex, ContentHash};
+use flat_kvcache_core::request::RequestIdRef;
+use numpy::{PyArray1, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyInt, PyList, PyString, PyTuple};
+
+use crate::errors::{non_negative, signed, IntArg};
+
+/// A non-negative int argument as `u64` (`TypeError` / `ValueError` / `OverflowError` naming
+/// `name`). Exact ints that fit take a fast path without a method call.
+#[inline]
+pub fn count(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
+    if obj.is_exact_instance_of::<PyInt>() {
+        if let Ok(v) = obj.extract::<u64>() {
+            return Ok(v);
+        }
+    }
+    non_negative(obj, name)
+}
+
+/// An optional non-negative int argument (`None` passes through).
+pub fn opt_count(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option<u64>> {
+    match obj {
+        Some(o) if !o.is_none() => count(o, name).map(Some),
+        _ => Ok(None),
+    }
+}
+
+/// A positive int argument as `usize` (0 is a `ValueError` naming `name`).
+pub fn positive(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
+    match count(obj, name)? {
+        0 => Err(PyValueError::new_err(format!("{name} must be > 0, got 0"))),
+        v => Ok(v),
+    }
+}
+
+/// A page id argument: an int, or the `ValueError` for a value no pool holds.
+pub fn page(obj: &Bound<'_, PyAny>, num_blocks: usize) -> PyResult<u64> {
+    let out_of_range =
+        |v: &dyn std::fmt::Display| PyValueError::new_err(format!("page {v} is out of range [0, {num_blocks})"));
+    match signed(obj, "page")? {
+        IntArg::Small(v) => u64::try_from(v).map_err(|_| out_of_range(&v)),
+        IntArg::HugeNegative | IntArg::HugePositive => Err(out_of_range(obj)),
+    }
+}
+
+/// One token of `name[index]`: an int that fits `u32`.
+#[inline]
+fn token(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<u32> {
+    if item.is_exact_instance_of::<PyInt>() {
+        if let Ok(v) = item.extract::<u32>() {
+            return Ok(v);
+        }
+    }
+    let label = format!("{name}[{index}]");
+    match signed(item, &label)? {
+        IntArg::Small(v) => u32::try_from(v).map_err(|_| not_u32(&label, &v)),
+        IntArg::HugeNegative | IntArg::HugePositive => Err(not_u32(&label, item)),
+    }
+}
+
+fn not_u32(label: &str, v: &dyn std::fmt::Display) -> PyErr {
+    PyValueError::new_err(format!("{label} = {v} does not fit in u32"))
+}
+
+/// Copy a 1-D numpy array of integer dtype `T` into `u32` tokens, checking every value.
+fn tokens_from_array<T>(arr: &Bound<'_, PyArray1<T>>, name: &str) -> PyResult<Vec<u32>>
+where
+    T: numpy::Element + Copy + std::fmt::Display,
+    u32: TryFrom<T>,
+{
+    let view = arr.readonly();
+    let view = view.as_array();
+    let mut out = Vec::with_capacity(view.len());
+    for (i, &v) in view.iter().enumerate() {
+        out.push(u32::try_from(v).map_err(|_| not_u32(&format!("{name}[{i}]"), &v))?);
+    }
+    Ok(out)
+}
+
+/// Tokens from a sequence of ints or a 1-D numpy integer array; each value must fit `u32`
+/// (`ValueError("<name>[<i>] = <v> does not fit in u32")`).
+pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
+    if let Ok(list) = obj.cast::<PyList>() {
+        let mut out = Vec::with_capacity(list.len());
+        for (i, item) in list.iter().enumerate() {
+            out.push(token(&item, name, i)?);
+        }
+        return Ok(out);
+    }
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        return tuple.iter().enumerate().map(|(i, t)| token(&t, name, i)).collect();
+    }
+    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
+        macro_rules! try_dtype {
+            ($($t:ty),*) => {$(
+                if let Ok(a) = arr.cast::<PyArray1<$t>>() {
+                    return tokens_from_array(a, name);
+                }
+            )*};
+        }
+        try_dtype!(u32, i64, i32, u64, u16, i16, u8, i8);
+        return Err(PyTypeError::new_err(format!(
+            "{name} must be a 1-D integer array, got a {}-D array of dtype {}",
+            arr.ndim(),
+            arr.dtype()
+        )));
+    }
+    if obj.is_instance_of::<PyString>() {
+        return Err(PyTypeError::new_err(format!(
+            "{name} must be a sequence of ints, not str"
+        )));
+    }
+    let Ok(iter) = obj.try_iter() else {
+        return Err(PyTypeError::new_err(format!(
+            "{name} must be a sequence of ints or a 1-D integer array, got {}",
+            type_name(obj)
+        )));
+    };
+    iter.enumerate().map(|(i, t)| token(&t?, name, i)).collect()
+}
+
+/// The type name of `obj`, for messages.
+pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map_or_else(|_| "object".to_owned(), |n| n.to_string())
+}
+
+/// The raw bytes of a `prior` hash: `""` or hex text of even length (either case).
+pub fn prior(text: &str) -> PyResult<Vec<u8>> {
+    parse_hex(text.as_bytes()).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "prior must be \"\" or a hex string of even length, got {:?}",
+            clip(text)
+        ))
+    })
+}
+
+/// At most 80 characters of `text`, for messages.
+pub fn clip(text: &str) -> &str {
+    text.char_indices().nth(80).map_or(text, |(i, _)| &text[..i])
+}
+
+/// Extra keys: a sequence of `str` (a bare `str` is a `TypeError`), kept as UTF-8 strings.
+#[derive(Debug, Default)]
+pub struct ExtraKeys(pub Vec<String>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for ExtraKeys {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if obj.is_instance_of::<PyString>() {
+            return Err(PyTypeError::new_err("extra_keys must be a sequence of str, not a str"));
+        }
+        let Ok(iter) = obj.try_iter() else {
+            return Err(PyTypeError::new_err(format!(
+                "extra_keys must be a sequence of str, got {}",
+                type_name(&obj)
+            )));
+        };
+        let mut keys = Vec::new();
+        for (i, item) in iter.enumerate() {
+            let item = item?;
+            let Ok(s) = item.cast::<PyString>() else {
+                return Err(PyTypeError::new_err(format!(
+                    "extra_keys[{i}] must be a str, got {}",
+                    type_name(&item)
+                )));
+            };
+            keys.push(s.to_str()?.to_owned());
+        }
+        Ok(Self(keys))
+    }
+}
+
+/// One 64-digit hex content hash at `name[index]`.
+#[inline]
+fn content_hash(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<ContentHash> {
+    let parsed = match item.cast::<PyString>() {
+        Ok(s) => parse_hash(s.to_str()?.as_bytes()),
+        Err(_) => {
+            return Err(PyTypeError::new_err(format!(
+                "{name}[{index}] must be a str, got {}",
+                type_name(item)
+            )))
+        }
+    };
+    parsed.ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "{name}[{index}] must be a 64-character hex string, got {:?}",
+            clip(&item.to_string())
+        ))
+    })
+}
+
+/// Content hashes: a sequence of 64-character hex strings (either case), as raw bytes.
+pub fn content_hashes(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<ContentHash>> {
+    if let Ok(list) = obj.cast::<PyList>() {
+        let mut out = Vec::with_capacity(list.len());
+        for (i, item) in list.iter().enumerate() {
+            out.push(content_hash(&item, name, i)?);
+        }
+        return Ok(out);
+    }
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        return tuple
+            .iter()
+            .enumerate()
+            .map(|(i, h)| content_hash(&h, name, i))
+            .collect();
+    }
+    if obj.is_instance_of::<PyString>() {
+        return Err(PyTypeError::new_err(format!(
+            "{name} must be a sequence of str, not a str"
+        )));
+    }
+    let Ok(iter) = obj.try_iter() else {
+        return Err(PyTypeError::new_err(format!(
+            "{name} must be a sequence of str, got {}",
+            type_name(obj)
+        )));
+    };
+    iter.enumerate().map(|(i, h)| content_hash(&h?, name, i)).collect()
+}
+
+/// A request id argument: a `str` or an `int` of any size (not a bool).
+pub enum ReqArg<'py> {
+    /// A string id (borrowed from the Python object, which this keeps alive).
+    Str(Bound<'py, PyString>),
+    /// An int id that fits `i64`.
+    Int(i64),
+    /// A larger int id as decimal text.
+    Big(String),
+}
+
+impl<'py> ReqArg<'py> {
+    /// Classify `obj` (`TypeError` for anything but `str` and `int`).
+    #[inline]
+    pub fn new(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
+        if let Ok(s) = obj.cast::<PyString>() {
+            return Ok(Self::Str(s.clone()));
+        }
+        if obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>() {
+            if let Ok(v) = obj.extract::<i64>() {
+                return Ok(Self::Int(v));
+            }
+            return Ok(Self::Big(obj.str()?.to_str()?.to_owned()));
+        }
+        Err(PyTypeError::new_err(format!(
+            "request ids must be str or int, got {}",
+            type_name(obj)
+        )))
+    }
+
+    /// The borrowed core id.
+    #[inline]
+    pub fn id(&self) -> PyResult<RequestIdRef<'_>> {
+        Ok(match self {
+            Self::Str(s) => RequestIdRef::Str(s.to_str()?),
+            Self::Int(v) => RequestIdRef::Int(*v),
+            Self::Big(s) => RequestIdRef::BigInt(s),
+        })
+    }
+}

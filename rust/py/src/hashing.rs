@@ -1,0 +1,106 @@
+//! Python entry points of content hashing (SPEC 4): hex text in and out, raw bytes inside.
+
+use flat_kvcache_core::hash::{self, to_hex};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyString};
+
+use crate::convert::{count, positive, prior as parse_prior, tokens, type_name, ExtraKeys};
+use crate::errors::{core, signed, IntArg};
+
+/// The content hash of one page: SHA-256 over little-endian u32 fields (`len(prior raw)`,
+/// prior raw bytes, `len(tokens)`, each token, then if `extra_keys` is non-empty their count
+/// and each key's UTF-8 length and bytes), as 64 lowercase hex digits.
+///
+/// `tokens` is a sequence of ints or a 1-D numpy integer array (each must fit u32); `prior`
+/// is `""` or hex text of even length; `extra_keys` a sequence of str.
+#[pyfunction]
+#[allow(clippy::needless_pass_by_value, reason = "PyO3 extracts arguments by value")]
+#[pyo3(signature = (tokens, prior = "", extra_keys = ExtraKeys::default()))]
+pub fn hash_page(tokens: &Bound<'_, PyAny>, prior: &str, extra_keys: ExtraKeys) -> PyResult<String> {
+    let toks = self::tokens(tokens, "tokens")?;
+    let prior = parse_prior(prior)?;
+    Ok(to_hex(&core(hash::hash_page(&toks, &prior, &extra_keys.0))?))
+}
+
+/// The chained content hashes of the full pages of `token_ids` (`page_size > 0`; a trailing
+/// partial page is ignored): `h_0 = hash_page(page_0, prior, extra_keys)`, then
+/// `h_i = hash_page(page_i, h_{i-1}, extra_keys)`. Releases the GIL while hashing.
+#[pyfunction]
+#[allow(clippy::needless_pass_by_value, reason = "PyO3 extracts arguments by value")]
+#[pyo3(signature = (token_ids, page_size, *, prior = "", extra_keys = ExtraKeys::default()))]
+pub fn hash_pages(
+    py: Python<'_>,
+    token_ids: &Bound<'_, PyAny>,
+    page_size: &Bound<'_, PyAny>,
+    prior: &str,
+    extra_keys: ExtraKeys,
+) -> PyResult<Vec<String>> {
+    let page_size = usize::try_from(positive(page_size, "page_size")?).unwrap_or(usize::MAX);
+    let toks = tokens(token_ids, "token_ids")?;
+    let prior = parse_prior(prior)?;
+    let hashes = core(py.detach(|| hash::hash_pages(&toks, page_size, &prior, &extra_keys.0)))?;
+    Ok(hashes.iter().map(|h| to_hex(h)).collect())
+}
+
+/// The key of a content hash in group `group_index`: the hash text followed by the group as
+/// 8 hex digits (big-endian u32). `group_index` must fit u32.
+#[pyfunction]
+pub fn group_key(content_hash: &str, group_index: &Bound<'_, PyAny>) -> PyResult<String> {
+    let bad =
+        |v: &dyn std::fmt::Display| PyValueError::new_err(format!("group_index must be an int in [0, 2**32), got {v}"));
+    let group = match signed(group_index, "group_index")? {
+        IntArg::Small(v) => u32::try_from(v).map_err(|_| bad(&v))?,
+        IntArg::HugeNegative | IntArg::HugePositive => return Err(bad(group_index)),
+    };
+    Ok(format!("{content_hash}{group:08x}"))
+}
+
+/// Fold base-page hashes into the hashes of a group whose page is `m` base pages wide.
+///
+/// `base_hashes[j]` is the hash of base page `first_base + j`. The fold skips to the first
+/// base page index that is a multiple of `m`, then folds each complete run of `m` hashes:
+/// `run = ""`, then `run = hash_page([], run, [h])` for each hash `h` of the run (its text is
+/// the extra key). Incomplete runs at either end are dropped; `m == 1` returns a copy.
+#[pyfunction]
+pub fn fold_hashes<'py>(
+    py: Python<'py>,
+    base_hashes: &Bound<'py, PyAny>,
+    first_base: &Bound<'py, PyAny>,
+    m: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyList>> {
+    let first_base = count(first_base, "first_base")?;
+    let m = positive(m, "m")?;
+    if base_hashes.is_instance_of::<PyString>() {
+        return Err(PyTypeError::new_err("base_hashes must be a sequence of str, not a str"));
+    }
+    let mut items: Vec<Bound<'py, PyString>> = Vec::new();
+    for (i, item) in base_hashes.try_iter()?.enumerate() {
+        let item = item?;
+        match item.cast_into::<PyString>() {
+            Ok(s) => items.push(s),
+            Err(e) => {
+                return Err(PyTypeError::new_err(format!(
+                    "base_hashes[{i}] must be a str, got {}",
+                    type_name(&e.into_inner())
+                )))
+            }
+        }
+    }
+    if m == 1 {
+        return PyList::new(py, items);
+    }
+    let texts: Vec<&str> = items.iter().map(|s| s.to_str()).collect::<PyResult<_>>()?;
+    let folded = py.detach(|| -> flat_kvcache_core::CoreResult<Vec<String>> {
+        let (skip, runs) = hash::fold_layout(texts.len(), first_base, m)?;
+        // runs > 0 implies m <= len, so m fits usize.
+        let width = usize::try_from(m).unwrap_or(usize::MAX);
+        let mut out = Vec::with_capacity(runs);
+        for run in texts[skip..].chunks_exact(width.max(1)).take(runs) {
+            let keys: Vec<&[u8]> = run.iter().map(|t| t.as_bytes()).collect();
+            out.push(hash::fold_run_keys(&keys)?.map_or_else(String::new, |h| to_hex(&h)));
+        }
+        Ok(out)
+    });
+    PyList::new(py, core(folded)?)
+}
