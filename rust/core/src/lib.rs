@@ -6,9 +6,13 @@
 //! Modules, one concern each:
 //! - [`sizing`]: group specs, page counts, capture widths, slab pairing, validation (SPEC 2).
 //! - [`plan`]: the memory plan, bytes -> pages (SPEC 3).
+//! - [`int`]: exact integers at the Python boundary (checked before any arithmetic).
 
 pub mod checked;
 pub mod error;
+pub mod int;
+pub mod plan;
+pub mod sizing;
 
 pub use error::{CoreError, CoreResult};
 
