@@ -1,3 +1,239 @@
-"""Reference memory (placeholder until written)."""
+"""Reference memory plan: components, page geometry and tensor plans from a byte budget.
 
-__all__: list[str] = []
+A plain pure-Python implementation of SPEC section 3, following docs/sizing-api.md. Sizes are
+Python ints, so every product and sum is exact (the native module raises ``OverflowError``
+where one does not fit ``u64``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+from flat_kvcache._types import (
+    STATE_LAYER_TYPES,
+    BlockGeometry,
+    ComponentSpec,
+    FlatMemoryPlan,
+    LayerBinding,
+    TensorPlan,
+)
+from flat_kvcache.reference._checks import as_int, ceil_div, is_sequence, non_negative, positive
+from flat_kvcache.reference.sizing import layer_group_ids, layer_labels
+
+__all__ = [
+    "BlockGeometry",
+    "ComponentSpec",
+    "FlatMemoryPlan",
+    "LayerBinding",
+    "TensorPlan",
+    "components_from_layers",
+    "equalized_block_size",
+    "occurrence_index",
+    "plan_component_tensors",
+    "plan_tensors",
+    "solve_page_geometry",
+    "state_const_bytes",
+]
+
+#: A (group, layer) row of the page layout.
+_Row = tuple[str, int]
+
+
+def occurrence_index(layer_types: Sequence[str]) -> list[int]:
+    """SPEC 3: for each layer, the number of earlier layers with the same label.
+
+    That index is the slab pairing order. Labels are not checked against the known ones.
+    """
+    seen: dict[str, int] = {}
+    indices: list[int] = []
+    for label in layer_labels(layer_types):
+        indices.append(seen.get(label, 0))
+        seen[label] = indices[-1] + 1
+    return indices
+
+
+def state_const_bytes(shape: Sequence[int], itemsize: int) -> int:
+    """SPEC 3: bytes per page of one state component, ``prod(shape) * itemsize``.
+
+    An empty shape is one element. Every ``shape[i]`` must be an int >= 0, ``itemsize`` > 0.
+    """
+    if isinstance(shape, str) or not is_sequence(shape):
+        raise TypeError(f"shape must be a sequence of ints, not {type(shape).__name__}")
+    dims = [non_negative(dim, f"shape[{i}]") for i, dim in enumerate(shape)]
+    return math.prod(dims) * positive(itemsize, "itemsize")
+
+
+def _state_components(state_component_bytes: Mapping[str, int] | None) -> list[tuple[str, int]]:
+    """The ``(name, bytes per page)`` items of the state mapping, in its order, checked."""
+    if state_component_bytes is None:
+        return []
+    if not isinstance(state_component_bytes, Mapping):
+        raise TypeError(
+            "state_component_bytes must be a mapping of component name to bytes per page, "
+            f"not {type(state_component_bytes).__name__}"
+        )
+    items: list[tuple[str, int]] = []
+    for name, nbytes in state_component_bytes.items():
+        if not isinstance(name, str):
+            raise TypeError(f"state_component_bytes keys must be str, not {type(name).__name__}")
+        items.append((name, non_negative(nbytes, f"state_component_bytes[{name!r}]")))
+    return items
+
+
+def components_from_layers(
+    layer_types: Sequence[str],
+    *,
+    kv_bytes_per_slot: int,
+    state_component_bytes: Mapping[str, int] | None = None,
+    sliding_window_tokens: int | Sequence[int | None] | None = None,
+) -> list[ComponentSpec]:
+    """SPEC 3: the memory components of every layer, layer by layer.
+
+    A history layer has one per-token component ``kv`` of ``kv_bytes_per_slot`` bytes per slot;
+    a state layer has one per-page component per item of ``state_component_bytes``. Group ids
+    come from :func:`layer_group_ids`; layers keep their absolute index.
+    """
+    kv_bytes = positive(kv_bytes_per_slot, "kv_bytes_per_slot")
+    state_items = _state_components(state_component_bytes)
+    labels = layer_labels(layer_types)
+    components: list[ComponentSpec] = []
+    for i, group_id in enumerate(layer_group_ids(labels, sliding_window_tokens)):
+        if labels[i] not in STATE_LAYER_TYPES:
+            components.append(ComponentSpec(group_id, i, "kv", kv_bytes, 0))
+            continue
+        if not state_items:
+            raise ValueError(f"layer {i} ({labels[i]}) needs state_component_bytes")
+        components.extend(ComponentSpec(group_id, i, name, 0, nbytes) for name, nbytes in state_items)
+    return components
+
+
+def _checked_components(components: Iterable[ComponentSpec]) -> list[ComponentSpec]:
+    """The components with int fields: ``layer`` an int, ``bytes_per_slot`` and ``const_bytes`` >= 0."""
+    checked: list[ComponentSpec] = []
+    for k, comp in enumerate(components):
+        checked.append(
+            ComponentSpec(
+                group_id=comp.group_id,
+                layer=as_int(comp.layer, f"components[{k}].layer"),
+                component=comp.component,
+                bytes_per_slot=non_negative(comp.bytes_per_slot, f"components[{k}].bytes_per_slot"),
+                const_bytes=non_negative(comp.const_bytes, f"components[{k}].const_bytes"),
+            )
+        )
+    return checked
+
+
+def solve_page_geometry(
+    components: Sequence[ComponentSpec], block_size: int, alignment: int
+) -> BlockGeometry:
+    """SPEC 3 page geometry: tokens per page and bytes per page row (``num_blocks`` is 0).
+
+    Per (group, layer) row, per-token bytes and per-page bytes are summed; a row with both is an
+    error. If some row has per-page (state) bytes, a page must hold at least ``needed =
+    ceil(max_const / max_linear)`` tokens so a history row is as large as the largest state row;
+    when ``needed > block_size`` the block size grows to ``needed`` rounded up to ``alignment``.
+    ``block_bytes = max(max_linear * block_size, max_const)``.
+    """
+    block_size = positive(block_size, "block_size")
+    alignment = positive(alignment, "alignment")
+    linear: dict[_Row, int] = {}
+    const: dict[_Row, int] = {}
+    for comp in _checked_components(components):
+        row = (comp.group_id, comp.layer)
+        linear[row] = linear.get(row, 0) + comp.bytes_per_slot
+        const[row] = const.get(row, 0) + comp.const_bytes
+    for group_id, layer in linear:
+        if linear[group_id, layer] > 0 and const[group_id, layer] > 0:
+            raise ValueError(f"group {group_id} layer {layer} mixes per-token and per-page components")
+    max_linear = max(linear.values(), default=0)
+    max_const = max(const.values(), default=0)
+    if max_const > 0:
+        if max_linear == 0:
+            raise ValueError("state components need at least one per-token (history) component to size pages")
+        needed = ceil_div(max_const, max_linear)
+        if needed > block_size:
+            block_size = alignment * ceil_div(needed, alignment)
+    return BlockGeometry(block_size, max(max_linear * block_size, max_const))
+
+
+def equalized_block_size(
+    components: Sequence[ComponentSpec], block_size: int, alignment: int | None = None
+) -> int:
+    """SPEC 3: the block size of :func:`solve_page_geometry`, ``alignment`` defaulting to ``block_size``."""
+    alignment = block_size if alignment is None else alignment
+    return solve_page_geometry(components, block_size, alignment).block_size
+
+
+def _num_blocks(budget_bytes: int, bytes_per_block: int) -> int:
+    """SPEC 3: how many whole blocks fit the budget (round down); fewer than 2 is an error."""
+    num_blocks = budget_bytes // bytes_per_block if bytes_per_block > 0 else 0
+    if num_blocks <= 1:
+        raise ValueError(
+            f"budget_bytes={budget_bytes} gives {num_blocks} blocks of {bytes_per_block} bytes; "
+            "need at least 2 (one is the null page)"
+        )
+    return num_blocks
+
+
+def plan_component_tensors(
+    components: Sequence[ComponentSpec],
+    block_size: int,
+    budget_bytes: int,
+    *,
+    reserved_bytes_per_block: int = 0,
+) -> FlatMemoryPlan:
+    """SPEC 3 per-component plan: one tensor per component, every one with ``num_blocks`` rows.
+
+    A component's row is ``bytes_per_slot * P + const_bytes`` bytes; ``num_blocks = budget //
+    (sum of rows + reserved_bytes_per_block)``.
+    """
+    page = positive(block_size, "block_size")
+    budget = non_negative(budget_bytes, "budget_bytes")
+    reserved = non_negative(reserved_bytes_per_block, "reserved_bytes_per_block")
+    checked = _checked_components(components)
+    rows = [comp.bytes_per_slot * page + comp.const_bytes for comp in checked]
+    num_blocks = _num_blocks(budget, sum(rows) + reserved)
+    tensors = tuple(
+        TensorPlan(
+            name=f"{comp.group_id}.{comp.layer}.{comp.component}",
+            nbytes=num_blocks * row,
+            bindings=(LayerBinding(k, comp.group_id, comp.layer, comp.component, row, 0),),
+        )
+        for k, (comp, row) in enumerate(zip(checked, rows, strict=True))
+    )
+    return FlatMemoryPlan(BlockGeometry(page, sum(rows), num_blocks), tensors)
+
+
+def plan_tensors(components: Sequence[ComponentSpec], block_size: int, budget_bytes: int) -> FlatMemoryPlan:
+    """SPEC 3 slab plan: slot j is one tensor shared by the j-th layer of every group.
+
+    Groups and, within a group, layers are taken in first-appearance order. A (group, layer)
+    row packs its components (in order) at increasing byte offsets; a slot's row is the largest
+    row bound to it, and ``num_blocks = budget // sum(slot rows)``.
+    """
+    page = positive(block_size, "block_size")
+    budget = non_negative(budget_bytes, "budget_bytes")
+    # group -> layer -> [(component, row bytes)], all in first-appearance order
+    groups: dict[str, dict[int, list[tuple[str, int]]]] = {}
+    for comp in _checked_components(components):
+        row = comp.bytes_per_slot * page + comp.const_bytes
+        groups.setdefault(comp.group_id, {}).setdefault(comp.layer, []).append((comp.component, row))
+
+    num_slots = max((len(layers) for layers in groups.values()), default=0)
+    slot_row_bytes = [0] * num_slots
+    slot_bindings: list[list[LayerBinding]] = [[] for _ in range(num_slots)]
+    for group_id, layers in groups.items():
+        for slot, (layer, parts) in enumerate(layers.items()):
+            offset = 0
+            for component, row in parts:
+                slot_bindings[slot].append(LayerBinding(slot, group_id, layer, component, row, offset))
+                offset += row
+            slot_row_bytes[slot] = max(slot_row_bytes[slot], offset)
+
+    num_blocks = _num_blocks(budget, sum(slot_row_bytes))
+    tensors = tuple(
+        TensorPlan(f"slab{slot}", num_blocks * slot_row_bytes[slot], tuple(slot_bindings[slot]))
+        for slot in range(num_slots)
+    )
+    return FlatMemoryPlan(BlockGeometry(page, sum(slot_row_bytes), num_blocks), tensors)

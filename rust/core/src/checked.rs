@@ -29,6 +29,35 @@ pub fn sum<I: IntoIterator<Item = u64>>(values: I, what: &str) -> CoreResult<u64
     values.into_iter().try_fold(0u64, |acc, v| add(acc, v, what))
 }
 
+/// `a + b` in the wide type (intermediates of formulas over `u64` operands), or an overflow
+/// error naming `what`.
+pub fn add_wide(a: u128, b: u128, what: &str) -> CoreResult<u128> {
+    a.checked_add(b).ok_or_else(|| CoreError::overflow(what))
+}
+
+/// `a * b` in the wide type, or an overflow error naming `what`.
+pub fn mul_wide(a: u128, b: u128, what: &str) -> CoreResult<u128> {
+    a.checked_mul(b).ok_or_else(|| CoreError::overflow(what))
+}
+
+/// Sum in the wide type, or an overflow error naming `what`.
+pub fn sum_wide<I: IntoIterator<Item = u128>>(values: I, what: &str) -> CoreResult<u128> {
+    values.into_iter().try_fold(0u128, |acc, v| add_wide(acc, v, what))
+}
+
+/// Exact `ceil(a / b)` in the wide type; a zero divisor is `InvalidArgument` naming `what`.
+pub fn ceil_div_wide(a: u128, b: u128, what: &str) -> CoreResult<u128> {
+    if b == 0 {
+        return Err(CoreError::invalid(format!("{what}: division by zero")));
+    }
+    Ok(a / b + u128::from(a % b != 0))
+}
+
+/// A wide intermediate as a `u64` result, or an overflow error naming `what`.
+pub fn narrow(v: u128, what: &str) -> CoreResult<u64> {
+    u64::try_from(v).map_err(|_| CoreError::overflow(what))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -48,5 +77,19 @@ mod tests {
         assert!(err.to_string().contains("max_live_requests"));
         assert!(add(u64::MAX, 1, "t").is_err());
         assert_eq!(sum([1, 2, 3], "s"), Ok(6));
+    }
+
+    #[test]
+    fn wide_helpers_are_checked() {
+        let max = u128::from(u64::MAX);
+        assert_eq!(mul_wide(max, max, "x"), Ok(max * max));
+        assert!(mul_wide(u128::MAX, 2, "x").is_err());
+        assert!(add_wide(u128::MAX, 1, "x").is_err());
+        assert_eq!(sum_wide([max, max], "x"), Ok(2 * max));
+        assert_eq!(ceil_div_wide(max + 1, 2, "x"), Ok(1u128 << 63));
+        assert_eq!(ceil_div_wide(7, 2, "x"), Ok(4));
+        assert!(ceil_div_wide(7, 0, "x").is_err());
+        assert_eq!(narrow(max, "x"), Ok(u64::MAX));
+        assert_eq!(narrow(max + 1, "y"), Err(CoreError::overflow("y")));
     }
 }

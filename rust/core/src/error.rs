@@ -6,7 +6,7 @@
 /// Errors raised by the pure-Rust core.
 ///
 /// The bindings map each variant to one Python exception class:
-/// `InvalidArgument` -> `ValueError`, `Overflow` -> `OverflowError`,
+/// `InvalidArgument` -> `ValueError`, `Type` -> `TypeError`, `Overflow` -> `OverflowError`,
 /// `Config` -> `RuntimeError`, `UnknownRequest` -> `KeyError`, `Invariant` -> `RuntimeError`,
 /// `OutOfMemory` -> `MemoryError`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -14,8 +14,14 @@ pub enum CoreError {
     /// A value that is out of its documented domain (negative size, unknown label, ...).
     #[error("{0}")]
     InvalidArgument(String),
-    /// A size computed from `arg` does not fit the native integer type.
-    #[error("{arg}: result does not fit in an unsigned 64-bit integer")]
+    /// An argument of the wrong type (a bool or a non-int where an int is expected, ...).
+    ///
+    /// The bindings only report the facts (an [`IntArg`](crate::int::IntArg) says "bool" or
+    /// "float"); the core raises this, so that type and value checks run in one order.
+    #[error("{0}")]
+    Type(String),
+    /// An argument, or a size computed from `arg`, does not fit the native integer type.
+    #[error("{arg} does not fit in an unsigned 64-bit integer")]
     Overflow {
         /// The argument (or expression over arguments) whose value overflowed.
         arg: String,

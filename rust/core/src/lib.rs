@@ -6,6 +6,7 @@
 //! Modules, one concern each:
 //! - [`sizing`]: group specs, page counts, capture widths, slab pairing, validation (SPEC 2).
 //! - [`plan`]: the memory plan, bytes -> pages (SPEC 3).
+//! - [`int`]: exact integers at the Python boundary (checked before any arithmetic).
 //! - [`hash`]: content hashes and group keys (SPEC 4).
 //! - [`pool`]: the block pool (SPEC 5).
 //! - [`table`]: per-request tables and the three group managers (SPEC 6).
@@ -18,8 +19,11 @@ pub mod checked;
 pub mod coordinator;
 pub mod error;
 pub mod hash;
+pub mod int;
+pub mod plan;
 pub mod pool;
 pub mod request;
+pub mod sizing;
 pub mod table;
 
 pub use error::{CoreError, CoreResult};

@@ -19,6 +19,7 @@ impl From<PyCoreError> for PyErr {
         let msg = err.0.to_string();
         match err.0 {
             CoreError::InvalidArgument(_) => PyValueError::new_err(msg),
+            CoreError::Type(_) => PyTypeError::new_err(msg),
             CoreError::Overflow { .. } => PyOverflowError::new_err(msg),
             CoreError::Config(_) | CoreError::Invariant(_) => PyRuntimeError::new_err(msg),
             CoreError::UnknownRequest(_) => PyKeyError::new_err(msg),

@@ -1,0 +1,254 @@
+"""ModelShape: what the KV cache needs to know about a model, from a config.json or a preset (private).
+
+Public through :mod:`flat_kvcache.torch`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, TypeAlias
+
+import torch
+
+from flat_kvcache import (
+    STATE_LAYER_TYPES,
+    ComponentSpec,
+    components_from_layers,
+    layer_group_ids,
+    state_const_bytes,
+)
+from flat_kvcache._torch_checks import as_dtype, as_int, storage_dtype
+from flat_kvcache.config import layer_types_from_config, load_model_config, sliding_window_from_config
+from flat_kvcache.presets import PRESETS, get_preset, preset_names
+
+__all__ = ["ModelShape"]
+
+#: A sliding window: None, one int for every sliding layer, or one entry per layer.
+SlidingWindow: TypeAlias = "int | Sequence[int | None] | None"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """What the KV cache needs to know about a model: its layers, K/V geometry and state shapes.
+
+    Parameters
+    ----------
+    layer_types
+        One label per layer: ``full_attention``, ``sliding_attention`` or ``linear_attention``.
+    sliding_window
+        None, an int (broadcast to the sliding layers) or one entry per layer (SPEC 2).
+    num_kv_heads, head_dim
+        K/V heads per attention layer and their size. K and V are separate tensors.
+    kv_dtype
+        Dtype of K/V (a ``torch.dtype`` or a name such as ``"bfloat16"`` or ``"fp8_e4m3"``).
+        One-byte floats are stored as ``uint8``.
+    state_shapes, state_dtypes
+        For models with ``linear_attention`` layers: per state component (e.g. ``"conv"``,
+        ``"ssm"``, in this order) the per-layer shape and dtype. Both mappings must name the same
+        components.
+    """
+
+    layer_types: tuple[str, ...]
+    sliding_window: SlidingWindow = None
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: torch.dtype
+    state_shapes: Mapping[str, tuple[int, ...]] | None = field(default=None, hash=False)
+    state_dtypes: Mapping[str, torch.dtype] | None = field(default=None, hash=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layer_types, str) or not isinstance(self.layer_types, Sequence):
+            raise TypeError("layer_types must be a sequence of layer labels, not a str")
+        layer_types = tuple(self.layer_types)
+        if not layer_types:
+            raise ValueError("layer_types is empty: a model needs at least one layer")
+        window = self.sliding_window
+        if isinstance(window, Sequence) and not isinstance(window, str):
+            window = tuple(window)
+        # The grouping validates every label and window (SPEC 2) with messages naming the layer.
+        layer_group_ids(layer_types, window)
+        set_ = object.__setattr__
+        set_(self, "layer_types", layer_types)
+        set_(self, "sliding_window", window)
+        set_(self, "num_kv_heads", as_int(self.num_kv_heads, "num_kv_heads", minimum=1))
+        set_(self, "head_dim", as_int(self.head_dim, "head_dim", minimum=1))
+        set_(self, "kv_dtype", as_dtype(self.kv_dtype, "kv_dtype"))
+        shapes, dtypes = self._state_fields(layer_types)
+        set_(self, "state_shapes", shapes)
+        set_(self, "state_dtypes", dtypes)
+
+    def _state_fields(
+        self, layer_types: tuple[str, ...]
+    ) -> tuple[Mapping[str, tuple[int, ...]] | None, Mapping[str, torch.dtype] | None]:
+        has_state = any(label in STATE_LAYER_TYPES for label in layer_types)
+        if not self.state_shapes and not self.state_dtypes:
+            if has_state:
+                raise ValueError(
+                    "layer_types has linear_attention layers: state_shapes and state_dtypes are "
+                    "required (e.g. {'conv': (conv_dim, kernel - 1), 'ssm': (heads, key_dim, value_dim)})"
+                )
+            return None, None
+        if not has_state:
+            raise ValueError("state_shapes/state_dtypes given but layer_types has no linear_attention layer")
+        if not isinstance(self.state_shapes, Mapping) or not isinstance(self.state_dtypes, Mapping):
+            raise TypeError("state_shapes and state_dtypes must both be mappings of component name")
+        if set(self.state_shapes) != set(self.state_dtypes):
+            raise ValueError(
+                f"state_shapes names components {sorted(self.state_shapes)} but state_dtypes names "
+                f"{sorted(self.state_dtypes)}"
+            )
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, shape in self.state_shapes.items():
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"state component names must be non-empty str, got {name!r}")
+            if isinstance(shape, str) or not isinstance(shape, Sequence):
+                raise TypeError(f"state_shapes[{name!r}] must be a sequence of ints")
+            shapes[name] = tuple(
+                as_int(dim, f"state_shapes[{name!r}][{i}]", minimum=0) for i, dim in enumerate(shape)
+            )
+        dtypes = {name: as_dtype(self.state_dtypes[name], f"state_dtypes[{name!r}]") for name in shapes}
+        return MappingProxyType(shapes), MappingProxyType(dtypes)
+
+    # -- derived sizes ------------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def kv_storage_dtype(self) -> torch.dtype:
+        """The dtype K/V tensors are allocated with (``uint8`` for fp8)."""
+        return storage_dtype(self.kv_dtype)
+
+    @property
+    def kv_bytes_per_slot(self) -> int:
+        """Bytes one token takes in one attention layer: K and V, ``2 * heads * head_dim * itemsize``."""
+        return 2 * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
+
+    @property
+    def state_component_bytes(self) -> dict[str, int] | None:
+        """Bytes per page of each state component of one state layer (native ``state_const_bytes``)."""
+        if self.state_shapes is None or self.state_dtypes is None:
+            return None
+        return {
+            name: state_const_bytes(shape, self.state_dtypes[name].itemsize)
+            for name, shape in self.state_shapes.items()
+        }
+
+    def components(self) -> list[ComponentSpec]:
+        """The SPEC 3 memory components of every layer (native ``components_from_layers``)."""
+        return components_from_layers(
+            self.layer_types,
+            kv_bytes_per_slot=self.kv_bytes_per_slot,
+            state_component_bytes=self.state_component_bytes,
+            sliding_window_tokens=self.sliding_window,
+        )
+
+    # -- loaders ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_config(
+        cls, source: str | os.PathLike[str] | Mapping[str, Any], *, kv_dtype: object = None
+    ) -> ModelShape:
+        """Build a shape from a Hugging Face style ``config.json`` (a path or the parsed dict).
+
+        ``num_key_value_heads`` defaults to ``num_attention_heads`` and ``head_dim`` to
+        ``hidden_size // num_attention_heads`` (the Hugging Face conventions). The K/V dtype is
+        ``kv_dtype`` if given (e.g. ``"fp8_e4m3"``), else the model dtype (``torch_dtype``, or
+        ``dtype`` in newer configs). Linear-attention layers get Qwen3-Next / GDN state shapes
+        from the ``linear_*`` keys: ``conv`` ``[conv_dim, linear_conv_kernel_dim - 1]`` in the
+        model dtype with ``conv_dim = 2 * linear_num_key_heads * linear_key_head_dim +
+        linear_num_value_heads * linear_value_head_dim``, and ``ssm`` ``[linear_num_value_heads,
+        linear_key_head_dim, linear_value_head_dim]`` in ``mamba_ssm_dtype`` (default float32).
+        """
+        cfg = load_model_config(source)
+        layer_types = tuple(layer_types_from_config(cfg))
+        has_state = any(label in STATE_LAYER_TYPES for label in layer_types)
+        # The model dtype is needed for K/V unless kv_dtype overrides it, and for the conv state.
+        model_dtype = _config_dtype(cfg) if kv_dtype is None or has_state else None
+        state_shapes: dict[str, tuple[int, ...]] | None = None
+        state_dtypes: dict[str, torch.dtype] | None = None
+        if has_state and model_dtype is not None:
+            state_shapes, state_dtypes = _gdn_state(cfg, model_dtype)
+        return cls(
+            layer_types=layer_types,
+            sliding_window=sliding_window_from_config(cfg),
+            num_kv_heads=_config_kv_heads(cfg),
+            head_dim=_config_head_dim(cfg),
+            kv_dtype=as_dtype(model_dtype if kv_dtype is None else kv_dtype, "kv_dtype"),
+            state_shapes=state_shapes,
+            state_dtypes=state_dtypes,
+        )
+
+    @classmethod
+    def preset(cls, name: str, *, kv_dtype: object = None) -> ModelShape:
+        """The shape of a bundled preset (``flat_kvcache.presets``), e.g. ``"qwen3.5-like"``."""
+        if not isinstance(name, str) or name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(preset_names())}")
+        return cls.from_config(get_preset(name), kv_dtype=kv_dtype)
+
+
+def _config_int(cfg: Mapping[str, Any], key: str) -> int:
+    if key not in cfg or cfg[key] is None:
+        raise ValueError(f"config is missing {key!r}")
+    value = cfg[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"config key {key!r} must be a positive int, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"config key {key!r} must be a positive int, got {value!r}")
+    return value
+
+
+def _config_kv_heads(cfg: Mapping[str, Any]) -> int:
+    if cfg.get("num_key_value_heads") is not None:
+        return _config_int(cfg, "num_key_value_heads")
+    if cfg.get("num_attention_heads") is not None:
+        return _config_int(cfg, "num_attention_heads")
+    raise ValueError("config is missing 'num_key_value_heads' (and 'num_attention_heads' to default it from)")
+
+
+def _config_head_dim(cfg: Mapping[str, Any]) -> int:
+    if cfg.get("head_dim") is not None:
+        return _config_int(cfg, "head_dim")
+    if cfg.get("hidden_size") is not None and cfg.get("num_attention_heads") is not None:
+        hidden, heads = _config_int(cfg, "hidden_size"), _config_int(cfg, "num_attention_heads")
+        if hidden % heads:
+            raise ValueError(
+                f"config is missing 'head_dim' and hidden_size={hidden} is not a multiple of "
+                f"num_attention_heads={heads}"
+            )
+        return hidden // heads
+    raise ValueError("config is missing 'head_dim' (and 'hidden_size'/'num_attention_heads' to derive it)")
+
+
+def _config_dtype(cfg: Mapping[str, Any]) -> torch.dtype:
+    for key in ("torch_dtype", "dtype"):
+        if cfg.get(key) is not None:
+            try:
+                return as_dtype(cfg[key], f"config key {key!r}")
+            except TypeError as exc:
+                raise ValueError(str(exc)) from exc
+    raise ValueError("config is missing 'torch_dtype' (the model dtype); pass kv_dtype= to choose one")
+
+
+def _gdn_state(
+    cfg: Mapping[str, Any], model_dtype: torch.dtype
+) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype]]:
+    """Qwen3-Next / Gated DeltaNet per-layer state: a causal-conv window and the recurrent state."""
+    kernel = _config_int(cfg, "linear_conv_kernel_dim")
+    key_dim = _config_int(cfg, "linear_key_head_dim")
+    key_heads = _config_int(cfg, "linear_num_key_heads")
+    value_dim = _config_int(cfg, "linear_value_head_dim")
+    value_heads = _config_int(cfg, "linear_num_value_heads")
+    ssm_dtype = torch.float32
+    if cfg.get("mamba_ssm_dtype") is not None:
+        try:
+            ssm_dtype = as_dtype(cfg["mamba_ssm_dtype"], "config key 'mamba_ssm_dtype'")
+        except TypeError as exc:
+            raise ValueError(str(exc)) from exc
+    conv_dim = 2 * key_heads * key_dim + value_heads * value_dim
+    shapes = {"conv": (conv_dim, kernel - 1), "ssm": (value_heads, key_dim, value_dim)}
+    return shapes, {"conv": model_dtype, "ssm": ssm_dtype}

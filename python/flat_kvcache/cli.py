@@ -1,0 +1,338 @@
+"""The ``flat-kvcache`` command line.
+
+``flat-kvcache plan`` sizes the paged KV cache of a model (a preset or a Hugging Face style
+``config.json``): its page groups, the pages each group needs, the CUDA-graph capture width of
+each group's block table and the hybrid slab pairing. With no arguments it plans the default
+preset. ``--json`` prints the same plan as JSON.
+
+Bad input is one line on stderr, ``flat-kvcache: error: ...``, and a non-zero exit status:
+2 for a usage error (unknown option, negative size), 1 for a model the API rejects (missing or
+invalid config, unknown preset or layer label).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+import flat_kvcache
+from flat_kvcache.config import (
+    layer_types_from_config,
+    load_model_config,
+    max_context_len_from_config,
+    sliding_window_from_config,
+)
+from flat_kvcache.presets import DEFAULT_PRESET, get_preset, preset_names
+
+__all__ = ["build_plan", "format_plan", "main"]
+
+PROG = "flat-kvcache"
+#: Default ``--max-total-tokens``: room for this many tokens, or one request at full context.
+DEFAULT_MAX_TOTAL_TOKENS = 262144
+
+
+class _Exit(Exception):
+    """Raised instead of ``sys.exit`` inside argparse, so :func:`main` can return the status."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line, ``flat-kvcache: error: ...`` (exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        _print_error(message)
+        raise _Exit(2)
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        if message:
+            sys.stderr.write(message)
+        raise _Exit(status)
+
+
+def _print_error(message: str) -> None:
+    """Print ``message`` as one ``flat-kvcache: error:`` line on stderr."""
+    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type`` that accepts an int >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
+def _parser() -> _Parser:
+    parser = _Parser(
+        prog=PROG,
+        description="Size the paged KV cache of a hybrid-attention model (flat per-group layout).",
+        epilog="With no command, 'plan' runs (on the default preset when no model is given).",
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {flat_kvcache.__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    plan = commands.add_parser(
+        "plan",
+        help="page groups, page counts, capture widths and slab pairing of a model",
+        description=(
+            "Print the page groups of a model (id, retention, window, family), the pages each needs, "
+            "the CUDA-graph capture width of each group's block table and the hybrid slab group size."
+        ),
+    )
+    model = plan.add_mutually_exclusive_group()
+    model.add_argument("--config", metavar="PATH", help="a Hugging Face style config.json (or its folder)")
+    model.add_argument("--preset", metavar="NAME", help=f"a built-in model preset (default {DEFAULT_PRESET})")
+    plan.add_argument("--list-presets", action="store_true", help="list the presets and exit")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    sizes = plan.add_argument_group("sizes")
+    non_negative, positive = _int_at_least(0), _int_at_least(1)
+    sizes.add_argument("--page-size", type=positive, default=16, metavar="P", help="tokens per page (16)")
+    sizes.add_argument(
+        "--max-live-requests", type=non_negative, default=256, metavar="B", help="max live requests (256)"
+    )
+    sizes.add_argument(
+        "--max-scheduled-tokens",
+        type=non_negative,
+        default=8192,
+        metavar="S",
+        help="max tokens scheduled per step (8192)",
+    )
+    sizes.add_argument(
+        "--max-total-tokens",
+        type=non_negative,
+        metavar="T",
+        help=f"max tokens held by all requests (default: max({DEFAULT_MAX_TOTAL_TOKENS}, max context))",
+    )
+    sizes.add_argument(
+        "--max-context-len",
+        type=non_negative,
+        metavar="C",
+        help="max context length (default: the config's max_position_embeddings, else 131072)",
+    )
+    sizes.add_argument(
+        "--decode-input-tokens",
+        type=positive,
+        default=1,
+        metavar="N",
+        help="decode input tokens per request per step, >1 with speculative decoding (1)",
+    )
+    sizes.add_argument(
+        "--overlap-schedule-depth",
+        type=int,
+        choices=(0, 1),
+        default=0,
+        metavar="D",
+        help="overlap schedule depth, 0 or 1 (0)",
+    )
+    sizes.add_argument(
+        "--safety-margin", type=non_negative, default=0, metavar="M", help="extra pages per group (0)"
+    )
+    plan.set_defaults(run=_run_plan)
+    return parser
+
+
+def _with_default_command(argv: list[str]) -> list[str]:
+    """Insert ``plan`` when the command line starts with an option (top-level help and version aside)."""
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
+        return ["plan", *argv]
+    return argv
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line (``argv`` defaults to ``sys.argv[1:]``) and return the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = _parser().parse_args(_with_default_command(args_list))
+    except _Exit as exc:
+        return exc.status
+    run: Callable[[argparse.Namespace], int] = args.run
+    return run(args)
+
+
+# --- plan -------------------------------------------------------------------------------------
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    if args.list_presets:
+        _print_presets()
+        return 0
+    try:
+        if args.config is not None:
+            source, cfg = args.config, load_model_config(args.config)
+        else:
+            name = args.preset or DEFAULT_PRESET
+            source, cfg = f"preset {name}", load_model_config(name)
+        plan = build_plan(
+            cfg,
+            source=source,
+            page_size=args.page_size,
+            max_live_requests=args.max_live_requests,
+            max_scheduled_tokens=args.max_scheduled_tokens,
+            max_total_tokens=args.max_total_tokens,
+            max_context_len=args.max_context_len,
+            decode_input_tokens=args.decode_input_tokens,
+            overlap_schedule_depth=args.overlap_schedule_depth,
+            safety_margin=args.safety_margin,
+        )
+    except (OSError, ValueError, OverflowError) as exc:
+        _print_error(str(exc))
+        return 1
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    return 0
+
+
+def _print_presets() -> None:
+    rows = []
+    for name in preset_names():
+        labels = Counter(layer_types_from_config(get_preset(name)))
+        summary = ", ".join(f"{count} {label}" for label, count in labels.items())
+        rows.append((name + (" (default)" if name == DEFAULT_PRESET else ""), summary))
+    width = max(len(name) for name, _ in rows)
+    for name, summary in rows:
+        print(f"{name:<{width}}  {summary}")
+
+
+def build_plan(
+    cfg: dict[str, Any],
+    *,
+    source: str,
+    page_size: int,
+    max_live_requests: int,
+    max_scheduled_tokens: int,
+    max_total_tokens: int | None,
+    max_context_len: int | None,
+    decode_input_tokens: int = 1,
+    overlap_schedule_depth: int = 0,
+    safety_margin: int = 0,
+) -> dict[str, Any]:
+    """The plan of a model config as a JSON-ready dict, computed with the public (native) API.
+
+    ``max_context_len`` None takes the config's; ``max_total_tokens`` None takes
+    ``max(DEFAULT_MAX_TOTAL_TOKENS, max_context_len)``.
+    """
+    layer_types = layer_types_from_config(cfg)
+    if not layer_types:
+        raise ValueError("the model config has no layers")
+    window = sliding_window_from_config(cfg)
+    context = max_context_len_from_config(cfg) if max_context_len is None else max_context_len
+    total = max(DEFAULT_MAX_TOTAL_TOKENS, context) if max_total_tokens is None else max_total_tokens
+
+    specs = flat_kvcache.group_specs_from_layer_types(layer_types, window, page_size=page_size)
+    counts = flat_kvcache.compute_paged_cache_group_page_counts(
+        specs,
+        max_live_requests=max_live_requests,
+        max_scheduled_tokens=max_scheduled_tokens,
+        max_total_tokens=total,
+        max_context_len=context,
+        decode_input_tokens=decode_input_tokens,
+        overlap_schedule_depth=overlap_schedule_depth,
+        safety_margin=safety_margin,
+    )
+    layers_per_group: Counter[str] = Counter(flat_kvcache.layer_group_ids(layer_types, window))
+    groups = [
+        {
+            "group_id": spec.group_id,
+            "retention": spec.retention,
+            "sliding_window_tokens": spec.sliding_window_tokens,
+            "family": spec.family,
+            "state": spec.family == "state",
+            "rows_per_page": spec.rows_per_page,
+            "entry_stride_tokens": spec.entry_stride_tokens,
+            "num_layers": layers_per_group[spec.group_id],
+            "pages": counts[spec.group_id],
+            "capture_width": flat_kvcache.compute_max_logical_pages_for_capture(
+                spec,
+                max_context_len=context,
+                max_tokens_per_req=decode_input_tokens,
+                overlap_schedule_depth=overlap_schedule_depth,
+            ),
+        }
+        for spec in specs
+    ]
+    return {
+        "model": {
+            "source": source,
+            "model_type": cfg.get("model_type"),
+            "num_layers": len(layer_types),
+            "layer_types": dict(Counter(layer_types)),
+        },
+        "flat_kvcache": flat_kvcache.FLAT_KVCACHE,
+        "settings": {
+            "page_size": page_size,
+            "max_live_requests": max_live_requests,
+            "max_scheduled_tokens": max_scheduled_tokens,
+            "max_total_tokens": total,
+            "max_context_len": context,
+            "decode_input_tokens": decode_input_tokens,
+            "overlap_schedule_depth": overlap_schedule_depth,
+            "safety_margin": safety_margin,
+        },
+        "groups": groups,
+        "hybrid_slab_group_size": flat_kvcache.hybrid_slab_group_size(
+            layer_types, sliding_window_tokens=window
+        ),
+    }
+
+
+def format_plan(plan: dict[str, Any]) -> str:
+    """A plan from :func:`build_plan` as a readable, aligned table."""
+    model, settings = plan["model"], plan["settings"]
+    mix = ", ".join(f"{count} {label}" for label, count in model["layer_types"].items())
+    lines = [
+        f"model: {model['source']} ({model['model_type'] or 'unknown type'}), "
+        f"{model['num_layers']} layers: {mix}",
+        "settings: " + ", ".join(f"{key}={value}" for key, value in settings.items()),
+        "",
+    ]
+    header = ("group", "retention", "window", "family", "layers", "pages", "capture width", "")
+    rows = [
+        (
+            group["group_id"],
+            group["retention"],
+            "-" if group["sliding_window_tokens"] is None else str(group["sliding_window_tokens"]),
+            group["family"],
+            str(group["num_layers"]),
+            str(group["pages"]),
+            str(group["capture_width"]),
+            "*" if group["state"] else "",
+        )
+        for group in plan["groups"]
+    ]
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    numeric = {2, 4, 5, 6}  # right-aligned columns
+
+    def line(row: Sequence[str]) -> str:
+        cells = [
+            cell.rjust(width) if i in numeric else cell.ljust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        return "  ".join(cells).rstrip()
+
+    lines += [line(header), *(line(row) for row in rows), ""]
+    if any(group["state"] for group in plan["groups"]):
+        lines.append(
+            "* state group: pages hold recurrent-state snapshots; CUDA-graph capture buffers "
+            "are allocated for the other groups only"
+        )
+    slab = plan["hybrid_slab_group_size"]
+    if slab is not None:
+        lines.append(f"hybrid slab group size: {slab} (layer i of every label shares K/V slab i)")
+    elif not plan["flat_kvcache"]:
+        lines.append("hybrid slab group size: none (built without the flat feature)")
+    else:
+        lines.append("hybrid slab group size: none (per-layer K/V buffers)")
+    return "\n".join(lines)

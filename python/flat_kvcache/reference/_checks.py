@@ -1,0 +1,51 @@
+"""Argument checks shared by the reference modules (docs/sizing-api.md, "Integer arguments").
+
+Integers are plain Python ints, so every formula in the reference is exact at any size. The
+native side raises ``OverflowError`` where a value does not fit ``u64``; the reference never does.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from typing import SupportsIndex, cast
+
+
+def as_int(value: object, name: str) -> int:
+    """``value`` as an int: anything with ``__index__`` except ``bool`` (``TypeError`` otherwise)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, not bool")
+    try:
+        return operator.index(cast("SupportsIndex", value))
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+
+
+def non_negative(value: object, name: str) -> int:
+    """An int ``>= 0`` (``ValueError("<name> must be >= 0, got <value>")`` otherwise)."""
+    number = as_int(value, name)
+    if number < 0:
+        raise ValueError(f"{name} must be >= 0, got {number}")
+    return number
+
+
+def positive(value: object, name: str) -> int:
+    """An int ``> 0`` (``ValueError("<name> must be > 0, got <value>")`` otherwise)."""
+    number = as_int(value, name)
+    if number <= 0:
+        raise ValueError(f"{name} must be > 0, got {number}")
+    return number
+
+
+def ceil_div(numerator: int, denominator: int) -> int:
+    """Exact ``ceil(numerator / denominator)`` for ``denominator > 0`` (the SPEC glossary's ``ceil``)."""
+    return -(-numerator // denominator)
+
+
+def is_sequence(value: object) -> bool:
+    """True for an indexable, sized container that is not a mapping (list, tuple, ndarray, ...).
+
+    Strings pass too; callers that must refuse a bare ``str`` check for it first.
+    """
+    kind = type(value)
+    return not isinstance(value, Mapping) and hasattr(kind, "__getitem__") and hasattr(kind, "__len__")

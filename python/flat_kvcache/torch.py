@@ -1,0 +1,52 @@
+"""Torch buffers for the flat KV cache (SPEC 11), sized from a memory budget (SPEC 3).
+
+The pipeline, one call per step::
+
+    from flat_kvcache.torch import (ModelShape, plan_kv_memory, allocate_kv_buffers,
+                                    CaptureBuffers, write_locations)
+
+    shape = ModelShape.preset("gpt-oss-like")            # or ModelShape.from_config("config.json")
+    plan = plan_kv_memory(shape, page_size=16, device="cuda", max_live_requests=256,
+                          max_scheduled_tokens=8192, max_context_len=32768)
+    buffers = allocate_kv_buffers(plan, "cuda")          # buffers.k(i), .v(i), .state(i)
+    capture = CaptureBuffers(plan.groups, max_batch_size=256, max_context_len=32768, device="cuda")
+    # every step, into the same storage:
+    capture.fill(cache.block_tables(reqs), batch_size=len(reqs))
+    out_loc = write_locations(capture.buffer("full_attention"), positions, plan.page_size)
+
+Every size comes from the native memory plan (``flat_kvcache.components_from_layers``,
+``equalized_block_size``, ``plan_tensors`` / ``plan_component_tensors``), computed in Rust with
+checked arithmetic; this module turns the planned byte counts into tensor shapes and checks
+that the two agree.
+
+PyTorch is an optional extra (``pip install 'flat-kvcache[torch]'``); no other public module
+of the package imports it.
+"""
+
+from __future__ import annotations
+
+try:
+    import torch as _torch  # noqa: F401
+except ModuleNotFoundError as exc:
+    if exc.name != "torch":
+        raise
+    raise ImportError(
+        "flat_kvcache.torch needs PyTorch, an optional extra of flat-kvcache: "
+        "install it with `pip install 'flat-kvcache[torch]'`"
+    ) from exc
+
+from flat_kvcache._torch_capture import CaptureBuffers, extend_locations, write_locations
+from flat_kvcache._torch_plan import KVBuffers, KVMemoryPlan, TensorSpec, allocate_kv_buffers, plan_kv_memory
+from flat_kvcache._torch_shape import ModelShape
+
+__all__ = [
+    "CaptureBuffers",
+    "KVBuffers",
+    "KVMemoryPlan",
+    "ModelShape",
+    "TensorSpec",
+    "allocate_kv_buffers",
+    "extend_locations",
+    "plan_kv_memory",
+    "write_locations",
+]

@@ -1,0 +1,560 @@
+//! The memory plan (SPEC 3): memory components of layers, page geometry, and tensor plans
+//! that turn a byte budget into a page count.
+//!
+//! As in [`crate::sizing`], inputs arrive as the bindings saw them and are checked exactly, in
+//! the reference's order, before any arithmetic. Sizes are then computed from `u64` operands in
+//! checked `u128`, so a sum of rows that exceeds `u64` still gives the exact "need at least 2
+//! blocks" error instead of an overflow.
+
+use std::collections::HashMap;
+
+use crate::checked;
+use crate::error::{CoreError, CoreResult};
+use crate::int::{Int, IntArg};
+use crate::sizing::{self, LabelItem, LayerTypesArg, WindowsArg};
+
+/// `occurrence_index`: for each layer, the number of earlier layers with the same label (any
+/// str label; `layer_types` must be a sequence of str).
+pub fn occurrence_index(layer_types: &LayerTypesArg) -> CoreResult<Vec<usize>> {
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    Ok(sizing::layer_labels(layer_types)?
+        .into_iter()
+        .map(|label| {
+            let count = seen.entry(label).or_default();
+            let index = *count;
+            *count += 1;
+            index
+        })
+        .collect())
+}
+
+/// The `shape` argument of `state_const_bytes`, as the bindings saw it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ShapeArg {
+    /// A str or a non-sequence; holds the type name.
+    NotSequence(String),
+    /// A sequence of dimensions.
+    Dims(Vec<IntArg>),
+}
+
+/// `state_const_bytes`: `prod(shape) * itemsize` bytes per page (an empty shape is one
+/// element). Every dimension is checked (an int >= 0), then `itemsize` (an int > 0).
+pub fn state_const_bytes(shape: &ShapeArg, itemsize: &IntArg) -> CoreResult<u64> {
+    let dims = match shape {
+        ShapeArg::NotSequence(type_name) => {
+            return Err(CoreError::Type(format!(
+                "shape must be a sequence of ints, not {type_name}"
+            )));
+        }
+        ShapeArg::Dims(dims) => dims
+            .iter()
+            .enumerate()
+            .map(|(i, dim)| dim.non_negative(&format!("shape[{i}]")))
+            .collect::<CoreResult<Vec<_>>>()?,
+    };
+    let itemsize = itemsize.positive("itemsize")?;
+    // A zero dimension makes the product 0 whatever the others are (they need not fit u64).
+    if dims.iter().any(|dim| dim.is_zero()) {
+        return Ok(0);
+    }
+    let what = "state_const_bytes: prod(shape) * itemsize";
+    let mut bytes = itemsize.u64("itemsize")?;
+    for (i, dim) in dims.iter().enumerate() {
+        bytes = checked::mul(bytes, dim.u64(&format!("shape[{i}]"))?, what)?;
+    }
+    Ok(bytes)
+}
+
+/// The `state_component_bytes` argument of `components_from_layers`, as the bindings saw it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StateComponentsArg {
+    /// `None`.
+    None,
+    /// Not a mapping; holds the type name.
+    NotMapping(String),
+    /// The mapping's items, in its order.
+    Items(Vec<StateItemArg>),
+}
+
+/// One `(name, bytes per page)` item of `state_component_bytes`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StateItemArg {
+    /// The key (a str, else its type name).
+    pub name: LabelItem,
+    /// `repr(key)`, for messages.
+    pub repr: String,
+    /// The value.
+    pub nbytes: IntArg,
+}
+
+/// One memory component (the fields of `ComponentSpec`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ComponentSpec {
+    /// The group of the layer.
+    pub group_id: String,
+    /// The absolute layer index.
+    pub layer: usize,
+    /// The component name (`kv` for history layers).
+    pub component: String,
+    /// Bytes per token slot.
+    pub bytes_per_slot: Int,
+    /// Bytes per page.
+    pub const_bytes: Int,
+}
+
+/// `components_from_layers`: the memory components of every layer, layer by layer.
+///
+/// Checks, in order: `kv_bytes_per_slot > 0`, the state mapping (a mapping of str to ints
+/// >= 0), the layers (as `layer_group_ids`), then each state layer needs a non-empty mapping.
+pub fn components_from_layers(
+    layer_types: &LayerTypesArg,
+    kv_bytes_per_slot: &IntArg,
+    state_component_bytes: &StateComponentsArg,
+    windows: &WindowsArg,
+) -> CoreResult<Vec<ComponentSpec>> {
+    let kv_bytes = kv_bytes_per_slot.positive("kv_bytes_per_slot")?;
+    let state_items = match state_component_bytes {
+        StateComponentsArg::None => Vec::new(),
+        StateComponentsArg::NotMapping(type_name) => {
+            return Err(CoreError::Type(format!(
+                "state_component_bytes must be a mapping of component name to bytes per page, not {type_name}"
+            )));
+        }
+        StateComponentsArg::Items(items) => items
+            .iter()
+            .map(|item| match &item.name {
+                LabelItem::Str(name) => Ok((
+                    name.as_str(),
+                    item.nbytes
+                        .non_negative(&format!("state_component_bytes[{}]", item.repr))?,
+                )),
+                LabelItem::Other(type_name) => Err(CoreError::Type(format!(
+                    "state_component_bytes keys must be str, not {type_name}"
+                ))),
+            })
+            .collect::<CoreResult<Vec<_>>>()?,
+    };
+    let mut components = Vec::new();
+    for (i, layer) in sizing::grouped_layers(layer_types, windows)?.into_iter().enumerate() {
+        if !layer.kind.is_state() {
+            components.push(ComponentSpec {
+                group_id: layer.group_id,
+                layer: i,
+                component: "kv".to_owned(),
+                bytes_per_slot: kv_bytes.clone(),
+                const_bytes: Int::zero(),
+            });
+            continue;
+        }
+        if state_items.is_empty() {
+            return Err(CoreError::invalid(format!(
+                "layer {i} ({}) needs state_component_bytes",
+                layer.kind.label()
+            )));
+        }
+        components.extend(state_items.iter().map(|(name, nbytes)| ComponentSpec {
+            group_id: layer.group_id.clone(),
+            layer: i,
+            component: (*name).to_owned(),
+            bytes_per_slot: Int::zero(),
+            const_bytes: Int::clone(nbytes),
+        }));
+    }
+    Ok(components)
+}
+
+/// A component as the bindings read it from a `ComponentSpec` (or any object with its fields).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ComponentArg {
+    /// Equal keys mean equal `group_id`s (the bindings key them by Python equality).
+    pub group_key: usize,
+    /// `str(group_id)`, for messages and tensor names.
+    pub group_id: String,
+    /// `layer`.
+    pub layer: IntArg,
+    /// `str(component)`, for tensor names.
+    pub component: String,
+    /// `bytes_per_slot`.
+    pub bytes_per_slot: IntArg,
+    /// `const_bytes`.
+    pub const_bytes: IntArg,
+}
+
+/// Component arguments from component specs, groups keyed by their id (for Rust callers; the
+/// bindings key groups by Python equality instead).
+pub fn component_args(specs: &[ComponentSpec]) -> Vec<ComponentArg> {
+    let mut keys: HashMap<&str, usize> = HashMap::new();
+    specs
+        .iter()
+        .map(|spec| {
+            let next = keys.len();
+            ComponentArg {
+                group_key: *keys.entry(spec.group_id.as_str()).or_insert(next),
+                group_id: spec.group_id.clone(),
+                layer: IntArg::Int(Int::from(spec.layer)),
+                component: spec.component.clone(),
+                bytes_per_slot: IntArg::Int(spec.bytes_per_slot.clone()),
+                const_bytes: IntArg::Int(spec.const_bytes.clone()),
+            }
+        })
+        .collect()
+}
+
+/// A checked component: exact layer and sizes.
+struct Checked<'a> {
+    arg: &'a ComponentArg,
+    layer: &'a Int,
+    bytes_per_slot: &'a Int,
+    const_bytes: &'a Int,
+}
+
+impl Checked<'_> {
+    /// The row bytes of this component at `page` tokens per page: `bytes_per_slot * P +
+    /// const_bytes` (at most about 2^128, so it always fits the wide type).
+    fn row(&self, page: u64) -> CoreResult<u128> {
+        let what = format!(
+            "components: {}.bytes_per_slot * block_size + const_bytes",
+            self.arg.group_id
+        );
+        let linear = checked::mul_wide(
+            u128::from(self.bytes_per_slot.u64("bytes_per_slot")?),
+            u128::from(page),
+            &what,
+        )?;
+        checked::add_wide(linear, u128::from(self.const_bytes.u64("const_bytes")?), &what)
+    }
+}
+
+/// Every component's `layer` must be an int and its sizes ints >= 0 (named `components[<k>]`).
+fn check_components(components: &[ComponentArg]) -> CoreResult<Vec<Checked<'_>>> {
+    components
+        .iter()
+        .enumerate()
+        .map(|(k, arg)| {
+            Ok(Checked {
+                arg,
+                layer: arg.layer.int(&format!("components[{k}].layer"))?,
+                bytes_per_slot: arg
+                    .bytes_per_slot
+                    .non_negative(&format!("components[{k}].bytes_per_slot"))?,
+                const_bytes: arg.const_bytes.non_negative(&format!("components[{k}].const_bytes"))?,
+            })
+        })
+        .collect()
+}
+
+/// Page geometry: tokens per page (`block_size`), bytes per page row, and page count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockGeometry {
+    /// Tokens per page.
+    pub block_size: u64,
+    /// Bytes per page (one row of every buffer together).
+    pub block_bytes: u64,
+    /// Number of pages (0 when only the geometry was solved).
+    pub num_blocks: u64,
+}
+
+/// Rows in first-appearance order of their (group, layer) key, with the index of the first
+/// component of each row and the indices of all its components.
+fn rows_of<'c>(checked: &[Checked<'c>]) -> Vec<(usize, &'c Int, Vec<usize>)> {
+    let mut index: HashMap<(usize, &Int), usize> = HashMap::new();
+    let mut rows: Vec<(usize, &Int, Vec<usize>)> = Vec::new();
+    for (k, comp) in checked.iter().enumerate() {
+        let key = (comp.arg.group_key, comp.layer);
+        let next = rows.len();
+        let row = *index.entry(key).or_insert(next);
+        if row == next {
+            rows.push((k, comp.layer, Vec::new()));
+        }
+        if let Some((_, _, members)) = rows.get_mut(row) {
+            members.push(k);
+        }
+    }
+    rows
+}
+
+/// `solve_page_geometry`: tokens per page and bytes per page (`num_blocks` is 0).
+///
+/// Per (group, layer) row, per-token and per-page bytes are summed; a row with both is an
+/// error. If some row has per-page bytes, a page must hold `needed = ceil(max_const /
+/// max_linear)` tokens; when `needed > block_size` the block size grows to `needed` rounded up
+/// to `alignment`. `block_bytes = max(max_linear * block_size, max_const)`.
+pub fn solve_page_geometry(
+    components: &[ComponentArg],
+    block_size: &IntArg,
+    alignment: &IntArg,
+) -> CoreResult<BlockGeometry> {
+    let block_size = block_size.positive("block_size")?;
+    let alignment = alignment.positive("alignment")?;
+    let checked = check_components(components)?;
+    let rows = rows_of(&checked);
+    // The sizes are >= 0, so a row's sum is > 0 exactly when one of its sizes is: the checks
+    // need no arithmetic (and so no operand has to fit u64 yet).
+    for (first, layer, members) in &rows {
+        let has_linear = members
+            .iter()
+            .any(|&k| checked.get(k).is_some_and(|c| c.bytes_per_slot.is_positive()));
+        let has_const = members
+            .iter()
+            .any(|&k| checked.get(k).is_some_and(|c| c.const_bytes.is_positive()));
+        if has_linear && has_const {
+            let group_id = checked.get(*first).map_or("", |c| c.arg.group_id.as_str());
+            return Err(CoreError::invalid(format!(
+                "group {group_id} layer {layer} mixes per-token and per-page components"
+            )));
+        }
+    }
+    let any_const = checked.iter().any(|c| c.const_bytes.is_positive());
+    let any_linear = checked.iter().any(|c| c.bytes_per_slot.is_positive());
+    if any_const && !any_linear {
+        return Err(CoreError::invalid(
+            "state components need at least one per-token (history) component to size pages",
+        ));
+    }
+    // Per-row sums, from u64 operands (exact in the wide type).
+    let row_sum = |members: &[usize], linear: bool, what: &str| -> CoreResult<u128> {
+        let values = members
+            .iter()
+            .filter_map(|&k| checked.get(k))
+            .map(|c| if linear { c.bytes_per_slot } else { c.const_bytes })
+            .map(|size| size.u64(what).map(u128::from))
+            .collect::<CoreResult<Vec<_>>>()?;
+        checked::sum_wide(values, what)
+    };
+    let mut max_linear = 0u128;
+    let mut max_const = 0u128;
+    for (_, _, members) in &rows {
+        max_linear = max_linear.max(row_sum(members, true, "bytes_per_slot")?);
+        max_const = max_const.max(row_sum(members, false, "const_bytes")?);
+    }
+    let mut block = u128::from(block_size.u64("block_size")?);
+    if max_const > 0 {
+        let needed = checked::ceil_div_wide(max_const, max_linear, "max_const / max_linear")?;
+        if needed > block {
+            let alignment = u128::from(alignment.u64("alignment")?);
+            let what = "block_size from const_bytes, bytes_per_slot and alignment";
+            block = checked::mul_wide(alignment, checked::ceil_div_wide(needed, alignment, what)?, what)?;
+        }
+    }
+    let what = "block_bytes from bytes_per_slot, const_bytes and block_size";
+    let block_bytes = checked::mul_wide(max_linear, block, what)?.max(max_const);
+    Ok(BlockGeometry {
+        block_size: checked::narrow(block, "block_size from const_bytes, bytes_per_slot and alignment")?,
+        block_bytes: checked::narrow(block_bytes, what)?,
+        num_blocks: 0,
+    })
+}
+
+/// `equalized_block_size`: the block size of [`solve_page_geometry`], `alignment` defaulting to
+/// `block_size`.
+pub fn equalized_block_size(
+    components: &[ComponentArg],
+    block_size: &IntArg,
+    alignment: Option<&IntArg>,
+) -> CoreResult<u64> {
+    Ok(solve_page_geometry(components, block_size, alignment.unwrap_or(block_size))?.block_size)
+}
+
+/// Where one component lives inside a planned tensor (the fields of `LayerBinding`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerBinding {
+    /// The tensor (slot) index.
+    pub slot: usize,
+    /// The input component whose `group_id` the binding carries (the first component of the
+    /// group in a slab plan: the group's key object).
+    pub group_source: usize,
+    /// The input component whose `component` name the binding carries.
+    pub component_source: usize,
+    /// The layer, as checked.
+    pub layer: Int,
+    /// Bytes of this component per page.
+    pub nbytes_per_block: u64,
+    /// Byte offset of this component inside the tensor's page row.
+    pub row_offset: u64,
+}
+
+/// One buffer of the plan (the fields of `TensorPlan`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorPlan {
+    /// The tensor name.
+    pub name: String,
+    /// Total bytes.
+    pub nbytes: u64,
+    /// The components it serves.
+    pub bindings: Vec<LayerBinding>,
+}
+
+/// A memory plan (the fields of `FlatMemoryPlan`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FlatMemoryPlan {
+    /// The page geometry, with the page count.
+    pub geometry: BlockGeometry,
+    /// The tensors to allocate.
+    pub tensors: Vec<TensorPlan>,
+}
+
+/// How many whole blocks of `bytes_per_block` fit the budget (round down); fewer than 2 (one is
+/// the null page) is an error.
+fn num_blocks(budget: &Int, bytes_per_block: u128) -> CoreResult<u64> {
+    // A zero divisor gives 0 blocks (the error below), whatever the budget.
+    let blocks = match budget.to_u64() {
+        Some(budget) => u128::from(budget).checked_div(bytes_per_block).unwrap_or(0),
+        None if bytes_per_block == 0 => 0,
+        None => return Err(CoreError::overflow("budget_bytes")),
+    };
+    if blocks <= 1 {
+        return Err(CoreError::invalid(format!(
+            "budget_bytes={budget} gives {blocks} blocks of {bytes_per_block} bytes; need at least 2 (one is the null page)"
+        )));
+    }
+    checked::narrow(blocks, "num_blocks")
+}
+
+/// A size of the plan once `num_blocks >= 2`: every row is then at most half the budget, so
+/// this never fails in practice; it is still checked.
+fn plan_size(v: u128, what: &str) -> CoreResult<u64> {
+    checked::narrow(v, what)
+}
+
+/// `plan_component_tensors`: one tensor per component, each with `num_blocks` rows of
+/// `bytes_per_slot * P + const_bytes` bytes; `num_blocks = budget // (sum of rows +
+/// reserved_bytes_per_block)`.
+pub fn plan_component_tensors(
+    components: &[ComponentArg],
+    block_size: &IntArg,
+    budget_bytes: &IntArg,
+    reserved_bytes_per_block: &IntArg,
+) -> CoreResult<FlatMemoryPlan> {
+    let page = block_size.positive("block_size")?;
+    let budget = budget_bytes.non_negative("budget_bytes")?;
+    let reserved = reserved_bytes_per_block.non_negative("reserved_bytes_per_block")?;
+    let checked = check_components(components)?;
+    let page = page.u64("block_size")?;
+    let rows = checked.iter().map(|c| c.row(page)).collect::<CoreResult<Vec<_>>>()?;
+    let row_sum = checked::sum_wide(rows.iter().copied(), "sum of component rows")?;
+    let divisor = checked::add_wide(
+        row_sum,
+        u128::from(reserved.u64("reserved_bytes_per_block")?),
+        "sum of component rows + reserved_bytes_per_block",
+    )?;
+    let blocks = num_blocks(budget, divisor)?;
+    let tensors = checked
+        .iter()
+        .zip(&rows)
+        .enumerate()
+        .map(|(k, (comp, &row))| {
+            let row_bytes = plan_size(row, "component row bytes")?;
+            Ok(TensorPlan {
+                name: format!("{}.{}.{}", comp.arg.group_id, comp.layer, comp.arg.component),
+                nbytes: checked::mul(blocks, row_bytes, "num_blocks * row bytes")?,
+                bindings: vec![LayerBinding {
+                    slot: k,
+                    group_source: k,
+                    component_source: k,
+                    layer: comp.layer.clone(),
+                    nbytes_per_block: row_bytes,
+                    row_offset: 0,
+                }],
+            })
+        })
+        .collect::<CoreResult<Vec<_>>>()?;
+    Ok(FlatMemoryPlan {
+        geometry: BlockGeometry {
+            block_size: page,
+            block_bytes: plan_size(row_sum, "sum of component rows")?,
+            num_blocks: blocks,
+        },
+        tensors,
+    })
+}
+
+/// One (group, layer) row of a slab plan: its layer and its components `(index, row bytes)`.
+struct SlabRow<'a> {
+    layer: &'a Int,
+    parts: Vec<(usize, u128)>,
+}
+
+/// `plan_tensors` (slab plan): slot j is one tensor shared by the j-th layer (first-appearance
+/// order) of every group (first-appearance order). A (group, layer) row packs its components
+/// at increasing offsets; a slot's row is the largest row bound to it, and `num_blocks = budget
+/// // sum(slot rows)`.
+pub fn plan_tensors(
+    components: &[ComponentArg],
+    block_size: &IntArg,
+    budget_bytes: &IntArg,
+) -> CoreResult<FlatMemoryPlan> {
+    let page = block_size.positive("block_size")?;
+    let budget = budget_bytes.non_negative("budget_bytes")?;
+    let checked = check_components(components)?;
+    let page = page.u64("block_size")?;
+    // Groups in first-appearance order, each with its rows in first-appearance order; the
+    // group's first component carries its id.
+    let mut group_index: HashMap<usize, usize> = HashMap::new();
+    let mut groups: Vec<(usize, Vec<SlabRow<'_>>)> = Vec::new();
+    for (k, comp) in checked.iter().enumerate() {
+        let row_bytes = comp.row(page)?;
+        let next = groups.len();
+        let g = *group_index.entry(comp.arg.group_key).or_insert(next);
+        if g == next {
+            groups.push((k, Vec::new()));
+        }
+        let Some((_, rows)) = groups.get_mut(g) else { continue };
+        match rows.iter_mut().find(|row| row.layer == comp.layer) {
+            Some(row) => row.parts.push((k, row_bytes)),
+            None => rows.push(SlabRow {
+                layer: comp.layer,
+                parts: vec![(k, row_bytes)],
+            }),
+        }
+    }
+    let num_slots = groups.iter().map(|(_, rows)| rows.len()).max().unwrap_or(0);
+    let mut slot_rows = vec![0u128; num_slots];
+    // (slot, group source, component, layer, row bytes, offset), in (group, component) order.
+    let mut placed: Vec<(usize, usize, usize, &Int, u128, u128)> = Vec::new();
+    for (group_source, rows) in &groups {
+        for (slot, row) in rows.iter().enumerate() {
+            let mut offset = 0u128;
+            for &(k, bytes) in &row.parts {
+                placed.push((slot, *group_source, k, row.layer, bytes, offset));
+                offset = checked::add_wide(offset, bytes, "slab row bytes")?;
+            }
+            if let Some(slot_row) = slot_rows.get_mut(slot) {
+                *slot_row = (*slot_row).max(offset);
+            }
+        }
+    }
+    let total = checked::sum_wide(slot_rows.iter().copied(), "sum of slab rows")?;
+    let blocks = num_blocks(budget, total)?;
+    let mut tensors = slot_rows
+        .iter()
+        .enumerate()
+        .map(|(slot, &row)| {
+            Ok(TensorPlan {
+                name: format!("slab{slot}"),
+                nbytes: checked::mul(blocks, plan_size(row, "slab row bytes")?, "num_blocks * slab row bytes")?,
+                bindings: Vec::new(),
+            })
+        })
+        .collect::<CoreResult<Vec<_>>>()?;
+    for (slot, group_source, k, layer, bytes, offset) in placed {
+        let binding = LayerBinding {
+            slot,
+            group_source,
+            component_source: k,
+            layer: layer.clone(),
+            nbytes_per_block: plan_size(bytes, "component row bytes")?,
+            row_offset: plan_size(offset, "slab row offset")?,
+        };
+        if let Some(tensor) = tensors.get_mut(slot) {
+            tensor.bindings.push(binding);
+        }
+    }
+    Ok(FlatMemoryPlan {
+        geometry: BlockGeometry {
+            block_size: page,
+            block_bytes: plan_size(total, "sum of slab rows")?,
+            num_blocks: blocks,
+        },
+        tensors,
+    })
+}

@@ -1,0 +1,257 @@
+"""ModelShape: construction, validation, the config.json / preset loaders and their errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+try:
+    import torch
+except ModuleNotFoundError:
+    if os.environ.get("CI"):
+        raise RuntimeError("torch is missing: the flat_kvcache.torch tests must run in CI") from None
+    pytest.importorskip("torch")
+
+import flat_kvcache
+from flat_kvcache import reference as ref
+from flat_kvcache.presets import PRESETS, get_preset
+from flat_kvcache.torch import ModelShape
+
+ALTERNATING = ("sliding_attention", "full_attention") * 3
+
+
+def shape(**overrides: Any) -> ModelShape:
+    fields: dict[str, Any] = {
+        "layer_types": ALTERNATING,
+        "sliding_window": 128,
+        "num_kv_heads": 4,
+        "head_dim": 64,
+        "kv_dtype": torch.bfloat16,
+    }
+    fields.update(overrides)
+    return ModelShape(**fields)
+
+
+def run_python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+
+
+# -- import hygiene ---------------------------------------------------------------------------
+
+
+def test_import_without_torch_names_the_extra() -> None:
+    result = run_python("import sys; sys.modules['torch'] = None; import flat_kvcache.torch")
+    assert result.returncode != 0
+    assert "ImportError" in result.stderr
+    assert "flat-kvcache[torch]" in result.stderr
+
+
+def test_no_other_module_imports_torch() -> None:
+    modules = [
+        info.name
+        for info in pkgutil.walk_packages(flat_kvcache.__path__, "flat_kvcache.")
+        if not info.name.endswith("__main__")
+        and not info.name.rpartition(".")[2].startswith(("torch", "_torch"))
+    ]
+    code = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+
+
+# -- construction -----------------------------------------------------------------------------
+
+
+def test_fields_are_normalised() -> None:
+    made = shape(layer_types=list(ALTERNATING), sliding_window=[128, None] * 3, kv_dtype="bf16")
+    assert made.layer_types == ALTERNATING
+    assert made.sliding_window == (128, None) * 3
+    assert made.kv_dtype is torch.bfloat16
+    assert made.num_layers == 6
+    assert made.kv_bytes_per_slot == 2 * 4 * 64 * 2
+    assert made.state_shapes is None and made.state_component_bytes is None
+    assert shape(kv_dtype="torch.bfloat16") == shape()
+    assert hash(shape()) == hash(shape())
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [
+        ("bfloat16", torch.bfloat16),
+        ("float16", torch.float16),
+        ("fp32", torch.float32),
+        ("fp8", torch.float8_e4m3fn),
+        ("fp8_e5m2", torch.float8_e5m2),
+        (torch.float8_e4m3fn, torch.float8_e4m3fn),
+    ],
+)
+def test_kv_dtypes_and_fp8_storage(name: object, dtype: torch.dtype) -> None:
+    made = shape(kv_dtype=name)
+    assert made.kv_dtype is dtype
+    assert made.kv_storage_dtype is (torch.uint8 if dtype.itemsize == 1 else dtype)
+    assert made.kv_bytes_per_slot == 2 * 4 * 64 * dtype.itemsize
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "match"),
+    [
+        ({"layer_types": ()}, ValueError, "layer_types is empty"),
+        ({"layer_types": "full_attention"}, TypeError, "not a str"),
+        ({"layer_types": ("full_attention", "mlp")}, ValueError, "unknown layer_type 'mlp' at layer 1"),
+        ({"sliding_window": None}, ValueError, "layer 0 .* needs a positive sliding window"),
+        ({"sliding_window": [128, 64]}, ValueError, "2 entries but layer_types has 6"),
+        ({"num_kv_heads": 0}, ValueError, "num_kv_heads must be >= 1"),
+        ({"num_kv_heads": True}, TypeError, "num_kv_heads must be an int"),
+        ({"head_dim": 64.0}, TypeError, "head_dim must be an int"),
+        ({"kv_dtype": torch.int8}, ValueError, "kv_dtype must be a floating dtype"),
+        ({"kv_dtype": "float99"}, ValueError, "kv_dtype: unknown dtype 'float99'"),
+        ({"kv_dtype": 2}, TypeError, "kv_dtype must be a torch.dtype"),
+        (
+            {"state_shapes": {"conv": (4, 3)}, "state_dtypes": {"conv": torch.float32}},
+            ValueError,
+            "no linear",
+        ),
+    ],
+)
+def test_invalid_fields(overrides: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        shape(**overrides)
+
+
+STATE_LAYERS = ("linear_attention", "linear_attention", "full_attention")
+
+
+@pytest.mark.parametrize(
+    ("shapes", "dtypes", "error", "match"),
+    [
+        (None, None, ValueError, "state_shapes and state_dtypes are required"),
+        ({"conv": (8, 3)}, {"ssm": torch.float32}, ValueError, r"components \['conv'\] but state_dtypes"),
+        ({"conv": (8, -1)}, {"conv": torch.float32}, ValueError, r"state_shapes\['conv'\]\[1\] must be >= 0"),
+        ({"conv": "83"}, {"conv": torch.float32}, TypeError, "must be a sequence of ints"),
+        ({"conv": (8, 3)}, {"conv": "int32"}, ValueError, "must be a floating dtype"),
+        ({"conv": (8, 3)}, None, TypeError, "must both be mappings"),
+    ],
+)
+def test_invalid_state(shapes: Any, dtypes: Any, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        shape(layer_types=STATE_LAYERS, sliding_window=None, state_shapes=shapes, state_dtypes=dtypes)
+
+
+def test_state_fields_are_read_only_and_sized_natively() -> None:
+    made = shape(
+        layer_types=STATE_LAYERS,
+        sliding_window=None,
+        state_shapes={"conv": [8, 3], "ssm": (2, 4, 4)},
+        state_dtypes={"conv": "bfloat16", "ssm": torch.float32},
+    )
+    assert made.state_shapes == {"conv": (8, 3), "ssm": (2, 4, 4)}
+    assert made.state_component_bytes == {"conv": 8 * 3 * 2, "ssm": 2 * 4 * 4 * 4}
+    with pytest.raises(TypeError):
+        made.state_shapes["conv"] = (1,)  # type: ignore[index]
+    assert made.components() == ref.components_from_layers(
+        STATE_LAYERS,
+        kv_bytes_per_slot=made.kv_bytes_per_slot,
+        state_component_bytes=made.state_component_bytes,
+    )
+
+
+# -- loaders ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_loads(name: str) -> None:
+    cfg = get_preset(name)
+    made = ModelShape.preset(name)
+    assert made == ModelShape.from_config(cfg) == ModelShape.from_config(name)
+    assert len(made.layer_types) == cfg["num_hidden_layers"]
+    assert made.num_kv_heads == cfg["num_key_value_heads"]
+    assert made.head_dim == cfg["head_dim"]
+    assert made.kv_dtype is getattr(torch, cfg["torch_dtype"])
+
+
+def test_unknown_preset() -> None:
+    with pytest.raises(ValueError, match="unknown preset 'nope'; known presets: gpt-oss-like"):
+        ModelShape.preset("nope")
+
+
+def test_qwen35_gdn_state_shapes() -> None:
+    made = ModelShape.preset("qwen3.5-like")
+    conv_dim = 2 * 16 * 128 + 32 * 128
+    assert dict(made.state_shapes or {}) == {"conv": (conv_dim, 3), "ssm": (32, 128, 128)}
+    assert list(made.state_shapes or {}) == ["conv", "ssm"]
+    assert dict(made.state_dtypes or {}) == {"conv": torch.bfloat16, "ssm": torch.float32}
+
+
+def test_gdn_ssm_dtype_defaults_to_float32_and_conv_follows_the_model() -> None:
+    cfg = get_preset("qwen3.5-like")
+    del cfg["mamba_ssm_dtype"]
+    cfg["torch_dtype"] = "float16"
+    made = ModelShape.from_config(cfg, kv_dtype="fp8_e4m3")
+    assert made.state_dtypes == {"conv": torch.float16, "ssm": torch.float32}
+    assert made.kv_dtype is torch.float8_e4m3fn
+
+
+def test_from_config_file_and_folder(tmp_path: Path) -> None:
+    cfg = get_preset("gpt-oss-like")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert (
+        ModelShape.from_config(path)
+        == ModelShape.from_config(str(tmp_path))
+        == ModelShape.preset("gpt-oss-like")
+    )
+
+
+def test_from_config_hf_defaults() -> None:
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 512, "torch_dtype": "float16"}
+    made = ModelShape.from_config(cfg)
+    assert (made.num_kv_heads, made.head_dim, made.kv_dtype) == (8, 64, torch.float16)
+    assert made.layer_types == ("full_attention",) * 2
+    assert (
+        ModelShape.from_config({**cfg, "torch_dtype": None, "dtype": "bfloat16"}).kv_dtype is torch.bfloat16
+    )
+    # kv_dtype stands in for a missing model dtype when no state needs it.
+    assert (
+        ModelShape.from_config({**cfg, "torch_dtype": None}, kv_dtype="fp8").kv_dtype is torch.float8_e4m3fn
+    )
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        ({"num_key_value_heads": None, "num_attention_heads": None}, "missing 'num_key_value_heads'"),
+        ({"num_key_value_heads": 0}, "'num_key_value_heads' must be a positive int, got 0"),
+        ({"num_key_value_heads": "2"}, "'num_key_value_heads' must be a positive int"),
+        ({"head_dim": None, "hidden_size": None}, "missing 'head_dim'"),
+        ({"head_dim": None, "hidden_size": 1000, "num_attention_heads": 7}, "not a multiple"),
+        ({"torch_dtype": None}, "missing 'torch_dtype'"),
+        ({"torch_dtype": "int8"}, "'torch_dtype' must be a floating dtype"),
+        ({"torch_dtype": 16}, "'torch_dtype' must be a torch.dtype"),
+        ({"linear_key_head_dim": None}, "missing 'linear_key_head_dim'"),
+        ({"linear_num_value_heads": -1}, "'linear_num_value_heads' must be a positive int"),
+        ({"linear_conv_kernel_dim": True}, "'linear_conv_kernel_dim' must be a positive int"),
+        ({"mamba_ssm_dtype": "float77"}, "'mamba_ssm_dtype': unknown dtype"),
+        ({"layer_types": ["full_attention"] * 47 + ["mlp"]}, "unknown layer_type 'mlp' at layer 47"),
+        ({"layer_types": None, "num_hidden_layers": None}, "neither layer_types nor num_hidden_layers"),
+    ],
+)
+def test_from_config_errors_name_the_key(edit: dict[str, Any], match: str) -> None:
+    cfg = {**get_preset("qwen3.5-like"), **edit}
+    with pytest.raises(ValueError, match=match):
+        ModelShape.from_config(cfg)
+
+
+def test_from_config_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        ModelShape.from_config(tmp_path / "missing.json")
