@@ -6,7 +6,7 @@ use flat_kvcache_core::request::RequestIdRef;
 use numpy::{PyArray1, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 
 use crate::errors::{non_negative, signed, IntArg};
 
@@ -110,9 +110,10 @@ pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
             arr.dtype()
         )));
     }
-    if obj.is_instance_of::<PyString>() {
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(PyTypeError::new_err(format!(
-            "{name} must be a sequence of ints, not str"
+            "{name} must be a sequence of ints, got {}",
+            type_name(obj)
         )));
     }
     let Ok(iter) = obj.try_iter() else {
@@ -239,22 +240,29 @@ pub enum ReqArg<'py> {
 }
 
 impl<'py> ReqArg<'py> {
-    /// Classify `obj` (`TypeError` for anything but `str` and `int`).
+    /// Classify `obj`: a `str`, or an int (anything with `__index__`, such as numpy ints, but
+    /// not a bool); anything else is a `TypeError`.
     #[inline]
     pub fn new(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
         if let Ok(s) = obj.cast::<PyString>() {
             return Ok(Self::Str(s.clone()));
         }
-        if obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>() {
+        if obj.is_exact_instance_of::<PyInt>() {
             if let Ok(v) = obj.extract::<i64>() {
                 return Ok(Self::Int(v));
             }
-            return Ok(Self::Big(obj.str()?.to_str()?.to_owned()));
         }
-        Err(PyTypeError::new_err(format!(
-            "request ids must be str or int, got {}",
-            type_name(obj)
-        )))
+        let not_an_id = || PyTypeError::new_err(format!("request ids must be str or int, got {}", type_name(obj)));
+        if obj.is_instance_of::<PyBool>() {
+            return Err(not_an_id());
+        }
+        let Ok(index) = obj.call_method0("__index__") else {
+            return Err(not_an_id());
+        };
+        match index.extract::<i64>() {
+            Ok(v) => Ok(Self::Int(v)),
+            Err(_) => Ok(Self::Big(index.str()?.to_str()?.to_owned())),
+        }
     }
 
     /// The borrowed core id.

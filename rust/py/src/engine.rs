@@ -209,15 +209,23 @@ impl PyPrefixMatch {
 
 /// Read one spec object (any object with `kind`, `page_size`, `sliding_window`, `group_id`).
 fn group_spec(i: usize, spec: &Bound<'_, PyAny>) -> PyResult<GroupSpec> {
-    let kind_obj = spec.getattr("kind")?;
+    let field = |name: &str| {
+        spec.getattr(name).map_err(|_| {
+            PyTypeError::new_err(format!(
+                "specs[{i}] must be a KVCacheSpec, got {} (no attribute {name:?})",
+                type_name(spec)
+            ))
+        })
+    };
+    let kind_obj = field("kind")?;
     let Ok(kind_str) = kind_obj.cast::<PyString>() else {
         return Err(PyTypeError::new_err(format!(
             "specs[{i}].kind must be a str, got {}",
             type_name(&kind_obj)
         )));
     };
-    let page_size = positive(&spec.getattr("page_size")?, &format!("specs[{i}].page_size"))?;
-    let window_obj = spec.getattr("sliding_window")?;
+    let page_size = positive(&field("page_size")?, &format!("specs[{i}].page_size"))?;
+    let window_obj = field("sliding_window")?;
     let window = opt_count(Some(&window_obj), &format!("specs[{i}].sliding_window"))?;
     let kind = match (kind_str.to_str()?, window) {
         ("full", None) => GroupKind::Full,
@@ -240,7 +248,7 @@ fn group_spec(i: usize, spec: &Bound<'_, PyAny>) -> PyResult<GroupSpec> {
             )))
         }
     };
-    let id_obj = spec.getattr("group_id")?;
+    let id_obj = field("group_id")?;
     let group_id = if id_obj.is_none() {
         format!("g{i}")
     } else if let Ok(s) = id_obj.cast::<PyString>() {
@@ -404,7 +412,10 @@ impl PyFlatKVCache {
     /// Register base-page hashes (`content_hashes[j]` is base page `first_slot + j`) in every
     /// group; state groups register only the last key when the range ends at `end_tokens`
     /// on their page boundary. Does nothing with caching off.
-    #[pyo3(signature = (req, content_hashes, *, first_slot = None, end_tokens = None))]
+    #[pyo3(
+        signature = (req, content_hashes, *, first_slot = None, end_tokens = None),
+        text_signature = "(self, req, content_hashes, *, first_slot=0, end_tokens=None)"
+    )]
     fn register(
         &self,
         py: Python<'_>,
@@ -578,7 +589,7 @@ impl PyFlatKVCache {
             .group_ids
             .iter()
             .take(8)
-            .map(|g| format!("{:?}", clip(g)))
+            .map(|g| format!("'{}'", clip(g).escape_debug()))
             .collect();
         let more = if self.group_ids.len() > 8 { ", ..." } else { "" };
         Ok(format!(

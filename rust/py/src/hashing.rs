@@ -16,7 +16,10 @@ use crate::errors::{core, signed, IntArg};
 /// is `""` or hex text of even length; `extra_keys` a sequence of str.
 #[pyfunction]
 #[allow(clippy::needless_pass_by_value, reason = "PyO3 extracts arguments by value")]
-#[pyo3(signature = (tokens, prior = "", extra_keys = ExtraKeys::default()))]
+#[pyo3(
+    signature = (tokens, prior = "", extra_keys = ExtraKeys::default()),
+    text_signature = "(tokens, prior='', extra_keys=())"
+)]
 pub fn hash_page(tokens: &Bound<'_, PyAny>, prior: &str, extra_keys: ExtraKeys) -> PyResult<String> {
     let toks = self::tokens(tokens, "tokens")?;
     let prior = parse_prior(prior)?;
@@ -28,7 +31,10 @@ pub fn hash_page(tokens: &Bound<'_, PyAny>, prior: &str, extra_keys: ExtraKeys) 
 /// `h_i = hash_page(page_i, h_{i-1}, extra_keys)`. Releases the GIL while hashing.
 #[pyfunction]
 #[allow(clippy::needless_pass_by_value, reason = "PyO3 extracts arguments by value")]
-#[pyo3(signature = (token_ids, page_size, *, prior = "", extra_keys = ExtraKeys::default()))]
+#[pyo3(
+    signature = (token_ids, page_size, *, prior = "", extra_keys = ExtraKeys::default()),
+    text_signature = "(token_ids, page_size, *, prior='', extra_keys=())"
+)]
 pub fn hash_pages(
     py: Python<'_>,
     token_ids: &Bound<'_, PyAny>,
@@ -69,11 +75,8 @@ pub fn fold_hashes<'py>(
     first_base: &Bound<'py, PyAny>,
     m: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyList>> {
-    let first_base = count(first_base, "first_base")?;
     let m = positive(m, "m")?;
-    if base_hashes.is_instance_of::<PyString>() {
-        return Err(PyTypeError::new_err("base_hashes must be a sequence of str, not a str"));
-    }
+    let first_base = count(first_base, "first_base")?;
     let mut items: Vec<Bound<'py, PyString>> = Vec::new();
     for (i, item) in base_hashes.try_iter()?.enumerate() {
         let item = item?;
