@@ -214,7 +214,7 @@ impl FlatCache {
         n: u64,
         computed: u64,
     ) -> CoreResult<bool> {
-        let limit = computed / self.coord.base_page_size();
+        let limit = self.coord.base_div().quotient(computed);
         let cut = usize::try_from(limit).map_or(hashes.len(), |l| l.min(hashes.len()));
         self.step(req, &hashes[..cut], 0, n, computed)
     }
@@ -229,7 +229,7 @@ impl FlatCache {
         n: u64,
         computed: u64,
     ) -> CoreResult<bool> {
-        let limit = computed / self.coord.base_page_size();
+        let limit = self.coord.base_div().quotient(computed);
         let room = limit.saturating_sub(first_page_slot);
         let cut = usize::try_from(room).map_or(hashes.len(), |r| r.min(hashes.len()));
         self.step(req, &hashes[..cut], first_page_slot, n, computed)

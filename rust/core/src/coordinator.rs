@@ -4,7 +4,8 @@
 //! of request ids; [`crate::cache::FlatCache`] maps ids to tables.
 
 use crate::error::{CoreError, CoreResult};
-use crate::hash::{fold_layout, fold_run, fold_skip, ContentHash, GroupKey};
+use crate::fastdiv::Divisor;
+use crate::hash::{fold_run, ContentHash, GroupKey};
 use crate::pool::{BlockPool, NULL_PAGE};
 use crate::table::{GroupKind, GroupManager, Table};
 
@@ -50,12 +51,6 @@ fn gcd(a: u64, b: u64) -> u64 {
     }
 }
 
-/// `a` rounded down to a multiple of `m > 0`.
-#[inline]
-fn align_down(a: u64, m: u64) -> u64 {
-    a - a % m
-}
-
 /// Tokens covered by `slots` pages of `page_size`; saturating is safe because callers only
 /// compare the result against bounds that fit in `u64` (a saturated extent never undercuts one).
 #[inline]
@@ -78,9 +73,9 @@ pub struct Coordinator {
     specs: Vec<GroupSpec>,
     managers: Vec<GroupManager>,
     /// Base pages per page of each group (`m_g = P_g / base`).
-    mult: Vec<u64>,
-    base: u64,
-    lcm: u64,
+    mult: Vec<Divisor>,
+    base: Divisor,
+    lcm: Divisor,
     /// Full groups first, then the others, each in index order.
     match_order: Vec<usize>,
     pool: BlockPool<GroupKey>,
@@ -119,15 +114,15 @@ impl Coordinator {
                 .ok_or_else(|| CoreError::overflow("specs"))?;
         }
         let managers = specs.iter().map(|s| GroupManager::new(s.kind, s.page_size)).collect();
-        let mult = specs.iter().map(|s| s.page_size / base).collect();
+        let mult = specs.iter().map(|s| Divisor::new(s.page_size / base)).collect();
         let mut match_order: Vec<usize> = (0..specs.len()).filter(|&g| specs[g].kind.is_prefix_closed()).collect();
         match_order.extend((0..specs.len()).filter(|&g| !specs[g].kind.is_prefix_closed()));
         Ok(Self {
             specs,
             managers,
             mult,
-            base,
-            lcm,
+            base: Divisor::new(base),
+            lcm: Divisor::new(lcm),
             match_order,
             pool: BlockPool::new(num_pages, enable_caching)?,
         })
@@ -145,12 +140,17 @@ impl Coordinator {
 
     /// The base page size (gcd of the groups' page sizes).
     pub fn base_page_size(&self) -> u64 {
+        self.base.get()
+    }
+
+    /// The base page size as a divisor.
+    pub fn base_div(&self) -> Divisor {
         self.base
     }
 
     /// The lcm of the groups' page sizes.
     pub fn lcm_page_size(&self) -> u64 {
-        self.lcm
+        self.lcm.get()
     }
 
     /// The shared pool.
@@ -178,7 +178,7 @@ impl Coordinator {
     /// guarantees they exist), memoised per slot for groups wider than the base page.
     fn slot_key(&self, g: usize, i: usize, hashes: &[ContentHash], memo: &mut Vec<Option<ContentHash>>) -> GroupKey {
         let group = Self::group_u32(g);
-        let m = self.mult[g];
+        let m = self.mult[g].get();
         if m == 1 {
             return GroupKey::new(hashes[i], group);
         }
@@ -202,7 +202,7 @@ impl Coordinator {
         memo: &mut Vec<Option<ContentHash>>,
     ) -> (Vec<u32>, usize) {
         // bound <= len(hashes) * base, so bound / P_g <= len(hashes) fits usize.
-        let end = usize::try_from(bound / self.specs[g].page_size).unwrap_or(0);
+        let end = usize::try_from(self.managers[g].page().quotient(bound)).unwrap_or(0);
         self.managers[g].match_slots(end, |i| self.pool.lookup(&self.slot_key(g, i, hashes, memo)))
     }
 
@@ -219,14 +219,14 @@ impl Coordinator {
         }
         let total = u64::try_from(hashes.len())
             .ok()
-            .and_then(|n| n.checked_mul(self.base))
+            .and_then(|n| n.checked_mul(self.base.get()))
             .ok_or_else(|| CoreError::overflow("content_hashes"))?;
-        let mut bound = align_down(total, self.lcm);
+        let mut bound = self.lcm.align_down(total);
         let mut found: Vec<Vec<u32>> = vec![Vec::new(); groups];
         let mut memo: Vec<Vec<Option<ContentHash>>> = vec![Vec::new(); groups];
         for &g in &self.match_order {
             found[g] = self.match_group(g, bound, hashes, &mut memo[g]).0;
-            bound = bound.min(align_down(extent(found[g].len(), self.specs[g].page_size), self.lcm));
+            bound = bound.min(self.lcm.align_down(extent(found[g].len(), self.specs[g].page_size)));
         }
         loop {
             let mut changed = false;
@@ -236,7 +236,7 @@ impl Coordinator {
                     continue;
                 }
                 found[g] = self.match_group(g, bound, hashes, &mut memo[g]).0;
-                bound = bound.min(align_down(extent(found[g].len(), page_size), self.lcm));
+                bound = bound.min(self.lcm.align_down(extent(found[g].len(), page_size)));
                 changed = true;
             }
             if !changed {
@@ -245,7 +245,7 @@ impl Coordinator {
         }
         let mut num_hit_pages = Vec::with_capacity(groups);
         for (g, pages) in found.iter_mut().enumerate() {
-            let slots = usize::try_from(bound / self.specs[g].page_size).unwrap_or(usize::MAX);
+            let slots = usize::try_from(self.managers[g].page().quotient(bound)).unwrap_or(usize::MAX);
             pages.truncate(slots);
             num_hit_pages.push(pages.iter().filter(|&&p| p != NULL_PAGE).count());
         }
@@ -365,22 +365,25 @@ impl Coordinator {
         end_tokens: Option<u64>,
     ) -> CoreResult<Option<RegisterPlan>> {
         let m = self.mult[g];
-        let (skip, runs) = fold_layout(len, first_slot, m)?;
-        // ceil(first_slot / m) = (first_slot + skip) / m, computed without overflow.
-        let start = first_slot / m + u64::from(fold_skip(first_slot, m) > 0);
+        // The fold starts at the first base page at or after `first_slot` that is a multiple
+        // of m, i.e. at slot ceil(first_slot / m), after skipping `skip` hashes.
+        let rem = m.remainder(first_slot);
+        let start = m.quotient(first_slot) + u64::from(rem > 0);
+        let skip = usize::try_from(if rem == 0 { 0 } else { m.get() - rem }).map_or(len, |s| s.min(len));
+        let runs = usize::try_from(m.quotient(u64::try_from(len - skip).unwrap_or(u64::MAX))).unwrap_or(usize::MAX);
         let mut plan = RegisterPlan {
             start: usize::try_from(start).unwrap_or(usize::MAX),
             count: runs,
             skip,
         };
         if self.specs[g].kind == GroupKind::State {
-            let page_size = self.specs[g].page_size;
+            let page = self.managers[g].page();
             let ends_here = end_tokens.is_some_and(|end| {
-                end % page_size == 0
+                page.remainder(end) == 0
                     && u64::try_from(len)
                         .ok()
                         .and_then(|len| first_slot.checked_add(len))
-                        .and_then(|n| n.checked_mul(self.base))
+                        .and_then(|n| n.checked_mul(self.base.get()))
                         == Some(end)
             });
             if !ends_here || runs == 0 {
@@ -389,7 +392,8 @@ impl Coordinator {
             plan = RegisterPlan {
                 start: plan.start.saturating_add(runs - 1),
                 count: 1,
-                skip: skip + (runs - 1) * usize::try_from(m).unwrap_or(usize::MAX),
+                // runs > 0 implies m <= len, so these products stay within len.
+                skip: skip + (runs - 1) * usize::try_from(m.get()).unwrap_or(usize::MAX),
             };
         }
         if plan.start.checked_add(plan.count).is_none_or(|end| end > table.len()) {
@@ -419,8 +423,14 @@ impl Coordinator {
         if !self.pool.caching_enabled() {
             return Ok(());
         }
+        let mut keys = 0usize;
         for (g, table) in tables.iter().enumerate() {
-            self.register_plan(g, table, hashes.len(), first_slot, end_tokens)?;
+            keys += self
+                .register_plan(g, table, hashes.len(), first_slot, end_tokens)?
+                .map_or(0, |p| p.count);
+        }
+        if keys == 0 {
+            return Ok(());
         }
         for (g, table) in tables.iter().enumerate() {
             let Some(plan) = self.register_plan(g, table, hashes.len(), first_slot, end_tokens)? else {
@@ -428,7 +438,7 @@ impl Coordinator {
             };
             let group = Self::group_u32(g);
             // m <= len(hashes) when count > 0, so it fits usize.
-            let m = usize::try_from(self.mult[g]).unwrap_or(usize::MAX);
+            let m = usize::try_from(self.mult[g].get()).unwrap_or(usize::MAX);
             let manager = self.managers[g];
             manager.register(&mut self.pool, table, plan.start, plan.count, |j| {
                 let at = plan.skip + j * m;
@@ -509,7 +519,7 @@ mod tests {
         .unwrap();
         assert_eq!((c.base_page_size(), c.lcm_page_size()), (2, 12));
         assert_eq!(c.match_order, vec![1, 0, 2]);
-        assert_eq!(c.mult, vec![2, 3, 1]);
+        assert_eq!(c.mult, vec![Divisor::new(2), Divisor::new(3), Divisor::new(1)]);
         assert!(Coordinator::new(vec![], 10, true).is_err());
         assert!(Coordinator::new(vec![spec("a", GroupKind::Full, 0)], 10, true).is_err());
         assert!(Coordinator::new(vec![spec("a", sw(0), 4)], 10, true).is_err());

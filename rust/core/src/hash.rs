@@ -10,6 +10,7 @@
 
 use std::hash::{Hash, Hasher};
 
+use sha2::digest::generic_array::GenericArray;
 use sha2::{Digest, Sha256};
 
 use crate::error::{CoreError, CoreResult};
@@ -68,16 +69,97 @@ fn update_tokens(hasher: &mut Sha256, tokens: &[u32]) {
     }
 }
 
+/// SHA-256 initial state (FIPS 180-4, 5.3.3).
+const SHA256_INIT: [u32; 8] = [
+    0x6a09_e667,
+    0xbb67_ae85,
+    0x3c6e_f372,
+    0xa54f_f53a,
+    0x510e_527f,
+    0x9b05_688c,
+    0x1f83_d9ab,
+    0x5be0_cd19,
+];
+
+/// Messages up to this many bytes are hashed in one shot from a stack buffer.
+const ONE_SHOT_MAX: usize = 512 - 9;
+
+/// SHA-256 of `buf[..len]`, padding in place (`buf` must hold the padded length, a multiple
+/// of 64 at least `len + 9`) and running the raw block function: no streaming buffer, which is
+/// most of the cost for the ~100-byte messages of a 16-token page.
+fn sha256_one_shot(buf: &mut [u8], len: usize) -> ContentHash {
+    let total = (len + 9).div_ceil(64) * 64;
+    buf[len] = 0x80;
+    buf[len + 1..total - 8].fill(0);
+    // len < 512 here, so the bit length fits easily.
+    buf[total - 8..total].copy_from_slice(&(len as u64 * 8).to_be_bytes());
+    let mut state = SHA256_INIT;
+    for block in buf[..total].chunks_exact(64) {
+        sha2::compress256(&mut state, std::slice::from_ref(GenericArray::from_slice(block)));
+    }
+    let mut out = [0u8; 32];
+    for (dst, word) in out.chunks_exact_mut(4).zip(state) {
+        dst.copy_from_slice(&word.to_be_bytes());
+    }
+    out
+}
+
+/// Appends bytes to a fixed stack buffer (capacity checked by the caller).
+struct Writer<'a> {
+    buf: &'a mut [u8],
+    at: usize,
+}
+
+impl Writer<'_> {
+    #[inline]
+    fn put(&mut self, bytes: &[u8]) {
+        self.buf[self.at..self.at + bytes.len()].copy_from_slice(bytes);
+        self.at += bytes.len();
+    }
+}
+
 /// The content hash of one page (SPEC 4 layout).
 ///
 /// `prior` is the raw bytes of the previous page's hash (empty for the first page) and each
 /// extra key is hashed as its byte length then its bytes (the UTF-8 of a string key). The
 /// extra-key section is present only when `extra_keys` is non-empty.
 pub fn hash_page<K: AsRef<[u8]>>(tokens: &[u32], prior: &[u8], extra_keys: &[K]) -> CoreResult<ContentHash> {
+    let prior_len = len_field(prior.len(), "prior")?;
+    let token_count = len_field(tokens.len(), "tokens")?;
+    let extra_len: usize = if extra_keys.is_empty() {
+        0
+    } else {
+        4 + extra_keys
+            .iter()
+            .map(|k| 4usize.saturating_add(k.as_ref().len()))
+            .fold(0usize, usize::saturating_add)
+    };
+    // Saturating: any saturated length is far above ONE_SHOT_MAX and takes the streaming path.
+    let len = (8 + prior.len())
+        .saturating_add(tokens.len().saturating_mul(4))
+        .saturating_add(extra_len);
+    if len <= ONE_SHOT_MAX {
+        let mut buf = [0u8; 512];
+        let mut w = Writer { buf: &mut buf, at: 0 };
+        w.put(&prior_len);
+        w.put(prior);
+        w.put(&token_count);
+        for t in tokens {
+            w.put(&t.to_le_bytes());
+        }
+        if !extra_keys.is_empty() {
+            w.put(&len_field(extra_keys.len(), "extra_keys")?);
+            for key in extra_keys {
+                w.put(&len_field(key.as_ref().len(), "extra_keys")?);
+                w.put(key.as_ref());
+            }
+        }
+        return Ok(sha256_one_shot(&mut buf, len));
+    }
     let mut hasher = Sha256::new();
-    hasher.update(len_field(prior.len(), "prior")?);
+    hasher.update(prior_len);
     hasher.update(prior);
-    hasher.update(len_field(tokens.len(), "tokens")?);
+    hasher.update(token_count);
     update_tokens(&mut hasher, tokens);
     if !extra_keys.is_empty() {
         hasher.update(len_field(extra_keys.len(), "extra_keys")?);
@@ -131,23 +213,25 @@ pub fn fold_run_keys<K: AsRef<[u8]>>(keys: &[K]) -> CoreResult<Option<ContentHas
 /// (never requested: folds are over `m >= 1` hashes) returns all zeros.
 pub fn fold_run(run_of: &[ContentHash]) -> ContentHash {
     let mut run: Option<ContentHash> = None;
-    let mut text = [0u8; 64];
+    // len(prior) | prior (0 or 32 bytes) | 0 tokens | 1 key | 64 | the hash's hex text
+    let mut buf = [0u8; 128];
     for h in run_of {
-        hex_into(h, &mut text);
-        let mut sha = Sha256::new();
+        let mut w = Writer { buf: &mut buf, at: 0 };
         match &run {
             Some(prior) => {
-                sha.update(32u32.to_le_bytes());
-                sha.update(prior);
+                w.put(&32u32.to_le_bytes());
+                w.put(prior);
             }
-            None => sha.update(0u32.to_le_bytes()),
+            None => w.put(&0u32.to_le_bytes()),
         }
-        // 0 tokens, 1 extra key of 64 bytes: the hex text.
-        sha.update(0u32.to_le_bytes());
-        sha.update(1u32.to_le_bytes());
-        sha.update(64u32.to_le_bytes());
-        sha.update(text);
-        run = Some(sha.finalize().into());
+        w.put(&0u32.to_le_bytes());
+        w.put(&1u32.to_le_bytes());
+        w.put(&64u32.to_le_bytes());
+        let at = w.at;
+        let mut text = [0u8; 64];
+        hex_into(h, &mut text);
+        buf[at..at + 64].copy_from_slice(&text);
+        run = Some(sha256_one_shot(&mut buf, at + 64));
     }
     run.unwrap_or_default()
 }
@@ -311,6 +395,29 @@ mod tests {
         let with_empty_key = hash_page(&[7, 8], &[], &[""]).unwrap();
         assert_ne!(with_none, with_empty_key);
         assert_eq!(with_empty_key, manual(&[7, 8], &[], &[""]));
+    }
+
+    #[test]
+    fn one_shot_and_streaming_agree_at_every_length() {
+        // Lengths around the one-shot limit and the 55/56-byte padding boundary of a block.
+        for n in 0..140u32 {
+            let tokens: Vec<u32> = (0..n).collect();
+            for prior in [&[][..], &[1u8; 32][..], &[2u8; 5][..]] {
+                assert_eq!(
+                    hash_page::<&str>(&tokens, prior, &[]).unwrap(),
+                    manual(&tokens, prior, &[])
+                );
+            }
+            assert_eq!(
+                hash_page(&tokens, &[], &["k", "é"]).unwrap(),
+                manual(&tokens, &[], &["k", "é"])
+            );
+        }
+        let long_key = "x".repeat(600);
+        assert_eq!(
+            hash_page(&[1], &[], &[&long_key]).unwrap(),
+            manual(&[1], &[], &[&long_key])
+        );
     }
 
     #[test]

@@ -13,11 +13,13 @@
 //! - [`coordinator`]: all groups of a model over one pool (SPEC 7).
 //! - [`cache`]: request ids -> tables, step operations, flat block tables (SPEC 8).
 //! - [`request`]: request ids.
+//! - [`fastdiv`]: division by page sizes (shift/mask for powers of two).
 
 pub mod cache;
 pub mod checked;
 pub mod coordinator;
 pub mod error;
+pub mod fastdiv;
 pub mod hash;
 pub mod int;
 pub mod plan;

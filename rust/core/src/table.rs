@@ -7,6 +7,7 @@
 
 use std::hash::Hash;
 
+use crate::fastdiv::Divisor;
 use crate::pool::{BlockPool, NULL_PAGE};
 
 /// The retention rule of a group.
@@ -91,17 +92,11 @@ impl Table {
     }
 }
 
-/// Exact `ceil(a / b)` for `b > 0`, never overflowing.
-#[inline]
-fn ceil_div(a: u64, b: u64) -> u64 {
-    a / b + u64::from(a % b != 0)
-}
-
 /// A group's rule applied to tables.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GroupManager {
     kind: GroupKind,
-    page_size: u64,
+    page: Divisor,
     /// Consecutive cached pages a resumable boundary needs: `ceil((W-1)/P)` (0 for full).
     needed: u64,
 }
@@ -109,13 +104,9 @@ pub struct GroupManager {
 impl GroupManager {
     /// A manager for pages of `page_size > 0` tokens (validated by the coordinator).
     pub fn new(kind: GroupKind, page_size: u64) -> Self {
-        let page_size = page_size.max(1);
-        let needed = kind.window().map_or(0, |w| ceil_div(w.saturating_sub(1), page_size));
-        Self {
-            kind,
-            page_size,
-            needed,
-        }
+        let page = Divisor::new(page_size);
+        let needed = kind.window().map_or(0, |w| page.ceil_div(w.saturating_sub(1)));
+        Self { kind, page, needed }
     }
 
     /// The group's rule.
@@ -125,7 +116,12 @@ impl GroupManager {
 
     /// Tokens per page.
     pub fn page_size(&self) -> u64 {
-        self.page_size
+        self.page.get()
+    }
+
+    /// Tokens per page, as a divisor.
+    pub fn page(&self) -> Divisor {
+        self.page
     }
 
     /// Pages [`Self::acquire`] would allocate for `n` more tokens (its exact dry run).
@@ -133,7 +129,7 @@ impl GroupManager {
         if n <= table.tail_avail {
             0
         } else {
-            ceil_div(n - table.tail_avail, self.page_size)
+            self.page.ceil_div(n - table.tail_avail)
         }
     }
 
@@ -145,14 +141,14 @@ impl GroupManager {
             return true;
         }
         let over = n - table.tail_avail;
-        let Ok(count) = usize::try_from(ceil_div(over, self.page_size)) else {
+        let Ok(count) = usize::try_from(self.page.ceil_div(over)) else {
             return false;
         };
         if !pool.allocate_into(&mut table.pages, count) {
             return false;
         }
-        let rem = over % self.page_size;
-        table.tail_avail = if rem == 0 { 0 } else { self.page_size - rem };
+        let rem = self.page.remainder(over);
+        table.tail_avail = if rem == 0 { 0 } else { self.page.get() - rem };
         true
     }
 
@@ -227,7 +223,7 @@ impl GroupManager {
         // n - W + 1 > 0  <=>  n >= W, computed without overflow as n - (W - 1).
         match n.checked_sub(window.saturating_sub(1)) {
             Some(past) if past > 0 => {
-                usize::try_from(past / self.page_size).map_or(table.pages.len(), |k| k.min(table.pages.len()))
+                usize::try_from(self.page.quotient(past)).map_or(table.pages.len(), |k| k.min(table.pages.len()))
             }
             _ => 0,
         }
