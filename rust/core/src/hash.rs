@@ -274,12 +274,12 @@ pub fn fold_hashes(base: &[ContentHash], first_base: u64, m: u64) -> CoreResult<
 /// Lowercase hex text of `bytes`.
 pub fn to_hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        out.push(char::from(DIGITS[usize::from(b >> 4)]));
-        out.push(char::from(DIGITS[usize::from(b & 0xf)]));
-    }
-    out
+    let text: Vec<u8> = bytes
+        .iter()
+        .flat_map(|b| [DIGITS[usize::from(b >> 4)], DIGITS[usize::from(b & 0xf)]])
+        .collect();
+    // Only ASCII digits were written.
+    String::from_utf8(text).unwrap_or_default()
 }
 
 /// Write the 64 lowercase hex digits of `hash` into `out`.
@@ -327,23 +327,49 @@ pub fn parse_hex(text: &[u8]) -> Option<Vec<u8>> {
     text.chunks_exact(2).map(|p| hex_pair(p[0], p[1])).collect()
 }
 
+/// Decode 8 ASCII hex digits (either case) into 4 bytes, eight at a time in one `u64`
+/// (SWAR); `None` if any byte is not a hex digit. Four times fewer steps than a per-digit
+/// table walk, which dominated parsing content hashes at the Python boundary.
+#[inline]
+fn hex8(chunk: [u8; 8]) -> Option<[u8; 4]> {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    let x = u64::from_le_bytes(chunk);
+    if x & HIGH != 0 {
+        return None; // not ASCII
+    }
+    // Per byte (all < 0x80 now): the high bit of `b + 0x80 - a` is set iff `b >= a`, and
+    // the sum stays below 0x100, so no carry crosses bytes.
+    let ge = |v: u64, a: u64| v.wrapping_add((0x80 - a) * ONES) & HIGH;
+    let digit = ge(x, 0x30) & !ge(x, 0x3a);
+    // Setting bit 0x20 maps 'A'..'F' onto 'a'..'f'; only those two ranges land in 'a'..'f'.
+    let lower = x | (0x20 * ONES);
+    let alpha = ge(lower, 0x61) & !ge(lower, 0x67);
+    if (digit | alpha) != HIGH {
+        return None;
+    }
+    // Nibble per byte: the low 4 bits, plus 9 for letters ('a' = 0x61 -> 1 + 9 = 10).
+    let nibbles = (lower & (0x0f * ONES)) + (alpha >> 7) * 9;
+    // Byte 2k holds the high nibble and byte 2k+1 the low nibble of output byte k.
+    let pairs = ((nibbles & 0x00ff_00ff_00ff_00ff) << 4) | ((nibbles >> 8) & 0x00ff_00ff_00ff_00ff);
+    let packed = (pairs | (pairs >> 8)) & 0x0000_ffff_0000_ffff;
+    let packed = (packed | (packed >> 16)) & 0xffff_ffff;
+    let [b0, b1, b2, b3, ..] = packed.to_le_bytes();
+    Some([b0, b1, b2, b3])
+}
+
 /// Parse exactly 64 hex digits (either case) into a raw hash; `None` otherwise.
 pub fn parse_hash(text: &[u8]) -> Option<ContentHash> {
     if text.len() != 64 {
         return None;
     }
     let mut out = [0u8; 32];
-    let mut bad = 0u8;
-    for (dst, p) in out.iter_mut().zip(text.chunks_exact(2)) {
-        let (h, l) = (HEX_VALUE[usize::from(p[0])], HEX_VALUE[usize::from(p[1])]);
-        bad |= h | l;
-        *dst = h << 4 | (l & 0xf);
+    for (dst, src) in out.chunks_exact_mut(4).zip(text.chunks_exact(8)) {
+        let mut chunk = [0u8; 8];
+        chunk.copy_from_slice(src);
+        dst.copy_from_slice(&hex8(chunk)?);
     }
-    if bad & 0xf0 == 0 {
-        Some(out)
-    } else {
-        None
-    }
+    Some(out)
 }
 
 #[cfg(test)]
@@ -482,6 +508,33 @@ mod tests {
         let mut buf = [0u8; 64];
         hex_into(&h, &mut buf);
         assert_eq!(&buf[..], to_hex(&h).as_bytes());
+    }
+
+    #[test]
+    fn swar_hex_agrees_with_the_digit_table_for_every_byte_at_every_position() {
+        let valid = b"0123456789abcdefABCDEF";
+        for pos in 0..8 {
+            for b in 0..=255u8 {
+                let mut chunk = *b"0f1E2d3C";
+                chunk[pos] = b;
+                let expected = parse_hex(&chunk).map(|v| [v[0], v[1], v[2], v[3]]);
+                assert_eq!(hex8(chunk), expected, "byte {b:#x} at {pos}");
+                assert_eq!(expected.is_some(), valid.contains(&b));
+            }
+        }
+        assert_eq!(hex8(*b"deadBEEF"), Some([0xde, 0xad, 0xbe, 0xef]));
+        assert_eq!(hex8(*b"00000000"), Some([0; 4]));
+        assert_eq!(hex8(*b"ffffffff"), Some([0xff; 4]));
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn hex_text_round_trips_in_either_case(bytes in proptest::array::uniform32(0u8..)) {
+            let text = to_hex(&bytes);
+            proptest::prop_assert_eq!(parse_hash(text.as_bytes()), Some(bytes));
+            proptest::prop_assert_eq!(parse_hash(text.to_uppercase().as_bytes()), Some(bytes));
+            proptest::prop_assert_eq!(parse_hex(text.as_bytes()), Some(bytes.to_vec()));
+        }
     }
 
     #[test]

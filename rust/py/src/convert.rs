@@ -39,7 +39,13 @@ pub fn positive(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
 }
 
 /// A page id argument: an int, or the `ValueError` for a value no pool holds.
+#[inline]
 pub fn page(obj: &Bound<'_, PyAny>, num_blocks: usize) -> PyResult<u64> {
+    if obj.is_exact_instance_of::<PyInt>() {
+        if let Ok(v) = obj.extract::<u64>() {
+            return Ok(v);
+        }
+    }
     let out_of_range =
         |v: &dyn std::fmt::Display| PyValueError::new_err(format!("page {v} is out of range [0, {num_blocks})"));
     match signed(obj, "page")? {

@@ -1,6 +1,6 @@
 //! Python entry points of content hashing (SPEC 4): hex text in and out, raw bytes inside.
 
-use flat_kvcache_core::hash::{self, to_hex};
+use flat_kvcache_core::hash::{self, to_hex, ContentHash};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyString};
@@ -20,10 +20,17 @@ use crate::errors::{core, signed, IntArg};
     signature = (tokens, prior = "", extra_keys = ExtraKeys::default()),
     text_signature = "(tokens, prior='', extra_keys=())"
 )]
-pub fn hash_page(tokens: &Bound<'_, PyAny>, prior: &str, extra_keys: ExtraKeys) -> PyResult<String> {
+pub fn hash_page<'py>(
+    tokens: &Bound<'py, PyAny>,
+    prior: &str,
+    extra_keys: ExtraKeys,
+) -> PyResult<Bound<'py, PyString>> {
     let toks = self::tokens(tokens, "tokens")?;
     let prior = parse_prior(prior)?;
-    Ok(to_hex(&core(hash::hash_page(&toks, &prior, &extra_keys.0))?))
+    Ok(hex_str(
+        tokens.py(),
+        &core(hash::hash_page(&toks, &prior, &extra_keys.0))?,
+    ))
 }
 
 /// The chained content hashes of the full pages of `token_ids` (`page_size > 0`; a trailing
@@ -35,18 +42,26 @@ pub fn hash_page(tokens: &Bound<'_, PyAny>, prior: &str, extra_keys: ExtraKeys) 
     signature = (token_ids, page_size, *, prior = "", extra_keys = ExtraKeys::default()),
     text_signature = "(token_ids, page_size, *, prior='', extra_keys=())"
 )]
-pub fn hash_pages(
-    py: Python<'_>,
-    token_ids: &Bound<'_, PyAny>,
-    page_size: &Bound<'_, PyAny>,
+pub fn hash_pages<'py>(
+    py: Python<'py>,
+    token_ids: &Bound<'py, PyAny>,
+    page_size: &Bound<'py, PyAny>,
     prior: &str,
     extra_keys: ExtraKeys,
-) -> PyResult<Vec<String>> {
+) -> PyResult<Bound<'py, PyList>> {
     let page_size = usize::try_from(positive(page_size, "page_size")?).unwrap_or(usize::MAX);
     let toks = tokens(token_ids, "token_ids")?;
     let prior = parse_prior(prior)?;
     let hashes = core(py.detach(|| hash::hash_pages(&toks, page_size, &prior, &extra_keys.0)))?;
-    Ok(hashes.iter().map(|h| to_hex(h)).collect())
+    PyList::new(py, hashes.iter().map(|h| hex_str(py, h)))
+}
+
+/// A content hash as a Python str of 64 lowercase hex digits, built without a Rust `String`.
+pub fn hex_str<'py>(py: Python<'py>, hash: &ContentHash) -> Bound<'py, PyString> {
+    let mut text = [0u8; 64];
+    hash::hex_into(hash, &mut text);
+    // Only ASCII hex digits were written, so this never falls back.
+    PyString::new(py, std::str::from_utf8(&text).unwrap_or_default())
 }
 
 /// The key of a content hash in group `group_index`: the hash text followed by the group as
