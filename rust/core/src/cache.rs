@@ -458,4 +458,123 @@ mod tests {
             "{err}"
         );
     }
+
+    mod properties {
+        use proptest::prelude::*;
+
+        use super::*;
+
+        #[derive(Clone, Debug)]
+        enum Op {
+            /// Admit request `r` with prompt `p` of `len` tokens (prefix match, first chunk).
+            Admit(u8, u8, u32),
+            /// Decode `k` tokens for request `r` (register, reclaim, acquire).
+            Step(u8, u64),
+            /// A bare acquire of `n` tokens.
+            Acquire(u8, u64),
+            /// Finish request `r`.
+            Free(u8),
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                (0u8..4, 0u8..3, 1u32..64).prop_map(|(r, p, l)| Op::Admit(r, p, l)),
+                (0u8..4, 1u64..12).prop_map(|(r, k)| Op::Step(r, k)),
+                (0u8..4, 0u64..40).prop_map(|(r, n)| Op::Acquire(r, n)),
+                (0u8..4).prop_map(Op::Free),
+            ]
+        }
+
+        fn cache(pages: u64) -> FlatCache {
+            let spec = |id: &str, kind, page_size| GroupSpec {
+                group_id: id.into(),
+                kind,
+                page_size,
+            };
+            FlatCache::new(
+                vec![
+                    spec("full", GroupKind::Full, 4),
+                    spec("swa", GroupKind::SlidingWindow { window: 10 }, 8),
+                    spec("state", GroupKind::State, 8),
+                ],
+                pages,
+                true,
+            )
+            .unwrap()
+        }
+
+        proptest! {
+            /// Random admissions, decode steps, acquires and frees on a small hybrid pool keep
+            /// every invariant; a failed bare acquire changes nothing.
+            #[test]
+            fn random_request_traffic_keeps_invariants(ops in proptest::collection::vec(op(), 1..50)) {
+                let mut c = cache(40);
+                // Prompts 0 and 1 share their first 32 tokens; prompt 2 is unrelated.
+                let prompts: Vec<Vec<u32>> = vec![
+                    (0..128).collect(),
+                    (0..32).chain(1000..1096).collect(),
+                    (5000..5128).collect(),
+                ];
+                let hashes: Vec<Vec<ContentHash>> =
+                    prompts.iter().map(|t| hash_pages::<&str>(t, 4, &[], &[]).unwrap()).collect();
+                // Per live request: (prompt, tokens acquired).
+                let mut live: [Option<(usize, u64)>; 4] = [None; 4];
+                for op in ops {
+                    match op {
+                        Op::Admit(r, p, len) => {
+                            let id = RequestIdRef::Int(i64::from(r));
+                            if live[r as usize].is_some() {
+                                continue;
+                            }
+                            let p = p as usize;
+                            let cap = ((len - 1) / 4) as usize;
+                            let m = c.match_prefix(&hashes[p][..cap]).unwrap();
+                            let rest = u64::from(len) - m.num_common_tokens;
+                            if c.prefill_first_chunk(id, &m, rest).unwrap() {
+                                live[r as usize] = Some((p, u64::from(len)));
+                            } else {
+                                c.free(id).unwrap();
+                            }
+                        }
+                        Op::Step(r, k) => {
+                            let Some((p, acquired)) = live[r as usize] else { continue };
+                            let id = RequestIdRef::Int(i64::from(r));
+                            let known = hashes[p].len() as u64 * 4;
+                            if acquired + k > known {
+                                continue;
+                            }
+                            if c.decode_step(id, &hashes[p], 0, k, acquired).unwrap() {
+                                live[r as usize] = Some((p, acquired + k));
+                            }
+                        }
+                        Op::Acquire(r, n) => {
+                            let id = RequestIdRef::Int(i64::from(r));
+                            let Some((p, acquired)) = live[r as usize] else { continue };
+                            let before = (c.page_ids(id).unwrap(), c.tail_available(id).unwrap(), c.pool_stats());
+                            if c.acquire(id, n) {
+                                live[r as usize] = Some((p, acquired + n));
+                            } else {
+                                let after = (c.page_ids(id).unwrap(), c.tail_available(id).unwrap(), c.pool_stats());
+                                prop_assert_eq!(before, after);
+                            }
+                        }
+                        Op::Free(r) => {
+                            if live[r as usize].take().is_some() {
+                                c.free(RequestIdRef::Int(i64::from(r))).unwrap();
+                            }
+                        }
+                    }
+                    prop_assert_eq!(c.check_invariants(), Ok(()));
+                }
+                for r in 0..4u8 {
+                    if live[r as usize].is_some() {
+                        c.free(RequestIdRef::Int(i64::from(r))).unwrap();
+                    }
+                }
+                let stats = c.pool_stats();
+                prop_assert_eq!(stats.num_free, stats.num_blocks - 1);
+                prop_assert_eq!(c.num_requests(), 0);
+            }
+        }
+    }
 }

@@ -631,6 +631,40 @@ mod tests {
     }
 
     #[test]
+    fn converge_with_hybrid_page_sizes_aligns_to_the_lcm() {
+        // full P = 2 (m = 1), x P = 4 (m = 2, W = 5: needed 1), y P = 2 (W = 3: needed 1).
+        // base 2, lcm 4.
+        let mut c = Coordinator::new(
+            vec![
+                spec("full", GroupKind::Full, 2),
+                spec("x", sw(5), 4),
+                spec("y", sw(3), 2),
+            ],
+            64,
+            true,
+        )
+        .unwrap();
+        let hashes = prompt(16, 2); // 8 base pages
+        let mut t = fresh(&c);
+        assert!(c.acquire(&mut t, 16));
+        cache_slots(&mut c, &t, 0, &[0, 1, 2, 3, 4, 5, 6, 7], &hashes);
+        for s in [0usize, 1] {
+            let key = GroupKey::new(fold_run(&hashes[2 * s..2 * s + 2]), 1);
+            c.pool.cache_unchecked(t[1].pages()[s], key);
+        }
+        cache_slots(&mut c, &t, 2, &[0, 1, 2, 4, 5, 6, 7], &hashes);
+        // Sweep: full -> 16; x misses slots 3, 2, hits 1 -> extent 8; y at 8 (4 slots) misses
+        // 3, hits 2 -> extent 6, aligned down to 4. Converge: x at 4 hits 0 -> 4; y's extent
+        // 6 > 4 -> re-matched at 4 (2 slots): hits 1 -> 4. Nothing changes after that.
+        let m = c.match_prefix(&hashes).unwrap();
+        assert_eq!(m.num_common_tokens, 4);
+        assert_eq!(m.pages[0], t[0].pages()[..2].to_vec());
+        assert_eq!(m.pages[1], vec![t[1].pages()[0]]);
+        assert_eq!(m.pages[2], vec![0, t[2].pages()[1]]);
+        assert_eq!(m.num_hit_pages, vec![2, 1, 1]);
+    }
+
+    #[test]
     fn match_is_read_only_and_empty_with_caching_off() {
         let mut c = Coordinator::new(vec![spec("f", GroupKind::Full, 2)], 16, true).unwrap();
         let hashes = prompt(8, 2);
