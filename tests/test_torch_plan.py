@@ -235,6 +235,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch, free: int, total: int) -> list[An
         return free, total
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     return calls
 
 
@@ -267,6 +268,12 @@ def test_cuda_without_room(monkeypatch: pytest.MonkeyPatch) -> None:
         ValueError, match=r"cuda: free .* less \d+ bytes of CUDA allocator slack: .*need at least 2"
     ):
         plan(alternating(head_dim=1 << 16, num_kv_heads=1 << 8), device="cuda")
+
+
+def test_cuda_budget_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="from device cuda: CUDA is not available"):
+        plan(alternating(), device="cuda")
 
 
 def test_cpu_needs_an_explicit_budget() -> None:

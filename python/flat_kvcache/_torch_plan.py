@@ -231,6 +231,8 @@ def _device_budget(device: torch.device | None, utilization: float) -> tuple[int
         raise TypeError(f"utilization must be a number, not {type(utilization).__name__}")
     if not 0 < utilization <= 1:
         raise ValueError(f"utilization must be in (0, 1], got {utilization}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"cannot read a memory budget from device {device}: CUDA is not available")
     free, total = torch.cuda.mem_get_info(device)
     # The decimal the caller wrote (0.9 is 9/10), not the nearest binary float, so that a round
     # utilization gives a round reserve; the result is exact and rounded down.
