@@ -167,6 +167,8 @@ def plan_kv_memory(
             else plan_component_tensors(components, block_size, usable)
         )
     except ValueError as exc:
+        if budget_bytes is not None and not slack:
+            raise  # the native message names budget_bytes already
         if slack:
             origin += f" less {slack} bytes of CUDA allocator slack"
         raise ValueError(f"{origin}: {exc}") from exc
