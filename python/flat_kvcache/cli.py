@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections import Counter
@@ -207,7 +208,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _Exit as exc:
         return exc.status
     run: Callable[[argparse.Namespace], int] = args.run
-    return run(args)
+    try:
+        return run(args)
+    except BrokenPipeError:
+        # The reader went away (`flat-kvcache plan | head`): stop quietly, and keep Python's
+        # final flush of stdout from failing again (the recipe in the `signal` module docs).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 # --- plan -------------------------------------------------------------------------------------
