@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -768,7 +769,7 @@ def test_claim_errors_change_nothing(impl: ModuleType) -> None:
 def test_unknown_requests_raise_key_error(impl: ModuleType) -> None:
     cache = make_cache(impl, [("full", 4), ("state", 4)], 10)
     hs = fake_hashes(1)
-    calls = [
+    calls: list[Callable[[], object]] = [
         lambda: cache.register("x", hs),
         lambda: cache.reclaim("x", 4),
         lambda: cache.free("x"),

@@ -25,7 +25,7 @@ NATIVE_MISSING = (
 
 #: Hybrid models: (kind, page size, window) per group, and a pool somewhat smaller than twelve
 #: running requests need, so that admissions are refused and steps preempted now and then.
-MODELS = {
+MODELS: dict[str, tuple[list[tuple[str, int, int | None]], int]] = {
     "full+sliding": ([("full", 16, None), ("sliding_window", 16, 64)], 200),
     "full+state": ([("state", 64, None), ("full", 32, None)], 100),
     "mixed-pages": (

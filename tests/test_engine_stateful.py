@@ -462,7 +462,8 @@ class EngineMachine(RuleBasedStateMachine):
         self.both(f"block_tables({batch!r})", lambda c, side: c.block_tables(batch))
         num = data.draw(st.integers(0, 4 * self.max_page))
         ids = sorted(self.live, key=repr)
-        rid = data.draw(st.sampled_from(ids)) if ids and data.draw(st.booleans()) else None
+        with_request = data.draw(st.booleans())
+        rid = data.draw(st.sampled_from(ids)) if ids and with_request else None
         self.both(f"pages_needed({num}, {rid!r})", lambda c, side: c.pages_needed(num, rid))
         # Every method but claim / acquire / prefill_first_chunk: KeyError for an unknown id.
         unknown = data.draw(st.sampled_from([10**6, "nobody", str(10**6)]))
@@ -540,7 +541,8 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
         held = [page for page in range(self.num_blocks) if self.reference.ref_count(page) > 0]
-        if held and data.draw(st.booleans()):
+        from_held = data.draw(st.booleans())
+        if held and from_held:
             pages = data.draw(st.lists(st.sampled_from(held), max_size=4, unique=True))
         else:
             pages = data.draw(st.lists(self.pages(), max_size=4))  # often misuse: must change nothing
