@@ -27,11 +27,12 @@ import flat_kvcache
 import flat_kvcache.reference
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-REFERENCE = flat_kvcache.reference
+REFERENCE: ModuleType = flat_kvcache.reference
+NATIVE: ModuleType = flat_kvcache
 HAS_NATIVE_ENGINE = hasattr(flat_kvcache, "FlatKVCache")
 NATIVE_MISSING = (
     "native engine not in this build yet: flat_kvcache has no FlatKVCache "
@@ -582,6 +583,36 @@ def pool_machine(subject: ModuleType, reference: ModuleType) -> type[PoolMachine
 # ------------------------------------------------------------------------------------------------
 
 needs_native = pytest.mark.skipif(not HAS_NATIVE_ENGINE, reason=NATIVE_MISSING)
+
+# Hashing is stateless; the machines take their hashes from the reference, so check the native
+# hash functions against it directly on random inputs.
+
+priors = st.one_of(st.just(""), st.binary(min_size=1, max_size=40).map(bytes.hex))
+keys = st.lists(st.text(st.characters(exclude_categories=["Cs"]), max_size=6), max_size=3)
+u32s = st.integers(0, 2**32 - 1)
+
+
+@needs_native
+@settings(max_examples=NATIVE_EXAMPLES, deadline=None)
+@given(tokens=st.lists(u32s, max_size=40), page_size=st.integers(1, 8), prior=priors, extra=keys)
+def test_hashing_native_matches_reference(
+    tokens: list[int], page_size: int, prior: str, extra: list[str]
+) -> None:
+    assert NATIVE.hash_page(tokens, prior, extra) == REFERENCE.hash_page(tokens, prior, extra)
+    native = NATIVE.hash_pages(tokens, page_size, prior=prior, extra_keys=extra)
+    assert native == REFERENCE.hash_pages(tokens, page_size, prior=prior, extra_keys=extra)
+
+
+@needs_native
+@settings(max_examples=NATIVE_EXAMPLES, deadline=None)
+@given(count=st.integers(0, 12), first_base=st.integers(0, 9), m=st.integers(1, 5), group=u32s)
+def test_folding_native_matches_reference(count: int, first_base: int, m: int, group: int) -> None:
+    hashes = [REFERENCE.hash_page([i]) for i in range(count)]
+    folded = REFERENCE.fold_hashes(hashes, first_base, m)
+    assert NATIVE.fold_hashes(hashes, first_base, m) == folded
+    for h in folded:
+        assert NATIVE.group_key(h, group) == REFERENCE.group_key(h, group)
+
 
 TestEngineNativeVsReference = needs_native(engine_machine(flat_kvcache, REFERENCE).TestCase)
 TestEngineNativeVsReference.settings = machine_settings(NATIVE_EXAMPLES, steps=50)
