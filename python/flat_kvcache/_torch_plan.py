@@ -63,7 +63,11 @@ class KVMemoryPlan:
     ``num_pages`` includes page 0, the null page; ``bytes_per_page`` is the memory one page takes
     across all buffers, so ``total_bytes == num_pages * bytes_per_page <= budget_bytes``.
     ``groups`` / ``page_counts`` are the paged-cache groups and their SPEC 2 page counts with
-    ``max_total_tokens = (num_pages - 1) * page_size``, the tokens the non-null pages hold.
+    ``max_total_tokens = (num_pages - 1) * page_size``, the tokens the non-null pages hold: what
+    ``publish_paged_cache_groups`` publishes, computed with ``group_specs_from_layer_types`` and
+    ``compute_paged_cache_group_page_counts`` so that they exist in a build without the ``flat``
+    feature too. They are per-group bounds; a group needing more pages than ``num_pages`` means
+    the budget is too small for ``max_live_requests`` at this page size.
     ``slab_saving_bytes`` is the memory per-layer tensors would take for the same pages minus what
     the shared slabs take (0 without slabs).
     """
