@@ -56,10 +56,14 @@ pub fn windows_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<WindowsArg> {
     if !is_sequence(obj)? {
         return Ok(WindowsArg::Refused(type_name(obj)));
     }
+    // `list(window)`, as the reference takes the entries (a length hint, then iteration).
     let entries = obj
-        .try_iter()?
+        .py()
+        .get_type::<PyList>()
+        .call1((obj,))?
+        .cast_into::<PyList>()?
+        .iter()
         .map(|entry| {
-            let entry = entry?;
             Ok(if entry.is_none() {
                 WindowEntry::None
             } else if entry.is_instance_of::<PyBool>() || !type_has(&entry, "__index__")? {
