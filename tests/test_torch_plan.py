@@ -65,7 +65,8 @@ def expected_geometry(shape: ModelShape, page_size: int) -> tuple[int, int]:
     counts = {label: labels.count(label) for label in labels}
     windows = shape.sliding_window
     one_window = windows is None or isinstance(windows, int) or len({w for w in windows if w}) <= 1
-    if not state and len(counts) >= 2 and len(set(counts.values())) == 1 and one_window:
+    pairs = not state and len(counts) >= 2 and len(set(counts.values())) == 1 and one_window
+    if pairs and flat_kvcache.FLAT_KVCACHE:
         return size, next(iter(counts.values())) * kv * size  # shared slabs: one row per slot
     num_state = len(shape.layer_types) - len(labels)
     return size, len(labels) * kv * size + num_state * state
