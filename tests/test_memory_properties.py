@@ -155,25 +155,25 @@ state_bytes = st.one_of(
 )
 
 
+MEMORY_LAYER_TYPES = st.one_of(
+    st.lists(st.sampled_from([FULL, SLIDING, LINEAR]), max_size=8),
+    st.lists(st.sampled_from([FULL, SLIDING, LINEAR, "mamba"]), max_size=4),
+)
+SLIDING_WINDOWS = st.sampled_from([8, 16, 2**64])
+OTHER_WINDOWS = st.sampled_from([None, 0])
+WHOLE_WINDOWS = st.sampled_from([None, 0, 8, 2**70])
+PER_LAYER = st.booleans()
+
+
 @st.composite
 def layers_with_windows(draw: st.DrawFn) -> tuple[list[str], Any]:
-    layer_types = draw(
-        st.one_of(
-            st.lists(st.sampled_from([FULL, SLIDING, LINEAR]), max_size=8),
-            st.lists(st.sampled_from([FULL, SLIDING, LINEAR, "mamba"]), max_size=4),
-        )
-    )
-    windows = st.one_of(
-        st.none(),
-        st.sampled_from([0, 8, 2**70]),
-        st.tuples(
-            *[
-                st.sampled_from([8, 16, 2**64]) if label == SLIDING else st.sampled_from([None, 0])
-                for label in layer_types
-            ]
-        ).map(list),
-    )
-    return layer_types, draw(windows)
+    """Layer types with one window for all, or a window per layer (huge ones included)."""
+    layer_types = draw(MEMORY_LAYER_TYPES)
+    if not draw(PER_LAYER):
+        return layer_types, draw(WHOLE_WINDOWS)
+    return layer_types, [
+        draw(SLIDING_WINDOWS if label == SLIDING else OTHER_WINDOWS) for label in layer_types
+    ]
 
 
 @given(case=layers_with_windows(), kv_bytes=st.one_of(st.integers(1, 4096), mostly_valid), state=state_bytes)
