@@ -265,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if device.type != "cuda" and args.memory is None:
         parser.error("--memory is required without a CUDA device")
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # streams and graphs below use the current device
 
     report = Report()
     shape = ModelShape.from_config(args.model, kv_dtype=args.kv_dtype)
