@@ -1,4 +1,4 @@
-"""Helpers for the native-vs-reference property tests of the sizing and memory APIs.
+"""Helpers shared by the sizing and memory tests, mostly for the native-vs-reference properties.
 
 The contract (docs/sizing-api.md): both implementations give the same result, or the same
 exception class and message. The one allowed difference is size: where a value, an
@@ -12,6 +12,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 from hypothesis import strategies as st
@@ -131,3 +132,22 @@ def assert_agree(native: Outcome, reference: Outcome, *, peak: int, names: Itera
         too_big = [v for v in ints_in(reference.value) if v > U64_MAX]
         assert not too_big, f"native must raise OverflowError for {too_big[0]}: {context}"
     assert native == reference, context
+
+
+def publish(api: ModuleType, **kwargs: Any) -> Any:
+    """``api.publish_paged_cache_groups`` on a small sliding + full model, with ``kwargs`` overriding.
+
+    The defaults give (P=4, B=2, S=5, T=10, C=20; N=1, D=0, M=0): sliding W=8
+    ``2*ceil(7/4) + ceil(5/4) + 2 + 0 + 1 = 9`` pages, full ``ceil(10/4) + 2 + 0 + 1 = 6``.
+    """
+    args: dict[str, Any] = {
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window_tokens": 8,
+        "page_size": 4,
+        "max_live_requests": 2,
+        "max_scheduled_tokens": 5,
+        "max_total_tokens": 10,
+        "max_context_len": 20,
+    }
+    args.update(kwargs)
+    return api.publish_paged_cache_groups(**args)

@@ -8,12 +8,12 @@ reference reads the same flag at call time, and is also checked in both states b
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
 
 import flat_kvcache
 import flat_kvcache.reference as reference
 import flat_kvcache.reference.sizing as reference_sizing
 import pytest
+from crosscheck import publish
 from flat_kvcache import _native
 from flat_kvcache._types import PagedCacheGroupSpec
 
@@ -27,20 +27,6 @@ class PagedOnly:
     """A backend that would silently corrupt KV under the flat layout (SPEC 2 check 1)."""
 
     uses_paged_cache_groups = True
-
-
-def publish(api: ModuleType, **kwargs: Any) -> Any:
-    args: dict[str, Any] = {
-        "layer_types": [SLIDING, FULL],
-        "sliding_window_tokens": 8,
-        "page_size": 4,
-        "max_live_requests": 2,
-        "max_scheduled_tokens": 5,
-        "max_total_tokens": 10,
-        "max_context_len": 20,
-    }
-    args.update(kwargs)
-    return api.publish_paged_cache_groups(**args)
 
 
 def validate_bad_config(api: ModuleType) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import flat_kvcache
 import flat_kvcache.reference as reference
 import pytest
-from crosscheck import U64_MAX, assert_agree, i32, ints_in, outcome, signed_sizes, sizes
+from crosscheck import U64_MAX, Outcome, assert_agree, i32, ints_in, outcome, signed_sizes, sizes
 from flat_kvcache._types import ComponentSpec
 from flat_kvcache.reference._checks import ceil_div
 from hypothesis import example, given
@@ -198,7 +198,8 @@ def test_components_from_layers_agree(case: tuple[list[str], Any], kv_bytes: int
     assert_agree(native, ref, peak=peak, names=names)
 
 
-def check_geometry(comps: list[ComponentSpec], block_size: int, alignment: int) -> None:
+def check_geometry(comps: list[ComponentSpec], block_size: int, alignment: int) -> tuple[Outcome, Outcome]:
+    """Native and reference geometry and equalized block size agree; returns the native outcomes."""
     native = outcome(lambda: flat_kvcache.solve_page_geometry(comps, block_size, alignment))
     ref = outcome(lambda: reference.solve_page_geometry(comps, block_size, alignment))
     peak = geometry_peak(comps, block_size, alignment)
@@ -206,6 +207,7 @@ def check_geometry(comps: list[ComponentSpec], block_size: int, alignment: int) 
     native_eq = outcome(lambda: flat_kvcache.equalized_block_size(comps, block_size, alignment))
     ref_eq = outcome(lambda: reference.equalized_block_size(comps, block_size, alignment))
     assert_agree(native_eq, ref_eq, peak=peak, names=FIELDS)
+    return native, native_eq
 
 
 @given(
@@ -234,18 +236,20 @@ def test_page_geometry_agrees(comps: list[ComponentSpec], block_size: int, align
 def test_page_geometry_never_overflows_on_32_bit_inputs(
     comps: list[ComponentSpec], block_size: int, alignment: int
 ) -> None:
-    native = outcome(lambda: flat_kvcache.solve_page_geometry(comps, block_size, alignment))
-    assert native.error is not OverflowError, native
-    check_geometry(comps, block_size, alignment)
+    for native in check_geometry(comps, block_size, alignment):
+        assert native.error is not OverflowError, native
 
 
-def check_component_plan(comps: list[ComponentSpec], block_size: int, budget: int, reserved: int) -> None:
+def check_component_plan(comps: list[ComponentSpec], block_size: int, budget: int, reserved: int) -> Outcome:
+    """Native and reference per-component plans agree; returns the native outcome."""
+
     def call(api: Any) -> Any:
         return api.plan_component_tensors(comps, block_size, budget, reserved_bytes_per_block=reserved)
 
     native, ref = outcome(lambda: call(flat_kvcache)), outcome(lambda: call(reference))
     peak = component_plan_peak(comps, block_size, budget, reserved)
     assert_agree(native, ref, peak=peak, names=FIELDS)
+    return native
 
 
 @given(
@@ -273,19 +277,16 @@ def test_component_plan_agrees(
 def test_component_plan_never_overflows_on_32_bit_inputs(
     comps: list[ComponentSpec], block_size: int, budget: int, reserved: int
 ) -> None:
-    native = outcome(
-        lambda: flat_kvcache.plan_component_tensors(
-            comps, block_size, budget, reserved_bytes_per_block=reserved
-        )
-    )
+    native = check_component_plan(comps, block_size, budget, reserved)
     assert native.error is not OverflowError, native
-    check_component_plan(comps, block_size, budget, reserved)
 
 
-def check_slab_plan(comps: list[ComponentSpec], block_size: int, budget: int) -> None:
+def check_slab_plan(comps: list[ComponentSpec], block_size: int, budget: int) -> Outcome:
+    """Native and reference slab plans agree; returns the native outcome."""
     native = outcome(lambda: flat_kvcache.plan_tensors(comps, block_size, budget))
     ref = outcome(lambda: reference.plan_tensors(comps, block_size, budget))
     assert_agree(native, ref, peak=slab_plan_peak(comps, block_size, budget), names=FIELDS)
+    return native
 
 
 @given(comps=component_lists(), block_size=block_sizes, budget=budgets)
@@ -302,9 +303,8 @@ def test_slab_plan_agrees(comps: list[ComponentSpec], block_size: int, budget: i
 def test_slab_plan_never_overflows_on_32_bit_inputs(
     comps: list[ComponentSpec], block_size: int, budget: int
 ) -> None:
-    native = outcome(lambda: flat_kvcache.plan_tensors(comps, block_size, budget))
+    native = check_slab_plan(comps, block_size, budget)
     assert native.error is not OverflowError, native
-    check_slab_plan(comps, block_size, budget)
 
 
 @given(

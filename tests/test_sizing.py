@@ -12,6 +12,7 @@ from typing import Any
 import flat_kvcache
 import numpy as np
 import pytest
+from crosscheck import publish
 from flat_kvcache._types import PagedCacheGroupSpec
 
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
@@ -430,20 +431,6 @@ def test_page_counts_check_arguments_before_specs_and_specs_in_order(api: Module
 
 
 # --- publish_paged_cache_groups ------------------------------------------------------------------
-
-
-def publish(api: ModuleType, **kwargs: Any) -> Any:
-    args: dict[str, Any] = {
-        "layer_types": [SLIDING, FULL],
-        "sliding_window_tokens": 8,
-        "page_size": 4,
-        "max_live_requests": 2,
-        "max_scheduled_tokens": 5,
-        "max_total_tokens": 10,
-        "max_context_len": 20,
-    }
-    args.update(kwargs)
-    return api.publish_paged_cache_groups(**args)
 
 
 def test_publish_specs_and_counts(flat_api: ModuleType) -> None:

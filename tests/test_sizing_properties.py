@@ -15,6 +15,7 @@ import flat_kvcache.reference as reference
 import pytest
 from crosscheck import (
     U64_MAX,
+    Outcome,
     assert_agree,
     fits_i32,
     i32,
@@ -204,7 +205,8 @@ def test_group_specs_agree(case: tuple[Any, Any], page_size: int) -> None:
     assert_agree(native, ref, peak=peak, names=["page_size", "sliding_window_tokens"])
 
 
-def check_page_counts(specs: list[PagedCacheGroupSpec], args: dict[str, int]) -> None:
+def check_page_counts(specs: list[PagedCacheGroupSpec], args: dict[str, int]) -> Outcome:
+    """Native and reference page counts agree; returns the native outcome."""
     native = outcome(lambda: flat_kvcache.compute_paged_cache_group_page_counts(specs, **args))
     ref = outcome(lambda: reference.compute_paged_cache_group_page_counts(specs, **args))
     assert_agree(
@@ -213,6 +215,7 @@ def check_page_counts(specs: list[PagedCacheGroupSpec], args: dict[str, int]) ->
         peak=page_count_peak(specs, args),
         names=COUNT_ARGS + SPEC_FIELDS,
     )
+    return native
 
 
 @given(specs=specs_of(signed_sizes()), args=count_args_of(mostly_valid))
@@ -275,12 +278,13 @@ def test_page_counts_never_overflow_on_32_bit_inputs(
     specs: list[PagedCacheGroupSpec], args: dict[str, int]
 ) -> None:
     assert fits_i32(specs, args)
-    native = outcome(lambda: flat_kvcache.compute_paged_cache_group_page_counts(specs, **args))
+    native = check_page_counts(specs, args)
     assert native.error is not OverflowError, native
-    check_page_counts(specs, args)
 
 
-def check_capture(spec: PagedCacheGroupSpec, c: int, n: int, d: int) -> None:
+def check_capture(spec: PagedCacheGroupSpec, c: int, n: int, d: int) -> Outcome:
+    """Native and reference capture widths agree; returns the native outcome."""
+
     def call(api: Any) -> Any:
         return api.compute_max_logical_pages_for_capture(
             spec, max_context_len=c, max_tokens_per_req=n, overlap_schedule_depth=d
@@ -289,6 +293,7 @@ def check_capture(spec: PagedCacheGroupSpec, c: int, n: int, d: int) -> None:
     native, ref = outcome(lambda: call(flat_kvcache)), outcome(lambda: call(reference))
     names = ["max_context_len", "max_tokens_per_req", "overlap_schedule_depth", *SPEC_FIELDS]
     assert_agree(native, ref, peak=capture_peak(spec, c, n, d), names=names)
+    return native
 
 
 capture_specs = spec_of(signed_sizes())
@@ -314,16 +319,13 @@ def test_capture_width_agrees(spec: PagedCacheGroupSpec, c: int, n: int, d: int)
 def test_capture_width_never_overflows_on_32_bit_inputs(
     spec: PagedCacheGroupSpec, c: int, n: int, d: int
 ) -> None:
-    native = outcome(
-        lambda: flat_kvcache.compute_max_logical_pages_for_capture(
-            spec, max_context_len=c, max_tokens_per_req=n, overlap_schedule_depth=d
-        )
-    )
+    native = check_capture(spec, c, n, d)
     assert native.error is not OverflowError, native
-    check_capture(spec, c, n, d)
 
 
-def check_publish(layer_types: Any, window: Any, page_size: int, args: dict[str, int]) -> None:
+def check_publish(layer_types: Any, window: Any, page_size: int, args: dict[str, int]) -> Outcome:
+    """Native and reference publication agree; returns the native outcome."""
+
     def call(api: Any) -> Any:
         return api.publish_paged_cache_groups(
             layer_types=layer_types, sliding_window_tokens=window, page_size=page_size, **args
@@ -339,6 +341,7 @@ def check_publish(layer_types: Any, window: Any, page_size: int, args: dict[str,
     )
     names = ["page_size", *COUNT_ARGS, *SPEC_FIELDS]
     assert_agree(native, ref, peak=peak, names=names)
+    return native
 
 
 publish_args = st.fixed_dictionaries(
@@ -377,13 +380,8 @@ def test_publish_never_overflows_on_32_bit_inputs(case: tuple[Any, Any], page_si
     layer_types, window = case
     args = {"max_live_requests": 2**31 - 1, "max_scheduled_tokens": 2**31 - 1}
     args |= {"max_total_tokens": 2**31 - 1, "max_context_len": 2**31 - 1}
-    native = outcome(
-        lambda: flat_kvcache.publish_paged_cache_groups(
-            layer_types=layer_types, sliding_window_tokens=window, page_size=page_size, **args
-        )
-    )
+    native = check_publish(layer_types, window, page_size, args)
     assert native.error is not OverflowError, native
-    check_publish(layer_types, window, page_size, args)
 
 
 @given(
