@@ -201,6 +201,9 @@ def check_capture(plan: KVMemoryPlan, buffers: KVBuffers, device: torch.device, 
         tables, lengths = flat_tables(plan, rng.randint(1, batch_max), rng)
         batch = len(lengths)
         capture.fill(tables, batch_size=batch)
+        if batch == 0:  # not even one request fit in this budget
+            ok["fill"] &= all(not capture.buffer(g).any() for g in capture.group_ids)
+            continue
         for group_id in capture.group_ids:
             got = capture.buffer(group_id).cpu()
             width = got.shape[1]
@@ -269,9 +272,13 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)  # streams and graphs below use the current device
 
     report = Report()
-    shape = ModelShape.from_config(args.model, kv_dtype=args.kv_dtype)
-    report.value("model", f"{args.model}: {shape.num_layers} layers, kv {shape.kv_dtype}")
-    plan, buffers = check_memory(args, shape, device, report)
+    try:
+        shape = ModelShape.from_config(args.model, kv_dtype=args.kv_dtype)
+        report.value("model", f"{args.model}: {shape.num_layers} layers, kv {shape.kv_dtype}")
+        plan, buffers = check_memory(args, shape, device, report)
+    except (OSError, ValueError) as exc:
+        print(f"gpu_check: cannot plan: {exc}", file=sys.stderr)
+        return 1
     check_layout(plan, buffers, report)
     check_capture(plan, buffers, device, report)
     report.print()
