@@ -261,6 +261,12 @@ def check_component_plan(comps: list[ComponentSpec], block_size: int, budget: in
 @example(comps=[ComponentSpec("g", 0, "kv", 2**60, 0)], block_size=16, budget=2**66, reserved=0)
 @example(comps=[ComponentSpec("g", 0, "kv", 2**60 - 1, 15)], block_size=16, budget=U64_MAX, reserved=1)
 @example(comps=[], block_size=16, budget=100, reserved=0)
+@example(  # the row sum overflows even u128: the OverflowError must still name the arguments
+    comps=[ComponentSpec("g", 0, "k", U64_MAX, 0), ComponentSpec("g", 0, "v", U64_MAX, 0)],
+    block_size=U64_MAX,
+    budget=0,
+    reserved=0,
+)
 @example(comps=[], block_size=16, budget=2**200, reserved=7)
 def test_component_plan_agrees(
     comps: list[ComponentSpec], block_size: int, budget: int, reserved: int
@@ -295,6 +301,11 @@ def check_slab_plan(comps: list[ComponentSpec], block_size: int, budget: int) ->
     comps=[ComponentSpec("g", 0, "kv", 1, 0), ComponentSpec("h", 0, "kv", 1, 0)], block_size=1, budget=U64_MAX
 )
 @example(comps=[ComponentSpec("g", 0, "kv", 1, 0)], block_size=1, budget=2**64)
+@example(  # the row sum overflows even u128: the OverflowError must still name the arguments
+    comps=[ComponentSpec("g", 0, "k", U64_MAX, 0), ComponentSpec("g", 0, "v", U64_MAX, 0)],
+    block_size=U64_MAX,
+    budget=0,
+)
 def test_slab_plan_agrees(comps: list[ComponentSpec], block_size: int, budget: int) -> None:
     check_slab_plan(comps, block_size, budget)
 

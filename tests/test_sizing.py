@@ -94,6 +94,18 @@ def test_several_windows_split_the_sliding_layers(api: ModuleType) -> None:
     assert ids == ["sliding_attention_128", "sliding_attention_4096", FULL, "sliding_attention_128"]
 
 
+def test_numpy_windows(api: ModuleType) -> None:
+    # a 1-D array is a per-layer sequence, a 0-d array (or numpy scalar) an int
+    ids = api.layer_group_ids([SLIDING, SLIDING, FULL], np.array([8, 16, 0]))
+    assert ids == ["sliding_attention_8", "sliding_attention_16", FULL]
+    assert api.layer_group_ids([SLIDING, FULL], np.array(8)) == [SLIDING, FULL]
+    assert api.group_specs_from_layer_types([SLIDING], np.array([5]), page_size=4) == [
+        PagedCacheGroupSpec(SLIDING, "sliding_window", 4, 1, 5)
+    ]
+    with pytest.raises(ValueError, match=r"^sliding_window_tokens has 1 entries but layer_types has 2$"):
+        api.layer_group_ids([SLIDING, FULL], np.array([8]))
+
+
 def test_int_window_is_broadcast_to_sliding_layers_only(api: ModuleType) -> None:
     # full/linear layers simply get None; a non-positive int is fine without sliding layers
     assert api.layer_group_ids([FULL, LINEAR], 0) == [FULL, LINEAR]
@@ -573,6 +585,8 @@ def test_capture_width_errors(
         ([SLIDING, FULL] * 12, 128, 12),
         ([FULL, SLIDING, SLIDING, FULL], 64, 2),
         ([SLIDING, FULL, SLIDING, FULL], [8, None, 8, None], 2),  # one window, in sequence form
+        ([SLIDING, FULL], np.array([8, 0]), 1),
+        ([SLIDING, FULL], np.array([8, 8]), None),  # the full layer carries a window
         ([SLIDING, FULL], 2**200, 1),  # the window's size does not matter, only that it is one window
         ([SLIDING, SLIDING, FULL], 8, None),  # layer counts differ
         ([SLIDING, SLIDING, FULL, FULL], [8, 16, None, None], None),  # two windows
