@@ -454,11 +454,14 @@ pub fn plan_component_tensors(
     let checked = check_components(components)?;
     let page = page.u64("block_size")?;
     let rows = checked.iter().map(|c| c.row(page)).collect::<CoreResult<Vec<_>>>()?;
-    let row_sum = checked::sum_wide(rows.iter().copied(), "sum of component rows")?;
+    let row_sum = checked::sum_wide(
+        rows.iter().copied(),
+        "bytes_per_slot * block_size + const_bytes summed over components",
+    )?;
     let divisor = checked::add_wide(
         row_sum,
         u128::from(reserved.u64("reserved_bytes_per_block")?),
-        "sum of component rows + reserved_bytes_per_block",
+        "bytes_per_slot * block_size + const_bytes summed over components, + reserved_bytes_per_block",
     )?;
     let blocks = num_blocks(budget, divisor)?;
     let tensors = checked
@@ -466,7 +469,7 @@ pub fn plan_component_tensors(
         .zip(&rows)
         .enumerate()
         .map(|(k, (comp, &row))| {
-            let row_bytes = plan_size(row, "component row bytes")?;
+            let row_bytes = plan_size(row, "bytes_per_slot * block_size + const_bytes of a component")?;
             Ok(TensorPlan {
                 name: format!("{}.{}.{}", comp.arg.group_id, comp.layer, comp.arg.component),
                 nbytes: checked::mul(blocks, row_bytes, "num_blocks * row bytes")?,
@@ -484,7 +487,10 @@ pub fn plan_component_tensors(
     Ok(FlatMemoryPlan {
         geometry: BlockGeometry {
             block_size: page,
-            block_bytes: plan_size(row_sum, "sum of component rows")?,
+            block_bytes: plan_size(
+                row_sum,
+                "bytes_per_slot * block_size + const_bytes summed over components",
+            )?,
             num_blocks: blocks,
         },
         tensors,
@@ -539,14 +545,17 @@ pub fn plan_tensors(
             let mut offset = 0u128;
             for &(k, bytes) in &row.parts {
                 placed.push((slot, *group_source, k, row.layer, bytes, offset));
-                offset = checked::add_wide(offset, bytes, "slab row bytes")?;
+                offset = checked::add_wide(offset, bytes, "bytes_per_slot * block_size + const_bytes of a slab row")?;
             }
             if let Some(slot_row) = slot_rows.get_mut(slot) {
                 *slot_row = (*slot_row).max(offset);
             }
         }
     }
-    let total = checked::sum_wide(slot_rows.iter().copied(), "sum of slab rows")?;
+    let total = checked::sum_wide(
+        slot_rows.iter().copied(),
+        "bytes_per_slot * block_size + const_bytes summed over slab rows",
+    )?;
     let blocks = num_blocks(budget, total)?;
     let mut tensors = slot_rows
         .iter()
@@ -554,7 +563,11 @@ pub fn plan_tensors(
         .map(|(slot, &row)| {
             Ok(TensorPlan {
                 name: format!("slab{slot}"),
-                nbytes: checked::mul(blocks, plan_size(row, "slab row bytes")?, "num_blocks * slab row bytes")?,
+                nbytes: checked::mul(
+                    blocks,
+                    plan_size(row, "bytes_per_slot * block_size + const_bytes of a slab row")?,
+                    "budget_bytes: num_blocks * slab row bytes",
+                )?,
                 bindings: Vec::new(),
             })
         })
@@ -565,7 +578,7 @@ pub fn plan_tensors(
             group_source,
             component_source: k,
             layer: layer.clone(),
-            nbytes_per_block: plan_size(bytes, "component row bytes")?,
+            nbytes_per_block: plan_size(bytes, "bytes_per_slot * block_size + const_bytes of a component")?,
             row_offset: plan_size(offset, "slab row offset")?,
         };
         if let Some(tensor) = tensors.get_mut(slot) {
@@ -575,7 +588,7 @@ pub fn plan_tensors(
     Ok(FlatMemoryPlan {
         geometry: BlockGeometry {
             block_size: page,
-            block_bytes: plan_size(total, "sum of slab rows")?,
+            block_bytes: plan_size(total, "bytes_per_slot * block_size + const_bytes summed over slab rows")?,
             num_blocks: blocks,
         },
         tensors,

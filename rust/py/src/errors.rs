@@ -104,10 +104,18 @@ pub fn type_has(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
     obj.get_type().hasattr(name)
 }
 
-/// The reference's `is_sequence`: indexable and sized, not a mapping (lists, tuples, ndarrays
-/// and strs pass; callers refuse a bare str first).
+/// The reference's `is_sequence`: indexable with a length, not a mapping (lists, tuples, 1-D
+/// ndarrays and strs pass; callers refuse a bare str first). A 0-d ndarray has `__len__` on its
+/// type but `len()` raises `TypeError`, so it is not a sequence.
 pub fn is_sequence(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
-    Ok(!obj.is_instance_of::<PyMapping>() && type_has(obj, "__getitem__")? && type_has(obj, "__len__")?)
+    if obj.is_instance_of::<PyMapping>() || !type_has(obj, "__getitem__")? {
+        return Ok(false);
+    }
+    match obj.len() {
+        Ok(_) => Ok(true),
+        Err(err) if err.is_instance_of::<pyo3::exceptions::PyTypeError>(obj.py()) => Ok(false),
+        Err(err) => Err(err),
+    }
 }
 
 /// An int argument as the core sees it ([`int::IntArg`]: the reference's `as_int`, without raising): a bool is

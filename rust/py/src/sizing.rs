@@ -50,10 +50,12 @@ pub fn windows_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<WindowsArg> {
     if obj.is_instance_of::<PyBool>() {
         return Ok(WindowsArg::Refused("bool".to_owned()));
     }
-    if type_has(obj, "__index__")? {
-        return Ok(WindowsArg::Int(int_arg(obj)?));
-    }
-    if !is_sequence(obj)? {
+    // A sequence first: a numpy array's type has `__index__` too, but only a 0-d one is an int.
+    let per_layer = is_sequence(obj)?;
+    if !per_layer {
+        if type_has(obj, "__index__")? {
+            return Ok(WindowsArg::Int(int_arg(obj)?));
+        }
         return Ok(WindowsArg::Refused(type_name(obj)));
     }
     // `list(window)`, as the reference takes the entries (a length hint, then iteration).
