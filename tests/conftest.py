@@ -9,11 +9,10 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-import pytest
-from hypothesis import settings
-
 import flat_kvcache
 import flat_kvcache.reference
+import pytest
+from hypothesis import settings
 
 settings.register_profile("dev", max_examples=100, deadline=None)
 settings.register_profile("ci", max_examples=1000, deadline=None)

@@ -12,6 +12,7 @@ from typing import Any
 import flat_kvcache
 import numpy as np
 import pytest
+from crosscheck import publish
 from flat_kvcache._types import PagedCacheGroupSpec
 
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
@@ -91,6 +92,18 @@ def test_one_distinct_window_keeps_the_bare_label(api: ModuleType) -> None:
 def test_several_windows_split_the_sliding_layers(api: ModuleType) -> None:
     ids = api.layer_group_ids([SLIDING, SLIDING, FULL, SLIDING], [128, 4096, None, 128])
     assert ids == ["sliding_attention_128", "sliding_attention_4096", FULL, "sliding_attention_128"]
+
+
+def test_numpy_windows(api: ModuleType) -> None:
+    # a 1-D array is a per-layer sequence, a 0-d array (or numpy scalar) an int
+    ids = api.layer_group_ids([SLIDING, SLIDING, FULL], np.array([8, 16, 0]))
+    assert ids == ["sliding_attention_8", "sliding_attention_16", FULL]
+    assert api.layer_group_ids([SLIDING, FULL], np.array(8)) == [SLIDING, FULL]
+    assert api.group_specs_from_layer_types([SLIDING], np.array([5]), page_size=4) == [
+        PagedCacheGroupSpec(SLIDING, "sliding_window", 4, 1, 5)
+    ]
+    with pytest.raises(ValueError, match=r"^sliding_window_tokens has 1 entries but layer_types has 2$"):
+        api.layer_group_ids([SLIDING, FULL], np.array([8]))
 
 
 def test_int_window_is_broadcast_to_sliding_layers_only(api: ModuleType) -> None:
@@ -432,20 +445,6 @@ def test_page_counts_check_arguments_before_specs_and_specs_in_order(api: Module
 # --- publish_paged_cache_groups ------------------------------------------------------------------
 
 
-def publish(api: ModuleType, **kwargs: Any) -> Any:
-    args: dict[str, Any] = {
-        "layer_types": [SLIDING, FULL],
-        "sliding_window_tokens": 8,
-        "page_size": 4,
-        "max_live_requests": 2,
-        "max_scheduled_tokens": 5,
-        "max_total_tokens": 10,
-        "max_context_len": 20,
-    }
-    args.update(kwargs)
-    return api.publish_paged_cache_groups(**args)
-
-
 def test_publish_specs_and_counts(flat_api: ModuleType) -> None:
     # P=4, B=2, S=5, T=10, C=20, N=1, D=0, M=0 -> protected 0
     # sliding W=8: 2*ceil(min(7, 20)/4)=2*2=4; ceil(min(5,10)/4)=2; 4+2+2+0+1 = 9
@@ -586,6 +585,8 @@ def test_capture_width_errors(
         ([SLIDING, FULL] * 12, 128, 12),
         ([FULL, SLIDING, SLIDING, FULL], 64, 2),
         ([SLIDING, FULL, SLIDING, FULL], [8, None, 8, None], 2),  # one window, in sequence form
+        ([SLIDING, FULL], np.array([8, 0]), 1),
+        ([SLIDING, FULL], np.array([8, 8]), None),  # the full layer carries a window
         ([SLIDING, FULL], 2**200, 1),  # the window's size does not matter, only that it is one window
         ([SLIDING, SLIDING, FULL], 8, None),  # layer counts differ
         ([SLIDING, SLIDING, FULL, FULL], [8, 16, None, None], None),  # two windows

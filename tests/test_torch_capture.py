@@ -15,6 +15,7 @@ except ModuleNotFoundError:
         raise RuntimeError("torch is missing: the flat_kvcache.torch tests must run in CI") from None
     pytest.importorskip("torch")
 
+import flat_kvcache
 from flat_kvcache import reference as ref
 from flat_kvcache.torch import CaptureBuffers, write_locations
 
@@ -87,6 +88,10 @@ def test_fill_accepts_tensors_wider_ints_and_extra_rows() -> None:
     assert buffers.buffer("full_attention")[:2, :3].tolist() == [[3, 2, 1], [-1, 5, 4]]
 
 
+#: Flat per-group block tables need the `flat` cargo feature (SPEC 10); CI builds it on.
+needs_flat = pytest.mark.skipif(not flat_kvcache.FLAT_KVCACHE, reason="built without the flat feature")
+
+
 def flat_step(*reqs: str) -> dict[str, np.ndarray]:
     """Block tables from a flat cache: "a" holds 40 tokens, "b" ran past the 64-token window
     and reclaimed its first two sliding pages."""
@@ -96,6 +101,7 @@ def flat_step(*reqs: str) -> dict[str, np.ndarray]:
     return cache.block_tables(list(reqs or ("a", "b")))
 
 
+@needs_flat
 def test_fill_from_flat_block_tables() -> None:
     step = flat_step("a", "a")
     buffers = capture()
@@ -105,6 +111,7 @@ def test_fill_from_flat_block_tables() -> None:
         assert buffers.buffer(group_id)[:2, : table.shape[1]].tolist() == table.tolist()
 
 
+@needs_flat
 def test_sliding_tables_outgrow_the_window_width() -> None:
     step = flat_step()
     assert step["sliding_attention"][1, :2].tolist() == [0, 0]  # holes
@@ -113,6 +120,7 @@ def test_sliding_tables_outgrow_the_window_width() -> None:
         capture().fill(step, batch_size=2)
 
 
+@needs_flat
 def test_sliding_offsets_capture_each_rows_tail() -> None:
     step = flat_step()
     buffers = capture(sliding_offsets=True)
@@ -137,6 +145,7 @@ def test_sliding_offsets_capture_each_rows_tail() -> None:
     )
 
 
+@needs_flat
 def test_sliding_offsets_refuse_to_drop_a_live_page() -> None:
     cache = ref.FlatKVCache(ref.kv_cache_specs(GROUPS), 64)
     assert cache.acquire("b", 100)  # not reclaimed: slot 0 still holds a page

@@ -1,13 +1,122 @@
 """Type stubs for the native extension `flat_kvcache._native` (hand-written)."""
 
 from collections.abc import Iterable, Sequence
-from typing import Any, final
+from typing import Any, SupportsIndex, final
 
 import numpy as np
 import numpy.typing as npt
 
 __version__: str
 FLAT_KVCACHE: bool
+# PyO3's declarative module sets __all__ to every #[pymodule_export] (sorted here).
+__all__ = [
+    "BlockPool",
+    "FLAT_KVCACHE",
+    "FlatKVCache",
+    "PrefixMatch",
+    "__version__",
+    "components_from_layers",
+    "compute_max_logical_pages_for_capture",
+    "compute_paged_cache_group_page_counts",
+    "equalized_block_size",
+    "fold_hashes",
+    "group_key",
+    "group_specs_from_layer_types",
+    "hash_page",
+    "hash_pages",
+    "hybrid_slab_group_size",
+    "layer_group_ids",
+    "occurrence_index",
+    "plan_component_tensors",
+    "plan_tensors",
+    "publish_paged_cache_groups",
+    "scheduler_ext_flat_kvcache",
+    "solve_page_geometry",
+    "state_const_bytes",
+    "validate_flat_scheduler_config",
+]
+
+# --- sizing API and memory plan (SPEC 2, 3, 10; rust/py/src/sizing.rs, plan.rs) ---------------
+# Arguments are validated natively (wrong types raise TypeError/ValueError), so they are typed
+# loosely here; flat_kvcache.sizing / flat_kvcache.memory carry the precise public hints.
+
+#: (group_id, retention, rows_per_page, entry_stride_tokens, sliding_window_tokens, family)
+_SpecTuple = tuple[str, str, int, int, int | None, str]
+#: (group_id, layer, component, bytes_per_slot, const_bytes)
+_ComponentTuple = tuple[str, int, str, int, int]
+#: (slot, group_id, layer, component, nbytes_per_block, row_offset); group_id and component are
+#: the objects of the input components.
+_BindingTuple = tuple[int, Any, int, Any, int, int]
+#: ((block_size, block_bytes, num_blocks), [(name, nbytes, [binding, ...]), ...])
+_PlanTuple = tuple[tuple[int, int, int], list[tuple[str, int, list[_BindingTuple]]]]
+
+def scheduler_ext_flat_kvcache() -> bool: ...
+def layer_group_ids(layer_types: object, sliding_window_tokens: object = None) -> list[str]: ...
+def group_specs_from_layer_types(
+    layer_types: object, sliding_window_tokens: object = None, *, page_size: SupportsIndex
+) -> list[_SpecTuple]: ...
+def compute_paged_cache_group_page_counts(
+    specs: Iterable[object],
+    *,
+    max_live_requests: SupportsIndex,
+    max_scheduled_tokens: SupportsIndex,
+    max_total_tokens: SupportsIndex,
+    max_context_len: SupportsIndex,
+    decode_input_tokens: SupportsIndex = 1,
+    overlap_schedule_depth: SupportsIndex = 0,
+    safety_margin: SupportsIndex = 0,
+) -> dict[Any, int]: ...
+def publish_paged_cache_groups(
+    *,
+    layer_types: object,
+    sliding_window_tokens: object,
+    page_size: SupportsIndex,
+    max_live_requests: SupportsIndex,
+    max_scheduled_tokens: SupportsIndex,
+    max_total_tokens: SupportsIndex,
+    max_context_len: SupportsIndex,
+) -> tuple[list[_SpecTuple], dict[str, int]] | None: ...
+def compute_max_logical_pages_for_capture(
+    spec: object,
+    *,
+    max_context_len: SupportsIndex,
+    max_tokens_per_req: SupportsIndex = 1,
+    overlap_schedule_depth: SupportsIndex = 0,
+) -> int: ...
+def hybrid_slab_group_size(layer_types: object, *, sliding_window_tokens: object = None) -> int | None: ...
+def validate_flat_scheduler_config(
+    *,
+    flat_kvcache_ext: object,
+    paged_cache_groups: object,
+    attn_backend: object,
+    kv_pool: object,
+    speculative_algorithm: object = None,
+) -> None: ...
+def occurrence_index(layer_types: object) -> list[int]: ...
+def state_const_bytes(shape: object, itemsize: SupportsIndex) -> int: ...
+def components_from_layers(
+    layer_types: object,
+    *,
+    kv_bytes_per_slot: SupportsIndex,
+    state_component_bytes: object = None,
+    sliding_window_tokens: object = None,
+) -> list[_ComponentTuple]: ...
+def solve_page_geometry(
+    components: Iterable[object], block_size: SupportsIndex, alignment: SupportsIndex
+) -> tuple[int, int, int]: ...
+def equalized_block_size(
+    components: Iterable[object], block_size: SupportsIndex, alignment: SupportsIndex | None = None
+) -> int: ...
+def plan_component_tensors(
+    components: Iterable[object],
+    block_size: SupportsIndex,
+    budget_bytes: SupportsIndex,
+    *,
+    reserved_bytes_per_block: SupportsIndex = 0,
+) -> _PlanTuple: ...
+def plan_tensors(
+    components: Iterable[object], block_size: SupportsIndex, budget_bytes: SupportsIndex
+) -> _PlanTuple: ...
 
 # ----- page engine (SPEC 4-8, docs/engine-api.md) ----------------------------------------------
 

@@ -310,7 +310,9 @@ def extend_locations(
 
     Row ``r`` writes positions ``prefix_lens[r] .. prefix_lens[r] + extend_lens[r] - 1``; the
     result is the int64 ``[sum(extend_lens)]`` vector of their slots in row order. ``check=True``
-    as in :func:`write_locations`, and also rejects negative lengths.
+    as in :func:`write_locations`, and also rejects negative lengths. The output length is data
+    dependent, so on CUDA this waits for the device once (it is not for graph capture; decode
+    steps use :func:`write_locations`, which is).
     """
     table = _as_table(table)
     prefix = _as_index(prefix_lens, "prefix_lens", table.device)

@@ -63,7 +63,11 @@ class KVMemoryPlan:
     ``num_pages`` includes page 0, the null page; ``bytes_per_page`` is the memory one page takes
     across all buffers, so ``total_bytes == num_pages * bytes_per_page <= budget_bytes``.
     ``groups`` / ``page_counts`` are the paged-cache groups and their SPEC 2 page counts with
-    ``max_total_tokens = (num_pages - 1) * page_size``, the tokens the non-null pages hold.
+    ``max_total_tokens = (num_pages - 1) * page_size``, the tokens the non-null pages hold: what
+    ``publish_paged_cache_groups`` publishes, computed with ``group_specs_from_layer_types`` and
+    ``compute_paged_cache_group_page_counts`` so that they exist in a build without the ``flat``
+    feature too. They are per-group bounds; a group needing more pages than ``num_pages`` means
+    the budget is too small for ``max_live_requests`` at this page size.
     ``slab_saving_bytes`` is the memory per-layer tensors would take for the same pages minus what
     the shared slabs take (0 without slabs).
     """
@@ -167,6 +171,8 @@ def plan_kv_memory(
             else plan_component_tensors(components, block_size, usable)
         )
     except ValueError as exc:
+        if budget_bytes is not None and not slack:
+            raise  # the native message names budget_bytes already
         if slack:
             origin += f" less {slack} bytes of CUDA allocator slack"
         raise ValueError(f"{origin}: {exc}") from exc
@@ -231,6 +237,8 @@ def _device_budget(device: torch.device | None, utilization: float) -> tuple[int
         raise TypeError(f"utilization must be a number, not {type(utilization).__name__}")
     if not 0 < utilization <= 1:
         raise ValueError(f"utilization must be in (0, 1], got {utilization}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"cannot read a memory budget from device {device}: CUDA is not available")
     free, total = torch.cuda.mem_get_info(device)
     # The decimal the caller wrote (0.9 is 9/10), not the nearest binary float, so that a round
     # utilization gives a round reserve; the result is exact and rounded down.

@@ -3,7 +3,9 @@
 ``flat-kvcache plan`` sizes the paged KV cache of a model (a preset or a Hugging Face style
 ``config.json``): its page groups, the pages each group needs, the CUDA-graph capture width of
 each group's block table and the hybrid slab pairing. With no arguments it plans the default
-preset. ``--json`` prints the same plan as JSON.
+preset. ``--json`` prints the same plan as JSON. ``--memory 80GiB`` (or ``--device cuda``, whose
+free memory sets the budget) adds the memory plan: bytes per page, pages, tokens that fit and
+the slab saving; it needs the ``torch`` extra, imported only then.
 
 Bad input is one line on stderr, ``flat-kvcache: error: ...``, and a non-zero exit status:
 2 for a usage error (unknown option, negative size), 1 for a model the API rejects (missing or
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -75,6 +79,29 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
 
     parse.__name__ = f"int >= {minimum}"
     return parse
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_BYTE_UNITS.update({f"{p}{s}": 1 << (10 * (i + 1)) for i, p in enumerate("kmgt") for s in ("", "ib")})
+
+
+def _byte_size(text: str) -> int:
+    """An argparse ``type`` for a byte count: ``80GiB``, ``512M`` (binary), ``1.5GB`` (decimal), ``1000``."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _BYTE_UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 80GiB, 512MiB or 1000, got {text!r}")
+    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
+
+
+def _utilization(text: str) -> float:
+    """An argparse ``type`` for a fraction in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
 
 
 def _parser() -> _Parser:
@@ -141,6 +168,27 @@ def _parser() -> _Parser:
     sizes.add_argument(
         "--safety-margin", type=non_negative, default=0, metavar="M", help="extra pages per group (0)"
     )
+    memory = plan.add_argument_group("memory (needs the torch extra: pip install 'flat-kvcache[torch]')")
+    memory.add_argument(
+        "--memory",
+        type=_byte_size,
+        metavar="SIZE",
+        help="KV-cache memory budget, e.g. 80GiB: adds bytes per page, pages, tokens that fit and "
+        "the slab saving (tokens that fit become the default T)",
+    )
+    memory.add_argument(
+        "--device",
+        metavar="DEVICE",
+        help="the device to plan for, e.g. cuda:0; without --memory its free memory sets the budget",
+    )
+    memory.add_argument(
+        "--utilization",
+        type=_utilization,
+        default=0.9,
+        metavar="U",
+        help="fraction of the device's memory to use: budget = free - total * (1 - U) (0.9)",
+    )
+    memory.add_argument("--kv-dtype", metavar="DTYPE", help="K/V dtype, e.g. fp8_e4m3 (default: the model's)")
     plan.set_defaults(run=_run_plan)
     return parser
 
@@ -160,7 +208,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _Exit as exc:
         return exc.status
     run: Callable[[argparse.Namespace], int] = args.run
-    return run(args)
+    try:
+        return run(args)
+    except BrokenPipeError:
+        # The reader went away (`flat-kvcache plan | head`): stop quietly, and keep Python's
+        # final flush of stdout from failing again (the recipe in the `signal` module docs).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 # --- plan -------------------------------------------------------------------------------------
@@ -170,19 +224,29 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.list_presets:
         _print_presets()
         return 0
+    with_memory = args.memory is not None or args.device is not None
+    if args.kv_dtype is not None and not with_memory:
+        _print_error("--kv-dtype needs --memory or --device")
+        return 2
     try:
         if args.config is not None:
             source, cfg = args.config, load_model_config(args.config)
         else:
             name = args.preset or DEFAULT_PRESET
             source, cfg = f"preset {name}", load_model_config(name)
+        memory = _memory_plan(cfg, args) if with_memory else None
         plan = build_plan(
             cfg,
             source=source,
-            page_size=args.page_size,
+            # A state layer may raise the page size; the memory plan's tokens bound T.
+            page_size=args.page_size if memory is None else memory["page_size"],
             max_live_requests=args.max_live_requests,
             max_scheduled_tokens=args.max_scheduled_tokens,
-            max_total_tokens=args.max_total_tokens,
+            max_total_tokens=(
+                memory["tokens_that_fit"]
+                if memory is not None and args.max_total_tokens is None
+                else args.max_total_tokens
+            ),
             max_context_len=args.max_context_len,
             decode_input_tokens=args.decode_input_tokens,
             overlap_schedule_depth=args.overlap_schedule_depth,
@@ -191,8 +255,45 @@ def _run_plan(args: argparse.Namespace) -> int:
     except (OSError, ValueError, OverflowError) as exc:
         _print_error(str(exc))
         return 1
+    if memory is not None:
+        plan["memory"] = memory
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
     return 0
+
+
+def _memory_plan(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The memory plan (``flat_kvcache.torch.plan_kv_memory``) as a JSON-ready dict.
+
+    torch is imported here, only when asked for: it is an optional extra.
+    """
+    try:
+        from flat_kvcache.torch import ModelShape, plan_kv_memory
+    except ImportError as exc:
+        raise ValueError(f"--memory/--device: {exc}") from None
+    context = max_context_len_from_config(cfg) if args.max_context_len is None else args.max_context_len
+    if args.memory is None and not str(args.device).startswith("cuda"):
+        raise ValueError(f"--device {args.device}: only CUDA devices report free memory; pass --memory")
+    try:
+        shape = ModelShape.from_config(cfg, kv_dtype=args.kv_dtype)
+        plan = plan_kv_memory(
+            shape,
+            page_size=args.page_size,
+            budget_bytes=args.memory,
+            device=args.device,
+            utilization=args.utilization,
+            max_live_requests=args.max_live_requests,
+            max_scheduled_tokens=args.max_scheduled_tokens,
+            max_context_len=context,
+        )
+    except RuntimeError as exc:  # torch rejects a device name
+        raise ValueError(f"--device {args.device}: {exc}") from None
+    return {
+        **plan.summary(),
+        "requested_page_size": plan.requested_page_size,
+        "allocator_slack_bytes": plan.allocator_slack_bytes,
+        "kv_dtype": str(shape.kv_dtype).removeprefix("torch."),
+        "device": args.device,
+    }
 
 
 def _print_presets() -> None:
@@ -335,4 +436,31 @@ def format_plan(plan: dict[str, Any]) -> str:
         lines.append("hybrid slab group size: none (built without the flat feature)")
     else:
         lines.append("hybrid slab group size: none (per-layer K/V buffers)")
+    if "memory" in plan:
+        lines += ["", *_format_memory(plan["memory"])]
     return "\n".join(lines)
+
+
+def _format_memory(memory: dict[str, Any]) -> list[str]:
+    """The memory plan's lines for :func:`format_plan`."""
+
+    def size(nbytes: int) -> str:
+        return f"{nbytes} bytes ({nbytes / (1 << 30):.2f} GiB)"
+
+    slack = memory["allocator_slack_bytes"]
+    budget = size(memory["budget_bytes"]) + (f", less {slack} bytes of allocator slack" if slack else "")
+    page = f"{memory['page_size']} tokens"
+    if memory["page_size"] != memory["requested_page_size"]:
+        page += f" (raised from {memory['requested_page_size']} so a page holds a state snapshot)"
+    rows = [
+        ("budget", budget + (f" on {memory['device']}" if memory["device"] else "")),
+        ("kv dtype", memory["kv_dtype"]),
+        ("page size", page),
+        ("bytes per page", str(memory["bytes_per_page"])),
+        ("pages", f"{memory['num_pages']} (page 0 is the null page)"),
+        ("tokens that fit", str(memory["tokens_that_fit"])),
+        ("buffers", size(memory["total_bytes"])),
+        ("slab saving", size(memory["slab_saving_bytes"]) + " versus per-layer K/V"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return ["memory:", *(f"  {name:<{width}}  {value}" for name, value in rows)]

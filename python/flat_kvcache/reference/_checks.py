@@ -43,9 +43,15 @@ def ceil_div(numerator: int, denominator: int) -> int:
 
 
 def is_sequence(value: object) -> bool:
-    """True for an indexable, sized container that is not a mapping (list, tuple, ndarray, ...).
+    """True for an indexable container with a length that is not a mapping (list, tuple, 1-D array).
 
-    Strings pass too; callers that must refuse a bare ``str`` check for it first.
+    Strings pass too; callers that must refuse a bare ``str`` check for it first. A 0-d numpy
+    array has ``__len__`` on its type but no length, so it is not a sequence (it is an int).
     """
-    kind = type(value)
-    return not isinstance(value, Mapping) and hasattr(kind, "__getitem__") and hasattr(kind, "__len__")
+    if isinstance(value, Mapping) or not hasattr(type(value), "__getitem__"):
+        return False
+    try:
+        len(value)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True

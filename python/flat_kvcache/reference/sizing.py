@@ -108,12 +108,13 @@ def _window_entries(sliding_window_tokens: object, labels: list[str]) -> list[in
     window = sliding_window_tokens
     if window is None:
         return [None] * len(labels)
-    is_int = hasattr(type(window), "__index__")
-    if isinstance(window, str | bool) or not (is_int or is_sequence(window)):
+    # A sequence first: a numpy array's type has ``__index__`` too, but only a 0-d one is an int.
+    per_layer = is_sequence(window)
+    if isinstance(window, str | bool) or not (per_layer or hasattr(type(window), "__index__")):
         raise ValueError(
             f"sliding_window_tokens must be None, an int or a per-layer sequence, not {type(window).__name__}"
         )
-    if is_int:
+    if not per_layer:
         value = as_int(window, "sliding_window_tokens")
         return [value if label == SLIDING_ATTENTION else None for label in labels]
     entries = list(cast("Sequence[object]", window))

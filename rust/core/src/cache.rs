@@ -322,18 +322,6 @@ impl FlatCache {
             }
         }
         pool.check().map_err(CoreError::Invariant)?;
-        for (p, &o) in owner.iter().enumerate() {
-            let page = u32::try_from(p).unwrap_or(u32::MAX);
-            if let (Some(key), true) = (pool.key_of(page), o != 0) {
-                if key.group as usize != o - 1 {
-                    return Err(CoreError::Invariant(format!(
-                        "page {page} holds a key of group {} but sits in a table of group {:?}",
-                        key.group,
-                        specs[o - 1].group_id
-                    )));
-                }
-            }
-        }
         Ok(())
     }
 }

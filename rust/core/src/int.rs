@@ -107,13 +107,9 @@ impl Int {
                 limbs[i + j] = low_limb(u128::from(cur));
                 carry = cur >> 32;
             }
-            let mut k = i + other.limbs.len();
-            while carry != 0 {
-                let cur = u64::from(limbs[k]) + carry;
-                limbs[k] = low_limb(u128::from(cur));
-                carry = cur >> 32;
-                k += 1;
-            }
+            // Rows before i wrote no further than position i - 1 + len(other), so the final
+            // carry (< 2^32) lands alone at i + len(other), inside the len(self) + len(other) limbs.
+            limbs[i + other.limbs.len()] = low_limb(u128::from(carry));
         }
         Self {
             negative: self.negative != other.negative,

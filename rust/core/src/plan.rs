@@ -97,15 +97,49 @@ pub struct ComponentSpec {
     /// The component name (`kv` for history layers).
     pub component: String,
     /// Bytes per token slot.
-    pub bytes_per_slot: Int,
+    pub bytes_per_slot: u64,
     /// Bytes per page.
-    pub const_bytes: Int,
+    pub const_bytes: u64,
+}
+
+/// One checked state component: its name, its size (exact) and the name's `repr` (for the
+/// overflow message).
+struct StateItem<'a> {
+    name: &'a str,
+    nbytes: &'a Int,
+    repr: &'a str,
+}
+
+/// The state mapping, checked: a mapping of str to non-negative ints.
+fn state_items(state_component_bytes: &StateComponentsArg) -> CoreResult<Vec<StateItem<'_>>> {
+    match state_component_bytes {
+        StateComponentsArg::None => Ok(Vec::new()),
+        StateComponentsArg::NotMapping(type_name) => Err(CoreError::Type(format!(
+            "state_component_bytes must be a mapping of component name to bytes per page, not {type_name}"
+        ))),
+        StateComponentsArg::Items(items) => items
+            .iter()
+            .map(|item| match &item.name {
+                LabelItem::Str(name) => Ok(StateItem {
+                    name,
+                    nbytes: item
+                        .nbytes
+                        .non_negative(&format!("state_component_bytes[{}]", item.repr))?,
+                    repr: &item.repr,
+                }),
+                LabelItem::Other(type_name) => Err(CoreError::Type(format!(
+                    "state_component_bytes keys must be str, not {type_name}"
+                ))),
+            })
+            .collect(),
+    }
 }
 
 /// `components_from_layers`: the memory components of every layer, layer by layer.
 ///
-/// Checks, in order: `kv_bytes_per_slot > 0`, the state mapping (a mapping of str to ints
-/// >= 0), the layers (as `layer_group_ids`), then each state layer needs a non-empty mapping.
+/// Checks, in order: `kv_bytes_per_slot > 0`, the state mapping (a mapping of str to
+/// non-negative ints), the layers (as `layer_group_ids`), then each state layer needs a
+/// non-empty mapping. Only then must the sizes the components carry fit `u64`.
 pub fn components_from_layers(
     layer_types: &LayerTypesArg,
     kv_bytes_per_slot: &IntArg,
@@ -113,54 +147,43 @@ pub fn components_from_layers(
     windows: &WindowsArg,
 ) -> CoreResult<Vec<ComponentSpec>> {
     let kv_bytes = kv_bytes_per_slot.positive("kv_bytes_per_slot")?;
-    let state_items = match state_component_bytes {
-        StateComponentsArg::None => Vec::new(),
-        StateComponentsArg::NotMapping(type_name) => {
-            return Err(CoreError::Type(format!(
-                "state_component_bytes must be a mapping of component name to bytes per page, not {type_name}"
-            )));
-        }
-        StateComponentsArg::Items(items) => items
-            .iter()
-            .map(|item| match &item.name {
-                LabelItem::Str(name) => Ok((
-                    name.as_str(),
-                    item.nbytes
-                        .non_negative(&format!("state_component_bytes[{}]", item.repr))?,
-                )),
-                LabelItem::Other(type_name) => Err(CoreError::Type(format!(
-                    "state_component_bytes keys must be str, not {type_name}"
-                ))),
-            })
-            .collect::<CoreResult<Vec<_>>>()?,
-    };
-    let mut components = Vec::new();
+    let state = state_items(state_component_bytes)?;
+    // (group id, layer, the state item or None for `kv`)
+    let mut layout: Vec<(String, usize, Option<&StateItem<'_>>)> = Vec::new();
     for (i, layer) in sizing::grouped_layers(layer_types, windows)?.into_iter().enumerate() {
         if !layer.kind.is_state() {
-            components.push(ComponentSpec {
-                group_id: layer.group_id,
-                layer: i,
-                component: "kv".to_owned(),
-                bytes_per_slot: kv_bytes.clone(),
-                const_bytes: Int::zero(),
-            });
+            layout.push((layer.group_id, i, None));
             continue;
         }
-        if state_items.is_empty() {
+        if state.is_empty() {
             return Err(CoreError::invalid(format!(
                 "layer {i} ({}) needs state_component_bytes",
                 layer.kind.label()
             )));
         }
-        components.extend(state_items.iter().map(|(name, nbytes)| ComponentSpec {
-            group_id: layer.group_id.clone(),
-            layer: i,
-            component: (*name).to_owned(),
-            bytes_per_slot: Int::zero(),
-            const_bytes: Int::clone(nbytes),
-        }));
+        layout.extend(state.iter().map(|item| (layer.group_id.clone(), i, Some(item))));
     }
-    Ok(components)
+    layout
+        .into_iter()
+        .map(|(group_id, layer, item)| {
+            Ok(match item {
+                None => ComponentSpec {
+                    group_id,
+                    layer,
+                    component: "kv".to_owned(),
+                    bytes_per_slot: kv_bytes.u64("kv_bytes_per_slot")?,
+                    const_bytes: 0,
+                },
+                Some(item) => ComponentSpec {
+                    group_id,
+                    layer,
+                    component: item.name.to_owned(),
+                    bytes_per_slot: 0,
+                    const_bytes: item.nbytes.u64(&format!("state_component_bytes[{}]", item.repr))?,
+                },
+            })
+        })
+        .collect()
 }
 
 /// A component as the bindings read it from a `ComponentSpec` (or any object with its fields).
@@ -193,8 +216,8 @@ pub fn component_args(specs: &[ComponentSpec]) -> Vec<ComponentArg> {
                 group_id: spec.group_id.clone(),
                 layer: IntArg::Int(Int::from(spec.layer)),
                 component: spec.component.clone(),
-                bytes_per_slot: IntArg::Int(spec.bytes_per_slot.clone()),
-                const_bytes: IntArg::Int(spec.const_bytes.clone()),
+                bytes_per_slot: IntArg::from(spec.bytes_per_slot),
+                const_bytes: IntArg::from(spec.const_bytes),
             }
         })
         .collect()
@@ -431,11 +454,14 @@ pub fn plan_component_tensors(
     let checked = check_components(components)?;
     let page = page.u64("block_size")?;
     let rows = checked.iter().map(|c| c.row(page)).collect::<CoreResult<Vec<_>>>()?;
-    let row_sum = checked::sum_wide(rows.iter().copied(), "sum of component rows")?;
+    let row_sum = checked::sum_wide(
+        rows.iter().copied(),
+        "bytes_per_slot * block_size + const_bytes summed over components",
+    )?;
     let divisor = checked::add_wide(
         row_sum,
         u128::from(reserved.u64("reserved_bytes_per_block")?),
-        "sum of component rows + reserved_bytes_per_block",
+        "bytes_per_slot * block_size + const_bytes summed over components, + reserved_bytes_per_block",
     )?;
     let blocks = num_blocks(budget, divisor)?;
     let tensors = checked
@@ -443,7 +469,7 @@ pub fn plan_component_tensors(
         .zip(&rows)
         .enumerate()
         .map(|(k, (comp, &row))| {
-            let row_bytes = plan_size(row, "component row bytes")?;
+            let row_bytes = plan_size(row, "bytes_per_slot * block_size + const_bytes of a component")?;
             Ok(TensorPlan {
                 name: format!("{}.{}.{}", comp.arg.group_id, comp.layer, comp.arg.component),
                 nbytes: checked::mul(blocks, row_bytes, "num_blocks * row bytes")?,
@@ -461,7 +487,10 @@ pub fn plan_component_tensors(
     Ok(FlatMemoryPlan {
         geometry: BlockGeometry {
             block_size: page,
-            block_bytes: plan_size(row_sum, "sum of component rows")?,
+            block_bytes: plan_size(
+                row_sum,
+                "bytes_per_slot * block_size + const_bytes summed over components",
+            )?,
             num_blocks: blocks,
         },
         tensors,
@@ -516,14 +545,17 @@ pub fn plan_tensors(
             let mut offset = 0u128;
             for &(k, bytes) in &row.parts {
                 placed.push((slot, *group_source, k, row.layer, bytes, offset));
-                offset = checked::add_wide(offset, bytes, "slab row bytes")?;
+                offset = checked::add_wide(offset, bytes, "bytes_per_slot * block_size + const_bytes of a slab row")?;
             }
             if let Some(slot_row) = slot_rows.get_mut(slot) {
                 *slot_row = (*slot_row).max(offset);
             }
         }
     }
-    let total = checked::sum_wide(slot_rows.iter().copied(), "sum of slab rows")?;
+    let total = checked::sum_wide(
+        slot_rows.iter().copied(),
+        "bytes_per_slot * block_size + const_bytes summed over slab rows",
+    )?;
     let blocks = num_blocks(budget, total)?;
     let mut tensors = slot_rows
         .iter()
@@ -531,7 +563,11 @@ pub fn plan_tensors(
         .map(|(slot, &row)| {
             Ok(TensorPlan {
                 name: format!("slab{slot}"),
-                nbytes: checked::mul(blocks, plan_size(row, "slab row bytes")?, "num_blocks * slab row bytes")?,
+                nbytes: checked::mul(
+                    blocks,
+                    plan_size(row, "bytes_per_slot * block_size + const_bytes of a slab row")?,
+                    "budget_bytes: num_blocks * slab row bytes",
+                )?,
                 bindings: Vec::new(),
             })
         })
@@ -542,7 +578,7 @@ pub fn plan_tensors(
             group_source,
             component_source: k,
             layer: layer.clone(),
-            nbytes_per_block: plan_size(bytes, "component row bytes")?,
+            nbytes_per_block: plan_size(bytes, "bytes_per_slot * block_size + const_bytes of a component")?,
             row_offset: plan_size(offset, "slab row offset")?,
         };
         if let Some(tensor) = tensors.get_mut(slot) {
@@ -552,7 +588,7 @@ pub fn plan_tensors(
     Ok(FlatMemoryPlan {
         geometry: BlockGeometry {
             block_size: page,
-            block_bytes: plan_size(total, "sum of slab rows")?,
+            block_bytes: plan_size(total, "bytes_per_slot * block_size + const_bytes summed over slab rows")?,
             num_blocks: blocks,
         },
         tensors,

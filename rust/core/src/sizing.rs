@@ -339,28 +339,37 @@ pub struct GroupSpec {
     /// `full_history` or `sliding_window`.
     pub retention: &'static str,
     /// Rows per page (the page size).
-    pub rows_per_page: Int,
+    pub rows_per_page: u64,
     /// Tokens per row.
-    pub entry_stride_tokens: Int,
+    pub entry_stride_tokens: u64,
     /// The window of a sliding group.
-    pub sliding_window_tokens: Option<Int>,
+    pub sliding_window_tokens: Option<u64>,
     /// `history` or `state`.
     pub family: &'static str,
 }
 
+/// The specs of checked labels. The layers are checked first; then the values the specs carry
+/// (the page size and the windows) must fit `u64`.
 fn specs_for_labels(labels: &[String], windows: &WindowsArg, page_size: &Int) -> CoreResult<Vec<GroupSpec>> {
+    let layers = group_labels(labels, windows)?;
+    let rows_per_page = page_size.u64("page_size")?;
     let mut specs: Vec<GroupSpec> = Vec::new();
-    for layer in group_labels(labels, windows)? {
-        if specs.iter().all(|spec| spec.group_id != layer.group_id) {
-            specs.push(GroupSpec {
-                group_id: layer.group_id,
-                retention: layer.kind.retention(),
-                rows_per_page: page_size.clone(),
-                entry_stride_tokens: Int::from(1u64),
-                sliding_window_tokens: layer.window,
-                family: layer.kind.family(),
-            });
+    for layer in layers {
+        if specs.iter().any(|spec| spec.group_id == layer.group_id) {
+            continue;
         }
+        let window = match &layer.window {
+            Some(window) => Some(window.u64("sliding_window_tokens")?),
+            None => None,
+        };
+        specs.push(GroupSpec {
+            group_id: layer.group_id,
+            retention: layer.kind.retention(),
+            rows_per_page,
+            entry_stride_tokens: 1,
+            sliding_window_tokens: window,
+            family: layer.kind.family(),
+        });
     }
     Ok(specs)
 }
@@ -400,9 +409,9 @@ impl From<&GroupSpec> for SpecArg {
         Self {
             group_id: spec.group_id.clone(),
             retention: Text::from(spec.retention),
-            rows_per_page: IntArg::Int(spec.rows_per_page.clone()),
-            entry_stride_tokens: IntArg::Int(spec.entry_stride_tokens.clone()),
-            sliding_window_tokens: spec.sliding_window_tokens.clone().map(IntArg::Int),
+            rows_per_page: IntArg::from(spec.rows_per_page),
+            entry_stride_tokens: IntArg::from(spec.entry_stride_tokens),
+            sliding_window_tokens: spec.sliding_window_tokens.map(IntArg::from),
             family: Text::from(spec.family),
         }
     }
@@ -535,6 +544,8 @@ struct Limits<'a> {
 }
 
 impl<'a> Limits<'a> {
+    /// The argument checks, in the reference's order: B, S, T, C, N, M (ints >= 0), then D (0
+    /// or 1), then D > 0 needs N > 0.
     fn check(args: &'a PageCountArgs) -> CoreResult<Self> {
         let live = args.max_live_requests.non_negative("max_live_requests")?;
         let scheduled = args.max_scheduled_tokens.non_negative("max_scheduled_tokens")?;
@@ -559,55 +570,72 @@ impl<'a> Limits<'a> {
         })
     }
 
+    /// Every argument as an operand: each must fit `u64`, used by a formula or not.
+    fn operands(&self) -> CoreResult<Operands> {
+        let operand = |v: &Int, name: &str| v.u64(name).map(u128::from);
+        Ok(Operands {
+            live: operand(self.live, "max_live_requests")?,
+            scheduled: operand(self.scheduled, "max_scheduled_tokens")?,
+            total: operand(self.total, "max_total_tokens")?,
+            context: operand(self.context, "max_context_len")?,
+            decode: operand(self.decode, "decode_input_tokens")?,
+            margin: operand(self.margin, "safety_margin")?,
+            overlap: self.overlap,
+        })
+    }
+}
+
+/// The page-count arguments as `u64` operands, widened for the intermediates.
+struct Operands {
+    live: u128,
+    scheduled: u128,
+    total: u128,
+    context: u128,
+    decode: u128,
+    margin: u128,
+    overlap: bool,
+}
+
+impl Operands {
     /// The pages held back for the overlap horizon: `B * ceil(D*N / raw)`.
-    fn protected(&self, live: u128, raw: u128, what: &str) -> CoreResult<u128> {
+    fn protected(&self, raw: u128, what: &str) -> CoreResult<u128> {
         if !self.overlap {
             return Ok(0);
         }
-        let decode = u128::from(self.decode.u64("decode_input_tokens")?);
-        checked::mul_wide(live, checked::ceil_div_wide(decode, raw, what)?, what)
+        checked::mul_wide(self.live, checked::ceil_div_wide(self.decode, raw, what)?, what)
     }
 
     /// The page count of one checked spec.
     fn pages(&self, spec: &SpecGeometry<'_>) -> CoreResult<u64> {
         let gid = spec.group_id;
         let raw = spec.raw()?;
-        let live = u128::from(self.live.u64("max_live_requests")?);
-        let margin = u128::from(self.margin.u64("safety_margin")?);
+        let (live, margin) = (self.live, self.margin);
         if let Some(window) = spec.window {
             let what = format!(
                 "group {gid}: page count from max_live_requests, max_context_len, max_scheduled_tokens, \
                  max_total_tokens, decode_input_tokens and safety_margin"
             );
-            // min(max(W - 1, 0), C) and min(S, T), exactly (a window beyond u64 exceeds C).
-            let resident = match window.to_u64() {
-                Some(w) => Int::from(w.saturating_sub(1)).min(self.context.clone()),
-                None => self.context.clone(),
-            };
-            let resident = u128::from(resident.u64("max_context_len")?);
-            let step = self.scheduled.min(self.total);
-            let step = u128::from(step.u64("max_scheduled_tokens and max_total_tokens")?);
+            // min(max(W - 1, 0), C), exactly: W > 0 was checked, and one beyond u64 exceeds C.
+            let resident = window
+                .to_u64()
+                .map_or(self.context, |w| u128::from(w.saturating_sub(1)).min(self.context));
             let history = checked::mul_wide(live, checked::ceil_div_wide(resident, raw, &what)?, &what)?;
-            let pages = checked::sum_wide(
-                [
-                    history,
-                    checked::ceil_div_wide(step, raw, &what)?,
-                    live,
-                    self.protected(live, raw, &what)?,
-                    1,
-                    margin,
-                ],
-                &what,
-            )?;
+            let step = checked::ceil_div_wide(self.scheduled.min(self.total), raw, &what)?;
+            let pages = checked::sum_wide([history, step, live, self.protected(raw, &what)?, 1, margin], &what)?;
             return checked::narrow(pages, &what);
         }
         let what = format!(
             "group {gid}: page count from max_total_tokens, max_live_requests, decode_input_tokens and safety_margin"
         );
-        let total = u128::from(self.total.u64("max_total_tokens")?);
-        let protected = self.protected(live, raw, &what)?;
+        let protected = self.protected(raw, &what)?;
         let full = checked::sum_wide(
-            [checked::ceil_div_wide(total, raw, &what)?, live, protected, 1, margin],
+            [
+                checked::ceil_div_wide(self.total, raw, &what)?,
+                live,
+                protected,
+                1,
+                margin,
+            ],
             &what,
         );
         if !spec.state {
@@ -616,7 +644,7 @@ impl<'a> Limits<'a> {
         // Two live pages per request plus snapshots, bounded by the full-history count. A
         // wide overflow of one count only means that the other one is the smaller.
         let state = checked::mul_wide(2, live, &what)
-            .and_then(|twice| checked::sum_wide([twice, total / raw, protected, 1, margin], &what));
+            .and_then(|twice| checked::sum_wide([twice, self.total / raw, protected, 1, margin], &what));
         match (state, full) {
             (Ok(state), Ok(full)) => checked::narrow(state.min(full), &what),
             (Ok(pages), Err(_)) | (Err(_), Ok(pages)) => checked::narrow(pages, &what),
@@ -627,12 +655,14 @@ impl<'a> Limits<'a> {
 
 /// `compute_paged_cache_group_page_counts`: the pages of each spec, in spec order.
 ///
-/// The arguments are checked first, then every spec in order, then the counts are computed
-/// (so an overflow never hides a check error).
+/// The arguments are checked first, then every spec in order; only then are the arguments
+/// converted to `u64` operands and the counts computed (so an overflow never hides an error
+/// of the reference).
 pub fn compute_paged_cache_group_page_counts(specs: &[SpecArg], args: &PageCountArgs) -> CoreResult<Vec<u64>> {
     let limits = Limits::check(args)?;
     let geometries = specs.iter().map(spec_geometry).collect::<CoreResult<Vec<_>>>()?;
-    geometries.iter().map(|spec| limits.pages(spec)).collect()
+    let operands = limits.operands()?;
+    geometries.iter().map(|spec| operands.pages(spec)).collect()
 }
 
 /// The result of a publication: the specs and their page counts (in spec order).
@@ -693,14 +723,15 @@ pub fn compute_max_logical_pages_for_capture(
         "group {}: capture width from max_context_len and max_tokens_per_req",
         geometry.group_id
     );
+    let c = u128::from(c.u64("max_context_len")?);
     let n = u128::from(n.u64("max_tokens_per_req")?);
     let horizon = if overlap { checked::mul_wide(2, n, &what)? } else { n };
     let width = if let Some(window) = geometry.window {
-        let covered = u128::from(window.min(c).u64("max_context_len")?);
+        // min(W, C), exactly (a window beyond u64 exceeds C).
+        let covered = window.to_u64().map_or(c, |w| u128::from(w).min(c));
         let pages = checked::ceil_div_wide(checked::add_wide(covered, horizon, &what)?, raw, &what)?;
         checked::add_wide(pages, 1, &what)?
     } else {
-        let c = u128::from(c.u64("max_context_len")?);
         checked::ceil_div_wide(checked::add_wide(c, horizon, &what)?, raw, &what)?
     };
     checked::narrow(width, &what)
@@ -760,21 +791,15 @@ pub fn backend_cycle_error() -> CoreError {
     CoreError::Config("attn_backend full_attn_backend chain has a cycle".to_owned())
 }
 
-/// `validate_flat_scheduler_config`: a no-op unless `flat_kvcache_ext` and the `flat` feature;
-/// else `resolve` gathers the facts (it may fail, e.g. with [`backend_cycle_error`]) and the
-/// five checks run in the contract's order.
-pub fn validate_flat_scheduler_config<E: From<CoreError>>(
-    flat_kvcache_ext: bool,
-    resolve: impl FnOnce() -> Result<SchedulerFacts, E>,
-) -> Result<(), E> {
-    if !flat_kvcache_ext || !crate::FLAT_KVCACHE {
-        return Ok(());
-    }
-    Ok(check_scheduler_facts(&resolve()?)?)
+/// Whether `validate_flat_scheduler_config` checks anything: not when `flat_kvcache_ext` is
+/// false, and never without the `flat` feature (SPEC 10). Only then are the facts resolved.
+pub fn validation_applies(flat_kvcache_ext: bool) -> bool {
+    flat_kvcache_ext && crate::FLAT_KVCACHE
 }
 
-/// The five checks of `validate_flat_scheduler_config` on resolved facts.
-pub fn check_scheduler_facts(facts: &SchedulerFacts) -> CoreResult<()> {
+/// The five checks of `validate_flat_scheduler_config` on resolved facts, in the contract's
+/// order (call it when [`validation_applies`]).
+pub fn validate_flat_scheduler_config(facts: &SchedulerFacts) -> CoreResult<()> {
     let (b, p) = (&facts.backend, &facts.kv_pool);
     let fail = |msg: String| Err(CoreError::Config(format!("flat KV cache: {msg}")));
     if facts.uses_paged_cache_groups && !facts.uses_flat_cache_groups {

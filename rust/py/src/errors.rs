@@ -1,9 +1,14 @@
-//! Translation of core errors into Python exceptions, and checked extraction of Python ints.
+//! Translation of core errors into Python exceptions, and extraction of Python arguments into
+//! the "as seen" types the core checks (exact ints of any size, type names, str-or-not).
+//!
+//! Extraction never decides anything: a bool or a float becomes a fact (`IntArg::Bool`,
+//! `IntArg::Other("float")`) and the core raises the error in its own order.
 
+use flat_kvcache_core::int::{self, Int};
 use flat_kvcache_core::CoreError;
 use pyo3::exceptions::{PyKeyError, PyMemoryError, PyOverflowError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyBool;
+use pyo3::types::{PyBool, PyBytes, PyMapping, PyString};
 
 /// Newtype that lets `?` turn a [`CoreError`] into a `PyErr` (the orphan rule forbids a direct impl).
 pub struct PyCoreError(pub CoreError);
@@ -33,7 +38,8 @@ pub fn core<T>(result: Result<T, CoreError>) -> PyResult<T> {
     result.map_err(|e| PyErr::from(PyCoreError(e)))
 }
 
-/// Extract a non-negative Python int of any size as `u64`.
+/// Extract a non-negative Python int of any size as `u64` (a direct check, for bindings whose
+/// core takes plain `u64`).
 ///
 /// A bool or non-int is a `TypeError`, a negative value a `ValueError`, and a value above
 /// `u64::MAX` an `OverflowError`; each message names `name`.
@@ -80,4 +86,104 @@ pub fn signed(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<IntArg> {
 /// The `OverflowError` raised when an argument does not fit the native type.
 pub fn overflow(name: &str) -> PyErr {
     PyOverflowError::new_err(format!("{name}: value does not fit in an unsigned 64-bit integer"))
+}
+
+/// `type(obj).__name__`.
+pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map_or_else(|_| "?".to_owned(), |name| name.to_string_lossy().into_owned())
+}
+
+/// `str(obj)` (as the reference's f-strings print it).
+pub fn text(obj: &Bound<'_, PyAny>) -> PyResult<String> {
+    Ok(obj.str()?.to_string_lossy().into_owned())
+}
+
+/// True when `type(obj)` has the attribute (the reference's `hasattr(type(obj), name)`).
+pub fn type_has(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
+    obj.get_type().hasattr(name)
+}
+
+/// The reference's `is_sequence`: indexable with a length, not a mapping (lists, tuples, 1-D
+/// ndarrays and strs pass; callers refuse a bare str first). A 0-d ndarray has `__len__` on its
+/// type but `len()` raises `TypeError`, so it is not a sequence.
+pub fn is_sequence(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    if obj.is_instance_of::<PyMapping>() || !type_has(obj, "__getitem__")? {
+        return Ok(false);
+    }
+    match obj.len() {
+        Ok(_) => Ok(true),
+        Err(err) if err.is_instance_of::<pyo3::exceptions::PyTypeError>(obj.py()) => Ok(false),
+        Err(err) => Err(err),
+    }
+}
+
+/// An int argument as the core sees it ([`int::IntArg`]: the reference's `as_int`, without raising): a bool is
+/// `Bool`, anything `operator.index` refuses with `TypeError` is `Other(type name)`, anything
+/// else its exact value. Other exceptions of a custom `__index__` propagate.
+pub fn int_arg(obj: &Bound<'_, PyAny>) -> PyResult<int::IntArg> {
+    if obj.is_instance_of::<PyBool>() {
+        return Ok(int::IntArg::Bool);
+    }
+    // Fast path: most values fit i128 (the extraction goes through `__index__` too).
+    if let Ok(v) = obj.extract::<i128>() {
+        return Ok(int::IntArg::Int(Int::from(v)));
+    }
+    let py = obj.py();
+    match py.import("operator")?.getattr("index")?.call1((obj,)) {
+        Ok(index) => Ok(int::IntArg::Int(exact_int(&index)?)),
+        Err(err) if err.is_instance_of::<PyTypeError>(py) => Ok(int::IntArg::Other(type_name(obj))),
+        Err(err) => Err(err),
+    }
+}
+
+/// The exact value of a Python `int` of any size (sign, then the magnitude's bytes).
+fn exact_int(index: &Bound<'_, PyAny>) -> PyResult<Int> {
+    let negative = index.lt(0)?;
+    let magnitude = index.call_method0("__abs__")?;
+    let bits: usize = magnitude.call_method0("bit_length")?.extract()?;
+    let bytes = magnitude.call_method1("to_bytes", (bits.div_ceil(8), "little"))?;
+    let bytes = bytes.cast::<PyBytes>()?;
+    Ok(Int::from_magnitude_le_bytes(negative, bytes.as_bytes()))
+}
+
+/// An exact integer as a Python `int`.
+pub fn int_to_py<'py>(py: Python<'py>, value: &Int) -> PyResult<Bound<'py, PyAny>> {
+    if let Some(v) = value.to_i128() {
+        return Ok(v.into_pyobject(py)?.into_any());
+    }
+    let bytes = PyBytes::new(py, &value.magnitude_le_bytes());
+    let magnitude = py
+        .get_type::<pyo3::types::PyInt>()
+        .call_method1("from_bytes", (bytes, "little"))?;
+    if value.is_negative() {
+        magnitude.neg()
+    } else {
+        Ok(magnitude)
+    }
+}
+
+/// An int argument of a `#[pyfunction]` (see [`int_arg`]); defaults are written in Rust, e.g.
+/// `decode_input_tokens = IntParam::of(1)`.
+pub struct IntParam(pub int::IntArg);
+
+impl IntParam {
+    /// A default value.
+    pub fn of(v: u64) -> Self {
+        Self(int::IntArg::from(v))
+    }
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for IntParam {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        int_arg(&obj).map(Self)
+    }
+}
+
+/// True for a `str` (or subclass).
+pub fn is_str(obj: &Bound<'_, PyAny>) -> bool {
+    obj.is_instance_of::<PyString>()
 }

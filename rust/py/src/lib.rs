@@ -7,6 +7,8 @@ pub mod convert;
 pub mod engine;
 pub mod errors;
 pub mod hashing;
+pub mod plan;
+pub mod sizing;
 
 /// The native module. Public names are re-exported by `flat_kvcache/__init__.py`.
 #[pyo3::pymodule(gil_used = false)]
@@ -18,6 +20,21 @@ mod _native {
     /// True when the extension was compiled with the `flat` cargo feature.
     #[pymodule_export]
     const FLAT_KVCACHE: bool = flat_kvcache_core::FLAT_KVCACHE;
+
+    // Sizing API (SPEC 2, 10).
+    #[pymodule_export]
+    use crate::sizing::{
+        compute_max_logical_pages_for_capture, compute_paged_cache_group_page_counts, group_specs_from_layer_types,
+        hybrid_slab_group_size, layer_group_ids, publish_paged_cache_groups, scheduler_ext_flat_kvcache,
+        validate_flat_scheduler_config,
+    };
+
+    // Memory plan (SPEC 3).
+    #[pymodule_export]
+    use crate::plan::{
+        components_from_layers, equalized_block_size, occurrence_index, plan_component_tensors, plan_tensors,
+        solve_page_geometry, state_const_bytes,
+    };
 
     // Page engine (SPEC 4-8).
     #[pymodule_export]

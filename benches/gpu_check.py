@@ -1,0 +1,295 @@
+"""GPU check of flat_kvcache.torch on a real CUDA device (not run in CI).
+
+Plans the KV buffers of a model for a memory budget, allocates them, and checks that:
+
+1. the memory actually taken (``torch.cuda.memory_allocated`` and the ``mem_get_info`` delta)
+   stays within the budget, and the buffers hold exactly the planned bytes;
+2. page 0 (the null page) is zero, and slab sharing holds (layer i of every label, one tensor);
+3. capture buffers filled from a flat cache's block tables on the GPU hold those tables, in the
+   same storage every step, and a CUDA graph captured over them sees each new fill;
+4. write / extend locations computed on the GPU match a plain Python loop, and writing K rows
+   through them lands inside the buffers.
+
+Usage::
+
+    python benches/gpu_check.py                                  # default preset, 90% of the GPU
+    python benches/gpu_check.py --model qwen3.5-like --memory 8GiB
+    python benches/gpu_check.py --device cpu --memory 256MiB     # the same flow, no memory checks
+
+Exit status: 0 when every check passes, 1 when one fails, 2 when there is no CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import sys
+from typing import Any
+
+try:
+    import torch
+except ModuleNotFoundError:
+    sys.exit("gpu_check needs PyTorch: pip install 'flat-kvcache[torch]'")
+
+import flat_kvcache
+from flat_kvcache import reference
+from flat_kvcache.torch import (
+    CaptureBuffers,
+    KVBuffers,
+    KVMemoryPlan,
+    ModelShape,
+    allocate_kv_buffers,
+    extend_locations,
+    plan_kv_memory,
+    write_locations,
+)
+
+MiB = 1 << 20
+GiB = 1 << 30
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": MiB, "gib": GiB, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"8GiB"``, ``"512MiB"`` or a plain byte count."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 8GiB or 512MiB, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+class Report:
+    """Collects check results and prints them as a table."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str, bool | None]] = []
+
+    def value(self, name: str, value: object) -> None:
+        self.rows.append((name, str(value), None))
+
+    def check(self, name: str, ok: bool, detail: object = "") -> None:
+        self.rows.append((name, str(detail), bool(ok)))
+
+    @property
+    def failed(self) -> list[str]:
+        return [name for name, _, ok in self.rows if ok is False]
+
+    def print(self) -> None:
+        width = max(len(name) for name, _, _ in self.rows)
+        for name, detail, ok in self.rows:
+            mark = "" if ok is None else ("ok  " if ok else "FAIL")
+            print(f"{mark:4}  {name:<{width}}  {detail}")
+
+
+def gib(nbytes: int) -> str:
+    return f"{nbytes} ({nbytes / GiB:.2f} GiB)"
+
+
+def check_memory(
+    args: argparse.Namespace, shape: ModelShape, device: torch.device, report: Report
+) -> tuple[KVMemoryPlan, KVBuffers]:
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        free_before, total = torch.cuda.mem_get_info(device)
+        allocated_before = torch.cuda.memory_allocated(device)
+        report.value(
+            "device", f"{torch.cuda.get_device_name(device)}, {gib(total)} total, {gib(free_before)} free"
+        )
+    plan = plan_kv_memory(
+        shape,
+        page_size=args.page_size,
+        budget_bytes=args.memory,
+        device=device,
+        utilization=args.utilization,
+        max_live_requests=args.max_live_requests,
+        max_scheduled_tokens=args.max_scheduled_tokens,
+        max_context_len=args.max_context_len,
+    )
+    report.value("budget", gib(plan.budget_bytes))
+    report.value("page size (tokens)", f"{plan.page_size} (asked {plan.requested_page_size})")
+    report.value("bytes per page", plan.bytes_per_page)
+    report.value("pages (page 0 included)", plan.num_pages)
+    report.value("tokens that fit", plan.max_total_tokens)
+    report.value("slab group size", plan.slab_group_size)
+    report.value("slab saving", gib(plan.slab_saving_bytes))
+    report.value("planned bytes", f"{gib(plan.total_bytes)} in {len(plan.tensors)} tensors")
+
+    buffers = allocate_kv_buffers(plan, device)
+    report.check("allocated bytes == planned bytes", buffers.nbytes() == plan.total_bytes, buffers.nbytes())
+    report.check("planned bytes <= budget", plan.total_bytes <= plan.budget_bytes)
+    if cuda:
+        torch.cuda.synchronize(device)
+        allocated = torch.cuda.memory_allocated(device) - allocated_before
+        taken = free_before - torch.cuda.mem_get_info(device)[0]
+        report.check("memory_allocated delta <= budget", allocated <= plan.budget_bytes, gib(allocated))
+        report.check("mem_get_info delta <= budget", taken <= plan.budget_bytes, gib(taken))
+    return plan, buffers
+
+
+def check_layout(plan: KVMemoryPlan, buffers: KVBuffers, report: Report) -> None:
+    shape = plan.shape
+    attention = [i for i, label in enumerate(shape.layer_types) if label != "linear_attention"]
+    state = [i for i, label in enumerate(shape.layer_types) if label == "linear_attention"]
+    zero = all(
+        not buffers.k(i)[: plan.page_size].any() and not buffers.v(i)[: plan.page_size].any()
+        for i in attention
+    )
+    zero = zero and all(not t[0].any() for i in state for t in buffers.state(i).values())
+    report.check("page 0 is zero", zero)
+    if plan.slab_group_size is not None:
+        shared = all(
+            len(spec.layers) > 1 and buffers.k(spec.layers[0]) is buffers.k(spec.layers[-1])
+            for spec in plan.tensors
+        )
+        report.check("layer i of every label shares slab i", shared)
+
+
+def flat_tables(plan: KVMemoryPlan, num_reqs: int, rng: random.Random) -> tuple[dict[str, Any], list[int]]:
+    """Block tables of requests decoding at random lengths ``n`` (the token at ``n - 1`` is new)."""
+    engine: Any = flat_kvcache if hasattr(flat_kvcache, "FlatKVCache") else reference
+    cache = engine.FlatKVCache(engine.kv_cache_specs(list(plan.groups)), plan.num_pages)
+    lengths: list[int] = []
+    for req in range(num_reqs):
+        n = rng.randint(1, max(1, plan.max_context_len // 4))
+        if not cache.acquire(req, n):
+            break
+        cache.reclaim(req, n - 1)  # slid-out sliding pages become holes
+        lengths.append(n)
+    return cache.block_tables(list(range(len(lengths)))), lengths
+
+
+def capture_graph(
+    capture: CaptureBuffers, group_id: str, positions: torch.Tensor, page_size: int
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A CUDA graph computing write locations from a capture buffer (warmed up on a side stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            write_locations(capture.buffer(group_id), positions, page_size)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = write_locations(capture.buffer(group_id), positions, page_size)
+    return graph, out
+
+
+def check_capture(plan: KVMemoryPlan, buffers: KVBuffers, device: torch.device, report: Report) -> None:
+    rng = random.Random(0)
+    batch_max, page = 8, plan.page_size
+    sliding = {g.group_id for g in plan.groups if g.retention == "sliding_window"}
+    capture = CaptureBuffers(
+        plan.groups,
+        max_batch_size=batch_max,
+        max_context_len=plan.max_context_len,
+        device=device,
+        sliding_offsets=True,
+    )
+    report.value("capture widths", {g: capture.width(g) for g in capture.group_ids})
+    full = next((g for g in capture.group_ids if g not in sliding), None)
+    if full is None:
+        report.value("locations", "no full-history group: skipped")
+        return
+    pointers = {g: capture.buffer(g).data_ptr() for g in capture.group_ids}
+    positions = torch.zeros(batch_max, dtype=torch.int64, device=device)
+    graph = capture_graph(capture, full, positions, page) if device.type == "cuda" else None
+    k = buffers.k(plan.shape.layer_types.index("full_attention"))
+    ok = {"fill": True, "locations": True, "graph": True, "write": True}
+    for _step in range(4):
+        tables, lengths = flat_tables(plan, rng.randint(1, batch_max), rng)
+        batch = len(lengths)
+        capture.fill(tables, batch_size=batch)
+        if batch == 0:  # not even one request fit in this budget
+            ok["fill"] &= all(not capture.buffer(g).any() for g in capture.group_ids)
+            continue
+        for group_id in capture.group_ids:
+            got = capture.buffer(group_id).cpu()
+            width = got.shape[1]
+            starts = capture.page_offsets(group_id).cpu() if group_id in sliding else torch.zeros(batch_max)
+            for r in range(batch):
+                row = [int(p) for p in tables[group_id][r]]
+                start = int(starts[r])
+                window = row[start : start + width]
+                ok["fill"] &= got[r].tolist() == window + [-1] * (width - len(window))
+            ok["fill"] &= not got[batch:].any()
+        table = tables[full]
+        new = [n - 1 for n in lengths]
+        expected = [int(table[r][p // page]) * page + p % page for r, p in enumerate(new)]
+        positions.zero_()
+        positions[:batch] = torch.tensor(new, device=device)
+        loc = write_locations(capture.buffer(full)[:batch], positions[:batch], page, check=True)
+        ok["locations"] &= loc.cpu().tolist() == expected
+        prefix = [max(0, n - 5) for n in lengths]
+        extend = [n - p for n, p in zip(lengths, prefix, strict=True)]
+        ext = extend_locations(capture.buffer(full)[:batch], prefix, extend, page, check=True)
+        ok["locations"] &= ext.cpu().tolist() == [
+            int(table[r][p // page]) * page + p % page
+            for r in range(batch)
+            for p in range(prefix[r], lengths[r])
+        ]
+        if graph is not None:
+            graph[0].replay()
+            out = graph[1].cpu()
+            ok["graph"] &= out[:batch].tolist() == expected and not out[batch:].any()
+        k[loc] = 1
+        ok["write"] &= bool(k[loc].eq(1).all()) and int(loc.max()) < k.shape[0]
+        k[loc] = 0
+    report.check("capture fill holds the tables (tail + offsets)", ok["fill"])
+    report.check(
+        "capture storage never moves", all(capture.buffer(g).data_ptr() == p for g, p in pointers.items())
+    )
+    report.check("write/extend locations match a loop", ok["locations"])
+    if graph is not None:
+        report.check("CUDA graph replay sees each fill", ok["graph"])
+    report.check("K rows written through the locations", ok["write"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt-oss-like", help="preset name or config.json path")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--memory", type=parse_bytes, help="budget (e.g. 8GiB); default: from the device")
+    parser.add_argument("--utilization", type=float, default=0.9)
+    parser.add_argument("--kv-dtype", default=None)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--max-live-requests", type=int, default=64)
+    parser.add_argument("--max-scheduled-tokens", type=int, default=8192)
+    parser.add_argument("--max-context-len", type=int, default=32768)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(
+            "gpu_check: no CUDA device is available (torch.cuda.is_available() is False); "
+            "run it on a GPU machine, or use --device cpu --memory SIZE for a dry run",
+            file=sys.stderr,
+        )
+        return 2
+    if device.type != "cuda" and args.memory is None:
+        parser.error("--memory is required without a CUDA device")
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # streams and graphs below use the current device
+
+    report = Report()
+    try:
+        shape = ModelShape.from_config(args.model, kv_dtype=args.kv_dtype)
+        report.value("model", f"{args.model}: {shape.num_layers} layers, kv {shape.kv_dtype}")
+        plan, buffers = check_memory(args, shape, device, report)
+    except (OSError, ValueError) as exc:
+        print(f"gpu_check: cannot plan: {exc}", file=sys.stderr)
+        return 1
+    check_layout(plan, buffers, report)
+    check_capture(plan, buffers, device, report)
+    report.print()
+    if report.failed:
+        print(
+            f"\ngpu_check: {len(report.failed)} check(s) failed: {', '.join(report.failed)}", file=sys.stderr
+        )
+        return 1
+    print("\ngpu_check: all checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

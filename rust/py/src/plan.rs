@@ -1,0 +1,240 @@
+//! Bindings of the memory plan (SPEC 3): extract the arguments as the core sees them, call
+//! `flat_kvcache_core::plan`, convert the result to tuples. `flat_kvcache/memory.py` turns the
+//! tuples into the `_types` dataclasses.
+
+// PyO3 hands the arguments over by value; most are only read.
+#![allow(
+    clippy::needless_pass_by_value,
+    reason = "pyfunction arguments are extracted by value"
+)]
+
+use flat_kvcache_core::plan::{self, ComponentArg, FlatMemoryPlan, ShapeArg, StateComponentsArg, StateItemArg};
+use flat_kvcache_core::sizing::LabelItem;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyMapping, PyTuple};
+
+use crate::errors::{core, int_arg, int_to_py, is_sequence, is_str, text, type_name, IntParam};
+use crate::sizing::{layer_types_arg, windows_arg};
+
+/// Per component, the `group_id` and `component` objects a plan hands back.
+type HandBack<'py> = Vec<(Bound<'py, PyAny>, Bound<'py, PyAny>)>;
+
+/// The components as the core sees them, with the objects a plan hands back (each component's
+/// `group_id` and `component`).
+///
+/// With `key_groups`, equal `group_id`s (Python equality, as dict keys) get equal keys; an
+/// unhashable `group_id` is then a `TypeError`, as in the reference's row dicts.
+fn component_args<'py>(
+    components: &Bound<'py, PyAny>,
+    key_groups: bool,
+) -> PyResult<(Vec<ComponentArg>, HandBack<'py>)> {
+    let py = components.py();
+    let keys = PyDict::new(py);
+    let mut args = Vec::new();
+    let mut objects = Vec::new();
+    for (k, comp) in components.try_iter()?.enumerate() {
+        let comp = comp?;
+        let group_id = comp.getattr("group_id")?;
+        let component = comp.getattr("component")?;
+        let group_key = if key_groups {
+            if let Some(key) = keys.get_item(&group_id)? {
+                key.extract::<usize>()?
+            } else {
+                let key = keys.len();
+                keys.set_item(&group_id, key)?;
+                key
+            }
+        } else {
+            k
+        };
+        args.push(ComponentArg {
+            group_key,
+            group_id: text(&group_id)?,
+            layer: int_arg(&comp.getattr("layer")?)?,
+            component: text(&component)?,
+            bytes_per_slot: int_arg(&comp.getattr("bytes_per_slot")?)?,
+            const_bytes: int_arg(&comp.getattr("const_bytes")?)?,
+        });
+        objects.push((group_id, component));
+    }
+    Ok((args, objects))
+}
+
+/// A plan as `((block_size, block_bytes, num_blocks), [(name, nbytes, [(slot, group_id, layer,
+/// component, nbytes_per_block, row_offset), ...]), ...])`.
+fn plan_to_py<'py>(py: Python<'py>, plan: &FlatMemoryPlan, objects: &HandBack<'py>) -> PyResult<Bound<'py, PyTuple>> {
+    let missing = || pyo3::exceptions::PyRuntimeError::new_err("plan refers to a component that was not given");
+    let mut tensors = Vec::with_capacity(plan.tensors.len());
+    for tensor in &plan.tensors {
+        let mut bindings = Vec::with_capacity(tensor.bindings.len());
+        for binding in &tensor.bindings {
+            let (group_id, _) = objects.get(binding.group_source).ok_or_else(missing)?;
+            let (_, component) = objects.get(binding.component_source).ok_or_else(missing)?;
+            bindings.push(PyTuple::new(
+                py,
+                [
+                    binding.slot.into_pyobject(py)?.into_any(),
+                    group_id.clone(),
+                    int_to_py(py, &binding.layer)?,
+                    component.clone(),
+                    binding.nbytes_per_block.into_pyobject(py)?.into_any(),
+                    binding.row_offset.into_pyobject(py)?.into_any(),
+                ],
+            )?);
+        }
+        tensors.push((tensor.name.clone(), tensor.nbytes, PyList::new(py, bindings)?).into_pyobject(py)?);
+    }
+    let geometry = plan.geometry;
+    (
+        (geometry.block_size, geometry.block_bytes, geometry.num_blocks),
+        PyList::new(py, tensors)?,
+    )
+        .into_pyobject(py)
+}
+
+/// For each layer, the number of earlier layers with the same label (SPEC 3).
+#[pyfunction]
+pub fn occurrence_index(layer_types: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+    core(plan::occurrence_index(&layer_types_arg(layer_types)?))
+}
+
+/// Bytes per page of one state component: `prod(shape) * itemsize` (SPEC 3).
+#[pyfunction]
+pub fn state_const_bytes(shape: &Bound<'_, PyAny>, itemsize: IntParam) -> PyResult<u64> {
+    let shape = if is_str(shape) || !is_sequence(shape)? {
+        ShapeArg::NotSequence(type_name(shape))
+    } else {
+        ShapeArg::Dims(
+            shape
+                .try_iter()?
+                .map(|dim| int_arg(&dim?))
+                .collect::<PyResult<Vec<_>>>()?,
+        )
+    };
+    core(plan::state_const_bytes(&shape, &itemsize.0))
+}
+
+fn state_components_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<StateComponentsArg> {
+    let Some(obj) = obj.filter(|obj| !obj.is_none()) else {
+        return Ok(StateComponentsArg::None);
+    };
+    let Ok(mapping) = obj.cast::<PyMapping>() else {
+        return Ok(StateComponentsArg::NotMapping(type_name(obj)));
+    };
+    let items = mapping
+        .items()?
+        .iter()
+        .map(|item| {
+            let (name, nbytes): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
+            Ok(StateItemArg {
+                name: if is_str(&name) {
+                    LabelItem::Str(text(&name)?)
+                } else {
+                    LabelItem::Other(type_name(&name))
+                },
+                repr: name.repr()?.to_string_lossy().into_owned(),
+                nbytes: int_arg(&nbytes)?,
+            })
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    Ok(StateComponentsArg::Items(items))
+}
+
+/// The memory components of every layer (SPEC 3), as tuples `(group_id, layer, component,
+/// bytes_per_slot, const_bytes)`.
+#[pyfunction]
+#[pyo3(signature = (layer_types, *, kv_bytes_per_slot, state_component_bytes=None, sliding_window_tokens=None))]
+pub fn components_from_layers<'py>(
+    py: Python<'py>,
+    layer_types: &Bound<'py, PyAny>,
+    kv_bytes_per_slot: IntParam,
+    state_component_bytes: Option<&Bound<'py, PyAny>>,
+    sliding_window_tokens: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyList>> {
+    let components = core(plan::components_from_layers(
+        &layer_types_arg(layer_types)?,
+        &kv_bytes_per_slot.0,
+        &state_components_arg(state_component_bytes)?,
+        &windows_arg(sliding_window_tokens)?,
+    ))?;
+    let tuples = components
+        .iter()
+        .map(|c| {
+            PyTuple::new(
+                py,
+                [
+                    c.group_id.clone().into_pyobject(py)?.into_any(),
+                    c.layer.into_pyobject(py)?.into_any(),
+                    c.component.clone().into_pyobject(py)?.into_any(),
+                    c.bytes_per_slot.into_pyobject(py)?.into_any(),
+                    c.const_bytes.into_pyobject(py)?.into_any(),
+                ],
+            )
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    PyList::new(py, tuples)
+}
+
+/// Page geometry (SPEC 3) as `(block_size, block_bytes, 0)`.
+#[pyfunction]
+pub fn solve_page_geometry(
+    components: &Bound<'_, PyAny>,
+    block_size: IntParam,
+    alignment: IntParam,
+) -> PyResult<(u64, u64, u64)> {
+    let (args, _) = component_args(components, true)?;
+    let geometry = core(plan::solve_page_geometry(&args, &block_size.0, &alignment.0))?;
+    Ok((geometry.block_size, geometry.block_bytes, geometry.num_blocks))
+}
+
+/// The block size of `solve_page_geometry`, `alignment` defaulting to `block_size` (SPEC 3).
+#[pyfunction]
+#[pyo3(signature = (components, block_size, alignment=None))]
+pub fn equalized_block_size(
+    components: &Bound<'_, PyAny>,
+    block_size: IntParam,
+    alignment: Option<IntParam>,
+) -> PyResult<u64> {
+    let (args, _) = component_args(components, true)?;
+    core(plan::equalized_block_size(
+        &args,
+        &block_size.0,
+        alignment.as_ref().map(|a| &a.0),
+    ))
+}
+
+/// The per-component plan (SPEC 3): one tensor per component.
+#[pyfunction]
+#[pyo3(
+    signature = (components, block_size, budget_bytes, *, reserved_bytes_per_block = IntParam::of(0)),
+    text_signature = "(components, block_size, budget_bytes, *, reserved_bytes_per_block=0)"
+)]
+pub fn plan_component_tensors<'py>(
+    py: Python<'py>,
+    components: &Bound<'py, PyAny>,
+    block_size: IntParam,
+    budget_bytes: IntParam,
+    reserved_bytes_per_block: IntParam,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let (args, objects) = component_args(components, false)?;
+    let plan = core(plan::plan_component_tensors(
+        &args,
+        &block_size.0,
+        &budget_bytes.0,
+        &reserved_bytes_per_block.0,
+    ))?;
+    plan_to_py(py, &plan, &objects)
+}
+
+/// The slab plan (SPEC 3): slot j is one tensor shared by the j-th layer of every group.
+#[pyfunction]
+pub fn plan_tensors<'py>(
+    py: Python<'py>,
+    components: &Bound<'py, PyAny>,
+    block_size: IntParam,
+    budget_bytes: IntParam,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let (args, objects) = component_args(components, true)?;
+    let plan = core(plan::plan_tensors(&args, &block_size.0, &budget_bytes.0))?;
+    plan_to_py(py, &plan, &objects)
+}

@@ -1,0 +1,153 @@
+"""Helpers shared by the sizing and memory tests, mostly for the native-vs-reference properties.
+
+The contract (docs/sizing-api.md): both implementations give the same result, or the same
+exception class and message. The one allowed difference is size: where a value, an
+intermediate or the result does not fit ``u64`` the native side raises ``OverflowError``
+(naming the argument) and the reference returns the exact Python int.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from hypothesis import strategies as st
+
+U64_MAX = 2**64 - 1
+I32_MIN, I32_MAX = -(2**31), 2**31 - 1
+
+#: Integers at the edges of the native types, plus some far beyond them.
+EDGE_INTS = [
+    0,
+    1,
+    2,
+    3,
+    7,
+    2**31 - 1,
+    2**31,
+    2**32 - 1,
+    2**32,
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+    2**64,
+    2**64 + 1,
+    2**128,
+    2**200,
+]
+
+
+@functools.cache
+def sizes(*, small: int = 300) -> st.SearchStrategy[int]:
+    """Non-negative ints: mostly small, some around 32 and 64 bits, some huge."""
+    return st.one_of(
+        st.integers(0, small),
+        st.integers(0, 2**32),
+        st.sampled_from(EDGE_INTS),
+        st.integers(0, 2**70),
+    )
+
+
+@functools.cache
+def signed_sizes(*, small: int = 300) -> st.SearchStrategy[int]:
+    """Ints of either sign, mostly non-negative."""
+    return st.one_of(sizes(small=small), sizes(small=small).map(lambda v: -v))
+
+
+@functools.cache
+def i32(*, low: int = I32_MIN) -> st.SearchStrategy[int]:
+    """Ints that fit in 32 bits (signed), biased to the ends of the range."""
+    return st.one_of(
+        st.integers(max(low, -5), 64), st.integers(low, I32_MAX), st.sampled_from([low, I32_MAX])
+    )
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a call did: returned ``value``, or raised ``error`` with ``message``."""
+
+    value: Any = None
+    error: type[BaseException] | None = None
+    message: str = ""
+
+    def __str__(self) -> str:
+        if self.error is None:
+            return f"returned {self.value!r}"
+        return f"raised {self.error.__name__}({self.message!r})"
+
+
+def outcome(call: Callable[[], Any]) -> Outcome:
+    """Run ``call`` and record its result or its (expected kind of) exception.
+
+    Anything else (a ``PanicException``, an ``AttributeError``) propagates and fails the test.
+    """
+    try:
+        return Outcome(value=call())
+    except (ValueError, TypeError, OverflowError, RuntimeError) as exc:
+        return Outcome(error=type(exc), message=str(exc))
+
+
+def ints_in(value: Any) -> list[int]:
+    """Every int (not bool) inside ``value``: nested sequences, mappings and dataclasses."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return ints_in([getattr(value, f.name) for f in dataclasses.fields(value)])
+    if isinstance(value, Mapping):
+        return ints_in(list(value.values()))
+    if isinstance(value, list | tuple):
+        return [v for item in value for v in ints_in(item)]
+    return []
+
+
+def fits_i32(*values: Any) -> bool:
+    """True when every int inside ``values`` fits a signed 32-bit integer."""
+    return all(I32_MIN <= v <= I32_MAX for v in ints_in(list(values)))
+
+
+def assert_agree(native: Outcome, reference: Outcome, *, peak: int, names: Iterable[str] = ()) -> None:
+    """Native and reference agree, up to the native ``u64`` limit.
+
+    ``peak`` is the largest magnitude of the inputs and of the SPEC formula's intermediate values
+    (computed by hand by the caller); native may raise ``OverflowError`` only when it exceeds
+    ``u64``, and the message must name one of ``names``. When the reference's exact result holds
+    an int above ``u64``, native must raise ``OverflowError``. A huge input that never reaches the
+    result (a page size with no layers) may give either ``OverflowError`` or the reference's result.
+    """
+    context = f"native {native}, reference {reference}"
+    if native.error is OverflowError:
+        assert peak > U64_MAX, f"native overflowed although every value fits u64: {context}"
+        names = list(names)
+        assert any(name in native.message for name in names), (
+            f"overflow message names none of {names}: {context}"
+        )
+        return
+    if reference.error is None:
+        too_big = [v for v in ints_in(reference.value) if v > U64_MAX]
+        assert not too_big, f"native must raise OverflowError for {too_big[0]}: {context}"
+    assert native == reference, context
+
+
+def publish(api: ModuleType, **kwargs: Any) -> Any:
+    """``api.publish_paged_cache_groups`` on a small sliding + full model, with ``kwargs`` overriding.
+
+    The defaults give (P=4, B=2, S=5, T=10, C=20; N=1, D=0, M=0): sliding W=8
+    ``2*ceil(7/4) + ceil(5/4) + 2 + 0 + 1 = 9`` pages, full ``ceil(10/4) + 2 + 0 + 1 = 6``.
+    """
+    args: dict[str, Any] = {
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window_tokens": 8,
+        "page_size": 4,
+        "max_live_requests": 2,
+        "max_scheduled_tokens": 5,
+        "max_total_tokens": 10,
+        "max_context_len": 20,
+    }
+    args.update(kwargs)
+    return api.publish_paged_cache_groups(**args)

@@ -1,0 +1,414 @@
+"""The ``flat-kvcache`` command line, in-process (``main([...])``) and as ``python -m flat_kvcache``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import flat_kvcache
+import pytest
+from flat_kvcache.cli import main
+from flat_kvcache.config import (
+    layer_types_from_config,
+    max_context_len_from_config,
+    sliding_window_from_config,
+)
+from flat_kvcache.presets import DEFAULT_PRESET, get_preset, preset_names
+
+FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def plan_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    status, out, err = run(capsys, "plan", "--json", *argv)
+    assert (status, err) == (0, "")
+    plan: dict[str, Any] = json.loads(out)
+    return plan
+
+
+def table_row(out: str, group_id: str) -> list[str]:
+    """The cells of the table row of ``group_id``."""
+    [line] = [line for line in out.splitlines() if line.split()[:1] == [group_id]]
+    return line.split()
+
+
+def by_id(plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {group["group_id"]: group for group in plan["groups"]}
+
+
+def write_config(tmp_path: Path, cfg: Any, name: str = "config.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(cfg), encoding="utf-8")
+    return path
+
+
+# --- the default run -----------------------------------------------------------------------------
+
+# gpt-oss-like with the defaults: P=16, B=256, S=8192, T=max(262144, C)=262144, C=131072, N=1, D=0
+#   sliding W=128: 256*ceil(127/16)=256*8=2048 + ceil(8192/16)=512 + 256 + 0 + 1 = 2817
+#   full:          ceil(262144/16)=16384 + 256 + 0 + 1                        = 16641
+#   capture: sliding ceil((128 + 1)/16) + 1 = 10; full ceil((131072 + 1)/16) = 8193
+#   slab: 12 sliding and 12 full layers, one window -> 12 (None without the flat feature)
+
+
+def test_no_arguments_prints_the_default_preset_as_a_table(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run(capsys)
+    assert (status, err) == (0, "")
+    assert DEFAULT_PRESET in out
+    assert table_row(out, SLIDING) == [SLIDING, "sliding_window", "128", "history", "12", "2817", "10"]
+    assert table_row(out, FULL) == [FULL, "full_history", "-", "history", "12", "16641", "8193"]
+    if flat_kvcache.FLAT_KVCACHE:
+        assert "hybrid slab group size: 12" in out
+    else:
+        assert "hybrid slab group size: none (built without the flat feature)" in out
+
+
+def test_table_columns_are_aligned(capsys: pytest.CaptureFixture[str]) -> None:
+    _, out, _ = run(capsys, "--preset", "multi-window-demo")
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("group "))
+    rows = lines[header : header + 4]
+    # right-aligned numbers end in the same column as their header
+    end = rows[0].index("pages") + len("pages")
+    assert all(row[end - 1].isdigit() and row[end : end + 1] in ("", " ") for row in rows[1:])
+
+
+def test_default_plan_as_json(capsys: pytest.CaptureFixture[str]) -> None:
+    plan = plan_json(capsys)
+    assert plan["model"]["source"] == f"preset {DEFAULT_PRESET}"
+    assert plan["model"]["num_layers"] == 24
+    assert plan["model"]["layer_types"] == {SLIDING: 12, FULL: 12}
+    assert plan["flat_kvcache"] is flat_kvcache.FLAT_KVCACHE
+    assert plan["settings"] == {
+        "page_size": 16,
+        "max_live_requests": 256,
+        "max_scheduled_tokens": 8192,
+        "max_total_tokens": 262144,
+        "max_context_len": 131072,
+        "decode_input_tokens": 1,
+        "overlap_schedule_depth": 0,
+        "safety_margin": 0,
+    }
+    assert plan["groups"] == [
+        {
+            "group_id": SLIDING,
+            "retention": "sliding_window",
+            "sliding_window_tokens": 128,
+            "family": "history",
+            "state": False,
+            "rows_per_page": 16,
+            "entry_stride_tokens": 1,
+            "num_layers": 12,
+            "pages": 2817,
+            "capture_width": 10,
+        },
+        {
+            "group_id": FULL,
+            "retention": "full_history",
+            "sliding_window_tokens": None,
+            "family": "history",
+            "state": False,
+            "rows_per_page": 16,
+            "entry_stride_tokens": 1,
+            "num_layers": 12,
+            "pages": 16641,
+            "capture_width": 8193,
+        },
+    ]
+    assert plan["hybrid_slab_group_size"] == (12 if flat_kvcache.FLAT_KVCACHE else None)
+
+
+# --- every preset, against the public API --------------------------------------------------------
+
+EXPECTED_GROUPS = {
+    "gpt-oss-like": [SLIDING, FULL],
+    "qwen3.5-like": [LINEAR, FULL],
+    "llama3-8b-like": [FULL],
+    "multi-window-demo": ["sliding_attention_512", "sliding_attention_4096", FULL],
+}
+
+
+def test_every_preset_has_an_expectation() -> None:
+    assert set(EXPECTED_GROUPS) == set(preset_names())
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_GROUPS))
+def test_each_preset_matches_the_api(capsys: pytest.CaptureFixture[str], name: str) -> None:
+    plan = plan_json(capsys, "--preset", name)
+    cfg = get_preset(name)
+    layer_types, window = layer_types_from_config(cfg), sliding_window_from_config(cfg)
+    context = max_context_len_from_config(cfg)
+    specs = flat_kvcache.group_specs_from_layer_types(layer_types, window, page_size=16)
+    counts = flat_kvcache.compute_paged_cache_group_page_counts(
+        specs,
+        max_live_requests=256,
+        max_scheduled_tokens=8192,
+        max_total_tokens=max(262144, context),
+        max_context_len=context,
+    )
+    assert [group["group_id"] for group in plan["groups"]] == EXPECTED_GROUPS[name]
+    for group, spec in zip(plan["groups"], specs, strict=True):
+        assert group["retention"] == spec.retention
+        assert group["sliding_window_tokens"] == spec.sliding_window_tokens
+        assert group["family"] == spec.family
+        assert group["state"] is (spec.family == "state")
+        assert group["pages"] == counts[spec.group_id]
+        assert group["capture_width"] == flat_kvcache.compute_max_logical_pages_for_capture(
+            spec, max_context_len=context
+        )
+    assert sum(group["num_layers"] for group in plan["groups"]) == cfg["num_hidden_layers"]
+    assert plan["hybrid_slab_group_size"] == flat_kvcache.hybrid_slab_group_size(
+        layer_types, sliding_window_tokens=window
+    )
+
+
+def test_state_groups_are_marked(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "--preset", "qwen3.5-like")
+    assert status == 0
+    # 36 linear + 12 full layers; T = max(262144, C=262144): full 16384 + 256 + 1 = 16641,
+    # state min(2*256 + 16384 + 1, 16641) = 16641; capture ceil((262144 + 1)/16) = 16385
+    assert table_row(out, LINEAR) == [LINEAR, "full_history", "-", "state", "36", "16641", "16385", "*"]
+    assert table_row(out, FULL) == [FULL, "full_history", "-", "history", "12", "16641", "16385"]
+    assert "* state group" in out
+    assert "hybrid slab group size: none" in out
+
+
+def test_multi_window_preset_shows_one_group_per_window(capsys: pytest.CaptureFixture[str]) -> None:
+    plan = plan_json(capsys, "--preset", "multi-window-demo")
+    groups = by_id(plan)
+    # C = 32768, T = 262144: W=512: 256*ceil(511/16)=256*32=8192 + 512 + 256 + 1 = 8961
+    assert groups["sliding_attention_512"]["pages"] == 8961
+    assert groups["sliding_attention_512"]["capture_width"] == 34  # ceil((512 + 1)/16) + 1
+    assert groups["sliding_attention_4096"]["sliding_window_tokens"] == 4096
+    assert plan["hybrid_slab_group_size"] is None  # two windows
+
+
+def test_options_reach_the_formulas(capsys: pytest.CaptureFixture[str]) -> None:
+    plan = plan_json(
+        capsys,
+        "--preset", "llama3-8b-like",
+        "--page-size", "32",
+        "--max-live-requests", "4",
+        "--max-scheduled-tokens", "100",
+        "--max-total-tokens", "1000",
+        "--max-context-len", "500",
+        "--decode-input-tokens", "2",
+        "--overlap-schedule-depth", "1",
+        "--safety-margin", "3",
+    )  # fmt: skip
+    # raw 32, protected = 4*ceil(1*2/32) = 4; full = ceil(1000/32)=32 + 4 + 4 + 1 + 3 = 44
+    # capture: ceil((500 + (1+1)*2)/32) = ceil(504/32) = 16
+    [group] = plan["groups"]
+    assert (group["rows_per_page"], group["pages"], group["capture_width"]) == (32, 44, 16)
+    assert plan["settings"]["overlap_schedule_depth"] == 1
+
+
+def test_max_total_tokens_defaults_to_one_full_context(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_json(capsys, "--max-context-len", "1000000")["settings"]["max_total_tokens"] == 1000000
+    assert plan_json(capsys, "--max-context-len", "1000")["settings"]["max_total_tokens"] == 262144
+
+
+def test_list_presets(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--list-presets"], ["plan", "--list-presets"]):
+        status, out, err = run(capsys, *argv)
+        assert (status, err) == (0, "")
+        names = [line.split()[0] for line in out.splitlines()]
+        assert names == preset_names()
+        assert f"{DEFAULT_PRESET} (default)" in out
+
+
+def test_help_and_version(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "--help")
+    assert status == 0 and "plan" in out
+    status, out, _ = run(capsys, "plan", "--help")
+    assert status == 0 and "--max-live-requests" in out
+    status, out, _ = run(capsys, "--version")
+    assert (status, out.strip()) == (0, f"flat-kvcache {flat_kvcache.__version__}")
+
+
+# --- config.json input -----------------------------------------------------------------------------
+
+
+def test_config_with_layer_types(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = write_config(
+        tmp_path,
+        {
+            "model_type": "toy",
+            "num_hidden_layers": 4,
+            "layer_types": [SLIDING, FULL, SLIDING, FULL],
+            "sliding_window": 64,
+            "max_position_embeddings": 4096,
+        },
+    )
+    plan = plan_json(
+        capsys, "--config", str(path), "--max-live-requests", "2", "--max-scheduled-tokens", "32"
+    )
+    # C=4096, T=max(262144, 4096)=262144, B=2, S=32, P=16
+    # sliding: 2*ceil(63/16)=8 + ceil(32/16)=2 + 2 + 1 = 13; full: 16384 + 2 + 1 = 16387
+    assert plan["model"] == {
+        "source": str(path),
+        "model_type": "toy",
+        "num_layers": 4,
+        "layer_types": {SLIDING: 2, FULL: 2},
+    }
+    assert plan["settings"]["max_context_len"] == 4096
+    assert {gid: g["pages"] for gid, g in by_id(plan).items()} == {SLIDING: 13, FULL: 16387}
+    assert plan["hybrid_slab_group_size"] == (2 if flat_kvcache.FLAT_KVCACHE else None)
+
+
+def test_config_with_full_attention_interval(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"num_hidden_layers": 8, "full_attention_interval": 4})
+    plan = plan_json(capsys, "--config", str(path))
+    assert plan["model"]["layer_types"] == {LINEAR: 6, FULL: 2}
+    assert [(g["group_id"], g["family"], g["num_layers"]) for g in plan["groups"]] == [
+        (LINEAR, "state", 6),
+        (FULL, "history", 2),
+    ]
+    assert plan["settings"]["max_context_len"] == 131072  # no max_position_embeddings
+
+
+def test_config_with_only_a_layer_count(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"num_hidden_layers": 3, "max_position_embeddings": 8192})
+    plan = plan_json(capsys, "--config", str(path))
+    assert [(g["group_id"], g["num_layers"]) for g in plan["groups"]] == [(FULL, 3)]
+
+
+def test_config_folder_and_nested_text_config(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    inner = {"num_hidden_layers": 2, "layer_types": [SLIDING, FULL], "sliding_window": 32}
+    write_config(tmp_path, {"model_type": "wrapper", "text_config": inner})
+    plan = plan_json(capsys, "--config", str(tmp_path))
+    assert [g["group_id"] for g in plan["groups"]] == [SLIDING, FULL]
+
+
+# --- errors: one line on stderr, exit 1 for a bad model, 2 for bad usage ------------------------
+
+
+def assert_one_line_error(
+    capsys: pytest.CaptureFixture[str], argv: list[str], status: int, needle: str
+) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code == status, err
+    assert out == ""
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert err.startswith("flat-kvcache: error: "), err
+    assert needle in err, err
+
+
+@pytest.mark.parametrize(
+    ("cfg", "needle"),
+    [
+        ("{not json", "invalid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ({"num_hidden_layers": 2, "layer_types": [FULL, "mamba"]}, "unknown layer_type 'mamba' at layer 1"),
+        (
+            {"num_hidden_layers": 2, "layer_types": [SLIDING, FULL]},
+            "layer 0 (sliding_attention) needs a positive",
+        ),
+        (
+            {"num_hidden_layers": 3, "layer_types": [FULL, FULL]},
+            "layer_types has 2 entries but num_hidden_layers is 3",
+        ),
+        ({"model_type": "empty"}, "neither layer_types nor num_hidden_layers"),
+        ({"num_hidden_layers": 0}, "no layers"),
+        ({"num_hidden_layers": -1}, "num_hidden_layers must be >= 0"),
+        ({"num_hidden_layers": 4, "full_attention_interval": 0}, "full_attention_interval must be >= 1"),
+        ({"num_hidden_layers": 1, "sliding_window": "big"}, "sliding_window must be None, an int or a list"),
+    ],
+)
+def test_bad_config_files(capsys: pytest.CaptureFixture[str], tmp_path: Path, cfg: Any, needle: str) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(cfg if isinstance(cfg, str) else json.dumps(cfg), encoding="utf-8")
+    assert_one_line_error(capsys, ["--config", str(path)], 1, needle)
+
+
+def test_bad_model_sources(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert_one_line_error(capsys, ["--config", str(tmp_path / "missing.json")], 1, "config file not found")
+    assert_one_line_error(capsys, ["--config", str(tmp_path)], 1, "config file not found")  # no config.json
+    assert_one_line_error(capsys, ["--preset", "nope"], 1, "unknown preset 'nope'")
+
+
+def test_sizes_beyond_the_native_range(capsys: pytest.CaptureFixture[str]) -> None:
+    assert_one_line_error(capsys, ["--max-total-tokens", str(2**70)], 1, "max_total_tokens")
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--page-size", "0"], "argument --page-size: must be >= 1, got 0"),
+        (["--max-live-requests", "-1"], "argument --max-live-requests: must be >= 0, got -1"),
+        (["--max-total-tokens", "-5"], "argument --max-total-tokens: must be >= 0"),
+        (["--max-context-len", "lots"], "argument --max-context-len: expected an int, got 'lots'"),
+        (["--decode-input-tokens", "0"], "argument --decode-input-tokens: must be >= 1"),
+        (["--overlap-schedule-depth", "2"], "argument --overlap-schedule-depth"),
+        (["--config", "a.json", "--preset", DEFAULT_PRESET], "not allowed with argument"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["bogus"], "invalid choice: 'bogus'"),
+    ],
+)
+def test_usage_errors(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
+    assert_one_line_error(capsys, argv, 2, needle)
+
+
+# --- as a program ----------------------------------------------------------------------------------
+
+
+def run_module(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "flat_kvcache", *argv], capture_output=True, text=True, cwd=cwd, timeout=60
+    )
+
+
+def test_python_m_plan_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_module("plan", "--json", cwd=tmp_path)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert json.loads(result.stdout) == plan_json(capsys)
+
+
+def test_python_m_table_and_preset(tmp_path: Path) -> None:
+    result = run_module("--preset", "qwen3.5-like", cwd=tmp_path)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert table_row(result.stdout, LINEAR)[3] == "state"
+
+
+@pytest.mark.parametrize(
+    ("argv", "status"),
+    [(["--preset", "nope"], 1), (["--config", "missing.json"], 1), (["--page-size", "-1"], 2)],
+)
+def test_python_m_errors_have_no_traceback(tmp_path: Path, argv: list[str], status: int) -> None:
+    result = run_module(*argv, cwd=tmp_path)
+    assert result.returncode == status
+    assert result.stdout == ""
+    assert result.stderr.startswith("flat-kvcache: error: ") and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_python_m_with_a_closed_stdout_has_no_traceback(tmp_path: Path) -> None:
+    with subprocess.Popen(
+        [sys.executable, "-m", "flat_kvcache", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+        text=True,
+    ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # the reader goes away before the plan is printed, as with `| head`
+        err = proc.stderr.read()
+        proc.wait(timeout=60)
+    assert "Traceback" not in err
+    assert proc.returncode in (0, 1)
+
+
+def test_console_script(tmp_path: Path) -> None:
+    script = Path(sys.executable).parent / "flat-kvcache"
+    if not script.exists():
+        pytest.skip("the flat-kvcache console script is not installed next to this interpreter")
+    result = subprocess.run([str(script), "--json"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert result.returncode == 0
+    assert json.loads(result.stdout)["model"]["source"] == f"preset {DEFAULT_PRESET}"
