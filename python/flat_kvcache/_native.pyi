@@ -10,8 +10,8 @@ __version__: str
 FLAT_KVCACHE: bool
 # PyO3's declarative module sets __all__ to every #[pymodule_export] (sorted here).
 __all__ = [
-    "BlockPool",
     "FLAT_KVCACHE",
+    "BlockPool",
     "FlatKVCache",
     "PrefixMatch",
     "__version__",
