@@ -90,13 +90,13 @@ def test_group_key_and_fold() -> None:
         (lambda: hash_page([-1]), ValueError, r"tokens\[0\] = -1 does not fit in u32"),
         (lambda: hash_page([1, 2**32]), ValueError, r"tokens\[1\] = 4294967296"),
         (lambda: hash_pages([1, 2**40], 1), ValueError, r"token_ids\[1\]"),
-        (lambda: hash_page("abc"), TypeError, "tokens"),
+        (lambda: hash_page("abc"), TypeError, "tokens"),  # type: ignore[arg-type]
         (lambda: hash_page(np.zeros((2, 2), dtype=np.int32)), TypeError, "1-D"),
         (lambda: hash_page(np.zeros(2, dtype=np.float32)), TypeError, "integer"),
         (lambda: hash_page([1], "abc"), ValueError, "prior"),
         (lambda: hash_page([1], "zz"), ValueError, "prior"),
         (lambda: hash_page([1], extra_keys="abc"), TypeError, "extra_keys"),
-        (lambda: hash_page([1], extra_keys=[1]), TypeError, r"extra_keys\[0\]"),
+        (lambda: hash_page([1], extra_keys=[1]), TypeError, r"extra_keys\[0\]"),  # type: ignore[list-item]
         (lambda: hash_pages([1], 0), ValueError, "page_size"),
         (lambda: group_key("a", 2**32), ValueError, "group_index"),
         (lambda: group_key("a", -1), ValueError, "group_index"),
@@ -168,14 +168,15 @@ def test_prefill_decode_free_and_prefix_reuse() -> None:
 def test_request_ids_str_int_and_big_int_are_distinct() -> None:
     cache = hybrid()
     big = 10**40
-    for req in (5, "5", big, -big, np.int64(6)):
-        assert cache.acquire(req, 4)
+    ids: tuple[object, ...] = (5, "5", big, -big, np.int64(6))
+    for req in ids:
+        assert cache.acquire(req, 4)  # type: ignore[arg-type]
     assert cache.num_requests == 5
     assert cache.has_request(6) and cache.has_request(big) and not cache.has_request(str(big))
     assert cache.page_ids(5) != cache.page_ids("5")
-    for req in (5.0, None, b"5", (5,), True):
+    for bad in (5.0, None, b"5", (5,), True):
         with pytest.raises(TypeError, match="request ids"):
-            cache.acquire(req, 1)  # type: ignore[arg-type]
+            cache.acquire(bad, 1)  # type: ignore[arg-type]
     with pytest.raises(KeyError):
         cache.free("missing")
     with pytest.raises(KeyError):
