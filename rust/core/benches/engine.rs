@@ -146,6 +146,13 @@ impl DecodeFixture {
 
     /// One decode step of every request (one token each), then the batch's block tables.
     fn step(&mut self) {
+        self.decode_all();
+        let refs: Vec<RequestIdRef<'_>> = self.ids.iter().map(RequestId::as_ref).collect();
+        black_box(self.cache.block_tables(&refs).unwrap());
+    }
+
+    /// One decode step of every request (one token each).
+    fn decode_all(&mut self) {
         let computed = self.computed;
         let slot = computed / PAGE;
         for (id, hashes) in self.ids.iter().zip(&self.hashes) {
@@ -159,8 +166,6 @@ impl DecodeFixture {
             let first = if new.is_empty() { slot } else { slot - 1 };
             assert!(self.cache.decode_step(id.as_ref(), new, first, 1, computed).unwrap());
         }
-        let refs: Vec<RequestIdRef<'_>> = self.ids.iter().map(RequestId::as_ref).collect();
-        black_box(self.cache.block_tables(&refs).unwrap());
         self.computed += 1;
     }
 }
@@ -178,6 +183,20 @@ fn bench_decode(c: &mut Criterion) {
                 }
                 let start = Instant::now();
                 fixture.step();
+                total += start.elapsed();
+            }
+            total
+        });
+    });
+    group.bench_function("decode_only_256_requests_full_plus_swa", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                if fixture.computed >= PROMPT + STEPS_PER_ROUND {
+                    fixture.admit();
+                }
+                let start = Instant::now();
+                fixture.decode_all();
                 total += start.elapsed();
             }
             total
