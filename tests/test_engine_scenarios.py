@@ -389,6 +389,40 @@ def test_cache_construction(impl: ModuleType) -> None:
         impl.FlatKVCache([impl.KVCacheSpec("full", p) for p in (2**61 - 1, 2**59 - 1, 2**60 - 1)], 10)
 
 
+def test_argument_edges_the_contract_leaves_open(impl: ModuleType) -> None:
+    """Decisions both implementations share where the contract is silent (see the final report):
+    a bool is never an int; counts and sizes are u64 (OverflowError past it); page ids are int32."""
+    cache = make_cache(impl, [("full", 4)], 10)
+    type_errors: list[Callable[[], object]] = [
+        lambda: cache.acquire(True, 4),  # a bool request id
+        lambda: cache.acquire("a", True),  # a bool count
+        lambda: impl.hash_page([True]),
+        lambda: impl.BlockPool(3).touch(True),
+        lambda: impl.BlockPool(3, enable_caching=1),
+        lambda: impl.KVCacheSpec("full", True),
+    ]
+    for call in type_errors:
+        with pytest.raises(TypeError):
+            call()
+    overflow_errors: list[Callable[[], object]] = [
+        lambda: cache.acquire("a", 2**64),
+        lambda: cache.pages_needed(2**64),
+        lambda: impl.BlockPool(3).allocate(2**64),
+        lambda: impl.hash_pages([1, 2], 2**64),
+        lambda: impl.FlatKVCache([impl.KVCacheSpec("full", 2**64)], 4),
+        lambda: impl.FlatKVCache([impl.KVCacheSpec("sliding_window", 4, 2**64)], 4),
+    ]
+    for call in overflow_errors:
+        with pytest.raises(OverflowError):
+            call()
+    assert cache.pages_needed(2**64 - 1) == 2**62  # ceil((2**64 - 1) / 4) still fits
+    with pytest.raises(ValueError, match="int32"):
+        impl.BlockPool(2**31)
+    with pytest.raises(ValueError, match="int32"):
+        impl.FlatKVCache([impl.KVCacheSpec("full", 4)], 2**31)
+    assert cache.num_requests == 0
+
+
 # ------------------------------------------------------------------------------------------------
 # SPEC 6: tables and managers
 # ------------------------------------------------------------------------------------------------

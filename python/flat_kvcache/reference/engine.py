@@ -47,6 +47,8 @@ __all__ = [
 _U32_MAX = 0xFFFF_FFFF
 #: Largest page-size lcm the native engine can hold (it counts tokens in u64).
 _U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
+#: Most pages a pool may hold: block tables carry page ids as int32 (SPEC 8).
+_MAX_PAGES = 2**31 - 1
 #: Length of a hex-encoded SHA-256 content hash.
 _HASH_HEX_LEN = 64
 _HEX_DIGITS = frozenset(string.hexdigits)
@@ -77,19 +79,29 @@ def _flat_build_enabled() -> bool:
 
 
 def _as_int(value: object, name: str) -> int:
-    """``value`` as a Python int (anything with ``__index__``), else TypeError naming ``name``."""
+    """``value`` as a Python int (anything with ``__index__`` except bool), else TypeError naming
+    ``name``. A bool is refused: ``True`` as a page, token or count is a bug, not a 1."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, not bool")
     try:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
 
 
+def _check_u64(value: int, name: str) -> int:
+    """Token counts and sizes are u64 in the native engine: larger is an OverflowError naming it."""
+    if value > _U64_MAX:
+        raise OverflowError(f"{name}: value does not fit in an unsigned 64-bit integer")
+    return value
+
+
 def _count(value: object, name: str) -> int:
-    """A count argument: an int >= 0 (TypeError / ValueError naming ``name``)."""
+    """A count argument: an int >= 0 that fits u64 (TypeError / ValueError / OverflowError)."""
     number = _as_int(value, name)
     if number < 0:
         raise ValueError(f"{name} must be >= 0, got {number}")
-    return number
+    return _check_u64(number, name)
 
 
 def _positive(value: object, name: str) -> int:
@@ -98,6 +110,13 @@ def _positive(value: object, name: str) -> int:
     if number <= 0:
         raise ValueError(f"{name} must be > 0, got {number}")
     return number
+
+
+def _flag(value: object, name: str) -> bool:
+    """A switch: a real bool (TypeError otherwise, as the native extraction does)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
 
 
 def _ceil_div(numerator: int, denominator: int) -> int:
@@ -197,7 +216,7 @@ def hash_pages(
     ``h_0 = hash_page(page_0, prior, extra_keys)``, ``h_i = hash_page(page_i, h_{i-1}, extra_keys)``.
     Every token is checked, including those of the dropped tail.
     """
-    size = _positive(page_size, "page_size")
+    size = _check_u64(_positive(page_size, "page_size"), "page_size")
     prior_raw = _prior_bytes(prior)
     values = _token_values(token_ids, "token_ids")
     keys = _extra_key_bytes(extra_keys)
@@ -230,7 +249,7 @@ def fold_hashes(base_hashes: Sequence[str], first_base: int, m: int) -> list[str
     ``run = hash_page([], run, [h])`` per hash. Incomplete runs at either end are dropped.
     With ``m == 1`` the hashes are the keys (a copy is returned).
     """
-    size = _positive(m, "m")
+    size = _check_u64(_positive(m, "m"), "m")
     first = _count(first_base, "first_base")
     hashes = list(base_hashes)
     for index, value in enumerate(hashes):
@@ -264,11 +283,13 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, *, enable_caching: bool = True) -> None:
-        total = _as_int(num_blocks, "num_blocks")
+        total = _check_u64(_as_int(num_blocks, "num_blocks"), "num_blocks")
         if total < 1:
             raise ValueError(f"num_blocks must be >= 1, got {total}")
+        if total > _MAX_PAGES:
+            raise ValueError(f"num_blocks must be <= {_MAX_PAGES} (page ids are int32), got {total}")
         self._num_blocks = total
-        self._enable_caching = bool(enable_caching)
+        self._enable_caching = _flag(enable_caching, "enable_caching")
         self._ref_counts = [0] * total
         # The key each page holds (None: not cached), and each key's pages in registration order.
         self._key_of: list[str | None] = [None] * total
@@ -743,6 +764,8 @@ def _request_key(req: object) -> RequestId:
     """A request id: a str, or an int of any size (``5`` and ``"5"`` differ); else TypeError."""
     if isinstance(req, str):
         return req
+    if isinstance(req, bool):
+        raise TypeError("request ids must be str or int, got bool")
     try:
         return operator.index(req)  # type: ignore[arg-type]
     except TypeError:
@@ -765,9 +788,15 @@ class FlatKVCache:
         for index, spec in enumerate(spec_list):
             if not isinstance(spec, KVCacheSpec):
                 raise TypeError(f"specs[{index}] must be a KVCacheSpec, got {type(spec).__name__}")
-        total = _as_int(num_pages, "num_pages")
+        for index, spec in enumerate(spec_list):
+            _check_u64(spec.page_size, f"specs[{index}].page_size")
+            if spec.sliding_window is not None:
+                _check_u64(spec.sliding_window, f"specs[{index}].sliding_window")
+        total = _check_u64(_as_int(num_pages, "num_pages"), "num_pages")
         if total < 1:
             raise ValueError(f"num_pages must be >= 1, got {total}")
+        if total > _MAX_PAGES:
+            raise ValueError(f"num_pages must be <= {_MAX_PAGES} (page ids are int32), got {total}")
         group_ids = [
             spec.group_id if spec.group_id is not None else f"g{i}" for i, spec in enumerate(spec_list)
         ]
@@ -782,8 +811,8 @@ class FlatKVCache:
         self._group_ids = group_ids
         self._base = math.gcd(*sizes)
         self._lcm = lcm
-        self._enable_caching = bool(enable_caching)
-        self._pool = BlockPool(total, enable_caching=enable_caching)
+        self._enable_caching = _flag(enable_caching, "enable_caching")
+        self._pool = BlockPool(total, enable_caching=self._enable_caching)
         self._managers: list[_GroupManager] = []
         for index, spec in enumerate(spec_list):
             if spec.kind == "full":
@@ -1020,7 +1049,8 @@ class FlatKVCache:
         count = _count(num_tokens, "num_tokens")
         if tables is None:
             tables = [_Table() for _ in self._managers]
-        return sum(m.blocks_needed_for(t, count) for m, t in zip(self._managers, tables, strict=True))
+        needed = sum(m.blocks_needed_for(t, count) for m, t in zip(self._managers, tables, strict=True))
+        return _check_u64(needed, "num_tokens")  # the native sum is a checked u64
 
     def pages_reclaimable(
         self, req: RequestId, num_computed_tokens: int, *, count_uncached: bool = True
