@@ -1,0 +1,441 @@
+"""KV events on the wire (issue 5): the MessagePack writer, vLLM's batch layout, ZMQ publishing.
+
+The writer is checked byte for byte against the ``msgpack`` package, and the batch layout
+against msgspec encoding structs declared the way vLLM declares its event classes, so the
+bytes are what vLLM's own publisher sends. The ZMQ test publishes on a loopback TCP port and
+decodes what a SUB socket receives, field by field.
+
+``msgpack``, ``msgspec`` and ``pyzmq`` are test dependencies (requirements/test.txt). Without
+one a test skips, except in CI (``CI`` set), where it fails: CI must run them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import os
+import sys
+from types import ModuleType
+from typing import Any, Literal
+
+import pytest
+from flat_kvcache.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    ZmqEventPublisher,
+    encode_event_batch,
+    packb,
+)
+from hypothesis import given
+from hypothesis import strategies as st
+
+#: Bounded waits for the loopback tests (seconds / milliseconds).
+WAIT_S = 10.0
+WAIT_MS = 10_000
+
+
+def need(name: str) -> ModuleType:
+    """Import test dependency ``name``; skip without it, but fail in CI, which must run these tests."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        message = f"{name} is not installed (pip install -r requirements/test.txt): {exc}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+H0, H1, H2 = (bytes([i]) * 31 + bytes([0x80 + i]) for i in range(3))
+
+EVENTS: list[KVCacheEvent] = [
+    BlockStored([H0, H1], None, list(range(32)), 16, 0, "full", None, []),
+    BlockStored([H2], H1, list(range(100_000, 100_016)), 16, 1, "sliding_window", 128, ["lora:a", "salt"]),
+    BlockStored([H0], None, [7] * 16, 16, 2, "state", None, []),
+    BlockRemoved([H0, H2], 1),
+    AllBlocksCleared(),
+]
+
+
+def low64(block_hash: bytes) -> int:
+    """vLLM's int form of a block hash: the big-endian value's low 64 bits."""
+    return int.from_bytes(block_hash, "big") & ((1 << 64) - 1)
+
+
+# --- the MessagePack writer -------------------------------------------------------------------
+
+BOUNDARY_INTS = [
+    0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**64 - 1,
+    -1, -32, -33, -128, -129, -32768, -32769, -(2**31), -(2**31) - 1, -(2**63),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("value", BOUNDARY_INTS)
+def test_ints_take_the_same_shortest_form_as_msgpack(value: int) -> None:
+    msgpack = need("msgpack")
+    assert packb(value) == msgpack.packb(value)
+
+
+@pytest.mark.parametrize("length", [0, 1, 15, 16, 31, 32, 255, 256, 65535, 65536])
+def test_length_headers_match_msgpack_at_each_boundary(length: int) -> None:
+    msgpack = need("msgpack")
+    for value in ("x" * length, b"x" * length, [None] * length, {str(i): i for i in range(length)}):
+        assert packb(value) == msgpack.packb(value), (type(value).__name__, length)
+
+
+def test_scalars_match_msgpack() -> None:
+    msgpack = need("msgpack")
+    for value in (None, True, False, 0.0, -0.0, 1.5, -1e300, math.inf, -math.inf, "", "é€𝄞", b"", b"\x00"):
+        assert packb(value) == msgpack.packb(value), value
+    assert packb((1, "a")) == msgpack.packb([1, "a"])  # a tuple is an array
+    assert packb(bytearray(b"ab")) == packb(memoryview(b"ab")) == msgpack.packb(b"ab")
+
+
+_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text()
+    | st.binary(),
+    lambda inner: st.lists(inner, max_size=20) | st.dictionaries(st.text(max_size=8), inner, max_size=20),
+    max_leaves=60,
+)
+
+
+@given(_values)
+def test_any_supported_value_packs_like_msgpack(value: Any) -> None:
+    msgpack = need("msgpack")
+    assert packb(value) == msgpack.packb(value)
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [(2**64, OverflowError), (-(2**63) - 1, OverflowError), ({1, 2}, TypeError), (object(), TypeError)],
+)
+def test_values_outside_the_subset_are_refused(value: object, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        packb([value])
+
+
+# --- vLLM's batch layout, field by field --------------------------------------------------------
+
+
+def test_array_layout_field_by_field() -> None:
+    msgpack = need("msgpack")
+    ts, events, rank = msgpack.unpackb(encode_event_batch(EVENTS, ts=1234.5))
+    assert (ts, rank) == (1234.5, None)
+    assert isinstance(ts, float)
+    full, sliding, state, removed, cleared = events
+
+    assert full[0] == "BlockStored"
+    assert full[1] == [H0, H1]  # block_hashes
+    assert full[2] is None  # parent_block_hash
+    assert full[3] == list(range(32))  # token_ids
+    assert full[4] == 16  # block_size
+    assert full[5] is None  # lora_id
+    assert full[6] == "GPU"  # medium
+    assert full[7] is None  # lora_name
+    assert full[8] == [None, None]  # extra_keys, one entry per block
+    assert full[9] == 0  # group_idx
+    assert full[10] == "full_attention"  # kv_cache_spec_kind
+    assert full[11] is None  # kv_cache_spec_sliding_window (written: array-like keeps defaults)
+    assert len(full) == 12
+
+    assert sliding == [
+        "BlockStored",
+        [H2],
+        H1,
+        list(range(100_000, 100_016)),
+        16,
+        None,
+        "GPU",
+        None,
+        [["lora:a", "salt"]],
+        1,
+        "sliding_window",
+        128,
+    ]
+    assert state[9:] == [2, "mamba", None]
+    assert removed == ["BlockRemoved", [H0, H2], "GPU", 1]
+    assert cleared == ["AllBlocksCleared"]
+
+
+def test_map_layout_field_by_field() -> None:
+    msgpack = need("msgpack")
+    ts, events, rank = msgpack.unpackb(encode_event_batch(EVENTS, ts=2.0, data_parallel_rank=3, layout="map"))
+    assert (ts, rank) == (2.0, 3)
+    full, sliding, state, removed, cleared = events
+    assert list(full) == [
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+    ]  # the sliding window is None, its default, so omit_defaults leaves it out
+    assert full["type"] == "BlockStored"
+    assert full["block_hashes"] == [H0, H1]
+    assert full["parent_block_hash"] is None
+    assert full["token_ids"] == list(range(32))
+    assert (full["block_size"], full["lora_id"], full["medium"], full["lora_name"]) == (16, None, "GPU", None)
+    assert full["extra_keys"] == [None, None]
+    assert (full["group_idx"], full["kv_cache_spec_kind"]) == (0, "full_attention")
+    assert sliding["kv_cache_spec_sliding_window"] == 128
+    assert sliding["extra_keys"] == [["lora:a", "salt"]]
+    assert (sliding["parent_block_hash"], sliding["group_idx"]) == (H1, 1)
+    assert (state["kv_cache_spec_kind"], state["group_idx"]) == ("mamba", 2)
+    assert removed == {"type": "BlockRemoved", "block_hashes": [H0, H2], "medium": "GPU", "group_idx": 1}
+    assert cleared == {"type": "AllBlocksCleared"}
+
+
+def test_int_block_hashes_are_the_low_64_bits() -> None:
+    msgpack = need("msgpack")
+    _, events, _ = msgpack.unpackb(encode_event_batch(EVENTS, ts=0.0, int_block_hashes=True))
+    assert events[0][1] == [low64(H0), low64(H1)]
+    assert events[1][1:3] == [[low64(H2)], low64(H1)]
+    assert events[3][1] == [low64(H0), low64(H2)]
+    assert low64(H0) == 0x0000_0000_0000_0080
+
+
+def test_empty_batch() -> None:
+    msgpack = need("msgpack")
+    assert msgpack.unpackb(encode_event_batch([], ts=5)) == [5.0, [], None]
+
+
+def vllm_structs(*, array_like: bool) -> dict[str, Any]:
+    """msgspec structs declared as vLLM declares its KV events (vllm/distributed/kv_events.py).
+
+    Built with ``defstruct`` because this module's annotations are strings that would resolve
+    to our own dataclasses of the same names.
+    """
+    msgspec = need("msgspec")
+    hash_type = bytes | int
+    options = {"array_like": array_like, "omit_defaults": True, "gc": False, "tag": True}
+    stored = msgspec.defstruct(
+        "BlockStored",
+        [
+            ("block_hashes", list[hash_type]),
+            ("parent_block_hash", hash_type | None),
+            ("token_ids", list[int]),
+            ("block_size", int),
+            ("lora_id", int | None),
+            ("medium", str | None),
+            ("lora_name", str | None),
+            ("extra_keys", list[tuple[Any, ...] | None] | None, None),
+            ("group_idx", int | None, None),
+            ("kv_cache_spec_kind", str | None, None),
+            ("kv_cache_spec_sliding_window", int | None, None),
+        ],
+        **options,
+    )
+    removed = msgspec.defstruct(
+        "BlockRemoved",
+        [("block_hashes", list[hash_type]), ("medium", str | None), ("group_idx", int | None, None)],
+        **options,
+    )
+    cleared = msgspec.defstruct("AllBlocksCleared", [], **options)
+    batch = msgspec.defstruct(
+        "KVEventBatch",
+        [("ts", float), ("events", list[Any]), ("data_parallel_rank", int | None, None)],
+        array_like=True,
+        omit_defaults=True,
+        gc=False,
+    )
+    # The events field is typed after the fact (mypy cannot take runtime classes as a type).
+    batch = msgspec.defstruct(
+        "KVEventBatch",
+        [("events", list[stored | removed | cleared])],  # type: ignore[valid-type]
+        bases=(batch,),
+        array_like=True,
+        omit_defaults=True,
+        gc=False,
+    )
+    return {"batch": batch, "stored": stored, "removed": removed, "cleared": cleared}
+
+
+@pytest.mark.parametrize("layout", ["array", "map"])
+@pytest.mark.parametrize("rank", [None, 0, 7])
+@pytest.mark.parametrize("int_hashes", [False, True])
+def test_bytes_equal_msgspec_encoding_of_vllm_structs(
+    layout: Literal["array", "map"], rank: int | None, int_hashes: bool
+) -> None:
+    msgspec = need("msgspec")
+    vllm = vllm_structs(array_like=layout == "array")
+
+    def h(block_hash: bytes) -> bytes | int:
+        return low64(block_hash) if int_hashes else block_hash
+
+    stored, removed = vllm["stored"], vllm["removed"]
+    expected = vllm["batch"](
+        ts=99.25,
+        events=[
+            stored(
+                [h(H0), h(H1)], None, list(range(32)), 16, None, "GPU", None, [None] * 2, 0, "full_attention"
+            ),
+            stored(
+                [h(H2)],
+                h(H1),
+                list(range(100_000, 100_016)),
+                16,
+                None,
+                "GPU",
+                None,
+                [("lora:a", "salt")],
+                1,
+                "sliding_window",
+                128,
+            ),
+            stored([h(H0)], None, [7] * 16, 16, None, "GPU", None, [None], 2, "mamba"),
+            removed([h(H0), h(H2)], "GPU", 1),
+            vllm["cleared"](),
+        ],
+        data_parallel_rank=rank,
+    )
+    payload = encode_event_batch(
+        EVENTS, ts=99.25, data_parallel_rank=rank, layout=layout, int_block_hashes=int_hashes
+    )
+    assert payload == msgspec.msgpack.encode(expected)
+    assert msgspec.msgpack.decode(payload, type=vllm["batch"]) == expected
+
+
+def stored(**changes: Any) -> BlockStored:
+    """A valid BlockStored with ``changes`` (possibly invalid) applied."""
+    return dataclasses.replace(BlockStored([H0], None, [], 16, 0, "full", None), **changes)
+
+
+@pytest.mark.parametrize(
+    ("events", "kwargs", "error", "match"),
+    [
+        ([object()], {}, TypeError, r"events\[0\] must be a BlockStored"),
+        ([stored(block_hashes=["00"])], {}, TypeError, r"block_hashes\[0\] must be bytes"),
+        ([stored(group_kind="mla")], {}, ValueError, r"group_kind must be one of"),
+        ([stored(token_ids=[True])], {}, TypeError, r"token_ids\[0\] must be an int"),
+        ([stored(extra_keys="salt")], {}, TypeError, r"extra_keys must be a list"),
+        ([stored(extra_keys=[1])], {}, TypeError, r"extra_keys\[0\] must be a str"),
+        ([stored(sliding_window=1.5)], {}, TypeError, r"sliding_window must be an int"),
+        ([BlockRemoved([H0], None)], {}, TypeError, r"events\[0\]\.group_index must be an int"),  # type: ignore[arg-type]
+        ([], {"ts": True}, TypeError, "ts must be a number"),
+        ([], {"ts": math.nan}, ValueError, "ts must be finite"),
+        ([], {"data_parallel_rank": -1}, ValueError, "data_parallel_rank must be >= 0"),
+        ([], {"layout": "json"}, ValueError, "layout must be"),
+        ([], {"int_block_hashes": 1}, TypeError, "int_block_hashes must be a bool"),
+    ],
+)
+def test_bad_batches_are_refused_with_the_field_named(
+    events: list[Any], kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        encode_event_batch(events, **{"ts": 1.0, **kwargs})
+
+
+# --- ZMQ -----------------------------------------------------------------------------------------
+
+
+def receive(sub: Any) -> list[bytes]:
+    """One multipart message from ``sub``, waiting at most WAIT_MS."""
+    zmq = need("zmq")
+    assert sub.poll(WAIT_MS, zmq.POLLIN), "nothing received within the wait"
+    frames: list[bytes] = sub.recv_multipart()
+    return frames
+
+
+def test_publish_over_loopback_decodes_field_by_field() -> None:
+    zmq = need("zmq")
+    msgpack = need("msgpack")
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    try:
+        with ZmqEventPublisher("tcp://127.0.0.1:*", topic="kv-events", data_parallel_rank=2) as publisher:
+            assert publisher.endpoint.startswith("tcp://127.0.0.1:")
+            assert publisher.next_seq == 0
+            sub.connect(publisher.endpoint)
+            sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+            assert publisher.wait_for_subscriber(WAIT_S)
+            assert publisher.publish(EVENTS[:2], ts=10.5) == 0
+            assert publisher.publish([EVENTS[3]], ts=11.0) == 1
+            assert publisher.publish([AllBlocksCleared()]) == 2
+            assert publisher.next_seq == 3
+            messages = [receive(sub) for _ in range(3)]
+    finally:
+        sub.close(linger=0)
+        context.term()
+
+    for seq, message in enumerate(messages):
+        assert len(message) == 3
+        topic, seq_bytes, _ = message
+        assert topic == b"kv-events"
+        assert seq_bytes == seq.to_bytes(8, "big")
+        assert int.from_bytes(seq_bytes, "big") == seq
+
+    ts, events, rank = msgpack.unpackb(messages[0][2])
+    assert (ts, rank) == (10.5, 2)
+    [full, sliding] = events
+    assert full[:4] == ["BlockStored", [H0, H1], None, list(range(32))]
+    assert full[4:] == [16, None, "GPU", None, [None, None], 0, "full_attention", None]
+    assert sliding[0] == "BlockStored"
+    assert sliding[1] == [H2]
+    assert sliding[2] == H1
+    assert sliding[3] == list(range(100_000, 100_016))
+    assert sliding[4] == 16
+    assert sliding[5:8] == [None, "GPU", None]
+    assert sliding[8] == [["lora:a", "salt"]]
+    assert sliding[9:] == [1, "sliding_window", 128]
+
+    assert msgpack.unpackb(messages[1][2]) == [11.0, [["BlockRemoved", [H0, H2], "GPU", 1]], 2]
+    ts, events, rank = msgpack.unpackb(messages[2][2])
+    assert (events, rank) == ([["AllBlocksCleared"]], 2)
+    assert isinstance(ts, float) and ts > 1.6e9  # publish() stamps the wall clock
+
+
+def test_a_subscriber_of_another_topic_gets_nothing() -> None:
+    zmq = need("zmq")
+    context = zmq.Context()
+    other = context.socket(zmq.SUB)
+    try:
+        with ZmqEventPublisher("tcp://127.0.0.1:*", topic="kv-events") as publisher:
+            other.connect(publisher.endpoint)
+            other.setsockopt(zmq.SUBSCRIBE, b"other")
+            assert not publisher.wait_for_subscriber(0.3)  # that subscription is not for us
+            publisher.publish(EVENTS)
+            assert not other.poll(200, zmq.POLLIN)
+    finally:
+        other.close(linger=0)
+        context.term()
+
+
+def test_publisher_errors_and_lifecycle() -> None:
+    need("zmq")
+    with pytest.raises(ValueError, match=r"cannot bind endpoint 'not-an-endpoint'"):
+        ZmqEventPublisher("not-an-endpoint")
+    with pytest.raises(TypeError, match="topic must be a str"):
+        ZmqEventPublisher("tcp://127.0.0.1:*", topic=b"kv")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="layout must be"):
+        ZmqEventPublisher("tcp://127.0.0.1:*", layout="json")  # type: ignore[arg-type]
+    publisher = ZmqEventPublisher("tcp://127.0.0.1:*")
+    assert "next_seq=0" in repr(publisher)
+    with pytest.raises(TypeError, match=r"events\[0\] must be"):
+        publisher.publish(["nope"])  # type: ignore[list-item]
+    assert publisher.next_seq == 0  # nothing was sent
+    publisher.close()
+    publisher.close()  # idempotent
+    assert publisher.closed and "closed" in repr(publisher)
+    with pytest.raises(RuntimeError, match="closed"):
+        publisher.publish(EVENTS)
+    with pytest.raises(RuntimeError, match="closed"):
+        publisher.wait_for_subscriber(0)
+
+
+def test_publisher_without_pyzmq_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "zmq", None)  # makes `import zmq` raise ImportError
+    with pytest.raises(ImportError, match=r"pip install 'flat-kvcache\[zmq\]'"):
+        ZmqEventPublisher("tcp://127.0.0.1:*")
+    # Encoding needs nothing optional.
+    assert encode_event_batch(EVENTS, ts=0.0).startswith(b"\x93")
