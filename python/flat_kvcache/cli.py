@@ -1,5 +1,8 @@
 """The ``flat-kvcache`` command line.
 
+``flat-kvcache simulate`` runs a reference scheduler loop over a request trace (see
+:mod:`flat_kvcache.simulate`).
+
 ``flat-kvcache plan`` sizes the paged KV cache of a model (a preset or a Hugging Face style
 ``config.json``): its page groups, the pages each group needs, the CUDA-graph capture width of
 each group's block table and the hybrid slab pairing. With no arguments it plans the default
@@ -24,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import flat_kvcache
+from flat_kvcache import simulate
 from flat_kvcache.config import (
     layer_types_from_config,
     load_model_config,
@@ -190,6 +194,7 @@ def _parser() -> _Parser:
     )
     memory.add_argument("--kv-dtype", metavar="DTYPE", help="K/V dtype, e.g. fp8_e4m3 (default: the model's)")
     plan.set_defaults(run=_run_plan)
+    simulate.add_parser(commands)
     return parser
 
 
