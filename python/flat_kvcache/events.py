@@ -19,12 +19,17 @@ tag is the class name). Two event layouts exist because vLLM changed its encodin
     included, are still written, so every ``BlockStored`` has 11 fields after its tag and a
     batch always has 3 elements (``data_parallel_rank`` nil when None). Decoders accept a
     shorter array (missing trailing fields take their defaults), so this stays readable by
-    consumers built for older vLLM field lists.
-``layout="map"`` (vLLM after vllm-project/vllm#42892)
+    consumers built for older vLLM field lists. The bytes are those of vLLM 0.23.0.
+``layout="map"`` (vLLM after 0.23: vllm-project/vllm#42892)
     The batch is still the positional ``[ts, events, data_parallel_rank]``; each event is a
     map whose first key is ``"type"`` (the class name), then its fields by name in
     declaration order. Here ``omit_defaults`` applies: a field equal to its default (only
-    ``kv_cache_spec_sliding_window`` None, for full and state groups) is left out.
+    ``kv_cache_spec_sliding_window`` None, for full and state groups) is left out, and so are
+    the fields vLLM added later that have no counterpart here (``locality``, ``ownership``,
+    ``session_id``, ``lookahead_token_ids``, all None). msgspec sizes a struct's map header
+    by its declared fields: vLLM 0.33's ``BlockStored`` declares 15 (16 entries with the
+    tag), so its header is the 16-bit form even for 11 entries; this module writes it the
+    same way, so the bytes are those of vLLM 0.33.0. Decoders read either header.
 
 vLLM's fields, in its declaration order, and what this module puts in them:
 
@@ -178,6 +183,10 @@ def _pack_length(length: int, fix_tag: int, fix_limit: int, tags: bytes, out: by
         raise OverflowError(f"{what} of length {length} does not fit in MessagePack")
 
 
+class _WideMap(dict[str, object]):
+    """A map written with the 16-bit header whatever its size (see ``layout="map"``)."""
+
+
 def _pack(value: object, out: bytearray) -> None:
     if value is None:
         out.append(0xC0)
@@ -202,7 +211,7 @@ def _pack(value: object, out: bytearray) -> None:
         for item in value:
             _pack(item, out)
     elif isinstance(value, dict):
-        _pack_length(len(value), 0x80, 16, b"\x00\xde\xdf", out, "map")
+        _pack_length(len(value), 0x80, 0 if type(value) is _WideMap else 16, b"\x00\xde\xdf", out, "map")
         for key, item in value.items():
             _pack(key, out)
             _pack(item, out)
@@ -306,9 +315,15 @@ def _as_array(tag: str, fields: list[tuple[str, object, bool]]) -> list[object]:
     return [tag, *(value for _, value, _ in fields)]
 
 
+#: Entries (fields + tag) vLLM 0.33 declares per event class; msgspec writes a 16-bit map header
+#: for a struct of more than 15.
+_VLLM_MAP_ENTRIES = {"BlockStored": 16, "BlockRemoved": 6, "AllBlocksCleared": 1}
+
+
 def _as_map(tag: str, fields: list[tuple[str, object, bool]]) -> dict[str, object]:
     """A tagged map with ``omit_defaults``: fields at their default are left out; the tag comes first."""
-    return {"type": tag, **{name: value for name, value, is_default in fields if not is_default}}
+    entries = {"type": tag, **{name: value for name, value, is_default in fields if not is_default}}
+    return _WideMap(entries) if _VLLM_MAP_ENTRIES[tag] > 15 else entries
 
 
 def encode_event_batch(
