@@ -49,9 +49,13 @@ _U32_MAX = 0xFFFF_FFFF
 _U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
 #: Most pages a pool may hold: block tables carry page ids as int32 (SPEC 8).
 _MAX_PAGES = 2**31 - 1
+#: How ``FlatKVCache.free`` orders a request's pages on the free list (docs/requests-api.md).
+_EVICTION_ORDERS = ("hybrid", "group")
 #: Length of a hex-encoded SHA-256 content hash.
 _HASH_HEX_LEN = 64
 _HEX_DIGITS = frozenset(string.hexdigits)
+#: Content hashes are lowercase: folding hashes their text, so "AB" and "ab" would fold apart.
+_LOWER_HEX_DIGITS = frozenset("0123456789abcdef")
 
 #: A request id: ``5`` and ``"5"`` are different requests.
 RequestId = str | int
@@ -738,24 +742,30 @@ class PrefixMatch:
     ``pages[g]`` is group ``g``'s matched table (0 = hole); ``num_hit_pages[g]`` counts its real
     pages; ``num_common_tokens`` is the greatest boundary every group supports (a multiple of
     the lcm page size).
+
+    A match from ``match_prefix`` also remembers the key each real page was matched under, so
+    ``claim`` can refuse it once a page holds another key (or none). A match built by hand
+    remembers none. Equality compares the three public fields only.
     """
 
     num_common_tokens: int
     pages: list[list[int]]
     num_hit_pages: list[int]
+    _keys: list[list[str | None]] | None = field(default=None, compare=False, repr=False)
 
 
 def _content_hashes(content_hashes: object) -> list[str]:
-    """Base-page content hashes: 64-char hex strings (ValueError naming ``content_hashes[i]``)."""
+    """Base-page content hashes: 64-char lowercase hex strings (ValueError naming
+    ``content_hashes[i]``; uppercase is refused because folding hashes the text)."""
     if isinstance(content_hashes, str) or not isinstance(content_hashes, Iterable):
         raise TypeError(f"content_hashes must be a sequence of str, got {type(content_hashes).__name__}")
     hashes = list(content_hashes)
     for index, value in enumerate(hashes):
         if not isinstance(value, str):
             raise TypeError(f"content_hashes[{index}] must be a str, got {type(value).__name__}")
-        if len(value) != _HASH_HEX_LEN or not set(value) <= _HEX_DIGITS:
+        if len(value) != _HASH_HEX_LEN or not set(value) <= _LOWER_HEX_DIGITS:
             raise ValueError(
-                f"content_hashes[{index}] must be a {_HASH_HEX_LEN}-char hex string, got {value!r}"
+                f"content_hashes[{index}] must be a {_HASH_HEX_LEN}-char lowercase hex string, got {value!r}"
             )
     return hashes
 
@@ -781,7 +791,16 @@ class FlatKVCache:
     their index order everywhere; no group stands for the request (SPEC 12.5).
     """
 
-    def __init__(self, specs: Sequence[KVCacheSpec], num_pages: int, *, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        specs: Sequence[KVCacheSpec],
+        num_pages: int,
+        *,
+        enable_caching: bool = True,
+        eviction_order: str = "hybrid",
+    ) -> None:
+        if not isinstance(eviction_order, str) or eviction_order not in _EVICTION_ORDERS:
+            raise ValueError(f"eviction_order must be 'hybrid' or 'group', got {eviction_order!r}")
         spec_list = list(specs)
         if not spec_list:
             raise ValueError("specs must hold at least one KVCacheSpec")
@@ -812,6 +831,7 @@ class FlatKVCache:
         self._base = math.gcd(*sizes)
         self._lcm = lcm
         self._enable_caching = _flag(enable_caching, "enable_caching")
+        self._eviction_order = eviction_order
         self._pool = BlockPool(total, enable_caching=self._enable_caching)
         self._managers: list[_GroupManager] = []
         for index, spec in enumerate(spec_list):
@@ -899,6 +919,16 @@ class FlatKVCache:
         """Group keys of the group's slots covered by ``hashes`` (base pages from ``first_base``)."""
         return [group_key(folded, manager.index) for folded in fold_hashes(hashes, first_base, manager.fold)]
 
+    def _still_matches(self, match: PrefixMatch, group: int, slot: int, page: int) -> bool:
+        """Whether ``page`` (slot ``slot`` of group ``group``) still holds the key it was matched
+        under; for a hand-built match, whether it holds any key of that group."""
+        held = self._pool._key_held_by(self._pool._page(page))
+        if held is None:
+            return False
+        if match._keys is None:
+            return held.endswith(f"{group:08x}")
+        return held == match._keys[group][slot]
+
     @staticmethod
     def _check_match(match: object) -> PrefixMatch:
         if not isinstance(match, PrefixMatch):
@@ -941,15 +971,23 @@ class FlatKVCache:
                     match_group(manager.index)
                     changed = True
         pages = [results[m.index][: bound // m.page_size] for m in self._managers]
-        return PrefixMatch(bound, pages, [sum(1 for page in group if page != 0) for group in pages])
+        matched_keys = [
+            [keys[group][slot] if page != 0 else None for slot, page in enumerate(group_pages)]
+            for group, group_pages in enumerate(pages)
+        ]
+        hits = [sum(1 for page in group_pages if page != 0) for group_pages in pages]
+        return PrefixMatch(bound, pages, hits, matched_keys)
 
     def claim(self, req: RequestId, match: PrefixMatch) -> None:
         """Take a reference on every matched page; each group's table becomes the match (SPEC 7).
 
         Holes stay holes; ``tail_avail`` is 0 (the match ends on whole pages). ValueError, with
         nothing changed (the request is not created either), if the request's tables already
-        hold pages, if the match has the wrong number of groups, or if a matched page no longer
-        holds a key (a stale match: the page was evicted since the match).
+        hold pages, if the match has the wrong number of groups, or if the match is stale: a
+        matched page no longer holds the very key it was matched under (it was evicted, and
+        maybe re-cached under another key or for another group; taking it would put one page
+        in two groups). A match built by hand remembers no keys: each real page must then hold
+        a key of the group it is claimed for.
         """
         key = _request_key(req)
         checked = self._check_match(match)
@@ -961,11 +999,11 @@ class FlatKVCache:
                 f"claim: the match has {len(checked.pages)} groups, this cache has {len(self._managers)}"
             )
         for group, pages in enumerate(checked.pages):
-            for page in pages:
-                if page != 0 and not self._pool.is_cached(page):
+            for slot, page in enumerate(pages):
+                if page != 0 and not self._still_matches(checked, group, slot, page):
                     raise ValueError(
                         f"claim: stale match, page {page} of group {self._group_ids[group]} "
-                        "no longer holds a key"
+                        "no longer holds the key it was matched under"
                     )
         tables = self._tables_or_new(req)
         for table, pages in zip(tables, checked.pages, strict=True):
@@ -1034,11 +1072,27 @@ class FlatKVCache:
             manager.reclaim(table, computed)
 
     def free(self, req: RequestId) -> None:
-        """Release every table's pages (tail first, ``BlockPool.free`` order), per group in index
-        order, and forget the request (SPEC 7)."""
+        """Release every page of the request and forget it (SPEC 7), in the eviction order.
+
+        ``"hybrid"`` (the default, SPEC 12.3): all groups' real pages by the end token of their
+        slot, descending (ties: lower group index first), so the chain's tail is evicted first
+        in every group together and a hybrid prefix keeps all its groups equally long.
+        ``"group"`` (the reference design): each group's table tail first, group 0 first.
+        The first page released is the first evicted.
+        """
         tables = self._tables(req)
-        for table in tables:
-            self._pool.free(table.pages)
+        if self._eviction_order == "group":
+            for table in tables:
+                self._pool.free(table.pages)  # BlockPool.free releases the list's tail first
+        else:
+            ordered = sorted(
+                (-(slot + 1) * manager.page_size, manager.index, page)
+                for manager, table in zip(self._managers, tables, strict=True)
+                for slot, page in enumerate(table.pages)
+                if page != 0
+            )
+            # BlockPool.free releases in reverse list order: reverse to release in ``ordered``.
+            self._pool.free([page for _, _, page in reversed(ordered)])
         del self._requests[_request_key(req)]
 
     # -- admission helpers (SPEC 7, 9) ----------------------------------------------------------
