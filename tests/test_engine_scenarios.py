@@ -68,9 +68,14 @@ def fake_hashes(count: int, seed: int = 0) -> list[str]:
     return [hashlib.sha256(f"page-{seed}-{i}".encode()).hexdigest() for i in range(count)]
 
 
-def make_cache(impl: ModuleType, groups: list[tuple[Any, ...]], num_pages: int, caching: bool = True) -> Any:
-    """A FlatKVCache from ``(kind, page_size[, window])`` tuples."""
+def make_cache(
+    impl: ModuleType, groups: list[tuple[Any, ...]], num_pages: int, caching: bool = True, order: str = ""
+) -> Any:
+    """A FlatKVCache from ``(kind, page_size[, window])`` tuples; ``order`` is an eviction order
+    (empty: the default, ``"hybrid"``)."""
     specs = [impl.KVCacheSpec(g[0], g[1], g[2] if len(g) > 2 else None) for g in groups]
+    if order:
+        return impl.FlatKVCache(specs, num_pages, enable_caching=caching, eviction_order=order)
     return impl.FlatKVCache(specs, num_pages, enable_caching=caching)
 
 
@@ -729,7 +734,7 @@ def test_match_sweep_with_mixed_page_sizes(impl: ModuleType) -> None:
 def test_match_converge_rematches_a_sliding_group_above_the_bound(impl: ModuleType) -> None:
     # g0 sliding P = 16, W = 17 (needed 1); g1 state P = 32 (W = 2, needed 1). base 16, lcm 32.
     # 13 pages: a request of 128 tokens takes all 12 usable ones (g0: 8, g1: 4).
-    cache = make_cache(impl, [("sliding_window", 16, 17), ("state", 32)], 13)
+    cache = make_cache(impl, [("sliding_window", 16, 17), ("state", 32)], 13, order="group")
     hs = fake_hashes(8)
     assert cache.acquire("a", 128)
     assert cache.page_ids("a") == [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12]]
@@ -761,7 +766,7 @@ def test_match_converge_rematches_a_sliding_group_above_the_bound(impl: ModuleTy
 
 
 def test_match_is_read_only(impl: ModuleType) -> None:
-    cache = make_cache(impl, [("full", 4), ("sliding_window", 4, 5)], 12)
+    cache = make_cache(impl, [("full", 4), ("sliding_window", 4, 5)], 12, order="group")
     hs = fake_hashes(3)
     assert cache.acquire("a", 12)
     cache.register("a", hs)
@@ -798,6 +803,37 @@ def test_claim_errors_change_nothing(impl: ModuleType) -> None:
         cache.claim("e", match)
     assert not cache.has_request("e") and cache.num_free_pages == 1
     cache.check_invariants()
+
+
+def test_claim_refuses_a_page_recached_for_another_group(impl: ModuleType) -> None:
+    """A stale match whose page was evicted and re-cached under another key (here another
+    group's) must be refused: claiming it would put one page in two groups' tables."""
+    # g0 full P = 4, g1 full P = 8: base 4, lcm 8. Pages 1..3 only.
+    cache = make_cache(impl, [("full", 4), ("full", 8)], 4, order="group")
+    hs, other = fake_hashes(2), fake_hashes(2, seed=1)
+    assert cache.acquire("a", 8)  # g0 [1, 2], g1 [3]
+    cache.register("a", hs)  # keys: page 1, 2 (g0 slots 0, 1), page 3 (g1 slot 0)
+    cache.free("a")  # g0 released 2, 1, then g1 3: free list [2, 1, 3]
+    match = cache.match_prefix(hs)
+    assert match.pages == [[1, 2], [3]]
+    # "b" takes 4 tokens: g0 page 2, g1 page 1 (tail 4); 4 more: g0 page 3, g1 uses its tail.
+    assert cache.acquire("b", 4) and cache.acquire("b", 4)
+    assert cache.page_ids("b") == [[2, 3], [1]]
+    cache.register("b", other)  # page 1 now holds a g1 key, pages 2, 3 g0 keys: all cached
+    free_before = cache.num_free_pages
+    with pytest.raises(ValueError):
+        cache.claim("c", match)  # page 1 would be in c's g0 table and b's g1 table
+    assert not cache.has_request("c") and cache.num_free_pages == free_before
+    cache.check_invariants()
+
+
+def test_content_hashes_are_lowercase_hex(impl: ModuleType) -> None:
+    cache = make_cache(impl, [("full", 4)], 4)
+    good = fake_hashes(1)[0]
+    assert cache.match_prefix([good]).num_common_tokens == 0
+    for bad in (good.upper(), good[:-1], good + "0", "g" * 64):
+        with pytest.raises(ValueError, match=r"content_hashes\[0\]"):
+            cache.match_prefix([bad])
 
 
 def test_unknown_requests_raise_key_error(impl: ModuleType) -> None:
@@ -933,14 +969,34 @@ def test_decode_step_cuts_hashes_at_computed_tokens(impl: ModuleType) -> None:
     cache.check_invariants()
 
 
-def test_free_releases_each_group_tail_first_in_index_order(impl: ModuleType) -> None:
-    cache = make_cache(impl, [("full", 4), ("full", 8)], 7)
+def test_free_in_group_order_releases_each_group_tail_first(impl: ModuleType) -> None:
+    cache = make_cache(impl, [("full", 4), ("full", 8)], 7, order="group")
     assert cache.acquire("r", 16)  # g0 [1, 2, 3, 4], g1 [5, 6]: free list empty
     cache.free("r")
     # g0 released 4, 3, 2, 1, then g1 6, 5: free list [4, 3, 2, 1, 6, 5].
     assert cache.acquire("q", 8)
     assert cache.page_ids("q") == [[4, 3], [2]]
     cache.check_invariants()
+
+
+def test_free_in_hybrid_order_evicts_every_group_tail_first_together(impl: ModuleType) -> None:
+    """SPEC 12.3, the default order: a request's groups are evicted together, tail first."""
+    cache = make_cache(impl, [("full", 4), ("full", 8)], 7)
+    assert cache.acquire("r", 16)  # g0 [1, 2, 3, 4] (slot ends 4, 8, 12, 16), g1 [5, 6] (8, 16)
+    cache.free("r")
+    # By slot end token, descending; ties: lower group first. 16: page 4 (g0), page 6 (g1);
+    # 12: page 3; 8: page 2 (g0), page 5 (g1); 4: page 1. Free list [4, 6, 3, 2, 5, 1].
+    assert cache.acquire("q", 16)  # takes all six: g0 the first four, g1 the last two
+    assert cache.page_ids("q") == [[4, 6, 3, 2], [5, 1]]
+    cache.check_invariants()
+    # A shorter request: two evictions take the tail of both groups' chains, not one group's half.
+    hs = fake_hashes(4)
+    cache.register("q", hs)
+    cache.free("q")  # free list by end: 16: 2 (g0), 1 (g1); 12: 3; 8: 6 (g0), 5 (g1); 4: 4
+    assert cache.acquire("z", 4)  # g0 takes page 2, g1 takes page 1: the 16-token boundary goes
+    assert cache.match_prefix(hs).num_common_tokens == 8  # the 8-token prefix survives whole
+    with pytest.raises(ValueError, match="eviction_order"):
+        make_cache(impl, [("full", 4)], 4, order="lru")
 
 
 def test_no_group_stands_for_the_request(impl: ModuleType) -> None:

@@ -145,6 +145,7 @@ def engine_configs(draw: st.DrawFn) -> dict[str, Any]:
             )
         ),
         "caching": draw(st.sampled_from([True, True, True, False])),
+        "eviction_order": draw(st.sampled_from(["hybrid", "group"])),
     }
 
 
@@ -224,7 +225,12 @@ class EngineMachine(RuleBasedStateMachine):
     def setup(self, config: dict[str, Any], data: st.DataObject) -> None:
         def build(module: ModuleType) -> Any:
             specs = [module.KVCacheSpec(kind, size, window) for kind, size, window in config["groups"]]
-            return module.FlatKVCache(specs, config["num_pages"], enable_caching=config["caching"])
+            return module.FlatKVCache(
+                specs,
+                config["num_pages"],
+                enable_caching=config["caching"],
+                eviction_order=config["eviction_order"],
+            )
 
         self.subject = build(self.subject_module)
         self.reference = build(self.reference_module)
