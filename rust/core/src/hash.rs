@@ -327,11 +327,12 @@ pub fn parse_hex(text: &[u8]) -> Option<Vec<u8>> {
     text.chunks_exact(2).map(|p| hex_pair(p[0], p[1])).collect()
 }
 
-/// Decode 8 ASCII hex digits (either case) into 4 bytes, eight at a time in one `u64`
-/// (SWAR); `None` if any byte is not a hex digit. Four times fewer steps than a per-digit
-/// table walk, which dominated parsing content hashes at the Python boundary.
+/// Decode 8 ASCII hex digits into 4 bytes, eight at a time in one `u64` (SWAR); `None` if
+/// any byte is not a hex digit (with `LOWER_ONLY`, not a digit or `a`..`f`). Four times fewer
+/// steps than a per-digit table walk, which dominated parsing content hashes at the Python
+/// boundary.
 #[inline]
-fn hex8(chunk: [u8; 8]) -> Option<[u8; 4]> {
+fn hex8<const LOWER_ONLY: bool>(chunk: [u8; 8]) -> Option<[u8; 4]> {
     const ONES: u64 = 0x0101_0101_0101_0101;
     const HIGH: u64 = 0x8080_8080_8080_8080;
     let x = u64::from_le_bytes(chunk);
@@ -343,7 +344,8 @@ fn hex8(chunk: [u8; 8]) -> Option<[u8; 4]> {
     let ge = |v: u64, a: u64| v.wrapping_add((0x80 - a) * ONES) & HIGH;
     let digit = ge(x, 0x30) & !ge(x, 0x3a);
     // Setting bit 0x20 maps 'A'..'F' onto 'a'..'f'; only those two ranges land in 'a'..'f'.
-    let lower = x | (0x20 * ONES);
+    // Digits already have bit 0x20 set, so `lower` equals `x` on them.
+    let lower = if LOWER_ONLY { x } else { x | (0x20 * ONES) };
     let alpha = ge(lower, 0x61) & !ge(lower, 0x67);
     if (digit | alpha) != HIGH {
         return None;
@@ -358,8 +360,9 @@ fn hex8(chunk: [u8; 8]) -> Option<[u8; 4]> {
     Some([b0, b1, b2, b3])
 }
 
-/// Parse exactly 64 hex digits (either case) into a raw hash; `None` otherwise.
-pub fn parse_hash(text: &[u8]) -> Option<ContentHash> {
+/// Parse exactly 64 hex digits into a raw hash (either case unless `LOWER_ONLY`).
+#[inline]
+fn parse_hash_impl<const LOWER_ONLY: bool>(text: &[u8]) -> Option<ContentHash> {
     if text.len() != 64 {
         return None;
     }
@@ -367,9 +370,21 @@ pub fn parse_hash(text: &[u8]) -> Option<ContentHash> {
     for (dst, src) in out.chunks_exact_mut(4).zip(text.chunks_exact(8)) {
         let mut chunk = [0u8; 8];
         chunk.copy_from_slice(src);
-        dst.copy_from_slice(&hex8(chunk)?);
+        dst.copy_from_slice(&hex8::<LOWER_ONLY>(chunk)?);
     }
     Some(out)
+}
+
+/// Parse exactly 64 hex digits (either case) into a raw hash; `None` otherwise.
+pub fn parse_hash(text: &[u8]) -> Option<ContentHash> {
+    parse_hash_impl::<false>(text)
+}
+
+/// Parse exactly 64 **lowercase** hex digits into a raw hash; `None` otherwise (uppercase
+/// included). Content hashes given to the engine must be lowercase: folding hashes their
+/// text, so two spellings of one hash would fold to different group keys.
+pub fn parse_hash_lower(text: &[u8]) -> Option<ContentHash> {
+    parse_hash_impl::<true>(text)
 }
 
 #[cfg(test)]
@@ -497,6 +512,8 @@ mod tests {
         assert_eq!(text.len(), 64);
         assert_eq!(parse_hash(text.as_bytes()), Some(h));
         assert_eq!(parse_hash(text.to_uppercase().as_bytes()), Some(h));
+        assert_eq!(parse_hash_lower(text.as_bytes()), Some(h));
+        assert_eq!(parse_hash_lower(text.to_uppercase().as_bytes()), None);
         assert_eq!(parse_hash(&text.as_bytes()[..62]), None);
         let mut bad = text.into_bytes();
         bad[17] = b'g';
@@ -518,13 +535,17 @@ mod tests {
                 let mut chunk = *b"0f1E2d3C";
                 chunk[pos] = b;
                 let expected = parse_hex(&chunk).map(|v| [v[0], v[1], v[2], v[3]]);
-                assert_eq!(hex8(chunk), expected, "byte {b:#x} at {pos}");
+                assert_eq!(hex8::<false>(chunk), expected, "byte {b:#x} at {pos}");
                 assert_eq!(expected.is_some(), valid.contains(&b));
+                let lower = expected.filter(|_| !chunk.iter().any(u8::is_ascii_uppercase));
+                assert_eq!(hex8::<true>(chunk), lower, "lowercase only: byte {b:#x} at {pos}");
             }
         }
-        assert_eq!(hex8(*b"deadBEEF"), Some([0xde, 0xad, 0xbe, 0xef]));
-        assert_eq!(hex8(*b"00000000"), Some([0; 4]));
-        assert_eq!(hex8(*b"ffffffff"), Some([0xff; 4]));
+        assert_eq!(hex8::<false>(*b"deadBEEF"), Some([0xde, 0xad, 0xbe, 0xef]));
+        assert_eq!(hex8::<true>(*b"deadBEEF"), None);
+        assert_eq!(hex8::<true>(*b"deadbeef"), Some([0xde, 0xad, 0xbe, 0xef]));
+        assert_eq!(hex8::<false>(*b"00000000"), Some([0; 4]));
+        assert_eq!(hex8::<false>(*b"ffffffff"), Some([0xff; 4]));
     }
 
     proptest::proptest! {
@@ -533,6 +554,10 @@ mod tests {
             let text = to_hex(&bytes);
             proptest::prop_assert_eq!(parse_hash(text.as_bytes()), Some(bytes));
             proptest::prop_assert_eq!(parse_hash(text.to_uppercase().as_bytes()), Some(bytes));
+            proptest::prop_assert_eq!(parse_hash_lower(text.as_bytes()), Some(bytes));
+            let upper = text.to_uppercase();
+            let has_letter = upper.bytes().any(|b| b.is_ascii_uppercase());
+            proptest::prop_assert_eq!(parse_hash_lower(upper.as_bytes()).is_none(), has_letter);
             proptest::prop_assert_eq!(parse_hex(text.as_bytes()), Some(bytes.to_vec()));
         }
     }
