@@ -3,7 +3,10 @@
 //! It works on a request's tables (one [`Table`] per group, in group order) and knows nothing
 //! of request ids; [`crate::cache::FlatCache`] maps ids to tables.
 
+use std::sync::Arc;
+
 use crate::error::{CoreError, CoreResult};
+use crate::events::{EventLog, KvEvent};
 use crate::fastdiv::Divisor;
 use crate::hash::{fold_run, ContentHash, GroupKey};
 use crate::pool::{BlockPool, NULL_PAGE};
@@ -29,6 +32,10 @@ pub struct PrefixMatch {
     pub pages: Vec<Vec<u32>>,
     /// Per group, the number of real (non-hole) pages.
     pub num_hit_pages: Vec<usize>,
+    /// Per group, the (folded) content hash each real page was matched under, in slot order;
+    /// a claim refuses the match if a page no longer holds exactly that key. `None` for a
+    /// match built by hand, whose pages must then each hold some key of their own group.
+    pub keys: Option<Vec<Vec<ContentHash>>>,
 }
 
 impl PrefixMatch {
@@ -38,8 +45,62 @@ impl PrefixMatch {
             num_common_tokens: 0,
             pages: vec![Vec::new(); groups],
             num_hit_pages: vec![0; groups],
+            keys: Some(vec![Vec::new(); groups]),
         }
     }
+
+    /// A match built by hand (no remembered keys; see [`PrefixMatch::keys`]).
+    pub fn by_hand(num_common_tokens: u64, pages: Vec<Vec<u32>>, num_hit_pages: Vec<usize>) -> Self {
+        Self {
+            num_common_tokens,
+            pages,
+            num_hit_pages,
+            keys: None,
+        }
+    }
+}
+
+/// How freeing a request orders its pages on the free list (docs/requests-api.md, SPEC 12.3).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EvictionOrder {
+    /// All groups' real pages by the end token of their slot, descending (ties: lower group
+    /// index first): a request's chain tail is evicted first across every group together,
+    /// so each group's half of a hybrid prefix stays equally long.
+    #[default]
+    Hybrid,
+    /// The reference design's order: group 0's table tail first, then group 1's, and so on.
+    Group,
+}
+
+impl EvictionOrder {
+    /// The order named `name` (`"hybrid"` or `"group"`).
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "hybrid" => Some(Self::Hybrid),
+            "group" => Some(Self::Group),
+            _ => None,
+        }
+    }
+
+    /// The order's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Hybrid => "hybrid",
+            Self::Group => "group",
+        }
+    }
+}
+
+/// What a token-level request knows when it registers: its tokens, every base-page hash from
+/// base page 0, and its extra keys (for the `BlockStored` events' tokens and parents).
+#[derive(Clone, Copy, Debug)]
+pub struct TokenContext<'a> {
+    /// The request's tokens.
+    pub tokens: &'a [u32],
+    /// The content hashes of its full base pages, from base page 0.
+    pub hashes: &'a [ContentHash],
+    /// Its extra keys.
+    pub extra_keys: &'a Arc<[String]>,
 }
 
 /// Greatest common divisor (Euclid).
@@ -79,6 +140,12 @@ pub struct Coordinator {
     /// Full groups first, then the others, each in index order.
     match_order: Vec<usize>,
     pool: BlockPool<GroupKey>,
+    /// Per group, the distinct pages its tables reference (pages with count > 0 belong to
+    /// exactly one group).
+    in_use: Vec<usize>,
+    events: EventLog,
+    /// Shared empty extra keys for page-level `BlockStored` events.
+    no_extra_keys: Arc<[String]>,
 }
 
 impl Coordinator {
@@ -117,6 +184,7 @@ impl Coordinator {
         let mult = specs.iter().map(|s| Divisor::new(s.page_size / base)).collect();
         let mut match_order: Vec<usize> = (0..specs.len()).filter(|&g| specs[g].kind.is_prefix_closed()).collect();
         match_order.extend((0..specs.len()).filter(|&g| !specs[g].kind.is_prefix_closed()));
+        let groups = specs.len();
         Ok(Self {
             specs,
             managers,
@@ -125,7 +193,39 @@ impl Coordinator {
             lcm: Divisor::new(lcm),
             match_order,
             pool: BlockPool::new(num_pages, enable_caching)?,
+            in_use: vec![0; groups],
+            events: EventLog::new(false),
+            no_extra_keys: Arc::from(Vec::new()),
         })
+    }
+
+    /// Record KV events from now on (or stop, dropping the unread ones).
+    pub fn set_kv_events(&mut self, on: bool) {
+        self.events = EventLog::new(on);
+        self.pool.set_record_evictions(on);
+    }
+
+    /// Whether KV events are recorded.
+    pub fn kv_events_enabled(&self) -> bool {
+        self.events.enabled()
+    }
+
+    /// The events recorded since the last call, oldest first.
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.events.take()
+    }
+
+    /// Per group, the distinct real pages its tables reference.
+    pub fn pages_in_use_by_group(&self) -> &[usize] {
+        &self.in_use
+    }
+
+    /// Drop the key of every cached page with count 0 (they stay free) and record
+    /// `AllBlocksCleared`; returns how many keys were dropped.
+    pub fn reset_prefix_cache(&mut self) -> usize {
+        let dropped = self.pool.clear_cached_free();
+        self.events.push(KvEvent::Cleared);
+        dropped
     }
 
     /// The group specs, in index order.
@@ -244,15 +344,24 @@ impl Coordinator {
             }
         }
         let mut num_hit_pages = Vec::with_capacity(groups);
+        let mut keys = Vec::with_capacity(groups);
         for (g, pages) in found.iter_mut().enumerate() {
             let slots = usize::try_from(self.managers[g].page().quotient(bound)).unwrap_or(usize::MAX);
             pages.truncate(slots);
-            num_hit_pages.push(pages.iter().filter(|&&p| p != NULL_PAGE).count());
+            // Every real page was found by a lookup of the key it holds now.
+            let held: Vec<ContentHash> = pages
+                .iter()
+                .filter(|&&p| p != NULL_PAGE)
+                .filter_map(|&p| self.pool.key_of(p).map(|k| k.hash))
+                .collect();
+            num_hit_pages.push(held.len());
+            keys.push(held);
         }
         Ok(PrefixMatch {
             num_common_tokens: bound,
             pages: found,
             num_hit_pages,
+            keys: Some(keys),
         })
     }
 
@@ -271,20 +380,43 @@ impl Coordinator {
             )));
         }
         let total: usize = m.pages.iter().map(Vec::len).sum();
-        for &page in m.pages.iter().flatten() {
-            self.pool.check_page(u64::from(page))?;
-            if page == NULL_PAGE {
-                continue;
-            }
-            if self.pool.key_of(page).is_none() {
-                return Err(CoreError::invalid(format!(
-                    "claim: page {page} of the match no longer holds a key (stale match)"
-                )));
-            }
-            if u64::from(self.pool.refs_of(page)) + u64::try_from(total).unwrap_or(u64::MAX) > u64::from(u32::MAX) {
-                return Err(CoreError::invalid(format!(
-                    "claim: page {page}: reference count overflow"
-                )));
+        for (g, pages) in m.pages.iter().enumerate() {
+            let remembered = match &m.keys {
+                Some(keys) => match keys.get(g) {
+                    Some(k) if k.len() == pages.iter().filter(|&&p| p != NULL_PAGE).count() => Some(k.as_slice()),
+                    _ => {
+                        return Err(CoreError::invalid(format!(
+                            "claim: the match's keys of group {:?} do not fit its pages",
+                            self.specs[g].group_id
+                        )))
+                    }
+                },
+                None => None,
+            };
+            let group = Self::group_u32(g);
+            let mut real = 0usize;
+            for &page in pages {
+                self.pool.check_page(u64::from(page))?;
+                if page == NULL_PAGE {
+                    continue;
+                }
+                let held = self.pool.key_of(page);
+                let fresh = match remembered {
+                    Some(keys) => held == Some(&GroupKey::new(keys[real], group)),
+                    None => held.is_some_and(|k| k.group == group),
+                };
+                real += 1;
+                if !fresh {
+                    return Err(CoreError::invalid(format!(
+                        "claim: page {page} of group {:?} no longer holds the key it was matched under (stale match)",
+                        self.specs[g].group_id
+                    )));
+                }
+                if u64::from(self.pool.refs_of(page)) + u64::try_from(total).unwrap_or(u64::MAX) > u64::from(u32::MAX) {
+                    return Err(CoreError::invalid(format!(
+                        "claim: page {page}: reference count overflow"
+                    )));
+                }
             }
         }
         Ok(())
@@ -292,10 +424,10 @@ impl Coordinator {
 
     /// Take references on the matched pages and make them the tables (after [`Self::check_claim`]).
     pub fn claim(&mut self, tables: &mut [Table], m: &PrefixMatch) {
-        for (table, pages) in tables.iter_mut().zip(&m.pages) {
+        for ((table, pages), in_use) in tables.iter_mut().zip(&m.pages).zip(&mut self.in_use) {
             for &page in pages {
-                if page != NULL_PAGE {
-                    self.pool.retain(page);
+                if page != NULL_PAGE && self.pool.retain(page) {
+                    *in_use += 1;
                 }
             }
             *table = Table::from_claim(pages.clone());
@@ -344,11 +476,29 @@ impl Coordinator {
         if needed > u64::try_from(self.pool.num_free()).unwrap_or(u64::MAX) {
             return false;
         }
-        for (manager, table) in self.managers.iter().zip(tables.iter_mut()) {
+        let recording = self.pool.records_evictions();
+        for ((manager, table), in_use) in self.managers.iter().zip(tables.iter_mut()).zip(&mut self.in_use) {
+            let before = table.len();
             let ok = manager.acquire(&mut self.pool, table, n);
             debug_assert!(ok, "acquire failed after the check");
+            *in_use += table.len() - before;
+            if recording {
+                Self::record_evictions(&mut self.pool, &mut self.events);
+            }
         }
         true
+    }
+
+    /// Turn the keys one allocation evicted into `BlockRemoved` events: one per group of
+    /// evicted keys, in the order each group first appears, hashes in eviction order.
+    fn record_evictions(pool: &mut BlockPool<GroupKey>, events: &mut EventLog) {
+        let mut evicted = pool.take_evicted();
+        while !evicted.is_empty() {
+            let group = evicted[0].group;
+            let hashes: Vec<ContentHash> = evicted.iter().filter(|k| k.group == group).map(|k| k.hash).collect();
+            evicted.retain(|k| k.group != group);
+            events.push(KvEvent::Removed { hashes, group });
+        }
     }
 
     // ----- register -----------------------------------------------------------------------
@@ -420,6 +570,19 @@ impl Coordinator {
         first_slot: u64,
         end_tokens: Option<u64>,
     ) -> CoreResult<()> {
+        self.register_with(tables, hashes, first_slot, end_tokens, None)
+    }
+
+    /// [`Self::register`] for a request that may know its tokens (`ctx`, for the
+    /// `BlockStored` events: tokens, extra keys, and the parent hash of any slot).
+    pub fn register_with(
+        &mut self,
+        tables: &[Table],
+        hashes: &[ContentHash],
+        first_slot: u64,
+        end_tokens: Option<u64>,
+        ctx: Option<TokenContext<'_>>,
+    ) -> CoreResult<()> {
         if !self.pool.caching_enabled() {
             return Ok(());
         }
@@ -440,6 +603,8 @@ impl Coordinator {
             // m <= len(hashes) when count > 0, so it fits usize.
             let m = usize::try_from(self.mult[g].get()).unwrap_or(usize::MAX);
             let manager = self.managers[g];
+            let recording = self.events.enabled();
+            let mut stored: Vec<(usize, ContentHash)> = Vec::new();
             manager.register(&mut self.pool, table, plan.start, plan.count, |j| {
                 let at = plan.skip + j * m;
                 let hash = if m == 1 {
@@ -447,18 +612,84 @@ impl Coordinator {
                 } else {
                     fold_run(&hashes[at..at + m])
                 };
+                if recording {
+                    stored.push((plan.start + j, hash));
+                }
                 GroupKey::new(hash, group)
             });
+            if !stored.is_empty() {
+                let event = self.stored_event(g, table, &stored, hashes, first_slot, ctx);
+                self.events.push(event);
+            }
         }
         Ok(())
+    }
+
+    /// The `BlockStored` event of group `g`'s newly cached `(slot, hash)` pairs (non-empty).
+    ///
+    /// The parent is the hash of the slot before the first one: folded from the request's
+    /// hashes when they cover it (a token-level request knows them all; a page-level call
+    /// knows `hashes`, base pages from `first_slot`), else the key its page holds, else `None`.
+    fn stored_event(
+        &self,
+        g: usize,
+        table: &Table,
+        stored: &[(usize, ContentHash)],
+        hashes: &[ContentHash],
+        first_slot: u64,
+        ctx: Option<TokenContext<'_>>,
+    ) -> KvEvent {
+        let m = usize::try_from(self.mult[g].get()).unwrap_or(usize::MAX);
+        let first = stored[0].0;
+        let parent = first.checked_sub(1).and_then(|prev| {
+            // Base pages [prev*m, first*m) of the slot before.
+            let lo = prev.checked_mul(m)?;
+            let hi = first.checked_mul(m)?;
+            let fold = |run: &[ContentHash]| if m == 1 { run[0] } else { fold_run(run) };
+            if let Some(c) = ctx {
+                if hi <= c.hashes.len() {
+                    return Some(fold(&c.hashes[lo..hi]));
+                }
+            }
+            let given = usize::try_from(first_slot).ok()?;
+            if lo >= given && hi - given <= hashes.len() {
+                return Some(fold(&hashes[lo - given..hi - given]));
+            }
+            let page = table.pages()[prev];
+            (page != NULL_PAGE)
+                .then(|| self.pool.key_of(page).map(|k| k.hash))
+                .flatten()
+        });
+        let page_size = usize::try_from(self.specs[g].page_size).unwrap_or(usize::MAX);
+        let token_ids = match ctx {
+            Some(c) => {
+                let mut out = Vec::with_capacity(stored.len().saturating_mul(page_size));
+                for &(slot, _) in stored {
+                    // Registered slots lie inside the computed (hence known) tokens.
+                    let lo = slot.saturating_mul(page_size);
+                    if let Some(page) = c.tokens.get(lo..lo.saturating_add(page_size)) {
+                        out.extend_from_slice(page);
+                    }
+                }
+                out
+            }
+            None => Vec::new(),
+        };
+        KvEvent::Stored {
+            hashes: stored.iter().map(|&(_, h)| h).collect(),
+            parent,
+            token_ids,
+            group: Self::group_u32(g),
+            extra_keys: ctx.map_or_else(|| Arc::clone(&self.no_extra_keys), |c| Arc::clone(c.extra_keys)),
+        }
     }
 
     // ----- reclaim, free ------------------------------------------------------------------
 
     /// Reclaim the slid-out pages of every group at `n` computed tokens (index order).
     pub fn reclaim(&mut self, tables: &mut [Table], n: u64) {
-        for (manager, table) in self.managers.iter().zip(tables.iter_mut()) {
-            manager.reclaim(&mut self.pool, table, n);
+        for ((manager, table), in_use) in self.managers.iter().zip(tables.iter_mut()).zip(&mut self.in_use) {
+            *in_use -= manager.reclaim(&mut self.pool, table, n);
         }
     }
 
@@ -471,10 +702,45 @@ impl Coordinator {
             .sum()
     }
 
-    /// Release every group's pages (index order, each table tail first) and empty the tables.
-    pub fn free(&mut self, tables: &mut [Table]) {
-        for (manager, table) in self.managers.iter().zip(tables.iter_mut()) {
-            manager.free(&mut self.pool, table);
+    /// Release every group's pages in `order` and empty the tables.
+    pub fn free(&mut self, tables: &mut [Table], order: EvictionOrder) {
+        match order {
+            EvictionOrder::Group => {
+                for ((manager, table), in_use) in self.managers.iter().zip(tables.iter_mut()).zip(&mut self.in_use) {
+                    *in_use -= manager.free(&mut self.pool, table);
+                }
+            }
+            EvictionOrder::Hybrid => self.free_hybrid(tables),
+        }
+    }
+
+    /// Release all groups' real pages by the end token of their slot, descending (ties:
+    /// lower group index first), then empty the tables. A merge over the groups' tables
+    /// from their tails; slots below a table's known-hole bound are skipped.
+    fn free_hybrid(&mut self, tables: &mut [Table]) {
+        // left[g]: group g's slots not yet released are [floor[g], left[g]).
+        let mut left: Vec<usize> = tables.iter().map(Table::len).collect();
+        let floor: Vec<usize> = tables.iter().map(Table::holes_below).collect();
+        loop {
+            let mut best: Option<(usize, u64)> = None;
+            for (g, (&l, &f)) in left.iter().zip(&floor).enumerate() {
+                if l <= f {
+                    continue;
+                }
+                let end = extent(l, self.specs[g].page_size);
+                if best.is_none_or(|(_, e)| end > e) {
+                    best = Some((g, end));
+                }
+            }
+            let Some((g, _)) = best else { break };
+            left[g] -= 1;
+            let page = tables[g].pages()[left[g]];
+            if page != NULL_PAGE && self.pool.release(page) {
+                self.in_use[g] -= 1;
+            }
+        }
+        for table in tables {
+            table.take_pages();
         }
     }
 }
@@ -564,7 +830,7 @@ mod tests {
         let mut t = fresh(c);
         assert!(c.acquire(&mut t, n));
         c.register(&t, hashes, 0, Some(n)).unwrap();
-        c.free(&mut t);
+        c.free(&mut t, EvictionOrder::Group);
     }
 
     #[test]
@@ -694,7 +960,7 @@ mod tests {
         assert!(c.check_claim(Some(&t), &m).is_err());
         let wrong = PrefixMatch::empty(3);
         assert!(c.check_claim(None, &wrong).is_err());
-        c.free(&mut t);
+        c.free(&mut t, EvictionOrder::Group);
         // Evict every cached page: the match is stale.
         let free = c.pool().num_free();
         let _ = c.pool.allocate(free);

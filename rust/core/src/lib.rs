@@ -11,7 +11,10 @@
 //! - [`pool`]: the block pool (SPEC 5).
 //! - [`table`]: per-request tables and the three group managers (SPEC 6).
 //! - [`coordinator`]: all groups of a model over one pool (SPEC 7).
-//! - [`cache`]: request ids -> tables, step operations, flat block tables (SPEC 8).
+//! - [`cache`]: request ids -> tables, step operations, flat block tables, metrics (SPEC 8).
+//! - [`requests`]: token-level requests, the scheduler-loop API and admission accounting
+//!   (SPEC 8, 9, 12.4; docs/requests-api.md).
+//! - [`events`]: KV-cache events recorded by the engine.
 //! - [`request`]: request ids.
 //! - [`fastdiv`]: division by page sizes (shift/mask for powers of two).
 
@@ -19,12 +22,14 @@ pub mod cache;
 pub mod checked;
 pub mod coordinator;
 pub mod error;
+pub mod events;
 pub mod fastdiv;
 pub mod hash;
 pub mod int;
 pub mod plan;
 pub mod pool;
 pub mod request;
+pub mod requests;
 pub mod sizing;
 pub mod table;
 

@@ -97,6 +97,12 @@ pub struct BlockPool<K> {
     map: HashMap<K, Holders, FxBuildHasher>,
     num_cached: usize,
     num_cached_free: usize,
+    /// Keys dropped because their page was handed out again (the `evictions` metric).
+    evictions: u64,
+    /// Whether evicted keys are kept in `evicted` (for KV events).
+    record_evictions: bool,
+    /// Keys evicted since the last [`BlockPool::take_evicted`], in eviction order.
+    evicted: Vec<K>,
 }
 
 /// Allocate a vector of `n` copies of `value`, reporting allocation failure as an error.
@@ -143,6 +149,9 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
             map: HashMap::default(),
             num_cached: 0,
             num_cached_free: 0,
+            evictions: 0,
+            record_evictions: false,
+            evicted: Vec::new(),
         })
     }
 
@@ -171,6 +180,30 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
     /// Pages holding a key with reference count > 0.
     pub fn num_cached_pinned(&self) -> usize {
         self.num_cached - self.num_cached_free
+    }
+
+    /// Keys dropped so far because their page was handed out again.
+    pub fn evictions(&self) -> u64 {
+        self.evictions
+    }
+
+    /// Keep (or stop keeping) the keys that allocations evict, for [`Self::take_evicted`].
+    pub fn set_record_evictions(&mut self, on: bool) {
+        self.record_evictions = on;
+        if !on {
+            self.evicted = Vec::new();
+        }
+    }
+
+    /// Whether evicted keys are being kept.
+    #[inline]
+    pub fn records_evictions(&self) -> bool {
+        self.record_evictions
+    }
+
+    /// The keys evicted since the last call, in eviction order (empty unless recording).
+    pub fn take_evicted(&mut self) -> Vec<K> {
+        std::mem::take(&mut self.evicted)
     }
 
     /// Whether prefix caching is on.
@@ -249,17 +282,44 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
         self.num_free += 1;
     }
 
-    /// Drop the key of `page` (a page being handed out again).
-    fn evict(&mut self, page: u32) {
-        if let Some(key) = self.keys[page as usize].take() {
-            self.num_cached -= 1;
-            self.num_cached_free -= 1;
-            if let Some(holders) = self.map.get_mut(&key) {
-                if holders.remove(page) {
-                    self.map.remove(&key);
-                }
+    /// Drop the key of a free `page`; returns the key it held, if any.
+    fn drop_key(&mut self, page: u32) -> Option<K> {
+        let key = self.keys[page as usize].take()?;
+        self.num_cached -= 1;
+        self.num_cached_free -= 1;
+        if let Some(holders) = self.map.get_mut(&key) {
+            if holders.remove(page) {
+                self.map.remove(&key);
             }
         }
+        Some(key)
+    }
+
+    /// Drop the key of `page` (a page being handed out again): counted, and kept for KV
+    /// events when recording.
+    #[inline]
+    fn evict(&mut self, page: u32) {
+        if let Some(key) = self.drop_key(page) {
+            // A u64 counter of single increments cannot overflow in practice; saturate anyway.
+            self.evictions = self.evictions.saturating_add(1);
+            if self.record_evictions {
+                self.evicted.push(key);
+            }
+        }
+    }
+
+    /// Drop the key of every cached page with count 0 (they stay free, in place); returns
+    /// how many keys were dropped. Not counted as evictions.
+    pub fn clear_cached_free(&mut self) -> usize {
+        let mut dropped = 0usize;
+        let mut at = self.links[0].next;
+        while at != NULL_PAGE && self.num_cached_free > 0 {
+            if self.drop_key(at).is_some() {
+                dropped += 1;
+            }
+            at = self.links[at as usize].next;
+        }
+        dropped
     }
 
     // ----- operations ---------------------------------------------------------------------
@@ -317,17 +377,19 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
     }
 
     /// Take one more reference on a real page known to be in range (coordinator use; the
-    /// caller has checked that the count cannot overflow).
+    /// caller has checked that the count cannot overflow). Returns whether the page was free.
     #[inline]
-    pub(crate) fn retain(&mut self, page: u32) {
+    pub(crate) fn retain(&mut self, page: u32) -> bool {
+        let was_free = self.refs[page as usize] == 0;
         let next = self.refs[page as usize].saturating_add(1);
         self.touch_unchecked(page, next);
+        was_free
     }
 
     /// Release one reference on a real page whose count is known to be > 0; at 0 it goes to
-    /// the back of the free list with its key intact.
+    /// the back of the free list with its key intact. Returns whether the page became free.
     #[inline]
-    pub(crate) fn release(&mut self, page: u32) {
+    pub(crate) fn release(&mut self, page: u32) -> bool {
         let count = &mut self.refs[page as usize];
         debug_assert!(*count > 0, "release of page {page} with count 0");
         *count = count.saturating_sub(1);
@@ -336,6 +398,9 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
             if self.keys[page as usize].is_some() {
                 self.num_cached_free += 1;
             }
+            true
+        } else {
+            false
         }
     }
 
@@ -645,6 +710,46 @@ mod tests {
         pool.free(&[1]).unwrap();
         assert_eq!(pool.allocate(1), vec![1]);
         assert_eq!(pool.lookup("k"), Some(3));
+        pool.check().unwrap();
+    }
+
+    #[test]
+    fn evictions_are_counted_and_recorded_in_order() {
+        let mut pool = Pool::new(5, true).unwrap();
+        pool.allocate(3); // 1, 2, 3
+        pool.cache(1, "a".into()).unwrap();
+        pool.cache(3, "c".into()).unwrap();
+        pool.free(&[1, 2, 3]).unwrap(); // free list [4, 3, 2, 1]
+        assert_eq!(pool.allocate(4), vec![4, 3, 2, 1]);
+        assert_eq!(pool.evictions(), 2);
+        assert!(pool.take_evicted().is_empty(), "not recording");
+        pool.set_record_evictions(true);
+        pool.cache(2, "b".into()).unwrap();
+        pool.cache(4, "d".into()).unwrap();
+        pool.free(&[2, 4]).unwrap(); // released 4 then 2
+        assert_eq!(pool.allocate(2), vec![4, 2]);
+        assert_eq!(pool.take_evicted(), vec!["d".to_owned(), "b".to_owned()]);
+        assert!(pool.take_evicted().is_empty());
+        assert_eq!(pool.evictions(), 4);
+        pool.check().unwrap();
+    }
+
+    #[test]
+    fn clear_cached_free_drops_only_free_keys_in_place() {
+        let mut pool = Pool::new(6, true).unwrap();
+        pool.allocate(4); // 1..=4
+        for (p, k) in [(1, "a"), (2, "b"), (3, "c")] {
+            pool.cache(p, k.into()).unwrap();
+        }
+        pool.free(&[1, 3, 4]).unwrap(); // free list [5, 4, 3, 1]
+        assert_eq!(pool.clear_cached_free(), 2);
+        assert_eq!(free_list(&pool), vec![5, 4, 3, 1]);
+        assert_eq!(
+            (pool.lookup("a"), pool.lookup("c"), pool.lookup("b")),
+            (None, None, Some(2))
+        );
+        assert_eq!((pool.num_cached(), pool.num_cached_free(), pool.evictions()), (1, 0, 0));
+        assert_eq!(pool.clear_cached_free(), 0);
         pool.check().unwrap();
     }
 

@@ -75,6 +75,11 @@ impl Table {
         self.pages.is_empty()
     }
 
+    /// Slots below this index are known holes (nothing below a past reclaim bound is real).
+    pub(crate) fn holes_below(&self) -> usize {
+        self.holes_below
+    }
+
     /// A table holding `pages` (holes included) with a full last page, as after a claim.
     pub(crate) fn from_claim(pages: Vec<u32>) -> Self {
         Self {
@@ -231,19 +236,21 @@ impl GroupManager {
 
     /// Replace every real page of the slid-out slots `[0, k)` by a hole and release them,
     /// lowest slot first (so the lowest slot is evicted first). Holes in the middle do not
-    /// stop it (SPEC 12.2).
-    pub fn reclaim<K: Clone + Eq + Hash>(&self, pool: &mut BlockPool<K>, table: &mut Table, n: u64) {
+    /// stop it (SPEC 12.2). Returns how many released pages became free (count 0).
+    pub fn reclaim<K: Clone + Eq + Hash>(&self, pool: &mut BlockPool<K>, table: &mut Table, n: u64) -> usize {
         let k = self.reclaim_bound(table, n);
         if k <= table.holes_below {
-            return;
+            return 0;
         }
+        let mut freed = 0;
         for slot in &mut table.pages[table.holes_below..k] {
             if *slot != NULL_PAGE {
-                pool.release(*slot);
+                freed += usize::from(pool.release(*slot));
                 *slot = NULL_PAGE;
             }
         }
         table.holes_below = k;
+        freed
     }
 
     /// Pages [`Self::reclaim`] at `n` would return to the free list: real slid-out pages whose
@@ -266,12 +273,15 @@ impl GroupManager {
     }
 
     /// Release every page of `table` in reverse slot order (tail first) and empty it.
-    pub fn free<K: Clone + Eq + Hash>(&self, pool: &mut BlockPool<K>, table: &mut Table) {
+    /// Returns how many released pages became free (count 0).
+    pub fn free<K: Clone + Eq + Hash>(&self, pool: &mut BlockPool<K>, table: &mut Table) -> usize {
+        let mut freed = 0;
         for &page in table.take_pages().iter().rev() {
             if page != NULL_PAGE {
-                pool.release(page);
+                freed += usize::from(pool.release(page));
             }
         }
+        freed
     }
 }
 
@@ -398,15 +408,15 @@ mod tests {
         assert_eq!(g.reclaimable(&pool, &t, 16, true), 2);
         assert_eq!(g.reclaimable(&pool, &t, 16, false), 0);
         let free_before: Vec<u32> = pool.free_list().collect();
-        g.reclaim(&mut pool, &mut t, 16);
+        assert_eq!(g.reclaim(&mut pool, &mut t, 16), 2);
         assert_eq!(t.pages(), &[0, 0, 0, 4, 5]);
         let free_after: Vec<u32> = pool.free_list().collect();
         // Lowest slot released first, so it is evicted first.
         assert_eq!(&free_after[free_before.len()..], &[1, 2]);
         // n = 20: k = 4 -> slot 3; a second reclaim at the same n does nothing.
         assert_eq!(g.reclaimable(&pool, &t, 20, true), 1);
-        g.reclaim(&mut pool, &mut t, 20);
-        g.reclaim(&mut pool, &mut t, 20);
+        assert_eq!(g.reclaim(&mut pool, &mut t, 20), 1);
+        assert_eq!(g.reclaim(&mut pool, &mut t, 20), 0);
         assert_eq!(t.pages(), &[0, 0, 0, 0, 5]);
         pool.check().unwrap();
     }
@@ -439,7 +449,8 @@ mod tests {
         // n = 6: k = (6 - 2) // 2 = 2 -> slots 0, 1; page 1 is shared.
         assert_eq!(g.reclaimable(&pool, &t, 6, true), 1);
         assert_eq!(g.reclaimable(&pool, &t, 6, false), 1);
-        g.reclaim(&mut pool, &mut t, 6);
+        // Page 1 is still referenced elsewhere: only page 2 becomes free.
+        assert_eq!(g.reclaim(&mut pool, &mut t, 6), 1);
         assert_eq!(pool.refs_of(1), 1);
         assert_eq!(pool.refs_of(2), 0);
     }
@@ -450,7 +461,7 @@ mod tests {
         let g = GroupManager::new(GroupKind::Full, 1);
         let mut t = Table::default();
         assert!(g.acquire(&mut pool, &mut t, 3));
-        g.free(&mut pool, &mut t);
+        assert_eq!(g.free(&mut pool, &mut t), 3);
         assert!(t.is_empty());
         assert_eq!(pool.free_list().collect::<Vec<_>>(), vec![4, 5, 3, 2, 1]);
     }

@@ -1,0 +1,1256 @@
+//! Token-level requests (docs/requests-api.md; SPEC 8, 9, 12.4): requests that own their
+//! tokens and content hashes, the scheduler-loop step operations, and admission accounting.
+//!
+//! A token-level request keeps its tokens, the chained hash of every full base page (each
+//! hashed once, when it fills: SPEC 12.4), how many tokens are computed, and how many base
+//! pages have been registered. Its tables are the same per-group tables page-level requests
+//! use, and "allocated tokens" is read off them (claimed plus acquired tokens, the same in
+//! every group), so page-level calls on a token-level request cannot desynchronise it.
+
+use std::sync::Arc;
+
+use crate::cache::{Entry, FlatCache};
+use crate::coordinator::{Coordinator, PrefixMatch, TokenContext};
+use crate::error::{CoreError, CoreResult};
+use crate::hash::{hash_page, hash_pages, ContentHash};
+use crate::request::RequestIdRef;
+use crate::table::Table;
+
+/// The token state of a request created by `add_request`.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct TokenState {
+    /// Prompt plus appended tokens.
+    pub(crate) tokens: Vec<u32>,
+    /// Chained content hash of every full base page of `tokens`.
+    pub(crate) hashes: Vec<ContentHash>,
+    /// Extra keys hashed into every page.
+    pub(crate) extra_keys: Arc<[String]>,
+    /// Tokens computed so far (the request's position).
+    pub(crate) computed: u64,
+    /// Base pages below this were passed to register (or claimed, hence already keyed).
+    pub(crate) registered: usize,
+    /// `schedule_batch` scratch: tokens the batch being validated asks of this request.
+    pub(crate) pending: u64,
+}
+
+/// A prompt hashed into base pages for a cache with a given base page size. Built (and
+/// hashed) before the cache is locked, so the bindings can hash without holding the lock.
+#[derive(Clone, Debug)]
+pub struct Prompt {
+    tokens: Vec<u32>,
+    hashes: Vec<ContentHash>,
+    extra_keys: Arc<[String]>,
+    base: u64,
+}
+
+impl Prompt {
+    /// Hash every full base page of `tokens` (chained, `extra_keys` on every page, as
+    /// `hash_pages(tokens, base_page_size, extra_keys=...)`).
+    pub fn new(tokens: Vec<u32>, extra_keys: Vec<String>, base_page_size: u64) -> CoreResult<Self> {
+        if base_page_size == 0 {
+            return Err(CoreError::invalid("base_page_size must be > 0, got 0"));
+        }
+        // A base page larger than usize holds more tokens than any prompt: no full page.
+        let hashes = match usize::try_from(base_page_size) {
+            Ok(page) => hash_pages(&tokens, page, &[], &extra_keys)?,
+            Err(_) => Vec::new(),
+        };
+        Ok(Self {
+            tokens,
+            hashes,
+            extra_keys: Arc::from(extra_keys),
+            base: base_page_size,
+        })
+    }
+
+    /// The prompt's tokens.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// The content hashes of its full base pages.
+    pub fn hashes(&self) -> &[ContentHash] {
+        &self.hashes
+    }
+}
+
+/// The error for a token-level method called on a page-level request.
+fn page_level(method: &str, req: RequestIdRef<'_>) -> CoreError {
+    CoreError::invalid(format!(
+        "{method}: request {req} is page-level (not created by add_request)"
+    ))
+}
+
+/// Tokens allocated to a request: claimed plus acquired tokens (the same in every group).
+#[inline]
+fn allocated(coord: &Coordinator, tables: &[Table]) -> u64 {
+    let (Some(table), Some(manager)) = (tables.first(), coord.managers().first()) else {
+        return 0;
+    };
+    // Tables hold fewer than 2**31 pages; saturating is exact for any realistic page size and
+    // only ever over-states room that no pool could hold.
+    u64::try_from(table.len())
+        .unwrap_or(u64::MAX)
+        .saturating_mul(manager.page_size())
+        .saturating_sub(table.tail_avail())
+}
+
+impl FlatCache {
+    /// The slab position of a token-level request (`KeyError` if unknown, `ValueError` if
+    /// page-level).
+    fn find_token(&self, method: &str, req: RequestIdRef<'_>) -> CoreResult<usize> {
+        let at = self.find(req)?;
+        if self.entries[at].tokens.is_none() {
+            return Err(page_level(method, req));
+        }
+        Ok(at)
+    }
+
+    fn check_prompt(&self, prompt: &Prompt) -> CoreResult<()> {
+        let base = self.coord.base_page_size();
+        if prompt.base != base {
+            return Err(CoreError::invalid(format!(
+                "the prompt was hashed for base page size {}, this cache's is {base}",
+                prompt.base
+            )));
+        }
+        Ok(())
+    }
+
+    /// The capped prefix match of a prompt: never the last token (SPEC 9), so over the first
+    /// `max((len - 1) // base, 0)` base pages.
+    fn capped_match(&self, prompt: &Prompt) -> CoreResult<PrefixMatch> {
+        self.check_prompt(prompt)?;
+        let len = u64::try_from(prompt.tokens.len()).unwrap_or(u64::MAX);
+        let cap = self.coord.base_div().quotient(len.saturating_sub(1));
+        let cap = usize::try_from(cap).map_or(prompt.hashes.len(), |c| c.min(prompt.hashes.len()));
+        self.coord.match_prefix(&prompt.hashes[..cap])
+    }
+
+    /// The hit `add_request` would get for `prompt` (capped), read-only.
+    pub fn prefix_hit_tokens(&self, prompt: &Prompt) -> CoreResult<u64> {
+        Ok(self.capped_match(prompt)?.num_common_tokens)
+    }
+
+    /// Pages admitting `prompt` would take: the capped match's claim (its free cached pages)
+    /// plus the pages of `num_new_tokens + reserve_tokens` on fresh tables.
+    pub fn pages_needed_to_admit(&self, prompt: &Prompt, num_new_tokens: u64, reserve_tokens: u64) -> CoreResult<u64> {
+        let m = self.capped_match(prompt)?;
+        let consumed = u64::try_from(self.coord.pages_consumed_by_claim(&m)?).unwrap_or(u64::MAX);
+        let tokens = num_new_tokens
+            .checked_add(reserve_tokens)
+            .ok_or_else(|| CoreError::overflow("num_new_tokens + reserve_tokens"))?;
+        self.coord
+            .pages_needed(None, tokens)?
+            .checked_add(consumed)
+            .ok_or_else(|| CoreError::overflow("num_new_tokens + reserve_tokens"))
+    }
+
+    /// Add a token-level request for `prompt` (non-empty; `req` must be new). With caching
+    /// on and `use_prefix_cache`, claims the capped prefix match; sets the computed tokens to
+    /// the hit and returns it. Allocates nothing else.
+    pub fn add_request(&mut self, req: RequestIdRef<'_>, prompt: Prompt, use_prefix_cache: bool) -> CoreResult<u64> {
+        self.check_prompt(&prompt)?;
+        if self.has_request(req) {
+            return Err(CoreError::invalid(format!("add_request: request {req} already exists")));
+        }
+        if prompt.tokens.is_empty() {
+            return Err(CoreError::invalid("prompt_token_ids must not be empty"));
+        }
+        let use_cache = use_prefix_cache && self.coord.pool().caching_enabled();
+        let m = if use_cache {
+            Some(self.capped_match(&prompt)?)
+        } else {
+            None
+        };
+        let hit = m.as_ref().map_or(0, |m| m.num_common_tokens);
+        let registered = usize::try_from(self.coord.base_div().quotient(hit)).unwrap_or(usize::MAX);
+        let Prompt {
+            tokens,
+            hashes,
+            extra_keys,
+            ..
+        } = prompt;
+        let prompt_len = u64::try_from(tokens.len()).unwrap_or(u64::MAX);
+        let state = TokenState {
+            tokens,
+            hashes,
+            extra_keys,
+            computed: hit,
+            registered,
+            pending: 0,
+        };
+        let at = self.insert(req, Some(state));
+        if let Some(m) = m {
+            // A match just made under the lock is never stale and the tables are empty.
+            self.coord.claim(&mut self.entries[at].tables, &m);
+            let c = &mut self.counters;
+            c.prefix_queries_tokens = c.prefix_queries_tokens.saturating_add(prompt_len);
+            c.prefix_hits_tokens = c.prefix_hits_tokens.saturating_add(hit);
+        }
+        Ok(hit)
+    }
+
+    /// Append newly known tokens to a token-level request; every base page that becomes full
+    /// is hashed once, chained from the previous page's hash.
+    pub fn append_tokens(&mut self, req: RequestIdRef<'_>, tokens: &[u32]) -> CoreResult<()> {
+        let at = self.find_token("append_tokens", req)?;
+        let base = usize::try_from(self.coord.base_page_size()).unwrap_or(usize::MAX);
+        let Some(state) = self.entries[at].tokens.as_mut() else {
+            return Err(page_level("append_tokens", req));
+        };
+        state.tokens.extend_from_slice(tokens);
+        let full = state.tokens.len() / base;
+        while state.hashes.len() < full {
+            let i = state.hashes.len();
+            let page = &state.tokens[i * base..(i + 1) * base];
+            let prior: &[u8] = state.hashes.last().map_or(&[], |h| h.as_slice());
+            let hash = hash_page(page, prior, &state.extra_keys)?;
+            state.hashes.push(hash);
+        }
+        Ok(())
+    }
+
+    /// Tokens computed so far by a token-level request.
+    pub fn num_computed_tokens(&self, req: RequestIdRef<'_>) -> CoreResult<u64> {
+        let at = self.find_token("num_computed_tokens", req)?;
+        Ok(self.entries[at].tokens.as_ref().map_or(0, |s| s.computed))
+    }
+
+    /// Tokens a token-level request knows (prompt plus appended).
+    pub fn num_tokens(&self, req: RequestIdRef<'_>) -> CoreResult<u64> {
+        let at = self.find_token("num_tokens", req)?;
+        Ok(self.entries[at]
+            .tokens
+            .as_ref()
+            .map_or(0, |s| u64::try_from(s.tokens.len()).unwrap_or(u64::MAX)))
+    }
+
+    /// Schedule the next `n` known tokens of a token-level request at its own position `c`:
+    /// register the full base pages below `c` not registered yet, reclaim slid-out pages at
+    /// `c`, then acquire room for `c + n + lookahead` tokens all or nothing. On success the
+    /// position moves to `c + n` and the request's reserve is released; on `false` nothing is
+    /// allocated and the position stays. `n + c > num_tokens` is an error.
+    pub fn schedule(&mut self, req: RequestIdRef<'_>, n: u64, lookahead: u64) -> CoreResult<bool> {
+        let at = self.find_token("schedule", req)?;
+        if let Some(s) = &self.entries[at].tokens {
+            check_known("schedule", req, s, n, "num_new_tokens")?;
+            n.checked_add(s.computed)
+                .and_then(|t| t.checked_add(lookahead))
+                .ok_or_else(|| CoreError::overflow("lookahead"))?;
+        }
+        self.schedule_at(at, n, lookahead)
+    }
+
+    /// Schedule every request of a batch like [`Self::schedule`] (no lookahead), in order.
+    /// Everything is validated first (unknown id, page-level request, more tokens than known
+    /// counting repeats of a request): on error nothing has changed.
+    pub fn schedule_batch(&mut self, reqs: &[RequestIdRef<'_>], ns: &[u64]) -> CoreResult<Vec<bool>> {
+        if reqs.len() != ns.len() {
+            return Err(CoreError::invalid(format!(
+                "num_new_tokens has {} entries but reqs has {}",
+                ns.len(),
+                reqs.len()
+            )));
+        }
+        let mut at = std::mem::take(&mut self.scratch);
+        at.clear();
+        let checked = self.validate_batch(reqs, ns, &mut at);
+        for &i in &at {
+            if let Some(s) = self.entries[i].tokens.as_mut() {
+                s.pending = 0;
+            }
+        }
+        let result = checked.and_then(|()| {
+            let mut out = Vec::with_capacity(at.len());
+            for (&i, &n) in at.iter().zip(ns) {
+                out.push(self.schedule_at(i, n, 0)?);
+            }
+            Ok(out)
+        });
+        self.scratch = at;
+        result
+    }
+
+    /// Resolve and check a batch, leaving each request's cumulative ask in `pending`.
+    fn validate_batch(&mut self, reqs: &[RequestIdRef<'_>], ns: &[u64], at: &mut Vec<usize>) -> CoreResult<()> {
+        for (&req, &n) in reqs.iter().zip(ns) {
+            let i = self.find(req)?;
+            at.push(i);
+            let Some(s) = self.entries[i].tokens.as_mut() else {
+                return Err(page_level("schedule_batch", req));
+            };
+            s.pending = s
+                .pending
+                .checked_add(n)
+                .ok_or_else(|| CoreError::overflow("num_new_tokens"))?;
+            check_known("schedule_batch", req, s, s.pending, "num_new_tokens")?;
+        }
+        Ok(())
+    }
+
+    /// The step of [`Self::schedule`] for a validated request at slab position `at`.
+    fn schedule_at(&mut self, at: usize, n: u64, lookahead: u64) -> CoreResult<bool> {
+        let entry = &mut self.entries[at];
+        register_computed(&mut self.coord, entry)?;
+        let Some(state) = entry.tokens.as_mut() else {
+            return Ok(false);
+        };
+        let c = state.computed;
+        self.coord.reclaim(&mut entry.tables, c);
+        // Validated by the callers: c + n + lookahead fits u64.
+        let target = c.saturating_add(n).saturating_add(lookahead);
+        let need = target.saturating_sub(allocated(&self.coord, &entry.tables));
+        if need > 0 && !self.coord.acquire(&mut entry.tables, need) {
+            return Ok(false);
+        }
+        state.computed = c + n;
+        self.reserved -= u128::from(std::mem::take(&mut entry.reserve));
+        Ok(true)
+    }
+
+    /// Register a token-level request's completed full pages, free everything in the
+    /// eviction order, release its reserve and forget it.
+    pub fn finish(&mut self, req: RequestIdRef<'_>) -> CoreResult<()> {
+        self.finish_or_preempt("finish", req).map(|_| ())
+    }
+
+    /// [`Self::finish`], counted as a preemption; returns the request's whole token list
+    /// (prompt plus generated) to re-add for recompute.
+    pub fn preempt(&mut self, req: RequestIdRef<'_>) -> CoreResult<Vec<u32>> {
+        let tokens = self.finish_or_preempt("preempt", req)?;
+        self.counters.preemptions = self.counters.preemptions.saturating_add(1);
+        Ok(tokens)
+    }
+
+    fn finish_or_preempt(&mut self, method: &str, req: RequestIdRef<'_>) -> CoreResult<Vec<u32>> {
+        let at = self.find_token(method, req)?;
+        register_computed(&mut self.coord, &mut self.entries[at])?;
+        Ok(self.release(req, at).map(|s| s.tokens).unwrap_or_default())
+    }
+
+    /// Promise `pages_needed(tokens, req)` pages to `req`'s next decode (replacing its
+    /// previous reserve; 0 tokens clears it).
+    pub fn reserve(&mut self, req: RequestIdRef<'_>, tokens: u64) -> CoreResult<()> {
+        let at = self.find(req)?;
+        let pages = self.coord.pages_needed(Some(&self.entries[at].tables), tokens)?;
+        let entry = &mut self.entries[at];
+        self.reserved = self.reserved - u128::from(entry.reserve) + u128::from(pages);
+        entry.reserve = pages;
+        Ok(())
+    }
+
+    /// Pages promised to `req`'s next decode.
+    pub fn reserved_pages(&self, req: RequestIdRef<'_>) -> CoreResult<u64> {
+        Ok(self.entries[self.find(req)?].reserve)
+    }
+
+    /// Free pages minus the reserves of every request other than `req` (may be negative).
+    pub fn budget(&self, req: Option<RequestIdRef<'_>>) -> CoreResult<i128> {
+        let own = match req {
+            Some(r) => u128::from(self.entries[self.find(r)?].reserve),
+            None => 0,
+        };
+        let free = i128::try_from(self.coord.pool().num_free()).unwrap_or(i128::MAX);
+        let others = i128::try_from(self.reserved - own).map_err(|_| CoreError::overflow("reserves"))?;
+        Ok(free - others)
+    }
+}
+
+/// `n` more tokens of `state` must be known: `computed + n <= len(tokens)`.
+fn check_known(method: &str, req: RequestIdRef<'_>, state: &TokenState, n: u64, arg: &str) -> CoreResult<()> {
+    let known = u64::try_from(state.tokens.len()).unwrap_or(u64::MAX);
+    match state.computed.checked_add(n) {
+        Some(end) if end <= known => Ok(()),
+        _ => Err(CoreError::invalid(format!(
+            "{method}: {arg} = {n} for request {req} asks for more tokens than are known: \
+             {} computed of {known}",
+            state.computed
+        ))),
+    }
+}
+
+/// Register the full base pages of a token-level request below its position that were not
+/// registered yet (`end_tokens` = the position, so state groups snapshot on their page
+/// boundary). The range starts at the last base page aligned to every group's fold width,
+/// so a group wider than the base page sees its whole run; registering is idempotent, so the
+/// overlap caches nothing twice.
+fn register_computed(coord: &mut Coordinator, entry: &mut Entry) -> CoreResult<()> {
+    let Some(state) = entry.tokens.as_mut() else {
+        return Ok(());
+    };
+    if !coord.pool().caching_enabled() {
+        return Ok(());
+    }
+    let full = usize::try_from(coord.base_div().quotient(state.computed))
+        .map_or(state.hashes.len(), |f| f.min(state.hashes.len()));
+    if full <= state.registered {
+        return Ok(());
+    }
+    // lcm / base is a multiple of every group's fold width m_g (and fits usize: it is at
+    // most the number of base pages in a group page).
+    let step = usize::try_from(coord.lcm_page_size() / coord.base_page_size()).unwrap_or(usize::MAX);
+    let first = state.registered - state.registered % step.max(1);
+    let ctx = TokenContext {
+        tokens: &state.tokens,
+        hashes: &state.hashes,
+        extra_keys: &state.extra_keys,
+    };
+    coord.register_with(
+        &entry.tables,
+        &state.hashes[first..full],
+        u64::try_from(first).unwrap_or(u64::MAX),
+        Some(state.computed),
+        Some(ctx),
+    )?;
+    state.registered = full;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::{CacheOptions, TableOut};
+    use crate::coordinator::{EvictionOrder, GroupSpec};
+    use crate::events::KvEvent;
+    use crate::hash::fold_run;
+    use crate::table::GroupKind;
+
+    const A: RequestIdRef<'static> = RequestIdRef::Str("a");
+    const B: RequestIdRef<'static> = RequestIdRef::Str("b");
+    const C: RequestIdRef<'static> = RequestIdRef::Int(3);
+
+    fn spec(id: &str, kind: GroupKind, page_size: u64) -> GroupSpec {
+        GroupSpec {
+            group_id: id.to_owned(),
+            kind,
+            page_size,
+        }
+    }
+
+    fn sw(window: u64) -> GroupKind {
+        GroupKind::SlidingWindow { window }
+    }
+
+    fn cache(specs: Vec<GroupSpec>, pages: u64, options: CacheOptions) -> FlatCache {
+        FlatCache::with_options(specs, pages, options).unwrap()
+    }
+
+    /// Full P = 4 and sliding P = 4, W = 8 (the docs' running example).
+    fn hybrid(pages: u64) -> FlatCache {
+        cache(
+            vec![spec("full", GroupKind::Full, 4), spec("swa", sw(8), 4)],
+            pages,
+            CacheOptions::default(),
+        )
+    }
+
+    fn toks(range: std::ops::Range<u32>) -> Vec<u32> {
+        range.collect()
+    }
+
+    fn prompt(c: &FlatCache, tokens: Vec<u32>) -> Prompt {
+        Prompt::new(tokens, Vec::new(), c.coordinator().base_page_size()).unwrap()
+    }
+
+    fn add(c: &mut FlatCache, req: RequestIdRef<'_>, tokens: Vec<u32>) -> u64 {
+        let p = prompt(c, tokens);
+        c.add_request(req, p, true).unwrap()
+    }
+
+    fn free_list(c: &FlatCache) -> Vec<u32> {
+        c.coordinator().pool().free_list().collect()
+    }
+
+    /// Run `req` to the end of its known tokens in one schedule, then finish it.
+    fn run_and_finish(c: &mut FlatCache, req: RequestIdRef<'_>, tokens: Vec<u32>) {
+        let len = u64::try_from(tokens.len()).unwrap();
+        let hit = add(c, req, tokens);
+        let rest = len - hit;
+        assert!(c.schedule(req, rest, 0).unwrap());
+        c.finish(req).unwrap();
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn capped_match_never_covers_the_last_prompt_token() {
+        let mut c = hybrid(64);
+        run_and_finish(&mut c, A, toks(0..16));
+        // All 4 pages of 0..16 are cached, but a 16-token prompt matches at most
+        // (16 - 1) // 4 = 3 pages: the last token must be recomputed.
+        let p16 = prompt(&c, toks(0..16));
+        assert_eq!(c.prefix_hit_tokens(&p16).unwrap(), 12);
+        // 17 tokens: cap = 4 pages, all cached.
+        let p17 = prompt(&c, toks(0..17));
+        assert_eq!(c.prefix_hit_tokens(&p17).unwrap(), 16);
+        // One token: cap 0, no hit; the probe changed nothing.
+        let p1 = prompt(&c, toks(0..1));
+        assert_eq!(c.prefix_hit_tokens(&p1).unwrap(), 0);
+        assert_eq!(add(&mut c, B, toks(0..16)), 12);
+        assert_eq!(c.num_computed_tokens(B).unwrap(), 12);
+        assert_eq!(c.num_tokens(B).unwrap(), 16);
+        // The claim took 3 full pages and the sliding run behind 12 (W = 8: 2 pages), and
+        // allocated nothing else.
+        let ids = c.page_ids(B).unwrap();
+        assert_eq!((ids[0].len(), ids[1].iter().filter(|&&p| p != 0).count()), (3, 2));
+        assert_eq!(c.tail_available(B).unwrap(), vec![0, 0]);
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn add_request_refuses_duplicates_and_empty_prompts_and_can_skip_the_cache() {
+        let mut c = hybrid(64);
+        run_and_finish(&mut c, A, toks(0..16));
+        assert_eq!(add(&mut c, B, toks(0..16)), 12);
+        let again = prompt(&c, toks(0..16));
+        assert!(matches!(
+            c.add_request(B, again, true),
+            Err(CoreError::InvalidArgument(_))
+        ));
+        let empty = prompt(&c, Vec::new());
+        assert!(matches!(
+            c.add_request(C, empty, true),
+            Err(CoreError::InvalidArgument(_))
+        ));
+        assert!(!c.has_request(C));
+        let p = prompt(&c, toks(0..16));
+        assert_eq!(c.add_request(C, p, false).unwrap(), 0);
+        // Only the cache-using add counted a query.
+        let s = c.stats();
+        assert_eq!((s.prefix_queries_tokens, s.prefix_hits_tokens), (16 + 16, 12));
+        // A prompt hashed for another base page size is refused.
+        let wrong = Prompt::new(toks(0..8), Vec::new(), 2).unwrap();
+        assert!(c.add_request(RequestIdRef::Int(9), wrong, true).is_err());
+    }
+
+    #[test]
+    fn append_tokens_hashes_each_page_once_chained_like_hash_pages() {
+        let mut c = hybrid(64);
+        let extra = vec!["lora-1".to_owned()];
+        let p = Prompt::new(toks(0..6), extra.clone(), 4).unwrap();
+        c.add_request(A, p, true).unwrap();
+        for t in 6..23 {
+            c.append_tokens(A, &[t]).unwrap();
+        }
+        c.append_tokens(A, &toks(23..30)).unwrap();
+        let at = c.find(A).unwrap();
+        let state = c.entries[at].tokens.as_ref().unwrap();
+        assert_eq!(state.tokens, toks(0..30));
+        assert_eq!(state.hashes, hash_pages(&toks(0..30), 4, &[], &extra).unwrap());
+        assert_eq!(c.num_tokens(A).unwrap(), 30);
+    }
+
+    #[test]
+    fn schedule_registers_then_reclaims_then_acquires() {
+        // Sliding only, P = 4, W = 5: at c tokens, slots below (c - 4) // 4 slid out.
+        let mut c = cache(vec![spec("swa", sw(5), 4)], 5, CacheOptions::default());
+        add(&mut c, A, toks(0..16));
+        assert!(c.schedule(A, 12, 0).unwrap()); // pages 1, 2, 3; c = 12
+        assert_eq!(c.page_ids(A).unwrap(), vec![vec![1, 2, 3]]);
+        assert_eq!(c.coordinator().pool().num_free(), 1);
+        // At c = 12: register base pages 0..3 (all full), THEN reclaim slots below
+        // (12 - 4) // 4 = 2, THEN acquire 4 more tokens (one page).
+        assert!(c.schedule(A, 4, 0).unwrap());
+        assert_eq!(c.page_ids(A).unwrap(), vec![vec![0, 0, 3, 4]]);
+        // The reclaimed pages were registered before they became holes: still cached and
+        // free, evicted lowest slot first.
+        let hashes = hash_pages::<&str>(&toks(0..16), 4, &[], &[]).unwrap();
+        let pool = c.coordinator().pool();
+        assert!(pool.is_cached(1).unwrap() && pool.is_cached(2).unwrap() && pool.is_cached(3).unwrap());
+        assert_eq!(free_list(&c), vec![1, 2]);
+        assert_eq!(pool.lookup(&crate::hash::GroupKey::new(hashes[0], 0)), Some(1));
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn reclaimed_pages_fund_the_same_steps_acquire() {
+        // Pool of 3 real pages, W = 5, P = 4: the request needs a 4th page at c = 12, which
+        // only exists because the step reclaims slots 0 and 1 first.
+        let mut c = cache(vec![spec("swa", sw(5), 4)], 4, CacheOptions::default());
+        add(&mut c, A, toks(0..16));
+        assert!(c.schedule(A, 12, 0).unwrap());
+        assert_eq!(c.coordinator().pool().num_free(), 0);
+        assert!(c.schedule(A, 4, 0).unwrap());
+        assert_eq!(c.page_ids(A).unwrap(), vec![vec![0, 0, 3, 1]]);
+    }
+
+    #[test]
+    fn lookahead_reserves_slots_without_moving_the_position() {
+        let mut c = hybrid(64);
+        add(&mut c, A, toks(0..8));
+        assert!(c.schedule(A, 4, 3).unwrap());
+        // Room for 4 + 3 = 7 tokens: 2 pages per group; the position moved by 4 only.
+        assert_eq!(c.num_computed_tokens(A).unwrap(), 4);
+        assert_eq!(c.tail_available(A).unwrap(), vec![1, 1]);
+        let free = c.coordinator().pool().num_free();
+        // The next 3 tokens fit in the room already there: nothing allocated.
+        assert!(c.schedule(A, 3, 0).unwrap());
+        assert_eq!(c.coordinator().pool().num_free(), free);
+        // n = 0 with a lookahead only reserves slots.
+        assert!(c.schedule(A, 0, 5).unwrap());
+        assert_eq!(c.num_computed_tokens(A).unwrap(), 7);
+        assert_eq!(c.tail_available(A).unwrap(), vec![0, 0]);
+        assert_eq!(c.coordinator().pool().num_free(), free - 2);
+        // More tokens than known: an error, nothing changes.
+        assert!(matches!(c.schedule(A, 2, 0), Err(CoreError::InvalidArgument(_))));
+        assert!(matches!(c.schedule(A, 1, u64::MAX), Err(CoreError::Overflow { .. })));
+        assert_eq!(c.num_computed_tokens(A).unwrap(), 7);
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn failed_schedule_allocates_nothing_and_keeps_the_position() {
+        let mut c = hybrid(5); // 4 real pages
+        add(&mut c, A, toks(0..20));
+        assert!(c.schedule(A, 4, 0).unwrap()); // 1 + 1 pages
+        c.reserve(A, 4).unwrap();
+        let before = (c.page_ids(A).unwrap(), c.tail_available(A).unwrap(), free_list(&c));
+        // 12 more tokens need 3 + 3 pages; 2 are free.
+        assert!(!c.schedule(A, 12, 0).unwrap());
+        assert_eq!(
+            (c.page_ids(A).unwrap(), c.tail_available(A).unwrap(), free_list(&c)),
+            before
+        );
+        assert_eq!(c.num_computed_tokens(A).unwrap(), 4);
+        // The reserve stays on failure.
+        assert_eq!(c.reserved_pages(A).unwrap(), 2);
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn schedule_batch_is_all_or_nothing_per_request_in_order() {
+        let mut c = hybrid(9); // 8 real pages
+        for (req, len) in [(A, 8), (B, 24), (C, 4)] {
+            add(&mut c, req, toks(0..len));
+        }
+        // a: 8 tokens -> 2 + 2 pages (4 left); b: 24 -> 6 + 6, does not fit: nothing for b;
+        // c: 4 -> 1 + 1 fits after b failed.
+        let got = c.schedule_batch(&[A, B, C], &[8, 24, 4]).unwrap();
+        assert_eq!(got, vec![true, false, true]);
+        assert_eq!(c.page_ids(B).unwrap(), vec![Vec::<u32>::new(), vec![]]);
+        assert_eq!(
+            c.page_ids(C).unwrap(),
+            vec![vec![5], vec![6]],
+            "c allocates in index order after a"
+        );
+        assert_eq!([A, B, C].map(|r| c.num_computed_tokens(r).unwrap()), [8, 0, 4]);
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn schedule_batch_validates_everything_before_changing_anything() {
+        let mut c = hybrid(64);
+        add(&mut c, A, toks(0..8));
+        add(&mut c, B, toks(0..8));
+        assert!(c.acquire(C, 4)); // a page-level request
+        let before = (free_list(&c), c.page_ids(A).unwrap());
+        let unknown = RequestIdRef::Str("zz");
+        assert!(matches!(
+            c.schedule_batch(&[A, unknown], &[1, 1]),
+            Err(CoreError::UnknownRequest(_))
+        ));
+        assert!(matches!(
+            c.schedule_batch(&[A, C], &[1, 1]),
+            Err(CoreError::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            c.schedule_batch(&[A, B], &[1, 9]),
+            Err(CoreError::InvalidArgument(_))
+        ));
+        // A repeated request counts its asks together: 5 + 5 > 8 known.
+        assert!(matches!(
+            c.schedule_batch(&[A, A], &[5, 5]),
+            Err(CoreError::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            c.schedule_batch(&[A], &[1, 1]),
+            Err(CoreError::InvalidArgument(_))
+        ));
+        assert_eq!((free_list(&c), c.page_ids(A).unwrap()), before);
+        assert_eq!(c.num_computed_tokens(A).unwrap(), 0);
+        // The scratch counters were reset: the same batch within bounds now works.
+        assert_eq!(c.schedule_batch(&[A, A], &[4, 4]).unwrap(), vec![true, true]);
+        assert_eq!(c.num_computed_tokens(A).unwrap(), 8);
+        // Token-level methods refuse page-level requests.
+        assert!(matches!(c.schedule(C, 0, 0), Err(CoreError::InvalidArgument(_))));
+        assert!(matches!(c.num_tokens(C), Err(CoreError::InvalidArgument(_))));
+        assert!(matches!(c.finish(C), Err(CoreError::InvalidArgument(_))));
+        assert!(matches!(c.append_tokens(C, &[1]), Err(CoreError::InvalidArgument(_))));
+        c.check_invariants().unwrap();
+    }
+
+    /// Full (g0) P = 2 and sliding (g1) P = 4 with a window that never slides here: a request
+    /// of 8 tokens holds g0 pages [1, 2, 3, 4] (slot ends 2, 4, 6, 8) and g1 pages [5, 6]
+    /// (slot ends 4, 8).
+    fn two_sizes(order: EvictionOrder) -> FlatCache {
+        let mut c = cache(
+            vec![spec("full", GroupKind::Full, 2), spec("swa", sw(64), 4)],
+            9,
+            CacheOptions {
+                eviction_order: order,
+                ..CacheOptions::default()
+            },
+        );
+        assert!(c.acquire(A, 8));
+        assert_eq!(c.page_ids(A).unwrap(), vec![vec![1, 2, 3, 4], vec![5, 6]]);
+        c
+    }
+
+    #[test]
+    fn hybrid_eviction_releases_by_slot_end_across_groups() {
+        let mut c = two_sizes(EvictionOrder::Hybrid);
+        c.free(A).unwrap();
+        // Slot end 8: g0 page 4, then g1 page 6 (tie: lower group first); 6: page 3;
+        // 4: g0 page 2, then g1 page 5; 2: page 1. The first released is evicted first.
+        assert_eq!(free_list(&c), vec![7, 8, 4, 6, 3, 2, 5, 1]);
+        let mut g = two_sizes(EvictionOrder::Group);
+        g.free(A).unwrap();
+        // The reference design: g0 tail first, then g1 tail first.
+        assert_eq!(free_list(&g), vec![7, 8, 4, 3, 2, 1, 6, 5]);
+    }
+
+    #[test]
+    fn hybrid_eviction_keeps_both_halves_of_a_prefix() {
+        // Full P = 4 and sliding P = 4, W = 5 (a hit needs 1 sliding page at its boundary),
+        // 8 pages. A 16-token request fills the pool (4 + 4 pages, all registered when it
+        // finishes at c = 16). Then a page-level request takes `taken` pages (1 + 1 per 4
+        // tokens), evicting the front of the free list, and a 17-token prompt (cap 4 pages)
+        // is matched again.
+        let hit_after = |order: EvictionOrder, tokens: u64| {
+            let mut c = cache(
+                vec![spec("full", GroupKind::Full, 4), spec("swa", sw(5), 4)],
+                9,
+                CacheOptions {
+                    eviction_order: order,
+                    ..CacheOptions::default()
+                },
+            );
+            run_and_finish(&mut c, A, toks(0..16));
+            assert!(c.acquire(B, tokens));
+            c.prefix_hit_tokens(&prompt(&c, toks(0..17))).unwrap()
+        };
+        // Hybrid free list: [f3, s3, f2, s2, f1, s1, f0, s0] (f = full, s = sliding, by slot).
+        // Two pages evict f3, s3: full matches 3 pages, sliding hits slot 2: 12 tokens.
+        // Four pages evict f3, s3, f2, s2: 8 tokens.
+        assert_eq!(hit_after(EvictionOrder::Hybrid, 4), 12);
+        assert_eq!(hit_after(EvictionOrder::Hybrid, 8), 8);
+        // Group free list: [f3, f2, f1, f0, s3, s2, s1, s0]. Two pages evict f3, f2: 8 tokens
+        // (while s3 and s2 linger, useless). Four pages evict the whole full prefix: 0.
+        assert_eq!(hit_after(EvictionOrder::Group, 4), 8);
+        assert_eq!(hit_after(EvictionOrder::Group, 8), 0);
+    }
+
+    #[test]
+    fn preempt_returns_the_tokens_and_the_re_added_request_hits_its_prefix() {
+        let mut c = hybrid(64);
+        add(&mut c, A, toks(0..10));
+        assert!(c.schedule(A, 10, 0).unwrap());
+        for t in 10..14 {
+            c.append_tokens(A, &[t]).unwrap();
+            assert!(c.schedule(A, 1, 0).unwrap());
+        }
+        c.reserve(A, 1).unwrap();
+        let tokens = c.preempt(A).unwrap();
+        assert_eq!(tokens, toks(0..14));
+        assert!(!c.has_request(A));
+        assert_eq!(c.stats().preemptions, 1);
+        assert_eq!(c.budget(None).unwrap(), 63);
+        // 14 tokens computed -> base pages 0..3 registered on preempt; the re-added request
+        // matches (14 - 1) // 4 = 3 pages.
+        assert_eq!(add(&mut c, A, tokens), 12);
+        assert_eq!(c.num_computed_tokens(A).unwrap(), 12);
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn reserve_and_budget_arithmetic() {
+        let mut c = hybrid(21); // 20 real pages
+        add(&mut c, A, toks(0..8));
+        add(&mut c, B, toks(0..8));
+        assert!(c.schedule(A, 6, 0).unwrap()); // 2 + 2 pages, tail 2
+        assert_eq!(c.budget(None).unwrap(), 16);
+        // a's next 3 tokens: tail 2, then 1 page per group.
+        c.reserve(A, 3).unwrap();
+        assert_eq!(c.reserved_pages(A).unwrap(), 2);
+        // b (empty tables): 9 tokens -> 3 + 3.
+        c.reserve(B, 9).unwrap();
+        assert_eq!(c.reserved_pages(B).unwrap(), 6);
+        assert_eq!(c.budget(None).unwrap(), 16 - 8);
+        assert_eq!(c.budget(Some(A)).unwrap(), 16 - 6);
+        assert_eq!(c.budget(Some(B)).unwrap(), 16 - 2);
+        // Replacing a reserve, and clearing it.
+        c.reserve(B, 40).unwrap(); // 10 + 10
+        assert_eq!(c.budget(None).unwrap(), 16 - 22);
+        c.reserve(B, 0).unwrap();
+        assert_eq!(c.budget(None).unwrap(), 14);
+        // A successful schedule releases the reserve; finish releases it too.
+        assert!(c.schedule(A, 2, 0).unwrap());
+        assert_eq!(c.reserved_pages(A).unwrap(), 0);
+        c.reserve(B, 4).unwrap();
+        c.finish(B).unwrap();
+        assert_eq!(c.budget(None).unwrap(), 16);
+        assert!(matches!(c.budget(Some(B)), Err(CoreError::UnknownRequest(_))));
+        // Admission: 8 tokens of a fresh prompt plus a 5-token reserve -> 13 tokens on
+        // fresh tables: 4 + 4; a's pages are held (count > 0), so its claim takes none.
+        let p = prompt(&c, toks(0..9));
+        assert_eq!(c.pages_needed_to_admit(&p, 8, 5).unwrap(), 8);
+        assert!(c.pages_needed_to_admit(&p, u64::MAX, 1).is_err());
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn pages_needed_to_admit_counts_free_cached_pages_the_claim_takes() {
+        let mut c = hybrid(64);
+        run_and_finish(&mut c, A, toks(0..16));
+        // The capped match of 0..17 covers 4 full pages and the sliding run of 2 behind 16,
+        // all free: the claim takes 6 pages; 1 more token needs 1 + 1.
+        let p = prompt(&c, toks(0..17));
+        assert_eq!(c.pages_needed_to_admit(&p, 1, 0).unwrap(), 6 + 2);
+        let before = c.coordinator().pool().num_free();
+        assert_eq!(add(&mut c, B, toks(0..17)), 16);
+        assert!(c.schedule(B, 1, 0).unwrap());
+        assert_eq!(before - c.coordinator().pool().num_free(), 8);
+    }
+
+    fn events_cache() -> FlatCache {
+        cache(
+            vec![spec("full", GroupKind::Full, 4), spec("swa", sw(5), 4)],
+            7,
+            CacheOptions {
+                enable_kv_events: true,
+                ..CacheOptions::default()
+            },
+        )
+    }
+
+    #[test]
+    fn events_record_stored_pages_with_tokens_and_parents() {
+        let mut c = events_cache();
+        let extra = vec!["salt".to_owned()];
+        let p = Prompt::new(toks(0..13), extra.clone(), 4).unwrap();
+        c.add_request(A, p, true).unwrap();
+        let h = hash_pages(&toks(0..13), 4, &[], &extra).unwrap();
+        assert!(c.schedule(A, 8, 0).unwrap()); // nothing to register at c = 0
+        assert!(c.take_events().is_empty());
+        assert!(c.schedule(A, 4, 0).unwrap()); // c = 8: registers base pages 0, 1
+        let extra_keys: Arc<[String]> = Arc::from(extra);
+        let stored = |hashes: Vec<ContentHash>, parent, tokens: Vec<u32>, group| KvEvent::Stored {
+            hashes,
+            parent,
+            token_ids: tokens,
+            group,
+            extra_keys: Arc::clone(&extra_keys),
+        };
+        assert_eq!(
+            c.take_events(),
+            vec![
+                stored(vec![h[0], h[1]], None, toks(0..8), 0),
+                stored(vec![h[0], h[1]], None, toks(0..8), 1),
+            ]
+        );
+        // c = 12: registers base page 2 (the parent is page 1's hash). The pool (6 pages) is
+        // full, so the acquire of 1 + 1 pages is funded by reclaiming sliding slots 0 and 1
+        // ((12 - 4) // 4 = 2), which evicts their keys: one BlockRemoved per allocation, g0's
+        // (evicting slot 0) then g1's (evicting slot 1), both keys of group 1.
+        c.append_tokens(A, &[13]).unwrap();
+        assert!(c.schedule(A, 1, 0).unwrap());
+        assert_eq!(
+            c.take_events(),
+            vec![
+                stored(vec![h[2]], Some(h[1]), toks(8..12), 0),
+                stored(vec![h[2]], Some(h[1]), toks(8..12), 1),
+                KvEvent::Removed {
+                    hashes: vec![h[0]],
+                    group: 1
+                },
+                KvEvent::Removed {
+                    hashes: vec![h[1]],
+                    group: 1
+                },
+            ]
+        );
+        assert!(c.take_events().is_empty());
+    }
+
+    #[test]
+    fn events_record_evictions_per_allocation_and_group_then_clears() {
+        let mut c = events_cache(); // 6 real pages
+        run_and_finish(&mut c, A, toks(0..8)); // 2 + 2 pages, cached when finished
+        let h = hash_pages::<&str>(&toks(0..8), 4, &[], &[]).unwrap();
+        c.take_events();
+        // Free list after a hybrid free: [5, 6, 2, 4, 1, 3] (5, 6 never used). Taking 4
+        // pages for a page-level request: g0 takes 5, 6; g1 takes 2, 4 and evicts g0 slot 1
+        // then g1 slot 1 (two events: one per evicted group, first-appearance order).
+        assert!(c.acquire(B, 8));
+        assert_eq!(c.page_ids(B).unwrap(), vec![vec![5, 6], vec![2, 4]]);
+        assert_eq!(
+            c.take_events(),
+            vec![
+                KvEvent::Removed {
+                    hashes: vec![h[1]],
+                    group: 0
+                },
+                KvEvent::Removed {
+                    hashes: vec![h[1]],
+                    group: 1
+                },
+            ]
+        );
+        assert_eq!(c.stats().evictions, 2);
+        // Page-level register: no tokens, no extra keys, the parent from the given hashes.
+        let other = hash_pages::<&str>(&toks(100..108), 4, &[], &[]).unwrap();
+        c.register(B, &other, 0, None).unwrap();
+        let events = c.take_events();
+        assert_eq!(events.len(), 2);
+        assert!(
+            matches!(&events[0], KvEvent::Stored { token_ids, parent: None, group: 0, extra_keys, .. }
+            if token_ids.is_empty() && extra_keys.is_empty())
+        );
+        // reset_prefix_cache drops the free cached pages' keys (1 and 3 hold a's slot 0),
+        // records one AllBlocksCleared and no BlockRemoved.
+        assert_eq!(c.stats().pages_cached, 2 + 4);
+        assert_eq!(c.reset_prefix_cache(), 2);
+        assert_eq!(c.take_events(), vec![KvEvent::Cleared]);
+        assert_eq!(c.stats().pages_cached, 4);
+        assert_eq!(c.stats().evictions, 2);
+        assert_eq!(c.prefix_hit_tokens(&prompt(&c, toks(0..9))).unwrap(), 0);
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn events_off_records_nothing() {
+        let mut c = hybrid(8);
+        run_and_finish(&mut c, A, toks(0..8));
+        assert!(c.acquire(B, 12)); // 3 + 3 of 7 pages: evicts cached pages
+        assert!(c.stats().evictions > 0);
+        c.reset_prefix_cache();
+        assert!(c.take_events().is_empty());
+    }
+
+    #[test]
+    fn wide_groups_register_their_whole_runs_when_pages_complete_one_by_one() {
+        // base 4 (g0), g1 P = 8 (m = 2) and a state group P = 8: decoding token by token,
+        // g1's slot 0 folds base pages 0 and 1, registered once c reaches 8, although base
+        // page 0 was registered on its own at c = 4.
+        let mut c = cache(
+            vec![
+                spec("a", GroupKind::Full, 4),
+                spec("b", GroupKind::Full, 8),
+                spec("s", GroupKind::State, 8),
+            ],
+            64,
+            CacheOptions::default(),
+        );
+        add(&mut c, A, toks(0..1));
+        assert!(c.schedule(A, 1, 0).unwrap());
+        for t in 1..17 {
+            c.append_tokens(A, &[t]).unwrap();
+            assert!(c.schedule(A, 1, 0).unwrap());
+        }
+        let h = hash_pages::<&str>(&toks(0..17), 4, &[], &[]).unwrap();
+        let pool = c.coordinator().pool();
+        let ids = c.page_ids(A).unwrap();
+        assert_eq!(
+            pool.lookup(&crate::hash::GroupKey::new(fold_run(&h[0..2]), 1)),
+            Some(ids[1][0])
+        );
+        assert_eq!(
+            pool.lookup(&crate::hash::GroupKey::new(fold_run(&h[2..4]), 1)),
+            Some(ids[1][1])
+        );
+        // The state group snapshots on its page boundaries: slot 0 at c = 8 (reclaimed since,
+        // a hole in the table but still cached and free) and slot 1 at c = 16.
+        assert_eq!(ids[2][0], 0);
+        assert!(pool
+            .lookup(&crate::hash::GroupKey::new(fold_run(&h[0..2]), 2))
+            .is_some());
+        assert_eq!(
+            pool.lookup(&crate::hash::GroupKey::new(fold_run(&h[2..4]), 2)),
+            Some(ids[2][1])
+        );
+        // The whole 16-token prefix comes back for a 17-token prompt.
+        c.finish(A).unwrap();
+        assert_eq!(c.prefix_hit_tokens(&prompt(&c, toks(0..17))).unwrap(), 16);
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn stats_count_pages_per_group_and_requests() {
+        let mut c = hybrid(64);
+        add(&mut c, A, toks(0..20));
+        assert!(c.schedule(A, 20, 0).unwrap()); // 5 + 5 pages
+        assert!(c.acquire(B, 4)); // page-level: 1 + 1
+        let s = c.stats();
+        assert_eq!((s.pages_total, s.pages_free, s.pages_in_use), (63, 51, 12));
+        assert_eq!((s.requests, s.pages_in_use_by_group.clone()), (2, vec![6, 6]));
+        // Reclaim at 20 frees sliding slots below (20 - 7) // 4 = 3.
+        c.append_tokens(A, &[20]).unwrap();
+        assert!(c.schedule(A, 1, 0).unwrap());
+        assert_eq!(c.stats().pages_in_use_by_group, vec![7, 4]);
+        c.finish(A).unwrap();
+        c.free(B).unwrap();
+        let s = c.stats();
+        assert_eq!(
+            (s.requests, s.pages_in_use, s.pages_in_use_by_group),
+            (0, 0, vec![0, 0])
+        );
+        // a's 5 full base pages were registered at c = 20 in both groups (the sliding ones
+        // before they were reclaimed); b (page-level) registered nothing.
+        assert_eq!((s.pages_cached, s.pages_cached_free), (10, 10));
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn write_block_tables_checks_everything_before_writing() {
+        let mut c = hybrid(64);
+        add(&mut c, A, toks(0..20));
+        assert!(c.schedule(A, 20, 0).unwrap());
+        add(&mut c, B, toks(0..4));
+        assert!(c.schedule(B, 4, 0).unwrap());
+        c.append_tokens(A, &[20]).unwrap();
+        assert!(c.schedule(A, 1, 0).unwrap()); // swa slots 0..3 slid out
+        let (mut g0, mut g1) = (vec![7; 3 * 6], vec![7; 3 * 6]);
+        if !crate::FLAT_KVCACHE {
+            let mut outs = [TableOut {
+                data: &mut g0,
+                rows: 3,
+                cols: 6,
+            }];
+            let err = c.write_block_tables(&[B, A], &mut outs).unwrap_err();
+            assert_eq!(err, CoreError::Config(crate::cache::FLAT_UNAVAILABLE.to_owned()));
+            return;
+        }
+        {
+            let mut outs = [
+                TableOut {
+                    data: &mut g0,
+                    rows: 3,
+                    cols: 6,
+                },
+                TableOut {
+                    data: &mut g1,
+                    rows: 3,
+                    cols: 6,
+                },
+            ];
+            c.write_block_tables(&[B, A], &mut outs).unwrap();
+        }
+        let ids = c.page_ids(A).unwrap();
+        let row = |pages: &[u32]| {
+            let mut r: Vec<i32> = pages.iter().map(|&p| i32::try_from(p).unwrap()).collect();
+            r.resize(6, -1);
+            r
+        };
+        assert_eq!(&g0[6..12], &row(&ids[0])[..]);
+        assert_eq!(&g1[6..12], &row(&ids[1])[..]);
+        assert_eq!(&g1[6..9], &[0, 0, 0]);
+        assert_eq!(&g0[12..], &[7; 6], "rows past the batch are untouched");
+        // Too narrow for a's 6 pages in group 0 / too few rows: nothing is written.
+        let (mut n0, mut n1) = (vec![7; 2 * 5], vec![7; 2 * 6]);
+        let mut outs = [
+            TableOut {
+                data: &mut n0,
+                rows: 2,
+                cols: 5,
+            },
+            TableOut {
+                data: &mut n1,
+                rows: 2,
+                cols: 6,
+            },
+        ];
+        let err = c.write_block_tables(&[B, A], &mut outs).unwrap_err();
+        assert!(err.to_string().contains("out[\"full\"]"), "{err}");
+        assert!(c.write_block_tables(&[B, A, A], &mut outs).is_err());
+        assert!(n0.iter().chain(&n1).all(|&v| v == 7));
+    }
+
+    #[test]
+    fn stale_claim_of_a_page_re_cached_for_another_group_is_refused() {
+        // One full group and one sliding group of the same page size, 3 pages. a caches one
+        // page per group (full: page 1, sliding: page 2) and frees them: free list [3, 1, 2].
+        let mut c = cache(
+            vec![spec("full", GroupKind::Full, 4), spec("swa", sw(5), 4)],
+            4,
+            CacheOptions::default(),
+        );
+        let h = hash_pages::<&str>(&toks(0..4), 4, &[], &[]).unwrap();
+        assert!(c.acquire(A, 4));
+        assert_eq!(c.page_ids(A).unwrap(), vec![vec![1], vec![2]]);
+        c.register(A, &h, 0, None).unwrap();
+        c.free(A).unwrap();
+        assert_eq!(free_list(&c), vec![3, 1, 2]);
+        let m = c.match_prefix(&h).unwrap();
+        assert_eq!(m.pages, vec![vec![1], vec![2]]);
+        // b takes pages 3 (full) and 1 (sliding, evicting a's full key), registers the same
+        // content and is freed: page 1 now holds the *sliding* key of that content.
+        assert!(c.acquire(B, 4));
+        assert_eq!(c.page_ids(B).unwrap(), vec![vec![3], vec![1]]);
+        c.register(B, &h, 0, None).unwrap();
+        c.free(B).unwrap();
+        // The old match would put page 1 into the full group while the sliding key maps to
+        // it: refused, and nothing changes (c is not created).
+        let err = c.claim(C, &m).unwrap_err();
+        assert!(err.to_string().contains("stale"), "{err}");
+        assert!(!c.has_request(C));
+        // A hand-built match only needs each page to hold a key of the group it goes to.
+        let by_hand = PrefixMatch::by_hand(4, vec![vec![3], vec![2]], vec![1, 1]);
+        c.claim(C, &by_hand).unwrap();
+        let wrong_group = PrefixMatch::by_hand(4, vec![vec![1], vec![3]], vec![1, 1]);
+        assert!(c.claim(RequestIdRef::Int(8), &wrong_group).is_err());
+        c.check_invariants().unwrap();
+    }
+
+    mod properties {
+        use proptest::prelude::*;
+
+        use super::*;
+
+        #[derive(Clone, Debug)]
+        enum Op {
+            /// Add request `r` with `len` tokens of prompt family `p`.
+            Add(u8, u8, u16),
+            /// Append `k` generated tokens to `r`.
+            Append(u8, u8),
+            /// Schedule `n` of `r`'s known tokens with a lookahead.
+            Schedule(u8, u16, u8),
+            /// Schedule every live request for all its known tokens, in one batch.
+            Batch,
+            /// Reserve `t` tokens for `r`.
+            Reserve(u8, u8),
+            Finish(u8),
+            /// Preempt `r` and re-add its tokens.
+            Preempt(u8),
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                (0u8..4, 0u8..3, 1u16..80).prop_map(|(r, p, l)| Op::Add(r, p, l)),
+                (0u8..4, 1u8..9).prop_map(|(r, k)| Op::Append(r, k)),
+                (0u8..4, 0u16..40, 0u8..6).prop_map(|(r, n, a)| Op::Schedule(r, n, a)),
+                Just(Op::Batch),
+                (0u8..4, 0u8..20).prop_map(|(r, t)| Op::Reserve(r, t)),
+                (0u8..4).prop_map(Op::Finish),
+                (0u8..4).prop_map(Op::Preempt),
+            ]
+        }
+
+        fn family(p: u8, len: u16) -> Vec<u32> {
+            // Families 0 and 1 share their first 24 tokens.
+            (0..u32::from(len))
+                .map(|i| {
+                    if p == 2 || (p == 1 && i >= 24) {
+                        1000 * u32::from(p) + i
+                    } else {
+                        i
+                    }
+                })
+                .collect()
+        }
+
+        proptest! {
+            /// Random token-level traffic on a small hybrid pool (full P = 4, sliding P = 8,
+            /// state P = 8; either eviction order; events on) keeps every invariant, the
+            /// position never passes the known tokens, and a failed schedule changes nothing.
+            #[test]
+            fn random_token_traffic_keeps_invariants(
+                ops in proptest::collection::vec(op(), 1..60),
+                hybrid_order in any::<bool>(),
+            ) {
+                let order = if hybrid_order { EvictionOrder::Hybrid } else { EvictionOrder::Group };
+                let mut c = cache(
+                    vec![spec("full", GroupKind::Full, 4), spec("swa", sw(10), 8), spec("st", GroupKind::State, 8)],
+                    30,
+                    CacheOptions { eviction_order: order, enable_kv_events: true, ..CacheOptions::default() },
+                );
+                let ids: Vec<RequestIdRef<'static>> = (0..4).map(RequestIdRef::Int).collect();
+                let mut next_token = 5000u32;
+                for op in ops {
+                    match op {
+                        Op::Add(r, p, len) => {
+                            let id = ids[usize::from(r)];
+                            if !c.has_request(id) {
+                                let hit = add(&mut c, id, family(p, len));
+                                prop_assert!(hit < u64::from(len));
+                                prop_assert_eq!(hit % c.coordinator().lcm_page_size(), 0);
+                            }
+                        }
+                        Op::Append(r, k) => {
+                            let id = ids[usize::from(r)];
+                            if c.has_request(id) {
+                                let new: Vec<u32> = (0..u32::from(k)).map(|i| next_token + i).collect();
+                                next_token += u32::from(k);
+                                c.append_tokens(id, &new).unwrap();
+                            }
+                        }
+                        Op::Schedule(r, n, ahead) => {
+                            let id = ids[usize::from(r)];
+                            if !c.has_request(id) {
+                                continue;
+                            }
+                            let left = c.num_tokens(id).unwrap() - c.num_computed_tokens(id).unwrap();
+                            let n = u64::from(n).min(left);
+                            let before = c.num_computed_tokens(id).unwrap();
+                            if c.schedule(id, n, u64::from(ahead)).unwrap() {
+                                prop_assert_eq!(c.num_computed_tokens(id).unwrap(), before + n);
+                                prop_assert_eq!(c.reserved_pages(id).unwrap(), 0);
+                            } else {
+                                // Steps 1-2 may have run; a second failing try changes nothing.
+                                let snap = (c.page_ids(id).unwrap(), c.tail_available(id).unwrap(), c.pool_stats());
+                                prop_assert!(!c.schedule(id, n, u64::from(ahead)).unwrap());
+                                let again = (c.page_ids(id).unwrap(), c.tail_available(id).unwrap(), c.pool_stats());
+                                prop_assert_eq!(snap, again);
+                                prop_assert_eq!(c.num_computed_tokens(id).unwrap(), before);
+                            }
+                        }
+                        Op::Batch => {
+                            let live: Vec<RequestIdRef<'static>> =
+                                ids.iter().copied().filter(|&r| c.has_request(r)).collect();
+                            let ns: Vec<u64> = live
+                                .iter()
+                                .map(|&r| c.num_tokens(r).unwrap() - c.num_computed_tokens(r).unwrap())
+                                .collect();
+                            let got = c.schedule_batch(&live, &ns).unwrap();
+                            for ((&r, &n), ok) in live.iter().zip(&ns).zip(got) {
+                                let done = c.num_computed_tokens(r).unwrap() == c.num_tokens(r).unwrap();
+                                prop_assert!(!ok || done || n == 0);
+                            }
+                        }
+                        Op::Reserve(r, t) => {
+                            let id = ids[usize::from(r)];
+                            if c.has_request(id) {
+                                c.reserve(id, u64::from(t)).unwrap();
+                            }
+                        }
+                        Op::Finish(r) => {
+                            let id = ids[usize::from(r)];
+                            if c.has_request(id) {
+                                c.finish(id).unwrap();
+                            }
+                        }
+                        Op::Preempt(r) => {
+                            let id = ids[usize::from(r)];
+                            if c.has_request(id) {
+                                let tokens = c.preempt(id).unwrap();
+                                add(&mut c, id, tokens);
+                            }
+                        }
+                    }
+                    prop_assert_eq!(c.check_invariants(), Ok(()));
+                    let b = c.budget(None).unwrap();
+                    prop_assert!(b <= i128::try_from(c.pool_stats().num_free).unwrap());
+                }
+                c.take_events();
+                for &id in &ids {
+                    if c.has_request(id) {
+                        c.finish(id).unwrap();
+                    }
+                }
+                let s = c.stats();
+                prop_assert_eq!((s.pages_in_use, s.requests), (0, 0));
+                prop_assert_eq!(c.budget(None).unwrap(), 29);
+                prop_assert_eq!(c.check_invariants(), Ok(()));
+            }
+        }
+    }
+}
