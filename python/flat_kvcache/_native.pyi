@@ -1,7 +1,7 @@
 """Type stubs for the native extension `flat_kvcache._native` (hand-written)."""
 
-from collections.abc import Iterable, Sequence
-from typing import Any, SupportsIndex, final
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, SupportsIndex, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -122,6 +122,10 @@ def plan_tensors(
 
 _Tokens = Sequence[int] | npt.NDArray[np.integer[Any]]
 _RequestId = str | int
+#: A caller-provided block-table buffer: a writable C-contiguous int32 array or CPU torch tensor.
+_TableBuffer = Any
+#: One event of ``take_events``: ``flat_kvcache.events.BlockStored | BlockRemoved | AllBlocksCleared``.
+_KVEvent = Any
 
 def hash_page(tokens: _Tokens, prior: str = "", extra_keys: Sequence[str] = ()) -> str: ...
 def hash_pages(
@@ -166,7 +170,15 @@ class PrefixMatch:
 
 @final
 class FlatKVCache:
-    def __new__(cls, specs: Iterable[Any], num_pages: int, *, enable_caching: bool = True) -> FlatKVCache: ...
+    def __new__(
+        cls,
+        specs: Iterable[Any],
+        num_pages: int,
+        *,
+        enable_caching: bool = True,
+        eviction_order: str = "hybrid",
+        enable_kv_events: bool = False,
+    ) -> FlatKVCache: ...
     @property
     def base_page_size(self) -> int: ...
     @property
@@ -213,5 +225,44 @@ class FlatKVCache:
         num_tokens: int,
         num_computed_tokens: int,
     ) -> bool: ...
-    def block_tables(self, reqs: Sequence[_RequestId]) -> dict[str, npt.NDArray[np.int32]]: ...
+    @overload
+    def block_tables(self, reqs: Sequence[_RequestId], out: None = None) -> dict[str, npt.NDArray[np.int32]]: ...
+    @overload
+    def block_tables(
+        self, reqs: Sequence[_RequestId], out: Mapping[str, _TableBuffer]
+    ) -> Mapping[str, _TableBuffer]: ...
     def check_invariants(self) -> None: ...
+    # token-level requests (docs/requests-api.md)
+    def add_request(
+        self,
+        req: _RequestId,
+        prompt_token_ids: _Tokens,
+        *,
+        extra_keys: Sequence[str] = (),
+        use_prefix_cache: bool = True,
+    ) -> int: ...
+    def append_tokens(self, req: _RequestId, token_ids: _Tokens) -> None: ...
+    def schedule(self, req: _RequestId, num_new_tokens: int, *, lookahead: int = 0) -> bool: ...
+    def schedule_batch(
+        self, reqs: Sequence[_RequestId], num_new_tokens: Sequence[int] | npt.NDArray[np.integer[Any]]
+    ) -> npt.NDArray[np.bool_]: ...
+    def finish(self, req: _RequestId) -> None: ...
+    def preempt(self, req: _RequestId) -> list[int]: ...
+    def num_computed_tokens(self, req: _RequestId) -> int: ...
+    def num_tokens(self, req: _RequestId) -> int: ...
+    # admission accounting (SPEC 9)
+    def prefix_hit_tokens(self, prompt_token_ids: _Tokens, *, extra_keys: Sequence[str] = ()) -> int: ...
+    def pages_needed_to_admit(
+        self,
+        prompt_token_ids: _Tokens,
+        num_new_tokens: int,
+        reserve_tokens: int = 0,
+        *,
+        extra_keys: Sequence[str] = (),
+    ) -> int: ...
+    def reserve(self, req: _RequestId, tokens: int) -> None: ...
+    def budget(self, req: _RequestId | None = None) -> int: ...
+    # metrics and KV events
+    def stats(self) -> dict[str, Any]: ...
+    def take_events(self) -> list[_KVEvent]: ...
+    def reset_prefix_cache(self) -> int: ...

@@ -1,7 +1,7 @@
 //! Checked extraction of the page engine's Python arguments: counts, token sequences, hex
 //! hashes and request ids. Every error names the argument (and index) it is about.
 
-use flat_kvcache_core::hash::{parse_hash, parse_hex, ContentHash};
+use flat_kvcache_core::hash::{parse_hash_lower, parse_hex, ContentHash};
 use flat_kvcache_core::request::RequestIdRef;
 use numpy::{PyArray1, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -71,6 +71,71 @@ fn token(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<u32> {
 
 fn not_u32(label: &str, v: &dyn std::fmt::Display) -> PyErr {
     PyValueError::new_err(format!("{label} = {v} does not fit in u32"))
+}
+
+/// Copy a 1-D numpy array of integer dtype `T` into `u64` counts, checking every value is >= 0.
+fn counts_from_array<T>(arr: &Bound<'_, PyArray1<T>>, name: &str) -> PyResult<Vec<u64>>
+where
+    T: numpy::Element + Copy + std::fmt::Display,
+    u64: TryFrom<T>,
+{
+    let view = arr.readonly();
+    let view = view.as_array();
+    let mut out = Vec::with_capacity(view.len());
+    for (i, &v) in view.iter().enumerate() {
+        out.push(u64::try_from(v).map_err(|_| PyValueError::new_err(format!("{name}[{i}] must be >= 0, got {v}")))?);
+    }
+    Ok(out)
+}
+
+/// One count of `name[index]` (the fast path for exact ints; the message names the element).
+#[inline]
+fn count_item(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<u64> {
+    if item.is_exact_instance_of::<PyInt>() {
+        if let Ok(v) = item.extract::<u64>() {
+            return Ok(v);
+        }
+    }
+    non_negative(item, &format!("{name}[{index}]"))
+}
+
+/// Counts (ints >= 0) from a sequence of ints or a 1-D numpy integer array.
+pub fn counts(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u64>> {
+    if let Ok(list) = obj.cast::<PyList>() {
+        let mut out = Vec::with_capacity(list.len());
+        for (i, item) in list.iter().enumerate() {
+            out.push(count_item(&item, name, i)?);
+        }
+        return Ok(out);
+    }
+    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
+        macro_rules! try_dtype {
+            ($($t:ty),*) => {$(
+                if let Ok(a) = arr.cast::<PyArray1<$t>>() {
+                    return counts_from_array(a, name);
+                }
+            )*};
+        }
+        try_dtype!(i64, i32, u64, u32, i16, u16, i8, u8);
+        return Err(PyTypeError::new_err(format!(
+            "{name} must be a 1-D integer array, got a {}-D array of dtype {}",
+            arr.ndim(),
+            arr.dtype()
+        )));
+    }
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(PyTypeError::new_err(format!(
+            "{name} must be a sequence of ints, got {}",
+            type_name(obj)
+        )));
+    }
+    let Ok(iter) = obj.try_iter() else {
+        return Err(PyTypeError::new_err(format!(
+            "{name} must be a sequence of ints or a 1-D integer array, got {}",
+            type_name(obj)
+        )));
+    };
+    iter.enumerate().map(|(i, t)| count_item(&t?, name, i)).collect()
 }
 
 /// Copy a 1-D numpy array of integer dtype `T` into `u32` tokens, checking every value.
@@ -185,11 +250,11 @@ impl<'a, 'py> FromPyObject<'a, 'py> for ExtraKeys {
     }
 }
 
-/// One 64-digit hex content hash at `name[index]`.
+/// One 64-digit lowercase hex content hash at `name[index]`.
 #[inline]
 fn content_hash(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<ContentHash> {
     let parsed = match item.cast::<PyString>() {
-        Ok(s) => parse_hash(s.to_str()?.as_bytes()),
+        Ok(s) => parse_hash_lower(s.to_str()?.as_bytes()),
         Err(_) => {
             return Err(PyTypeError::new_err(format!(
                 "{name}[{index}] must be a str, got {}",
@@ -199,13 +264,14 @@ fn content_hash(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<C
     };
     parsed.ok_or_else(|| {
         PyValueError::new_err(format!(
-            "{name}[{index}] must be a 64-character hex string, got {:?}",
+            "{name}[{index}] must be a 64-character lowercase hex string, got {:?}",
             clip(&item.to_string())
         ))
     })
 }
 
-/// Content hashes: a sequence of 64-character hex strings (either case), as raw bytes.
+/// Content hashes: a sequence of 64-character lowercase hex strings, as raw bytes (uppercase
+/// is refused: folding hashes the text, so two spellings of one hash would fold differently).
 pub fn content_hashes(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<ContentHash>> {
     if let Ok(list) = obj.cast::<PyList>() {
         let mut out = Vec::with_capacity(list.len());

@@ -3,25 +3,31 @@
 //! Each class is frozen and keeps its mutable state behind a `Mutex`, so Python threads can
 //! share one object. Locking discipline: a lock is never held while Python code can run
 //! (arguments are extracted before locking, results converted after unlocking), so neither a
-//! re-entrant call nor a GIL hand-off can deadlock. Long calls take the lock with the GIL
-//! released (`py.detach`); the per-request step calls stay attached because their work is
-//! shorter than a detach/attach round trip.
+//! re-entrant call nor a GIL hand-off can deadlock. Long calls (hashing, matching, a batch
+//! step, writing block tables) take the lock with the GIL released (`py.detach`); the
+//! per-request calls stay attached because their work is shorter than a detach/attach round
+//! trip.
 
 use std::sync::{Mutex, MutexGuard};
 
-use flat_kvcache_core::cache::{FlatCache, FlatTable, FLAT_UNAVAILABLE};
-use flat_kvcache_core::coordinator::{GroupSpec, PrefixMatch};
+use flat_kvcache_core::cache::{CacheOptions, FlatCache, FlatTable, FLAT_UNAVAILABLE};
+use flat_kvcache_core::coordinator::{EvictionOrder, GroupSpec, PrefixMatch};
 use flat_kvcache_core::pool::BlockPool;
 use flat_kvcache_core::request::RequestIdRef;
+use flat_kvcache_core::requests::Prompt;
 use flat_kvcache_core::table::GroupKind;
 use numpy::ndarray::Array2;
-use numpy::IntoPyArray;
+use numpy::{IntoPyArray, PyArray1};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString};
+use pyo3::types::{PyDict, PyList, PyString};
 
-use crate::convert::{clip, content_hashes, count, opt_count, page, positive, type_name, ReqArg};
+use crate::convert::{
+    clip, content_hashes, count, counts, opt_count, page, positive, tokens, type_name, ExtraKeys, ReqArg,
+};
 use crate::errors::core;
+use crate::events::{events_to_py, GroupMeta};
+use crate::tables::{borrow_out, table_outs};
 
 /// Lock `m`, or a `RuntimeError` if an earlier panic poisoned it.
 fn lock<T>(m: &Mutex<T>) -> PyResult<MutexGuard<'_, T>> {
@@ -153,24 +159,31 @@ impl PyBlockPool {
 
 /// The result of `FlatKVCache.match_prefix`: per-group matched pages (0 = hole), the number
 /// of real pages per group, and the token count every group can resume from.
+///
+/// A match also remembers the key each real page was matched under, so `claim` refuses it
+/// once a page holds another key (or none). Equality compares the three public fields only.
 #[pyclass(frozen, eq, module = "flat_kvcache._native", name = "PrefixMatch")]
-#[derive(PartialEq)]
 pub struct PyPrefixMatch {
     inner: PrefixMatch,
 }
 
+impl PartialEq for PyPrefixMatch {
+    fn eq(&self, other: &Self) -> bool {
+        let (a, b) = (&self.inner, &other.inner);
+        a.num_common_tokens == b.num_common_tokens && a.pages == b.pages && a.num_hit_pages == b.num_hit_pages
+    }
+}
+
 #[pymethods]
 impl PyPrefixMatch {
-    /// Build a match by hand (normally it comes from `FlatKVCache.match_prefix`).
+    /// Build a match by hand (normally it comes from `FlatKVCache.match_prefix`). It
+    /// remembers no keys: `claim` then only requires each real page to hold a key of the
+    /// group it is claimed for.
     #[new]
     #[pyo3(signature = (num_common_tokens, pages, num_hit_pages))]
     fn new(num_common_tokens: &Bound<'_, PyAny>, pages: Vec<Vec<u32>>, num_hit_pages: Vec<usize>) -> PyResult<Self> {
         Ok(Self {
-            inner: PrefixMatch {
-                num_common_tokens: count(num_common_tokens, "num_common_tokens")?,
-                pages,
-                num_hit_pages,
-            },
+            inner: PrefixMatch::by_hand(count(num_common_tokens, "num_common_tokens")?, pages, num_hit_pages),
         })
     }
 
@@ -276,15 +289,41 @@ fn req_args<'py>(reqs: &Bound<'py, PyAny>) -> PyResult<Vec<ReqArg<'py>>> {
     reqs.try_iter()?.map(|r| ReqArg::new(&r?)).collect()
 }
 
-/// The page engine of one model (SPEC 6 to 8): `FlatKVCache(specs, num_pages, *,
-/// enable_caching=True)`.
+/// The `eviction_order` argument: `"hybrid"` or `"group"`; anything else is a `ValueError`.
+#[derive(Clone, Copy)]
+pub struct EvictionArg(EvictionOrder);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for EvictionArg {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let named = obj
+            .cast::<PyString>()
+            .ok()
+            .and_then(|s| s.to_str().ok().and_then(EvictionOrder::from_name));
+        match named {
+            Some(order) => Ok(Self(order)),
+            None => Err(PyValueError::new_err(format!(
+                "eviction_order must be 'hybrid' or 'group', got {}",
+                clip(&obj.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string()))
+            ))),
+        }
+    }
+}
+
+/// The page engine of one model (SPEC 6 to 9, docs/engine-api.md and docs/requests-api.md):
+/// `FlatKVCache(specs, num_pages, *, enable_caching=True, eviction_order="hybrid",
+/// enable_kv_events=False)`.
 ///
 /// `specs` is a non-empty sequence of `KVCacheSpec`; `num_pages` the pool size (page 0
 /// included). Request ids are `str` or `int` (`5` and `"5"` differ); an unknown id is a
 /// `KeyError` except for `claim`, `acquire` and `prefill_first_chunk`, which create it.
+/// Requests created by `add_request` own their tokens (token-level); the others are
+/// page-level, and token-level methods refuse them with `ValueError`.
 #[pyclass(frozen, module = "flat_kvcache._native", name = "FlatKVCache")]
 pub struct PyFlatKVCache {
     group_ids: Vec<String>,
+    groups: Vec<GroupMeta>,
     base: u64,
     lcm: u64,
     inner: Mutex<FlatCache>,
@@ -295,14 +334,34 @@ impl PyFlatKVCache {
     fn detached<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut FlatCache) -> R + Send) -> PyResult<R> {
         py.detach(|| lock(&self.inner).map(|mut c| f(&mut c)))
     }
+
+    /// Hash a prompt into base pages with the GIL released and no lock held.
+    fn prompt(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>, extra_keys: ExtraKeys) -> PyResult<Prompt> {
+        let toks = self::tokens(tokens, "prompt_token_ids")?;
+        let base = self.base;
+        core(py.detach(|| Prompt::new(toks, extra_keys.0, base)))
+    }
 }
 
 #[pymethods]
 impl PyFlatKVCache {
     /// Create the engine over `specs` with a pool of `num_pages >= 1` pages.
+    ///
+    /// `eviction_order` is `"hybrid"` (free a request's pages by slot end token, descending,
+    /// across all groups; SPEC 12.3) or `"group"` (group 0's table tail first, then group
+    /// 1's, ...). `enable_kv_events` records KV events for `take_events`.
     #[new]
-    #[pyo3(signature = (specs, num_pages, *, enable_caching = true))]
-    fn new(specs: &Bound<'_, PyAny>, num_pages: &Bound<'_, PyAny>, enable_caching: bool) -> PyResult<Self> {
+    #[pyo3(
+        signature = (specs, num_pages, *, enable_caching = true, eviction_order = EvictionArg(EvictionOrder::Hybrid), enable_kv_events = false),
+        text_signature = "(specs, num_pages, *, enable_caching=True, eviction_order='hybrid', enable_kv_events=False)"
+    )]
+    fn new(
+        specs: &Bound<'_, PyAny>,
+        num_pages: &Bound<'_, PyAny>,
+        enable_caching: bool,
+        eviction_order: EvictionArg,
+        enable_kv_events: bool,
+    ) -> PyResult<Self> {
         if specs.is_instance_of::<PyString>() {
             return Err(PyTypeError::new_err(
                 "specs must be a sequence of KVCacheSpec, not a str",
@@ -316,10 +375,20 @@ impl PyFlatKVCache {
         if num_pages == 0 {
             return Err(PyValueError::new_err("num_pages must be >= 1, got 0"));
         }
-        let cache = core(FlatCache::new(groups, num_pages, enable_caching))?;
+        let options = CacheOptions {
+            enable_caching,
+            eviction_order: eviction_order.0,
+            enable_kv_events,
+        };
+        let cache = core(FlatCache::with_options(groups, num_pages, options))?;
         let coord = cache.coordinator();
         Ok(Self {
             group_ids: coord.specs().iter().map(|s| s.group_id.clone()).collect(),
+            groups: coord
+                .specs()
+                .iter()
+                .map(|s| GroupMeta::new(s.kind, s.page_size))
+                .collect(),
             base: coord.base_page_size(),
             lcm: coord.lcm_page_size(),
             inner: Mutex::new(cache),
@@ -391,7 +460,7 @@ impl PyFlatKVCache {
 
     /// Take references on `match`'s pages and make them `req`'s tables (created if new).
     /// `ValueError` (and no change) if the tables already hold pages, the match has the wrong
-    /// number of groups, or a matched page no longer holds a key.
+    /// number of groups, or a matched page no longer holds the key it was matched under.
     #[pyo3(signature = (req, r#match))]
     fn claim(&self, req: &Bound<'_, PyAny>, r#match: &Bound<'_, PyPrefixMatch>) -> PyResult<()> {
         let r = ReqArg::new(req)?;
@@ -442,7 +511,8 @@ impl PyFlatKVCache {
         core(result)
     }
 
-    /// Release all of `req`'s pages (group order, each table tail first) and forget it.
+    /// Release all of `req`'s pages (in the cache's eviction order), drop its reserve and
+    /// forget it.
     fn free(&self, req: &Bound<'_, PyAny>) -> PyResult<()> {
         let r = ReqArg::new(req)?;
         let id = r.id()?;
@@ -555,23 +625,255 @@ impl PyFlatKVCache {
         core(result)
     }
 
-    /// Flat per-group block tables of a batch: `{group_id: int32 array [len(reqs),
-    /// max_cols]}` in group order, holes 0, padding -1, rows in the order given.
+    /// Flat per-group block tables of a batch, rows in the order given (repeats allowed).
+    ///
+    /// Without `out`: `{group_id: int32 array [len(reqs), max_cols]}` in group order, holes
+    /// 0, padding -1. With `out` (a mapping `group_id` -> writable C-contiguous int32 numpy
+    /// array or CPU torch tensor of shape `[>= len(reqs), cols]` for every group): row r of
+    /// each buffer gets the request's page ids then -1 up to `cols`, written in place with
+    /// the GIL released; rows past `len(reqs)` are untouched; a table wider than `cols` is a
+    /// `ValueError` naming the group and nothing is written. Returns `out`.
     /// `RuntimeError` naming the build when compiled without the `flat` feature.
-    fn block_tables<'py>(&self, py: Python<'py>, reqs: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
+    #[pyo3(signature = (reqs, out = None))]
+    fn block_tables<'py>(
+        &self,
+        py: Python<'py>,
+        reqs: &Bound<'py, PyAny>,
+        out: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         if !flat_kvcache_core::FLAT_KVCACHE {
             return Err(PyRuntimeError::new_err(FLAT_UNAVAILABLE));
         }
         let args = req_args(reqs)?;
         let ids: Vec<RequestIdRef<'_>> = args.iter().map(ReqArg::id).collect::<PyResult<_>>()?;
+        if let Some(out) = out.filter(|o| !o.is_none()) {
+            let mut arrays = borrow_out(out, &self.group_ids)?;
+            let mut outs = table_outs(&mut arrays)?;
+            core(self.detached(py, |c| c.write_block_tables(&ids, &mut outs))?)?;
+            return Ok(out.clone());
+        }
         let tables = core(self.detached(py, |c| c.block_tables(&ids))?)?;
-        let out = PyDict::new(py);
+        let dict = PyDict::new(py);
         for (gid, FlatTable { rows, cols, data }) in self.group_ids.iter().zip(tables) {
             let arr = Array2::from_shape_vec((rows, cols), data)
                 .map_err(|e| PyRuntimeError::new_err(format!("block_tables: {e}")))?;
-            out.set_item(gid, arr.into_pyarray(py))?;
+            dict.set_item(gid, arr.into_pyarray(py))?;
         }
-        Ok(out)
+        Ok(dict.into_any())
+    }
+
+    // ----- token-level requests (docs/requests-api.md) --------------------------------------
+
+    /// Add a token-level request for `prompt_token_ids` (a non-empty list or 1-D integer
+    /// array of u32) under a new id. Every full base page is hashed (chained, `extra_keys` on
+    /// every page) with the GIL released; with caching on and `use_prefix_cache`, the prefix
+    /// match over all but the last prompt token is claimed. Returns the hit in tokens (the
+    /// request's computed tokens); allocates nothing else.
+    #[pyo3(
+        signature = (req, prompt_token_ids, *, extra_keys = ExtraKeys::default(), use_prefix_cache = true),
+        text_signature = "(self, req, prompt_token_ids, *, extra_keys=(), use_prefix_cache=True)"
+    )]
+    fn add_request(
+        &self,
+        py: Python<'_>,
+        req: &Bound<'_, PyAny>,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        extra_keys: ExtraKeys,
+        use_prefix_cache: bool,
+    ) -> PyResult<u64> {
+        let r = ReqArg::new(req)?;
+        let id = r.id()?;
+        let prompt = self.prompt(py, prompt_token_ids, extra_keys)?;
+        core(self.detached(py, |c| c.add_request(id, prompt, use_prefix_cache))?)
+    }
+
+    /// Append newly known tokens (a list or 1-D integer array of u32) to a token-level
+    /// request; each base page that fills is hashed once, chained to the previous one.
+    fn append_tokens(&self, req: &Bound<'_, PyAny>, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let r = ReqArg::new(req)?;
+        let id = r.id()?;
+        let toks = tokens(token_ids, "token_ids")?;
+        let result = lock(&self.inner)?.append_tokens(id, &toks);
+        core(result)
+    }
+
+    /// Schedule the next `num_new_tokens` known tokens of a token-level request: register
+    /// its completed full pages, reclaim slid-out pages, then acquire room for them plus
+    /// `lookahead` slots, all or nothing. True: the position moved and the reserve was
+    /// released; False: nothing was allocated and the position stays. Asking for more
+    /// tokens than are known and not computed is a `ValueError`.
+    #[pyo3(
+        signature = (req, num_new_tokens, *, lookahead = None),
+        text_signature = "(self, req, num_new_tokens, *, lookahead=0)"
+    )]
+    fn schedule(
+        &self,
+        req: &Bound<'_, PyAny>,
+        num_new_tokens: &Bound<'_, PyAny>,
+        lookahead: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        let r = ReqArg::new(req)?;
+        let id = r.id()?;
+        let n = count(num_new_tokens, "num_new_tokens")?;
+        let ahead = opt_count(lookahead, "lookahead")?.unwrap_or(0);
+        let result = lock(&self.inner)?.schedule(id, n, ahead);
+        core(result)
+    }
+
+    /// Schedule a whole step in one call: `num_new_tokens` holds one int per request (a
+    /// sequence or a 1-D integer array). Everything is validated first (unknown id:
+    /// `KeyError`; page-level request or too many tokens: `ValueError`; nothing changes
+    /// then); each request is then scheduled in order exactly like `schedule(req, n)`.
+    /// Returns a numpy bool array. The GIL is released while scheduling.
+    fn schedule_batch<'py>(
+        &self,
+        py: Python<'py>,
+        reqs: &Bound<'py, PyAny>,
+        num_new_tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<bool>>> {
+        let args = req_args(reqs)?;
+        let ids: Vec<RequestIdRef<'_>> = args.iter().map(ReqArg::id).collect::<PyResult<_>>()?;
+        let ns = counts(num_new_tokens, "num_new_tokens")?;
+        if ns.len() != ids.len() {
+            return Err(PyValueError::new_err(format!(
+                "num_new_tokens has {} entries but reqs has {}",
+                ns.len(),
+                ids.len()
+            )));
+        }
+        let scheduled = core(self.detached(py, |c| c.schedule_batch(&ids, &ns))?)?;
+        Ok(scheduled.into_pyarray(py))
+    }
+
+    /// Register a token-level request's completed full pages, free all its pages (in the
+    /// eviction order), release its reserve and forget the id (it may be used again).
+    fn finish(&self, req: &Bound<'_, PyAny>) -> PyResult<()> {
+        let r = ReqArg::new(req)?;
+        let id = r.id()?;
+        let result = lock(&self.inner)?.finish(id);
+        core(result)
+    }
+
+    /// `finish`, counted as a preemption; returns the request's whole token list (prompt
+    /// plus generated), the folded prompt to re-add with `add_request` for recompute.
+    fn preempt(&self, req: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let r = ReqArg::new(req)?;
+        let id = r.id()?;
+        let result = lock(&self.inner)?.preempt(id);
+        core(result)
+    }
+
+    /// Tokens a token-level request has computed (its position).
+    fn num_computed_tokens(&self, req: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let r = ReqArg::new(req)?;
+        let id = r.id()?;
+        let result = lock(&self.inner)?.num_computed_tokens(id);
+        core(result)
+    }
+
+    /// Tokens a token-level request knows (prompt plus appended).
+    fn num_tokens(&self, req: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let r = ReqArg::new(req)?;
+        let id = r.id()?;
+        let result = lock(&self.inner)?.num_tokens(id);
+        core(result)
+    }
+
+    // ----- admission accounting (SPEC 9) ----------------------------------------------------
+
+    /// The prefix hit `add_request` would get for this prompt (capped so the last token is
+    /// recomputed), read-only.
+    #[pyo3(
+        signature = (prompt_token_ids, *, extra_keys = ExtraKeys::default()),
+        text_signature = "(self, prompt_token_ids, *, extra_keys=())"
+    )]
+    fn prefix_hit_tokens(
+        &self,
+        py: Python<'_>,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        extra_keys: ExtraKeys,
+    ) -> PyResult<u64> {
+        let prompt = self.prompt(py, prompt_token_ids, extra_keys)?;
+        core(self.detached(py, |c| c.prefix_hit_tokens(&prompt))?)
+    }
+
+    /// Pages admitting this prompt would take: the capped match's claim (its free cached
+    /// pages) plus `pages_needed(num_new_tokens + reserve_tokens)` on fresh tables.
+    #[pyo3(
+        signature = (prompt_token_ids, num_new_tokens, reserve_tokens = None, *, extra_keys = ExtraKeys::default()),
+        text_signature = "(self, prompt_token_ids, num_new_tokens, reserve_tokens=0, *, extra_keys=())"
+    )]
+    fn pages_needed_to_admit(
+        &self,
+        py: Python<'_>,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        num_new_tokens: &Bound<'_, PyAny>,
+        reserve_tokens: Option<&Bound<'_, PyAny>>,
+        extra_keys: ExtraKeys,
+    ) -> PyResult<u64> {
+        let n = count(num_new_tokens, "num_new_tokens")?;
+        let reserve = opt_count(reserve_tokens, "reserve_tokens")?.unwrap_or(0);
+        let prompt = self.prompt(py, prompt_token_ids, extra_keys)?;
+        core(self.detached(py, |c| c.pages_needed_to_admit(&prompt, n, reserve))?)
+    }
+
+    /// Promise `pages_needed(tokens, req)` pages to `req`'s next decode (replacing its
+    /// previous reserve; 0 clears it). Released by a successful `schedule`, `finish`,
+    /// `preempt` and `free`.
+    fn reserve(&self, req: &Bound<'_, PyAny>, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
+        let r = ReqArg::new(req)?;
+        let id = r.id()?;
+        let n = count(tokens, "tokens")?;
+        let result = lock(&self.inner)?.reserve(id, n);
+        core(result)
+    }
+
+    /// Free pages minus the reserves of every request other than `req` (may be negative).
+    #[pyo3(signature = (req = None))]
+    fn budget(&self, req: Option<&Bound<'_, PyAny>>) -> PyResult<i128> {
+        let r = req.filter(|r| !r.is_none()).map(ReqArg::new).transpose()?;
+        let id = r.as_ref().map(ReqArg::id).transpose()?;
+        let result = lock(&self.inner)?.budget(id);
+        core(result)
+    }
+
+    // ----- metrics and events ---------------------------------------------------------------
+
+    /// Metrics with stable names: `pages_total pages_free pages_in_use pages_cached
+    /// pages_cached_free requests prefix_queries_tokens prefix_hits_tokens evictions
+    /// preemptions` and `pages_in_use_by_group` (`{group_id: pages}`).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = lock(&self.inner)?.stats();
+        let d = PyDict::new(py);
+        d.set_item("pages_total", s.pages_total)?;
+        d.set_item("pages_free", s.pages_free)?;
+        d.set_item("pages_in_use", s.pages_in_use)?;
+        d.set_item("pages_cached", s.pages_cached)?;
+        d.set_item("pages_cached_free", s.pages_cached_free)?;
+        d.set_item("requests", s.requests)?;
+        d.set_item("prefix_queries_tokens", s.prefix_queries_tokens)?;
+        d.set_item("prefix_hits_tokens", s.prefix_hits_tokens)?;
+        d.set_item("evictions", s.evictions)?;
+        d.set_item("preemptions", s.preemptions)?;
+        let by_group = PyDict::new(py);
+        for (gid, pages) in self.group_ids.iter().zip(&s.pages_in_use_by_group) {
+            by_group.set_item(gid, pages)?;
+        }
+        d.set_item("pages_in_use_by_group", by_group)?;
+        Ok(d)
+    }
+
+    /// The KV events recorded since the last call, oldest first, as `flat_kvcache.events`
+    /// dataclasses (always `[]` when `enable_kv_events` is off).
+    fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let events = lock(&self.inner)?.take_events();
+        events_to_py(py, events, &self.groups)
+    }
+
+    /// Drop the key of every cached page with count 0 (they stay free; no `BlockRemoved`),
+    /// record `AllBlocksCleared`, and return how many keys were dropped.
+    fn reset_prefix_cache(&self) -> PyResult<usize> {
+        Ok(lock(&self.inner)?.reset_prefix_cache())
     }
 
     /// Check every engine invariant; `RuntimeError` describing the first violation.

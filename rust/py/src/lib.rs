@@ -6,9 +6,11 @@
 pub mod convert;
 pub mod engine;
 pub mod errors;
+pub mod events;
 pub mod hashing;
 pub mod plan;
 pub mod sizing;
+pub mod tables;
 
 /// The native module. Public names are re-exported by `flat_kvcache/__init__.py`.
 #[pyo3::pymodule(gil_used = false)]

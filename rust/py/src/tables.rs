@@ -1,0 +1,127 @@
+//! Caller-provided block-table buffers for `FlatKVCache.block_tables(reqs, out=...)`.
+//!
+//! Each group's buffer is a writable C-contiguous int32 numpy array or a CPU torch tensor.
+//! A tensor is viewed through its `.numpy()` method, which shares its memory, so the core
+//! writes the caller's storage directly: no copy, no per-element Python object, and the
+//! tensor's `data_ptr()` never changes. Rust never depends on torch.
+
+use flat_kvcache_core::cache::TableOut;
+use numpy::{BorrowError, PyArray2, PyArrayMethods, PyReadwriteArray2, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyString;
+
+use crate::convert::type_name;
+
+/// `out[<group id>]`, as messages name a group's buffer.
+fn label(gid: &str) -> String {
+    format!("out[{:?}]", crate::convert::clip(gid))
+}
+
+/// View one group's buffer as a numpy array: an ndarray as is, a torch tensor through
+/// `.numpy()` after checking that it lives on the CPU.
+fn as_ndarray<'py>(item: &Bound<'py, PyAny>, gid: &str) -> PyResult<Bound<'py, PyUntypedArray>> {
+    if let Ok(arr) = item.cast::<PyUntypedArray>() {
+        return Ok(arr.clone());
+    }
+    let torch_like = item.hasattr("numpy")? && item.hasattr("device")? && item.hasattr("data_ptr")?;
+    if !torch_like {
+        return Err(PyTypeError::new_err(format!(
+            "{} must be an int32 numpy array or a CPU torch tensor, got {}",
+            label(gid),
+            type_name(item)
+        )));
+    }
+    let device = item.getattr("device")?.getattr("type")?;
+    if !device
+        .cast::<PyString>()
+        .is_ok_and(|d| d.to_str().is_ok_and(|d| d == "cpu"))
+    {
+        return Err(PyValueError::new_err(format!(
+            "{} must be a CPU tensor, got one on device {}",
+            label(gid),
+            device.str()?
+        )));
+    }
+    let view = item
+        .call_method0("numpy")
+        .map_err(|e| PyTypeError::new_err(format!("{} cannot be viewed as a numpy array: {e}", label(gid))))?;
+    view.cast_into::<PyUntypedArray>().map_err(|e| {
+        PyTypeError::new_err(format!(
+            "{}.numpy() returned {}, not a numpy array",
+            label(gid),
+            type_name(&e.into_inner())
+        ))
+    })
+}
+
+/// Borrow every group's buffer from the mapping `out` (in group order), writable.
+///
+/// A missing group, a non-array, a dtype other than int32, a shape that is not 2-D, a
+/// non-C-contiguous or read-only buffer, or one buffer given for two groups is an error
+/// naming the group. Rows and columns are checked by the core against the batch.
+pub fn borrow_out<'py>(out: &Bound<'py, PyAny>, group_ids: &[String]) -> PyResult<Vec<PyReadwriteArray2<'py, i32>>> {
+    let py = out.py();
+    let mut arrays = Vec::with_capacity(group_ids.len());
+    for gid in group_ids {
+        let item = match out.get_item(gid) {
+            Ok(item) => item,
+            Err(e) if e.is_instance_of::<PyKeyError>(py) => {
+                return Err(PyValueError::new_err(format!(
+                    "block_tables: out has no table for group {:?}",
+                    crate::convert::clip(gid)
+                )))
+            }
+            Err(e) if e.is_instance_of::<PyTypeError>(py) => {
+                return Err(PyTypeError::new_err(format!(
+                    "out must be a mapping of group id to int32 array, got {}",
+                    type_name(out)
+                )))
+            }
+            Err(e) => return Err(e),
+        };
+        let arr = as_ndarray(&item, gid)?;
+        if arr.ndim() != 2 {
+            return Err(PyValueError::new_err(format!(
+                "{} must be 2-D [rows, cols], got {} dimension(s)",
+                label(gid),
+                arr.ndim()
+            )));
+        }
+        let Ok(typed) = arr.cast::<PyArray2<i32>>() else {
+            return Err(PyTypeError::new_err(format!(
+                "{} must have dtype int32, got {}",
+                label(gid),
+                arr.dtype().str()?
+            )));
+        };
+        if !arr.is_c_contiguous() {
+            return Err(PyValueError::new_err(format!("{} must be C-contiguous", label(gid))));
+        }
+        let rw = typed.try_readwrite().map_err(|e| match e {
+            BorrowError::NotWriteable => PyValueError::new_err(format!("{} must be writable", label(gid))),
+            _ => PyValueError::new_err(format!(
+                "{} shares its memory with another group's table (or is borrowed elsewhere)",
+                label(gid)
+            )),
+        })?;
+        arrays.push(rw);
+    }
+    Ok(arrays)
+}
+
+/// The borrowed buffers as the core's [`TableOut`]s (C-contiguous, checked in [`borrow_out`]).
+pub fn table_outs<'a>(arrays: &'a mut [PyReadwriteArray2<'_, i32>]) -> PyResult<Vec<TableOut<'a>>> {
+    let mut outs = Vec::with_capacity(arrays.len());
+    for arr in arrays.iter_mut() {
+        let (rows, cols) = {
+            let shape = arr.shape();
+            (shape[0], shape[1])
+        };
+        let data = arr
+            .as_slice_mut()
+            .map_err(|e| PyValueError::new_err(format!("block_tables: out buffer: {e}")))?;
+        outs.push(TableOut { data, rows, cols });
+    }
+    Ok(outs)
+}
