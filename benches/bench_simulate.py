@@ -9,10 +9,10 @@ Two measurements:
     default it runs the first ``--reference-requests`` requests, and the native engine runs
     both that trace (for the like-for-like ratio) and the whole one.
 ``eviction``
-    The effect of the hybrid eviction order (SPEC 12.3): a trace of requests that come back to
-    one of many shared prefixes over time, on pools from roomy to tight, run with
-    ``eviction_order="hybrid"`` and ``"group"`` (the reference design's order). Reports the
-    prefix hit rate and preemptions of each.
+    The effect of the hybrid eviction order (SPEC 12.3) on the prefix hit rate under memory
+    pressure: two workloads (requests returning to shared prefixes; multi-turn chats) on two
+    models (gpt-oss-like, W=128; a Gemma-2-like model, W=4096), on pools from roomy to tight,
+    run with ``eviction_order="hybrid"`` and ``"group"`` (the reference design's order).
 
 Build the extension in release mode first (``maturin develop --release``), then::
 
@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flat_kvcache.simulate import SimulationConfig, default_trace, load_trace, simulate
+import numpy.typing as npt
+from flat_kvcache.simulate import VOCAB, SimulationConfig, TraceRequest, default_trace, load_trace, simulate
 
 
 def _timing_row(label: str, summary: dict[str, Any]) -> str:
@@ -86,66 +87,120 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     return runs
 
 
-def eviction_trace(path: Path, *, num_requests: int, seed: int, prefixes: int) -> None:
-    """Requests that return to one of ``prefixes`` shared prefixes (a system prompt or a
-    conversation so far) over time: 1024 to 3072 prefix tokens plus 64 to 512 own tokens,
-    64 generated tokens, two arrivals per step."""
+#: A Gemma-2-style model: sliding-window layers with a 4096-token window, alternating with
+#: full-attention layers. With prompts of at most a few thousand tokens its sliding group keeps
+#: (nearly) every page until the request ends, like the full group.
+GEMMA2_LIKE: dict[str, Any] = {
+    "model_type": "gemma2_like",
+    "num_hidden_layers": 4,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "sliding_window": 4096,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "torch_dtype": "bfloat16",
+    "max_position_embeddings": 8192,
+}
+
+
+def shared_prefix_trace(*, num_requests: int, prefixes: int, seed: int) -> list[TraceRequest]:
+    """Requests that return to one of ``prefixes`` shared prefixes over time (a system prompt,
+    a document): 1024 to 3072 prefix tokens plus 64 to 512 own tokens, 64 generated tokens,
+    two arrivals per step. Written as JSONL and read back, so the file format is exercised too."""
     rng = np.random.default_rng(seed)
     prefix_len = rng.integers(1024, 3072, size=prefixes, endpoint=True)
     lines = []
     for index in range(num_requests):
         prefix = int(rng.integers(prefixes))
         own = int(rng.integers(64, 512, endpoint=True))
-        lines.append(
-            json.dumps(
-                {
-                    "prompt_len": int(prefix_len[prefix]) + own,
-                    "prefix_id": prefix,
-                    "prefix_len": int(prefix_len[prefix]),
-                    "output_len": 64,
-                    "arrival_step": index // 2,
-                }
-            )
-        )
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        record = {
+            "prompt_len": int(prefix_len[prefix]) + own,
+            "prefix_id": prefix,
+            "prefix_len": int(prefix_len[prefix]),
+            "output_len": 64,
+            "arrival_step": index // 2,
+        }
+        lines.append(json.dumps(record))
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "shared_prefix.jsonl"
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return load_trace(path, seed=seed)
+
+
+def multi_turn_trace(*, conversations: int, turns: int, gap: int, seed: int) -> list[TraceRequest]:
+    """Chats: each turn's prompt is the conversation so far (previous prompt and answer) plus a
+    new user message of 64 to 256 tokens; the first is a 512-token system prompt shared by all
+    conversations plus 256 to 1024 tokens. 128 generated tokens per turn. Conversation c's turn
+    k arrives at step ``2 c + k gap``, so its previous turn's pages have been freed and partly
+    evicted by then."""
+    rng = np.random.default_rng(seed)
+
+    def tokens(count: int) -> npt.NDArray[np.uint32]:
+        return rng.integers(0, VOCAB, size=count, dtype=np.uint32)
+
+    system = tokens(512)
+    requests = []
+    for conversation in range(conversations):
+        history = np.concatenate([system, tokens(int(rng.integers(256, 1024, endpoint=True)))])
+        for turn in range(turns):
+            answer = tokens(128)
+            requests.append((conversation * 2 + turn * gap, history, answer))
+            history = np.concatenate([history, answer, tokens(int(rng.integers(64, 256, endpoint=True)))])
+    requests.sort(key=lambda request: request[0])
+    return [TraceRequest(i, prompt, answer, arrival) for i, (arrival, prompt, answer) in enumerate(requests)]
 
 
 def eviction(args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "eviction.jsonl"
-        eviction_trace(path, num_requests=args.eviction_requests, seed=args.seed, prefixes=args.prefixes)
-        trace = load_trace(path, seed=args.seed)
+    traces = {
+        "shared-prefix": shared_prefix_trace(
+            num_requests=args.eviction_requests, prefixes=args.prefixes, seed=args.seed
+        ),
+        "multi-turn": multi_turn_trace(conversations=args.conversations, turns=4, gap=150, seed=args.seed),
+    }
     rows = []
-    for pages in args.eviction_pages:
-        row: dict[str, Any] = {"num_pages": pages}
-        for order in ("hybrid", "group"):
-            summary = simulate(
-                trace,
-                SimulationConfig(
-                    preset=args.preset,
-                    engine="native",
-                    eviction_order=order,
-                    num_pages=pages,
-                ),
-            ).summary
-            row[order] = {
-                key: summary[key]
-                for key in ("prefix_hit_rate", "prefix_hits_tokens", "preemptions", "evictions", "steps")
-            }
-        rows.append(row)
+    with tempfile.TemporaryDirectory() as folder:
+        gemma = Path(folder) / "gemma2_like.json"
+        gemma.write_text(json.dumps(GEMMA2_LIKE), encoding="utf-8")
+        models = {"gpt-oss-like (W=128)": "gpt-oss-like", "gemma2-like (W=4096)": str(gemma)}
+        for model, preset in models.items():
+            for workload, trace in traces.items():
+                for pages in args.eviction_pages:
+                    row: dict[str, Any] = {"model": model, "workload": workload, "num_pages": pages}
+                    for order in ("hybrid", "group"):
+                        config = SimulationConfig(preset=preset, eviction_order=order, num_pages=pages)
+                        summary = simulate(trace, config).summary
+                        keys = ("prefix_hit_rate", "prefix_hits_tokens", "preemptions", "evictions", "steps")
+                        row[order] = {key: summary[key] for key in keys}
+                    rows.append(row)
     if not args.json:
         print(
-            f"eviction order, {args.eviction_requests} requests over {args.prefixes} shared prefixes, "
-            f"preset {args.preset} (native engine)"
+            f"eviction order (native engine): shared-prefix = {args.eviction_requests} requests over "
+            f"{args.prefixes} prefixes; multi-turn = {args.conversations} conversations x 4 turns"
         )
-        header = ("pages", "hit rate hybrid", "hit rate group", "preemptions h/g", "steps h/g")
-        print("  ".join(f"{name:>{width}}" for name, width in zip(header, (7, 15, 14, 15, 13), strict=True)))
+        header = (
+            "model",
+            "workload",
+            "pages",
+            "hit hybrid",
+            "hit group",
+            "diff (pp)",
+            "preempt h/g",
+            "steps h/g",
+        )
+        widths = (22, 14, 7, 11, 10, 10, 12, 12)
+        print("  ".join(f"{name:>{width}}" for name, width in zip(header, widths, strict=True)))
         for row in rows:
             h, g = row["hybrid"], row["group"]
-            print(
-                f"{row['num_pages']:>7}  {h['prefix_hit_rate']:>15.2%}  {g['prefix_hit_rate']:>14.2%}  "
-                f"{h['preemptions']:>7}/{g['preemptions']:<7}  {h['steps']:>6}/{g['steps']:<6}"
+            cells = (
+                row["model"],
+                row["workload"],
+                str(row["num_pages"]),
+                f"{h['prefix_hit_rate']:.2%}",
+                f"{g['prefix_hit_rate']:.2%}",
+                f"{100 * (h['prefix_hit_rate'] - g['prefix_hit_rate']):+.2f}",
+                f"{h['preemptions']}/{g['preemptions']}",
+                f"{h['steps']}/{g['steps']}",
             )
+            print("  ".join(f"{cell:>{width}}" for cell, width in zip(cells, widths, strict=True)))
     return {"eviction": rows}
 
 
@@ -158,9 +213,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reference-requests", type=int, default=200, help="reference trace size (200)")
     parser.add_argument("--num-pages", type=int, help="pool size (default: as flat-kvcache simulate)")
     parser.add_argument("--eviction-requests", type=int, default=2000)
-    parser.add_argument("--prefixes", type=int, default=64)
+    parser.add_argument("--prefixes", type=int, default=256)
+    parser.add_argument("--conversations", type=int, default=300)
     parser.add_argument(
-        "--eviction-pages", type=int, nargs="+", default=[60000, 30000, 20000, 15000], metavar="N"
+        "--eviction-pages", type=int, nargs="+", default=[40000, 20000, 15000, 10000], metavar="N"
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)

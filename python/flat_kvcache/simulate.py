@@ -20,7 +20,8 @@ One step, in order:
    reserve)`` fits in ``budget()`` (free pages less the pages promised to other requests' next
    decode; ``reserve`` is 1 token when the chunk completes the prompt, for the first decode).
    Then ``add_request`` claims the prefix hit and ``schedule`` takes the chunk. The first
-   request that does not fit stops admission (no overtaking).
+   request that does not fit stops admission (no overtaking). While ``budget()`` is below one
+   page per group no first chunk can fit, and the check is skipped.
 4. ``block_tables(scheduled, out=...)`` into preallocated int32 buffers.
 5. Every scheduled request whose known tokens are now all computed samples a token: the last
    one it needs finishes it (``finish``), any other is appended (``append_tokens``). A request
@@ -397,6 +398,7 @@ class _Loop:
             eviction_order=config.eviction_order,
         )
         self.group_ids: list[str] = list(self.cache.group_ids)
+        self.num_groups = len(self.group_ids)
         self.base = int(self.cache.base_page_size)
         # Block-table buffers wide enough for the longest request (a folded prompt is no longer).
         longest = max((len(r.prompt) + r.output_len for r in trace), default=1)
@@ -509,6 +511,11 @@ class _Loop:
             live = self.waiting[0]
             rid, prompt, extra = live.rid, live.prompt, live.request.extra_keys
             start = _perf()
+            if cache.budget() < self.num_groups:
+                # Any first chunk takes at least one page per group (a claim leaves no room in
+                # the last page), so the full check, which hashes the prompt twice, would fail.
+                self._charge("admit", start)
+                break
             hit = cache.prefix_hit_tokens(prompt, extra_keys=extra)
             chunk = min(len(prompt) - hit, tokens_left)
             reserve = 1 if hit + chunk == len(prompt) else 0
