@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from flat_kvcache._types import FULL_HISTORY, SLIDING_WINDOW, STATE, PagedCacheGroupSpec
+from flat_kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 __all__ = [
     "BlockPool",
@@ -300,6 +301,11 @@ class BlockPool:
         self._pages_by_key: dict[str, list[int]] = {}
         # Free list, front = next to allocate = least recently freed. Values are unused.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, total))
+        # Keys dropped because their page was handed out again (the ``evictions`` metric), and,
+        # while the owning cache records KV events, those keys in eviction order.
+        self._evictions = 0
+        self._record_evictions = False
+        self._evicted: list[str] = []
 
     # -- probes ---------------------------------------------------------------------------------
 
@@ -431,14 +437,37 @@ class BlockPool:
 
     def _evict(self, page: int) -> None:
         """Drop ``page``'s key, if it holds one (it leaves that key's page list)."""
-        key = self._key_of[page]
+        key = self._drop_key(page)
         if key is None:
             return
+        self._evictions += 1
+        if self._record_evictions:
+            self._evicted.append(key)
+
+    def _drop_key(self, page: int) -> str | None:
+        """Forget ``page``'s key (it leaves that key's page list); returns the key, if any."""
+        key = self._key_of[page]
+        if key is None:
+            return None
         self._key_of[page] = None
         holders = self._pages_by_key[key]
         holders.remove(page)
         if not holders:
             del self._pages_by_key[key]
+        return key
+
+    def _take_evicted(self) -> list[str]:
+        """The keys evicted since the last call, in eviction order (recorded only when asked)."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def _clear_cached_free(self) -> int:
+        """Drop the key of every free cached page (they stay free, in place); not evictions."""
+        dropped = 0
+        for page in self._free:
+            if self._drop_key(page) is not None:
+                dropped += 1
+        return dropped
 
     def _cached_pages(self) -> Iterator[int]:
         for pages in self._pages_by_key.values():
@@ -581,14 +610,16 @@ class _GroupManager:
                 f"run past its table of {len(table.pages)} pages"
             )
 
-    def register(self, table: _Table, keys: Sequence[str], first_slot: int) -> None:
-        """Slot ``first_slot + j`` gets ``keys[j]`` (SPEC 6).
+    def register(self, table: _Table, keys: Sequence[str], first_slot: int) -> list[tuple[int, str]]:
+        """Slot ``first_slot + j`` gets ``keys[j]`` (SPEC 6); returns the ``(slot, key)`` pairs
+        newly cached, in slot order (for KV events).
 
         Holes and pages that already hold a key are skipped (so registering twice is harmless);
         the last page is skipped while it still has free slots (a partial page has no hash).
         """
         self.check_register_range(table, keys, first_slot)
         last_slot = len(table.pages) - 1
+        stored = []
         for offset, key in enumerate(keys):
             slot = first_slot + offset
             page = table.pages[slot]
@@ -597,6 +628,8 @@ class _GroupManager:
             if slot == last_slot and table.tail_avail > 0:
                 continue
             self.pool.cache(page, key)
+            stored.append((slot, key))
+        return stored
 
     def keys_to_register(
         self, keys: list[str], first_slot: int, hashed_end: int, end_tokens: int | None
@@ -782,6 +815,35 @@ def _request_key(req: object) -> RequestId:
         raise TypeError(f"request ids must be str or int, got {type(req).__name__}") from None
 
 
+@dataclass
+class _TokenState:
+    """A token-level request's own tokens (docs/requests-api.md).
+
+    ``hashes[i]`` is the chained content hash of full base page ``i`` of ``tokens``;
+    ``computed`` is the position; base pages below ``registered`` were already registered (or
+    claimed, hence keyed).
+    """
+
+    tokens: list[int]
+    hashes: list[str]
+    extra_keys: list[str]
+    computed: int = 0
+    registered: int = 0
+
+
+def _counts(values: object, name: str) -> list[int]:
+    """One count per entry: a sequence of ints or a 1-D integer numpy array."""
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer):
+            raise TypeError(f"{name} must be a 1-D integer array, got {values.ndim}-D {values.dtype}")
+        items: list[object] = values.tolist()
+    elif isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    else:
+        items = list(values)
+    return [_count(item, f"{name}[{index}]") for index, item in enumerate(items)]
+
+
 class FlatKVCache:
     """Every attention group of one model over one shared page pool (SPEC 6 to 8).
 
@@ -798,6 +860,7 @@ class FlatKVCache:
         *,
         enable_caching: bool = True,
         eviction_order: str = "hybrid",
+        enable_kv_events: bool = False,
     ) -> None:
         if not isinstance(eviction_order, str) or eviction_order not in _EVICTION_ORDERS:
             raise ValueError(f"eviction_order must be 'hybrid' or 'group', got {eviction_order!r}")
@@ -849,6 +912,14 @@ class FlatKVCache:
         others = [m.index for m in self._managers if not m.prefix_closed]
         self._match_order = closed + others
         self._requests: dict[RequestId, list[_Table]] = {}
+        # Token-level requests (docs/requests-api.md): their tokens and position, and the
+        # pages promised to any request's next decode (SPEC 9).
+        self._token_states: dict[RequestId, _TokenState] = {}
+        self._reserves: dict[RequestId, int] = {}
+        self._counters = {"prefix_queries_tokens": 0, "prefix_hits_tokens": 0, "preemptions": 0}
+        self._events_enabled = _flag(enable_kv_events, "enable_kv_events")
+        self._events: list[KVCacheEvent] = []
+        self._pool._record_evictions = self._events_enabled
 
     # -- properties -----------------------------------------------------------------------------
 
@@ -1028,7 +1099,18 @@ class FlatKVCache:
         for manager, table in zip(self._managers, tables, strict=True):
             ok = manager.acquire(table, count)
             assert ok, "the check above guarantees every group's allocation"
+            self._record_evictions()
         return True
+
+    def _record_evictions(self) -> None:
+        """One ``BlockRemoved`` per group whose keys the last allocation evicted, groups in the
+        order they first appear among the evicted keys, hashes in eviction order."""
+        by_group: dict[int, list[bytes]] = {}
+        for key in self._pool._take_evicted():
+            group = int(key[_HASH_HEX_LEN:], 16)
+            by_group.setdefault(group, []).append(bytes.fromhex(key[:_HASH_HEX_LEN]))
+        for group, hashes in by_group.items():
+            self._events.append(BlockRemoved(hashes, group))
 
     def register(
         self,
@@ -1049,6 +1131,18 @@ class FlatKVCache:
         hashes = _content_hashes(content_hashes)
         first = _count(first_slot, "first_slot")
         end = None if end_tokens is None else _count(end_tokens, "end_tokens")
+        self._register(tables, hashes, first, end, None)
+
+    def _register(
+        self,
+        tables: list[_Table],
+        hashes: list[str],
+        first: int,
+        end: int | None,
+        state: _TokenState | None,
+    ) -> None:
+        """:meth:`register` on checked arguments; ``state`` is the token-level request, if any
+        (its tokens, hashes and extra keys go into the ``BlockStored`` events)."""
         if not self._enable_caching:
             return  # SPEC 12.4: nothing is registered when prefix caching is disabled
         plan: list[tuple[_GroupManager, _Table, list[str], int]] = []
@@ -1062,7 +1156,54 @@ class FlatKVCache:
             manager.check_register_range(table, chosen_keys, chosen_slot)
             plan.append((manager, table, chosen_keys, chosen_slot))
         for manager, table, chosen_keys, chosen_slot in plan:
-            manager.register(table, chosen_keys, chosen_slot)
+            stored = manager.register(table, chosen_keys, chosen_slot)
+            if stored and self._events_enabled:
+                self._events.append(self._stored_event(manager, table, stored, hashes, first, state))
+
+    def _stored_event(
+        self,
+        manager: _GroupManager,
+        table: _Table,
+        stored: list[tuple[int, str]],
+        hashes: list[str],
+        first: int,
+        state: _TokenState | None,
+    ) -> BlockStored:
+        """The ``BlockStored`` event of one group's newly cached ``(slot, key)`` pairs.
+
+        The parent is the content hash of the slot before the first one: folded from the
+        request's own hashes (token-level) or from the hashes passed to ``register`` when they
+        cover that slot, else the hash of the key its page holds, else None (also at slot 0).
+        """
+        m = manager.fold
+        parent: bytes | None = None
+        previous = stored[0][0] - 1
+        if previous >= 0:
+            low, high = previous * m, (previous + 1) * m
+            if state is not None and high <= len(state.hashes):
+                parent = bytes.fromhex(fold_hashes(state.hashes[low:high], low, m)[0])
+            elif low >= first and high - first <= len(hashes):
+                parent = bytes.fromhex(fold_hashes(hashes[low - first : high - first], low, m)[0])
+            else:
+                page = table.pages[previous]
+                held = self._pool._key_held_by(page) if page != 0 else None
+                if held is not None:
+                    parent = bytes.fromhex(held[:_HASH_HEX_LEN])
+        tokens: list[int] = []
+        if state is not None:
+            for slot, _ in stored:
+                tokens.extend(state.tokens[slot * manager.page_size : (slot + 1) * manager.page_size])
+        spec = self._specs[manager.index]
+        return BlockStored(
+            block_hashes=[bytes.fromhex(key[:_HASH_HEX_LEN]) for _, key in stored],
+            parent_block_hash=parent,
+            token_ids=tokens,
+            block_size=spec.page_size,
+            group_index=manager.index,
+            group_kind=spec.kind,
+            sliding_window=spec.sliding_window,
+            extra_keys=list(state.extra_keys) if state is not None else [],
+        )
 
     def reclaim(self, req: RequestId, num_computed_tokens: int) -> None:
         """Free every page that slid out of its group's window, per group in index order (SPEC 6)."""
@@ -1093,7 +1234,10 @@ class FlatKVCache:
             )
             # BlockPool.free releases in reverse list order: reverse to release in ``ordered``.
             self._pool.free([page for _, _, page in reversed(ordered)])
-        del self._requests[_request_key(req)]
+        key = _request_key(req)
+        del self._requests[key]
+        self._token_states.pop(key, None)
+        self._reserves.pop(key, None)
 
     # -- admission helpers (SPEC 7, 9) ----------------------------------------------------------
 
@@ -1187,27 +1331,328 @@ class FlatKVCache:
         self.reclaim(req, computed)
         return self.acquire(req, count)
 
-    def block_tables(self, reqs: Sequence[RequestId]) -> dict[str, npt.NDArray[np.int32]]:
+    def block_tables(self, reqs: Sequence[RequestId], out: Any = None) -> Any:
         """Flat per-group block tables for a batch (SPEC 8): ``{group_id: int32 [len(reqs), cols]}``.
 
         ``cols`` is the longest of those requests' tables in the group; holes are 0 and padding
         past a row's end is -1; rows follow ``reqs`` (repeats allowed). Unavailable without the
         ``flat`` build feature (SPEC 10): never a silent single-table fallback.
+
+        With ``out`` (a mapping group_id -> writable C-contiguous int32 numpy array or CPU torch
+        tensor ``[>= len(reqs), cols]`` for every group), row ``r`` of each buffer is written in
+        place and ``out`` is returned; rows past ``len(reqs)`` are untouched. Every check (the
+        buffers, then the requests, then rows and columns) happens before anything is written.
         """
         if not _flat_build_enabled():
             raise RuntimeError(_FLAT_OFF_MESSAGE)
         if isinstance(reqs, (str, bytes)):
             raise TypeError("reqs must be a sequence of request ids, not a bare str")
-        rows = [self._tables(req) for req in reqs]
-        out: dict[str, npt.NDArray[np.int32]] = {}
-        for group, group_id in enumerate(self._group_ids):
-            cols = max((len(tables[group].pages) for tables in rows), default=0)
-            array = np.full((len(rows), cols), -1, dtype=np.int32)
-            for row, tables in enumerate(rows):
-                pages = tables[group].pages
-                array[row, : len(pages)] = pages
-            out[group_id] = array
+        keys = [_request_key(req) for req in reqs]
+        if out is None:
+            rows = [self._tables(key) for key in keys]
+            result: dict[str, npt.NDArray[np.int32]] = {}
+            for group, group_id in enumerate(self._group_ids):
+                cols = max((len(tables[group].pages) for tables in rows), default=0)
+                array = np.full((len(rows), cols), -1, dtype=np.int32)
+                self._fill_rows(array, rows, group)
+                result[group_id] = array
+            return result
+        buffers = self._out_buffers(out)
+        rows = [self._tables(key) for key in keys]
+        for group, (group_id, array) in enumerate(zip(self._group_ids, buffers, strict=True)):
+            if array.shape[0] < len(rows):
+                raise ValueError(
+                    f"block_tables: out[{group_id!r}] has {array.shape[0]} rows, "
+                    f"fewer than the {len(rows)} requests"
+                )
+            for key, tables in zip(keys, rows, strict=True):
+                if len(tables[group].pages) > array.shape[1]:
+                    raise ValueError(
+                        f"block_tables: out[{group_id!r}] has {array.shape[1]} columns but request "
+                        f"{key!r} has {len(tables[group].pages)} pages in that group"
+                    )
+        for group, array in enumerate(buffers):
+            self._fill_rows(array, rows, group)
         return out
+
+    @staticmethod
+    def _fill_rows(array: npt.NDArray[np.int32], rows: list[list[_Table]], group: int) -> None:
+        """Row ``r`` of ``array`` gets request ``r``'s pages in ``group`` (holes 0), then -1."""
+        for row, tables in enumerate(rows):
+            pages = tables[group].pages
+            array[row, : len(pages)] = pages
+            array[row, len(pages) :] = -1
+
+    def _out_buffers(self, out: Any) -> list[npt.NDArray[np.int32]]:
+        """Each group's ``out`` buffer as a numpy view of the caller's memory, checked."""
+        buffers: list[npt.NDArray[np.int32]] = []
+        for group_id in self._group_ids:
+            label = f"out[{group_id!r}]"
+            try:
+                item = out[group_id]
+            except KeyError:
+                raise ValueError(f"block_tables: out has no table for group {group_id!r}") from None
+            except TypeError:
+                raise TypeError(
+                    f"out must be a mapping of group id to int32 array, got {type(out).__name__}"
+                ) from None
+            if not isinstance(item, np.ndarray):
+                if not all(hasattr(item, name) for name in ("numpy", "device", "data_ptr")):
+                    raise TypeError(
+                        f"{label} must be an int32 numpy array or a CPU torch tensor, "
+                        f"got {type(item).__name__}"
+                    )
+                if getattr(item.device, "type", None) != "cpu":
+                    raise ValueError(f"{label} must be a CPU tensor, got one on device {item.device}")
+                item = item.numpy()  # shares the tensor's memory
+                if not isinstance(item, np.ndarray):
+                    raise TypeError(f"{label}.numpy() returned {type(item).__name__}, not a numpy array")
+            if item.ndim != 2:
+                raise ValueError(f"{label} must be 2-D [rows, cols], got {item.ndim} dimension(s)")
+            if item.dtype != np.int32:
+                raise TypeError(f"{label} must have dtype int32, got {item.dtype}")
+            if not item.flags.c_contiguous:
+                raise ValueError(f"{label} must be C-contiguous")
+            if not item.flags.writeable:
+                raise ValueError(f"{label} must be writable")
+            if any(np.shares_memory(item, other) for other in buffers):
+                raise ValueError(f"{label} shares its memory with another group's table")
+            buffers.append(item)
+        return buffers
+
+    # -- token-level requests (docs/requests-api.md; SPEC 8, 9, 12.4) -------------------------
+
+    def _token_state(self, method: str, key: RequestId) -> tuple[list[_Table], _TokenState]:
+        """A token-level request's tables and state: KeyError if unknown, ValueError if page-level."""
+        tables = self._tables(key)
+        state = self._token_states.get(key)
+        if state is None:
+            raise ValueError(f"{method}: request {key!r} is page-level (not created by add_request)")
+        return tables, state
+
+    def _capped_match(self, hashes: list[str], num_tokens: int) -> PrefixMatch:
+        """The prefix match over the first ``max((len - 1) // base, 0)`` base pages (SPEC 9):
+        the last prompt token is always recomputed."""
+        cap = max(num_tokens - 1, 0) // self._base
+        return self.match_prefix(hashes[:cap])
+
+    def _hash_prompt(
+        self, prompt_token_ids: object, extra_keys: object
+    ) -> tuple[list[int], list[str], list[str]]:
+        """Tokens, chained base-page hashes and extra keys of a prompt (checked)."""
+        tokens = _token_values(prompt_token_ids, "prompt_token_ids")
+        _extra_key_bytes(extra_keys)
+        keys = list(extra_keys)  # type: ignore[call-overload]
+        return tokens, hash_pages(tokens, self._base, extra_keys=keys), keys
+
+    def add_request(
+        self,
+        req: RequestId,
+        prompt_token_ids: TokenIds,
+        *,
+        extra_keys: Sequence[str] = (),
+        use_prefix_cache: bool = True,
+    ) -> int:
+        """A new token-level request for a non-empty prompt; returns its prefix hit in tokens.
+
+        With caching on and ``use_prefix_cache`` the capped match is claimed and the request
+        starts computed up to the hit. Nothing else is allocated.
+        """
+        use_cache = _flag(use_prefix_cache, "use_prefix_cache")
+        key = _request_key(req)
+        tokens, hashes, keys = self._hash_prompt(prompt_token_ids, extra_keys)
+        if key in self._requests:
+            raise ValueError(f"add_request: request {req!r} already exists")
+        if not tokens:
+            raise ValueError("prompt_token_ids must not be empty")
+        hit = 0
+        self._requests[key] = [_Table() for _ in self._managers]
+        if use_cache and self._enable_caching:
+            match = self._capped_match(hashes, len(tokens))
+            hit = match.num_common_tokens
+            self.claim(key, match)
+            self._counters["prefix_queries_tokens"] += len(tokens)
+            self._counters["prefix_hits_tokens"] += hit
+        self._token_states[key] = _TokenState(
+            tokens, hashes, keys, computed=hit, registered=hit // self._base
+        )
+        return hit
+
+    def append_tokens(self, req: RequestId, token_ids: TokenIds) -> None:
+        """Append newly known tokens; each base page that fills is hashed once, chained (SPEC 12.4)."""
+        key = _request_key(req)
+        tokens = _token_values(token_ids, "token_ids")
+        _, state = self._token_state("append_tokens", key)
+        state.tokens.extend(tokens)
+        while len(state.hashes) < len(state.tokens) // self._base:
+            start = len(state.hashes) * self._base
+            prior = state.hashes[-1] if state.hashes else ""
+            state.hashes.append(hash_page(state.tokens[start : start + self._base], prior, state.extra_keys))
+
+    def num_computed_tokens(self, req: RequestId) -> int:
+        return self._token_state("num_computed_tokens", _request_key(req))[1].computed
+
+    def num_tokens(self, req: RequestId) -> int:
+        return len(self._token_state("num_tokens", _request_key(req))[1].tokens)
+
+    def _check_known(self, method: str, key: RequestId, state: _TokenState, n: int) -> None:
+        if state.computed + n > len(state.tokens):
+            raise ValueError(
+                f"{method}: num_new_tokens = {n} for request {key!r} asks for more tokens than are "
+                f"known: {state.computed} computed of {len(state.tokens)}"
+            )
+
+    def schedule(self, req: RequestId, num_new_tokens: int, *, lookahead: int = 0) -> bool:
+        """Schedule the next ``num_new_tokens`` known tokens at the request's position (SPEC 8).
+
+        Register the completed full pages, reclaim slid-out pages, then acquire room for
+        ``computed + n + lookahead`` tokens all or nothing. True: the position moved by ``n``
+        and the reserve was released. False: nothing allocated, the position stays.
+        """
+        key = _request_key(req)
+        count = _count(num_new_tokens, "num_new_tokens")
+        ahead = _count(lookahead, "lookahead")
+        _, state = self._token_state("schedule", key)
+        self._check_known("schedule", key, state, count)
+        _check_u64(state.computed + count + ahead, "lookahead")
+        return self._schedule_checked(key, count, ahead)
+
+    def schedule_batch(
+        self, reqs: Sequence[RequestId], num_new_tokens: Sequence[int] | npt.NDArray[np.integer[Any]]
+    ) -> npt.NDArray[np.bool_]:
+        """``schedule(req, n)`` for each pair in order, after validating every pair first."""
+        if isinstance(reqs, (str, bytes)):
+            raise TypeError("reqs must be a sequence of request ids, not a bare str")
+        keys = [_request_key(req) for req in reqs]
+        counts = _counts(num_new_tokens, "num_new_tokens")
+        if len(counts) != len(keys):
+            raise ValueError(f"num_new_tokens has {len(counts)} entries but reqs has {len(keys)}")
+        asked: dict[RequestId, int] = {}
+        for key, count in zip(keys, counts, strict=True):
+            _, state = self._token_state("schedule_batch", key)
+            asked[key] = _check_u64(asked.get(key, 0) + count, "num_new_tokens")
+            self._check_known("schedule_batch", key, state, asked[key])
+        results = [self._schedule_checked(key, count, 0) for key, count in zip(keys, counts, strict=True)]
+        return np.array(results, dtype=np.bool_)
+
+    def _schedule_checked(self, key: RequestId, count: int, ahead: int) -> bool:
+        tables, state = self._token_state("schedule", key)
+        self._register_computed(tables, state)
+        position = state.computed
+        self.reclaim(key, position)
+        # Allocated tokens (claimed plus acquired) are the same in every group.
+        allocated = len(tables[0].pages) * self._managers[0].page_size - tables[0].tail_avail
+        needed = position + count + ahead - allocated
+        if needed > 0 and not self.acquire(key, needed):
+            return False
+        state.computed = position + count
+        self._reserves.pop(key, None)
+        return True
+
+    def _register_computed(self, tables: list[_Table], state: _TokenState) -> None:
+        """Register the full base pages below the position not registered yet (``end_tokens`` =
+        the position). The range starts at the last base page aligned to every group's fold, so
+        a group wider than a base page sees whole runs; re-registering caches nothing twice."""
+        if not self._enable_caching:
+            return
+        full = min(state.computed // self._base, len(state.hashes))
+        if full <= state.registered:
+            return
+        step = self._lcm // self._base
+        first = state.registered - state.registered % step
+        self._register(tables, state.hashes[first:full], first, state.computed, state)
+        state.registered = full
+
+    def finish(self, req: RequestId) -> None:
+        """Register the completed full pages, free everything in ``eviction_order``, forget the id."""
+        self._finish("finish", _request_key(req))
+
+    def preempt(self, req: RequestId) -> list[int]:
+        """``finish``, counted as a preemption; returns the request's whole token list to re-add."""
+        tokens = self._finish("preempt", _request_key(req))
+        self._counters["preemptions"] += 1
+        return tokens
+
+    def _finish(self, method: str, key: RequestId) -> list[int]:
+        tables, state = self._token_state(method, key)
+        self._register_computed(tables, state)
+        self.free(key)
+        return state.tokens
+
+    # -- admission accounting (SPEC 9) ----------------------------------------------------------
+
+    def prefix_hit_tokens(self, prompt_token_ids: TokenIds, *, extra_keys: Sequence[str] = ()) -> int:
+        """The (capped) hit ``add_request`` would get, read-only."""
+        tokens, hashes, _ = self._hash_prompt(prompt_token_ids, extra_keys)
+        return self._capped_match(hashes, len(tokens)).num_common_tokens
+
+    def pages_needed_to_admit(
+        self,
+        prompt_token_ids: TokenIds,
+        num_new_tokens: int,
+        reserve_tokens: int = 0,
+        *,
+        extra_keys: Sequence[str] = (),
+    ) -> int:
+        """Pages the capped match's claim takes plus ``pages_needed(new + reserve)`` on fresh tables."""
+        count = _count(num_new_tokens, "num_new_tokens")
+        extra = _count(reserve_tokens, "reserve_tokens")
+        tokens, hashes, _ = self._hash_prompt(prompt_token_ids, extra_keys)
+        match = self._capped_match(hashes, len(tokens))
+        total = self.pages_needed(_check_u64(count + extra, "num_new_tokens + reserve_tokens"))
+        return _check_u64(total + self.pages_consumed_by_claim(match), "num_new_tokens + reserve_tokens")
+
+    def reserve(self, req: RequestId, tokens: int) -> None:
+        """Promise ``pages_needed(tokens, req)`` pages to the request's next decode (replaces)."""
+        key = _request_key(req)
+        count = _count(tokens, "tokens")
+        self._reserves[key] = self.pages_needed(count, key)
+
+    def budget(self, req: RequestId | None = None) -> int:
+        """Free pages minus the reserves of every request other than ``req`` (may be negative)."""
+        own = 0
+        if req is not None:
+            key = _request_key(req)
+            self._tables(key)
+            own = self._reserves.get(key, 0)
+        return self._pool.num_free - (sum(self._reserves.values()) - own)
+
+    # -- metrics and KV events ------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """The metrics of docs/requests-api.md, with their stable names."""
+        pool = self._pool
+        total = pool.num_blocks - 1
+        in_use_by_group = {}
+        for group, group_id in enumerate(self._group_ids):
+            pages = {page for tables in self._requests.values() for page in tables[group].pages if page != 0}
+            in_use_by_group[group_id] = len(pages)
+        return {
+            "pages_total": total,
+            "pages_free": pool.num_free,
+            "pages_in_use": total - pool.num_free,
+            "pages_cached": pool.num_cached,
+            "pages_cached_free": pool.num_cached_free,
+            "requests": len(self._requests),
+            "prefix_queries_tokens": self._counters["prefix_queries_tokens"],
+            "prefix_hits_tokens": self._counters["prefix_hits_tokens"],
+            "evictions": pool._evictions,
+            "preemptions": self._counters["preemptions"],
+            "pages_in_use_by_group": in_use_by_group,
+        }
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, oldest first (``[]`` when events are off)."""
+        events, self._events = self._events, []
+        return events
+
+    def reset_prefix_cache(self) -> int:
+        """Drop the key of every free cached page (they stay free, no ``BlockRemoved``), record
+        ``AllBlocksCleared``, and return how many keys were dropped."""
+        dropped = self._pool._clear_cached_free()
+        if self._events_enabled:
+            self._events.append(AllBlocksCleared())
+        return dropped
 
     # -- SPEC 1 core invariants -----------------------------------------------------------------
 
