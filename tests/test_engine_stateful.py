@@ -238,7 +238,8 @@ class EngineMachine(RuleBasedStateMachine):
             assert getattr(self.subject, name) == getattr(self.reference, name), name
         assert list(self.subject.group_ids) == list(self.reference.group_ids)
         self.base = self.reference.base_page_size
-        self.max_page = max(size for _, size, _ in config["groups"])
+        self.page_sizes = [size for _, size, _ in config["groups"]]
+        self.max_page = max(self.page_sizes)
         # Documents: doc 1 shares a prefix with doc 0, so requests of both hit each other's pages.
         length = config["doc_length"]
         tokens = st.lists(st.integers(0, 3), min_size=length, max_size=length)
@@ -317,7 +318,7 @@ class EngineMachine(RuleBasedStateMachine):
         req = Request(rid, list(self.docs[doc][:length]), 0)
         hashes = self.hashes_of(req)
         cap = max((length - 1) // self.base, 0)  # SPEC 9: never match the last prompt token
-        use = data.draw(st.sampled_from(["match", "match", "empty", "saved"]))
+        use = data.draw(st.sampled_from(["match", "match", "empty", "saved", "holes"]))
         if use == "saved" and self.saved:
             subject_match, reference_match, doc, end = data.draw(st.sampled_from(self.saved))
             req = Request(rid, list(self.docs[doc][: max(end, length)]), 0)
@@ -326,6 +327,17 @@ class EngineMachine(RuleBasedStateMachine):
             subject_match = self.subject.match_prefix(wanted)
             reference_match = self.reference.match_prefix(wanted)
             agree("match_prefix", run(lambda: subject_match), run(lambda: reference_match))
+        if use == "holes":
+            # A match built by hand with holes punched anywhere (as a host-tier extension might
+            # leave them, SPEC 12.2): it remembers no keys, so claim only checks that each page
+            # still holds a key of its group.
+            pages = [
+                [page if data.draw(st.booleans()) else 0 for page in group] for group in reference_match.pages
+            ]
+            hits = [sum(1 for page in group if page) for group in pages]
+            common = reference_match.num_common_tokens
+            subject_match = self.subject_module.PrefixMatch(common, pages, hits)
+            reference_match = self.reference_module.PrefixMatch(common, pages, hits)
         matches = (subject_match, reference_match)
         common = int(reference_match.num_common_tokens)
         self.both("pages_consumed_by_claim", lambda c, side: c.pages_consumed_by_claim(matches[side]))
@@ -403,11 +415,18 @@ class EngineMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def register(self, data: st.DataObject) -> None:
-        """Register a range of base pages inside the request's slots, with or without end_tokens."""
+        """Register a range of base pages inside the request's slots, with or without end_tokens.
+
+        The range may run past the allocated tokens into a group's partly filled last page (the
+        caller may know tokens it has not allocated yet): that page must not be registered.
+        """
         req = self.pick(data)
         if req is None:
             return
-        pages = req.allocated // self.base
+        # Base pages every group's table covers: up to the end of each group's last slot.
+        covered = min(-(-req.allocated // size) * size for size in self.page_sizes)
+        pages = data.draw(st.sampled_from([req.allocated // self.base, covered // self.base]))
+        self.grow(req, pages * self.base, data)
         first = data.draw(st.integers(0, pages))
         count = data.draw(st.integers(0, pages - first))
         hashes = self.hashes_of(req)[first : first + count]
@@ -424,7 +443,7 @@ class EngineMachine(RuleBasedStateMachine):
         req = self.pick(data)
         if req is None:
             return
-        num = data.draw(st.integers(0, req.allocated))
+        num = data.draw(st.sampled_from([req.allocated, data.draw(st.integers(0, req.allocated))]))
         uncached = data.draw(st.booleans())
         self.both(
             f"pages_reclaimable({req.rid!r}, {num}, count_uncached={uncached})",
