@@ -1,0 +1,312 @@
+"""Stateful cross-check of the token-level request API (docs/requests-api.md).
+
+One hypothesis state machine drives the native ``FlatKVCache`` and the pure-Python reference
+with the same random scheduler-loop operations: ``add_request`` (prompts drawn from a few shared
+documents so prefix hits happen, extra keys sometimes, the prefix cache on or off),
+``append_tokens``, ``schedule`` with a lookahead, ``schedule_batch``, ``reserve``, ``finish``,
+``preempt`` then re-adding the returned tokens, ``reset_prefix_cache`` and ``block_tables``
+with and without ``out=``, over random hybrid spec mixes (full / sliding / state groups, page
+sizes multiples of one base, small pools so shortfalls happen, caching on and off, both
+eviction orders, KV events on).
+
+After every step both must agree on return values (or the exception class raised), page ids
+and positions of every live request, ``stats()``, ``budget()`` and ``take_events()``, and both
+must pass ``check_invariants()``.
+
+``HYPOTHESIS_PROFILE=ci`` runs 500 examples (about a minute on 2 cores).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import flat_kvcache
+import flat_kvcache.reference
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+IN_CI = os.environ.get("HYPOTHESIS_PROFILE") == "ci"
+EXAMPLES = int(os.environ.get("REQUESTS_EXAMPLES", "500" if IN_CI else "100"))
+STEPS = 50
+
+#: Request ids: ints and strs (``5`` and ``"5"`` are different requests).
+REQUEST_IDS = [0, 1, 2, 3, "a", "b"]
+#: Documents prompts are cut from: equal prefixes of one document hash alike.
+DOCUMENTS = [[1000 * d + i for i in range(96)] for d in range(3)]
+EXTRA_KEYS = [(), ("lora-1",), ("salt", "mm:7")]
+
+
+def normalize(value: Any) -> Any:
+    """Comparable plain data: arrays become (dtype, shape, values); containers recurse."""
+    if isinstance(value, np.ndarray):
+        return ("ndarray", str(value.dtype), value.shape, value.tolist())
+    if isinstance(value, dict):
+        return {key: normalize(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [normalize(item) for item in value]
+    return value
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> dict[str, Any]:
+    """A hybrid spec mix over one base page size, a small pool and the cache options."""
+    base = draw(st.sampled_from([1, 2, 4]))
+    groups = []
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(["full", "sliding_window", "state"]))
+        size = base * draw(st.sampled_from([1, 1, 2, 4]))
+        window = draw(st.integers(1, 3 * size)) if kind == "sliding_window" else None
+        groups.append((kind, size, window))
+    return {
+        "groups": groups,
+        "num_pages": draw(st.integers(2, 28)),
+        "enable_caching": draw(st.booleans().map(lambda off: not off) | st.just(True)),
+        "eviction_order": draw(st.sampled_from(["hybrid", "group"])),
+    }
+
+
+class RequestsMachine(RuleBasedStateMachine):
+    """Native and reference caches side by side; every call must agree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.caches: list[Any] = []
+        self.live: list[Any] = []
+
+    @initialize(
+        config=configs(),
+        prompts=st.lists(st.tuples(st.integers(0, len(DOCUMENTS) - 1), st.integers(1, 40)), max_size=3),
+    )
+    def build(self, config: dict[str, Any], prompts: list[tuple[int, int]]) -> None:
+        """Both caches, and a few requests from the start so the request rules can act."""
+        self.config = config
+        for module in (flat_kvcache, flat_kvcache.reference):
+            specs = [module.KVCacheSpec(kind, size, window) for kind, size, window in config["groups"]]
+            self.caches.append(
+                module.FlatKVCache(
+                    specs,
+                    config["num_pages"],
+                    enable_caching=config["enable_caching"],
+                    eviction_order=config["eviction_order"],
+                    enable_kv_events=True,
+                )
+            )
+        for req, (doc, length) in zip(REQUEST_IDS, prompts, strict=False):
+            self.both("add_request", req, DOCUMENTS[doc][:length])
+            self.live.append(req)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def both(self, method: str, *args: Any, **kwargs: Any) -> tuple[str, Any]:
+        """Call ``method`` on both caches; the results (or exception classes) must be equal."""
+        outcomes = []
+        for cache in self.caches:
+            try:
+                outcomes.append(("ok", normalize(getattr(cache, method)(*args, **kwargs))))
+            except Exception as exc:  # the class is what is compared
+                outcomes.append(("raise", type(exc).__name__))
+        assert outcomes[0] == outcomes[1], (
+            f"{method}{args} {kwargs}: native {outcomes[0]} != reference {outcomes[1]}"
+        )
+        return outcomes[0]
+
+    def pick(self, index: int) -> Any:
+        return self.live[index % len(self.live)]
+
+    def remaining(self, req: Any) -> int:
+        native = self.caches[0]
+        return int(native.num_tokens(req) - native.num_computed_tokens(req))
+
+    # -- rules --------------------------------------------------------------------------------
+
+    @rule(
+        req=st.sampled_from(REQUEST_IDS),
+        doc=st.integers(0, len(DOCUMENTS) - 1),
+        length=st.integers(0, 40),
+        suffix=st.lists(st.integers(0, 50), max_size=6),
+        extra=st.sampled_from(EXTRA_KEYS) | st.just(()),
+        use_cache=st.booleans() | st.just(True),
+        as_array=st.booleans(),
+    )
+    def add_request(
+        self,
+        req: Any,
+        doc: int,
+        length: int,
+        suffix: list[int],
+        extra: tuple[str, ...],
+        use_cache: bool,
+        as_array: bool,
+    ) -> None:
+        prompt: Any = DOCUMENTS[doc][:length] + suffix
+        if as_array:
+            prompt = np.array(prompt, dtype=np.int64)
+        outcome = self.both("add_request", req, prompt, extra_keys=list(extra), use_prefix_cache=use_cache)
+        if outcome[0] == "ok":
+            self.live.append(req)
+            if outcome[1]:
+                event("prefix hit")
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 10), tokens=st.lists(st.integers(0, 2000), min_size=0, max_size=9))
+    def append_tokens(self, index: int, tokens: list[int]) -> None:
+        self.both("append_tokens", self.pick(index), tokens)
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 10), finish=st.booleans())
+    def run_to_end(self, index: int, finish: bool) -> None:
+        """Schedule everything known (a whole prefill), then maybe finish: fills the cache."""
+        req = self.pick(index)
+        outcome = self.both("schedule", req, self.remaining(req))
+        if finish and outcome[1] is True:
+            self.both("finish", req)
+            self.live.remove(req)
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 10), token=st.integers(0, 2000))
+    def decode(self, index: int, token: int) -> None:
+        """One generated token: append it, then schedule the tokens not computed yet."""
+        req = self.pick(index)
+        self.both("append_tokens", req, [token])
+        self.both("schedule", req, self.remaining(req), lookahead=1)
+
+    @precondition(lambda self: self.live)
+    @rule(
+        index=st.integers(0, 10),
+        fraction=st.sampled_from([0.0, 0.25, 0.5, 1.0, 1.0]) | st.floats(0, 1.2),
+        lookahead=st.integers(0, 5) | st.just(0),
+    )
+    def schedule(self, index: int, fraction: float, lookahead: int) -> None:
+        req = self.pick(index)
+        n = int(self.remaining(req) * fraction + 0.5)
+        outcome = self.both("schedule", req, n, lookahead=lookahead)
+        event(f"schedule -> {outcome[1]}")
+
+    @precondition(lambda self: self.live)
+    @rule(
+        indices=st.lists(st.integers(0, 10), min_size=0, max_size=4), data=st.data(), as_array=st.booleans()
+    )
+    def schedule_batch(self, indices: list[int], data: st.DataObject, as_array: bool) -> None:
+        reqs = [self.pick(i) for i in indices]
+        ns: Any = [
+            data.draw(st.integers(0, max(self.remaining(r), 0) // max(len(reqs), 1) + 1)) for r in reqs
+        ]
+        if data.draw(st.booleans()) and len(reqs) > 0 and data.draw(st.integers(0, 9)) == 0:
+            reqs = [*reqs, "unknown"]
+            ns = [*ns, 1]
+        if as_array:
+            ns = np.array(ns, dtype=np.int64)
+        self.both("schedule_batch", reqs, ns)
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 10), tokens=st.integers(0, 12))
+    def reserve(self, index: int, tokens: int) -> None:
+        self.both("reserve", self.pick(index), tokens)
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 10))
+    def finish(self, index: int) -> None:
+        req = self.pick(index)
+        self.both("finish", req)
+        self.live.remove(req)
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 10), readd=st.booleans() | st.just(True))
+    def preempt(self, index: int, readd: bool) -> None:
+        req = self.pick(index)
+        status, tokens = self.both("preempt", req)
+        assert status == "ok"
+        self.live.remove(req)
+        if readd:
+            outcome = self.both("add_request", req, tokens)
+            if outcome[0] == "ok":
+                self.live.append(req)
+                event(f"re-added after preempt, hit > 0: {bool(outcome[1])}")
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        self.both("reset_prefix_cache")
+
+    @rule(
+        doc=st.integers(0, len(DOCUMENTS) - 1),
+        length=st.integers(0, 40),
+        extra=st.sampled_from(EXTRA_KEYS),
+        new=st.integers(0, 20),
+        ahead=st.integers(0, 8),
+    )
+    def admission_probes(self, doc: int, length: int, extra: tuple[str, ...], new: int, ahead: int) -> None:
+        prompt = DOCUMENTS[doc][:length]
+        self.both("prefix_hit_tokens", prompt, extra_keys=list(extra))
+        self.both("pages_needed_to_admit", prompt, new, ahead, extra_keys=list(extra))
+
+    @rule(req=st.sampled_from([*REQUEST_IDS, "unknown"]))
+    def misuse(self, req: Any) -> None:
+        """Calls on a request that may be unknown: the same exception class on both sides."""
+        self.both("num_computed_tokens", req)
+        self.both("budget", req)
+        self.both("schedule", req, 10_000)
+
+    @precondition(lambda self: self.live)
+    @rule(
+        indices=st.lists(st.integers(0, 10), max_size=4),
+        extra_rows=st.integers(0, 2),
+        cols=st.integers(0, 12),
+    )
+    def block_tables(self, indices: list[int], extra_rows: int, cols: int) -> None:
+        reqs = [self.pick(i) for i in indices]
+        self.both("block_tables", reqs)
+        buffers = []
+        outcomes = []
+        for cache in self.caches:
+            out = {
+                gid: np.full((len(reqs) + extra_rows, cols), 77, dtype=np.int32) for gid in cache.group_ids
+            }
+            try:
+                returned = cache.block_tables(reqs, out=out)
+                assert returned is out
+                outcomes.append("ok")
+            except Exception as exc:  # the class is what is compared
+                outcomes.append(type(exc).__name__)
+            buffers.append({gid: array.tolist() for gid, array in out.items()})
+        assert outcomes[0] == outcomes[1], f"block_tables(out=) {reqs}: {outcomes}"
+        assert buffers[0] == buffers[1], (
+            f"block_tables(out=) {reqs}: native {buffers[0]} != reference {buffers[1]}"
+        )
+
+    # -- checks after every step --------------------------------------------------------------
+
+    @invariant()
+    def agree(self) -> None:
+        if not self.caches:
+            return
+        for cache in self.caches:
+            cache.check_invariants()
+        for req in self.live:
+            self.both("page_ids", req)
+            self.both("tail_available", req)
+            self.both("num_computed_tokens", req)
+            self.both("num_tokens", req)
+            self.both("budget", req)
+        self.both("budget")
+        stats = self.both("stats")[1]
+        if stats["evictions"]:
+            event("evictions")
+        for item in self.both("take_events")[1]:
+            event(type(item).__name__)
+
+
+RequestsMachine.TestCase.settings = settings(
+    max_examples=EXAMPLES,
+    stateful_step_count=STEPS,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+@pytest.mark.skipif(not hasattr(flat_kvcache, "FlatKVCache"), reason="native engine not built")
+class TestRequestsCrossCheck(RequestsMachine.TestCase):  # type: ignore[misc,name-defined]
+    pass
