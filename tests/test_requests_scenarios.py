@@ -1,0 +1,236 @@
+"""Hand-derived scenarios of the token-level request API (docs/requests-api.md).
+
+Each runs against both implementations (the ``api`` fixture: native and reference) and checks
+values worked out by hand from the contract.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import flat_kvcache
+import numpy as np
+import pytest
+
+needs_flat = pytest.mark.skipif(
+    not getattr(flat_kvcache, "FLAT_KVCACHE", False), reason="built without the `flat` feature"
+)
+
+
+def full_cache(api: ModuleType, num_pages: int = 64, **options: Any) -> Any:
+    """One full-attention group, P = 4."""
+    return api.FlatKVCache([api.KVCacheSpec("full", 4)], num_pages, **options)
+
+
+def test_capped_match_leaves_the_last_prompt_token(api: ModuleType) -> None:
+    cache = full_cache(api)
+    assert cache.add_request("a", list(range(16))) == 0
+    assert cache.schedule("a", 16)
+    cache.finish("a")
+    # All 4 pages are cached, but a prompt of exactly 4 pages matches (16 - 1) // 4 = 3.
+    assert cache.prefix_hit_tokens(list(range(16))) == 12
+    assert cache.prefix_hit_tokens(list(range(17))) == 16
+    assert cache.prefix_hit_tokens([0]) == 0
+    assert cache.add_request("b", list(range(16))) == 12
+    assert (cache.num_computed_tokens("b"), cache.num_tokens("b")) == (12, 16)
+    assert [len(pages) for pages in cache.page_ids("b")] == [3]
+    # Different extra keys hash apart: no hit.
+    assert cache.prefix_hit_tokens(list(range(17)), extra_keys=["lora-1"]) == 0
+    stats = cache.stats()
+    assert (stats["prefix_queries_tokens"], stats["prefix_hits_tokens"]) == (16 + 16, 12)
+    cache.check_invariants()
+
+
+def test_preempt_then_readd_is_a_prefix_hit(api: ModuleType) -> None:
+    cache = full_cache(api)
+    cache.add_request("a", list(range(10)))
+    assert cache.schedule("a", 10)
+    cache.append_tokens("a", [100, 101, 102, 103, 104, 105])
+    assert cache.schedule("a", 6)
+    tokens = cache.preempt("a")
+    assert tokens == [*range(10), *range(100, 106)]
+    assert not cache.has_request("a")
+    assert cache.stats()["preemptions"] == 1
+    # preempt registered the 4 computed pages; the re-added prompt (16 tokens) hits 3 of them.
+    assert cache.add_request("a", tokens) == 12
+    assert cache.num_computed_tokens("a") == 12
+    cache.check_invariants()
+
+
+def test_reserve_budget_and_schedule_release(api: ModuleType) -> None:
+    cache = full_cache(api, num_pages=9)  # 8 real pages
+    cache.add_request("a", list(range(8)))
+    assert cache.schedule("a", 8)  # 2 pages
+    assert cache.budget() == 6
+    cache.reserve("a", 4)  # the next 4 tokens need 1 page (the tail is full)
+    assert (cache.budget(), cache.budget("a")) == (5, 6)
+    cache.add_request("b", list(range(50, 53)))
+    cache.reserve("b", 8)  # 2 pages on empty tables
+    assert (cache.budget(), cache.budget("a"), cache.budget("b")) == (3, 4, 5)
+    cache.reserve("b", 0)  # clears b's reserve
+    assert cache.budget() == 5
+    cache.reserve("b", 5)  # replaces: 2 pages again
+    assert cache.budget() == 3
+    cache.append_tokens("a", [9])
+    assert cache.schedule("a", 1)  # success releases a's reserve; 1 page allocated
+    assert (cache.num_free_pages, cache.budget()) == (5, 3)
+    # A failed schedule keeps the reserve.
+    cache.reserve("a", 4)
+    cache.append_tokens("a", list(range(30)))
+    assert not cache.schedule("a", 30)
+    assert cache.budget() == 5 - 1 - 2
+    cache.finish("b")  # releases b's reserve
+    assert cache.budget() == 5 - 1
+    cache.free("a")  # page-level free releases a token-level request's reserve too
+    assert cache.budget() == 8
+    # Admission: an unrelated 8-token prompt, 8 new tokens and 4 reserved: 0 + ceil(12 / 4).
+    assert cache.pages_needed_to_admit(list(range(200, 208)), 8, 4) == 3
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("order", "expected"),
+    [
+        # hybrid: slot ends 8 (g0 4, g1 6), 6 (g0 3), 4 (g0 2, g1 5), 2 (g0 1) leave first.
+        ("hybrid", [[7, 8, 4, 6], [3, 2]]),
+        # group: g0's table tail first (4, 3, 2, 1), then g1's (6, 5).
+        ("group", [[7, 8, 4, 3], [2, 1]]),
+    ],
+)
+def test_eviction_order_on_two_groups(api: ModuleType, order: str, expected: list[list[int]]) -> None:
+    # Full P = 2 (g0) and sliding P = 4, W = 64 (g1): 8 tokens hold g0 [1, 2, 3, 4], g1 [5, 6].
+    specs = [api.KVCacheSpec("full", 2), api.KVCacheSpec("sliding_window", 4, 64)]
+    cache = api.FlatKVCache(specs, 9, eviction_order=order, enable_kv_events=True)
+    cache.add_request("a", list(range(8)))
+    assert cache.schedule("a", 8)
+    assert cache.page_ids("a") == [[1, 2, 3, 4], [5, 6]]
+    cache.finish("a")
+    cache.take_events()
+    # An unrelated request takes 4 + 2 pages from the front of the free list: the two never
+    # used pages (7, 8), then the first four pages `finish` released.
+    cache.add_request("b", list(range(100, 108)))
+    assert cache.schedule("b", 8)
+    assert cache.page_ids("b") == expected
+    removed = [event for event in cache.take_events() if type(event).__name__ == "BlockRemoved"]
+    evicted = sum(len(event.block_hashes) for event in removed)
+    assert evicted == 4 == cache.stats()["evictions"]
+    cache.check_invariants()
+
+
+def test_events_of_a_request(api: ModuleType) -> None:
+    cache = full_cache(api, enable_kv_events=True)
+    cache.add_request("a", list(range(9)), extra_keys=["salt"])
+    assert cache.take_events() == []
+    assert cache.schedule("a", 9)  # registers nothing yet: the position was 0
+    assert cache.take_events() == []
+    cache.finish("a")  # registers the 2 full pages below 9
+    (stored,) = cache.take_events()
+    hashes = flat_kvcache.hash_pages(list(range(9)), 4, extra_keys=["salt"])
+    assert stored.block_hashes == [bytes.fromhex(h) for h in hashes]
+    assert stored.parent_block_hash is None
+    assert stored.token_ids == list(range(8))
+    assert (stored.block_size, stored.group_index, stored.group_kind) == (4, 0, "full")
+    assert stored.extra_keys == ["salt"]
+    assert cache.reset_prefix_cache() == 2
+    assert [type(event).__name__ for event in cache.take_events()] == ["AllBlocksCleared"]
+    # Events off: nothing is recorded.
+    quiet = full_cache(api)
+    quiet.add_request("a", list(range(9)))
+    quiet.schedule("a", 9)
+    quiet.finish("a")
+    assert quiet.take_events() == []
+
+
+def test_schedule_more_than_known_is_value_error(api: ModuleType) -> None:
+    cache = full_cache(api)
+    cache.add_request("a", list(range(6)))
+    with pytest.raises(ValueError):
+        cache.schedule("a", 7)
+    assert cache.schedule("a", 4, lookahead=3)
+    with pytest.raises(ValueError):
+        cache.schedule("a", 3)
+    assert (cache.num_computed_tokens("a"), cache.num_free_pages) == (4, 63 - 2)
+    assert cache.schedule("a", 0)  # n == 0 is allowed
+    with pytest.raises(KeyError):
+        cache.schedule("nope", 1)
+    # Token-level methods refuse a page-level request.
+    assert cache.acquire("page-level", 4)
+    with pytest.raises(ValueError):
+        cache.schedule("page-level", 0)
+    cache.check_invariants()
+
+
+def test_schedule_batch_validates_everything_before_changing_anything(api: ModuleType) -> None:
+    cache = full_cache(api)
+    cache.add_request("a", list(range(8)))
+    cache.add_request("b", list(range(8)))
+    before = (cache.num_free_pages, cache.page_ids("a"), cache.page_ids("b"))
+    with pytest.raises(KeyError):
+        cache.schedule_batch(["a", "zz"], [1, 1])
+    with pytest.raises(ValueError):
+        cache.schedule_batch(["a", "b"], [1, 9])
+    with pytest.raises(ValueError):
+        cache.schedule_batch(["a", "a"], [5, 5])  # a repeated request's asks add up
+    with pytest.raises(ValueError):
+        cache.schedule_batch(["a"], [1, 1])
+    assert (cache.num_free_pages, cache.page_ids("a"), cache.page_ids("b")) == before
+    assert cache.num_computed_tokens("a") == cache.num_computed_tokens("b") == 0
+    got = cache.schedule_batch(["a", "b"], np.array([8, 4]))
+    assert isinstance(got, np.ndarray)
+    assert got.dtype == np.bool_
+    assert got.tolist() == [True, True]
+    assert (cache.num_computed_tokens("a"), cache.num_computed_tokens("b")) == (8, 4)
+    cache.check_invariants()
+
+
+@needs_flat
+def test_block_tables_out_writes_the_callers_buffer(api: ModuleType) -> None:
+    specs = [api.KVCacheSpec("full", 4), api.KVCacheSpec("sliding_window", 4, 5)]
+    cache = api.FlatKVCache(specs, 64)
+    cache.add_request("a", list(range(16)))
+    assert cache.schedule("a", 12)
+    assert cache.schedule("a", 4)  # the sliding group reclaimed slots 0 and 1
+    cache.add_request("b", list(range(100, 104)))
+    assert cache.schedule("b", 4)
+    expected = cache.block_tables(["a", "b"])
+    out = {gid: np.full((3, 6), 77, dtype=np.int32) for gid in cache.group_ids}
+    views = {gid: array for gid, array in out.items()}
+    returned = cache.block_tables(["a", "b"], out=out)
+    assert returned is out
+    for gid, array in out.items():
+        assert array is views[gid]
+        rows = expected[gid].shape[1]
+        assert array[:2, :rows].tolist() == expected[gid].tolist()
+        assert (array[:2, rows:] == -1).all()
+        assert (array[2] == 77).all()  # rows past len(reqs) are untouched
+    assert out["g1"][0, :2].tolist() == [0, 0]  # holes are 0
+    # A table wider than cols: ValueError, nothing written.
+    narrow = {gid: np.full((2, 2), 77, dtype=np.int32) for gid in cache.group_ids}
+    with pytest.raises(ValueError):
+        cache.block_tables(["a", "b"], out=narrow)
+    assert all((array == 77).all() for array in narrow.values())
+    # Wrong dtype, too few rows, not contiguous, a missing group.
+    bad_dtype = {gid: np.zeros((2, 8), dtype=np.int64) for gid in cache.group_ids}
+    with pytest.raises(TypeError):
+        cache.block_tables(["a"], out=bad_dtype)
+    with pytest.raises(ValueError):
+        cache.block_tables(["a", "b"], out={gid: np.zeros((1, 8), np.int32) for gid in cache.group_ids})
+    with pytest.raises(ValueError):
+        cache.block_tables(["a"], out={gid: np.zeros((8, 8), np.int32)[:, ::2] for gid in cache.group_ids})
+    with pytest.raises(ValueError):
+        cache.block_tables(["a"], out={"g0": np.zeros((1, 8), np.int32)})
+
+
+@needs_flat
+def test_block_tables_out_torch_tensor_in_place(api: ModuleType) -> None:
+    torch = pytest.importorskip("torch")
+    cache = full_cache(api)
+    cache.add_request("a", list(range(8)))
+    assert cache.schedule("a", 8)
+    tensor = torch.full((2, 4), 77, dtype=torch.int32)
+    pointer = tensor.data_ptr()
+    returned = cache.block_tables(["a"], out={"g0": tensor})
+    assert returned["g0"] is tensor
+    assert tensor.data_ptr() == pointer
+    assert tensor.tolist() == [[1, 2, -1, -1], [77, 77, 77, 77]]
