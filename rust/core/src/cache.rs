@@ -113,6 +113,21 @@ fn page_i32(page: u32) -> i32 {
     page as i32
 }
 
+/// Write one table as a flat row (`row.len() >= table.len()`): the known-hole prefix as zeros
+/// without reading it (a sliding table is mostly holes, and the copy is bound by reading the
+/// pages), then the page ids, then -1 padding.
+#[inline]
+fn write_row(row: &mut [i32], table: &Table) {
+    let pages = table.pages();
+    let holes = table.holes_below().min(pages.len());
+    let (head, tail) = row.split_at_mut(pages.len());
+    head[..holes].fill(0);
+    for (dst, &p) in head[holes..].iter_mut().zip(&pages[holes..]) {
+        *dst = page_i32(p);
+    }
+    tail.fill(-1);
+}
+
 /// One live request: its tables (one per group), its token state if it is token-level, and
 /// the pages promised to its next decode.
 #[derive(Clone, Debug, Default)]
@@ -125,6 +140,15 @@ pub(crate) struct Entry {
     pub(crate) tokens: Option<TokenState>,
     /// Pages reserved for this request's next decode (docs/requests-api.md `reserve`).
     pub(crate) reserve: u64,
+}
+
+impl Entry {
+    /// A page-level call is about to change the tables: drop the token state's cached facts.
+    fn tables_changed(&mut self) {
+        if let Some(state) = self.tokens.as_mut() {
+            state.fresh = false;
+        }
+    }
 }
 
 /// Counters behind [`CacheStats`] that the pool does not keep.
@@ -260,10 +284,13 @@ impl FlatCache {
         Ok(&self.entries[self.find(req)?].tables)
     }
 
-    /// The request's tables and the coordinator, borrowed together.
+    /// The request's tables and the coordinator, borrowed together (for a page-level call
+    /// that may change the tables: a token-level request re-reads them at its next step).
     fn split_mut(&mut self, req: RequestIdRef<'_>) -> CoreResult<(&mut Coordinator, &mut Vec<Table>)> {
         let i = self.find(req)?;
-        Ok((&mut self.coord, &mut self.entries[i].tables))
+        let entry = &mut self.entries[i];
+        entry.tables_changed();
+        Ok((&mut self.coord, &mut entry.tables))
     }
 
     /// Add a new request (the caller checked that `req` is not live); returns its position.
@@ -296,10 +323,14 @@ impl FlatCache {
         entry.tokens
     }
 
-    /// The request's position, created empty (page-level) on first use.
+    /// The request's position, created empty (page-level) on first use; the caller changes
+    /// its tables.
     fn ensure(&mut self, req: RequestIdRef<'_>) -> usize {
         match self.index.get(&req) {
-            Some(&at) => at,
+            Some(&at) => {
+                self.entries[at].tables_changed();
+                at
+            }
             None => self.insert(req, None),
         }
     }
@@ -457,9 +488,9 @@ impl FlatCache {
             data.try_reserve_exact(size)
                 .map_err(|_| CoreError::OutOfMemory(format!("block_tables: {} x {cols} int32", rows.len())))?;
             for ts in &rows {
-                let pages = ts[g].pages();
-                data.extend(pages.iter().map(|&p| page_i32(p)));
-                data.extend(std::iter::repeat_n(-1, cols - pages.len()));
+                let start = data.len();
+                data.resize(start + cols, 0);
+                write_row(&mut data[start..], &ts[g]);
             }
             out.push(FlatTable {
                 rows: rows.len(),
@@ -492,10 +523,11 @@ impl FlatCache {
             rows.push(self.tables(r)?);
         }
         for (g, out) in outs.iter().enumerate() {
-            let gid = &specs[g].group_id;
+            // Quoted the Python way, as the caller indexes the mapping: out['full'].
+            let gid = format!("'{}'", specs[g].group_id.escape_debug());
             if out.rows.checked_mul(out.cols) != Some(out.data.len()) {
                 return Err(CoreError::invalid(format!(
-                    "block_tables: out[{gid:?}] holds {} values, not {} x {}",
+                    "block_tables: out[{gid}] holds {} values, not {} x {}",
                     out.data.len(),
                     out.rows,
                     out.cols
@@ -503,14 +535,14 @@ impl FlatCache {
             }
             if out.rows < reqs.len() {
                 return Err(CoreError::invalid(format!(
-                    "block_tables: out[{gid:?}] has {} rows, fewer than the {} requests",
+                    "block_tables: out[{gid}] has {} rows, fewer than the {} requests",
                     out.rows,
                     reqs.len()
                 )));
             }
             if let Some((r, ts)) = rows.iter().enumerate().find(|(_, ts)| ts[g].len() > out.cols) {
                 return Err(CoreError::invalid(format!(
-                    "block_tables: out[{gid:?}] has {} columns but request {} has {} pages in that group",
+                    "block_tables: out[{gid}] has {} columns but request {} has {} pages in that group",
                     out.cols,
                     reqs[r],
                     ts[g].len()
@@ -523,12 +555,7 @@ impl FlatCache {
                 continue;
             }
             for (row, ts) in out.data.chunks_exact_mut(cols).zip(&rows) {
-                let pages = ts[g].pages();
-                let (head, tail) = row.split_at_mut(pages.len());
-                for (dst, &p) in head.iter_mut().zip(pages) {
-                    *dst = page_i32(p);
-                }
-                tail.fill(-1);
+                write_row(row, &ts[g]);
             }
         }
         Ok(())
@@ -588,6 +615,7 @@ impl FlatCache {
                 )));
             }
         }
+        self.check_token_states()?;
         let live = self.entries.iter().filter(|e| e.live).count();
         if live != self.index.len() || reserved != self.reserved {
             return Err(CoreError::Invariant(format!(

@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use crate::cache::{Entry, FlatCache};
+use crate::cache::FlatCache;
 use crate::coordinator::{Coordinator, PrefixMatch, TokenContext};
 use crate::error::{CoreError, CoreResult};
 use crate::hash::{hash_page, hash_pages, ContentHash};
@@ -31,6 +31,29 @@ pub(crate) struct TokenState {
     pub(crate) registered: usize,
     /// `schedule_batch` scratch: tokens the batch being validated asks of this request.
     pub(crate) pending: u64,
+    /// Whether `allocated` and `reclaim_due` describe the tables (page-level calls that
+    /// change the tables clear it).
+    pub(crate) fresh: bool,
+    /// Tokens allocated (claimed plus acquired), read off the tables when fresh.
+    pub(crate) allocated: u64,
+    /// The first position at which a reclaim would change the tables (when fresh).
+    pub(crate) reclaim_due: u64,
+}
+
+impl TokenState {
+    /// Re-read the cached table facts, so a decode step that neither crosses a page boundary
+    /// nor slides a page out never touches the tables.
+    fn refresh(&mut self, coord: &Coordinator, tables: &[Table]) {
+        self.allocated = allocated(coord, tables);
+        self.reclaim_due = coord
+            .managers()
+            .iter()
+            .zip(tables)
+            .map(|(m, t)| m.reclaim_due_at(t))
+            .min()
+            .unwrap_or(u64::MAX);
+        self.fresh = true;
+    }
 }
 
 /// A prompt hashed into base pages for a cache with a given base page size. Built (and
@@ -179,6 +202,9 @@ impl FlatCache {
             computed: hit,
             registered,
             pending: 0,
+            fresh: false,
+            allocated: 0,
+            reclaim_due: 0,
         };
         let at = self.insert(req, Some(state));
         if let Some(m) = m {
@@ -290,23 +316,59 @@ impl FlatCache {
     }
 
     /// The step of [`Self::schedule`] for a validated request at slab position `at`.
+    ///
+    /// Register, reclaim, acquire; the reclaim and the acquire are skipped when the cached
+    /// table facts say they would do nothing.
     fn schedule_at(&mut self, at: usize, n: u64, lookahead: u64) -> CoreResult<bool> {
         let entry = &mut self.entries[at];
-        register_computed(&mut self.coord, entry)?;
         let Some(state) = entry.tokens.as_mut() else {
             return Ok(false);
         };
+        if !state.fresh {
+            state.refresh(&self.coord, &entry.tables);
+        }
+        register_computed(&mut self.coord, &entry.tables, state)?;
         let c = state.computed;
-        self.coord.reclaim(&mut entry.tables, c);
+        if c >= state.reclaim_due {
+            self.coord.reclaim(&mut entry.tables, c);
+            state.refresh(&self.coord, &entry.tables);
+        }
         // Validated by the callers: c + n + lookahead fits u64.
         let target = c.saturating_add(n).saturating_add(lookahead);
-        let need = target.saturating_sub(allocated(&self.coord, &entry.tables));
-        if need > 0 && !self.coord.acquire(&mut entry.tables, need) {
-            return Ok(false);
+        if target > state.allocated {
+            if !self.coord.acquire(&mut entry.tables, target - state.allocated) {
+                return Ok(false);
+            }
+            state.refresh(&self.coord, &entry.tables);
         }
         state.computed = c + n;
         self.reserved -= u128::from(std::mem::take(&mut entry.reserve));
         Ok(true)
+    }
+
+    /// Check that every fresh token-level request's cached table facts match its tables.
+    pub(crate) fn check_token_states(&self) -> CoreResult<()> {
+        for entry in self.entries.iter().filter(|e| e.live) {
+            let Some(state) = entry.tokens.as_ref().filter(|s| s.fresh) else {
+                continue;
+            };
+            let mut now = state.clone();
+            now.refresh(&self.coord, &entry.tables);
+            if (now.allocated, now.reclaim_due) != (state.allocated, state.reclaim_due) {
+                return Err(CoreError::Invariant(format!(
+                    "a token-level request caches {} allocated tokens and a reclaim due at {}, \
+                     but its tables say {} and {}",
+                    state.allocated, state.reclaim_due, now.allocated, now.reclaim_due
+                )));
+            }
+            if state.computed > state.allocated {
+                return Err(CoreError::Invariant(format!(
+                    "a token-level request computed {} tokens but has room for {}",
+                    state.computed, state.allocated
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Register a token-level request's completed full pages, free everything in the
@@ -325,7 +387,10 @@ impl FlatCache {
 
     fn finish_or_preempt(&mut self, method: &str, req: RequestIdRef<'_>) -> CoreResult<Vec<u32>> {
         let at = self.find_token(method, req)?;
-        register_computed(&mut self.coord, &mut self.entries[at])?;
+        let entry = &mut self.entries[at];
+        if let Some(state) = entry.tokens.as_mut() {
+            register_computed(&mut self.coord, &entry.tables, state)?;
+        }
         Ok(self.release(req, at).map(|s| s.tokens).unwrap_or_default())
     }
 
@@ -375,10 +440,7 @@ fn check_known(method: &str, req: RequestIdRef<'_>, state: &TokenState, n: u64, 
 /// boundary). The range starts at the last base page aligned to every group's fold width,
 /// so a group wider than the base page sees its whole run; registering is idempotent, so the
 /// overlap caches nothing twice.
-fn register_computed(coord: &mut Coordinator, entry: &mut Entry) -> CoreResult<()> {
-    let Some(state) = entry.tokens.as_mut() else {
-        return Ok(());
-    };
+fn register_computed(coord: &mut Coordinator, tables: &[Table], state: &mut TokenState) -> CoreResult<()> {
     if !coord.pool().caching_enabled() {
         return Ok(());
     }
@@ -397,7 +459,7 @@ fn register_computed(coord: &mut Coordinator, entry: &mut Entry) -> CoreResult<(
         extra_keys: &state.extra_keys,
     };
     coord.register_with(
-        &entry.tables,
+        tables,
         &state.hashes[first..full],
         u64::try_from(first).unwrap_or(u64::MAX),
         Some(state.computed),
@@ -1060,7 +1122,7 @@ mod tests {
             },
         ];
         let err = c.write_block_tables(&[B, A], &mut outs).unwrap_err();
-        assert!(err.to_string().contains("out[\"full\"]"), "{err}");
+        assert!(err.to_string().contains("out['full']"), "{err}");
         assert!(c.write_block_tables(&[B, A, A], &mut outs).is_err());
         assert!(n0.iter().chain(&n1).all(|&v| v == 7));
     }
@@ -1121,6 +1183,8 @@ mod tests {
             Finish(u8),
             /// Preempt `r` and re-add its tokens.
             Preempt(u8),
+            /// A page-level acquire of `n` tokens on a token-level request.
+            PageAcquire(u8, u8),
         }
 
         fn op() -> impl Strategy<Value = Op> {
@@ -1132,6 +1196,7 @@ mod tests {
                 (0u8..4, 0u8..20).prop_map(|(r, t)| Op::Reserve(r, t)),
                 (0u8..4).prop_map(Op::Finish),
                 (0u8..4).prop_map(Op::Preempt),
+                (0u8..4, 0u8..12).prop_map(|(r, n)| Op::PageAcquire(r, n)),
             ]
         }
 
@@ -1233,6 +1298,12 @@ mod tests {
                             if c.has_request(id) {
                                 let tokens = c.preempt(id).unwrap();
                                 add(&mut c, id, tokens);
+                            }
+                        }
+                        Op::PageAcquire(r, n) => {
+                            let id = ids[usize::from(r)];
+                            if c.has_request(id) {
+                                c.acquire(id, u64::from(n));
                             }
                         }
                     }

@@ -13,9 +13,14 @@ use pyo3::types::PyString;
 
 use crate::convert::type_name;
 
-/// `out[<group id>]`, as messages name a group's buffer.
+/// A group id quoted the Python way (`'full'`), for messages.
+fn quoted(gid: &str) -> String {
+    format!("'{}'", crate::convert::clip(gid).escape_debug())
+}
+
+/// `out['<group id>']`, as messages name a group's buffer.
 fn label(gid: &str) -> String {
-    format!("out[{:?}]", crate::convert::clip(gid))
+    format!("out[{}]", quoted(gid))
 }
 
 /// View one group's buffer as a numpy array: an ndarray as is, a torch tensor through
@@ -68,8 +73,8 @@ pub fn borrow_out<'py>(out: &Bound<'py, PyAny>, group_ids: &[String]) -> PyResul
             Ok(item) => item,
             Err(e) if e.is_instance_of::<PyKeyError>(py) => {
                 return Err(PyValueError::new_err(format!(
-                    "block_tables: out has no table for group {:?}",
-                    crate::convert::clip(gid)
+                    "block_tables: out has no table for group {}",
+                    quoted(gid)
                 )))
             }
             Err(e) if e.is_instance_of::<PyTypeError>(py) => {
