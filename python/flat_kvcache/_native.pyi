@@ -226,7 +226,9 @@ class FlatKVCache:
         num_computed_tokens: int,
     ) -> bool: ...
     @overload
-    def block_tables(self, reqs: Sequence[_RequestId], out: None = None) -> dict[str, npt.NDArray[np.int32]]: ...
+    def block_tables(
+        self, reqs: Sequence[_RequestId], out: None = None
+    ) -> dict[str, npt.NDArray[np.int32]]: ...
     @overload
     def block_tables(
         self, reqs: Sequence[_RequestId], out: Mapping[str, _TableBuffer]

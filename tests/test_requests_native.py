@@ -1,0 +1,361 @@
+"""Native-only tests of the token-level scheduler API (docs/requests-api.md).
+
+What the stateful cross-check against the reference cannot see: ``block_tables(out=...)``
+writes the caller's numpy array / torch tensor in place (same memory, right values, rows past
+the batch untouched), argument errors name their argument, a thread hammer on one shared
+cache, KV events as ``flat_kvcache.events`` dataclasses, and the build-flag behaviour.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import flat_kvcache
+import numpy as np
+import pytest
+from flat_kvcache.engine import FlatKVCache, KVCacheSpec, hash_pages
+from flat_kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
+
+needs_flat = pytest.mark.skipif(not flat_kvcache.FLAT_KVCACHE, reason="built without the `flat` feature")
+
+GROUPS = ("full", "swa")
+
+
+def hybrid(num_pages: int = 64, **options: Any) -> FlatKVCache:
+    """Full P = 4 and sliding P = 4, W = 8 (the docs' running example)."""
+    specs = [KVCacheSpec("full", 4, group_id="full"), KVCacheSpec("sliding_window", 4, 8, "swa")]
+    return FlatKVCache(specs, num_pages, **options)
+
+
+def running(cache: FlatKVCache, req: str | int, prompt: list[int]) -> None:
+    """Add ``req`` and compute its whole prompt."""
+    hit = cache.add_request(req, prompt)
+    assert cache.schedule(req, len(prompt) - hit)
+
+
+def buffers(rows: int, cols: int, fill: int = 7) -> dict[str, np.ndarray]:
+    return {g: np.full((rows, cols), fill, dtype=np.int32) for g in GROUPS}
+
+
+# ----- block_tables(out=...) writes the caller's buffers in place -------------------------------
+
+
+@needs_flat
+def test_out_numpy_is_written_in_place() -> None:
+    cache = hybrid()
+    running(cache, "a", list(range(20)))
+    running(cache, "b", list(range(100, 105)))
+    cache.append_tokens("a", [20])
+    assert cache.schedule("a", 1)  # the sliding window slides: holes in a's swa row
+    out = buffers(4, 9)
+    views = {g: out[g] for g in GROUPS}
+    pointers = {g: out[g].__array_interface__["data"][0] for g in GROUPS}
+    result = cache.block_tables(["b", "a", "b"], out=out)
+    assert result is out
+    expected = cache.block_tables(["b", "a", "b"])
+    for g in GROUPS:
+        assert out[g] is views[g] and out[g].__array_interface__["data"][0] == pointers[g]
+        assert np.shares_memory(result[g], views[g])
+        width = expected[g].shape[1]
+        np.testing.assert_array_equal(out[g][:3, :width], expected[g])
+        assert (out[g][:3, width:] == -1).all()
+        assert (out[g][3] == 7).all(), "rows past len(reqs) are untouched"
+    assert (out["swa"][1, :3] == 0).all() and (out["swa"][1, 3:6] > 0).all()
+
+
+@needs_flat
+def test_out_torch_cpu_tensor_is_written_in_place() -> None:
+    torch = pytest.importorskip("torch")
+    cache = hybrid()
+    running(cache, "a", list(range(13)))
+    out = {g: torch.full((2, 6), 7, dtype=torch.int32) for g in GROUPS}
+    ptrs = {g: out[g].data_ptr() for g in GROUPS}
+    assert cache.block_tables(["a"], out=out) is out
+    ids = cache.page_ids("a")
+    for index, g in enumerate(GROUPS):
+        assert out[g].data_ptr() == ptrs[g]
+        assert out[g][0].tolist() == ids[index] + [-1] * (6 - len(ids[index]))
+        assert out[g][1].tolist() == [7] * 6
+    # A tensor that is not C-contiguous (a transposed view) is refused by name.
+    bad = {"full": torch.zeros((6, 2), dtype=torch.int32).t(), "swa": out["swa"]}
+    with pytest.raises(ValueError, match=r"out\['full'\] must be C-contiguous"):
+        cache.block_tables(["a"], out=bad)
+    wrong = {"full": out["full"], "swa": torch.zeros((2, 6), dtype=torch.int64)}
+    with pytest.raises(TypeError, match=r"out\['swa'\] must have dtype int32"):
+        cache.block_tables(["a"], out=wrong)
+
+
+class _FakeCudaTensor:
+    """Looks like a torch tensor on a CUDA device (no GPU needed to test the refusal)."""
+
+    class device:  # mirrors torch's lowercase attribute
+        type = "cuda"
+
+    def numpy(self) -> np.ndarray:
+        raise AssertionError("must not be viewed")
+
+    def data_ptr(self) -> int:
+        return 0
+
+
+@needs_flat
+def test_out_errors_name_the_group_and_write_nothing() -> None:
+    cache = hybrid()
+    running(cache, "a", list(range(20)))  # 5 pages per group
+    good = buffers(2, 8)
+
+    def call(**replace: Any) -> None:
+        out: dict[str, Any] = {**good, **replace}
+        for g in GROUPS:
+            if replace.get(g, good[g]) is None:
+                del out[g]
+        cache.block_tables(["a"], out=out)
+
+    with pytest.raises(ValueError, match=r"out has no table for group 'swa'"):
+        call(swa=None)
+    with pytest.raises(TypeError, match=r"out\['full'\] must have dtype int32, got int64"):
+        call(full=np.zeros((2, 8), dtype=np.int64))
+    with pytest.raises(ValueError, match=r"out\['full'\] must be 2-D"):
+        call(full=np.zeros(16, dtype=np.int32))
+    with pytest.raises(ValueError, match=r"out\['swa'\] must be C-contiguous"):
+        call(swa=np.zeros((8, 2), dtype=np.int32).T)
+    read_only = np.zeros((2, 8), dtype=np.int32)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match=r"out\['full'\] must be writable"):
+        call(full=read_only)
+    with pytest.raises(TypeError, match=r"out\['swa'\] must be an int32 numpy array or a CPU torch tensor"):
+        call(swa=[[0] * 8] * 2)
+    with pytest.raises(ValueError, match=r"out\['swa'\] must be a CPU tensor"):
+        call(swa=_FakeCudaTensor())
+    with pytest.raises(ValueError, match=r"out\[.full.\] has 0 rows, fewer than the 1 requests"):
+        call(full=np.zeros((0, 8), dtype=np.int32))
+    shared = np.zeros((2, 8), dtype=np.int32)
+    with pytest.raises(ValueError, match=r"out\['swa'\] shares its memory"):
+        call(full=shared, swa=shared)
+    with pytest.raises(TypeError, match="out must be a mapping"):
+        cache.block_tables(["a"], out=[good["full"], good["swa"]])  # type: ignore[call-overload]
+    # Too narrow for a's 5 pages: an error naming the group, nothing written anywhere.
+    narrow = {"full": np.full((2, 8), 7, np.int32), "swa": np.full((2, 4), 7, np.int32)}
+    with pytest.raises(ValueError, match=r"out\[.swa.\] has 4 columns but request 'a' has 5 pages"):
+        cache.block_tables(["a"], out=narrow)
+    assert all((v == 7).all() for v in narrow.values())
+    with pytest.raises(KeyError):
+        cache.block_tables(["a", "nope"], out=good)
+    # Extra keys in the mapping are ignored; an empty batch writes nothing.
+    extra = {**buffers(1, 5), "other": np.zeros(3)}
+    assert cache.block_tables([], out=extra) is extra
+    assert (extra["full"] == 7).all()
+
+
+@pytest.mark.flag
+def test_block_tables_follow_the_build_flag() -> None:
+    """Both forms raise the RuntimeError naming the build when the `flat` feature is off."""
+    cache = hybrid()
+    running(cache, "a", list(range(6)))
+    if flat_kvcache.FLAT_KVCACHE:
+        assert cache.block_tables(["a"], out=buffers(1, 4))["full"][0, 0] > 0
+        return
+    message = "compiled without the `flat` cargo feature"
+    with pytest.raises(RuntimeError, match=message):
+        cache.block_tables(["a"])
+    out = buffers(1, 4)
+    with pytest.raises(RuntimeError, match=message):
+        cache.block_tables(["a"], out=out)
+    assert (out["full"] == 7).all()
+
+
+# ----- the token-level API from Python ------------------------------------------------------------
+
+
+def test_add_schedule_append_preempt_round_trip() -> None:
+    cache = hybrid(enable_kv_events=True)
+    assert cache.add_request("a", np.arange(10, dtype=np.uint32)) == 0
+    assert cache.num_tokens("a") == 10 and cache.num_computed_tokens("a") == 0
+    assert cache.schedule("a", 10, lookahead=2)
+    cache.append_tokens("a", np.array([10, 11], dtype=np.int64))
+    got = cache.schedule_batch(["a"], np.array([2], dtype=np.int32))
+    assert got.dtype == np.bool_ and got.tolist() == [True]
+    assert cache.num_computed_tokens("a") == 12
+    tokens = cache.preempt("a")
+    assert tokens == list(range(12)) and isinstance(tokens, list)
+    # (12 - 1) // 4 = 2 pages of the re-added prompt come back from the cache.
+    assert cache.prefix_hit_tokens(tokens) == 8
+    assert cache.add_request("a", tokens) == 8
+    stats = cache.stats()
+    assert stats["preemptions"] == 1 and stats["prefix_hits_tokens"] == 8
+    cache.check_invariants()
+
+
+def test_stats_have_the_documented_names() -> None:
+    cache = hybrid()
+    running(cache, "a", list(range(9)))
+    assert cache.acquire("page-level", 4)
+    stats = cache.stats()
+    assert set(stats) == {
+        "pages_total",
+        "pages_free",
+        "pages_in_use",
+        "pages_cached",
+        "pages_cached_free",
+        "requests",
+        "prefix_queries_tokens",
+        "prefix_hits_tokens",
+        "evictions",
+        "preemptions",
+        "pages_in_use_by_group",
+    }
+    assert stats["pages_total"] == 63 and stats["requests"] == 2
+    assert stats["pages_in_use_by_group"] == {"full": 4, "swa": 4}
+    assert stats["pages_free"] + stats["pages_in_use"] == stats["pages_total"]
+
+
+def test_events_are_the_shared_dataclasses() -> None:
+    assert hybrid().take_events() == []
+    cache = hybrid(num_pages=5, enable_kv_events=True)  # 4 pages
+    running(cache, "a", list(range(8)))  # 2 + 2 pages
+    cache.finish("a")  # registers both base pages in both groups
+    hashes = [bytes.fromhex(h) for h in hash_pages(list(range(8)), 4)]
+    stored = cache.take_events()
+    assert stored == [
+        BlockStored(hashes, None, list(range(8)), 4, 0, "full", None, []),
+        BlockStored(hashes, None, list(range(8)), 4, 1, "sliding_window", 8, []),
+    ]
+    assert all(len(h) == 32 for event in stored for h in event.block_hashes)
+    assert cache.acquire("b", 4)  # evicts the two oldest free pages (hybrid order)
+    removed = cache.take_events()
+    assert all(isinstance(e, BlockRemoved) for e in removed) and removed
+    assert cache.reset_prefix_cache() == 2
+    assert cache.take_events() == [AllBlocksCleared()]
+
+
+def test_admission_accounting() -> None:
+    cache = hybrid(21)  # 20 pages
+    running(cache, "a", list(range(6)))
+    assert cache.budget() == 16
+    cache.reserve("a", 3)  # tail 2, then 1 page per group
+    assert (cache.budget(), cache.budget("a"), cache.budget(None)) == (14, 16, 14)
+    assert cache.pages_needed_to_admit(list(range(50, 59)), 8, 5) == 8
+    assert cache.pages_needed_to_admit(list(range(50, 59)), 8) == 4
+    cache.reserve("a", 40)
+    assert cache.budget() == 16 - 20  # may go negative
+
+
+def test_argument_errors_name_the_argument() -> None:
+    cache = hybrid()
+    running(cache, "a", list(range(8)))
+    assert cache.acquire("p", 4)  # page-level
+    with pytest.raises(ValueError, match="already exists"):
+        cache.add_request("a", [1])
+    with pytest.raises(ValueError, match="already exists"):
+        cache.add_request("p", [1])
+    with pytest.raises(ValueError, match="must not be empty"):
+        cache.add_request("e", [])
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[1\] = -1 does not fit in u32"):
+        cache.add_request("e", [1, -1])
+    with pytest.raises(TypeError, match="extra_keys must be a sequence of str, not a str"):
+        cache.add_request("e", [1], extra_keys="lora")
+    with pytest.raises(TypeError, match="request ids must be str or int"):
+        cache.add_request(1.5, [1])  # type: ignore[arg-type]
+    assert not cache.has_request("e")
+    with pytest.raises(ValueError, match="asks for more tokens than are known"):
+        cache.schedule("a", 1)
+    with pytest.raises(ValueError, match="lookahead must be >= 0"):
+        cache.schedule("a", 0, lookahead=-1)
+    with pytest.raises(KeyError):
+        cache.schedule("nope", 0)
+    for call in (
+        lambda: cache.schedule("p", 0),
+        lambda: cache.num_tokens("p"),
+        lambda: cache.num_computed_tokens("p"),
+        lambda: cache.append_tokens("p", [1]),
+        lambda: cache.finish("p"),
+        lambda: cache.preempt("p"),
+        lambda: cache.schedule_batch(["p"], [0]),
+    ):
+        with pytest.raises(ValueError, match="is page-level"):
+            call()
+    with pytest.raises(ValueError, match="eviction_order must be 'hybrid' or 'group', got 'lru'"):
+        hybrid(eviction_order="lru")
+    with pytest.raises(ValueError, match="eviction_order must be 'hybrid' or 'group', got None"):
+        hybrid(eviction_order=None)
+    with pytest.raises(ValueError, match=r"content_hashes\[0\] must be a 64-character lowercase hex"):
+        cache.match_prefix([hash_pages([1, 2, 3, 4], 4)[0].upper()])
+
+
+def test_schedule_batch_validates_everything_first() -> None:
+    cache = hybrid()
+    cache.add_request("a", list(range(8)))
+    cache.add_request("b", list(range(8)))
+    before = (cache.stats(), cache.page_ids("a"), cache.page_ids("b"))
+    with pytest.raises(ValueError, match="num_new_tokens has 1 entries but reqs has 2"):
+        cache.schedule_batch(["a", "b"], [1])
+    with pytest.raises(ValueError, match=r"num_new_tokens\[1\] must be >= 0, got -1"):
+        cache.schedule_batch(["a", "b"], np.array([1, -1]))
+    with pytest.raises(ValueError, match=r"num_new_tokens\[1\] must be >= 0, got -1"):
+        cache.schedule_batch(["a", "b"], [1, -1])
+    with pytest.raises(TypeError, match="num_new_tokens must be a 1-D integer array"):
+        cache.schedule_batch(["a", "b"], np.array([1.0, 1.0]))
+    with pytest.raises(TypeError, match=r"num_new_tokens\[0\] must be an int, not bool"):
+        cache.schedule_batch(["a"], [True])
+    with pytest.raises(KeyError):
+        cache.schedule_batch(["a", "zz"], [1, 1])
+    with pytest.raises(ValueError, match="asks for more tokens"):
+        cache.schedule_batch(["a", "b"], [1, 9])
+    with pytest.raises(ValueError, match="asks for more tokens"):
+        cache.schedule_batch(["a", "a"], [5, 4])  # repeats count together
+    with pytest.raises(TypeError, match="not a str"):
+        cache.schedule_batch("ab", [1, 1])
+    assert (cache.stats(), cache.page_ids("a"), cache.page_ids("b")) == before
+    assert cache.num_computed_tokens("a") == 0
+    for ns in ([4, 4], (4, 4), np.array([4, 4], dtype=np.uint8), np.array([4, 4], dtype=np.int64)):
+        cache2 = hybrid()
+        cache2.add_request("a", list(range(8)))
+        cache2.add_request("b", list(range(8)))
+        assert cache2.schedule_batch(["a", "b"], ns).tolist() == [True, True]
+    assert hybrid().schedule_batch([], []).shape == (0,)
+
+
+# ----- threads --------------------------------------------------------------------------------------
+
+
+def test_thread_hammer_on_one_shared_cache() -> None:
+    """Eight threads run their own requests through the whole API on one cache; the engine's
+    invariants hold throughout and every page comes back."""
+    cache = hybrid(num_pages=400, enable_kv_events=True)
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def worker(t: int) -> None:
+        try:
+            start.wait()
+            reqs = [f"t{t}-{i}" for i in range(4)]
+            out = buffers(4, 64)
+            for round_ in range(15):
+                for i, req in enumerate(reqs):
+                    cache.add_request(req, [t, i, round_ % 3] * 5)
+                for _ in range(6):
+                    left = [cache.num_tokens(r) - cache.num_computed_tokens(r) for r in reqs]
+                    cache.schedule_batch(reqs, left)
+                    if flat_kvcache.FLAT_KVCACHE:
+                        cache.block_tables(reqs, out=out)
+                    for r in reqs:
+                        cache.append_tokens(r, [round_])
+                    cache.stats()
+                    cache.take_events()
+                for r in reqs[:2]:
+                    cache.finish(r)
+                for r in reqs[2:]:
+                    cache.add_request(f"{r}-again", cache.preempt(r))
+                    cache.finish(f"{r}-again")
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(worker, range(8)))
+    assert not errors, errors
+    cache.check_invariants()
+    stats = cache.stats()
+    assert stats["requests"] == 0 and stats["pages_in_use"] == 0
+    assert stats["pages_free"] == stats["pages_total"]
