@@ -1,16 +1,19 @@
 //! Criterion benches of the page engine's hot paths (targets in benches/README.md):
 //! pool allocate+free per page, 16-token page hashing, a 256-page full-attention prefix match,
-//! and a decode step for 256 requests on a full + sliding-window model (+ block tables).
+//! a decode step for 256 requests on a full + sliding-window model (+ block tables), and the
+//! same step through the token-level API (`schedule_batch` + `write_block_tables` into
+//! caller buffers).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use flat_kvcache_core::cache::FlatCache;
+use flat_kvcache_core::cache::{FlatCache, TableOut};
 use flat_kvcache_core::coordinator::{GroupSpec, PrefixMatch};
 use flat_kvcache_core::hash::{hash_page, hash_pages, ContentHash, GroupKey};
 use flat_kvcache_core::pool::BlockPool;
 use flat_kvcache_core::request::{RequestId, RequestIdRef};
+use flat_kvcache_core::requests::Prompt;
 use flat_kvcache_core::table::GroupKind;
 
 const PAGE: u64 = 16;
@@ -212,5 +215,161 @@ fn bench_decode(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_pool, bench_hash, bench_match, bench_decode);
+/// 256 token-level requests (2048-token prompts, full + sliding W = 1024) decoding one token
+/// per step: `append_tokens` per request, then one `schedule_batch` and one
+/// `write_block_tables` into two `[256, COLS]` buffers, as a scheduler loop would.
+struct TokenStepFixture {
+    cache: FlatCache,
+    ids: Vec<String>,
+    ones: Vec<u64>,
+    full: Vec<i32>,
+    swa: Vec<i32>,
+    steps_left: u64,
+    rounds: u32,
+}
+
+/// Capture width of a 2048 + 256-token context (`ceil((C + 1) / P)`).
+const COLS: usize = 145;
+const TOKEN_STEPS: u64 = 256;
+
+impl TokenStepFixture {
+    fn new() -> Self {
+        let pages = REQUESTS as u64 * (PROMPT + TOKEN_STEPS + PAGE) / PAGE * 2 + 1;
+        let mut fixture = Self {
+            cache: FlatCache::new(vec![full_spec(), swa_spec(1024)], pages, true).unwrap(),
+            ids: (0..REQUESTS).map(|r| format!("req-{r}")).collect(),
+            ones: vec![1; REQUESTS],
+            full: vec![0; REQUESTS * COLS],
+            swa: vec![0; REQUESTS * COLS],
+            steps_left: 0,
+            rounds: 0,
+        };
+        fixture.admit();
+        fixture
+    }
+
+    fn refs(&self) -> Vec<RequestIdRef<'_>> {
+        self.ids.iter().map(|s| RequestIdRef::Str(s)).collect()
+    }
+
+    /// Finish every request and add a fresh prompt for each, prefilled in one batch.
+    fn admit(&mut self) {
+        let ids = self.ids.clone();
+        for (r, id) in ids.iter().enumerate() {
+            let req = RequestIdRef::Str(id);
+            if self.cache.has_request(req) {
+                self.cache.finish(req).unwrap();
+            }
+            let seed = self.rounds * 1000 + u32::try_from(r).unwrap();
+            let prompt = Prompt::new(tokens(u32::try_from(PROMPT).unwrap(), seed), Vec::new(), PAGE).unwrap();
+            assert_eq!(self.cache.add_request(req, prompt, true).unwrap(), 0);
+        }
+        let refs: Vec<RequestIdRef<'_>> = ids.iter().map(|s| RequestIdRef::Str(s)).collect();
+        let got = self.cache.schedule_batch(&refs, &vec![PROMPT; REQUESTS]).unwrap();
+        assert!(got.iter().all(|&ok| ok));
+        // Register the prefill's pages (at c = 2048) as part of admission, untimed.
+        let got = self.cache.schedule_batch(&refs, &vec![0; REQUESTS]).unwrap();
+        assert!(got.iter().all(|&ok| ok));
+        self.steps_left = TOKEN_STEPS;
+        self.rounds += 1;
+    }
+
+    /// Start a new round when this one has run its steps (untimed).
+    fn ensure_room(&mut self) {
+        if self.steps_left == 0 {
+            self.admit();
+        }
+        self.steps_left -= 1;
+    }
+
+    /// Hand every request one sampled token.
+    fn append(&mut self) {
+        let ids = std::mem::take(&mut self.ids);
+        for id in &ids {
+            self.cache.append_tokens(RequestIdRef::Str(id), &[7]).unwrap();
+        }
+        self.ids = ids;
+    }
+
+    /// The timed part: one batch schedule and the two groups' tables into the buffers.
+    fn step(&mut self) {
+        let refs: Vec<RequestIdRef<'_>> = self.ids.iter().map(|s| RequestIdRef::Str(s)).collect();
+        let got = self.cache.schedule_batch(&refs, &self.ones).unwrap();
+        assert!(got.iter().all(|&ok| ok));
+        let mut outs = [
+            TableOut {
+                data: &mut self.full,
+                rows: REQUESTS,
+                cols: COLS,
+            },
+            TableOut {
+                data: &mut self.swa,
+                rows: REQUESTS,
+                cols: COLS,
+            },
+        ];
+        self.cache.write_block_tables(&refs, &mut outs).unwrap();
+    }
+}
+
+fn bench_token_step(c: &mut Criterion) {
+    let mut group = c.benchmark_group("token_step");
+    group.throughput(Throughput::Elements(REQUESTS as u64));
+    let mut fixture = TokenStepFixture::new();
+    group.bench_function("schedule_batch_plus_write_tables_256_requests", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                fixture.ensure_room();
+                fixture.append();
+                let start = Instant::now();
+                fixture.step();
+                total += start.elapsed();
+            }
+            total
+        });
+    });
+    group.bench_function("append_tokens_256_requests", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                fixture.ensure_room();
+                let start = Instant::now();
+                fixture.append();
+                total += start.elapsed();
+                fixture.step();
+            }
+            total
+        });
+    });
+    group.bench_function("write_block_tables_256_requests", |b| {
+        let refs = fixture.refs();
+        let (mut full, mut swa) = (fixture.full.clone(), fixture.swa.clone());
+        b.iter(|| {
+            let mut outs = [
+                TableOut {
+                    data: &mut full,
+                    rows: REQUESTS,
+                    cols: COLS,
+                },
+                TableOut {
+                    data: &mut swa,
+                    rows: REQUESTS,
+                    cols: COLS,
+                },
+            ];
+            fixture.cache.write_block_tables(&refs, &mut outs).unwrap();
+        });
+    });
+    group.finish();
+}
+
+criterion_group!(
+    benches,
+    bench_pool,
+    bench_hash,
+    bench_match,
+    bench_decode,
+    bench_token_step
+);
 criterion_main!(benches);

@@ -1,0 +1,181 @@
+"""Per-step cost of the token-level scheduler API (target and results: benches/README.md).
+
+256 running decode requests on a full + sliding-window model (page 16, window 1024, 2048-token
+prompts). One step is what a scheduler loop calls once per step:
+
+- ``schedule_batch(reqs, ones)``: one native call registers each completed page, reclaims the
+  page that slid out of the window and acquires the next slot, for all 256 requests;
+- ``block_tables(reqs, out=buffers)``: writes both groups' ``[256, cols]`` int32 tables into
+  preallocated buffers (``cols`` = 145, the capture width for a 2304-token context).
+
+The target (median <= 50 us per step on the 2-core machine) is for those two calls. The 256
+``append_tokens`` calls that hand the sampled tokens to the cache are measured and reported
+separately: they are one Python call per request.
+
+Run as a script (build first with ``maturin develop --release``)::
+
+    python benches/bench_step.py            # full run
+    python benches/bench_step.py --quick    # fewer steps
+    python benches/bench_step.py --torch    # torch CPU tensors as the out= buffers
+
+or through pytest-benchmark (``pytest benches/bench_step.py``; ``--benchmark-disable`` for a
+one-shot smoke run).
+"""
+
+from __future__ import annotations
+
+import os
+
+# OpenBLAS worker threads spin-wait and steal the timed thread's core on a 2-core machine.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+from flat_kvcache.engine import FlatKVCache, KVCacheSpec
+
+PAGE = 16
+REQUESTS = 256
+PROMPT = 2048
+WINDOW = 1024
+STEPS = 256
+#: Capture width of the longest context in the run (SPEC 2: ceil((C + 1) / P)).
+COLS = -(-(PROMPT + STEPS + 1) // PAGE)
+
+
+def prompt_tokens(n: int, seed: int) -> list[int]:
+    """``n`` distinct-per-seed token ids (no prefix sharing between requests)."""
+    return [(i * 2654435761 + seed * 7919) % 151936 for i in range(n)]
+
+
+class StepLoop:
+    """256 token-level requests decoding one token per step."""
+
+    def __init__(self, *, use_torch: bool = False) -> None:
+        specs = [
+            KVCacheSpec("full", PAGE, group_id="full"),
+            KVCacheSpec("sliding_window", PAGE, WINDOW, "swa"),
+        ]
+        pages = REQUESTS * (PROMPT + STEPS + PAGE) // PAGE * 2 + 1
+        self.cache = FlatKVCache(specs, pages)
+        self.reqs = [f"req-{r}" for r in range(REQUESTS)]
+        self.ones = np.ones(REQUESTS, dtype=np.int64)
+        self.out: dict[str, Any]
+        if use_torch:
+            import torch
+
+            self.out = {g: torch.zeros((REQUESTS, COLS), dtype=torch.int32) for g in ("full", "swa")}
+        else:
+            self.out = {g: np.zeros((REQUESTS, COLS), dtype=np.int32) for g in ("full", "swa")}
+        self.steps_left = 0
+        self.rounds = 0
+        self.next_token = 0
+        self.admit()
+
+    def admit(self) -> None:
+        """(Re)admit every request: add its prompt and prefill it in one schedule call."""
+        for r, req in enumerate(self.reqs):
+            if self.cache.has_request(req):
+                self.cache.finish(req)
+            # New prompts every round: no prefix hits, the same work every round.
+            assert self.cache.add_request(req, prompt_tokens(PROMPT, self.rounds * REQUESTS + r)) == 0
+        assert self.cache.schedule_batch(self.reqs, [PROMPT] * REQUESTS).all()
+        # The prefill's pages are registered by the next schedule at c = 2048; do it here, as
+        # part of admission, so the timed decode steps are decode steps only.
+        assert self.cache.schedule_batch(self.reqs, [0] * REQUESTS).all()
+        self.steps_left = STEPS
+        self.rounds += 1
+
+    def append(self) -> None:
+        """Hand each request the token it sampled last step (one call per request)."""
+        append = self.cache.append_tokens
+        token = [self.next_token % 151936]
+        for req in self.reqs:
+            append(req, token)
+        self.next_token += 1
+
+    def schedule(self) -> None:
+        scheduled = self.cache.schedule_batch(self.reqs, self.ones)
+        assert scheduled.all()
+
+    def tables(self) -> None:
+        self.cache.block_tables(self.reqs, out=self.out)
+
+    def ensure_room(self) -> None:
+        if self.steps_left == 0:
+            self.admit()
+        self.steps_left -= 1
+
+
+def measure(loop: StepLoop, steps: int) -> dict[str, float]:
+    """Median ns per step of each part over ``steps`` steps."""
+    parts: dict[str, list[int]] = {"append": [], "schedule": [], "tables": [], "step": []}
+    for _ in range(steps):
+        loop.ensure_room()
+        t0 = time.perf_counter_ns()
+        loop.append()
+        t1 = time.perf_counter_ns()
+        loop.schedule()
+        t2 = time.perf_counter_ns()
+        loop.tables()
+        t3 = time.perf_counter_ns()
+        parts["append"].append(t1 - t0)
+        parts["schedule"].append(t2 - t1)
+        parts["tables"].append(t3 - t2)
+        parts["step"].append(t3 - t1)
+    return {name: statistics.median(values) for name, values in parts.items()}
+
+
+def main(argv: list[str]) -> None:
+    steps = 300 if "--quick" in argv else 2000
+    use_torch = "--torch" in argv
+    loop = StepLoop(use_torch=use_torch)
+    measure(loop, 50)  # warm-up
+    m = measure(loop, steps)
+    p90 = []
+    for _ in range(min(steps, 500)):
+        loop.ensure_room()
+        loop.append()
+        t0 = time.perf_counter_ns()
+        loop.schedule()
+        loop.tables()
+        p90.append(time.perf_counter_ns() - t0)
+    p90.sort()
+    buffers = "torch CPU tensors" if use_torch else "numpy arrays"
+    print(f"cpu cores: {os.cpu_count()}, python {sys.version.split()[0]}, out= {buffers}, {steps} steps")
+    print("| benchmark | target | measured (median) |")
+    print("|---|---|---|")
+    step_us = m["step"] / 1e3
+    print(f"| schedule_batch + block_tables(out=), 256 decode requests | <= 50 us | {step_us:.1f} us |")
+    print(f"|   of which schedule_batch | | {m['schedule'] / 1e3:.1f} us |")
+    print(f"|   of which block_tables(out=) (2 x 256 x {COLS} int32) | | {m['tables'] / 1e3:.1f} us |")
+    print(f"| 256 append_tokens calls (reported, not in the target) | | {m['append'] / 1e3:.1f} us |")
+    print(f"| p90 of schedule_batch + block_tables(out=) | | {p90[int(len(p90) * 0.9)] / 1e3:.1f} us |")
+    loop.cache.check_invariants()
+
+
+# ----- pytest-benchmark entry points -------------------------------------------------------------
+
+
+def test_step_schedule_batch_and_block_tables_out(benchmark: Any) -> None:
+    """The timed part is the target's: schedule_batch + block_tables(out=); appends are setup."""
+    loop = StepLoop()
+
+    def setup() -> None:
+        loop.ensure_room()
+        loop.append()
+
+    def step() -> None:
+        loop.schedule()
+        loop.tables()
+
+    benchmark.pedantic(step, setup=setup, rounds=500, iterations=1, warmup_rounds=10)
+    loop.cache.check_invariants()
+    assert (loop.out["full"][:, 0] > 0).all()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
