@@ -227,6 +227,19 @@ class RequestsMachine(RuleBasedStateMachine):
                 self.live.append(req)
                 event(f"re-added after preempt, hit > 0: {bool(outcome[1])}")
 
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 10), op=st.sampled_from(["acquire", "reclaim", "free"]), k=st.integers(0, 9))
+    def page_level_call(self, index: int, op: str, k: int) -> None:
+        """Page-level methods work on token-level requests; the token state must follow."""
+        req = self.pick(index)
+        if op == "acquire":
+            self.both("acquire", req, k)
+        elif op == "reclaim":
+            self.both("reclaim", req, int(self.caches[0].num_computed_tokens(req)) + k)
+        else:
+            self.both("free", req)
+            self.live.remove(req)
+
     @rule()
     def reset_prefix_cache(self) -> None:
         self.both("reset_prefix_cache")
