@@ -8,8 +8,10 @@ calls per step (median, p99) and in all. vLLM's manager has no batch call, so ru
 are allocated one ``allocate_slots`` call each, as vLLM's own scheduler does; the block ids a
 step hands the model are read with ``get_block_ids()`` on what ``allocate_slots`` returned; a
 sampled token goes through ``Request.append_output_token_ids``, which hashes a page when it
-fills (the counterpart of our ``append_tokens``). vLLM's scheduler has no decode reserve, so
-admission is just ``get_computed_blocks`` then ``allocate_slots``.
+fills (the counterpart of our ``append_tokens``); creating a ``Request`` hashes its prompt's
+full pages, which is timed too (our ``add_request`` and admission probes hash the prompt inside
+the timed calls). vLLM's scheduler has no decode reserve, so admission is just
+``get_computed_blocks`` then ``allocate_slots``.
 
 vLLM's block manager runs on the CPU, but vLLM pulls in a CUDA build of torch, so it lives in
 its own virtual environment::
@@ -127,10 +129,10 @@ def replay(
     manager = _manager(v, specs, num_pages, longest + 16)
     perf = time.perf_counter_ns
 
-    def new_request(request: TraceRequest) -> Any:
+    def new_request(request: TraceRequest, prompt: list[int]) -> Any:
         return v["Request"](
             request_id=str(request.request_id),
-            prompt_token_ids=[int(t) for t in request.prompt],
+            prompt_token_ids=prompt,
             sampling_params=v["SamplingParams"](max_tokens=request.output_len),
             pooling_params=None,
             block_hasher=hasher,
@@ -145,16 +147,32 @@ def replay(
     step_ns: list[int] = []
     decode_ns: list[int] = []
     calls = dict.fromkeys(
-        ("new_step_starts", "allocate_slots", "admit", "block_ids", "append", "free", "preempt"), 0
+        (
+            "request_hashing",
+            "new_step_starts",
+            "allocate_slots",
+            "admit",
+            "block_ids",
+            "append",
+            "free",
+            "preempt",
+        ),
+        0,
     )
     wall = perf()
     while pending or waiting or running:
         if not waiting and not running and pending[0].arrival_step > step:
             step = pending[0].arrival_step
+        ns = 0
         while pending and pending[0].arrival_step <= step:
             request = pending.popleft()
-            waiting.append(_Live(request, new_request(request)))
-        ns = 0
+            prompt = [int(token) for token in request.prompt]
+            t0 = perf()
+            vllm_request = new_request(request, prompt)  # hashes the prompt's full pages
+            elapsed = perf() - t0
+            calls["request_hashing"] += elapsed
+            ns += elapsed
+            waiting.append(_Live(request, vllm_request))
         t0 = perf()
         manager.new_step_starts()
         elapsed = perf() - t0

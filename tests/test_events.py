@@ -444,3 +444,70 @@ def test_publisher_without_pyzmq_names_the_extra(monkeypatch: pytest.MonkeyPatch
         ZmqEventPublisher("tcp://127.0.0.1:*")
     # Encoding needs nothing optional.
     assert encode_event_batch(EVENTS, ts=0.0).startswith(b"\x93")
+
+
+def engine_events(api: ModuleType) -> tuple[list[KVCacheEvent], list[str], list[str]]:
+    """Events of a small run on ``api`` (native or reference): stored, evicted, stored, cleared.
+
+    One full-attention group of 4-token pages in a 5-page pool (4 usable). Request a (10
+    tokens) computes 3 pages and finishes: its 2 full pages are registered, then all 3 freed,
+    tail first. Request b (12 other tokens) takes the 4 free pages' first 3: the free page 4,
+    then a's pages 3 and 2, evicting a's second page (page 1 keeps a's first hash). b finishes
+    with 3 full pages registered; reset_prefix_cache drops the 4 cached keys.
+    """
+    cache = api.FlatKVCache([api.KVCacheSpec("full", 4)], 5, enable_kv_events=True)
+    tokens_a, tokens_b = list(range(10)), list(range(100, 112))
+    assert cache.add_request("a", tokens_a) == 0
+    assert cache.schedule("a", 10)
+    cache.finish("a")
+    assert cache.add_request("b", tokens_b) == 0
+    assert cache.schedule("b", 12)
+    cache.finish("b")
+    assert cache.reset_prefix_cache() == 4
+    events: list[KVCacheEvent] = cache.take_events()
+    assert cache.take_events() == []
+    return events, api.hash_pages(tokens_a, 4), api.hash_pages(tokens_b, 4)
+
+
+def test_engine_events_published_over_loopback(api: ModuleType) -> None:
+    zmq = need("zmq")
+    msgpack = need("msgpack")
+    events, hashes_a, hashes_b = engine_events(api)
+    a0, a1 = (bytes.fromhex(h) for h in hashes_a)
+    b0, b1, b2 = (bytes.fromhex(h) for h in hashes_b)
+    assert events == [
+        BlockStored([a0, a1], None, list(range(8)), 4, 0, "full", None, []),
+        BlockRemoved([a1], 0),
+        BlockStored([b0, b1, b2], None, list(range(100, 112)), 4, 0, "full", None, []),
+        AllBlocksCleared(),
+    ]
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    try:
+        with ZmqEventPublisher("tcp://127.0.0.1:*") as publisher:
+            sub.connect(publisher.endpoint)
+            sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+            assert publisher.wait_for_subscriber(WAIT_S)
+            assert publisher.publish(events, ts=7.25) == 0
+            topic, seq, payload = receive(sub)
+    finally:
+        sub.close(linger=0)
+        context.term()
+    assert (topic, seq) == (b"kv-events", bytes(8))
+    ts, wire, rank = msgpack.unpackb(payload)
+    assert (ts, rank, len(wire)) == (7.25, None, 4)
+    stored_a, removed, stored_b, cleared = wire
+    assert stored_a[:4] == ["BlockStored", [a0, a1], None, list(range(8))]
+    assert stored_a[4:] == [4, None, "GPU", None, [None, None], 0, "full_attention", None]
+    assert removed == ["BlockRemoved", [a1], "GPU", 0]
+    assert stored_b[1:4] == [[b0, b1, b2], None, list(range(100, 112))]
+    assert stored_b[8:] == [[None, None, None], 0, "full_attention", None]
+    assert cleared == ["AllBlocksCleared"]
+
+
+def test_events_off_by_default(api: ModuleType) -> None:
+    cache = api.FlatKVCache([api.KVCacheSpec("full", 4)], 5)
+    cache.add_request("a", list(range(10)))
+    assert cache.schedule("a", 10)
+    cache.finish("a")
+    assert cache.take_events() == []

@@ -1,0 +1,320 @@
+"""``flat-kvcache simulate`` (issue 5): traces, the scheduler loop on both engines, the command line.
+
+The loop's counts are checked two ways: on a two-request trace whose every step is worked out
+by hand below (on both engines), and on a 40-request trace under memory pressure (with
+preemptions), where the native engine must give exactly what the pure-Python reference gives
+in the same test: same steps, finishes, preemptions, hit tokens, evictions, peak pages.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+from flat_kvcache.cli import main
+from flat_kvcache.simulate import (
+    SimulationConfig,
+    TraceRequest,
+    default_num_pages,
+    default_trace,
+    engine_specs,
+    format_summary,
+    load_trace,
+    simulate,
+)
+
+ENGINES = ["native", "reference"]
+
+
+def need(name: str) -> ModuleType:
+    """Import test dependency ``name``; skip without it, but fail in CI, which must run these tests."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        message = f"{name} is not installed (pip install -r requirements/test.txt): {exc}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def write_trace(tmp_path: Path, lines: list[Any], name: str = "trace.jsonl") -> Path:
+    path = tmp_path / name
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def without_timing(summary: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in summary.items() if key not in ("timing", "engine")}
+
+
+# --- traces -----------------------------------------------------------------------------------
+
+
+def test_default_trace_shape_and_determinism() -> None:
+    trace = default_trace(200, seed=3)
+    assert [r.request_id for r in trace] == list(range(200))
+    assert all(r.arrival_step == 0 and r.output_len == 128 and r.extra_keys == () for r in trace)
+    lengths = [len(r.prompt) for r in trace]
+    assert min(lengths) >= 512 and max(lengths) <= 4096
+    assert all(r.prompt.dtype == np.uint32 and r.output.dtype == np.uint32 for r in trace)
+    # One common 1024-token prefix on roughly half of the requests; those prompts are >= 1024 + 256.
+    starts = Counter(r.prompt[:1024].tobytes() for r in trace)
+    prefix, count = starts.most_common(1)[0]
+    assert 70 <= count <= 130 and len(starts) == 200 - count + 1
+    assert min(len(r.prompt) for r in trace if r.prompt[:1024].tobytes() == prefix) >= 1024 + 256
+    again = default_trace(200, seed=3)
+    assert all(
+        np.array_equal(a.prompt, b.prompt) and np.array_equal(a.output, b.output)
+        for a, b in zip(trace, again, strict=True)
+    )
+    other = default_trace(200, seed=4)
+    assert not all(np.array_equal(a.prompt, b.prompt) for a, b in zip(trace, other, strict=True))
+
+
+def test_load_trace_fields(tmp_path: Path) -> None:
+    path = write_trace(
+        tmp_path,
+        [
+            "# a comment, then a blank line",
+            "",
+            {"prompt": [5, 6, 7], "output_len": 2, "arrival_step": 4},
+            {"prompt_len": 40, "output_len": 1, "prefix_id": "sys", "prefix_len": 32},
+            {
+                "prompt_len": 50,
+                "output_len": 3,
+                "prefix_id": "sys",
+                "prefix_len": 20,
+                "extra_keys": ["lora:a"],
+            },
+            {"prompt_len": 50, "output_len": 3, "prefix_id": 7, "prefix_len": 20},
+        ],
+    )
+    trace = load_trace(path, seed=1)
+    # Sorted by arrival step, file order kept within a step.
+    assert [(len(r.prompt), r.output_len, r.arrival_step) for r in trace] == [
+        (40, 1, 0),
+        (50, 3, 0),
+        (50, 3, 0),
+        (3, 2, 4),
+    ]
+    assert trace[3].prompt.tolist() == [5, 6, 7]
+    assert trace[1].extra_keys == ("lora:a",)
+    # The same prefix id shares its stream; another id does not.
+    assert np.array_equal(trace[0].prompt[:20], trace[1].prompt[:20])
+    assert not np.array_equal(trace[1].prompt[:20], trace[2].prompt[:20])
+    assert not np.array_equal(trace[0].prompt[20:32], trace[1].prompt[20:32])  # past prefix_len: own tokens
+    again = load_trace(path, seed=1)
+    assert all(np.array_equal(a.prompt, b.prompt) for a, b in zip(trace, again, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ({"prompt_len": 4}, "output_len is required"),
+        ({"prompt_len": 4, "output_len": 0}, "output_len must be an int >= 1"),
+        ({"prompt_len": 4, "output_len": True}, "output_len must be an int >= 1"),
+        ({"output_len": 4}, "exactly one of prompt"),
+        ({"prompt": [1], "prompt_len": 1, "output_len": 1}, "exactly one of prompt"),
+        ({"prompt": [], "output_len": 1}, "non-empty list"),
+        ({"prompt": [1, -1], "output_len": 1}, r"prompt\[1\] = -1"),
+        ({"prompt": [2**32], "output_len": 1}, r"prompt\[0\]"),
+        ({"prompt_len": 8, "output_len": 1, "prefix_id": "a"}, "prefix_len is required"),
+        (
+            {"prompt_len": 8, "output_len": 1, "prefix_id": "a", "prefix_len": 8},
+            "prefix_len .8. must be < prompt_len",
+        ),
+        ({"prompt_len": 8, "output_len": 1, "prefix_id": [1], "prefix_len": 2}, "prefix_id must be"),
+        ({"prompt": [1, 2], "output_len": 1, "prefix_id": "a", "prefix_len": 1}, "go with prompt_len"),
+        ({"prompt_len": 8, "output_len": 1, "arrival_step": -1}, "arrival_step must be an int >= 0"),
+        ({"prompt_len": 8, "output_len": 1, "extra_keys": "lora"}, "extra_keys must be a list of strings"),
+        ({"prompt_len": 8, "output_len": 1, "colour": "red"}, "unknown field.s. colour"),
+    ],
+)
+def test_bad_trace_lines_name_file_and_line(tmp_path: Path, line: Any, message: str) -> None:
+    path = write_trace(tmp_path, [{"prompt_len": 4, "output_len": 1}, line])
+    with pytest.raises(ValueError, match=message) as info:
+        load_trace(path)
+    assert str(info.value).startswith(f"{path}:2: ")
+
+
+def test_an_empty_trace_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no requests"):
+        load_trace(write_trace(tmp_path, ["# nothing"]))
+
+
+def test_default_pool_is_under_pressure_but_fits_the_largest_request() -> None:
+    import flat_kvcache
+
+    specs = engine_specs(flat_kvcache, "gpt-oss-like", 16)
+    trace = default_trace(40, seed=0)
+    pages = default_num_pages(trace, specs, max_running=256)
+    full_need = sum(-(-(len(r.prompt) + r.output_len) // 16) for r in trace)
+    assert pages < full_need  # less than the full-attention group alone needs for all of them
+    largest = max(len(r.prompt) + r.output_len for r in trace)
+    assert pages > 2 * -(-largest // 16)
+
+
+# --- the loop ---------------------------------------------------------------------------------
+
+
+def two_request_trace() -> list[TraceRequest]:
+    """A: 100 prompt tokens, 3 outputs, at step 0. B: A's first 96 tokens + 20 own, 2 outputs, at step 10."""
+    prompt_a = np.arange(100, dtype=np.uint32)
+    prompt_b = np.concatenate([prompt_a[:96], np.arange(1000, 1020, dtype=np.uint32)])
+    return [
+        TraceRequest(0, prompt_a, np.array([7, 8, 9], dtype=np.uint32)),
+        TraceRequest(1, prompt_b, np.array([5, 6], dtype=np.uint32), arrival_step=10),
+    ]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_two_requests_worked_out_by_hand(engine: str) -> None:
+    """gpt-oss-like (sliding W=128 and full, both P=16), a roomy pool, 8192 tokens per step.
+
+    step 0: A admitted, no hit, its 100 tokens in one chunk (7 pages per group); samples token 1
+    step 1, 2: A decodes (101, 102 tokens: still 7 pages); token 3 is its last, so A finishes,
+            registering its 6 full pages (96 tokens) in both groups (nothing slid out: 102 < 128)
+    steps 3-9: idle, skipped; B arrives at step 10
+    step 10: B's cap is (116 - 1) // 16 = 7 pages; pages 0-5 hit in the full group and, as a run
+             reaching slot 0, in the sliding group: 96 hit tokens. Chunk 20 (2 more pages per
+             group: 8 each), then token 1
+    step 11: B decodes and finishes.
+    """
+    config = SimulationConfig(engine=engine, num_pages=1000)  # type: ignore[arg-type]
+    summary = simulate(two_request_trace(), config).summary
+    assert summary["steps"] == 5
+    assert (summary["finished"], summary["aborted"], summary["preemptions"]) == (2, 0, 0)
+    assert (summary["prefix_hits_tokens"], summary["prefix_queries_tokens"]) == (96, 216)
+    assert summary["prefix_hit_rate"] == round(96 / 216, 6)
+    assert summary["scheduled_tokens"] == 100 + 1 + 1 + 20 + 1
+    assert summary["generated_tokens"] == 5
+    assert summary["peak_pages_by_group"] == {"sliding_attention": 8, "full_attention": 8}
+    assert summary["peak_running"] == 1
+    assert summary["evictions"] == 0
+    assert summary["timing"]["per_decode_step"]["steps"] == 3  # steps 1, 2 and 11
+
+
+@pytest.mark.parametrize("order", ["hybrid", "group"])
+def test_native_equals_reference_under_memory_pressure(order: str) -> None:
+    # 40 short requests (128 to 512 prompt tokens, 20 of them sharing 256) on a 240-page pool
+    # with 1024 tokens per step: requests queue, fill the pool while decoding, and get preempted.
+    trace = default_trace(40, seed=1, prompt_len=(128, 512), shared_prefix_len=256, output_len=128)
+    config = {"num_pages": 240, "max_scheduled_tokens": 1024, "eviction_order": order}
+    reference = simulate(trace, SimulationConfig(engine="reference", **config)).summary  # type: ignore[arg-type]
+    native = simulate(trace, SimulationConfig(engine="native", **config)).summary  # type: ignore[arg-type]
+    assert without_timing(native) == without_timing(reference)
+    # What the run must have exercised, whatever the exact numbers:
+    assert (reference["finished"], reference["aborted"]) == (40, 0)
+    assert reference["preemptions"] > 0
+    assert reference["prefix_hits_tokens"] > 0
+    assert reference["evictions"] > 0
+    assert reference["generated_tokens"] == 128 * 40  # a preempted request keeps what it generated
+    assert reference["peak_pages_in_use"] <= 239
+
+
+def test_prefix_caching_off_gets_no_hits() -> None:
+    trace = default_trace(10, seed=2)
+    summary = simulate(trace, SimulationConfig(enable_caching=False)).summary
+    assert (summary["prefix_hits_tokens"], summary["finished"]) == (0, 10)
+
+
+def test_format_summary_names_every_figure() -> None:
+    text = format_summary(simulate(default_trace(5, seed=0)).summary)
+    for label in (
+        "steps",
+        "preemptions",
+        "prefix hit rate",
+        "peak pages",
+        "cache time / step",
+        "median",
+        "p99",
+    ):
+        assert label in text
+
+
+# --- the command line -------------------------------------------------------------------------
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(["simulate", *argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_cli_smoke_json_as_a_module() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "flat_kvcache", "simulate", "--num-requests", "30", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # no progress bar when stderr is not a terminal
+    summary = json.loads(result.stdout)
+    assert (summary["requests"], summary["finished"] + summary["aborted"]) == (30, 30)
+    assert summary["engine"] == "native"
+    assert set(summary["peak_pages_by_group"]) == {"sliding_attention", "full_attention"}
+
+
+def test_cli_table_progress_and_trace(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = write_trace(tmp_path, [{"prompt_len": 64, "output_len": 4}, {"prompt_len": 80, "output_len": 2}])
+    status, out, err = run_cli(capsys, "--trace", str(path), "--progress", "--engine", "reference")
+    assert status == 0
+    assert re.search(r"^requests +2: 2 finished, 0 aborted$", out, re.MULTILINE)
+    assert err.startswith("\r[") and err.endswith("\n") and "2/2 requests" in err
+
+
+def test_cli_plot_writes_a_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    need("matplotlib")
+    target = tmp_path / "run.png"
+    status, _, err = run_cli(capsys, "--num-requests", "8", "--plot", str(target))
+    assert (status, err) == (0, "")
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_plot_without_matplotlib_names_the_extra(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    status, out, err = run_cli(capsys, "--num-requests", "2", "--plot", str(tmp_path / "x.png"))
+    assert (status, out) == (1, "")
+    assert "pip install 'flat-kvcache[plot]'" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "status", "message"),
+    [
+        (["--num-pages", "0"], 2, "--num-pages: must be >= 1"),
+        (["--max-scheduled-tokens", "x"], 2, "expected an int"),
+        (["--engine", "gpu"], 2, "invalid choice"),
+        (["--eviction-order", "lru"], 2, "invalid choice"),
+        (["--preset", "nope"], 1, "unknown preset 'nope'"),
+        (["--trace", "/does/not/exist.jsonl"], 1, "No such file"),
+    ],
+)
+def test_cli_bad_input_is_one_error_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], status: int, message: str
+) -> None:
+    got, out, err = run_cli(capsys, *argv)
+    assert (got, out) == (status, "")
+    assert err.startswith("flat-kvcache: error: ") and message in err and err.count("\n") == 1
+
+
+def test_cli_bad_trace_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = write_trace(tmp_path, [{"prompt_len": 8, "output_len": 1}, {"prompt_len": 8}])
+    status, out, err = run_cli(capsys, "--trace", str(path))
+    assert (status, out) == (1, "")
+    assert err == f"flat-kvcache: error: {path}:2: output_len is required\n"
