@@ -743,7 +743,7 @@ def plot_result(result: SimulationResult, path: str | os.PathLike[str]) -> None:
         pages_axis.plot(steps, result.pages_by_group[gid], label=gid, linewidth=1)
     pages_axis.axhline(summary["num_pages"] - 1, color="grey", linestyle="--", linewidth=1, label="pool")
     pages_axis.set_ylabel("pages in use")
-    pages_axis.legend(loc="upper right")
+    pages_axis.legend(loc="center right")
     pages_axis.set_title(
         f"{summary['preset']}, {summary['engine']} engine, eviction order {summary['eviction_order']}: "
         f"{summary['requests']} requests, {summary['preemptions']} preemptions, "
