@@ -8,6 +8,7 @@
 use flat_kvcache_core::cache::TableOut;
 use numpy::{BorrowError, PyArray2, PyArrayMethods, PyReadwriteArray2, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyString;
 
@@ -23,24 +24,31 @@ fn label(gid: &str) -> String {
     format!("out[{}]", quoted(gid))
 }
 
-/// View one group's buffer as a numpy array: an ndarray as is, a torch tensor through
-/// `.numpy()` after checking that it lives on the CPU.
+/// View one group's buffer as a numpy array: an ndarray as is, a torch tensor (anything with
+/// a `device` and a `numpy()` method) through `.numpy()` after checking that it lives on the
+/// CPU.
 fn as_ndarray<'py>(item: &Bound<'py, PyAny>, gid: &str) -> PyResult<Bound<'py, PyUntypedArray>> {
     if let Ok(arr) = item.cast::<PyUntypedArray>() {
         return Ok(arr.clone());
     }
-    let torch_like = item.hasattr("numpy")? && item.hasattr("device")? && item.hasattr("data_ptr")?;
-    if !torch_like {
-        return Err(PyTypeError::new_err(format!(
+    let py = item.py();
+    let not_a_buffer = || {
+        PyTypeError::new_err(format!(
             "{} must be an int32 numpy array or a CPU torch tensor, got {}",
             label(gid),
             type_name(item)
-        )));
+        ))
+    };
+    let Ok(device) = item.getattr(intern!(py, "device")) else {
+        return Err(not_a_buffer());
+    };
+    if !item.hasattr(intern!(py, "numpy"))? {
+        return Err(not_a_buffer());
     }
-    let device = item.getattr("device")?.getattr("type")?;
-    if !device
-        .cast::<PyString>()
-        .is_ok_and(|d| d.to_str().is_ok_and(|d| d == "cpu"))
+    let kind = device.getattr(intern!(py, "type")).ok();
+    if !kind
+        .as_ref()
+        .is_some_and(|k| k.cast::<PyString>().is_ok_and(|d| d.to_str().is_ok_and(|d| d == "cpu")))
     {
         return Err(PyValueError::new_err(format!(
             "{} must be a CPU tensor, got one on device {}",
@@ -49,7 +57,7 @@ fn as_ndarray<'py>(item: &Bound<'py, PyAny>, gid: &str) -> PyResult<Bound<'py, P
         )));
     }
     let view = item
-        .call_method0("numpy")
+        .call_method0(intern!(py, "numpy"))
         .map_err(|e| PyTypeError::new_err(format!("{} cannot be viewed as a numpy array: {e}", label(gid))))?;
     view.cast_into::<PyUntypedArray>().map_err(|e| {
         PyTypeError::new_err(format!(
