@@ -224,6 +224,15 @@ def test_native_equals_reference_under_memory_pressure(order: str) -> None:
     assert reference["peak_pages_in_use"] <= 239
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_requests_that_never_fit_are_aborted(engine: str) -> None:
+    # 59 usable pages; the smallest prompt (512 tokens) needs 32 pages in each of the 2 groups.
+    # SPEC 9: nothing holds pages and the queue head does not fit for two steps -> abort it.
+    summary = simulate(default_trace(5, seed=0), SimulationConfig(engine=engine, num_pages=60)).summary  # type: ignore[arg-type]
+    assert (summary["finished"], summary["aborted"], summary["preemptions"]) == (0, 5, 0)
+    assert summary["steps"] == 6  # two stuck steps before the first abort, then one per step
+
+
 def test_prefix_caching_off_gets_no_hits() -> None:
     trace = default_trace(10, seed=2)
     summary = simulate(trace, SimulationConfig(enable_caching=False)).summary
