@@ -113,16 +113,13 @@ fn page_i32(page: u32) -> i32 {
     page as i32
 }
 
-/// Write one table as a flat row (`row.len() >= table.len()`): the known-hole prefix as zeros
-/// without reading it (a sliding table is mostly holes, and the copy is bound by reading the
-/// pages), then the page ids, then -1 padding.
+/// Write one table as a flat row (`row.len() >= table.len()`): the page ids (holes 0), then
+/// -1 padding.
 #[inline]
 fn write_row(row: &mut [i32], table: &Table) {
     let pages = table.pages();
-    let holes = table.holes_below().min(pages.len());
     let (head, tail) = row.split_at_mut(pages.len());
-    head[..holes].fill(0);
-    for (dst, &p) in head[holes..].iter_mut().zip(&pages[holes..]) {
+    for (dst, &p) in head.iter_mut().zip(pages) {
         *dst = page_i32(p);
     }
     tail.fill(-1);
@@ -140,15 +137,6 @@ pub(crate) struct Entry {
     pub(crate) tokens: Option<TokenState>,
     /// Pages reserved for this request's next decode (docs/requests-api.md `reserve`).
     pub(crate) reserve: u64,
-}
-
-impl Entry {
-    /// A page-level call is about to change the tables: drop the token state's cached facts.
-    fn tables_changed(&mut self) {
-        if let Some(state) = self.tokens.as_mut() {
-            state.fresh = false;
-        }
-    }
 }
 
 /// Counters behind [`CacheStats`] that the pool does not keep.
@@ -284,13 +272,10 @@ impl FlatCache {
         Ok(&self.entries[self.find(req)?].tables)
     }
 
-    /// The request's tables and the coordinator, borrowed together (for a page-level call
-    /// that may change the tables: a token-level request re-reads them at its next step).
+    /// The request's tables and the coordinator, borrowed together.
     fn split_mut(&mut self, req: RequestIdRef<'_>) -> CoreResult<(&mut Coordinator, &mut Vec<Table>)> {
         let i = self.find(req)?;
-        let entry = &mut self.entries[i];
-        entry.tables_changed();
-        Ok((&mut self.coord, &mut entry.tables))
+        Ok((&mut self.coord, &mut self.entries[i].tables))
     }
 
     /// Add a new request (the caller checked that `req` is not live); returns its position.
@@ -323,14 +308,10 @@ impl FlatCache {
         entry.tokens
     }
 
-    /// The request's position, created empty (page-level) on first use; the caller changes
-    /// its tables.
+    /// The request's position, created empty (page-level) on first use.
     fn ensure(&mut self, req: RequestIdRef<'_>) -> usize {
         match self.index.get(&req) {
-            Some(&at) => {
-                self.entries[at].tables_changed();
-                at
-            }
+            Some(&at) => at,
             None => self.insert(req, None),
         }
     }
@@ -615,7 +596,6 @@ impl FlatCache {
                 )));
             }
         }
-        self.check_token_states()?;
         let live = self.entries.iter().filter(|e| e.live).count();
         if live != self.index.len() || reserved != self.reserved {
             return Err(CoreError::Invariant(format!(

@@ -31,29 +31,6 @@ pub(crate) struct TokenState {
     pub(crate) registered: usize,
     /// `schedule_batch` scratch: tokens the batch being validated asks of this request.
     pub(crate) pending: u64,
-    /// Whether `allocated` and `reclaim_due` describe the tables (page-level calls that
-    /// change the tables clear it).
-    pub(crate) fresh: bool,
-    /// Tokens allocated (claimed plus acquired), read off the tables when fresh.
-    pub(crate) allocated: u64,
-    /// The first position at which a reclaim would change the tables (when fresh).
-    pub(crate) reclaim_due: u64,
-}
-
-impl TokenState {
-    /// Re-read the cached table facts, so a decode step that neither crosses a page boundary
-    /// nor slides a page out never touches the tables.
-    fn refresh(&mut self, coord: &Coordinator, tables: &[Table]) {
-        self.allocated = allocated(coord, tables);
-        self.reclaim_due = coord
-            .managers()
-            .iter()
-            .zip(tables)
-            .map(|(m, t)| m.reclaim_due_at(t))
-            .min()
-            .unwrap_or(u64::MAX);
-        self.fresh = true;
-    }
 }
 
 /// A prompt hashed into base pages for a cache with a given base page size. Built (and
@@ -202,9 +179,6 @@ impl FlatCache {
             computed: hit,
             registered,
             pending: 0,
-            fresh: false,
-            allocated: 0,
-            reclaim_due: 0,
         };
         let at = self.insert(req, Some(state));
         if let Some(m) = m {
@@ -316,59 +290,23 @@ impl FlatCache {
     }
 
     /// The step of [`Self::schedule`] for a validated request at slab position `at`.
-    ///
-    /// Register, reclaim, acquire; the reclaim and the acquire are skipped when the cached
-    /// table facts say they would do nothing.
     fn schedule_at(&mut self, at: usize, n: u64, lookahead: u64) -> CoreResult<bool> {
         let entry = &mut self.entries[at];
         let Some(state) = entry.tokens.as_mut() else {
             return Ok(false);
         };
-        if !state.fresh {
-            state.refresh(&self.coord, &entry.tables);
-        }
         register_computed(&mut self.coord, &entry.tables, state)?;
         let c = state.computed;
-        if c >= state.reclaim_due {
-            self.coord.reclaim(&mut entry.tables, c);
-            state.refresh(&self.coord, &entry.tables);
-        }
+        self.coord.reclaim(&mut entry.tables, c);
         // Validated by the callers: c + n + lookahead fits u64.
         let target = c.saturating_add(n).saturating_add(lookahead);
-        if target > state.allocated {
-            if !self.coord.acquire(&mut entry.tables, target - state.allocated) {
-                return Ok(false);
-            }
-            state.refresh(&self.coord, &entry.tables);
+        let need = target.saturating_sub(allocated(&self.coord, &entry.tables));
+        if need > 0 && !self.coord.acquire(&mut entry.tables, need) {
+            return Ok(false);
         }
         state.computed = c + n;
         self.reserved -= u128::from(std::mem::take(&mut entry.reserve));
         Ok(true)
-    }
-
-    /// Check that every fresh token-level request's cached table facts match its tables.
-    pub(crate) fn check_token_states(&self) -> CoreResult<()> {
-        for entry in self.entries.iter().filter(|e| e.live) {
-            let Some(state) = entry.tokens.as_ref().filter(|s| s.fresh) else {
-                continue;
-            };
-            let mut now = state.clone();
-            now.refresh(&self.coord, &entry.tables);
-            if (now.allocated, now.reclaim_due) != (state.allocated, state.reclaim_due) {
-                return Err(CoreError::Invariant(format!(
-                    "a token-level request caches {} allocated tokens and a reclaim due at {}, \
-                     but its tables say {} and {}",
-                    state.allocated, state.reclaim_due, now.allocated, now.reclaim_due
-                )));
-            }
-            if state.computed > state.allocated {
-                return Err(CoreError::Invariant(format!(
-                    "a token-level request computed {} tokens but has room for {}",
-                    state.computed, state.allocated
-                )));
-            }
-        }
-        Ok(())
     }
 
     /// Register a token-level request's completed full pages, free everything in the

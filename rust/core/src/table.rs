@@ -234,25 +234,6 @@ impl GroupManager {
         }
     }
 
-    /// The smallest position at which [`Self::reclaim`] would release or mark anything new:
-    /// the bound first exceeds the known holes at `(holes_below + 1) * P + W - 1` tokens (and
-    /// only while the table is longer than its known holes). `u64::MAX` for full groups, or
-    /// when nothing is left to reclaim until the table grows.
-    pub fn reclaim_due_at(&self, table: &Table) -> u64 {
-        let Some(window) = self.kind.window() else {
-            return u64::MAX;
-        };
-        if table.pages.len() <= table.holes_below {
-            return u64::MAX;
-        }
-        u64::try_from(table.holes_below)
-            .ok()
-            .and_then(|h| h.checked_add(1))
-            .and_then(|h| h.checked_mul(self.page.get()))
-            .and_then(|t| t.checked_add(window - 1))
-            .unwrap_or(u64::MAX)
-    }
-
     /// Replace every real page of the slid-out slots `[0, k)` by a hole and release them,
     /// lowest slot first (so the lowest slot is evicted first). Holes in the middle do not
     /// stop it (SPEC 12.2). Returns how many released pages became free (count 0).
@@ -455,31 +436,6 @@ mod tests {
         assert_eq!(state.reclaim_bound(&t, 5), 1);
         let w1 = sliding(4, 1); // k = n // 4
         assert_eq!(w1.reclaim_bound(&t, 4), 1);
-    }
-
-    #[test]
-    fn reclaim_due_at_is_the_first_position_that_reclaims_anything() {
-        let mut pool = Pool::new(20, true).unwrap();
-        for g in [
-            sliding(4, 5),
-            sliding(4, 1),
-            sliding(2, 7),
-            GroupManager::new(GroupKind::State, 4),
-        ] {
-            let mut t = Table::default();
-            assert_eq!(g.reclaim_due_at(&t), u64::MAX, "empty table");
-            assert!(g.acquire(&mut pool, &mut t, 12));
-            for n in 0..40u64 {
-                let due = g.reclaim_due_at(&t);
-                let bound = g.reclaim_bound(&t, n);
-                assert_eq!(bound > t.holes_below, n >= due, "{g:?} at n = {n}");
-                g.reclaim(&mut pool, &mut t, n);
-            }
-            assert_eq!(g.reclaim_due_at(&t), u64::MAX, "all slid out");
-            g.free(&mut pool, &mut t);
-        }
-        let full = GroupManager::new(GroupKind::Full, 4);
-        assert_eq!(full.reclaim_due_at(&Table::from_claim(vec![1])), u64::MAX);
     }
 
     #[test]
