@@ -7,7 +7,12 @@ hot, and a Python wrapper around each would cost as much as the call itself. The
 validates every argument. :class:`KVCacheSpec` is plain data and lives here; ``FlatKVCache``
 reads its four fields.
 
-The exact contract (shared with :mod:`flat_kvcache.reference`) is ``docs/engine-api.md``.
+The exact contract (shared with :mod:`flat_kvcache.reference`) is ``docs/engine-api.md`` for the
+page-level calls and ``docs/requests-api.md`` for the scheduler-loop API on the same
+``FlatKVCache``: requests that own their tokens (``add_request``, ``append_tokens``,
+``schedule`` / ``schedule_batch``, ``finish``, ``preempt``), ``block_tables(reqs, out=...)``
+writing into caller buffers, admission accounting, ``stats()`` and KV events
+(:mod:`flat_kvcache.events`).
 """
 
 from __future__ import annotations
