@@ -99,29 +99,33 @@ fn count_item(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<u64
     non_negative(item, &format!("{name}[{index}]"))
 }
 
-/// Counts (ints >= 0) from a sequence of ints or a 1-D numpy integer array.
-pub fn counts(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u64>> {
+/// A sequence of ints or a 1-D numpy integer array, element by element: `item` converts one
+/// Python item of `name[index]`, `array` converts a whole array (None when its dtype is not an
+/// integer one). Shared by [`counts`] and [`tokens`] so both accept exactly the same inputs.
+fn int_sequence<'py, E>(
+    obj: &Bound<'py, PyAny>,
+    name: &str,
+    item: impl Fn(&Bound<'py, PyAny>, &str, usize) -> PyResult<E>,
+    array: impl FnOnce(&Bound<'py, PyUntypedArray>) -> Option<PyResult<Vec<E>>>,
+) -> PyResult<Vec<E>> {
     if let Ok(list) = obj.cast::<PyList>() {
         let mut out = Vec::with_capacity(list.len());
-        for (i, item) in list.iter().enumerate() {
-            out.push(count_item(&item, name, i)?);
+        for (i, it) in list.iter().enumerate() {
+            out.push(item(&it, name, i)?);
         }
         return Ok(out);
     }
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        return tuple.iter().enumerate().map(|(i, t)| item(&t, name, i)).collect();
+    }
     if let Ok(arr) = obj.cast::<PyUntypedArray>() {
-        macro_rules! try_dtype {
-            ($($t:ty),*) => {$(
-                if let Ok(a) = arr.cast::<PyArray1<$t>>() {
-                    return counts_from_array(a, name);
-                }
-            )*};
-        }
-        try_dtype!(i64, i32, u64, u32, i16, u16, i8, u8);
-        return Err(PyTypeError::new_err(format!(
-            "{name} must be a 1-D integer array, got a {}-D array of dtype {}",
-            arr.ndim(),
-            arr.dtype()
-        )));
+        return array(arr).unwrap_or_else(|| {
+            Err(PyTypeError::new_err(format!(
+                "{name} must be a 1-D integer array, got a {}-D array of dtype {}",
+                arr.ndim(),
+                arr.dtype()
+            )))
+        });
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(PyTypeError::new_err(format!(
@@ -135,7 +139,22 @@ pub fn counts(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u64>> {
             type_name(obj)
         )));
     };
-    iter.enumerate().map(|(i, t)| count_item(&t?, name, i)).collect()
+    iter.enumerate().map(|(i, t)| item(&t?, name, i)).collect()
+}
+
+/// Counts (ints >= 0) from a sequence of ints or a 1-D numpy integer array.
+pub fn counts(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u64>> {
+    int_sequence(obj, name, count_item, |arr| {
+        macro_rules! try_dtype {
+            ($($t:ty),*) => {$(
+                if let Ok(a) = arr.cast::<PyArray1<$t>>() {
+                    return Some(counts_from_array(a, name));
+                }
+            )*};
+        }
+        try_dtype!(i64, i32, u64, u32, i16, u16, i8, u8);
+        None
+    })
 }
 
 /// Copy a 1-D numpy array of integer dtype `T` into `u32` tokens, checking every value.
@@ -156,44 +175,17 @@ where
 /// Tokens from a sequence of ints or a 1-D numpy integer array; each value must fit `u32`
 /// (`ValueError("<name>[<i>] = <v> does not fit in u32")`).
 pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
-    if let Ok(list) = obj.cast::<PyList>() {
-        let mut out = Vec::with_capacity(list.len());
-        for (i, item) in list.iter().enumerate() {
-            out.push(token(&item, name, i)?);
-        }
-        return Ok(out);
-    }
-    if let Ok(tuple) = obj.cast::<PyTuple>() {
-        return tuple.iter().enumerate().map(|(i, t)| token(&t, name, i)).collect();
-    }
-    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
+    int_sequence(obj, name, token, |arr| {
         macro_rules! try_dtype {
             ($($t:ty),*) => {$(
                 if let Ok(a) = arr.cast::<PyArray1<$t>>() {
-                    return tokens_from_array(a, name);
+                    return Some(tokens_from_array(a, name));
                 }
             )*};
         }
         try_dtype!(u32, i64, i32, u64, u16, i16, u8, i8);
-        return Err(PyTypeError::new_err(format!(
-            "{name} must be a 1-D integer array, got a {}-D array of dtype {}",
-            arr.ndim(),
-            arr.dtype()
-        )));
-    }
-    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
-        return Err(PyTypeError::new_err(format!(
-            "{name} must be a sequence of ints, got {}",
-            type_name(obj)
-        )));
-    }
-    let Ok(iter) = obj.try_iter() else {
-        return Err(PyTypeError::new_err(format!(
-            "{name} must be a sequence of ints or a 1-D integer array, got {}",
-            type_name(obj)
-        )));
-    };
-    iter.enumerate().map(|(i, t)| token(&t?, name, i)).collect()
+        None
+    })
 }
 
 /// The type name of `obj`, for messages.
