@@ -63,6 +63,27 @@ impl Prompt {
         })
     }
 
+    /// Like [`Prompt::new`], but reuses the hashes held by `memo` when it is the same prompt
+    /// (tokens, extra keys and base page size). A scheduler probes, sizes and then adds one
+    /// prompt (`prefix_hit_tokens`, `pages_needed_to_admit`, `add_request`): three calls, one
+    /// hashing; comparing the tokens costs a memcmp, hashing them a SHA-256 per page. `memo` is
+    /// left holding this prompt.
+    pub fn new_memoized(
+        tokens: Vec<u32>,
+        extra_keys: Vec<String>,
+        base_page_size: u64,
+        memo: &mut Option<Prompt>,
+    ) -> CoreResult<Self> {
+        if let Some(last) = memo.as_ref() {
+            if last.base == base_page_size && last.tokens == tokens && *last.extra_keys == *extra_keys {
+                return Ok(last.clone());
+            }
+        }
+        let prompt = Self::new(tokens, extra_keys, base_page_size)?;
+        *memo = Some(prompt.clone());
+        Ok(prompt)
+    }
+
     /// The prompt's tokens.
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
@@ -521,6 +542,32 @@ mod tests {
         // A prompt hashed for another base page size is refused.
         let wrong = Prompt::new(toks(0..8), Vec::new(), 2).unwrap();
         assert!(c.add_request(RequestIdRef::Int(9), wrong, true).is_err());
+    }
+
+    #[test]
+    fn a_memoized_prompt_has_the_hashes_of_a_fresh_one() {
+        let extra = vec!["lora-a".to_owned()];
+        let mut memo = None;
+        let first = Prompt::new_memoized(toks(0..13), extra.clone(), 4, &mut memo).unwrap();
+        assert_eq!(first.hashes(), &hash_pages(&toks(0..13), 4, &[], &extra).unwrap()[..]);
+        let again = Prompt::new_memoized(toks(0..13), extra.clone(), 4, &mut memo).unwrap();
+        assert_eq!(again.hashes(), first.hashes());
+        // Any difference (tokens, extra keys, base page size) hashes afresh.
+        let other_tokens = Prompt::new_memoized(toks(1..14), extra.clone(), 4, &mut memo).unwrap();
+        assert_eq!(
+            other_tokens.hashes(),
+            &hash_pages(&toks(1..14), 4, &[], &extra).unwrap()[..]
+        );
+        let no_keys = Prompt::new_memoized(toks(1..14), Vec::new(), 4, &mut memo).unwrap();
+        assert_eq!(
+            no_keys.hashes(),
+            &hash_pages::<&str>(&toks(1..14), 4, &[], &[]).unwrap()[..]
+        );
+        let base_two = Prompt::new_memoized(toks(1..14), Vec::new(), 2, &mut memo).unwrap();
+        assert_eq!(
+            base_two.hashes(),
+            &hash_pages::<&str>(&toks(1..14), 2, &[], &[]).unwrap()[..]
+        );
     }
 
     #[test]

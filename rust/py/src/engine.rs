@@ -327,6 +327,8 @@ pub struct PyFlatKVCache {
     base: u64,
     lcm: u64,
     inner: Mutex<FlatCache>,
+    /// The last prompt hashed, so probing, sizing and adding one prompt hash it once.
+    last_prompt: Mutex<Option<Prompt>>,
 }
 
 impl PyFlatKVCache {
@@ -339,7 +341,10 @@ impl PyFlatKVCache {
     fn prompt(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>, extra_keys: ExtraKeys) -> PyResult<Prompt> {
         let toks = self::tokens(tokens, "prompt_token_ids")?;
         let base = self.base;
-        core(py.detach(|| Prompt::new(toks, extra_keys.0, base)))
+        py.detach(|| {
+            let mut memo = lock(&self.last_prompt)?;
+            core(Prompt::new_memoized(toks, extra_keys.0, base, &mut memo))
+        })
     }
 }
 
@@ -392,6 +397,7 @@ impl PyFlatKVCache {
             base: coord.base_page_size(),
             lcm: coord.lcm_page_size(),
             inner: Mutex::new(cache),
+            last_prompt: Mutex::new(None),
         })
     }
 
