@@ -337,6 +337,18 @@ impl PyFlatKVCache {
         py.detach(|| lock(&self.inner).map(|mut c| f(&mut c)))
     }
 
+    /// Run `f` on the engine for the request id `req` (parsed before the lock is taken).
+    fn on_request<R>(
+        &self,
+        req: &Bound<'_, PyAny>,
+        f: impl FnOnce(&mut FlatCache, RequestIdRef<'_>) -> flat_kvcache_core::CoreResult<R>,
+    ) -> PyResult<R> {
+        let r = ReqArg::new(req)?;
+        let id = r.id()?;
+        let result = f(&mut *lock(&self.inner)?, id);
+        core(result)
+    }
+
     /// Hash a prompt into base pages with the GIL released and no lock held.
     fn prompt(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>, extra_keys: ExtraKeys) -> PyResult<Prompt> {
         let toks = self::tokens(tokens, "prompt_token_ids")?;
@@ -520,10 +532,7 @@ impl PyFlatKVCache {
     /// Release all of `req`'s pages (in the cache's eviction order), drop its reserve and
     /// forget it.
     fn free(&self, req: &Bound<'_, PyAny>) -> PyResult<()> {
-        let r = ReqArg::new(req)?;
-        let id = r.id()?;
-        let result = lock(&self.inner)?.free(id);
-        core(result)
+        self.on_request(req, FlatCache::free)
     }
 
     /// Pages an acquire of `num_tokens` would allocate for `req` (a fresh request if None).
@@ -561,18 +570,12 @@ impl PyFlatKVCache {
 
     /// `req`'s page ids per group (holes 0).
     fn page_ids(&self, req: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
-        let r = ReqArg::new(req)?;
-        let id = r.id()?;
-        let result = lock(&self.inner)?.page_ids(id);
-        core(result)
+        self.on_request(req, |c, id| c.page_ids(id))
     }
 
     /// `req`'s free token slots in the last page, per group.
     fn tail_available(&self, req: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
-        let r = ReqArg::new(req)?;
-        let id = r.id()?;
-        let result = lock(&self.inner)?.tail_available(id);
-        core(result)
+        self.on_request(req, |c, id| c.tail_available(id))
     }
 
     /// First chunk: `claim(req, match)` then `acquire(req, num_tokens)` (on False the claim
@@ -754,35 +757,23 @@ impl PyFlatKVCache {
     /// Register a token-level request's completed full pages, free all its pages (in the
     /// eviction order), release its reserve and forget the id (it may be used again).
     fn finish(&self, req: &Bound<'_, PyAny>) -> PyResult<()> {
-        let r = ReqArg::new(req)?;
-        let id = r.id()?;
-        let result = lock(&self.inner)?.finish(id);
-        core(result)
+        self.on_request(req, FlatCache::finish)
     }
 
     /// `finish`, counted as a preemption; returns the request's whole token list (prompt
     /// plus generated), the folded prompt to re-add with `add_request` for recompute.
     fn preempt(&self, req: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-        let r = ReqArg::new(req)?;
-        let id = r.id()?;
-        let result = lock(&self.inner)?.preempt(id);
-        core(result)
+        self.on_request(req, FlatCache::preempt)
     }
 
     /// Tokens a token-level request has computed (its position).
     fn num_computed_tokens(&self, req: &Bound<'_, PyAny>) -> PyResult<u64> {
-        let r = ReqArg::new(req)?;
-        let id = r.id()?;
-        let result = lock(&self.inner)?.num_computed_tokens(id);
-        core(result)
+        self.on_request(req, |c, id| c.num_computed_tokens(id))
     }
 
     /// Tokens a token-level request knows (prompt plus appended).
     fn num_tokens(&self, req: &Bound<'_, PyAny>) -> PyResult<u64> {
-        let r = ReqArg::new(req)?;
-        let id = r.id()?;
-        let result = lock(&self.inner)?.num_tokens(id);
-        core(result)
+        self.on_request(req, |c, id| c.num_tokens(id))
     }
 
     // ----- admission accounting (SPEC 9) ----------------------------------------------------
