@@ -30,6 +30,16 @@ WINDOW = 1024
 STEPS = 256
 
 
+def decode_cache() -> FlatKVCache:
+    """The decode scenario's cache: full attention plus a ``WINDOW``-token sliding window, with
+    pages for every request's whole run in both groups (page 0 is the null page)."""
+    specs = [
+        KVCacheSpec("full", PAGE, group_id="full"),
+        KVCacheSpec("sliding_window", PAGE, WINDOW, "swa"),
+    ]
+    return FlatKVCache(specs, REQUESTS * (PROMPT + STEPS + PAGE) // PAGE * 2 + 1)
+
+
 def _median_ns(fn: Callable[[], object], repeats: int) -> float:
     """Median wall time of ``fn()`` in nanoseconds over ``repeats`` runs (after one warm-up)."""
     fn()
@@ -72,12 +82,7 @@ class DecodeLoop:
     """
 
     def __init__(self) -> None:
-        specs = [
-            KVCacheSpec("full", PAGE, group_id="full"),
-            KVCacheSpec("sliding_window", PAGE, WINDOW, "swa"),
-        ]
-        pages = REQUESTS * (PROMPT + STEPS + PAGE) // PAGE * 2 + 1
-        self.cache = FlatKVCache(specs, pages)
+        self.cache = decode_cache()
         self.reqs = [f"req-{r}" for r in range(REQUESTS)]
         self.hashes = [hash_pages(prompt_tokens(PROMPT + STEPS, r), PAGE) for r in range(REQUESTS)]
         self.computed = 0

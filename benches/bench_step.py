@@ -35,13 +35,8 @@ import time
 from typing import Any
 
 import numpy as np
-from flat_kvcache.engine import FlatKVCache, KVCacheSpec
+from bench_engine import PAGE, PROMPT, REQUESTS, STEPS, decode_cache  # the same decode scenario
 
-PAGE = 16
-REQUESTS = 256
-PROMPT = 2048
-WINDOW = 1024
-STEPS = 256
 #: Capture width of the longest context in the run (SPEC 2: ceil((C + 1) / P)).
 COLS = -(-(PROMPT + STEPS + 1) // PAGE)
 
@@ -55,12 +50,7 @@ class StepLoop:
     """256 token-level requests decoding one token per step."""
 
     def __init__(self, *, use_torch: bool = False) -> None:
-        specs = [
-            KVCacheSpec("full", PAGE, group_id="full"),
-            KVCacheSpec("sliding_window", PAGE, WINDOW, "swa"),
-        ]
-        pages = REQUESTS * (PROMPT + STEPS + PAGE) // PAGE * 2 + 1
-        self.cache = FlatKVCache(specs, pages)
+        self.cache = decode_cache()
         self.reqs = [f"req-{r}" for r in range(REQUESTS)]
         self.ones = np.ones(REQUESTS, dtype=np.int64)
         self.out: dict[str, Any]
