@@ -273,6 +273,7 @@ def test_argument_errors_name_the_argument() -> None:
         lambda: cache.finish("p"),
         lambda: cache.preempt("p"),
         lambda: cache.schedule_batch(["p"], [0]),
+        lambda: cache.append_tokens_batch(["p"], [1]),
     ):
         with pytest.raises(ValueError, match="is page-level"):
             call()
@@ -315,6 +316,37 @@ def test_schedule_batch_validates_everything_first() -> None:
         cache2.add_request("b", list(range(8)))
         assert cache2.schedule_batch(["a", "b"], ns).tolist() == [True, True]
     assert hybrid().schedule_batch([], []).shape == (0,)
+
+
+def test_append_tokens_batch_validates_everything_first() -> None:
+    cache = hybrid()
+    cache.add_request("a", list(range(8)))
+    cache.add_request("b", list(range(8)))
+    before = (cache.num_tokens("a"), cache.num_tokens("b"))
+    with pytest.raises(ValueError, match="token_ids has 1 entries but reqs has 2"):
+        cache.append_tokens_batch(["a", "b"], [1])
+    with pytest.raises(ValueError, match="num_tokens has 1 entries but reqs has 2"):
+        cache.append_tokens_batch(["a", "b"], [1, 2], [2])
+    with pytest.raises(ValueError, match="num_tokens adds up to 3 but token_ids has 2 entries"):
+        cache.append_tokens_batch(["a", "b"], [1, 2], [1, 2])
+    with pytest.raises(OverflowError, match="num_tokens"):
+        cache.append_tokens_batch(["a", "b"], [1, 2], [2**64 - 1, 1])
+    with pytest.raises(ValueError, match=r"token_ids\[1\] = -1 does not fit in u32"):
+        cache.append_tokens_batch(["a", "b"], [1, -1])
+    with pytest.raises(ValueError, match=r"num_tokens\[0\] must be >= 0, got -1"):
+        cache.append_tokens_batch(["a", "b"], [1, 2], np.array([-1, 3]))
+    with pytest.raises(KeyError):
+        cache.append_tokens_batch(["a", "zz"], [1, 2])
+    with pytest.raises(TypeError, match="not a str"):
+        cache.append_tokens_batch("ab", [1, 2])
+    assert (cache.num_tokens("a"), cache.num_tokens("b")) == before
+    # Arrays of any integer dtype; None is one token each.
+    cache.append_tokens_batch([], np.array([], dtype=np.uint32))
+    cache.append_tokens_batch(["a", "b"], np.array([8, 9], dtype=np.int64), None)
+    counts = np.array([2, 1], dtype=np.uint8)
+    cache.append_tokens_batch(["b", "a"], np.array([10, 11, 12], dtype=np.uint32), counts)
+    assert cache.preempt("a") == [*range(8), 8, 12]
+    assert cache.preempt("b") == [*range(8), 9, 10, 11]
 
 
 # ----- threads --------------------------------------------------------------------------------------

@@ -42,6 +42,26 @@ def test_capped_match_leaves_the_last_prompt_token(api: ModuleType) -> None:
     cache.check_invariants()
 
 
+def test_append_tokens_batch_hashes_pages_like_append_tokens(api: ModuleType) -> None:
+    """A batch append is per-request appends in order: pages that fill are hashed and register
+    once computed, so a later prompt with the same tokens hits them."""
+    cache = full_cache(api)
+    cache.add_request("a", [1, 2, 3])
+    cache.add_request(7, [50])
+    assert cache.schedule_batch(["a", 7], [3, 1]).tolist() == [True, True]
+    cache.append_tokens_batch(["a", 7], [4, 51])  # one each: "a" fills its first page
+    # Counts: 7 gets 52, "a" gets 5 to 8, then 7 gets 53 (a repeated id appends in order).
+    cache.append_tokens_batch([7, "a", 7], [52, 5, 6, 7, 8, 53], [1, 4, 1])
+    assert (cache.num_tokens("a"), cache.num_tokens(7)) == (8, 4)
+    assert cache.schedule_batch(["a", 7], [5, 3]).tolist() == [True, True]
+    assert cache.preempt(7) == [50, 51, 52, 53]
+    cache.finish("a")
+    # "a" knew [1..8]: two full pages, both registered at finish; a 9-token prompt hits both.
+    assert cache.prefix_hit_tokens([1, 2, 3, 4, 5, 6, 7, 8, 0]) == 8
+    assert cache.prefix_hit_tokens([50, 51, 52, 53, 0]) == 4
+    cache.check_invariants()
+
+
 def test_preempt_then_readd_is_a_prefix_hit(api: ModuleType) -> None:
     cache = full_cache(api)
     cache.add_request("a", list(range(10)))

@@ -3,11 +3,11 @@
 One hypothesis state machine drives the native ``FlatKVCache`` and the pure-Python reference
 with the same random scheduler-loop operations: ``add_request`` (prompts drawn from a few shared
 documents so prefix hits happen, extra keys sometimes, the prefix cache on or off),
-``append_tokens``, ``schedule`` with a lookahead, ``schedule_batch``, ``reserve``, ``finish``,
-``preempt`` then re-adding the returned tokens, ``reset_prefix_cache`` and ``block_tables``
-with and without ``out=``, over random hybrid spec mixes (full / sliding / state groups, page
-sizes multiples of one base, small pools so shortfalls happen, caching on and off, both
-eviction orders, KV events on).
+``append_tokens`` and ``append_tokens_batch``, ``schedule`` with a lookahead,
+``schedule_batch``, ``reserve``, ``finish``, ``preempt`` then re-adding the returned tokens,
+``reset_prefix_cache`` and ``block_tables`` with and without ``out=``, over random hybrid
+spec mixes (full / sliding / state groups, page sizes multiples of one base, small pools so
+shortfalls happen, caching on and off, both eviction orders, KV events on).
 
 After every step both must agree on return values (or the exception class raised), page ids
 and positions of every live request, ``stats()``, ``budget()`` and ``take_events()``, and both
@@ -155,6 +155,27 @@ class RequestsMachine(RuleBasedStateMachine):
     @rule(index=st.integers(0, 10), tokens=st.lists(st.integers(0, 2000), min_size=0, max_size=9))
     def append_tokens(self, index: int, tokens: list[int]) -> None:
         self.both("append_tokens", self.pick(index), tokens)
+
+    @precondition(lambda self: self.live)
+    @rule(
+        indices=st.lists(st.integers(0, 10), min_size=0, max_size=4),
+        data=st.data(),
+        mode=st.sampled_from(["one_each", "counts", "array"]),
+    )
+    def append_tokens_batch(self, indices: list[int], data: st.DataObject, mode: str) -> None:
+        reqs: list[Any] = [self.pick(i) for i in indices]
+        if data.draw(st.integers(0, 9)) == 0:
+            reqs.append("unknown")
+        if mode == "one_each":
+            tokens = data.draw(st.lists(st.integers(0, 2000), min_size=len(reqs), max_size=len(reqs)))
+            self.both("append_tokens_batch", reqs, tokens)
+            return
+        counts = data.draw(st.lists(st.integers(0, 5), min_size=len(reqs), max_size=len(reqs)))
+        tokens = data.draw(st.lists(st.integers(0, 2000), min_size=sum(counts), max_size=sum(counts)))
+        if mode == "array":
+            self.both("append_tokens_batch", reqs, np.array(tokens, dtype=np.uint32), np.array(counts))
+        else:
+            self.both("append_tokens_batch", reqs, tokens, counts)
 
     @precondition(lambda self: self.live)
     @rule(index=st.integers(0, 10), finish=st.booleans())

@@ -24,7 +24,8 @@ One step, in order:
    page per group no first chunk can fit, and the check is skipped.
 4. ``block_tables(scheduled, out=...)`` into preallocated int32 buffers.
 5. Every scheduled request whose known tokens are now all computed samples a token: the last
-   one it needs finishes it (``finish``), any other is appended (``append_tokens``). A request
+   one it needs finishes it (``finish``), the others' tokens are appended in one
+   ``append_tokens_batch`` call (timed as ``append_tokens``). A request
    whose next decode starts a page gets ``reserve(req, 1)`` so admissions leave it its page
    (at any other position the next token fits in the pages it has and the reserve would be 0).
 6. SPEC 9 retraction: when nothing in flight progressed for two consecutive steps, the running
@@ -549,7 +550,8 @@ class _Loop:
     def _sample(self, scheduled: list[_Live]) -> None:
         """Step 5: a token for each request with all its known tokens computed; finish, append, reserve."""
         done: list[_Live] = []
-        appends: list[tuple[int, list[int]]] = []
+        append_reqs: list[int] = []
+        append_tokens: list[int] = []
         for live in scheduled:
             if live.computed == live.known:
                 live.generated += 1
@@ -557,13 +559,13 @@ class _Loop:
                 if live.generated == live.request.output_len:
                     done.append(live)
                 else:
-                    appends.append((live.rid, [int(live.request.output[live.generated - 1])]))
+                    append_reqs.append(live.rid)
+                    append_tokens.append(int(live.request.output[live.generated - 1]))
                     live.known += 1
         cache = self.cache
-        if appends:
+        if append_reqs:
             start = _perf()
-            for rid, token in appends:
-                cache.append_tokens(rid, token)
+            cache.append_tokens_batch(append_reqs, append_tokens)  # one token each, one call
             self._charge("append_tokens", start)
         if done:
             start = _perf()

@@ -1482,12 +1482,52 @@ class FlatKVCache:
         """Append newly known tokens; each base page that fills is hashed once, chained (SPEC 12.4)."""
         key = _request_key(req)
         tokens = _token_values(token_ids, "token_ids")
+        self._token_state("append_tokens", key)
+        self._append_checked(key, tokens)
+
+    def _append_checked(self, key: RequestId, tokens: list[int]) -> None:
         _, state = self._token_state("append_tokens", key)
         state.tokens.extend(tokens)
         while len(state.hashes) < len(state.tokens) // self._base:
             start = len(state.hashes) * self._base
             prior = state.hashes[-1] if state.hashes else ""
             state.hashes.append(hash_page(state.tokens[start : start + self._base], prior, state.extra_keys))
+
+    def append_tokens_batch(
+        self,
+        reqs: Sequence[RequestId],
+        token_ids: TokenIds,
+        num_tokens: Sequence[int] | npt.NDArray[np.integer[Any]] | None = None,
+    ) -> None:
+        """``append_tokens`` for many requests in one call, after validating everything.
+
+        Request ``i`` gets the next ``num_tokens[i]`` entries of the flat ``token_ids``, or
+        exactly one each when ``num_tokens`` is None.
+        """
+        if isinstance(reqs, (str, bytes)):
+            raise TypeError("reqs must be a sequence of request ids, not a bare str")
+        keys = [_request_key(req) for req in reqs]
+        tokens = _token_values(token_ids, "token_ids")
+        if num_tokens is None:
+            if len(tokens) != len(keys):
+                raise ValueError(
+                    f"token_ids has {len(tokens)} entries but reqs has {len(keys)} "
+                    "(one token per request without num_tokens)"
+                )
+            counts = [1] * len(keys)
+        else:
+            counts = _counts(num_tokens, "num_tokens")
+            if len(counts) != len(keys):
+                raise ValueError(f"num_tokens has {len(counts)} entries but reqs has {len(keys)}")
+            total = _check_u64(sum(counts), "num_tokens")
+            if total != len(tokens):
+                raise ValueError(f"num_tokens adds up to {total} but token_ids has {len(tokens)} entries")
+        for key in keys:
+            self._token_state("append_tokens_batch", key)
+        start = 0
+        for key, count in zip(keys, counts, strict=True):
+            self._append_checked(key, tokens[start : start + count])
+            start += count
 
     def num_computed_tokens(self, req: RequestId) -> int:
         return self._token_state("num_computed_tokens", _request_key(req))[1].computed

@@ -12,7 +12,10 @@
 
 use std::hash::Hash;
 
-use hashbrown::{Equivalent, HashMap};
+use std::hash::BuildHasher;
+
+use hashbrown::hash_table::Entry;
+use hashbrown::{Equivalent, HashTable};
 use rustc_hash::FxBuildHasher;
 
 use crate::error::{CoreError, CoreResult};
@@ -23,56 +26,29 @@ pub const NULL_PAGE: u32 = 0;
 /// Largest pool size: page ids are written into `int32` block tables.
 pub const MAX_BLOCKS: u64 = i32::MAX as u64;
 
-/// The pages holding one key, in registration order (one page in the common case, so no
-/// allocation is made for it).
-#[derive(Clone, Debug)]
-enum Holders {
-    One(u32),
-    Many(Vec<u32>),
+/// One key-map slot: the fingerprint (the pool's 64-bit hash of a key) and the pages holding
+/// keys with that fingerprint, in registration order.
+///
+/// The map stores fingerprints, not keys: a slot is 16 bytes where a (key, pages) entry was 64,
+/// so the map of a pool's worth of pages stays in the core's L2 cache (registering and evicting
+/// a page each touch one slot, and that cache miss was most of their cost). The keys live in
+/// `BlockPool::keys`; a lookup compares the candidates' keys there, so two different keys that
+/// share a fingerprint are told apart exactly (they share one slot).
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    fp: u64,
+    /// The only page, when `many == 0`.
+    page: u32,
+    /// 0: one page (`page`); else 1 + the index in `BlockPool::overflow` of the pages' list
+    /// (two or more).
+    many: u32,
 }
 
-impl Holders {
-    fn first(&self) -> u32 {
-        match self {
-            Self::One(p) => *p,
-            // `Many` is never left empty (see `remove`), so index 0 exists.
-            Self::Many(ps) => ps.first().copied().unwrap_or(NULL_PAGE),
-        }
-    }
-
-    fn push(&mut self, page: u32) {
-        match self {
-            Self::One(p) => *self = Self::Many(vec![*p, page]),
-            Self::Many(ps) => ps.push(page),
-        }
-    }
-
-    /// Remove `page`; returns true when no page is left.
-    fn remove(&mut self, page: u32) -> bool {
-        match self {
-            Self::One(p) => *p == page,
-            Self::Many(ps) => {
-                if let Some(i) = ps.iter().position(|&p| p == page) {
-                    ps.remove(i);
-                }
-                match ps.as_slice() {
-                    [] => true,
-                    [only] => {
-                        *self = Self::One(*only);
-                        false
-                    }
-                    _ => false,
-                }
-            }
-        }
-    }
-
-    fn pages(&self) -> &[u32] {
-        match self {
-            Self::One(p) => std::slice::from_ref(p),
-            Self::Many(ps) => ps,
-        }
-    }
+/// The fingerprint of a key: its `Hash` through `FxHasher` (one multiply for a
+/// [`crate::hash::GroupKey`], whose bytes are already SHA-256 output).
+#[inline]
+fn fingerprint<Q: Hash + ?Sized>(key: &Q) -> u64 {
+    FxBuildHasher.hash_one(key)
 }
 
 /// Doubly-linked list links of one page.
@@ -93,8 +69,11 @@ pub struct BlockPool<K> {
     num_free: usize,
     /// The key each page holds, if any.
     keys: Vec<Option<K>>,
-    /// Key -> pages holding it, in registration order.
-    map: HashMap<K, Holders, FxBuildHasher>,
+    /// Fingerprint -> pages holding keys with it, in registration order (see [`Slot`]).
+    map: HashTable<Slot>,
+    /// Page lists of the slots with two or more pages; `overflow_free` lists the unused ones.
+    overflow: Vec<Vec<u32>>,
+    overflow_free: Vec<u32>,
     num_cached: usize,
     num_cached_free: usize,
     /// Keys dropped because their page was handed out again (the `evictions` metric).
@@ -146,7 +125,9 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
             links,
             num_free: n - 1,
             keys: try_filled(n, None)?,
-            map: HashMap::default(),
+            map: HashTable::new(),
+            overflow: Vec::new(),
+            overflow_free: Vec::new(),
             num_cached: 0,
             num_cached_free: 0,
             evictions: 0,
@@ -251,7 +232,22 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
         if !self.enable_caching {
             return None;
         }
-        self.map.get(key).map(Holders::first)
+        let fp = fingerprint(key);
+        let slot = self.map.find(fp, |s| s.fp == fp)?;
+        self.slot_pages(slot)
+            .iter()
+            .copied()
+            .find(|&page| self.keys[page as usize].as_ref().is_some_and(|k| key.equivalent(k)))
+    }
+
+    /// The pages of a map slot, in registration order.
+    #[inline]
+    fn slot_pages<'a>(&'a self, slot: &'a Slot) -> &'a [u32] {
+        if slot.many == 0 {
+            std::slice::from_ref(&slot.page)
+        } else {
+            &self.overflow[slot.many as usize - 1]
+        }
     }
 
     /// Pages on the free list, front (next to evict) first.
@@ -287,9 +283,26 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
         let key = self.keys[page as usize].take()?;
         self.num_cached -= 1;
         self.num_cached_free -= 1;
-        if let Some(holders) = self.map.get_mut(&key) {
-            if holders.remove(page) {
-                self.map.remove(&key);
+        let fp = fingerprint(&key);
+        if let Ok(mut entry) = self.map.find_entry(fp, |s| s.fp == fp) {
+            let slot = entry.get_mut();
+            if slot.many == 0 {
+                if slot.page == page {
+                    entry.remove();
+                }
+            } else {
+                let at = slot.many as usize - 1;
+                let list = &mut self.overflow[at];
+                if let Some(i) = list.iter().position(|&p| p == page) {
+                    list.remove(i);
+                }
+                if let [only] = list.as_slice() {
+                    // Back to one page: the list is returned for reuse.
+                    slot.page = *only;
+                    slot.many = 0;
+                    list.clear();
+                    self.overflow_free.push(page_u32(at));
+                }
             }
         }
         Some(key)
@@ -461,10 +474,29 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
 
     /// Register `key` for a real, in-range page that holds no key (caching on).
     pub(crate) fn cache_unchecked(&mut self, page: u32, key: K) {
-        self.map
-            .entry(key.clone())
-            .and_modify(|h| h.push(page))
-            .or_insert(Holders::One(page));
+        let fp = fingerprint(&key);
+        match self.map.entry(fp, |s| s.fp == fp, |s| s.fp) {
+            Entry::Vacant(vacant) => {
+                vacant.insert(Slot { fp, page, many: 0 });
+            }
+            Entry::Occupied(mut occupied) => {
+                let slot = occupied.get_mut();
+                if slot.many == 0 {
+                    let pair = [slot.page, page];
+                    let at = if let Some(at) = self.overflow_free.pop() {
+                        self.overflow[at as usize].extend_from_slice(&pair);
+                        at as usize
+                    } else {
+                        self.overflow.push(pair.to_vec());
+                        self.overflow.len() - 1
+                    };
+                    // At most one list per pool page, so the count fits `u32`.
+                    slot.many = page_u32(at + 1);
+                } else {
+                    self.overflow[slot.many as usize - 1].push(page);
+                }
+            }
+        }
         self.keys[page as usize] = Some(key);
         self.num_cached += 1;
         if self.refs[page as usize] == 0 {
@@ -505,14 +537,30 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
         if self.refs[0] != 0 || self.keys[0].is_some() || on_list[0] {
             return Err("the null page 0 is counted, cached or free".to_owned());
         }
-        for (key, holders) in &self.map {
-            for &page in holders.pages() {
-                if self.keys.get(page as usize).and_then(Option::as_ref) != Some(key) {
+        let mut fps = std::collections::HashSet::new();
+        let mut lists = 0usize;
+        for slot in &self.map {
+            if !fps.insert(slot.fp) {
+                return Err(format!("two key map slots share fingerprint {:#x}", slot.fp));
+            }
+            let pages = self.slot_pages(slot);
+            if slot.many != 0 {
+                lists += 1;
+                if pages.len() < 2 {
+                    return Err(format!("key map slot {:#x} lists {} pages", slot.fp, pages.len()));
+                }
+            }
+            for &page in pages {
+                let held = self.keys.get(page as usize).and_then(Option::as_ref);
+                if held.is_none_or(|k| fingerprint(k) != slot.fp) {
                     return Err(format!(
-                        "key map entry points at page {page}, which does not hold that key"
+                        "key map entry points at page {page}, which does not hold a key with that fingerprint"
                     ));
                 }
             }
+        }
+        if lists + self.overflow_free.len() != self.overflow.len() {
+            return Err("key map page lists leak: used + free != allocated".to_owned());
         }
         let cached = self.keys.iter().filter(|k| k.is_some()).count();
         let cached_free = self
@@ -521,7 +569,7 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
             .zip(&self.refs)
             .filter(|(k, &c)| k.is_some() && c == 0)
             .count();
-        let mapped: usize = self.map.values().map(|h| h.pages().len()).sum();
+        let mapped: usize = self.map.iter().map(|s| self.slot_pages(s).len()).sum();
         if cached != self.num_cached || cached_free != self.num_cached_free || mapped != cached {
             return Err(format!(
                 "cache counters disagree: {cached} pages hold keys, {mapped} map entries, \
@@ -603,6 +651,46 @@ mod tests {
         single.check().unwrap();
         assert!(Pool::new(0, true).is_err());
         assert!(Pool::new(MAX_BLOCKS + 1, true).is_err());
+    }
+
+    /// Group keys whose hashes differ only after byte 8 share a fingerprint (the `Hash` of a
+    /// `GroupKey` reads the first 8 bytes), so they land in one map slot.
+    fn colliding_key(last: u8) -> crate::hash::GroupKey {
+        let mut hash = [7u8; 32];
+        hash[31] = last;
+        crate::hash::GroupKey::new(hash, 0)
+    }
+
+    #[test]
+    fn keys_sharing_a_fingerprint_are_told_apart() {
+        let (a, b) = (colliding_key(1), colliding_key(2));
+        assert_eq!(fingerprint(&a), fingerprint(&b));
+        let mut pool = BlockPool::new(6, true).unwrap();
+        assert_eq!(pool.allocate(4), vec![1, 2, 3, 4]);
+        pool.cache(1, a).unwrap();
+        pool.cache(2, b).unwrap();
+        pool.cache(3, a).unwrap();
+        pool.cache(4, b).unwrap();
+        pool.check().unwrap();
+        // Earliest registration of each key, whatever the other key did in between.
+        assert_eq!((pool.lookup(&a), pool.lookup(&b)), (Some(1), Some(2)));
+        assert_eq!(pool.lookup(&colliding_key(3)), None);
+        // Free 1 and 2, then hand them out again: their keys are evicted, the later holders stay.
+        pool.free(&[1, 2]).unwrap();
+        let mut again = pool.allocate(3);
+        again.sort_unstable();
+        assert_eq!(again, vec![1, 2, 5]);
+        pool.check().unwrap();
+        assert_eq!((pool.lookup(&a), pool.lookup(&b)), (Some(3), Some(4)));
+        assert_eq!(pool.num_cached(), 2);
+        // Down to one key in the slot, then none; the freed page lists are reused.
+        pool.free(&[4]).unwrap();
+        assert_eq!(pool.clear_cached_free(), 1);
+        assert_eq!((pool.lookup(&a), pool.lookup(&b)), (Some(3), None));
+        pool.cache(5, b).unwrap();
+        pool.cache(1, a).unwrap();
+        pool.check().unwrap();
+        assert_eq!((pool.lookup(&a), pool.lookup(&b)), (Some(3), Some(5)));
     }
 
     #[test]

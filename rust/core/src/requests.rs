@@ -216,9 +216,73 @@ impl FlatCache {
     /// is hashed once, chained from the previous page's hash.
     pub fn append_tokens(&mut self, req: RequestIdRef<'_>, tokens: &[u32]) -> CoreResult<()> {
         let at = self.find_token("append_tokens", req)?;
+        self.append_at(at, tokens)
+    }
+
+    /// Append newly known tokens to many token-level requests in one call: request `i` gets
+    /// the next `counts[i]` tokens of `tokens` (one each when `counts` is `None`), exactly as
+    /// [`Self::append_tokens`] would, in order. Everything is validated first (unknown id,
+    /// page-level request, lengths that do not add up): on error nothing has changed.
+    pub fn append_tokens_batch(
+        &mut self,
+        reqs: &[RequestIdRef<'_>],
+        tokens: &[u32],
+        counts: Option<&[u64]>,
+    ) -> CoreResult<()> {
+        match counts {
+            None if tokens.len() != reqs.len() => {
+                return Err(CoreError::invalid(format!(
+                    "token_ids has {} entries but reqs has {} (one token per request without num_tokens)",
+                    tokens.len(),
+                    reqs.len()
+                )));
+            }
+            Some(ns) if ns.len() != reqs.len() => {
+                return Err(CoreError::invalid(format!(
+                    "num_tokens has {} entries but reqs has {}",
+                    ns.len(),
+                    reqs.len()
+                )));
+            }
+            Some(ns) => {
+                let total = ns
+                    .iter()
+                    .try_fold(0u64, |sum, &n| sum.checked_add(n))
+                    .ok_or_else(|| CoreError::overflow("num_tokens"))?;
+                if u64::try_from(tokens.len()).ok() != Some(total) {
+                    return Err(CoreError::invalid(format!(
+                        "num_tokens adds up to {total} but token_ids has {} entries",
+                        tokens.len()
+                    )));
+                }
+            }
+            None => {}
+        }
+        let mut at = std::mem::take(&mut self.scratch);
+        at.clear();
+        let checked = reqs.iter().try_for_each(|&req| {
+            at.push(self.find_token("append_tokens_batch", req)?);
+            Ok(())
+        });
+        let result = checked.and_then(|()| {
+            let mut start = 0usize;
+            for (k, &i) in at.iter().enumerate() {
+                // The counts add up to tokens.len() (checked above), so each fits usize.
+                let n = counts.map_or(1, |ns| usize::try_from(ns[k]).unwrap_or(usize::MAX));
+                self.append_at(i, &tokens[start..start + n])?;
+                start += n;
+            }
+            Ok(())
+        });
+        self.scratch = at;
+        result
+    }
+
+    /// [`Self::append_tokens`] for the token-level request at slab position `at`.
+    fn append_at(&mut self, at: usize, tokens: &[u32]) -> CoreResult<()> {
         let base = usize::try_from(self.coord.base_page_size()).unwrap_or(usize::MAX);
         let Some(state) = self.entries[at].tokens.as_mut() else {
-            return Err(page_level("append_tokens", req));
+            return Ok(());
         };
         state.tokens.extend_from_slice(tokens);
         let full = state.tokens.len() / base;
@@ -585,6 +649,60 @@ mod tests {
         assert_eq!(state.tokens, toks(0..30));
         assert_eq!(state.hashes, hash_pages(&toks(0..30), 4, &[], &extra).unwrap());
         assert_eq!(c.num_tokens(A).unwrap(), 30);
+    }
+
+    /// The arguments of one `append_tokens_batch` call.
+    type BatchAppend<'a> = (&'a [RequestIdRef<'a>], &'a [u32], Option<&'a [u64]>);
+
+    #[test]
+    fn append_tokens_batch_is_append_tokens_per_request_after_validating_all() {
+        // Same operations twice: one batch call vs per-request append_tokens calls.
+        let tokens_of = |c: &FlatCache, r| {
+            let at = c.find(r).unwrap();
+            let s = c.entries[at].tokens.as_ref().unwrap();
+            (s.tokens.clone(), s.hashes.clone())
+        };
+        let (mut one, mut batch) = (hybrid(64), hybrid(64));
+        for c in [&mut one, &mut batch] {
+            add(c, A, toks(0..6));
+            add(c, B, toks(100..103));
+        }
+        one.append_tokens(A, &[6]).unwrap();
+        one.append_tokens(B, &[103]).unwrap();
+        batch.append_tokens_batch(&[A, B], &[6, 103], None).unwrap();
+        // Counts: 3 for B, none for A, then 2 more for A (a repeated id appends in order).
+        one.append_tokens(B, &[104, 105, 106]).unwrap();
+        one.append_tokens(A, &[7, 8]).unwrap();
+        batch
+            .append_tokens_batch(&[B, A, A], &[104, 105, 106, 7, 8], Some(&[3, 0, 2]))
+            .unwrap();
+        for r in [A, B] {
+            assert_eq!(tokens_of(&one, r), tokens_of(&batch, r));
+        }
+        assert_eq!(tokens_of(&batch, A).0, toks(0..9));
+        assert_eq!(
+            tokens_of(&batch, A).1,
+            hash_pages::<&str>(&toks(0..9), 4, &[], &[]).unwrap()
+        );
+        // Errors change nothing, even when an earlier request in the batch was fine.
+        let before = (tokens_of(&batch, A), tokens_of(&batch, B));
+        let bad: [BatchAppend<'_>; 5] = [
+            (&[A, B], &[1], None),                // one token per request
+            (&[A, B], &[1, 2, 3], Some(&[1])),    // counts per request
+            (&[A, B], &[1, 2, 3], Some(&[1, 1])), // counts add up to the tokens
+            (&[A, RequestIdRef::Str("zz")], &[1, 2], None),
+            (&[A, B], &[1, 2, 3], Some(&[u64::MAX, 4])),
+        ];
+        for (reqs, t, counts) in bad {
+            assert!(batch.append_tokens_batch(reqs, t, counts).is_err());
+        }
+        assert!(matches!(
+            batch.append_tokens_batch(&[A, RequestIdRef::Str("zz")], &[1, 2], None),
+            Err(CoreError::UnknownRequest(_))
+        ));
+        assert_eq!((tokens_of(&batch, A), tokens_of(&batch, B)), before);
+        batch.append_tokens_batch(&[], &[], None).unwrap();
+        batch.check_invariants().unwrap();
     }
 
     #[test]

@@ -706,6 +706,33 @@ impl PyFlatKVCache {
         core(result)
     }
 
+    /// Append newly known tokens to many token-level requests in one call (a decode step's
+    /// sampled tokens): request `i` gets the next `num_tokens[i]` entries of the flat
+    /// `token_ids`, or exactly one each when `num_tokens` is None. Same result as calling
+    /// `append_tokens` per request in order; everything is validated first (unknown id:
+    /// `KeyError`; page-level request or lengths that do not add up: `ValueError`; nothing
+    /// changes then). The GIL is released while appending.
+    #[pyo3(
+        signature = (reqs, token_ids, num_tokens = None),
+        text_signature = "(self, reqs, token_ids, num_tokens=None)"
+    )]
+    fn append_tokens_batch(
+        &self,
+        py: Python<'_>,
+        reqs: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+        num_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let args = req_args(reqs)?;
+        let ids: Vec<RequestIdRef<'_>> = args.iter().map(ReqArg::id).collect::<PyResult<_>>()?;
+        let toks = tokens(token_ids, "token_ids")?;
+        let ns = match num_tokens {
+            Some(obj) if !obj.is_none() => Some(counts(obj, "num_tokens")?),
+            _ => None,
+        };
+        core(self.detached(py, |c| c.append_tokens_batch(&ids, &toks, ns.as_deref()))?)
+    }
+
     /// Schedule the next `num_new_tokens` known tokens of a token-level request: register
     /// its completed full pages, reclaim slid-out pages, then acquire room for them plus
     /// `lookahead` slots, all or nothing. True: the position moved and the reserve was
