@@ -62,6 +62,28 @@ def test_append_tokens_batch_hashes_pages_like_append_tokens(api: ModuleType) ->
     cache.check_invariants()
 
 
+def test_admission_probes_follow_the_prompt_contents(api: ModuleType) -> None:
+    """Probing, sizing and adding one prompt hash it once natively (a memo of the last prompt),
+    so the answers must follow the tokens, not the array object: an array changed in place, a
+    strided view and a copy each get the answer for their contents."""
+    cache = full_cache(api)
+    cache.add_request("a", list(range(17)))
+    assert cache.schedule("a", 17)
+    cache.finish("a")  # 4 full pages cached
+    prompt = np.arange(17, dtype=np.uint32)
+    assert cache.prefix_hit_tokens(prompt) == 16
+    prompt[5] = 999  # same object, page 1 differs now: only page 0 matches
+    assert cache.prefix_hit_tokens(prompt) == 4
+    # The claim takes the one free cached page, then ceil(13 / 4) = 4 fresh pages.
+    assert cache.pages_needed_to_admit(prompt, 13) == 1 + 4
+    assert cache.prefix_hit_tokens(np.arange(34, dtype=np.uint32)[::2]) == 0  # 0, 2, 4, ...
+    assert cache.prefix_hit_tokens(np.arange(17, dtype=np.int64)) == 16
+    assert cache.add_request("b", prompt) == 4
+    assert cache.num_tokens("b") == 17
+    assert cache.preempt("b") == [*range(5), 999, *range(6, 17)]
+    cache.check_invariants()
+
+
 def test_preempt_then_readd_is_a_prefix_hit(api: ModuleType) -> None:
     cache = full_cache(api)
     cache.add_request("a", list(range(10)))

@@ -504,11 +504,13 @@ impl FlatCache {
             rows.push(self.tables(r)?);
         }
         for (g, out) in outs.iter().enumerate() {
-            // Quoted the Python way, as the caller indexes the mapping: out['full'].
-            let gid = format!("'{}'", specs[g].group_id.escape_debug());
+            // Quoted the Python way, as the caller indexes the mapping: out['full'] (built only
+            // for a message).
+            let gid = || format!("'{}'", specs[g].group_id.escape_debug());
             if out.rows.checked_mul(out.cols) != Some(out.data.len()) {
                 return Err(CoreError::invalid(format!(
-                    "block_tables: out[{gid}] holds {} values, not {} x {}",
+                    "block_tables: out[{}] holds {} values, not {} x {}",
+                    gid(),
                     out.data.len(),
                     out.rows,
                     out.cols
@@ -516,14 +518,16 @@ impl FlatCache {
             }
             if out.rows < reqs.len() {
                 return Err(CoreError::invalid(format!(
-                    "block_tables: out[{gid}] has {} rows, fewer than the {} requests",
+                    "block_tables: out[{}] has {} rows, fewer than the {} requests",
+                    gid(),
                     out.rows,
                     reqs.len()
                 )));
             }
             if let Some((r, ts)) = rows.iter().enumerate().find(|(_, ts)| ts[g].len() > out.cols) {
                 return Err(CoreError::invalid(format!(
-                    "block_tables: out[{gid}] has {} columns but request {} has {} pages in that group",
+                    "block_tables: out[{}] has {} columns but request {} has {} pages in that group",
+                    gid(),
                     out.cols,
                     reqs[r],
                     ts[g].len()

@@ -35,10 +35,11 @@ pub(crate) struct TokenState {
 
 /// A prompt hashed into base pages for a cache with a given base page size. Built (and
 /// hashed) before the cache is locked, so the bindings can hash without holding the lock.
+/// Tokens and hashes are shared (`Arc`): the admission memo hands out copies for free.
 #[derive(Clone, Debug)]
 pub struct Prompt {
-    tokens: Vec<u32>,
-    hashes: Vec<ContentHash>,
+    tokens: Arc<[u32]>,
+    hashes: Arc<[ContentHash]>,
     extra_keys: Arc<[String]>,
     base: u64,
 }
@@ -56,28 +57,31 @@ impl Prompt {
             Err(_) => Vec::new(),
         };
         Ok(Self {
-            tokens,
-            hashes,
+            tokens: Arc::from(tokens),
+            hashes: Arc::from(hashes),
             extra_keys: Arc::from(extra_keys),
             base: base_page_size,
         })
     }
 
-    /// Like [`Prompt::new`], but reuses the hashes held by `memo` when it is the same prompt
-    /// (tokens, extra keys and base page size). A scheduler probes, sizes and then adds one
-    /// prompt (`prefix_hit_tokens`, `pages_needed_to_admit`, `add_request`): three calls, one
-    /// hashing; comparing the tokens costs a memcmp, hashing them a SHA-256 per page. `memo` is
-    /// left holding this prompt.
+    /// The prompt `memo` holds, if it is this one (same tokens, extra keys and base page
+    /// size): a scheduler probes, sizes and then adds one prompt (`prefix_hit_tokens`,
+    /// `pages_needed_to_admit`, `add_request`), and only the first call has to hash it.
+    /// Comparing costs a memcmp of the tokens, hashing a SHA-256 per page.
+    pub fn recall(memo: Option<&Prompt>, tokens: &[u32], extra_keys: &[String], base_page_size: u64) -> Option<Self> {
+        memo.filter(|last| last.base == base_page_size && *last.tokens == *tokens && *last.extra_keys == *extra_keys)
+            .cloned()
+    }
+
+    /// [`Prompt::recall`], else [`Prompt::new`]; `memo` is left holding this prompt.
     pub fn new_memoized(
         tokens: Vec<u32>,
         extra_keys: Vec<String>,
         base_page_size: u64,
         memo: &mut Option<Prompt>,
     ) -> CoreResult<Self> {
-        if let Some(last) = memo.as_ref() {
-            if last.base == base_page_size && last.tokens == tokens && *last.extra_keys == *extra_keys {
-                return Ok(last.clone());
-            }
+        if let Some(known) = Self::recall(memo.as_ref(), &tokens, &extra_keys, base_page_size) {
+            return Ok(known);
         }
         let prompt = Self::new(tokens, extra_keys, base_page_size)?;
         *memo = Some(prompt.clone());
@@ -94,6 +98,9 @@ impl Prompt {
         &self.hashes
     }
 }
+
+/// Tokens of spare capacity a new request's token vector gets for its appends.
+const APPEND_HEADROOM: usize = 256;
 
 /// The error for a token-level method called on a page-level request.
 fn page_level(method: &str, req: RequestIdRef<'_>) -> CoreError {
@@ -186,17 +193,15 @@ impl FlatCache {
         };
         let hit = m.as_ref().map_or(0, |m| m.num_common_tokens);
         let registered = usize::try_from(self.coord.base_div().quotient(hit)).unwrap_or(usize::MAX);
-        let Prompt {
-            tokens,
-            hashes,
-            extra_keys,
-            ..
-        } = prompt;
-        let prompt_len = u64::try_from(tokens.len()).unwrap_or(u64::MAX);
+        let prompt_len = u64::try_from(prompt.tokens.len()).unwrap_or(u64::MAX);
+        // The request's own growable copies, with room for some generated tokens so the
+        // first appends do not reallocate a long prompt.
+        let mut tokens = Vec::with_capacity(prompt.tokens.len().saturating_add(APPEND_HEADROOM));
+        tokens.extend_from_slice(&prompt.tokens);
         let state = TokenState {
             tokens,
-            hashes,
-            extra_keys,
+            hashes: prompt.hashes.to_vec(),
+            extra_keys: prompt.extra_keys,
             computed: hit,
             registered,
             pending: 0,

@@ -164,10 +164,20 @@ where
     u32: TryFrom<T>,
 {
     let view = arr.readonly();
+    let bad = |i: usize, v: T| not_u32(&format!("{name}[{i}]"), &v);
+    // A contiguous array converts as a slice, which the compiler vectorises (a u32 array is
+    // a plain copy); a strided one element by element.
+    if let Ok(slice) = view.as_slice() {
+        return slice
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| u32::try_from(v).map_err(|_| bad(i, v)))
+            .collect();
+    }
     let view = view.as_array();
     let mut out = Vec::with_capacity(view.len());
     for (i, &v) in view.iter().enumerate() {
-        out.push(u32::try_from(v).map_err(|_| not_u32(&format!("{name}[{i}]"), &v))?);
+        out.push(u32::try_from(v).map_err(|_| bad(i, v))?);
     }
     Ok(out)
 }

@@ -17,7 +17,7 @@ use flat_kvcache_core::request::RequestIdRef;
 use flat_kvcache_core::requests::Prompt;
 use flat_kvcache_core::table::GroupKind;
 use numpy::ndarray::Array2;
-use numpy::{IntoPyArray, PyArray1};
+use numpy::{IntoPyArray, PyArray1, PyArrayMethods};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString};
@@ -350,7 +350,20 @@ impl PyFlatKVCache {
     }
 
     /// Hash a prompt into base pages with the GIL released and no lock held.
+    ///
+    /// A contiguous `uint32` array (what a scheduler keeps prompts in) is first compared with
+    /// the memo in place, so probing, sizing and adding one prompt copy its tokens at most once.
     fn prompt(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>, extra_keys: ExtraKeys) -> PyResult<Prompt> {
+        if let Ok(arr) = tokens.cast::<PyArray1<u32>>() {
+            if let Ok(view) = arr.try_readonly() {
+                if let Ok(slice) = view.as_slice() {
+                    let memo = lock(&self.last_prompt)?;
+                    if let Some(known) = Prompt::recall(memo.as_ref(), slice, &extra_keys.0, self.base) {
+                        return Ok(known);
+                    }
+                }
+            }
+        }
         let toks = self::tokens(tokens, "prompt_token_ids")?;
         let base = self.base;
         py.detach(|| {
