@@ -12,6 +12,7 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 
 import flat_kvcache
+import flat_kvcache.reference
 import numpy as np
 import pytest
 from flat_kvcache import _native
@@ -110,6 +111,37 @@ def test_hashing_errors_name_their_argument(call: object, error: type[Exception]
 
 
 # ----- BlockPool ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        ((4, [[-1]], [1]), ValueError, r"pages\[0\]\[0\] = -1 is not a page id"),
+        ((4, [[1, 2**31 - 1]], [2]), ValueError, r"pages\[0\]\[1\] = 2147483647 is not a page id"),
+        ((4, [[1], [2**80]], [1, 1]), ValueError, r"pages\[1\]\[0\] = \d+ is not a page id"),
+        ((4, [np.array([1, -2])], [1]), ValueError, r"pages\[0\]\[1\] = -2 is not a page id"),
+        ((4, [[1.5]], [1]), TypeError, r"pages\[0\]\[0\] must be an int"),
+        ((4, [[True]], [1]), TypeError, r"pages\[0\]\[0\] must be an int, not bool"),
+        ((4, [np.array([1.0])], [1]), TypeError, r"pages\[0\] must be a 1-D integer array"),
+        ((4, "ab", [1]), TypeError, "pages must be a sequence of page-id sequences"),
+        ((4, [[1]], [-1]), ValueError, r"num_hit_pages\[0\] must be >= 0, got -1"),
+        ((4, [[1]], [2**64]), OverflowError, r"num_hit_pages\[0\]"),
+        ((-1, [[1]], [1]), ValueError, "num_common_tokens must be >= 0, got -1"),
+    ],
+)
+def test_hand_built_prefix_match_names_the_bad_argument(
+    args: tuple[object, object, object], error: type[Exception], match: str
+) -> None:
+    """Page ids are int32 table entries: anything outside [0, 2**31 - 1) is a ValueError naming
+    the element, whatever its size (never an OverflowError from a failed u32 conversion), and
+    the reference says exactly the same."""
+    with pytest.raises(error, match=match) as native:
+        PrefixMatch(*args)  # type: ignore[arg-type]
+    with pytest.raises(error) as reference:
+        flat_kvcache.reference.PrefixMatch(*args)  # type: ignore[arg-type]
+    assert str(native.value) == str(reference.value)
+    # Arrays and tuples are accepted like lists.
+    assert PrefixMatch(4, (np.array([1, 0, 3]),), np.array([2])) == PrefixMatch(4, [[1, 0, 3]], [2])
 
 
 def test_block_pool_basics_and_misuse() -> None:

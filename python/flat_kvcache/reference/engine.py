@@ -786,6 +786,37 @@ class PrefixMatch:
     num_hit_pages: list[int]
     _keys: list[list[str | None]] | None = field(default=None, compare=False, repr=False)
 
+    def __post_init__(self) -> None:
+        """Check a hand-built match the way the native one does, and keep plain lists."""
+        common = _count(self.num_common_tokens, "num_common_tokens")
+        pages = self.pages
+        if isinstance(pages, str) or not isinstance(pages, Iterable):
+            kind = "a str" if isinstance(pages, str) else type(pages).__name__
+            raise TypeError(f"pages must be a sequence of page-id sequences, not {kind}")
+        checked = [_page_ids(group, f"pages[{g}]") for g, group in enumerate(pages)]
+        object.__setattr__(self, "num_common_tokens", common)
+        object.__setattr__(self, "pages", checked)
+        object.__setattr__(self, "num_hit_pages", _counts(self.num_hit_pages, "num_hit_pages"))
+
+
+def _page_ids(values: object, name: str) -> list[int]:
+    """Page ids of a hand-built match: ints in ``[0, 2**31 - 1)`` (ValueError naming ``name[i]``)."""
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer):
+            raise TypeError(
+                f"{name} must be a 1-D integer array, got a {values.ndim}-D array of dtype {values.dtype}"
+            )
+        values = values.tolist()
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    ids = []
+    for index, item in enumerate(values):
+        value = _as_int(item, f"{name}[{index}]")
+        if not 0 <= value < _MAX_PAGES:
+            raise ValueError(f"{name}[{index}] = {value} is not a page id (0 <= id < {_MAX_PAGES})")
+        ids.append(value)
+    return ids
+
 
 def _content_hashes(content_hashes: object) -> list[str]:
     """Base-page content hashes: 64-char lowercase hex strings (ValueError naming

@@ -2,8 +2,9 @@
 //! hashes and request ids. Every error names the argument (and index) it is about.
 
 use flat_kvcache_core::hash::{parse_hash_lower, parse_hex, ContentHash};
+use flat_kvcache_core::pool::MAX_BLOCKS;
 use flat_kvcache_core::request::RequestIdRef;
-use numpy::{PyArray1, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
@@ -196,6 +197,39 @@ pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
         try_dtype!(u32, i64, i32, u64, u16, i16, u8, i8);
         None
     })
+}
+
+/// One page id of `name[index]`: an int in `[0, MAX_BLOCKS)` (page ids are written into
+/// int32 tables); anything else is a `ValueError` naming the element (a `TypeError` for a
+/// non-int), whatever its size.
+fn page_id_item(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<u32> {
+    let label = format!("{name}[{index}]");
+    let bad = |v: &dyn std::fmt::Display| {
+        PyValueError::new_err(format!("{label} = {v} is not a page id (0 <= id < {MAX_BLOCKS})"))
+    };
+    match signed(item, &label)? {
+        IntArg::Small(v) => u32::try_from(v)
+            .ok()
+            .filter(|&p| u64::from(p) < MAX_BLOCKS)
+            .ok_or_else(|| bad(&v)),
+        IntArg::HugeNegative | IntArg::HugePositive => Err(bad(item)),
+    }
+}
+
+/// Page ids from a sequence of ints or a 1-D integer array (see [`page_id_item`]). Arrays go
+/// through `tolist()`, so both give the same messages; this is not a hot path.
+pub fn page_ids(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
+    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
+        if arr.ndim() != 1 || !matches!(arr.dtype().kind(), b'i' | b'u') {
+            return Err(PyTypeError::new_err(format!(
+                "{name} must be a 1-D integer array, got a {}-D array of dtype {}",
+                arr.ndim(),
+                arr.dtype()
+            )));
+        }
+        return page_ids(&obj.call_method0("tolist")?, name);
+    }
+    int_sequence(obj, name, page_id_item, |_| None)
 }
 
 /// The type name of `obj`, for messages.

@@ -23,9 +23,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString};
 
 use crate::convert::{
-    clip, content_hashes, count, counts, opt_count, page, positive, tokens, type_name, ExtraKeys, ReqArg,
+    clip, content_hashes, count, counts, opt_count, page, page_ids, positive, tokens, type_name, ExtraKeys, ReqArg,
 };
-use crate::errors::core;
+use crate::errors::{core, overflow};
 use crate::events::{events_to_py, GroupMeta};
 use crate::tables::{borrow_out, table_outs};
 
@@ -180,10 +180,37 @@ impl PyPrefixMatch {
     /// remembers no keys: `claim` then only requires each real page to hold a key of the
     /// group it is claimed for.
     #[new]
+    ///
+    /// `pages` is one sequence of page ids per group (each an int in `[0, 2**31 - 1)`, else
+    /// `ValueError` naming `pages[g][i]`); `num_hit_pages` one count per group.
     #[pyo3(signature = (num_common_tokens, pages, num_hit_pages))]
-    fn new(num_common_tokens: &Bound<'_, PyAny>, pages: Vec<Vec<u32>>, num_hit_pages: Vec<usize>) -> PyResult<Self> {
+    fn new(
+        num_common_tokens: &Bound<'_, PyAny>,
+        pages: &Bound<'_, PyAny>,
+        num_hit_pages: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
+        let common = count(num_common_tokens, "num_common_tokens")?;
+        if pages.is_instance_of::<PyString>() {
+            return Err(PyTypeError::new_err(
+                "pages must be a sequence of page-id sequences, not a str",
+            ));
+        }
+        let Ok(groups) = pages.try_iter() else {
+            return Err(PyTypeError::new_err(format!(
+                "pages must be a sequence of page-id sequences, got {}",
+                type_name(pages)
+            )));
+        };
+        let mut table = Vec::new();
+        for (g, group) in groups.enumerate() {
+            table.push(page_ids(&group?, &format!("pages[{g}]"))?);
+        }
+        let hits = counts(num_hit_pages, "num_hit_pages")?
+            .into_iter()
+            .map(|n| usize::try_from(n).map_err(|_| overflow("num_hit_pages")))
+            .collect::<PyResult<_>>()?;
         Ok(Self {
-            inner: PrefixMatch::by_hand(count(num_common_tokens, "num_common_tokens")?, pages, num_hit_pages),
+            inner: PrefixMatch::by_hand(common, table, hits),
         })
     }
 
