@@ -846,6 +846,13 @@ def _request_key(req: object) -> RequestId:
         raise TypeError(f"request ids must be str or int, got {type(req).__name__}") from None
 
 
+def _request_keys(reqs: Iterable[object]) -> list[RequestId]:
+    """The ids of a batch call: a sequence of request ids (a bare str is refused, not split)."""
+    if isinstance(reqs, (str, bytes)):
+        raise TypeError("reqs must be a sequence of request ids, not a bare str")
+    return [_request_key(req) for req in reqs]
+
+
 @dataclass
 class _TokenState:
     """A token-level request's own tokens (docs/requests-api.md).
@@ -1376,9 +1383,7 @@ class FlatKVCache:
         """
         if not _flat_build_enabled():
             raise RuntimeError(_FLAT_OFF_MESSAGE)
-        if isinstance(reqs, (str, bytes)):
-            raise TypeError("reqs must be a sequence of request ids, not a bare str")
-        keys = [_request_key(req) for req in reqs]
+        keys = _request_keys(reqs)
         if out is None:
             rows = [self._tables(key) for key in keys]
             result: dict[str, npt.NDArray[np.int32]] = {}
@@ -1535,9 +1540,7 @@ class FlatKVCache:
         Request ``i`` gets the next ``num_tokens[i]`` entries of the flat ``token_ids``, or
         exactly one each when ``num_tokens`` is None.
         """
-        if isinstance(reqs, (str, bytes)):
-            raise TypeError("reqs must be a sequence of request ids, not a bare str")
-        keys = [_request_key(req) for req in reqs]
+        keys = _request_keys(reqs)
         tokens = _token_values(token_ids, "token_ids")
         if num_tokens is None:
             if len(tokens) != len(keys):
@@ -1592,9 +1595,7 @@ class FlatKVCache:
         self, reqs: Sequence[RequestId], num_new_tokens: Sequence[int] | npt.NDArray[np.integer[Any]]
     ) -> npt.NDArray[np.bool_]:
         """``schedule(req, n)`` for each pair in order, after validating every pair first."""
-        if isinstance(reqs, (str, bytes)):
-            raise TypeError("reqs must be a sequence of request ids, not a bare str")
-        keys = [_request_key(req) for req in reqs]
+        keys = _request_keys(reqs)
         counts = _counts(num_new_tokens, "num_new_tokens")
         if len(counts) != len(keys):
             raise ValueError(f"num_new_tokens has {len(counts)} entries but reqs has {len(keys)}")

@@ -10,9 +10,7 @@
 //! The pool is generic over the key type: the coordinator uses [`crate::hash::GroupKey`]
 //! (fixed-size bytes), the Python `BlockPool` uses strings.
 
-use std::hash::Hash;
-
-use std::hash::BuildHasher;
+use std::hash::{BuildHasher, Hash};
 
 use hashbrown::hash_table::Entry;
 use hashbrown::{Equivalent, HashTable};

@@ -263,22 +263,27 @@ impl FlatCache {
             }
             None => {}
         }
-        let mut at = std::mem::take(&mut self.scratch);
-        at.clear();
-        let checked = reqs.iter().try_for_each(|&req| {
-            at.push(self.find_token("append_tokens_batch", req)?);
-            Ok(())
-        });
-        let result = checked.and_then(|()| {
+        self.with_scratch(|this, at| {
+            for &req in reqs {
+                at.push(this.find_token("append_tokens_batch", req)?);
+            }
             let mut start = 0usize;
             for (k, &i) in at.iter().enumerate() {
                 // The counts add up to tokens.len() (checked above), so each fits usize.
                 let n = counts.map_or(1, |ns| usize::try_from(ns[k]).unwrap_or(usize::MAX));
-                self.append_at(i, &tokens[start..start + n])?;
+                this.append_at(i, &tokens[start..start + n])?;
                 start += n;
             }
             Ok(())
-        });
+        })
+    }
+
+    /// Run `f` with the cache's reusable vector of slab positions (emptied first), then keep
+    /// the vector for the next batch call, so batch calls allocate nothing for it.
+    fn with_scratch<R>(&mut self, f: impl FnOnce(&mut Self, &mut Vec<usize>) -> R) -> R {
+        let mut at = std::mem::take(&mut self.scratch);
+        at.clear();
+        let result = f(self, &mut at);
         self.scratch = at;
         result
     }
@@ -343,23 +348,20 @@ impl FlatCache {
                 reqs.len()
             )));
         }
-        let mut at = std::mem::take(&mut self.scratch);
-        at.clear();
-        let checked = self.validate_batch(reqs, ns, &mut at);
-        for &i in &at {
-            if let Some(s) = self.entries[i].tokens.as_mut() {
-                s.pending = 0;
+        self.with_scratch(|this, at| {
+            let checked = this.validate_batch(reqs, ns, at);
+            for &i in at.iter() {
+                if let Some(s) = this.entries[i].tokens.as_mut() {
+                    s.pending = 0;
+                }
             }
-        }
-        let result = checked.and_then(|()| {
+            checked?;
             let mut out = Vec::with_capacity(at.len());
             for (&i, &n) in at.iter().zip(ns) {
-                out.push(self.schedule_at(i, n, 0)?);
+                out.push(this.schedule_at(i, n, 0)?);
             }
             Ok(out)
-        });
-        self.scratch = at;
-        result
+        })
     }
 
     /// Resolve and check a batch, leaving each request's cumulative ask in `pending`.

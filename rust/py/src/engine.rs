@@ -179,10 +179,10 @@ impl PyPrefixMatch {
     /// Build a match by hand (normally it comes from `FlatKVCache.match_prefix`). It
     /// remembers no keys: `claim` then only requires each real page to hold a key of the
     /// group it is claimed for.
-    #[new]
     ///
     /// `pages` is one sequence of page ids per group (each an int in `[0, 2**31 - 1)`, else
     /// `ValueError` naming `pages[g][i]`); `num_hit_pages` one count per group.
+    #[new]
     #[pyo3(signature = (num_common_tokens, pages, num_hit_pages))]
     fn new(
         num_common_tokens: &Bound<'_, PyAny>,
