@@ -35,9 +35,9 @@ except ModuleNotFoundError as exc:
         "install it with `pip install 'flat-kvcache[torch]'`"
     ) from exc
 
-from flat_kvcache._torch_capture import CaptureBuffers, extend_locations, write_locations
-from flat_kvcache._torch_plan import KVBuffers, KVMemoryPlan, TensorSpec, allocate_kv_buffers, plan_kv_memory
-from flat_kvcache._torch_shape import ModelShape
+from flat_kvcache.torch.capture import CaptureBuffers, extend_locations, write_locations
+from flat_kvcache.torch.plan import KVBuffers, KVMemoryPlan, TensorSpec, allocate_kv_buffers, plan_kv_memory
+from flat_kvcache.torch.shape import ModelShape
 
 __all__ = [
     "CaptureBuffers",

@@ -23,9 +23,9 @@ from flat_kvcache import (
     plan_component_tensors,
     plan_tensors,
 )
-from flat_kvcache._torch_checks import DeviceLike, as_device, as_int
-from flat_kvcache._torch_shape import ModelShape
 from flat_kvcache._types import FlatMemoryPlan, TensorPlan
+from flat_kvcache.torch._checks import DeviceLike, as_device, as_int
+from flat_kvcache.torch.shape import ModelShape
 
 __all__ = ["KVBuffers", "KVMemoryPlan", "TensorSpec", "allocate_kv_buffers", "plan_kv_memory"]
 

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from flat_kvcache import PagedCacheGroupSpec, compute_max_logical_pages_for_capture
-from flat_kvcache._torch_checks import DeviceLike, as_device, as_int, is_integer_dtype
 from flat_kvcache._types import SLIDING_WINDOW, STATE
+from flat_kvcache.torch._checks import DeviceLike, as_device, as_int, is_integer_dtype
 
 __all__ = ["CaptureBuffers", "extend_locations", "write_locations"]
 

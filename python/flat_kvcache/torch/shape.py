@@ -20,9 +20,9 @@ from flat_kvcache import (
     layer_group_ids,
     state_const_bytes,
 )
-from flat_kvcache._torch_checks import as_dtype, as_int, storage_dtype
 from flat_kvcache.config import layer_types_from_config, load_model_config, sliding_window_from_config
 from flat_kvcache.presets import PRESETS, get_preset, preset_names
+from flat_kvcache.torch._checks import as_dtype, as_int, storage_dtype
 
 __all__ = ["ModelShape"]
 
