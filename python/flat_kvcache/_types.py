@@ -7,6 +7,7 @@ return values that compare equal field by field.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 #: Layer label of a full-attention layer (keeps all history).
 FULL_ATTENTION = "full_attention"
@@ -89,3 +90,29 @@ class FlatMemoryPlan:
 
     geometry: BlockGeometry
     tensors: tuple[TensorPlan, ...]
+
+
+class PoolStats(TypedDict):
+    """``FlatKVCache.pool_stats()``: the block-pool probes of SPEC 5 (the null page not counted)."""
+
+    num_blocks: int
+    num_free: int
+    num_cached: int
+    num_cached_free: int
+    num_cached_pinned: int
+
+
+class CacheStats(TypedDict):
+    """``FlatKVCache.stats()``: Prometheus-friendly counters with stable names (docs/requests-api.md)."""
+
+    pages_total: int
+    pages_free: int
+    pages_in_use: int
+    pages_cached: int
+    pages_cached_free: int
+    requests: int
+    prefix_queries_tokens: int
+    prefix_hits_tokens: int
+    evictions: int
+    preemptions: int
+    pages_in_use_by_group: dict[str, int]

@@ -25,7 +25,50 @@ pub enum GroupKind {
     State,
 }
 
+/// Why a (kind name, window) pair names no [`GroupKind`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KindError {
+    /// The name is none of [`GroupKind::NAMES`].
+    UnknownName,
+    /// `sliding_window` needs a window `>= 1`.
+    WindowRequired,
+    /// `full` and `state` take no window.
+    WindowNotAllowed,
+}
+
 impl GroupKind {
+    /// The kind names the public API uses, in the order messages list them.
+    pub const NAMES: [&'static str; 3] = ["full", "sliding_window", "state"];
+
+    /// The public name of this kind (one of [`Self::NAMES`]).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Full => "full",
+            Self::SlidingWindow { .. } => "sliding_window",
+            Self::State => "state",
+        }
+    }
+
+    /// The kind a public name and window describe; the one place kind names are parsed.
+    pub fn from_name(name: &str, window: Option<u64>) -> Result<Self, KindError> {
+        match (name, window) {
+            ("full", None) => Ok(Self::Full),
+            ("state", None) => Ok(Self::State),
+            ("sliding_window", Some(window)) if window >= 1 => Ok(Self::SlidingWindow { window }),
+            ("sliding_window", _) => Err(KindError::WindowRequired),
+            ("full" | "state", Some(_)) => Err(KindError::WindowNotAllowed),
+            _ => Err(KindError::UnknownName),
+        }
+    }
+
+    /// The configured sliding window (`None` for full attention and state groups).
+    pub fn sliding_window(self) -> Option<u64> {
+        match self {
+            Self::SlidingWindow { window } => Some(window),
+            Self::Full | Self::State => None,
+        }
+    }
+
     /// The effective window in tokens (`None` for full attention).
     pub fn window(self) -> Option<u64> {
         match self {
@@ -290,6 +333,18 @@ mod tests {
     use super::*;
 
     type Pool = BlockPool<u32>;
+
+    #[test]
+    fn kind_names_round_trip() {
+        for kind in [GroupKind::Full, GroupKind::SlidingWindow { window: 7 }, GroupKind::State] {
+            assert_eq!(GroupKind::from_name(kind.name(), kind.sliding_window()), Ok(kind));
+            assert!(GroupKind::NAMES.contains(&kind.name()));
+        }
+        assert_eq!(GroupKind::from_name("sliding_window", Some(0)), Err(KindError::WindowRequired));
+        assert_eq!(GroupKind::from_name("sliding_window", None), Err(KindError::WindowRequired));
+        assert_eq!(GroupKind::from_name("full", Some(4)), Err(KindError::WindowNotAllowed));
+        assert_eq!(GroupKind::from_name("Full", None), Err(KindError::UnknownName));
+    }
 
     fn sliding(p: u64, w: u64) -> GroupManager {
         GroupManager::new(GroupKind::SlidingWindow { window: w }, p)
