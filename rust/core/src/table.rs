@@ -336,12 +336,22 @@ mod tests {
 
     #[test]
     fn kind_names_round_trip() {
-        for kind in [GroupKind::Full, GroupKind::SlidingWindow { window: 7 }, GroupKind::State] {
+        for kind in [
+            GroupKind::Full,
+            GroupKind::SlidingWindow { window: 7 },
+            GroupKind::State,
+        ] {
             assert_eq!(GroupKind::from_name(kind.name(), kind.sliding_window()), Ok(kind));
             assert!(GroupKind::NAMES.contains(&kind.name()));
         }
-        assert_eq!(GroupKind::from_name("sliding_window", Some(0)), Err(KindError::WindowRequired));
-        assert_eq!(GroupKind::from_name("sliding_window", None), Err(KindError::WindowRequired));
+        assert_eq!(
+            GroupKind::from_name("sliding_window", Some(0)),
+            Err(KindError::WindowRequired)
+        );
+        assert_eq!(
+            GroupKind::from_name("sliding_window", None),
+            Err(KindError::WindowRequired)
+        );
         assert_eq!(GroupKind::from_name("full", Some(4)), Err(KindError::WindowNotAllowed));
         assert_eq!(GroupKind::from_name("Full", None), Err(KindError::UnknownName));
     }
