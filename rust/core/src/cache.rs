@@ -455,7 +455,7 @@ impl FlatCache {
     /// error naming the build) without the `flat` feature.
     pub fn block_tables(&self, reqs: &[RequestIdRef<'_>]) -> CoreResult<Vec<FlatTable>> {
         if !crate::FLAT_KVCACHE {
-            return Err(CoreError::Config(FLAT_UNAVAILABLE.to_owned()));
+            return Err(CoreError::FlatUnavailable);
         }
         let rows: Vec<&[Table]> = reqs.iter().map(|&r| self.tables(r)).collect::<CoreResult<_>>()?;
         let mut out = Vec::with_capacity(self.coord.num_groups());
@@ -489,7 +489,7 @@ impl FlatCache {
     /// than its buffer (an error naming the group) leaves every buffer as it was.
     pub fn write_block_tables(&self, reqs: &[RequestIdRef<'_>], outs: &mut [TableOut<'_>]) -> CoreResult<()> {
         if !crate::FLAT_KVCACHE {
-            return Err(CoreError::Config(FLAT_UNAVAILABLE.to_owned()));
+            return Err(CoreError::FlatUnavailable);
         }
         let specs = self.coord.specs();
         if outs.len() != specs.len() {
@@ -703,7 +703,7 @@ mod tests {
         assert!(c.acquire(B, 4));
         c.reclaim(A, 20).unwrap(); // (20 - 7) // 4 = 3 slid out
         if !crate::FLAT_KVCACHE {
-            assert!(matches!(c.block_tables(&[B, A]), Err(CoreError::Config(_))));
+            assert!(matches!(c.block_tables(&[B, A]), Err(CoreError::FlatUnavailable)));
             return;
         }
         let t = c.block_tables(&[B, A]).unwrap();

@@ -7,7 +7,8 @@
 ///
 /// The bindings map each variant to one Python exception class:
 /// `InvalidArgument` -> `ValueError`, `Type` -> `TypeError`, `Overflow` -> `OverflowError`,
-/// `Config` -> `RuntimeError`, `UnknownRequest` -> `KeyError`, `Invariant` -> `RuntimeError`,
+/// `Config` -> `RuntimeError`, `FlatUnavailable` -> `RuntimeError`, `UnknownRequest` -> `KeyError`,
+/// `Invariant` -> `RuntimeError`,
 /// `OutOfMemory` -> `MemoryError`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CoreError {
@@ -29,6 +30,9 @@ pub enum CoreError {
     /// A configuration that cannot run (incompatible backend, missing groups, build flag off).
     #[error("{0}")]
     Config(String),
+    /// Flat per-group block tables were asked of a build without the `flat` feature (SPEC 10).
+    #[error("{}", crate::cache::FLAT_UNAVAILABLE)]
+    FlatUnavailable,
     /// A request id that has no tables.
     #[error("unknown request id {0}")]
     UnknownRequest(String),

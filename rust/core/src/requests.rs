@@ -1189,7 +1189,8 @@ mod tests {
                 cols: 6,
             }];
             let err = c.write_block_tables(&[B, A], &mut outs).unwrap_err();
-            assert_eq!(err, CoreError::Config(crate::cache::FLAT_UNAVAILABLE.to_owned()));
+            assert_eq!(err, CoreError::FlatUnavailable);
+            assert_eq!(err.to_string(), crate::cache::FLAT_UNAVAILABLE);
             return;
         }
         {

@@ -26,7 +26,7 @@ impl From<PyCoreError> for PyErr {
             CoreError::InvalidArgument(_) => PyValueError::new_err(msg),
             CoreError::Type(_) => PyTypeError::new_err(msg),
             CoreError::Overflow { .. } => PyOverflowError::new_err(msg),
-            CoreError::Config(_) | CoreError::Invariant(_) => PyRuntimeError::new_err(msg),
+            CoreError::Config(_) | CoreError::FlatUnavailable | CoreError::Invariant(_) => PyRuntimeError::new_err(msg),
             CoreError::UnknownRequest(_) => PyKeyError::new_err(msg),
             CoreError::OutOfMemory(_) => PyMemoryError::new_err(msg),
         }
