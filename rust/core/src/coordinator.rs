@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use crate::error::{CoreError, CoreResult};
 use crate::events::{EventLog, KvEvent};
-use crate::fastdiv::Divisor;
 use crate::hash::{fold_run, ContentHash, GroupKey};
+use crate::num::divisor::Divisor;
 use crate::pool::{BlockPool, NULL_PAGE};
 use crate::table::{GroupKind, GroupManager, Table};
 

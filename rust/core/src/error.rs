@@ -17,7 +17,7 @@ pub enum CoreError {
     InvalidArgument(String),
     /// An argument of the wrong type (a bool or a non-int where an int is expected, ...).
     ///
-    /// The bindings only report the facts (an [`IntArg`](crate::int::IntArg) says "bool" or
+    /// The bindings only report the facts (an [`IntArg`](crate::num::int::IntArg) says "bool" or
     /// "float"); the core raises this, so that type and value checks run in one order.
     #[error("{0}")]
     Type(String),

@@ -19,14 +19,11 @@
 //! - [`fastdiv`]: division by page sizes (shift/mask for powers of two).
 
 pub mod cache;
-pub mod checked;
 pub mod coordinator;
 pub mod error;
 pub mod events;
-pub mod fastdiv;
 pub mod hash;
-pub mod int;
-pub mod plan;
+pub mod num;
 pub mod pool;
 pub mod request;
 pub mod requests;
@@ -34,6 +31,10 @@ pub mod sizing;
 pub mod table;
 
 pub use error::{CoreError, CoreResult};
+
+// Compatibility paths kept for the bindings until those move to the new paths.
+pub use num::int;
+pub use sizing::plan;
 
 /// True when the crate was compiled with the `flat` feature (the flat per-group layout).
 pub const FLAT_KVCACHE: bool = cfg!(feature = "flat");

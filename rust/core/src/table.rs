@@ -7,7 +7,7 @@
 
 use std::hash::Hash;
 
-use crate::fastdiv::Divisor;
+use crate::num::divisor::Divisor;
 use crate::pool::{BlockPool, NULL_PAGE};
 
 /// The retention rule of a group.
