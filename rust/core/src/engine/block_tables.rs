@@ -193,7 +193,7 @@ mod tests {
             }];
             let err = c.write_block_tables(&[B, A], &mut outs).unwrap_err();
             assert_eq!(err, CoreError::FlatUnavailable);
-            assert_eq!(err.to_string(), crate::cache::FLAT_UNAVAILABLE);
+            assert_eq!(err.to_string(), crate::error::FLAT_UNAVAILABLE);
             return;
         }
         {

@@ -80,7 +80,7 @@ struct Entry {
     reserve: u64,
 }
 
-/// Counters behind [`CacheStats`] that the pool does not keep.
+/// Counters behind [`stats::CacheStats`] that the pool does not keep.
 #[derive(Clone, Copy, Debug, Default)]
 struct Counters {
     prefix_queries_tokens: u64,
@@ -166,6 +166,7 @@ impl FlatCache {
             .ok_or_else(|| CoreError::UnknownRequest(req.to_string()))
     }
 
+    /// The tables of `req` (one per group), or `UnknownRequest`.
     fn tables(&self, req: RequestIdRef<'_>) -> CoreResult<&[Table]> {
         Ok(&self.entries[self.find(req)?].tables)
     }

@@ -477,7 +477,7 @@ mod tests {
         let pool = c.coordinator().pool();
         assert!(pool.is_cached(1).unwrap() && pool.is_cached(2).unwrap() && pool.is_cached(3).unwrap());
         assert_eq!(free_list(&c), vec![1, 2]);
-        assert_eq!(pool.lookup(&crate::hash::GroupKey::new(hashes[0], 0)), Some(1));
+        assert_eq!(pool.lookup(&crate::engine::hash::GroupKey::new(hashes[0], 0)), Some(1));
         c.check_invariants().unwrap();
     }
 
@@ -820,21 +820,21 @@ mod tests {
         let pool = c.coordinator().pool();
         let ids = c.page_ids(A).unwrap();
         assert_eq!(
-            pool.lookup(&crate::hash::GroupKey::new(fold_run(&h[0..2]), 1)),
+            pool.lookup(&crate::engine::hash::GroupKey::new(fold_run(&h[0..2]), 1)),
             Some(ids[1][0])
         );
         assert_eq!(
-            pool.lookup(&crate::hash::GroupKey::new(fold_run(&h[2..4]), 1)),
+            pool.lookup(&crate::engine::hash::GroupKey::new(fold_run(&h[2..4]), 1)),
             Some(ids[1][1])
         );
         // The state group snapshots on its page boundaries: slot 0 at c = 8 (reclaimed since,
         // a hole in the table but still cached and free) and slot 1 at c = 16.
         assert_eq!(ids[2][0], 0);
         assert!(pool
-            .lookup(&crate::hash::GroupKey::new(fold_run(&h[0..2]), 2))
+            .lookup(&crate::engine::hash::GroupKey::new(fold_run(&h[0..2]), 2))
             .is_some());
         assert_eq!(
-            pool.lookup(&crate::hash::GroupKey::new(fold_run(&h[2..4]), 2)),
+            pool.lookup(&crate::engine::hash::GroupKey::new(fold_run(&h[2..4]), 2)),
             Some(ids[2][1])
         );
         // The whole 16-token prefix comes back for a 17-token prompt.

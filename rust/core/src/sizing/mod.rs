@@ -1,7 +1,7 @@
 //! The sizing API (SPEC 2 and 10): group specs from layer labels, page counts, capture widths,
 //! slab pairing and the scheduler-configuration check.
 //!
-//! Inputs arrive as the bindings saw them ([`IntArg`], [`LayerTypesArg`], [`WindowsArg`],
+//! Inputs arrive as the bindings saw them ([`IntArg`](crate::num::int::IntArg), [`LayerTypesArg`], [`WindowsArg`],
 //! [`SpecArg`]) and every check runs here, in the order of docs/sizing-api.md and the
 //! reference, so that the first error is the same one. Checks are exact (Python ints of any
 //! size); only the operands of a formula are converted to `u64`, after all checks, and
