@@ -8,13 +8,14 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use flat_kvcache_core::cache::{FlatCache, TableOut};
-use flat_kvcache_core::coordinator::{GroupSpec, PrefixMatch};
-use flat_kvcache_core::hash::{hash_page, hash_pages, ContentHash, GroupKey};
-use flat_kvcache_core::pool::BlockPool;
-use flat_kvcache_core::request::{RequestId, RequestIdRef};
-use flat_kvcache_core::requests::Prompt;
-use flat_kvcache_core::table::GroupKind;
+use flat_kvcache_core::engine::block_tables::TableOut;
+use flat_kvcache_core::engine::coordinator::{GroupSpec, PrefixMatch};
+use flat_kvcache_core::engine::group::GroupKind;
+use flat_kvcache_core::engine::hash::{hash_page, hash_pages, ContentHash, GroupKey};
+use flat_kvcache_core::engine::ids::{RequestId, RequestIdRef};
+use flat_kvcache_core::engine::pool::BlockPool;
+use flat_kvcache_core::engine::tokens::Prompt;
+use flat_kvcache_core::engine::FlatCache;
 
 const PAGE: u64 = 16;
 

@@ -3,6 +3,11 @@
 //! Every variant carries enough context (the argument, the layer, the value) for the
 //! bindings to raise a Python exception whose message stands on its own.
 
+/// The message of [`CoreError::FlatUnavailable`]: flat tables asked of a build without the
+/// `flat` feature.
+pub const FLAT_UNAVAILABLE: &str = "flat per-group block tables are unavailable: this build of flat_kvcache \
+                                    was compiled without the `flat` cargo feature";
+
 /// Errors raised by the pure-Rust core.
 ///
 /// The bindings map each variant to one Python exception class:
@@ -17,7 +22,7 @@ pub enum CoreError {
     InvalidArgument(String),
     /// An argument of the wrong type (a bool or a non-int where an int is expected, ...).
     ///
-    /// The bindings only report the facts (an [`IntArg`](crate::int::IntArg) says "bool" or
+    /// The bindings only report the facts (an [`IntArg`](crate::num::int::IntArg) says "bool" or
     /// "float"); the core raises this, so that type and value checks run in one order.
     #[error("{0}")]
     Type(String),
@@ -31,7 +36,7 @@ pub enum CoreError {
     #[error("{0}")]
     Config(String),
     /// Flat per-group block tables were asked of a build without the `flat` feature (SPEC 10).
-    #[error("{}", crate::cache::FLAT_UNAVAILABLE)]
+    #[error("{}", FLAT_UNAVAILABLE)]
     FlatUnavailable,
     /// A request id that has no tables.
     #[error("unknown request id {0}")]

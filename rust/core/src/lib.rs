@@ -1,39 +1,52 @@
 //! flat-kvcache core: the pure-Rust engine behind the `flat_kvcache` Python package.
 //!
 //! This crate has no Python dependency. Every size derived from user input uses checked
-//! arithmetic ([`checked`]) and every failure is a [`CoreError`] with context.
+//! arithmetic ([`num::checked`]) and every failure is a [`CoreError`] with context.
 //!
-//! Modules, one concern each:
-//! - [`sizing`]: group specs, page counts, capture widths, slab pairing, validation (SPEC 2).
-//! - [`plan`]: the memory plan, bytes -> pages (SPEC 3).
-//! - [`int`]: exact integers at the Python boundary (checked before any arithmetic).
-//! - [`hash`]: content hashes and group keys (SPEC 4).
-//! - [`pool`]: the block pool (SPEC 5).
-//! - [`table`]: per-request tables and the three group managers (SPEC 6).
-//! - [`coordinator`]: all groups of a model over one pool (SPEC 7).
-//! - [`cache`]: request ids -> tables, step operations, flat block tables, metrics (SPEC 8).
-//! - [`requests`]: token-level requests, the scheduler-loop API and admission accounting
-//!   (SPEC 8, 9, 12.4; docs/requests-api.md).
-//! - [`events`]: KV-cache events recorded by the engine.
-//! - [`request`]: request ids.
-//! - [`fastdiv`]: division by page sizes (shift/mask for powers of two).
+//! Module map (dependencies point down: `num` and `error` depend on nothing else, `sizing`
+//! on `num`, `engine` on `num`):
+//! - [`error`]: the one error type.
+//! - [`num`]: checked arithmetic, [`num::Divisor`], exact integers at the Python boundary.
+//! - [`sizing`]: group specs, page counts, capture widths, slab predicate, scheduler checks
+//!   (SPEC 2, 10), and [`sizing::plan`], the memory plan, bytes -> pages (SPEC 3).
+//! - [`engine`]: the page engine (SPEC 4-9): ids, hashes, pool, tables, group kinds,
+//!   coordinator, and [`engine::FlatCache`] with its page-level and token-level calls.
 
-pub mod cache;
-pub mod checked;
-pub mod coordinator;
+pub mod engine;
 pub mod error;
-pub mod events;
-pub mod fastdiv;
-pub mod hash;
-pub mod int;
-pub mod plan;
-pub mod pool;
-pub mod request;
-pub mod requests;
+pub mod num;
 pub mod sizing;
-pub mod table;
 
 pub use error::{CoreError, CoreResult};
 
 /// True when the crate was compiled with the `flat` feature (the flat per-group layout).
 pub const FLAT_KVCACHE: bool = cfg!(feature = "flat");
+
+// Compatibility paths kept for the bindings until those move to the new paths; nothing in
+// this crate uses them, and they go once the bindings do.
+#[doc(hidden)]
+pub use engine::{coordinator, events, hash, ids as request, pool};
+#[doc(hidden)]
+pub use num::int;
+#[doc(hidden)]
+pub use sizing::plan;
+
+/// Compatibility path: see the note above.
+#[doc(hidden)]
+pub mod cache {
+    pub use crate::engine::block_tables::{FlatTable, TableOut};
+    pub use crate::engine::{CacheOptions, FlatCache};
+    pub use crate::error::FLAT_UNAVAILABLE;
+}
+
+/// Compatibility path: see the note above.
+#[doc(hidden)]
+pub mod requests {
+    pub use crate::engine::tokens::Prompt;
+}
+
+/// Compatibility path: see the note above.
+#[doc(hidden)]
+pub mod table {
+    pub use crate::engine::group::GroupKind;
+}

@@ -1,7 +1,7 @@
 //! SPEC 3 memory plan, against values computed by hand from the SPEC.
 
-use flat_kvcache_core::int::{Int, IntArg};
-use flat_kvcache_core::plan::{
+use flat_kvcache_core::num::int::{Int, IntArg};
+use flat_kvcache_core::sizing::plan::{
     component_args, components_from_layers, equalized_block_size, occurrence_index, plan_component_tensors,
     plan_tensors, solve_page_geometry, state_const_bytes, BlockGeometry, ComponentArg, ComponentSpec, LayerBinding,
     ShapeArg, StateComponentsArg, StateItemArg,

@@ -1,8 +1,8 @@
 //! Property tests: exact integers against native arithmetic, and invariants of the SPEC 2 / 3
 //! formulas over random inputs.
 
-use flat_kvcache_core::int::{Int, IntArg};
-use flat_kvcache_core::plan::{
+use flat_kvcache_core::num::int::{Int, IntArg};
+use flat_kvcache_core::sizing::plan::{
     component_args, plan_component_tensors, plan_tensors, solve_page_geometry, ComponentSpec,
 };
 use flat_kvcache_core::sizing::{

@@ -1,6 +1,6 @@
 //! SPEC 2 / 10 sizing formulas and checks, against values computed by hand from the SPEC.
 
-use flat_kvcache_core::int::{Int, IntArg};
+use flat_kvcache_core::num::int::{Int, IntArg};
 use flat_kvcache_core::sizing::{
     compute_max_logical_pages_for_capture, compute_paged_cache_group_page_counts, group_specs_from_layer_types,
     hybrid_slab_group_size, layer_group_ids, publish_paged_cache_groups, validate_flat_scheduler_config,

@@ -7,7 +7,7 @@
 //! Free-list order is eviction order: allocation pops the front, a released page is pushed to
 //! the back, and a prefix hit on a free page unlinks it from the middle.
 //!
-//! The pool is generic over the key type: the coordinator uses [`crate::hash::GroupKey`]
+//! The pool is generic over the key type: the coordinator uses [`crate::engine::hash::GroupKey`]
 //! (fixed-size bytes), the Python `BlockPool` uses strings.
 
 use std::hash::{BuildHasher, Hash};
@@ -43,7 +43,7 @@ struct Slot {
 }
 
 /// The fingerprint of a key: its `Hash` through `FxHasher` (one multiply for a
-/// [`crate::hash::GroupKey`], whose bytes are already SHA-256 output).
+/// [`crate::engine::hash::GroupKey`], whose bytes are already SHA-256 output).
 #[inline]
 fn fingerprint<Q: Hash + ?Sized>(key: &Q) -> u64 {
     FxBuildHasher.hash_one(key)
@@ -653,10 +653,10 @@ mod tests {
 
     /// Group keys whose hashes differ only after byte 8 share a fingerprint (the `Hash` of a
     /// `GroupKey` reads the first 8 bytes), so they land in one map slot.
-    fn colliding_key(last: u8) -> crate::hash::GroupKey {
+    fn colliding_key(last: u8) -> crate::engine::hash::GroupKey {
         let mut hash = [7u8; 32];
         hash[31] = last;
-        crate::hash::GroupKey::new(hash, 0)
+        crate::engine::hash::GroupKey::new(hash, 0)
     }
 
     #[test]

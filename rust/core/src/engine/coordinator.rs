@@ -1,16 +1,17 @@
 //! The coordinator (SPEC 7): all groups of one model over one shared [`BlockPool`].
 //!
 //! It works on a request's tables (one [`Table`] per group, in group order) and knows nothing
-//! of request ids; [`crate::cache::FlatCache`] maps ids to tables.
+//! of request ids; [`crate::engine::FlatCache`] maps ids to tables.
 
 use std::sync::Arc;
 
+use crate::engine::events::{EventLog, KvEvent};
+use crate::engine::group::{GroupKind, GroupManager, RegisterPlan, RegisterRange};
+use crate::engine::hash::{fold_run, ContentHash, GroupKey};
+use crate::engine::pool::{BlockPool, NULL_PAGE};
+use crate::engine::table::Table;
 use crate::error::{CoreError, CoreResult};
-use crate::events::{EventLog, KvEvent};
-use crate::fastdiv::Divisor;
-use crate::hash::{fold_run, ContentHash, GroupKey};
-use crate::pool::{BlockPool, NULL_PAGE};
-use crate::table::{GroupKind, GroupManager, Table};
+use crate::num::Divisor;
 
 /// One group of a cache: its id, rule and page size in tokens.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -117,15 +118,6 @@ fn gcd(a: u64, b: u64) -> u64 {
 #[inline]
 fn extent(slots: usize, page_size: u64) -> u64 {
     u64::try_from(slots).unwrap_or(u64::MAX).saturating_mul(page_size)
-}
-
-/// Where one group's `register` writes: slots `[start, start + count)` of its table, whose
-/// keys fold base hashes starting at `skip`.
-#[derive(Clone, Copy, Debug)]
-struct RegisterPlan {
-    start: usize,
-    count: usize,
-    skip: usize,
 }
 
 /// All groups of one model, sharing one pool.
@@ -504,8 +496,8 @@ impl Coordinator {
     // ----- register -----------------------------------------------------------------------
 
     /// Where group `g` registers base hashes `[first_slot, first_slot + len)`, or `None` if it
-    /// registers nothing (state groups unless the range ends exactly at `end_tokens` on a
-    /// page boundary). A range past the end of the table is an error.
+    /// registers nothing by its kind's rule ([`GroupManager`]; state groups register only at
+    /// `end_tokens` on a page boundary). A range past the end of the table is an error.
     fn register_plan(
         &self,
         g: usize,
@@ -514,38 +506,15 @@ impl Coordinator {
         first_slot: u64,
         end_tokens: Option<u64>,
     ) -> CoreResult<Option<RegisterPlan>> {
-        let m = self.mult[g];
-        // The fold starts at the first base page at or after `first_slot` that is a multiple
-        // of m, i.e. at slot ceil(first_slot / m), after skipping `skip` hashes.
-        let rem = m.remainder(first_slot);
-        let start = m.quotient(first_slot) + u64::from(rem > 0);
-        let skip = usize::try_from(if rem == 0 { 0 } else { m.get() - rem }).map_or(len, |s| s.min(len));
-        let runs = usize::try_from(m.quotient(u64::try_from(len - skip).unwrap_or(u64::MAX))).unwrap_or(usize::MAX);
-        let mut plan = RegisterPlan {
-            start: usize::try_from(start).unwrap_or(usize::MAX),
-            count: runs,
-            skip,
+        let range = RegisterRange {
+            first_slot,
+            len,
+            base: self.base.get(),
+            end_tokens,
         };
-        if self.specs[g].kind == GroupKind::State {
-            let page = self.managers[g].page();
-            let ends_here = end_tokens.is_some_and(|end| {
-                page.remainder(end) == 0
-                    && u64::try_from(len)
-                        .ok()
-                        .and_then(|len| first_slot.checked_add(len))
-                        .and_then(|n| n.checked_mul(self.base.get()))
-                        == Some(end)
-            });
-            if !ends_here || runs == 0 {
-                return Ok(None);
-            }
-            plan = RegisterPlan {
-                start: plan.start.saturating_add(runs - 1),
-                count: 1,
-                // runs > 0 implies m <= len, so these products stay within len.
-                skip: skip + (runs - 1) * usize::try_from(m.get()).unwrap_or(usize::MAX),
-            };
-        }
+        let Some(plan) = self.managers[g].register_plan(self.mult[g], range) else {
+            return Ok(None);
+        };
         if plan.start.checked_add(plan.count).is_none_or(|end| end > table.len()) {
             return Err(CoreError::invalid(format!(
                 "register: {} key(s) from slot {} of group {:?} run past the end of the request's table ({} slots)",
@@ -748,7 +717,7 @@ impl Coordinator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hash::hash_pages;
+    use crate::engine::hash::hash_pages;
 
     fn spec(id: &str, kind: GroupKind, page_size: u64) -> GroupSpec {
         GroupSpec {

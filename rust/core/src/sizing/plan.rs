@@ -8,9 +8,9 @@
 
 use std::collections::HashMap;
 
-use crate::checked;
 use crate::error::{CoreError, CoreResult};
-use crate::int::{Int, IntArg};
+use crate::num::checked;
+use crate::num::int::{Int, IntArg};
 use crate::sizing::{self, LabelItem, LayerTypesArg, WindowsArg};
 
 /// `occurrence_index`: for each layer, the number of earlier layers with the same label (any

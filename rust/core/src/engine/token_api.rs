@@ -1,5 +1,6 @@
 //! Token-level requests (docs/requests-api.md; SPEC 8, 9, 12.4): requests that own their
-//! tokens and content hashes, the scheduler-loop step operations, and admission accounting.
+//! tokens and content hashes, and the scheduler-loop calls (add, append, schedule, finish,
+//! preempt).
 //!
 //! A token-level request keeps its tokens, the chained hash of every full base page (each
 //! hashed once, when it fills: SPEC 12.4), how many tokens are computed, and how many base
@@ -7,97 +8,13 @@
 //! use, and "allocated tokens" is read off them (claimed plus acquired tokens, the same in
 //! every group), so page-level calls on a token-level request cannot desynchronise it.
 
-use std::sync::Arc;
-
-use crate::cache::FlatCache;
-use crate::coordinator::{Coordinator, PrefixMatch, TokenContext};
+use super::coordinator::{Coordinator, TokenContext};
+use super::hash::hash_page;
+use super::ids::RequestIdRef;
+use super::table::Table;
+use super::tokens::{Prompt, TokenState};
+use super::FlatCache;
 use crate::error::{CoreError, CoreResult};
-use crate::hash::{hash_page, hash_pages, ContentHash};
-use crate::request::RequestIdRef;
-use crate::table::Table;
-
-/// The token state of a request created by `add_request`.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct TokenState {
-    /// Prompt plus appended tokens.
-    pub(crate) tokens: Vec<u32>,
-    /// Chained content hash of every full base page of `tokens`.
-    pub(crate) hashes: Vec<ContentHash>,
-    /// Extra keys hashed into every page.
-    pub(crate) extra_keys: Arc<[String]>,
-    /// Tokens computed so far (the request's position).
-    pub(crate) computed: u64,
-    /// Base pages below this were passed to register (or claimed, hence already keyed).
-    pub(crate) registered: usize,
-    /// `schedule_batch` scratch: tokens the batch being validated asks of this request.
-    pub(crate) pending: u64,
-}
-
-/// A prompt hashed into base pages for a cache with a given base page size. Built (and
-/// hashed) before the cache is locked, so the bindings can hash without holding the lock.
-/// Tokens and hashes are shared (`Arc`): the admission memo hands out copies for free.
-#[derive(Clone, Debug)]
-pub struct Prompt {
-    tokens: Arc<[u32]>,
-    hashes: Arc<[ContentHash]>,
-    extra_keys: Arc<[String]>,
-    base: u64,
-}
-
-impl Prompt {
-    /// Hash every full base page of `tokens` (chained, `extra_keys` on every page, as
-    /// `hash_pages(tokens, base_page_size, extra_keys=...)`).
-    pub fn new(tokens: Vec<u32>, extra_keys: Vec<String>, base_page_size: u64) -> CoreResult<Self> {
-        if base_page_size == 0 {
-            return Err(CoreError::invalid("base_page_size must be > 0, got 0"));
-        }
-        // A base page larger than usize holds more tokens than any prompt: no full page.
-        let hashes = match usize::try_from(base_page_size) {
-            Ok(page) => hash_pages(&tokens, page, &[], &extra_keys)?,
-            Err(_) => Vec::new(),
-        };
-        Ok(Self {
-            tokens: Arc::from(tokens),
-            hashes: Arc::from(hashes),
-            extra_keys: Arc::from(extra_keys),
-            base: base_page_size,
-        })
-    }
-
-    /// The prompt `memo` holds, if it is this one (same tokens, extra keys and base page
-    /// size): a scheduler probes, sizes and then adds one prompt (`prefix_hit_tokens`,
-    /// `pages_needed_to_admit`, `add_request`), and only the first call has to hash it.
-    /// Comparing costs a memcmp of the tokens, hashing a SHA-256 per page.
-    pub fn recall(memo: Option<&Prompt>, tokens: &[u32], extra_keys: &[String], base_page_size: u64) -> Option<Self> {
-        memo.filter(|last| last.base == base_page_size && *last.tokens == *tokens && *last.extra_keys == *extra_keys)
-            .cloned()
-    }
-
-    /// [`Prompt::recall`], else [`Prompt::new`]; `memo` is left holding this prompt.
-    pub fn new_memoized(
-        tokens: Vec<u32>,
-        extra_keys: Vec<String>,
-        base_page_size: u64,
-        memo: &mut Option<Prompt>,
-    ) -> CoreResult<Self> {
-        if let Some(known) = Self::recall(memo.as_ref(), &tokens, &extra_keys, base_page_size) {
-            return Ok(known);
-        }
-        let prompt = Self::new(tokens, extra_keys, base_page_size)?;
-        *memo = Some(prompt.clone());
-        Ok(prompt)
-    }
-
-    /// The prompt's tokens.
-    pub fn tokens(&self) -> &[u32] {
-        &self.tokens
-    }
-
-    /// The content hashes of its full base pages.
-    pub fn hashes(&self) -> &[ContentHash] {
-        &self.hashes
-    }
-}
 
 /// Tokens of spare capacity a new request's token vector gets for its appends.
 const APPEND_HEADROOM: usize = 256;
@@ -132,46 +49,6 @@ impl FlatCache {
             return Err(page_level(method, req));
         }
         Ok(at)
-    }
-
-    fn check_prompt(&self, prompt: &Prompt) -> CoreResult<()> {
-        let base = self.coord.base_page_size();
-        if prompt.base != base {
-            return Err(CoreError::invalid(format!(
-                "the prompt was hashed for base page size {}, this cache's is {base}",
-                prompt.base
-            )));
-        }
-        Ok(())
-    }
-
-    /// The capped prefix match of a prompt: never the last token (SPEC 9), so over the first
-    /// `max((len - 1) // base, 0)` base pages.
-    fn capped_match(&self, prompt: &Prompt) -> CoreResult<PrefixMatch> {
-        self.check_prompt(prompt)?;
-        let len = u64::try_from(prompt.tokens.len()).unwrap_or(u64::MAX);
-        let cap = self.coord.base_div().quotient(len.saturating_sub(1));
-        let cap = usize::try_from(cap).map_or(prompt.hashes.len(), |c| c.min(prompt.hashes.len()));
-        self.coord.match_prefix(&prompt.hashes[..cap])
-    }
-
-    /// The hit `add_request` would get for `prompt` (capped), read-only.
-    pub fn prefix_hit_tokens(&self, prompt: &Prompt) -> CoreResult<u64> {
-        Ok(self.capped_match(prompt)?.num_common_tokens)
-    }
-
-    /// Pages admitting `prompt` would take: the capped match's claim (its free cached pages)
-    /// plus the pages of `num_new_tokens + reserve_tokens` on fresh tables.
-    pub fn pages_needed_to_admit(&self, prompt: &Prompt, num_new_tokens: u64, reserve_tokens: u64) -> CoreResult<u64> {
-        let m = self.capped_match(prompt)?;
-        let consumed = u64::try_from(self.coord.pages_consumed_by_claim(&m)?).unwrap_or(u64::MAX);
-        let tokens = num_new_tokens
-            .checked_add(reserve_tokens)
-            .ok_or_else(|| CoreError::overflow("num_new_tokens + reserve_tokens"))?;
-        self.coord
-            .pages_needed(None, tokens)?
-            .checked_add(consumed)
-            .ok_or_else(|| CoreError::overflow("num_new_tokens + reserve_tokens"))
     }
 
     /// Add a token-level request for `prompt` (non-empty; `req` must be new). With caching
@@ -423,33 +300,6 @@ impl FlatCache {
         }
         Ok(self.release(req, at).map(|s| s.tokens).unwrap_or_default())
     }
-
-    /// Promise `pages_needed(tokens, req)` pages to `req`'s next decode (replacing its
-    /// previous reserve; 0 tokens clears it).
-    pub fn reserve(&mut self, req: RequestIdRef<'_>, tokens: u64) -> CoreResult<()> {
-        let at = self.find(req)?;
-        let pages = self.coord.pages_needed(Some(&self.entries[at].tables), tokens)?;
-        let entry = &mut self.entries[at];
-        self.reserved = self.reserved - u128::from(entry.reserve) + u128::from(pages);
-        entry.reserve = pages;
-        Ok(())
-    }
-
-    /// Pages promised to `req`'s next decode.
-    pub fn reserved_pages(&self, req: RequestIdRef<'_>) -> CoreResult<u64> {
-        Ok(self.entries[self.find(req)?].reserve)
-    }
-
-    /// Free pages minus the reserves of every request other than `req` (may be negative).
-    pub fn budget(&self, req: Option<RequestIdRef<'_>>) -> CoreResult<i128> {
-        let own = match req {
-            Some(r) => u128::from(self.entries[self.find(r)?].reserve),
-            None => 0,
-        };
-        let free = i128::try_from(self.coord.pool().num_free()).unwrap_or(i128::MAX);
-        let others = i128::try_from(self.reserved - own).map_err(|_| CoreError::overflow("reserves"))?;
-        Ok(free - others)
-    }
 }
 
 /// `n` more tokens of `state` must be known: `computed + n <= len(tokens)`.
@@ -502,92 +352,15 @@ fn register_computed(coord: &mut Coordinator, tables: &[Table], state: &mut Toke
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cache::{CacheOptions, TableOut};
-    use crate::coordinator::{EvictionOrder, GroupSpec};
-    use crate::events::KvEvent;
-    use crate::hash::fold_run;
-    use crate::table::GroupKind;
-
-    const A: RequestIdRef<'static> = RequestIdRef::Str("a");
-    const B: RequestIdRef<'static> = RequestIdRef::Str("b");
-    const C: RequestIdRef<'static> = RequestIdRef::Int(3);
-
-    fn spec(id: &str, kind: GroupKind, page_size: u64) -> GroupSpec {
-        GroupSpec {
-            group_id: id.to_owned(),
-            kind,
-            page_size,
-        }
-    }
-
-    fn sw(window: u64) -> GroupKind {
-        GroupKind::SlidingWindow { window }
-    }
-
-    fn cache(specs: Vec<GroupSpec>, pages: u64, options: CacheOptions) -> FlatCache {
-        FlatCache::with_options(specs, pages, options).unwrap()
-    }
-
-    /// Full P = 4 and sliding P = 4, W = 8 (the docs' running example).
-    fn hybrid(pages: u64) -> FlatCache {
-        cache(
-            vec![spec("full", GroupKind::Full, 4), spec("swa", sw(8), 4)],
-            pages,
-            CacheOptions::default(),
-        )
-    }
-
-    fn toks(range: std::ops::Range<u32>) -> Vec<u32> {
-        range.collect()
-    }
-
-    fn prompt(c: &FlatCache, tokens: Vec<u32>) -> Prompt {
-        Prompt::new(tokens, Vec::new(), c.coordinator().base_page_size()).unwrap()
-    }
-
-    fn add(c: &mut FlatCache, req: RequestIdRef<'_>, tokens: Vec<u32>) -> u64 {
-        let p = prompt(c, tokens);
-        c.add_request(req, p, true).unwrap()
-    }
-
-    fn free_list(c: &FlatCache) -> Vec<u32> {
-        c.coordinator().pool().free_list().collect()
-    }
-
-    /// Run `req` to the end of its known tokens in one schedule, then finish it.
-    fn run_and_finish(c: &mut FlatCache, req: RequestIdRef<'_>, tokens: Vec<u32>) {
-        let len = u64::try_from(tokens.len()).unwrap();
-        let hit = add(c, req, tokens);
-        let rest = len - hit;
-        assert!(c.schedule(req, rest, 0).unwrap());
-        c.finish(req).unwrap();
-        c.check_invariants().unwrap();
-    }
-
-    #[test]
-    fn capped_match_never_covers_the_last_prompt_token() {
-        let mut c = hybrid(64);
-        run_and_finish(&mut c, A, toks(0..16));
-        // All 4 pages of 0..16 are cached, but a 16-token prompt matches at most
-        // (16 - 1) // 4 = 3 pages: the last token must be recomputed.
-        let p16 = prompt(&c, toks(0..16));
-        assert_eq!(c.prefix_hit_tokens(&p16).unwrap(), 12);
-        // 17 tokens: cap = 4 pages, all cached.
-        let p17 = prompt(&c, toks(0..17));
-        assert_eq!(c.prefix_hit_tokens(&p17).unwrap(), 16);
-        // One token: cap 0, no hit; the probe changed nothing.
-        let p1 = prompt(&c, toks(0..1));
-        assert_eq!(c.prefix_hit_tokens(&p1).unwrap(), 0);
-        assert_eq!(add(&mut c, B, toks(0..16)), 12);
-        assert_eq!(c.num_computed_tokens(B).unwrap(), 12);
-        assert_eq!(c.num_tokens(B).unwrap(), 16);
-        // The claim took 3 full pages and the sliding run behind 12 (W = 8: 2 pages), and
-        // allocated nothing else.
-        let ids = c.page_ids(B).unwrap();
-        assert_eq!((ids[0].len(), ids[1].iter().filter(|&&p| p != 0).count()), (3, 2));
-        assert_eq!(c.tail_available(B).unwrap(), vec![0, 0]);
-        c.check_invariants().unwrap();
-    }
+    use crate::engine::coordinator::EvictionOrder;
+    use crate::engine::events::KvEvent;
+    use crate::engine::group::GroupKind;
+    use crate::engine::hash::fold_run;
+    use crate::engine::hash::hash_pages;
+    use crate::engine::hash::ContentHash;
+    use crate::engine::testing::*;
+    use crate::engine::CacheOptions;
+    use std::sync::Arc;
 
     #[test]
     fn add_request_refuses_duplicates_and_empty_prompts_and_can_skip_the_cache() {
@@ -613,32 +386,6 @@ mod tests {
         // A prompt hashed for another base page size is refused.
         let wrong = Prompt::new(toks(0..8), Vec::new(), 2).unwrap();
         assert!(c.add_request(RequestIdRef::Int(9), wrong, true).is_err());
-    }
-
-    #[test]
-    fn a_memoized_prompt_has_the_hashes_of_a_fresh_one() {
-        let extra = vec!["lora-a".to_owned()];
-        let mut memo = None;
-        let first = Prompt::new_memoized(toks(0..13), extra.clone(), 4, &mut memo).unwrap();
-        assert_eq!(first.hashes(), &hash_pages(&toks(0..13), 4, &[], &extra).unwrap()[..]);
-        let again = Prompt::new_memoized(toks(0..13), extra.clone(), 4, &mut memo).unwrap();
-        assert_eq!(again.hashes(), first.hashes());
-        // Any difference (tokens, extra keys, base page size) hashes afresh.
-        let other_tokens = Prompt::new_memoized(toks(1..14), extra.clone(), 4, &mut memo).unwrap();
-        assert_eq!(
-            other_tokens.hashes(),
-            &hash_pages(&toks(1..14), 4, &[], &extra).unwrap()[..]
-        );
-        let no_keys = Prompt::new_memoized(toks(1..14), Vec::new(), 4, &mut memo).unwrap();
-        assert_eq!(
-            no_keys.hashes(),
-            &hash_pages::<&str>(&toks(1..14), 4, &[], &[]).unwrap()[..]
-        );
-        let base_two = Prompt::new_memoized(toks(1..14), Vec::new(), 2, &mut memo).unwrap();
-        assert_eq!(
-            base_two.hashes(),
-            &hash_pages::<&str>(&toks(1..14), 2, &[], &[]).unwrap()[..]
-        );
     }
 
     #[test]
@@ -730,7 +477,7 @@ mod tests {
         let pool = c.coordinator().pool();
         assert!(pool.is_cached(1).unwrap() && pool.is_cached(2).unwrap() && pool.is_cached(3).unwrap());
         assert_eq!(free_list(&c), vec![1, 2]);
-        assert_eq!(pool.lookup(&crate::hash::GroupKey::new(hashes[0], 0)), Some(1));
+        assert_eq!(pool.lookup(&crate::engine::hash::GroupKey::new(hashes[0], 0)), Some(1));
         c.check_invariants().unwrap();
     }
 
@@ -934,56 +681,6 @@ mod tests {
         c.check_invariants().unwrap();
     }
 
-    #[test]
-    fn reserve_and_budget_arithmetic() {
-        let mut c = hybrid(21); // 20 real pages
-        add(&mut c, A, toks(0..8));
-        add(&mut c, B, toks(0..8));
-        assert!(c.schedule(A, 6, 0).unwrap()); // 2 + 2 pages, tail 2
-        assert_eq!(c.budget(None).unwrap(), 16);
-        // a's next 3 tokens: tail 2, then 1 page per group.
-        c.reserve(A, 3).unwrap();
-        assert_eq!(c.reserved_pages(A).unwrap(), 2);
-        // b (empty tables): 9 tokens -> 3 + 3.
-        c.reserve(B, 9).unwrap();
-        assert_eq!(c.reserved_pages(B).unwrap(), 6);
-        assert_eq!(c.budget(None).unwrap(), 16 - 8);
-        assert_eq!(c.budget(Some(A)).unwrap(), 16 - 6);
-        assert_eq!(c.budget(Some(B)).unwrap(), 16 - 2);
-        // Replacing a reserve, and clearing it.
-        c.reserve(B, 40).unwrap(); // 10 + 10
-        assert_eq!(c.budget(None).unwrap(), 16 - 22);
-        c.reserve(B, 0).unwrap();
-        assert_eq!(c.budget(None).unwrap(), 14);
-        // A successful schedule releases the reserve; finish releases it too.
-        assert!(c.schedule(A, 2, 0).unwrap());
-        assert_eq!(c.reserved_pages(A).unwrap(), 0);
-        c.reserve(B, 4).unwrap();
-        c.finish(B).unwrap();
-        assert_eq!(c.budget(None).unwrap(), 16);
-        assert!(matches!(c.budget(Some(B)), Err(CoreError::UnknownRequest(_))));
-        // Admission: 8 tokens of a fresh prompt plus a 5-token reserve -> 13 tokens on
-        // fresh tables: 4 + 4; a's pages are held (count > 0), so its claim takes none.
-        let p = prompt(&c, toks(0..9));
-        assert_eq!(c.pages_needed_to_admit(&p, 8, 5).unwrap(), 8);
-        assert!(c.pages_needed_to_admit(&p, u64::MAX, 1).is_err());
-        c.check_invariants().unwrap();
-    }
-
-    #[test]
-    fn pages_needed_to_admit_counts_free_cached_pages_the_claim_takes() {
-        let mut c = hybrid(64);
-        run_and_finish(&mut c, A, toks(0..16));
-        // The capped match of 0..17 covers 4 full pages and the sliding run of 2 behind 16,
-        // all free: the claim takes 6 pages; 1 more token needs 1 + 1.
-        let p = prompt(&c, toks(0..17));
-        assert_eq!(c.pages_needed_to_admit(&p, 1, 0).unwrap(), 6 + 2);
-        let before = c.coordinator().pool().num_free();
-        assert_eq!(add(&mut c, B, toks(0..17)), 16);
-        assert!(c.schedule(B, 1, 0).unwrap());
-        assert_eq!(before - c.coordinator().pool().num_free(), 8);
-    }
-
     fn events_cache() -> FlatCache {
         cache(
             vec![spec("full", GroupKind::Full, 4), spec("swa", sw(5), 4)],
@@ -1123,154 +820,26 @@ mod tests {
         let pool = c.coordinator().pool();
         let ids = c.page_ids(A).unwrap();
         assert_eq!(
-            pool.lookup(&crate::hash::GroupKey::new(fold_run(&h[0..2]), 1)),
+            pool.lookup(&crate::engine::hash::GroupKey::new(fold_run(&h[0..2]), 1)),
             Some(ids[1][0])
         );
         assert_eq!(
-            pool.lookup(&crate::hash::GroupKey::new(fold_run(&h[2..4]), 1)),
+            pool.lookup(&crate::engine::hash::GroupKey::new(fold_run(&h[2..4]), 1)),
             Some(ids[1][1])
         );
         // The state group snapshots on its page boundaries: slot 0 at c = 8 (reclaimed since,
         // a hole in the table but still cached and free) and slot 1 at c = 16.
         assert_eq!(ids[2][0], 0);
         assert!(pool
-            .lookup(&crate::hash::GroupKey::new(fold_run(&h[0..2]), 2))
+            .lookup(&crate::engine::hash::GroupKey::new(fold_run(&h[0..2]), 2))
             .is_some());
         assert_eq!(
-            pool.lookup(&crate::hash::GroupKey::new(fold_run(&h[2..4]), 2)),
+            pool.lookup(&crate::engine::hash::GroupKey::new(fold_run(&h[2..4]), 2)),
             Some(ids[2][1])
         );
         // The whole 16-token prefix comes back for a 17-token prompt.
         c.finish(A).unwrap();
         assert_eq!(c.prefix_hit_tokens(&prompt(&c, toks(0..17))).unwrap(), 16);
-        c.check_invariants().unwrap();
-    }
-
-    #[test]
-    fn stats_count_pages_per_group_and_requests() {
-        let mut c = hybrid(64);
-        add(&mut c, A, toks(0..20));
-        assert!(c.schedule(A, 20, 0).unwrap()); // 5 + 5 pages
-        assert!(c.acquire(B, 4)); // page-level: 1 + 1
-        let s = c.stats();
-        assert_eq!((s.pages_total, s.pages_free, s.pages_in_use), (63, 51, 12));
-        assert_eq!((s.requests, s.pages_in_use_by_group.clone()), (2, vec![6, 6]));
-        // Reclaim at 20 frees sliding slots below (20 - 7) // 4 = 3.
-        c.append_tokens(A, &[20]).unwrap();
-        assert!(c.schedule(A, 1, 0).unwrap());
-        assert_eq!(c.stats().pages_in_use_by_group, vec![7, 4]);
-        c.finish(A).unwrap();
-        c.free(B).unwrap();
-        let s = c.stats();
-        assert_eq!(
-            (s.requests, s.pages_in_use, s.pages_in_use_by_group),
-            (0, 0, vec![0, 0])
-        );
-        // a's 5 full base pages were registered at c = 20 in both groups (the sliding ones
-        // before they were reclaimed); b (page-level) registered nothing.
-        assert_eq!((s.pages_cached, s.pages_cached_free), (10, 10));
-        c.check_invariants().unwrap();
-    }
-
-    #[test]
-    fn write_block_tables_checks_everything_before_writing() {
-        let mut c = hybrid(64);
-        add(&mut c, A, toks(0..20));
-        assert!(c.schedule(A, 20, 0).unwrap());
-        add(&mut c, B, toks(0..4));
-        assert!(c.schedule(B, 4, 0).unwrap());
-        c.append_tokens(A, &[20]).unwrap();
-        assert!(c.schedule(A, 1, 0).unwrap()); // swa slots 0..3 slid out
-        let (mut g0, mut g1) = (vec![7; 3 * 6], vec![7; 3 * 6]);
-        if !crate::FLAT_KVCACHE {
-            let mut outs = [TableOut {
-                data: &mut g0,
-                rows: 3,
-                cols: 6,
-            }];
-            let err = c.write_block_tables(&[B, A], &mut outs).unwrap_err();
-            assert_eq!(err, CoreError::FlatUnavailable);
-            assert_eq!(err.to_string(), crate::cache::FLAT_UNAVAILABLE);
-            return;
-        }
-        {
-            let mut outs = [
-                TableOut {
-                    data: &mut g0,
-                    rows: 3,
-                    cols: 6,
-                },
-                TableOut {
-                    data: &mut g1,
-                    rows: 3,
-                    cols: 6,
-                },
-            ];
-            c.write_block_tables(&[B, A], &mut outs).unwrap();
-        }
-        let ids = c.page_ids(A).unwrap();
-        let row = |pages: &[u32]| {
-            let mut r: Vec<i32> = pages.iter().map(|&p| i32::try_from(p).unwrap()).collect();
-            r.resize(6, -1);
-            r
-        };
-        assert_eq!(&g0[6..12], &row(&ids[0])[..]);
-        assert_eq!(&g1[6..12], &row(&ids[1])[..]);
-        assert_eq!(&g1[6..9], &[0, 0, 0]);
-        assert_eq!(&g0[12..], &[7; 6], "rows past the batch are untouched");
-        // Too narrow for a's 6 pages in group 0 / too few rows: nothing is written.
-        let (mut n0, mut n1) = (vec![7; 2 * 5], vec![7; 2 * 6]);
-        let mut outs = [
-            TableOut {
-                data: &mut n0,
-                rows: 2,
-                cols: 5,
-            },
-            TableOut {
-                data: &mut n1,
-                rows: 2,
-                cols: 6,
-            },
-        ];
-        let err = c.write_block_tables(&[B, A], &mut outs).unwrap_err();
-        assert!(err.to_string().contains("out['full']"), "{err}");
-        assert!(c.write_block_tables(&[B, A, A], &mut outs).is_err());
-        assert!(n0.iter().chain(&n1).all(|&v| v == 7));
-    }
-
-    #[test]
-    fn stale_claim_of_a_page_re_cached_for_another_group_is_refused() {
-        // One full group and one sliding group of the same page size, 3 pages. a caches one
-        // page per group (full: page 1, sliding: page 2) and frees them: free list [3, 1, 2].
-        let mut c = cache(
-            vec![spec("full", GroupKind::Full, 4), spec("swa", sw(5), 4)],
-            4,
-            CacheOptions::default(),
-        );
-        let h = hash_pages::<&str>(&toks(0..4), 4, &[], &[]).unwrap();
-        assert!(c.acquire(A, 4));
-        assert_eq!(c.page_ids(A).unwrap(), vec![vec![1], vec![2]]);
-        c.register(A, &h, 0, None).unwrap();
-        c.free(A).unwrap();
-        assert_eq!(free_list(&c), vec![3, 1, 2]);
-        let m = c.match_prefix(&h).unwrap();
-        assert_eq!(m.pages, vec![vec![1], vec![2]]);
-        // b takes pages 3 (full) and 1 (sliding, evicting a's full key), registers the same
-        // content and is freed: page 1 now holds the *sliding* key of that content.
-        assert!(c.acquire(B, 4));
-        assert_eq!(c.page_ids(B).unwrap(), vec![vec![3], vec![1]]);
-        c.register(B, &h, 0, None).unwrap();
-        c.free(B).unwrap();
-        // The old match would put page 1 into the full group while the sliding key maps to
-        // it: refused, and nothing changes (c is not created).
-        let err = c.claim(C, &m).unwrap_err();
-        assert!(err.to_string().contains("stale"), "{err}");
-        assert!(!c.has_request(C));
-        // A hand-built match only needs each page to hold a key of the group it goes to.
-        let by_hand = PrefixMatch::by_hand(4, vec![vec![3], vec![2]], vec![1, 1]);
-        c.claim(C, &by_hand).unwrap();
-        let wrong_group = PrefixMatch::by_hand(4, vec![vec![1], vec![3]], vec![1, 1]);
-        assert!(c.claim(RequestIdRef::Int(8), &wrong_group).is_err());
         c.check_invariants().unwrap();
     }
 

@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use crate::hash::ContentHash;
+use crate::engine::hash::ContentHash;
 
 /// One KV-cache event.
 #[derive(Clone, Debug, PartialEq, Eq)]

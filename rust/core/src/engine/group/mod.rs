@@ -1,14 +1,23 @@
-//! Per-request block tables and the three group managers (SPEC 6).
+//! Group kinds and their rules (SPEC 6): [`GroupKind`] names a group's retention rule and a
+//! [`GroupManager`] applies it to tables (acquire, register, prefix match, reclaim and their
+//! dry runs).
 //!
-//! A [`Table`] is one request's pages in one group: slot `i` covers tokens `[i*P, (i+1)*P)`,
-//! holes (slid-out or never-matched slots) are the null page 0, and tables never shrink.
-//! A [`GroupManager`] holds a group's rule (full attention, sliding window, or state) and
-//! applies it to tables: acquire, register, prefix match, reclaim and their dry runs.
+//! Rules every kind shares live here; each kind's own rules live in its file and the manager
+//! dispatches on the kind:
+//! - [`full`]: full attention (prefix-closed match, nothing slides out).
+//! - [`sliding`]: sliding window (match a run behind a boundary, reclaim slid-out slots).
+//! - [`state`]: linear attention / mamba state (a window of 2; registers only the final page
+//!   of a range that ends on a page boundary).
 
 use std::hash::Hash;
 
-use crate::fastdiv::Divisor;
-use crate::pool::{BlockPool, NULL_PAGE};
+use crate::engine::pool::{BlockPool, NULL_PAGE};
+use crate::engine::table::Table;
+use crate::num::Divisor;
+
+pub mod full;
+pub mod sliding;
+pub mod state;
 
 /// The retention rule of a group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,69 +83,13 @@ impl GroupKind {
         match self {
             Self::Full => None,
             Self::SlidingWindow { window } => Some(window),
-            Self::State => Some(2),
+            Self::State => Some(state::WINDOW),
         }
     }
 
     /// Whether a match of this group is prefix-closed (full attention only).
     pub fn is_prefix_closed(self) -> bool {
         matches!(self, Self::Full)
-    }
-}
-
-/// One request's pages in one group.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Table {
-    /// Page per slot; `0` is a hole.
-    pages: Vec<u32>,
-    /// Free token slots in the last page.
-    tail_avail: u64,
-    /// Slots below this are known holes (everything under a previous reclaim bound), so a
-    /// reclaim scans only new ground. Nothing ever puts a real page below it again: claims
-    /// only fill empty tables and acquires append.
-    holes_below: usize,
-}
-
-impl Table {
-    /// Page ids per slot, holes as 0.
-    pub fn pages(&self) -> &[u32] {
-        &self.pages
-    }
-
-    /// Free token slots in the last page.
-    pub fn tail_avail(&self) -> u64 {
-        self.tail_avail
-    }
-
-    /// Number of slots.
-    pub fn len(&self) -> usize {
-        self.pages.len()
-    }
-
-    /// Whether the table has no slots.
-    pub fn is_empty(&self) -> bool {
-        self.pages.is_empty()
-    }
-
-    /// Slots below this index are known holes (nothing below a past reclaim bound is real).
-    pub(crate) fn holes_below(&self) -> usize {
-        self.holes_below
-    }
-
-    /// A table holding `pages` (holes included) with a full last page, as after a claim.
-    pub(crate) fn from_claim(pages: Vec<u32>) -> Self {
-        Self {
-            pages,
-            tail_avail: 0,
-            holes_below: 0,
-        }
-    }
-
-    /// Take the pages out, leaving an empty table.
-    pub(crate) fn take_pages(&mut self) -> Vec<u32> {
-        self.tail_avail = 0;
-        self.holes_below = 0;
-        std::mem::take(&mut self.pages)
     }
 }
 
@@ -230,50 +183,21 @@ impl GroupManager {
     /// state scan right to left from `end` for a run of `needed` consecutive hits behind a
     /// boundary; a miss moves the boundary just left of it; a run that reaches slot 0 is
     /// accepted even if shorter. Slots left of the accepted run are holes.
-    pub fn match_slots(&self, end: usize, mut hit: impl FnMut(usize) -> Option<u32>) -> (Vec<u32>, usize) {
-        if self.kind.is_prefix_closed() {
-            let mut pages = Vec::new();
-            for i in 0..end {
-                match hit(i) {
-                    Some(page) => pages.push(page),
-                    None => break,
-                }
-            }
-            let hits = pages.len();
-            return (pages, hits);
+    pub fn match_slots(&self, end: usize, hit: impl FnMut(usize) -> Option<u32>) -> (Vec<u32>, usize) {
+        match self.kind {
+            GroupKind::Full => full::match_slots(end, hit),
+            GroupKind::SlidingWindow { .. } => sliding::match_slots(self.needed, end, hit),
+            GroupKind::State => state::match_slots(self.needed, end, hit),
         }
-        let needed = usize::try_from(self.needed).unwrap_or(usize::MAX);
-        let mut boundary = end;
-        let mut run: Vec<u32> = Vec::new(); // hits behind `boundary`, right to left
-        for i in (0..end).rev() {
-            if run.len() >= needed {
-                break;
-            }
-            if let Some(page) = hit(i) {
-                run.push(page);
-            } else {
-                boundary = i;
-                run.clear();
-            }
-        }
-        let hits = run.len();
-        let mut pages = vec![NULL_PAGE; boundary - hits];
-        pages.extend(run.iter().rev());
-        (pages, hits)
     }
 
     /// The reclaim bound at `n` computed tokens: slots `[0, k)` have fully slid out of the
     /// window (`k = min((n - W + 1) // P, len)`, 0 when `n - W + 1 <= 0`; 0 for full groups).
     pub fn reclaim_bound(&self, table: &Table, n: u64) -> usize {
-        let Some(window) = self.kind.window() else {
-            return 0;
-        };
-        // n - W + 1 > 0  <=>  n >= W, computed without overflow as n - (W - 1).
-        match n.checked_sub(window.saturating_sub(1)) {
-            Some(past) if past > 0 => {
-                usize::try_from(self.page.quotient(past)).map_or(table.pages.len(), |k| k.min(table.pages.len()))
-            }
-            _ => 0,
+        match self.kind {
+            GroupKind::Full => full::reclaim_bound(),
+            GroupKind::SlidingWindow { window } => sliding::reclaim_bound(self.page, window, table, n),
+            GroupKind::State => state::reclaim_bound(self.page, table, n),
         }
     }
 
@@ -281,19 +205,12 @@ impl GroupManager {
     /// lowest slot first (so the lowest slot is evicted first). Holes in the middle do not
     /// stop it (SPEC 12.2). Returns how many released pages became free (count 0).
     pub fn reclaim<K: Clone + Eq + Hash>(&self, pool: &mut BlockPool<K>, table: &mut Table, n: u64) -> usize {
-        let k = self.reclaim_bound(table, n);
-        if k <= table.holes_below {
-            return 0;
-        }
-        let mut freed = 0;
-        for slot in &mut table.pages[table.holes_below..k] {
-            if *slot != NULL_PAGE {
-                freed += usize::from(pool.release(*slot));
-                *slot = NULL_PAGE;
+        match self.kind {
+            GroupKind::Full => 0,
+            GroupKind::SlidingWindow { .. } | GroupKind::State => {
+                sliding::reclaim(pool, table, self.reclaim_bound(table, n))
             }
         }
-        table.holes_below = k;
-        freed
     }
 
     /// Pages [`Self::reclaim`] at `n` would return to the free list: real slid-out pages whose
@@ -305,14 +222,12 @@ impl GroupManager {
         n: u64,
         count_uncached: bool,
     ) -> usize {
-        let k = self.reclaim_bound(table, n);
-        if k <= table.holes_below {
-            return 0;
+        match self.kind {
+            GroupKind::Full => 0,
+            GroupKind::SlidingWindow { .. } | GroupKind::State => {
+                sliding::reclaimable(pool, table, self.reclaim_bound(table, n), count_uncached)
+            }
         }
-        table.pages[table.holes_below..k]
-            .iter()
-            .filter(|&&p| p != NULL_PAGE && pool.refs_of(p) == 1 && (count_uncached || pool.key_of(p).is_some()))
-            .count()
     }
 
     /// Release every page of `table` in reverse slot order (tail first) and empty it.
@@ -328,11 +243,71 @@ impl GroupManager {
     }
 }
 
+/// A registration as the coordinator asks it of every group: the base-page hashes
+/// `[first_slot, first_slot + len)`, base pages of `base` tokens, and the position the range
+/// should end at (`end_tokens`, when the caller knows it).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RegisterRange {
+    pub(crate) first_slot: u64,
+    pub(crate) len: usize,
+    pub(crate) base: u64,
+    pub(crate) end_tokens: Option<u64>,
+}
+
+/// Where one group's `register` writes: slots `[start, start + count)` of its table, whose
+/// keys fold base hashes starting at `skip`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RegisterPlan {
+    pub(crate) start: usize,
+    pub(crate) count: usize,
+    pub(crate) skip: usize,
+}
+
+impl GroupManager {
+    /// Where this group registers `range` when each of its pages holds `mult` base pages: the
+    /// complete aligned runs of `mult` hashes, narrowed by the kind's rule (state groups:
+    /// [`state::register_plan`]); `None` when the group registers nothing.
+    pub(crate) fn register_plan(&self, mult: Divisor, range: RegisterRange) -> Option<RegisterPlan> {
+        let (m, len, first_slot) = (mult, range.len, range.first_slot);
+        // The fold starts at the first base page at or after `first_slot` that is a multiple
+        // of m, i.e. at slot ceil(first_slot / m), after skipping `skip` hashes.
+        let rem = m.remainder(first_slot);
+        let start = m.quotient(first_slot) + u64::from(rem > 0);
+        let skip = usize::try_from(if rem == 0 { 0 } else { m.get() - rem }).map_or(len, |s| s.min(len));
+        let runs = usize::try_from(m.quotient(u64::try_from(len - skip).unwrap_or(u64::MAX))).unwrap_or(usize::MAX);
+        let plan = RegisterPlan {
+            start: usize::try_from(start).unwrap_or(usize::MAX),
+            count: runs,
+            skip,
+        };
+        match self.kind {
+            GroupKind::State => state::register_plan(self.page, mult, range, plan),
+            GroupKind::Full | GroupKind::SlidingWindow { .. } => Some(plan),
+        }
+    }
+}
+
+#[cfg(test)]
+mod testing {
+    use super::{GroupKind, GroupManager};
+    use crate::engine::pool::BlockPool;
+
+    pub(super) type Pool = BlockPool<u32>;
+
+    pub(super) fn sliding(p: u64, w: u64) -> GroupManager {
+        GroupManager::new(GroupKind::SlidingWindow { window: w }, p)
+    }
+
+    /// `hit` for a match from a slot -> page map where `0` is a miss.
+    pub(super) fn lookup(cached: &[u32]) -> impl FnMut(usize) -> Option<u32> + '_ {
+        |i| cached.get(i).copied().filter(|&p| p != 0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::testing::Pool;
     use super::*;
-
-    type Pool = BlockPool<u32>;
 
     #[test]
     fn kind_names_round_trip() {
@@ -354,15 +329,6 @@ mod tests {
         );
         assert_eq!(GroupKind::from_name("full", Some(4)), Err(KindError::WindowNotAllowed));
         assert_eq!(GroupKind::from_name("Full", None), Err(KindError::UnknownName));
-    }
-
-    fn sliding(p: u64, w: u64) -> GroupManager {
-        GroupManager::new(GroupKind::SlidingWindow { window: w }, p)
-    }
-
-    /// `hit` for a match from a slot -> page map where `0` is a miss.
-    fn lookup(cached: &[u32]) -> impl FnMut(usize) -> Option<u32> + '_ {
-        |i| cached.get(i).copied().filter(|&p| p != 0)
     }
 
     #[test]
@@ -388,59 +354,6 @@ mod tests {
     }
 
     #[test]
-    fn full_match_stops_at_the_first_miss() {
-        let g = GroupManager::new(GroupKind::Full, 4);
-        assert_eq!(g.match_slots(5, lookup(&[3, 4, 0, 6, 7])), (vec![3, 4], 2));
-        assert_eq!(g.match_slots(2, lookup(&[3, 4, 5])), (vec![3, 4], 2));
-        assert_eq!(g.match_slots(0, lookup(&[3])), (vec![], 0));
-    }
-
-    #[test]
-    fn sliding_match_accepts_a_run_of_needed_hits() {
-        // P = 4, W = 9: needed = ceil(8/4) = 2.
-        let g = sliding(4, 9);
-        // Slots 0..6 all cached: the run [4, 5] behind boundary 6; slots 0..4 are holes.
-        assert_eq!(
-            g.match_slots(6, lookup(&[1, 2, 3, 4, 5, 6])),
-            (vec![0, 0, 0, 0, 5, 6], 2)
-        );
-        // The miss at slot 4 moves the boundary to 4; the run of slots 2, 3 is accepted.
-        assert_eq!(g.match_slots(6, lookup(&[1, 2, 3, 4, 0, 6])), (vec![0, 0, 3, 4], 2));
-    }
-
-    #[test]
-    fn sliding_match_with_holes_and_short_runs() {
-        // needed = 2. Alternating misses: the boundary walks down to 1; the run of slot 0
-        // reaches the begin bound and is accepted although shorter.
-        let g = sliding(4, 9);
-        assert_eq!(g.match_slots(4, lookup(&[7, 0, 8, 0])), (vec![7], 1));
-        // Every slot a miss: boundary 0, empty result.
-        assert_eq!(g.match_slots(3, lookup(&[0, 0, 0])), (vec![], 0));
-        // A run reaching the begin bound is accepted even if shorter than needed.
-        let wide = sliding(4, 33); // needed 8
-        assert_eq!(wide.match_slots(3, lookup(&[1, 2, 3])), (vec![1, 2, 3], 3));
-        assert_eq!(wide.match_slots(4, lookup(&[1, 2, 3, 0])), (vec![1, 2, 3], 3));
-    }
-
-    #[test]
-    fn window_one_makes_every_slot_a_hole() {
-        let g = sliding(4, 1);
-        let mut calls = 0;
-        let (pages, hits) = g.match_slots(3, |_| {
-            calls += 1;
-            Some(9)
-        });
-        assert_eq!((pages, hits, calls), (vec![0, 0, 0], 0, 0));
-    }
-
-    #[test]
-    fn state_match_takes_the_rightmost_cached_snapshot() {
-        let g = GroupManager::new(GroupKind::State, 4); // needed = ceil(1/4) = 1
-        assert_eq!(g.match_slots(4, lookup(&[1, 2, 0, 0])), (vec![0, 2], 1));
-        assert_eq!(g.match_slots(4, lookup(&[1, 2, 3, 4])), (vec![0, 0, 0, 4], 1));
-    }
-
-    #[test]
     fn register_skips_holes_hashed_pages_and_a_partial_tail() {
         let mut pool = Pool::new(10, true).unwrap();
         let g = GroupManager::new(GroupKind::Full, 4);
@@ -457,67 +370,6 @@ mod tests {
         assert_eq!(asked, vec![2]);
         assert_eq!(pool.lookup(&2), Some(t.pages()[2]));
         assert_eq!(pool.lookup(&100), Some(t.pages()[1]));
-    }
-
-    #[test]
-    fn reclaim_frees_every_slid_out_page_even_past_a_middle_hole() {
-        let mut pool = Pool::new(10, true).unwrap();
-        let g = sliding(4, 5); // W = 5
-        let mut t = Table::default();
-        assert!(g.acquire(&mut pool, &mut t, 20)); // pages 1..=5
-        let hole_page = t.pages[2];
-        pool.release(hole_page); // a hole in the middle (host tier)
-        t.pages[2] = 0;
-        // n = 16: k = (16 - 5 + 1) // 4 = 3 -> slots 0, 1 (2 is already a hole).
-        assert_eq!(g.reclaim_bound(&t, 16), 3);
-        assert_eq!(g.reclaimable(&pool, &t, 16, true), 2);
-        assert_eq!(g.reclaimable(&pool, &t, 16, false), 0);
-        let free_before: Vec<u32> = pool.free_list().collect();
-        assert_eq!(g.reclaim(&mut pool, &mut t, 16), 2);
-        assert_eq!(t.pages(), &[0, 0, 0, 4, 5]);
-        let free_after: Vec<u32> = pool.free_list().collect();
-        // Lowest slot released first, so it is evicted first.
-        assert_eq!(&free_after[free_before.len()..], &[1, 2]);
-        // n = 20: k = 4 -> slot 3; a second reclaim at the same n does nothing.
-        assert_eq!(g.reclaimable(&pool, &t, 20, true), 1);
-        assert_eq!(g.reclaim(&mut pool, &mut t, 20), 1);
-        assert_eq!(g.reclaim(&mut pool, &mut t, 20), 0);
-        assert_eq!(t.pages(), &[0, 0, 0, 0, 5]);
-        pool.check().unwrap();
-    }
-
-    #[test]
-    fn reclaim_bound_edges() {
-        let g = sliding(4, 5);
-        let t = Table::from_claim(vec![1, 2]);
-        assert_eq!(g.reclaim_bound(&t, 0), 0);
-        assert_eq!(g.reclaim_bound(&t, 4), 0); // n - W + 1 = 0
-        assert_eq!(g.reclaim_bound(&t, 8), 1);
-        assert_eq!(g.reclaim_bound(&t, u64::MAX), 2); // capped at the table length
-        let full = GroupManager::new(GroupKind::Full, 4);
-        assert_eq!(full.reclaim_bound(&t, u64::MAX), 0);
-        let state = GroupManager::new(GroupKind::State, 4); // W = 2: k = (n - 1) // 4
-        assert_eq!(state.reclaim_bound(&t, 4), 0);
-        assert_eq!(state.reclaim_bound(&t, 5), 1);
-        let w1 = sliding(4, 1); // k = n // 4
-        assert_eq!(w1.reclaim_bound(&t, 4), 1);
-    }
-
-    #[test]
-    fn reclaimable_counts_only_last_references() {
-        let mut pool = Pool::new(10, true).unwrap();
-        let g = sliding(2, 3);
-        let mut t = Table::default();
-        assert!(g.acquire(&mut pool, &mut t, 6)); // pages 1, 2, 3
-        pool.retain(1); // shared with another table
-        pool.cache_unchecked(2, 7);
-        // n = 6: k = (6 - 2) // 2 = 2 -> slots 0, 1; page 1 is shared.
-        assert_eq!(g.reclaimable(&pool, &t, 6, true), 1);
-        assert_eq!(g.reclaimable(&pool, &t, 6, false), 1);
-        // Page 1 is still referenced elsewhere: only page 2 becomes free.
-        assert_eq!(g.reclaim(&mut pool, &mut t, 6), 1);
-        assert_eq!(pool.refs_of(1), 1);
-        assert_eq!(pool.refs_of(2), 0);
     }
 
     #[test]

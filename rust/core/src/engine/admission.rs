@@ -1,0 +1,158 @@
+//! Admission accounting (docs/requests-api.md; SPEC 9): what a prompt would hit and cost
+//! before it is added, and the per-request reserves that budget the next decodes.
+
+use super::coordinator::PrefixMatch;
+use super::ids::RequestIdRef;
+use super::tokens::Prompt;
+use super::FlatCache;
+use crate::error::{CoreError, CoreResult};
+
+impl FlatCache {
+    pub(super) fn check_prompt(&self, prompt: &Prompt) -> CoreResult<()> {
+        let base = self.coord.base_page_size();
+        if prompt.base != base {
+            return Err(CoreError::invalid(format!(
+                "the prompt was hashed for base page size {}, this cache's is {base}",
+                prompt.base
+            )));
+        }
+        Ok(())
+    }
+
+    /// The capped prefix match of a prompt: never the last token (SPEC 9), so over the first
+    /// `max((len - 1) // base, 0)` base pages.
+    pub(super) fn capped_match(&self, prompt: &Prompt) -> CoreResult<PrefixMatch> {
+        self.check_prompt(prompt)?;
+        let len = u64::try_from(prompt.tokens.len()).unwrap_or(u64::MAX);
+        let cap = self.coord.base_div().quotient(len.saturating_sub(1));
+        let cap = usize::try_from(cap).map_or(prompt.hashes.len(), |c| c.min(prompt.hashes.len()));
+        self.coord.match_prefix(&prompt.hashes[..cap])
+    }
+
+    /// The hit `add_request` would get for `prompt` (capped), read-only.
+    pub fn prefix_hit_tokens(&self, prompt: &Prompt) -> CoreResult<u64> {
+        Ok(self.capped_match(prompt)?.num_common_tokens)
+    }
+
+    /// Pages admitting `prompt` would take: the capped match's claim (its free cached pages)
+    /// plus the pages of `num_new_tokens + reserve_tokens` on fresh tables.
+    pub fn pages_needed_to_admit(&self, prompt: &Prompt, num_new_tokens: u64, reserve_tokens: u64) -> CoreResult<u64> {
+        let m = self.capped_match(prompt)?;
+        let consumed = u64::try_from(self.coord.pages_consumed_by_claim(&m)?).unwrap_or(u64::MAX);
+        let tokens = num_new_tokens
+            .checked_add(reserve_tokens)
+            .ok_or_else(|| CoreError::overflow("num_new_tokens + reserve_tokens"))?;
+        self.coord
+            .pages_needed(None, tokens)?
+            .checked_add(consumed)
+            .ok_or_else(|| CoreError::overflow("num_new_tokens + reserve_tokens"))
+    }
+
+    /// Promise `pages_needed(tokens, req)` pages to `req`'s next decode (replacing its
+    /// previous reserve; 0 tokens clears it).
+    pub fn reserve(&mut self, req: RequestIdRef<'_>, tokens: u64) -> CoreResult<()> {
+        let at = self.find(req)?;
+        let pages = self.coord.pages_needed(Some(&self.entries[at].tables), tokens)?;
+        let entry = &mut self.entries[at];
+        self.reserved = self.reserved - u128::from(entry.reserve) + u128::from(pages);
+        entry.reserve = pages;
+        Ok(())
+    }
+
+    /// Pages promised to `req`'s next decode.
+    pub fn reserved_pages(&self, req: RequestIdRef<'_>) -> CoreResult<u64> {
+        Ok(self.entries[self.find(req)?].reserve)
+    }
+
+    /// Free pages minus the reserves of every request other than `req` (may be negative).
+    pub fn budget(&self, req: Option<RequestIdRef<'_>>) -> CoreResult<i128> {
+        let own = match req {
+            Some(r) => u128::from(self.entries[self.find(r)?].reserve),
+            None => 0,
+        };
+        let free = i128::try_from(self.coord.pool().num_free()).unwrap_or(i128::MAX);
+        let others = i128::try_from(self.reserved - own).map_err(|_| CoreError::overflow("reserves"))?;
+        Ok(free - others)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::testing::*;
+
+    #[test]
+    fn capped_match_never_covers_the_last_prompt_token() {
+        let mut c = hybrid(64);
+        run_and_finish(&mut c, A, toks(0..16));
+        // All 4 pages of 0..16 are cached, but a 16-token prompt matches at most
+        // (16 - 1) // 4 = 3 pages: the last token must be recomputed.
+        let p16 = prompt(&c, toks(0..16));
+        assert_eq!(c.prefix_hit_tokens(&p16).unwrap(), 12);
+        // 17 tokens: cap = 4 pages, all cached.
+        let p17 = prompt(&c, toks(0..17));
+        assert_eq!(c.prefix_hit_tokens(&p17).unwrap(), 16);
+        // One token: cap 0, no hit; the probe changed nothing.
+        let p1 = prompt(&c, toks(0..1));
+        assert_eq!(c.prefix_hit_tokens(&p1).unwrap(), 0);
+        assert_eq!(add(&mut c, B, toks(0..16)), 12);
+        assert_eq!(c.num_computed_tokens(B).unwrap(), 12);
+        assert_eq!(c.num_tokens(B).unwrap(), 16);
+        // The claim took 3 full pages and the sliding run behind 12 (W = 8: 2 pages), and
+        // allocated nothing else.
+        let ids = c.page_ids(B).unwrap();
+        assert_eq!((ids[0].len(), ids[1].iter().filter(|&&p| p != 0).count()), (3, 2));
+        assert_eq!(c.tail_available(B).unwrap(), vec![0, 0]);
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn reserve_and_budget_arithmetic() {
+        let mut c = hybrid(21); // 20 real pages
+        add(&mut c, A, toks(0..8));
+        add(&mut c, B, toks(0..8));
+        assert!(c.schedule(A, 6, 0).unwrap()); // 2 + 2 pages, tail 2
+        assert_eq!(c.budget(None).unwrap(), 16);
+        // a's next 3 tokens: tail 2, then 1 page per group.
+        c.reserve(A, 3).unwrap();
+        assert_eq!(c.reserved_pages(A).unwrap(), 2);
+        // b (empty tables): 9 tokens -> 3 + 3.
+        c.reserve(B, 9).unwrap();
+        assert_eq!(c.reserved_pages(B).unwrap(), 6);
+        assert_eq!(c.budget(None).unwrap(), 16 - 8);
+        assert_eq!(c.budget(Some(A)).unwrap(), 16 - 6);
+        assert_eq!(c.budget(Some(B)).unwrap(), 16 - 2);
+        // Replacing a reserve, and clearing it.
+        c.reserve(B, 40).unwrap(); // 10 + 10
+        assert_eq!(c.budget(None).unwrap(), 16 - 22);
+        c.reserve(B, 0).unwrap();
+        assert_eq!(c.budget(None).unwrap(), 14);
+        // A successful schedule releases the reserve; finish releases it too.
+        assert!(c.schedule(A, 2, 0).unwrap());
+        assert_eq!(c.reserved_pages(A).unwrap(), 0);
+        c.reserve(B, 4).unwrap();
+        c.finish(B).unwrap();
+        assert_eq!(c.budget(None).unwrap(), 16);
+        assert!(matches!(c.budget(Some(B)), Err(CoreError::UnknownRequest(_))));
+        // Admission: 8 tokens of a fresh prompt plus a 5-token reserve -> 13 tokens on
+        // fresh tables: 4 + 4; a's pages are held (count > 0), so its claim takes none.
+        let p = prompt(&c, toks(0..9));
+        assert_eq!(c.pages_needed_to_admit(&p, 8, 5).unwrap(), 8);
+        assert!(c.pages_needed_to_admit(&p, u64::MAX, 1).is_err());
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn pages_needed_to_admit_counts_free_cached_pages_the_claim_takes() {
+        let mut c = hybrid(64);
+        run_and_finish(&mut c, A, toks(0..16));
+        // The capped match of 0..17 covers 4 full pages and the sliding run of 2 behind 16,
+        // all free: the claim takes 6 pages; 1 more token needs 1 + 1.
+        let p = prompt(&c, toks(0..17));
+        assert_eq!(c.pages_needed_to_admit(&p, 1, 0).unwrap(), 6 + 2);
+        let before = c.coordinator().pool().num_free();
+        assert_eq!(add(&mut c, B, toks(0..17)), 16);
+        assert!(c.schedule(B, 1, 0).unwrap());
+        assert_eq!(before - c.coordinator().pool().num_free(), 8);
+    }
+}

@@ -1,0 +1,203 @@
+//! The page engine of one model (SPEC 6-9): [`FlatCache`] maps request ids to per-group
+//! tables over one [`coordinator::Coordinator`], for page-level and token-level requests alike
+//! (both live in the same request slab).
+//!
+//! Components, bottom up:
+//! - [`ids`]: request ids.
+//! - [`hash`]: content hashes and group keys (SPEC 4).
+//! - [`pool`]: the block pool (SPEC 5).
+//! - [`table`]: one request's pages in one group.
+//! - [`group`]: group kinds and their rules, one file per kind (SPEC 6).
+//! - [`coordinator`]: all groups of a model over one pool (SPEC 7).
+//! - [`events`]: KV-cache events recorded by the engine.
+//! - [`tokens`]: hashed prompts and the token state of token-level requests.
+//!
+//! [`FlatCache`] is defined here with private fields; its calls are `impl` blocks in child
+//! modules, one concern each: `page_api` (page-level calls), `token_api` (token-level
+//! requests), `admission` (prefix hits, admission cost, reserves and budget),
+//! [`block_tables`] (flat tables), [`stats`] (metrics and events) and `invariants`.
+
+use hashbrown::HashMap;
+use rustc_hash::FxBuildHasher;
+
+use crate::error::{CoreError, CoreResult};
+use coordinator::{Coordinator, EvictionOrder, GroupSpec};
+use ids::{RequestId, RequestIdRef};
+use table::Table;
+use tokens::TokenState;
+
+pub mod coordinator;
+pub mod events;
+pub mod group;
+pub mod hash;
+pub mod ids;
+pub mod pool;
+pub mod table;
+pub mod tokens;
+
+mod admission;
+pub mod block_tables;
+mod invariants;
+mod page_api;
+pub mod stats;
+mod token_api;
+
+#[cfg(test)]
+mod testing;
+
+/// Options of a cache (the keyword arguments of the Python constructor).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheOptions {
+    /// Prefix caching on (register, match, claim).
+    pub enable_caching: bool,
+    /// How freeing a request orders its pages on the free list.
+    pub eviction_order: EvictionOrder,
+    /// Record KV events for [`FlatCache::take_events`].
+    pub enable_kv_events: bool,
+}
+
+impl Default for CacheOptions {
+    fn default() -> Self {
+        Self {
+            enable_caching: true,
+            eviction_order: EvictionOrder::Hybrid,
+            enable_kv_events: false,
+        }
+    }
+}
+
+/// One live request: its tables (one per group), its token state if it is token-level, and
+/// the pages promised to its next decode.
+#[derive(Clone, Debug, Default)]
+struct Entry {
+    /// Whether the slot holds a live request.
+    live: bool,
+    /// One table per group, in group order.
+    tables: Vec<Table>,
+    /// `Some` for a request created by `add_request`.
+    tokens: Option<TokenState>,
+    /// Pages reserved for this request's next decode (docs/requests-api.md `reserve`).
+    reserve: u64,
+}
+
+/// Counters behind [`stats::CacheStats`] that the pool does not keep.
+#[derive(Clone, Copy, Debug, Default)]
+struct Counters {
+    prefix_queries_tokens: u64,
+    prefix_hits_tokens: u64,
+    preemptions: u64,
+}
+
+/// The page engine of one model: a coordinator plus each live request.
+///
+/// Requests live in a slab (`entries`) indexed through `index`, so a batch resolves each id
+/// once and then works by position.
+#[derive(Clone, Debug)]
+pub struct FlatCache {
+    coord: Coordinator,
+    index: HashMap<RequestId, usize, FxBuildHasher>,
+    entries: Vec<Entry>,
+    /// Slab positions free for reuse.
+    vacant: Vec<usize>,
+    eviction: EvictionOrder,
+    /// Sum of every request's `reserve` (u128: a sum of u64 page counts cannot overflow it).
+    reserved: u128,
+    counters: Counters,
+    /// Reused buffer of slab positions for batch calls.
+    scratch: Vec<usize>,
+}
+
+impl FlatCache {
+    /// An engine over `specs` with a pool of `num_pages` pages (page 0 included), with the
+    /// default options except `enable_caching`.
+    pub fn new(specs: Vec<GroupSpec>, num_pages: u64, enable_caching: bool) -> CoreResult<Self> {
+        Self::with_options(
+            specs,
+            num_pages,
+            CacheOptions {
+                enable_caching,
+                ..CacheOptions::default()
+            },
+        )
+    }
+
+    /// An engine over `specs` with a pool of `num_pages` pages (page 0 included).
+    pub fn with_options(specs: Vec<GroupSpec>, num_pages: u64, options: CacheOptions) -> CoreResult<Self> {
+        let mut coord = Coordinator::new(specs, num_pages, options.enable_caching)?;
+        coord.set_kv_events(options.enable_kv_events);
+        Ok(Self {
+            coord,
+            index: HashMap::default(),
+            entries: Vec::new(),
+            vacant: Vec::new(),
+            eviction: options.eviction_order,
+            reserved: 0,
+            counters: Counters::default(),
+            scratch: Vec::new(),
+        })
+    }
+
+    /// The coordinator (groups, page sizes, pool).
+    pub fn coordinator(&self) -> &Coordinator {
+        &self.coord
+    }
+
+    /// How freeing a request orders its pages.
+    pub fn eviction_order(&self) -> EvictionOrder {
+        self.eviction
+    }
+
+    /// Number of live requests.
+    pub fn num_requests(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Whether `req` is a live request.
+    pub fn has_request(&self, req: RequestIdRef<'_>) -> bool {
+        self.index.contains_key(&req)
+    }
+
+    /// The slab position of `req`, or `UnknownRequest`.
+    #[inline]
+    fn find(&self, req: RequestIdRef<'_>) -> CoreResult<usize> {
+        self.index
+            .get(&req)
+            .copied()
+            .ok_or_else(|| CoreError::UnknownRequest(req.to_string()))
+    }
+
+    /// The tables of `req` (one per group), or `UnknownRequest`.
+    fn tables(&self, req: RequestIdRef<'_>) -> CoreResult<&[Table]> {
+        Ok(&self.entries[self.find(req)?].tables)
+    }
+
+    /// Add a new request (the caller checked that `req` is not live); returns its position.
+    fn insert(&mut self, req: RequestIdRef<'_>, tokens: Option<TokenState>) -> usize {
+        let entry = Entry {
+            live: true,
+            tables: vec![Table::default(); self.coord.num_groups()],
+            tokens,
+            reserve: 0,
+        };
+        let at = if let Some(at) = self.vacant.pop() {
+            self.entries[at] = entry;
+            at
+        } else {
+            self.entries.push(entry);
+            self.entries.len() - 1
+        };
+        self.index.insert(req.to_id(), at);
+        at
+    }
+
+    /// Free the request at `at` (its pages in the eviction order, its reserve) and forget it;
+    /// returns its token state, if any.
+    fn release(&mut self, req: RequestIdRef<'_>, at: usize) -> Option<TokenState> {
+        self.index.remove(&req);
+        let mut entry = std::mem::take(&mut self.entries[at]);
+        self.coord.free(&mut entry.tables, self.eviction);
+        self.reserved -= u128::from(entry.reserve);
+        self.vacant.push(at);
+        entry.tokens
+    }
+}

@@ -1,0 +1,380 @@
+//! Page-level calls (SPEC 7 and 8): the caller hashes and tracks tokens itself and drives
+//! each step (claim, acquire, register, reclaim, free, and the prefill/decode steps that
+//! chain them). A page-level request is created by its first claim or acquire.
+
+use super::coordinator::{Coordinator, PrefixMatch};
+use super::hash::ContentHash;
+use super::ids::RequestIdRef;
+use super::table::Table;
+use super::FlatCache;
+use crate::error::CoreResult;
+
+impl FlatCache {
+    /// The request's position, created empty (page-level) on first use.
+    fn ensure(&mut self, req: RequestIdRef<'_>) -> usize {
+        match self.index.get(&req) {
+            Some(&at) => at,
+            None => self.insert(req, None),
+        }
+    }
+
+    /// The request's tables and the coordinator, borrowed together.
+    fn split_mut(&mut self, req: RequestIdRef<'_>) -> CoreResult<(&mut Coordinator, &mut Vec<Table>)> {
+        let i = self.find(req)?;
+        Ok((&mut self.coord, &mut self.entries[i].tables))
+    }
+
+    /// The hybrid prefix match of base-page hashes (read-only).
+    pub fn match_prefix(&self, hashes: &[ContentHash]) -> CoreResult<PrefixMatch> {
+        self.coord.match_prefix(hashes)
+    }
+
+    /// Claim `m` for `req` (created if new). A request whose tables hold pages, a match with
+    /// the wrong number of groups or a stale page is an error and changes nothing (a new
+    /// request is then not created).
+    pub fn claim(&mut self, req: RequestIdRef<'_>, m: &PrefixMatch) -> CoreResult<()> {
+        let existing = self.index.get(&req).map(|&at| self.entries[at].tables.as_slice());
+        self.coord.check_claim(existing, m)?;
+        let at = self.ensure(req);
+        self.coord.claim(&mut self.entries[at].tables, m);
+        Ok(())
+    }
+
+    /// Make room for `n` more tokens in every group of `req` (created if new), all or nothing.
+    pub fn acquire(&mut self, req: RequestIdRef<'_>, n: u64) -> bool {
+        let at = self.ensure(req);
+        self.coord.acquire(&mut self.entries[at].tables, n)
+    }
+
+    /// Register base-page hashes (base pages `first_slot ..`) for `req`.
+    pub fn register(
+        &mut self,
+        req: RequestIdRef<'_>,
+        hashes: &[ContentHash],
+        first_slot: u64,
+        end_tokens: Option<u64>,
+    ) -> CoreResult<()> {
+        let (coord, tables) = self.split_mut(req)?;
+        coord.register(tables, hashes, first_slot, end_tokens)
+    }
+
+    /// Reclaim `req`'s slid-out pages at `n` computed tokens.
+    pub fn reclaim(&mut self, req: RequestIdRef<'_>, n: u64) -> CoreResult<()> {
+        let (coord, tables) = self.split_mut(req)?;
+        coord.reclaim(tables, n);
+        Ok(())
+    }
+
+    /// Release all of `req`'s pages (in the eviction order), drop its reserve and forget it.
+    pub fn free(&mut self, req: RequestIdRef<'_>) -> CoreResult<()> {
+        let at = self.find(req)?;
+        self.release(req, at);
+        Ok(())
+    }
+
+    /// Pages an acquire of `n` tokens would allocate (`None`: for a fresh request).
+    pub fn pages_needed(&self, n: u64, req: Option<RequestIdRef<'_>>) -> CoreResult<u64> {
+        let tables = match req {
+            Some(r) => Some(self.tables(r)?),
+            None => None,
+        };
+        self.coord.pages_needed(tables, n)
+    }
+
+    /// Pages a reclaim of `req` at `n` would return to the free list.
+    pub fn pages_reclaimable(&self, req: RequestIdRef<'_>, n: u64, count_uncached: bool) -> CoreResult<usize> {
+        Ok(self.coord.pages_reclaimable(self.tables(req)?, n, count_uncached))
+    }
+
+    /// Pages a claim of `m` would take off the free list.
+    pub fn pages_consumed_by_claim(&self, m: &PrefixMatch) -> CoreResult<usize> {
+        self.coord.pages_consumed_by_claim(m)
+    }
+
+    /// `req`'s page ids per group (holes 0).
+    pub fn page_ids(&self, req: RequestIdRef<'_>) -> CoreResult<Vec<Vec<u32>>> {
+        Ok(self.tables(req)?.iter().map(|t| t.pages().to_vec()).collect())
+    }
+
+    /// `req`'s free token slots in the last page, per group.
+    pub fn tail_available(&self, req: RequestIdRef<'_>) -> CoreResult<Vec<u64>> {
+        Ok(self.tables(req)?.iter().map(Table::tail_avail).collect())
+    }
+
+    /// Drop the key of every cached page with count 0 (they stay free, no `BlockRemoved`),
+    /// record `AllBlocksCleared`, and return how many keys were dropped.
+    pub fn reset_prefix_cache(&mut self) -> usize {
+        self.coord.reset_prefix_cache()
+    }
+
+    /// First chunk: claim the match, then acquire `n` tokens (on `false` the claim stays).
+    pub fn prefill_first_chunk(&mut self, req: RequestIdRef<'_>, m: &PrefixMatch, n: u64) -> CoreResult<bool> {
+        self.claim(req, m)?;
+        Ok(self.acquire(req, n))
+    }
+
+    /// Later chunk at `computed` tokens: register the full pages so far (hashes from base
+    /// page 0, cut to `computed / base`), then reclaim, then acquire `n` tokens.
+    pub fn prefill_chunk(
+        &mut self,
+        req: RequestIdRef<'_>,
+        hashes: &[ContentHash],
+        n: u64,
+        computed: u64,
+    ) -> CoreResult<bool> {
+        let limit = self.coord.base_div().quotient(computed);
+        let cut = usize::try_from(limit).map_or(hashes.len(), |l| l.min(hashes.len()));
+        self.step(req, &hashes[..cut], 0, n, computed)
+    }
+
+    /// Decode step at `computed` tokens: hashes start at base page `first_page_slot` and are
+    /// cut so that `first_page_slot + len <= computed / base`; register, reclaim, acquire.
+    pub fn decode_step(
+        &mut self,
+        req: RequestIdRef<'_>,
+        hashes: &[ContentHash],
+        first_page_slot: u64,
+        n: u64,
+        computed: u64,
+    ) -> CoreResult<bool> {
+        let limit = self.coord.base_div().quotient(computed);
+        let room = limit.saturating_sub(first_page_slot);
+        let cut = usize::try_from(room).map_or(hashes.len(), |r| r.min(hashes.len()));
+        self.step(req, &hashes[..cut], first_page_slot, n, computed)
+    }
+
+    /// Register, THEN reclaim (registration skips holes), THEN acquire.
+    fn step(
+        &mut self,
+        req: RequestIdRef<'_>,
+        hashes: &[ContentHash],
+        first_slot: u64,
+        n: u64,
+        computed: u64,
+    ) -> CoreResult<bool> {
+        let (coord, tables) = self.split_mut(req)?;
+        coord.register(tables, hashes, first_slot, Some(computed))?;
+        coord.reclaim(tables, computed);
+        Ok(coord.acquire(tables, n))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::coordinator::GroupSpec;
+    use crate::engine::group::GroupKind;
+    use crate::engine::hash::hash_pages;
+    use crate::engine::testing::*;
+    use crate::engine::CacheOptions;
+    use crate::error::CoreError;
+
+    fn hashes(n: u32) -> Vec<ContentHash> {
+        let tokens: Vec<u32> = (0..n).map(|t| t * 31 + 7).collect();
+        hash_pages::<&str>(&tokens, 4, &[], &[]).unwrap()
+    }
+
+    #[test]
+    fn prefill_decode_finish_and_reuse() {
+        let mut c = hybrid(32);
+        let h = hashes(16);
+        let m = c.match_prefix(&h[..3]).unwrap();
+        assert_eq!(m.num_common_tokens, 0);
+        assert!(c.prefill_first_chunk(A, &m, 16).unwrap());
+        assert_eq!(c.page_ids(A).unwrap(), vec![vec![1, 2, 3, 4], vec![5, 6, 7, 8]]);
+        // Decode token 17 at computed = 16: registers 4 pages, reclaims (16 - 8 + 1) // 4 = 2.
+        assert!(c.decode_step(A, &h, 0, 1, 16).unwrap());
+        assert_eq!(c.page_ids(A).unwrap(), vec![vec![1, 2, 3, 4, 9], vec![0, 0, 7, 8, 10]]);
+        assert_eq!(c.tail_available(A).unwrap(), vec![3, 3]);
+        c.check_invariants().unwrap();
+        c.free(A).unwrap();
+        assert!(!c.has_request(A));
+        c.check_invariants().unwrap();
+        // The prompt's pages come back from the cache: full 4 pages, sliding the run behind 16.
+        let m = c.match_prefix(&h[..4]).unwrap();
+        assert_eq!(m.num_common_tokens, 16);
+        assert_eq!(m.pages, vec![vec![1, 2, 3, 4], vec![0, 0, 7, 8]]);
+        assert_eq!(c.pages_consumed_by_claim(&m).unwrap(), 6);
+        assert!(c.prefill_first_chunk(B, &m, 1).unwrap());
+        c.check_invariants().unwrap();
+        assert!(c.block_tables(&[RequestIdRef::Str("nope")]).is_err());
+        if crate::FLAT_KVCACHE {
+            let tables = c.block_tables(&[B, B]).unwrap();
+            assert_eq!(tables.len(), 2);
+            assert_eq!((tables[1].rows, tables[1].cols), (2, 5));
+        }
+    }
+
+    #[test]
+    fn unknown_requests_are_errors_and_acquire_creates_them() {
+        let mut c = hybrid(4);
+        assert!(matches!(c.free(A), Err(CoreError::UnknownRequest(_))));
+        assert!(matches!(c.reclaim(A, 1), Err(CoreError::UnknownRequest(_))));
+        assert!(matches!(c.page_ids(A), Err(CoreError::UnknownRequest(_))));
+        assert!(matches!(
+            c.decode_step(A, &[], 0, 1, 0),
+            Err(CoreError::UnknownRequest(_))
+        ));
+        // 3 free pages; 8 tokens need 4: False, but the request exists with empty tables.
+        assert!(!c.acquire(A, 8));
+        assert!(c.has_request(A));
+        assert_eq!(c.page_ids(A).unwrap(), vec![Vec::<u32>::new(), vec![]]);
+        assert_eq!(c.pages_needed(4, Some(A)).unwrap(), 2);
+        assert_eq!(c.num_requests(), 1);
+    }
+
+    #[test]
+    fn stale_claim_of_a_page_re_cached_for_another_group_is_refused() {
+        // One full group and one sliding group of the same page size, 3 pages. a caches one
+        // page per group (full: page 1, sliding: page 2) and frees them: free list [3, 1, 2].
+        let mut c = cache(
+            vec![spec("full", GroupKind::Full, 4), spec("swa", sw(5), 4)],
+            4,
+            CacheOptions::default(),
+        );
+        let h = hash_pages::<&str>(&toks(0..4), 4, &[], &[]).unwrap();
+        assert!(c.acquire(A, 4));
+        assert_eq!(c.page_ids(A).unwrap(), vec![vec![1], vec![2]]);
+        c.register(A, &h, 0, None).unwrap();
+        c.free(A).unwrap();
+        assert_eq!(free_list(&c), vec![3, 1, 2]);
+        let m = c.match_prefix(&h).unwrap();
+        assert_eq!(m.pages, vec![vec![1], vec![2]]);
+        // b takes pages 3 (full) and 1 (sliding, evicting a's full key), registers the same
+        // content and is freed: page 1 now holds the *sliding* key of that content.
+        assert!(c.acquire(B, 4));
+        assert_eq!(c.page_ids(B).unwrap(), vec![vec![3], vec![1]]);
+        c.register(B, &h, 0, None).unwrap();
+        c.free(B).unwrap();
+        // The old match would put page 1 into the full group while the sliding key maps to
+        // it: refused, and nothing changes (c is not created).
+        let err = c.claim(C, &m).unwrap_err();
+        assert!(err.to_string().contains("stale"), "{err}");
+        assert!(!c.has_request(C));
+        // A hand-built match only needs each page to hold a key of the group it goes to.
+        let by_hand = PrefixMatch::by_hand(4, vec![vec![3], vec![2]], vec![1, 1]);
+        c.claim(C, &by_hand).unwrap();
+        let wrong_group = PrefixMatch::by_hand(4, vec![vec![1], vec![3]], vec![1, 1]);
+        assert!(c.claim(RequestIdRef::Int(8), &wrong_group).is_err());
+        c.check_invariants().unwrap();
+    }
+
+    mod properties {
+        use proptest::prelude::*;
+
+        use super::*;
+
+        #[derive(Clone, Debug)]
+        enum Op {
+            /// Admit request `r` with prompt `p` of `len` tokens (prefix match, first chunk).
+            Admit(u8, u8, u32),
+            /// Decode `k` tokens for request `r` (register, reclaim, acquire).
+            Step(u8, u64),
+            /// A bare acquire of `n` tokens.
+            Acquire(u8, u64),
+            /// Finish request `r`.
+            Free(u8),
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                (0u8..4, 0u8..3, 1u32..64).prop_map(|(r, p, l)| Op::Admit(r, p, l)),
+                (0u8..4, 1u64..12).prop_map(|(r, k)| Op::Step(r, k)),
+                (0u8..4, 0u64..40).prop_map(|(r, n)| Op::Acquire(r, n)),
+                (0u8..4).prop_map(Op::Free),
+            ]
+        }
+
+        fn cache(pages: u64) -> FlatCache {
+            let spec = |id: &str, kind, page_size| GroupSpec {
+                group_id: id.into(),
+                kind,
+                page_size,
+            };
+            FlatCache::new(
+                vec![
+                    spec("full", GroupKind::Full, 4),
+                    spec("swa", GroupKind::SlidingWindow { window: 10 }, 8),
+                    spec("state", GroupKind::State, 8),
+                ],
+                pages,
+                true,
+            )
+            .unwrap()
+        }
+
+        proptest! {
+            /// Random admissions, decode steps, acquires and frees on a small hybrid pool keep
+            /// every invariant; a failed bare acquire changes nothing.
+            #[test]
+            fn random_request_traffic_keeps_invariants(ops in proptest::collection::vec(op(), 1..50)) {
+                let mut c = cache(40);
+                // Prompts 0 and 1 share their first 32 tokens; prompt 2 is unrelated.
+                let prompts: Vec<Vec<u32>> = vec![
+                    (0..128).collect(),
+                    (0..32).chain(1000..1096).collect(),
+                    (5000..5128).collect(),
+                ];
+                let hashes: Vec<Vec<ContentHash>> =
+                    prompts.iter().map(|t| hash_pages::<&str>(t, 4, &[], &[]).unwrap()).collect();
+                // Per live request: (prompt, tokens acquired).
+                let mut live: [Option<(usize, u64)>; 4] = [None; 4];
+                for op in ops {
+                    match op {
+                        Op::Admit(r, p, len) => {
+                            let id = RequestIdRef::Int(i64::from(r));
+                            if live[r as usize].is_some() {
+                                continue;
+                            }
+                            let p = p as usize;
+                            let cap = ((len - 1) / 4) as usize;
+                            let m = c.match_prefix(&hashes[p][..cap]).unwrap();
+                            let rest = u64::from(len) - m.num_common_tokens;
+                            if c.prefill_first_chunk(id, &m, rest).unwrap() {
+                                live[r as usize] = Some((p, u64::from(len)));
+                            } else {
+                                c.free(id).unwrap();
+                            }
+                        }
+                        Op::Step(r, k) => {
+                            let Some((p, acquired)) = live[r as usize] else { continue };
+                            let id = RequestIdRef::Int(i64::from(r));
+                            let known = hashes[p].len() as u64 * 4;
+                            if acquired + k > known {
+                                continue;
+                            }
+                            if c.decode_step(id, &hashes[p], 0, k, acquired).unwrap() {
+                                live[r as usize] = Some((p, acquired + k));
+                            }
+                        }
+                        Op::Acquire(r, n) => {
+                            let id = RequestIdRef::Int(i64::from(r));
+                            let Some((p, acquired)) = live[r as usize] else { continue };
+                            let before = (c.page_ids(id).unwrap(), c.tail_available(id).unwrap(), c.pool_stats());
+                            if c.acquire(id, n) {
+                                live[r as usize] = Some((p, acquired + n));
+                            } else {
+                                let after = (c.page_ids(id).unwrap(), c.tail_available(id).unwrap(), c.pool_stats());
+                                prop_assert_eq!(before, after);
+                            }
+                        }
+                        Op::Free(r) => {
+                            if live[r as usize].take().is_some() {
+                                c.free(RequestIdRef::Int(i64::from(r))).unwrap();
+                            }
+                        }
+                    }
+                    prop_assert_eq!(c.check_invariants(), Ok(()));
+                }
+                for r in 0..4u8 {
+                    if live[r as usize].is_some() {
+                        c.free(RequestIdRef::Int(i64::from(r))).unwrap();
+                    }
+                }
+                let stats = c.pool_stats();
+                prop_assert_eq!(stats.num_free, stats.num_blocks - 1);
+                prop_assert_eq!(c.num_requests(), 0);
+            }
+        }
+    }
+}
