@@ -12,9 +12,7 @@ one a test skips, except in CI (``CI`` set), where it fails: CI must run them.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
-import os
 import sys
 from types import ModuleType
 from typing import Any, Literal
@@ -29,23 +27,13 @@ from flat_kvcache.events import (
     encode_event_batch,
     packb,
 )
+from helpers import need
 from hypothesis import given
 from hypothesis import strategies as st
 
 #: Bounded waits for the loopback tests (seconds / milliseconds).
 WAIT_S = 10.0
 WAIT_MS = 10_000
-
-
-def need(name: str) -> ModuleType:
-    """Import test dependency ``name``; skip without it, but fail in CI, which must run these tests."""
-    try:
-        return importlib.import_module(name)
-    except ImportError as exc:
-        message = f"{name} is not installed (pip install -r requirements/test.txt): {exc}"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
 
 
 H0, H1, H2 = (bytes([i]) * 31 + bytes([0x80 + i]) for i in range(3))
