@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import flat_kvcache
@@ -137,7 +138,8 @@ def test_hand_built_prefix_match_names_the_bad_argument(
         flat_kvcache.reference.PrefixMatch(*args)  # type: ignore[arg-type]
     assert str(native.value) == str(reference.value)
     # Arrays and tuples are accepted like lists.
-    assert PrefixMatch(4, (np.array([1, 0, 3]),), np.array([2])) == PrefixMatch(4, [[1, 0, 3]], [2])
+    from_arrays: Callable[..., PrefixMatch] = PrefixMatch  # typed for arrays, which it also takes
+    assert from_arrays(4, (np.array([1, 0, 3]),), np.array([2])) == PrefixMatch(4, [[1, 0, 3]], [2])
 
 
 def test_block_pool_basics_and_misuse() -> None:

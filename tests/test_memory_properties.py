@@ -146,7 +146,7 @@ def test_state_const_bytes_never_overflows_on_32_bit_inputs(shape: list[int], it
     assert flat_kvcache.state_const_bytes(shape, itemsize) == reference.state_const_bytes(shape, itemsize)
 
 
-state_bytes = st.one_of(
+state_bytes: st.SearchStrategy[dict[str, int] | None] = st.one_of(
     st.none(),
     st.just({}),
     st.dictionaries(
