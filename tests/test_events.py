@@ -1,4 +1,4 @@
-"""KV events on the wire (issue 5): the MessagePack writer, vLLM's batch layout, ZMQ publishing.
+"""KV events on the wire: the MessagePack writer, vLLM's batch layout, ZMQ publishing.
 
 The writer is checked byte for byte against the ``msgpack`` package, and the batch layout
 against msgspec encoding structs declared the way vLLM declares its event classes, so the

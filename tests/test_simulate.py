@@ -1,4 +1,4 @@
-"""``flat-kvcache simulate`` (issue 5): traces, the scheduler loop on both engines, the command line.
+"""``flat-kvcache simulate``: traces, the scheduler loop on both engines, the command line.
 
 The loop's counts are checked two ways: on a two-request trace whose every step is worked out
 by hand below (on both engines), and on a 40-request trace under memory pressure (with
