@@ -531,8 +531,10 @@ def test_a_consumer_fills_a_gap_from_the_replay_socket() -> None:
             seen = {0: stream[0][2]}
             last, (_, seq_bytes, payload) = 0, stream[3]
             seq = int.from_bytes(seq_bytes, "big")
+            replay_endpoint = publisher.replay_endpoint
+            assert replay_endpoint is not None
             while last < seq - 1:
-                replay_seq_bytes, replay_payload = ask_once(context, publisher.replay_endpoint, last + 1)
+                replay_seq_bytes, replay_payload = ask_once(context, replay_endpoint, last + 1)
                 assert replay_seq_bytes != END_SEQ, "the batches are still buffered"
                 last = int.from_bytes(replay_seq_bytes, "big")
                 seen[last] = replay_payload
