@@ -4,6 +4,7 @@ Run as a script for the target table (build first with ``maturin develop --relea
 
     python benches/bench_engine.py            # full run
     python benches/bench_engine.py --quick    # fewer repeats
+    python benches/bench_engine.py --smoke    # a few repeats: does it run (CI), measures nothing
 
 or through pytest-benchmark (``pytest benches/bench_engine.py``; add ``--benchmark-disable``
 for a one-shot smoke run). Timings are wall-clock medians of repeated runs on whatever
@@ -142,8 +143,9 @@ def measure_decode(loop: DecodeLoop, steps: int) -> tuple[float, float, float]:
 
 
 def main(argv: list[str]) -> None:
-    quick = "--quick" in argv
-    repeats = 50 if quick else 400
+    smoke = "--smoke" in argv
+    quick = smoke or "--quick" in argv
+    repeats = 3 if smoke else 50 if quick else 400
     rows: list[tuple[str, str, str]] = []
 
     pool = BlockPool(65536)
@@ -163,7 +165,7 @@ def main(argv: list[str]) -> None:
     rows.append(("match_prefix, 256-page full-attention hit", "<= 10 us", f"{ns / 1e3:.2f} us"))
 
     loop = DecodeLoop()
-    decode, tables, whole = measure_decode(loop, 64 if quick else STEPS)
+    decode, tables, whole = measure_decode(loop, 4 if smoke else 64 if quick else STEPS)
     rows.append(("decode step x256 + block_tables (full+SWA)", "<= 100 us", f"{whole / 1e3:.1f} us"))
     per_request = f"{decode / 1e3:.1f} us ({decode / REQUESTS:.0f} ns/req)"
     rows.append(("  of which 256 decode_step calls", "", per_request))

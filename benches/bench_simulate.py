@@ -20,6 +20,7 @@ Build the extension in release mode first (``maturin develop --release``), then:
     python benches/bench_simulate.py --reference-requests 2000  # the whole trace on both (slow)
     python benches/bench_simulate.py eviction                 # hybrid vs group hit rates
     python benches/bench_simulate.py --json ...               # machine-readable
+    python benches/bench_simulate.py all --smoke              # tiny sizes: does it run (CI)
 """
 
 from __future__ import annotations
@@ -219,7 +220,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--eviction-pages", type=int, nargs="+", default=[40000, 20000, 15000, 10000], metavar="N"
     )
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny traces and one pool size: checks that the benchmark runs (CI), measures nothing",
+    )
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.num_requests, args.reference_requests = 40, 10
+        args.eviction_requests, args.prefixes, args.conversations = 20, 3, 4
+        args.eviction_pages = [2000]
     result: dict[str, Any] = {}
     if args.what in ("speed", "all"):
         result.update(speed(args))

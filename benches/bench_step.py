@@ -17,6 +17,7 @@ Run as a script (build first with ``maturin develop --release``)::
 
     python benches/bench_step.py            # full run
     python benches/bench_step.py --quick    # fewer steps
+    python benches/bench_step.py --smoke    # a few steps: does it run (CI), measures nothing
     python benches/bench_step.py --torch    # torch CPU tensors as the out= buffers
 
 or through pytest-benchmark (``pytest benches/bench_step.py``; ``--benchmark-disable`` for a
@@ -130,7 +131,7 @@ def measure(loop: StepLoop, steps: int) -> dict[str, list[int]]:
 
 
 def main(argv: list[str]) -> None:
-    steps = 512 if "--quick" in argv else 4096
+    steps = 16 if "--smoke" in argv else 512 if "--quick" in argv else 4096
     use_torch = "--torch" in argv
     loop = StepLoop(use_torch=use_torch)
     measure(loop, STEPS)  # warm-up: one whole round

@@ -13,9 +13,9 @@ import flat_kvcache
 import flat_kvcache.reference as reference
 import flat_kvcache.reference.sizing as reference_sizing
 import pytest
-from crosscheck import publish
 from flat_kvcache import _native
 from flat_kvcache._types import PagedCacheGroupSpec
+from helpers import publish
 
 pytestmark = pytest.mark.flag
 

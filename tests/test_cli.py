@@ -10,25 +10,19 @@ from typing import Any
 
 import flat_kvcache
 import pytest
-from flat_kvcache.cli import main
 from flat_kvcache.config import (
     layer_types_from_config,
     max_context_len_from_config,
     sliding_window_from_config,
 )
 from flat_kvcache.presets import DEFAULT_PRESET, get_preset, preset_names
+from helpers import run_cli, run_python
 
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
 
 
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    status = main(list(argv))
-    out, err = capsys.readouterr()
-    return status, out, err
-
-
 def plan_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
-    status, out, err = run(capsys, "plan", "--json", *argv)
+    status, out, err = run_cli(capsys, "plan", "--json", *argv)
     assert (status, err) == (0, "")
     plan: dict[str, Any] = json.loads(out)
     return plan
@@ -60,7 +54,7 @@ def write_config(tmp_path: Path, cfg: Any, name: str = "config.json") -> Path:
 
 
 def test_no_arguments_prints_the_default_preset_as_a_table(capsys: pytest.CaptureFixture[str]) -> None:
-    status, out, err = run(capsys)
+    status, out, err = run_cli(capsys)
     assert (status, err) == (0, "")
     assert DEFAULT_PRESET in out
     assert table_row(out, SLIDING) == [SLIDING, "sliding_window", "128", "history", "12", "2817", "10"]
@@ -72,7 +66,7 @@ def test_no_arguments_prints_the_default_preset_as_a_table(capsys: pytest.Captur
 
 
 def test_table_columns_are_aligned(capsys: pytest.CaptureFixture[str]) -> None:
-    _, out, _ = run(capsys, "--preset", "multi-window-demo")
+    _, out, _ = run_cli(capsys, "--preset", "multi-window-demo")
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("group "))
     rows = lines[header : header + 4]
@@ -171,7 +165,7 @@ def test_each_preset_matches_the_api(capsys: pytest.CaptureFixture[str], name: s
 
 
 def test_state_groups_are_marked(capsys: pytest.CaptureFixture[str]) -> None:
-    status, out, _ = run(capsys, "--preset", "qwen3.5-like")
+    status, out, _ = run_cli(capsys, "--preset", "qwen3.5-like")
     assert status == 0
     # 36 linear + 12 full layers; T = max(262144, C=262144): full 16384 + 256 + 1 = 16641,
     # state min(2*256 + 16384 + 1, 16641) = 16641; capture ceil((262144 + 1)/16) = 16385
@@ -218,7 +212,7 @@ def test_max_total_tokens_defaults_to_one_full_context(capsys: pytest.CaptureFix
 
 def test_list_presets(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["--list-presets"], ["plan", "--list-presets"]):
-        status, out, err = run(capsys, *argv)
+        status, out, err = run_cli(capsys, *argv)
         assert (status, err) == (0, "")
         names = [line.split()[0] for line in out.splitlines()]
         assert names == preset_names()
@@ -226,11 +220,11 @@ def test_list_presets(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_help_and_version(capsys: pytest.CaptureFixture[str]) -> None:
-    status, out, _ = run(capsys, "--help")
+    status, out, _ = run_cli(capsys, "--help")
     assert status == 0 and "plan" in out
-    status, out, _ = run(capsys, "plan", "--help")
+    status, out, _ = run_cli(capsys, "plan", "--help")
     assert status == 0 and "--max-live-requests" in out
-    status, out, _ = run(capsys, "--version")
+    status, out, _ = run_cli(capsys, "--version")
     assert (status, out.strip()) == (0, f"flat-kvcache {flat_kvcache.__version__}")
 
 
@@ -294,7 +288,7 @@ def test_config_folder_and_nested_text_config(capsys: pytest.CaptureFixture[str]
 def assert_one_line_error(
     capsys: pytest.CaptureFixture[str], argv: list[str], status: int, needle: str
 ) -> None:
-    code, out, err = run(capsys, *argv)
+    code, out, err = run_cli(capsys, *argv)
     assert code == status, err
     assert out == ""
     assert err.endswith("\n") and err.count("\n") == 1, err
@@ -361,9 +355,7 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str], argv: list[str], needl
 
 
 def run_module(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "flat_kvcache", *argv], capture_output=True, text=True, cwd=cwd, timeout=60
-    )
+    return run_python("-m", "flat_kvcache", *argv, cwd=cwd)
 
 
 def test_python_m_plan_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import flat_kvcache
@@ -26,6 +27,7 @@ from flat_kvcache.engine import (
     hash_page,
     hash_pages,
 )
+from helpers import native_hybrid
 
 
 def manual_hash(tokens: list[int], prior: str = "", extra: tuple[str, ...] = ()) -> str:
@@ -39,11 +41,6 @@ def manual_hash(tokens: list[int], prior: str = "", extra: tuple[str, ...] = ())
             encoded = key.encode()
             data += struct.pack("<I", len(encoded)) + encoded
     return hashlib.sha256(data).hexdigest()
-
-
-def hybrid(num_pages: int = 64, *, caching: bool = True) -> FlatKVCache:
-    specs = [KVCacheSpec("full", 4, group_id="full"), KVCacheSpec("sliding_window", 4, 8, "swa")]
-    return FlatKVCache(specs, num_pages, enable_caching=caching)
 
 
 # ----- import and hashing -------------------------------------------------------------------------
@@ -141,7 +138,8 @@ def test_hand_built_prefix_match_names_the_bad_argument(
         flat_kvcache.reference.PrefixMatch(*args)  # type: ignore[arg-type]
     assert str(native.value) == str(reference.value)
     # Arrays and tuples are accepted like lists.
-    assert PrefixMatch(4, (np.array([1, 0, 3]),), np.array([2])) == PrefixMatch(4, [[1, 0, 3]], [2])
+    from_arrays: Callable[..., PrefixMatch] = PrefixMatch  # typed for arrays, which it also takes
+    assert from_arrays(4, (np.array([1, 0, 3]),), np.array([2])) == PrefixMatch(4, [[1, 0, 3]], [2])
 
 
 def test_block_pool_basics_and_misuse() -> None:
@@ -173,7 +171,7 @@ def test_block_pool_basics_and_misuse() -> None:
 
 
 def test_prefill_decode_free_and_prefix_reuse() -> None:
-    cache = hybrid()
+    cache = native_hybrid()
     assert (cache.base_page_size, cache.lcm_page_size, cache.group_ids) == (4, 4, ["full", "swa"])
     hashes = hash_pages(list(range(16)), 4)
     empty = cache.match_prefix(hashes)
@@ -198,7 +196,7 @@ def test_prefill_decode_free_and_prefix_reuse() -> None:
 
 
 def test_request_ids_str_int_and_big_int_are_distinct() -> None:
-    cache = hybrid()
+    cache = native_hybrid()
     big = 10**40
     ids: tuple[object, ...] = (5, "5", big, -big, np.int64(6))
     for req in ids:
@@ -216,7 +214,7 @@ def test_request_ids_str_int_and_big_int_are_distinct() -> None:
 
 
 def test_argument_errors_change_nothing() -> None:
-    cache = hybrid(8)
+    cache = native_hybrid(8)
     assert cache.acquire("a", 8)
     before = (cache.page_ids("a"), cache.pool_stats())
     with pytest.raises(ValueError, match=r"content_hashes\[0\]"):
@@ -244,7 +242,7 @@ def test_argument_errors_change_nothing() -> None:
 
 
 def test_caching_off_matches_and_registers_nothing() -> None:
-    cache = hybrid(caching=False)
+    cache = native_hybrid(enable_caching=False)
     hashes = hash_pages(list(range(16)), 4)
     assert cache.acquire("a", 16)
     cache.register("a", hashes, end_tokens=16)
@@ -258,7 +256,7 @@ def test_caching_off_matches_and_registers_nothing() -> None:
 
 @pytest.mark.flag
 def test_block_tables_dtype_shape_holes_and_padding() -> None:
-    cache = hybrid()
+    cache = native_hybrid()
     assert cache.acquire("long", 20)
     assert cache.acquire("short", 4)
     cache.reclaim("long", 20)  # (20 - 7) // 4 = 3 slots slid out
@@ -286,7 +284,7 @@ def test_block_tables_dtype_shape_holes_and_padding() -> None:
 
 def test_threads_share_one_cache_safely() -> None:
     """Many threads drive their own requests through one cache; accounting must balance."""
-    cache = hybrid(num_pages=512)
+    cache = native_hybrid(num_pages=512)
     prompt = hash_pages(list(range(64)), 4)
 
     def worker(t: int) -> int:

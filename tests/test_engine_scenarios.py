@@ -25,21 +25,6 @@ from flat_kvcache._types import PagedCacheGroupSpec
 # Fixtures and helpers
 # ------------------------------------------------------------------------------------------------
 
-NATIVE_MISSING = (
-    "native engine not in this build yet: flat_kvcache has no FlatKVCache "
-    "(it is written in another worktree; CI runs these tests against it)"
-)
-
-
-@pytest.fixture(params=["native", "reference"])
-def impl(request: pytest.FixtureRequest) -> ModuleType:
-    """The implementation under test: the native package or the pure-Python reference."""
-    if request.param == "native":
-        if not hasattr(flat_kvcache, "FlatKVCache"):
-            pytest.skip(NATIVE_MISSING)
-        return flat_kvcache
-    return flat_kvcache.reference
-
 
 def u32(value: int) -> bytes:
     """One little-endian u32 field of the SPEC 4 hash input."""
@@ -69,14 +54,14 @@ def fake_hashes(count: int, seed: int = 0) -> list[str]:
 
 
 def make_cache(
-    impl: ModuleType, groups: list[tuple[Any, ...]], num_pages: int, caching: bool = True, order: str = ""
+    api: ModuleType, groups: list[tuple[Any, ...]], num_pages: int, caching: bool = True, order: str = ""
 ) -> Any:
     """A FlatKVCache from ``(kind, page_size[, window])`` tuples; ``order`` is an eviction order
     (empty: the default, ``"hybrid"``)."""
-    specs = [impl.KVCacheSpec(g[0], g[1], g[2] if len(g) > 2 else None) for g in groups]
+    specs = [api.KVCacheSpec(g[0], g[1], g[2] if len(g) > 2 else None) for g in groups]
     if order:
-        return impl.FlatKVCache(specs, num_pages, enable_caching=caching, eviction_order=order)
-    return impl.FlatKVCache(specs, num_pages, enable_caching=caching)
+        return api.FlatKVCache(specs, num_pages, enable_caching=caching, eviction_order=order)
+    return api.FlatKVCache(specs, num_pages, enable_caching=caching)
 
 
 def stats(cache: Any) -> dict[str, int]:
@@ -88,17 +73,17 @@ def stats(cache: Any) -> dict[str, int]:
 # ------------------------------------------------------------------------------------------------
 
 
-def test_hash_page_layout_without_extra_keys(impl: ModuleType) -> None:
+def test_hash_page_layout_without_extra_keys(api: ModuleType) -> None:
     # h_{-1} is empty: prior length 0, no prior bytes, 3 tokens, then each token; no extra keys
     # means no count field at all.
     expected = sha(u32(0), u32(3), u32(1), u32(2), u32(3))
-    assert impl.hash_page([1, 2, 3]) == expected
+    assert api.hash_page([1, 2, 3]) == expected
     # Empty extra keys are the same as none (the count is hashed only if there are keys).
-    assert impl.hash_page([1, 2, 3], "", []) == expected
+    assert api.hash_page([1, 2, 3], "", []) == expected
     assert len(expected) == 64 and expected == expected.lower()
 
 
-def test_hash_page_layout_with_prior_and_extra_keys(impl: ModuleType) -> None:
+def test_hash_page_layout_with_prior_and_extra_keys(api: ModuleType) -> None:
     prior = sha(b"anything")  # 32 raw bytes once decoded
     tokens = [0, 7, 0xFFFF_FFFF]
     # prior length 32, its raw bytes, 3 tokens, tokens, 2 keys, ("lora-a": 6 bytes), ("é": 2 bytes).
@@ -115,61 +100,61 @@ def test_hash_page_layout_with_prior_and_extra_keys(impl: ModuleType) -> None:
         u32(2),
         "é".encode(),
     )
-    assert impl.hash_page(tokens, prior, ["lora-a", "é"]) == expected
+    assert api.hash_page(tokens, prior, ["lora-a", "é"]) == expected
     # An upper-case prior decodes to the same bytes.
-    assert impl.hash_page(tokens, prior.upper(), ["lora-a", "é"]) == expected
+    assert api.hash_page(tokens, prior.upper(), ["lora-a", "é"]) == expected
     # A single empty key still adds the count field (1) and a zero-length key.
-    assert impl.hash_page([], "", [""]) == sha(u32(0), u32(0), u32(1), u32(0))
+    assert api.hash_page([], "", [""]) == sha(u32(0), u32(0), u32(1), u32(0))
 
 
-def test_hash_page_accepts_numpy_tokens(impl: ModuleType) -> None:
+def test_hash_page_accepts_numpy_tokens(api: ModuleType) -> None:
     expected = sha(u32(0), u32(2), u32(5), u32(9))
-    assert impl.hash_page(np.array([5, 9], dtype=np.int64)) == expected
-    assert impl.hash_page(np.array([5, 9], dtype=np.uint32)) == expected
+    assert api.hash_page(np.array([5, 9], dtype=np.int64)) == expected
+    assert api.hash_page(np.array([5, 9], dtype=np.uint32)) == expected
 
 
-def test_hash_pages_chain_and_drop_partial_tail(impl: ModuleType) -> None:
+def test_hash_pages_chain_and_drop_partial_tail(api: ModuleType) -> None:
     tokens = list(range(10))
     # Page size 4: pages [0..3], [4..7]; the 2-token tail [8, 9] is not a full page: dropped.
     h0 = sha(page_input([0, 1, 2, 3]))
     h1 = sha(page_input([4, 5, 6, 7], h0))
-    assert impl.hash_pages(tokens, 4) == [h0, h1]
+    assert api.hash_pages(tokens, 4) == [h0, h1]
     # With a prior and extra keys both enter every page; the chain links the hashes.
     prior = sha(b"prior")
     g0 = sha(page_input([0, 1, 2, 3], prior, ["salt"]))
     g1 = sha(page_input([4, 5, 6, 7], g0, ["salt"]))
-    assert impl.hash_pages(tokens, 4, prior=prior, extra_keys=["salt"]) == [g0, g1]
-    assert impl.hash_pages(np.arange(10), 4) == [h0, h1]
-    assert impl.hash_pages([1, 2, 3], 4) == []
+    assert api.hash_pages(tokens, 4, prior=prior, extra_keys=["salt"]) == [g0, g1]
+    assert api.hash_pages(np.arange(10), 4) == [h0, h1]
+    assert api.hash_pages([1, 2, 3], 4) == []
 
 
-def test_hashing_argument_errors(impl: ModuleType) -> None:
+def test_hashing_argument_errors(api: ModuleType) -> None:
     with pytest.raises(ValueError, match=r"tokens\[1\] = 4294967296 does not fit in u32"):
-        impl.hash_page([1, 2**32])
+        api.hash_page([1, 2**32])
     with pytest.raises(ValueError, match=r"tokens\[0\] = -1 does not fit in u32"):
-        impl.hash_page([-1])
+        api.hash_page([-1])
     with pytest.raises(ValueError, match=r"token_ids\[2\] = -5 does not fit in u32"):
-        impl.hash_pages([0, 1, -5, 3], 2)
+        api.hash_pages([0, 1, -5, 3], 2)
     with pytest.raises(ValueError, match="prior"):
-        impl.hash_page([1], "abc")  # odd length
+        api.hash_page([1], "abc")  # odd length
     with pytest.raises(ValueError, match="prior"):
-        impl.hash_page([1], "zz")  # not hex
+        api.hash_page([1], "zz")  # not hex
     with pytest.raises(TypeError):
-        impl.hash_page([1], "", "salt")  # a bare str is not a sequence of keys
+        api.hash_page([1], "", "salt")  # a bare str is not a sequence of keys
     with pytest.raises(ValueError, match="page_size"):
-        impl.hash_pages([1, 2], 0)
+        api.hash_pages([1, 2], 0)
 
 
-def test_group_key_appends_big_endian_group_index(impl: ModuleType) -> None:
+def test_group_key_appends_big_endian_group_index(api: ModuleType) -> None:
     h = sha(b"x")
-    assert impl.group_key(h, 0) == h + "00000000"
-    assert impl.group_key(h, 10) == h + "0000000a"
-    assert impl.group_key(h, 0x01020304) == h + "01020304"  # most significant digit first
-    assert impl.group_key(h, 2**32 - 1) == h + "ffffffff"
+    assert api.group_key(h, 0) == h + "00000000"
+    assert api.group_key(h, 10) == h + "0000000a"
+    assert api.group_key(h, 0x01020304) == h + "01020304"  # most significant digit first
+    assert api.group_key(h, 2**32 - 1) == h + "ffffffff"
     with pytest.raises(ValueError, match="group_index"):
-        impl.group_key(h, 2**32)
+        api.group_key(h, 2**32)
     with pytest.raises(ValueError, match="group_index"):
-        impl.group_key(h, -1)
+        api.group_key(h, -1)
 
 
 def fold_by_hand(run_hashes: list[str]) -> str:
@@ -181,25 +166,25 @@ def fold_by_hand(run_hashes: list[str]) -> str:
     return run
 
 
-def test_fold_hashes_runs_alignment_and_m1(impl: ModuleType) -> None:
+def test_fold_hashes_runs_alignment_and_m1(api: ModuleType) -> None:
     hs = fake_hashes(7)
     first = sha(u32(0), u32(0), u32(1), u32(64), hs[0].encode())  # the first step, fully by hand
     assert fold_by_hand([hs[0]]) == first
     # m == 1: the hashes themselves (a copy).
-    assert impl.fold_hashes(hs, 5, 1) == hs
+    assert api.fold_hashes(hs, 5, 1) == hs
     # m == 2 from base page 0: runs (0,1) (2,3) (4,5); base page 6 is an incomplete run: dropped.
-    assert impl.fold_hashes(hs, 0, 2) == [fold_by_hand(hs[0:2]), fold_by_hand(hs[2:4]), fold_by_hand(hs[4:6])]
+    assert api.fold_hashes(hs, 0, 2) == [fold_by_hand(hs[0:2]), fold_by_hand(hs[2:4]), fold_by_hand(hs[4:6])]
     # m == 2 from base page 1: hs[j] is base page 1 + j. Skip hs[0] (base page 1) to base page 2;
     # runs (2, 3), (4, 5), (6, 7) are hs[1:3], hs[3:5], hs[5:7].
-    assert impl.fold_hashes(hs, 1, 2) == [fold_by_hand(hs[1:3]), fold_by_hand(hs[3:5]), fold_by_hand(hs[5:7])]
+    assert api.fold_hashes(hs, 1, 2) == [fold_by_hand(hs[1:3]), fold_by_hand(hs[3:5]), fold_by_hand(hs[5:7])]
     # m == 4 from base page 3: the next multiple of 4 is 4 (hs[1]); run hs[1:5]; hs[5:7] incomplete.
-    assert impl.fold_hashes(hs, 3, 4) == [fold_by_hand(hs[1:5])]
+    assert api.fold_hashes(hs, 3, 4) == [fold_by_hand(hs[1:5])]
     # Too few hashes for one run.
-    assert impl.fold_hashes(hs[:3], 0, 4) == []
+    assert api.fold_hashes(hs[:3], 0, 4) == []
     with pytest.raises(ValueError):
-        impl.fold_hashes(hs, 0, 0)
+        api.fold_hashes(hs, 0, 0)
     with pytest.raises(ValueError):
-        impl.fold_hashes(hs, -1, 2)
+        api.fold_hashes(hs, -1, 2)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -207,22 +192,22 @@ def test_fold_hashes_runs_alignment_and_m1(impl: ModuleType) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def test_pool_initial_state_and_null_page(impl: ModuleType) -> None:
-    pool = impl.BlockPool(5)
+def test_pool_initial_state_and_null_page(api: ModuleType) -> None:
+    pool = api.BlockPool(5)
     # Page 0 is the null page: never free, never counted. Free list 1..4 in order.
     assert (pool.num_blocks, pool.num_free, pool.num_cached) == (5, 4, 0)
     assert pool.allocate(4) == [1, 2, 3, 4]
     assert [pool.ref_count(p) for p in range(5)] == [0, 1, 1, 1, 1]
     assert repr(pool) == "BlockPool(num_blocks=5, num_free=0, num_cached=0)"
-    only_null = impl.BlockPool(1)
+    only_null = api.BlockPool(1)
     assert only_null.num_free == 0
     assert only_null.allocate(1) == []
     with pytest.raises(ValueError, match="num_blocks"):
-        impl.BlockPool(0)
+        api.BlockPool(0)
 
 
-def test_pool_allocate_is_all_or_nothing(impl: ModuleType) -> None:
-    pool = impl.BlockPool(5)
+def test_pool_allocate_is_all_or_nothing(api: ModuleType) -> None:
+    pool = api.BlockPool(5)
     assert pool.allocate(5) == []  # only 4 free: nothing changes
     assert pool.num_free == 4
     assert pool.allocate(0) == []
@@ -231,8 +216,8 @@ def test_pool_allocate_is_all_or_nothing(impl: ModuleType) -> None:
     assert pool.allocate(2) == [1, 2]
 
 
-def test_pool_free_releases_in_reverse_order(impl: ModuleType) -> None:
-    pool = impl.BlockPool(5)
+def test_pool_free_releases_in_reverse_order(api: ModuleType) -> None:
+    pool = api.BlockPool(5)
     assert pool.allocate(4) == [1, 2, 3, 4]
     # free([1, 2, 3]) releases 3, then 2, then 1: each goes to the back, so the free list is
     # [3, 2, 1] (a chain's tail is evicted before its head).
@@ -240,8 +225,8 @@ def test_pool_free_releases_in_reverse_order(impl: ModuleType) -> None:
     assert pool.allocate(3) == [3, 2, 1]
 
 
-def test_pool_eviction_is_least_recently_freed_first(impl: ModuleType) -> None:
-    pool = impl.BlockPool(6)
+def test_pool_eviction_is_least_recently_freed_first(api: ModuleType) -> None:
+    pool = api.BlockPool(6)
     assert pool.allocate(5) == [1, 2, 3, 4, 5]
     pool.free([2])
     pool.free([4])
@@ -251,8 +236,8 @@ def test_pool_eviction_is_least_recently_freed_first(impl: ModuleType) -> None:
     assert pool.allocate(1) == [1]
 
 
-def test_pool_cached_page_survives_free_until_reallocated(impl: ModuleType) -> None:
-    pool = impl.BlockPool(3)
+def test_pool_cached_page_survives_free_until_reallocated(api: ModuleType) -> None:
+    pool = api.BlockPool(3)
     assert pool.allocate(1) == [1]
     pool.cache(1, "k")
     assert (pool.num_cached, pool.num_cached_pinned, pool.num_cached_free) == (1, 1, 0)
@@ -270,8 +255,8 @@ def test_pool_cached_page_survives_free_until_reallocated(impl: ModuleType) -> N
     assert pool.num_cached == 0
 
 
-def test_pool_touch_removes_from_the_middle_and_keeps_order(impl: ModuleType) -> None:
-    pool = impl.BlockPool(6)  # free list [1, 2, 3, 4, 5]
+def test_pool_touch_removes_from_the_middle_and_keeps_order(api: ModuleType) -> None:
+    pool = api.BlockPool(6)  # free list [1, 2, 3, 4, 5]
     pool.touch(3)
     assert pool.ref_count(3) == 1 and pool.num_free == 4
     assert pool.allocate(4) == [1, 2, 4, 5]
@@ -279,16 +264,16 @@ def test_pool_touch_removes_from_the_middle_and_keeps_order(impl: ModuleType) ->
     assert pool.ref_count(3) == 2
 
 
-def test_pool_null_page_is_a_no_op(impl: ModuleType) -> None:
-    pool = impl.BlockPool(3)
+def test_pool_null_page_is_a_no_op(api: ModuleType) -> None:
+    pool = api.BlockPool(3)
     pool.touch(0)
     pool.free([0, 0])
     pool.cache(0, "k")
     assert (pool.ref_count(0), pool.num_free, pool.num_cached, pool.lookup("k")) == (0, 2, 0, None)
 
 
-def test_pool_misuse_raises_and_changes_nothing(impl: ModuleType) -> None:
-    pool = impl.BlockPool(4)
+def test_pool_misuse_raises_and_changes_nothing(api: ModuleType) -> None:
+    pool = api.BlockPool(4)
     assert pool.allocate(2) == [1, 2]
     # Page 2 would go below zero (repeats in one call count): nothing is released, not even 1.
     with pytest.raises(ValueError):
@@ -319,8 +304,8 @@ def test_pool_misuse_raises_and_changes_nothing(impl: ModuleType) -> None:
     assert (pool.num_cached, pool.num_free) == (1, 1)
 
 
-def test_pool_key_with_several_pages_returns_the_earliest(impl: ModuleType) -> None:
-    pool = impl.BlockPool(4)
+def test_pool_key_with_several_pages_returns_the_earliest(api: ModuleType) -> None:
+    pool = api.BlockPool(4)
     assert pool.allocate(3) == [1, 2, 3]
     pool.cache(2, "k")
     pool.cache(1, "k")  # registered later: never de-duplicated
@@ -332,8 +317,8 @@ def test_pool_key_with_several_pages_returns_the_earliest(impl: ModuleType) -> N
     assert [pool.ref_count(p) for p in (1, 2, 3)] == [1, 1, 1]
 
 
-def test_pool_with_caching_off(impl: ModuleType) -> None:
-    pool = impl.BlockPool(3, enable_caching=False)
+def test_pool_with_caching_off(api: ModuleType) -> None:
+    pool = api.BlockPool(3, enable_caching=False)
     assert pool.allocate(1) == [1]
     pool.cache(1, "k")
     assert (pool.num_cached, pool.is_cached(1), pool.lookup("k")) == (0, False, None)
@@ -344,15 +329,15 @@ def test_pool_with_caching_off(impl: ModuleType) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def test_kv_cache_spec_validation_and_conversion(impl: ModuleType) -> None:
-    spec = impl.KVCacheSpec("sliding_window", 16, 128, "swa")
+def test_kv_cache_spec_validation_and_conversion(api: ModuleType) -> None:
+    spec = api.KVCacheSpec("sliding_window", 16, 128, "swa")
     assert (spec.kind, spec.page_size, spec.sliding_window, spec.group_id) == (
         "sliding_window",
         16,
         128,
         "swa",
     )
-    assert spec == impl.KVCacheSpec("sliding_window", 16, 128, "swa")
+    assert spec == api.KVCacheSpec("sliding_window", 16, 128, "swa")
     for bad in [
         ("nope", 16, None),
         ("full", 0, None),
@@ -360,51 +345,49 @@ def test_kv_cache_spec_validation_and_conversion(impl: ModuleType) -> None:
         ("sliding_window", 16, 0),
     ]:
         with pytest.raises(ValueError):
-            impl.KVCacheSpec(*bad)
+            api.KVCacheSpec(*bad)
     with pytest.raises(ValueError, match="sliding_window"):
-        impl.KVCacheSpec("full", 16, 8)
+        api.KVCacheSpec("full", 16, 8)
     group_specs = [
         PagedCacheGroupSpec("full_attention", "full_history", 16, 1, None),
         PagedCacheGroupSpec("sliding_attention", "sliding_window", 8, 2, 512),
         PagedCacheGroupSpec("linear_attention", "full_history", 16, 1, None, "state"),
     ]
-    got = [(s.kind, s.page_size, s.sliding_window, s.group_id) for s in impl.kv_cache_specs(group_specs)]
+    got = [(s.kind, s.page_size, s.sliding_window, s.group_id) for s in api.kv_cache_specs(group_specs)]
     assert got == [
         ("full", 16, None, "full_attention"),
         ("sliding_window", 16, 512, "sliding_attention"),  # raw = 8 * 2
         ("state", 16, None, "linear_attention"),
     ]
-    assert [s.page_size for s in impl.kv_cache_specs(group_specs, 32)] == [32, 32, 32]
+    assert [s.page_size for s in api.kv_cache_specs(group_specs, 32)] == [32, 32, 32]
 
 
-def test_cache_construction(impl: ModuleType) -> None:
-    cache = make_cache(impl, [("sliding_window", 32, 100), ("full", 16), ("state", 48)], 10)
+def test_cache_construction(api: ModuleType) -> None:
+    cache = make_cache(api, [("sliding_window", 32, 100), ("full", 16), ("state", 48)], 10)
     # gcd(32, 16, 48) = 16, lcm = 96; group ids default to g<index>.
     assert (cache.base_page_size, cache.lcm_page_size, cache.num_groups) == (16, 96, 3)
     assert list(cache.group_ids) == ["g0", "g1", "g2"]
     assert cache.num_free_pages == 9 and cache.num_requests == 0
     with pytest.raises(ValueError):
-        impl.FlatKVCache([], 10)
+        api.FlatKVCache([], 10)
     with pytest.raises(ValueError):
-        impl.FlatKVCache(
-            [impl.KVCacheSpec("full", 16, None, "a"), impl.KVCacheSpec("full", 16, None, "a")], 10
-        )
+        api.FlatKVCache([api.KVCacheSpec("full", 16, None, "a"), api.KVCacheSpec("full", 16, None, "a")], 10)
     with pytest.raises(OverflowError, match="specs"):
         # lcm of three large coprimes is about 2**180: no native integer holds it.
-        impl.FlatKVCache([impl.KVCacheSpec("full", p) for p in (2**61 - 1, 2**59 - 1, 2**60 - 1)], 10)
+        api.FlatKVCache([api.KVCacheSpec("full", p) for p in (2**61 - 1, 2**59 - 1, 2**60 - 1)], 10)
 
 
-def test_argument_edges_the_contract_leaves_open(impl: ModuleType) -> None:
+def test_argument_edges_the_contract_leaves_open(api: ModuleType) -> None:
     """Decisions both implementations share where the contract is silent (see the final report):
     a bool is never an int; counts and sizes are u64 (OverflowError past it); page ids are int32."""
-    cache = make_cache(impl, [("full", 4)], 10)
+    cache = make_cache(api, [("full", 4)], 10)
     type_errors: list[Callable[[], object]] = [
         lambda: cache.acquire(True, 4),  # a bool request id
         lambda: cache.acquire("a", True),  # a bool count
-        lambda: impl.hash_page([True]),
-        lambda: impl.BlockPool(3).touch(True),
-        lambda: impl.BlockPool(3, enable_caching=1),
-        lambda: impl.KVCacheSpec("full", True),
+        lambda: api.hash_page([True]),
+        lambda: api.BlockPool(3).touch(True),
+        lambda: api.BlockPool(3, enable_caching=1),
+        lambda: api.KVCacheSpec("full", True),
     ]
     for call in type_errors:
         with pytest.raises(TypeError):
@@ -412,19 +395,19 @@ def test_argument_edges_the_contract_leaves_open(impl: ModuleType) -> None:
     overflow_errors: list[Callable[[], object]] = [
         lambda: cache.acquire("a", 2**64),
         lambda: cache.pages_needed(2**64),
-        lambda: impl.BlockPool(3).allocate(2**64),
-        lambda: impl.hash_pages([1, 2], 2**64),
-        lambda: impl.FlatKVCache([impl.KVCacheSpec("full", 2**64)], 4),
-        lambda: impl.FlatKVCache([impl.KVCacheSpec("sliding_window", 4, 2**64)], 4),
+        lambda: api.BlockPool(3).allocate(2**64),
+        lambda: api.hash_pages([1, 2], 2**64),
+        lambda: api.FlatKVCache([api.KVCacheSpec("full", 2**64)], 4),
+        lambda: api.FlatKVCache([api.KVCacheSpec("sliding_window", 4, 2**64)], 4),
     ]
     for call in overflow_errors:
         with pytest.raises(OverflowError):
             call()
     assert cache.pages_needed(2**64 - 1) == 2**62  # ceil((2**64 - 1) / 4) still fits
     with pytest.raises(ValueError, match="int32"):
-        impl.BlockPool(2**31)
+        api.BlockPool(2**31)
     with pytest.raises(ValueError, match="int32"):
-        impl.FlatKVCache([impl.KVCacheSpec("full", 4)], 2**31)
+        api.FlatKVCache([api.KVCacheSpec("full", 4)], 2**31)
     assert cache.num_requests == 0
 
 
@@ -433,8 +416,8 @@ def test_argument_edges_the_contract_leaves_open(impl: ModuleType) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def test_acquire_uses_tail_then_whole_pages(impl: ModuleType) -> None:
-    cache = make_cache(impl, [("full", 16)], 20)
+def test_acquire_uses_tail_then_whole_pages(api: ModuleType) -> None:
+    cache = make_cache(api, [("full", 16)], 20)
     assert cache.acquire("r", 0) and cache.page_ids("r") == [[]]  # n <= 0: nothing to do
     assert cache.pages_needed(20, "r") == 2  # ceil(20 / 16)
     assert cache.acquire("r", 20)
@@ -453,8 +436,8 @@ def test_acquire_uses_tail_then_whole_pages(impl: ModuleType) -> None:
     cache.check_invariants()
 
 
-def test_acquire_is_all_or_nothing_across_groups(impl: ModuleType) -> None:
-    cache = make_cache(impl, [("full", 16), ("sliding_window", 32, 64)], 5)  # 4 free pages
+def test_acquire_is_all_or_nothing_across_groups(api: ModuleType) -> None:
+    cache = make_cache(api, [("full", 16), ("sliding_window", 32, 64)], 5)  # 4 free pages
     # 64 tokens: full ceil(64/16) = 4 + sliding ceil(64/32) = 2 = 6 > 4 free: nothing anywhere.
     assert cache.pages_needed(64) == 6
     assert not cache.acquire("r", 64)
@@ -475,8 +458,8 @@ def register_slots(cache: Any, req: str, hashes: list[str], slots: list[int]) ->
         cache.register(req, [hashes[slot]], first_slot=slot)
 
 
-def test_register_skips_holes_hashed_pages_and_partial_tail(impl: ModuleType) -> None:
-    cache = make_cache(impl, [("full", 4)], 20)
+def test_register_skips_holes_hashed_pages_and_partial_tail(api: ModuleType) -> None:
+    cache = make_cache(api, [("full", 4)], 20)
     hs = fake_hashes(4)
     assert cache.acquire("r", 14)  # 4 pages, tail 2: slot 3 is partial
     cache.register("r", hs[:4])
@@ -495,8 +478,8 @@ def test_register_skips_holes_hashed_pages_and_partial_tail(impl: ModuleType) ->
     cache.check_invariants()
 
 
-def test_register_range_is_checked_in_every_group_before_any_registration(impl: ModuleType) -> None:
-    cache = make_cache(impl, [("full", 16), ("full", 32)], 20)
+def test_register_range_is_checked_in_every_group_before_any_registration(api: ModuleType) -> None:
+    cache = make_cache(api, [("full", 16), ("full", 32)], 20)
     hs = fake_hashes(4)
     assert cache.acquire("r", 48)  # g0: 3 pages; g1: 2 pages (slot 1 partial, tail 16)
     # 4 base hashes from slot 0: g1 folds them into 2 keys (slots 0, 1): fits its 2 pages; g0 needs
@@ -507,8 +490,8 @@ def test_register_range_is_checked_in_every_group_before_any_registration(impl: 
     cache.check_invariants()
 
 
-def test_full_attention_match_stops_at_first_miss(impl: ModuleType) -> None:
-    cache = make_cache(impl, [("full", 4)], 20)
+def test_full_attention_match_stops_at_first_miss(api: ModuleType) -> None:
+    cache = make_cache(api, [("full", 4)], 20)
     hs = fake_hashes(5)
     assert cache.acquire("a", 20)  # pages 1..5
     register_slots(cache, "a", hs, [0, 1, 3, 4])  # slot 2 never registered
@@ -519,9 +502,9 @@ def test_full_attention_match_stops_at_first_miss(impl: ModuleType) -> None:
     assert cache.match_prefix([]).pages == [[]]
 
 
-def test_sliding_match_leaves_holes_left_of_the_run(impl: ModuleType) -> None:
+def test_sliding_match_leaves_holes_left_of_the_run(api: ModuleType) -> None:
     # P = 4, W = 9: needed = ceil(8 / 4) = 2 cached pages behind a resumable boundary.
-    cache = make_cache(impl, [("sliding_window", 4, 9)], 20)
+    cache = make_cache(api, [("sliding_window", 4, 9)], 20)
     hs = fake_hashes(6)
     assert cache.acquire("a", 24)  # pages 1..6
     cache.register("a", hs)
@@ -534,9 +517,9 @@ def test_sliding_match_leaves_holes_left_of_the_run(impl: ModuleType) -> None:
     assert stats(cache) == before  # read-only
 
 
-def test_sliding_match_miss_moves_the_boundary(impl: ModuleType) -> None:
+def test_sliding_match_miss_moves_the_boundary(api: ModuleType) -> None:
     # P = 4, W = 5: needed = 1.
-    cache = make_cache(impl, [("sliding_window", 4, 5)], 20)
+    cache = make_cache(api, [("sliding_window", 4, 5)], 20)
     hs = fake_hashes(4)
     assert cache.acquire("a", 16)  # pages 1..4
     register_slots(cache, "a", hs, [0, 1, 2])
@@ -546,9 +529,9 @@ def test_sliding_match_miss_moves_the_boundary(impl: ModuleType) -> None:
     assert (match.num_common_tokens, match.pages, match.num_hit_pages) == (12, [[0, 0, 3]], [1])
 
 
-def test_sliding_match_run_reaching_the_begin_bound_is_accepted(impl: ModuleType) -> None:
+def test_sliding_match_run_reaching_the_begin_bound_is_accepted(api: ModuleType) -> None:
     # P = 4, W = 13: needed = ceil(12 / 4) = 3.
-    cache = make_cache(impl, [("sliding_window", 4, 13)], 20)
+    cache = make_cache(api, [("sliding_window", 4, 13)], 20)
     hs = fake_hashes(4)
     assert cache.acquire("a", 16)  # pages 1..4
     register_slots(cache, "a", hs, [0, 1, 3])
@@ -560,16 +543,16 @@ def test_sliding_match_run_reaching_the_begin_bound_is_accepted(impl: ModuleType
     # Two hashes only: run of 2 from the end bound reaches slot 0: accepted.
     assert cache.match_prefix(hs[:2]).pages == [[1, 2]]
     # Slot 0 misses while everything right of it hits: the boundary falls to 0.
-    cache2 = make_cache(impl, [("sliding_window", 4, 13)], 20)
+    cache2 = make_cache(api, [("sliding_window", 4, 13)], 20)
     assert cache2.acquire("a", 12)
     register_slots(cache2, "a", hs, [1, 2])
     cache2.free("a")
     assert cache2.match_prefix(hs[:3]).num_common_tokens == 0
 
 
-def test_sliding_match_window_one_needs_no_pages(impl: ModuleType) -> None:
+def test_sliding_match_window_one_needs_no_pages(api: ModuleType) -> None:
     # W = 1: needed = ceil(0 / 4) = 0: every boundary is resumable, every slot is a hole.
-    cache = make_cache(impl, [("sliding_window", 4, 1)], 10)
+    cache = make_cache(api, [("sliding_window", 4, 1)], 10)
     match = cache.match_prefix(fake_hashes(6))
     assert (match.num_common_tokens, match.pages, match.num_hit_pages) == (24, [[0] * 6], [0])
     assert cache.pages_consumed_by_claim(match) == 0
@@ -580,9 +563,9 @@ def test_sliding_match_window_one_needs_no_pages(impl: ModuleType) -> None:
     cache.check_invariants()
 
 
-def test_reclaim_frees_slid_out_pages_lowest_slot_first(impl: ModuleType) -> None:
+def test_reclaim_frees_slid_out_pages_lowest_slot_first(api: ModuleType) -> None:
     # P = 4, W = 6. Pool of exactly 6 pages (5 usable) so the free list is empty before reclaim.
-    cache = make_cache(impl, [("sliding_window", 4, 6)], 6)
+    cache = make_cache(api, [("sliding_window", 4, 6)], 6)
     assert cache.acquire("r", 20)  # pages 1..5, free list empty
     # n - W + 1 = 5 - 6 + 1 = 0 <= 0: nothing has slid out.
     assert cache.pages_reclaimable("r", 5) == 0
@@ -601,17 +584,17 @@ def test_reclaim_frees_slid_out_pages_lowest_slot_first(impl: ModuleType) -> Non
     cache.check_invariants()
 
 
-def test_reclaim_frees_every_slid_out_page_past_a_hole_in_the_middle(impl: ModuleType) -> None:
+def test_reclaim_frees_every_slid_out_page_past_a_hole_in_the_middle(api: ModuleType) -> None:
     """SPEC 12.2: a hole in the middle (e.g. left by a host-tier extension) must not stop reclaim."""
     # P = 4, W = 5: reclaim k = (n - 4) // 4.
-    cache = make_cache(impl, [("sliding_window", 4, 5)], 10)
+    cache = make_cache(api, [("sliding_window", 4, 5)], 10)
     hs = fake_hashes(4)
     assert cache.acquire("a", 16)  # pages 1..4
     cache.register("a", hs)
     cache.free("a")  # all four stay cached; free list [5..9, 4, 3, 2, 1]
     # A table [1, hole, 3, 4]: the hole is in the middle. Build it as a match (all real pages
     # hold keys, so it is not stale).
-    match = impl.PrefixMatch(16, [[1, 0, 3, 4]], [3])
+    match = api.PrefixMatch(16, [[1, 0, 3, 4]], [3])
     cache.claim("b", match)
     assert cache.page_ids("b") == [[1, 0, 3, 4]] and cache.num_free_pages == 6
     # n = 20: k = (20 - 5 + 1) // 4 = 4: slots 0..3 slid out. The reference design scanned down
@@ -622,8 +605,8 @@ def test_reclaim_frees_every_slid_out_page_past_a_hole_in_the_middle(impl: Modul
     cache.check_invariants()
 
 
-def test_pages_reclaimable_counts_only_last_references(impl: ModuleType) -> None:
-    cache = make_cache(impl, [("sliding_window", 4, 5)], 20)
+def test_pages_reclaimable_counts_only_last_references(api: ModuleType) -> None:
+    cache = make_cache(api, [("sliding_window", 4, 5)], 20)
     hs = fake_hashes(4)
     assert cache.acquire("a", 16)  # pages 1..4, all registered
     cache.register("a", hs)
@@ -644,9 +627,9 @@ def test_pages_reclaimable_counts_only_last_references(impl: ModuleType) -> None
     cache.check_invariants()
 
 
-def test_state_group_registers_only_boundary_snapshots(impl: ModuleType) -> None:
+def test_state_group_registers_only_boundary_snapshots(api: ModuleType) -> None:
     # Full P = 16 next to state P = 32: base 16, the state group folds m = 2 base pages per page.
-    cache = make_cache(impl, [("full", 16), ("state", 32)], 30)
+    cache = make_cache(api, [("full", 16), ("state", 32)], 30)
     hs = fake_hashes(6)
     assert cache.acquire("r", 96)  # full pages 1..6, state pages 7..9
     # Ends at 48 tokens: 48 % 32 != 0: the state page holding token 47 was never snapshotted there.
@@ -679,8 +662,8 @@ def test_state_group_registers_only_boundary_snapshots(impl: ModuleType) -> None
     assert (match.num_common_tokens, match.pages) == (64, [[1, 2, 3, 4], [0, 8]])
 
 
-def test_state_reclaim_keeps_the_page_of_the_last_token(impl: ModuleType) -> None:
-    cache = make_cache(impl, [("state", 4)], 10)
+def test_state_reclaim_keeps_the_page_of_the_last_token(api: ModuleType) -> None:
+    cache = make_cache(api, [("state", 4)], 10)
     assert cache.acquire("r", 12)  # pages 1, 2, 3
     # W = 2: k = (n - 1) // 4. n = 8: k = 1 (token 7 is in slot 1, kept).
     cache.reclaim("r", 8)
@@ -696,8 +679,8 @@ def test_state_reclaim_keeps_the_page_of_the_last_token(impl: ModuleType) -> Non
 # ------------------------------------------------------------------------------------------------
 
 
-def test_register_folds_keys_from_an_unaligned_first_slot(impl: ModuleType) -> None:
-    cache = make_cache(impl, [("full", 16), ("full", 32)], 30)
+def test_register_folds_keys_from_an_unaligned_first_slot(api: ModuleType) -> None:
+    cache = make_cache(api, [("full", 16), ("full", 32)], 30)
     hs = fake_hashes(6)
     assert cache.acquire("r", 96)  # g0 pages 1..6, g1 pages 7..9
     # Hashes of base pages 1..4. g0 (m = 1): slots 1..4. g1 (m = 2): the fold starts at base page
@@ -715,9 +698,9 @@ def test_register_folds_keys_from_an_unaligned_first_slot(impl: ModuleType) -> N
     assert (match.num_common_tokens, match.pages) == (64, [[1, 2, 3, 4], [7, 8]])
 
 
-def test_match_sweep_with_mixed_page_sizes(impl: ModuleType) -> None:
+def test_match_sweep_with_mixed_page_sizes(api: ModuleType) -> None:
     # g0 sliding P = 32, W = 33 (needed = ceil(32/32) = 1); g1 full P = 16. base 16, lcm 32.
-    cache = make_cache(impl, [("sliding_window", 32, 33), ("full", 16)], 40)
+    cache = make_cache(api, [("sliding_window", 32, 33), ("full", 16)], 40)
     hs = fake_hashes(8)
     assert cache.acquire("a", 128)  # g0 pages 1..4, g1 pages 5..12
     cache.register("a", hs[:5])  # g1 slots 0..4; g0 slots 0, 1 (base pages 0..3); base page 4 alone: no key
@@ -731,10 +714,10 @@ def test_match_sweep_with_mixed_page_sizes(impl: ModuleType) -> None:
     assert match.num_hit_pages == [1, 4]
 
 
-def test_match_converge_rematches_a_sliding_group_above_the_bound(impl: ModuleType) -> None:
+def test_match_converge_rematches_a_sliding_group_above_the_bound(api: ModuleType) -> None:
     # g0 sliding P = 16, W = 17 (needed 1); g1 state P = 32 (W = 2, needed 1). base 16, lcm 32.
     # 13 pages: a request of 128 tokens takes all 12 usable ones (g0: 8, g1: 4).
-    cache = make_cache(impl, [("sliding_window", 16, 17), ("state", 32)], 13, order="group")
+    cache = make_cache(api, [("sliding_window", 16, 17), ("state", 32)], 13, order="group")
     hs = fake_hashes(8)
     assert cache.acquire("a", 128)
     assert cache.page_ids("a") == [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12]]
@@ -765,8 +748,8 @@ def test_match_converge_rematches_a_sliding_group_above_the_bound(impl: ModuleTy
     cache.check_invariants()
 
 
-def test_match_is_read_only(impl: ModuleType) -> None:
-    cache = make_cache(impl, [("full", 4), ("sliding_window", 4, 5)], 12, order="group")
+def test_match_is_read_only(api: ModuleType) -> None:
+    cache = make_cache(api, [("full", 4), ("sliding_window", 4, 5)], 12, order="group")
     hs = fake_hashes(3)
     assert cache.acquire("a", 12)
     cache.register("a", hs)
@@ -779,8 +762,8 @@ def test_match_is_read_only(impl: ModuleType) -> None:
     assert cache.acquire("z", 20) and cache.page_ids("z") == [[7, 8, 9, 10, 11], [3, 2, 1, 6, 5]]
 
 
-def test_claim_errors_change_nothing(impl: ModuleType) -> None:
-    cache = make_cache(impl, [("full", 4)], 6)
+def test_claim_errors_change_nothing(api: ModuleType) -> None:
+    cache = make_cache(api, [("full", 4)], 6)
     hs = fake_hashes(2)
     assert cache.acquire("a", 8)  # pages 1, 2
     cache.register("a", hs)
@@ -788,7 +771,7 @@ def test_claim_errors_change_nothing(impl: ModuleType) -> None:
     match = cache.match_prefix(hs)
     assert match.pages == [[1, 2]]
     # Wrong number of groups: a match from a two-group cache.
-    other = make_cache(impl, [("full", 4), ("full", 4)], 6).match_prefix(hs)
+    other = make_cache(api, [("full", 4), ("full", 4)], 6).match_prefix(hs)
     with pytest.raises(ValueError):
         cache.claim("b", other)
     assert not cache.has_request("b") and cache.num_free_pages == 5
@@ -805,11 +788,11 @@ def test_claim_errors_change_nothing(impl: ModuleType) -> None:
     cache.check_invariants()
 
 
-def test_claim_refuses_a_page_recached_for_another_group(impl: ModuleType) -> None:
+def test_claim_refuses_a_page_recached_for_another_group(api: ModuleType) -> None:
     """A stale match whose page was evicted and re-cached under another key (here another
     group's) must be refused: claiming it would put one page in two groups' tables."""
     # g0 full P = 4, g1 full P = 8: base 4, lcm 8. Pages 1..3 only.
-    cache = make_cache(impl, [("full", 4), ("full", 8)], 4, order="group")
+    cache = make_cache(api, [("full", 4), ("full", 8)], 4, order="group")
     hs, other = fake_hashes(2), fake_hashes(2, seed=1)
     assert cache.acquire("a", 8)  # g0 [1, 2], g1 [3]
     cache.register("a", hs)  # keys: page 1, 2 (g0 slots 0, 1), page 3 (g1 slot 0)
@@ -827,8 +810,8 @@ def test_claim_refuses_a_page_recached_for_another_group(impl: ModuleType) -> No
     cache.check_invariants()
 
 
-def test_content_hashes_are_lowercase_hex(impl: ModuleType) -> None:
-    cache = make_cache(impl, [("full", 4)], 4)
+def test_content_hashes_are_lowercase_hex(api: ModuleType) -> None:
+    cache = make_cache(api, [("full", 4)], 4)
     good = fake_hashes(1)[0]
     assert cache.match_prefix([good]).num_common_tokens == 0
     for bad in (good.upper(), good[:-1], good + "0", "g" * 64):
@@ -836,8 +819,8 @@ def test_content_hashes_are_lowercase_hex(impl: ModuleType) -> None:
             cache.match_prefix([bad])
 
 
-def test_unknown_requests_raise_key_error(impl: ModuleType) -> None:
-    cache = make_cache(impl, [("full", 4), ("state", 4)], 10)
+def test_unknown_requests_raise_key_error(api: ModuleType) -> None:
+    cache = make_cache(api, [("full", 4), ("state", 4)], 10)
     hs = fake_hashes(1)
     calls: list[Callable[[], object]] = [
         lambda: cache.register("x", hs),
@@ -874,8 +857,8 @@ def test_unknown_requests_raise_key_error(impl: ModuleType) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def test_prefill_first_chunk_keeps_the_claim_on_failure(impl: ModuleType) -> None:
-    cache = make_cache(impl, [("full", 4)], 5)
+def test_prefill_first_chunk_keeps_the_claim_on_failure(api: ModuleType) -> None:
+    cache = make_cache(api, [("full", 4)], 5)
     hs = fake_hashes(2)
     assert cache.acquire("a", 8)
     cache.register("a", hs)
@@ -889,9 +872,9 @@ def test_prefill_first_chunk_keeps_the_claim_on_failure(impl: ModuleType) -> Non
     cache.check_invariants()
 
 
-def test_prefill_chunk_registers_before_reclaiming(impl: ModuleType) -> None:
+def test_prefill_chunk_registers_before_reclaiming(api: ModuleType) -> None:
     # P = 4, W = 5: reclaim k = (n - 4) // 4. Pool of 4 pages (3 usable).
-    cache = make_cache(impl, [("sliding_window", 4, 5)], 4)
+    cache = make_cache(api, [("sliding_window", 4, 5)], 4)
     hs = fake_hashes(4)
     assert cache.prefill_first_chunk("r", cache.match_prefix([]), 8)  # pages 1, 2
     # Chunk 2 (8 tokens) at computed = 8: register slots 0, 1; THEN reclaim slot 0
@@ -911,8 +894,8 @@ def test_prefill_chunk_registers_before_reclaiming(impl: ModuleType) -> None:
     cache.check_invariants()
 
 
-def test_prefill_chunk_keeps_the_hash_of_a_page_that_slides_out(impl: ModuleType) -> None:
-    cache = make_cache(impl, [("sliding_window", 4, 5)], 10)
+def test_prefill_chunk_keeps_the_hash_of_a_page_that_slides_out(api: ModuleType) -> None:
+    cache = make_cache(api, [("sliding_window", 4, 5)], 10)
     hs = fake_hashes(4)
     assert cache.prefill_first_chunk("r", cache.match_prefix([]), 8)  # pages 1, 2
     assert cache.prefill_chunk("r", hs, 8, 8)  # registers 1, 2; reclaims 1; acquires 3, 4
@@ -925,9 +908,9 @@ def test_prefill_chunk_keeps_the_hash_of_a_page_that_slides_out(impl: ModuleType
     assert cache.match_prefix(hs).num_common_tokens == 8
 
 
-def test_caching_disabled_registers_nothing(impl: ModuleType) -> None:
+def test_caching_disabled_registers_nothing(api: ModuleType) -> None:
     """SPEC 12.4: with prefix caching off nothing is registered and nothing ever matches."""
-    cache = make_cache(impl, [("full", 4), ("sliding_window", 4, 5), ("state", 8)], 30, caching=False)
+    cache = make_cache(api, [("full", 4), ("sliding_window", 4, 5), ("state", 8)], 30, caching=False)
     hs = fake_hashes(6)
     assert cache.prefill_first_chunk("r", cache.match_prefix(hs), 8)
     assert cache.prefill_chunk("r", hs, 8, 8)
@@ -940,9 +923,9 @@ def test_caching_disabled_registers_nothing(impl: ModuleType) -> None:
     cache.check_invariants()
 
 
-def test_chunked_prefill_registers_each_page_once(impl: ModuleType) -> None:
+def test_chunked_prefill_registers_each_page_once(api: ModuleType) -> None:
     """SPEC 12.4: hash each page once; re-registration of a chunk's pages is a no-op."""
-    cache = make_cache(impl, [("full", 4)], 30)
+    cache = make_cache(api, [("full", 4)], 30)
     hs = fake_hashes(6)
     assert cache.prefill_first_chunk("r", cache.match_prefix([]), 8)
     for computed in (8, 16, 24):
@@ -952,8 +935,8 @@ def test_chunked_prefill_registers_each_page_once(impl: ModuleType) -> None:
     cache.check_invariants()
 
 
-def test_decode_step_cuts_hashes_at_computed_tokens(impl: ModuleType) -> None:
-    cache = make_cache(impl, [("full", 4), ("state", 8)], 30)
+def test_decode_step_cuts_hashes_at_computed_tokens(api: ModuleType) -> None:
+    cache = make_cache(api, [("full", 4), ("state", 8)], 30)
     hs = fake_hashes(6)
     assert cache.prefill_first_chunk("r", cache.match_prefix([]), 15)  # full 1..4, state 5, 6
     # computed 15: hashes of base pages 2.. cut so that 2 + len <= 15 // 4 = 3: one hash (page 2).
@@ -970,8 +953,8 @@ def test_decode_step_cuts_hashes_at_computed_tokens(impl: ModuleType) -> None:
     cache.check_invariants()
 
 
-def test_free_in_group_order_releases_each_group_tail_first(impl: ModuleType) -> None:
-    cache = make_cache(impl, [("full", 4), ("full", 8)], 7, order="group")
+def test_free_in_group_order_releases_each_group_tail_first(api: ModuleType) -> None:
+    cache = make_cache(api, [("full", 4), ("full", 8)], 7, order="group")
     assert cache.acquire("r", 16)  # g0 [1, 2, 3, 4], g1 [5, 6]: free list empty
     cache.free("r")
     # g0 released 4, 3, 2, 1, then g1 6, 5: free list [4, 3, 2, 1, 6, 5].
@@ -980,9 +963,9 @@ def test_free_in_group_order_releases_each_group_tail_first(impl: ModuleType) ->
     cache.check_invariants()
 
 
-def test_free_in_hybrid_order_evicts_every_group_tail_first_together(impl: ModuleType) -> None:
+def test_free_in_hybrid_order_evicts_every_group_tail_first_together(api: ModuleType) -> None:
     """SPEC 12.3, the default order: a request's groups are evicted together, tail first."""
-    cache = make_cache(impl, [("full", 4), ("full", 8)], 7)
+    cache = make_cache(api, [("full", 4), ("full", 8)], 7)
     assert cache.acquire("r", 16)  # g0 [1, 2, 3, 4] (slot ends 4, 8, 12, 16), g1 [5, 6] (8, 16)
     cache.free("r")
     # By slot end token, descending; ties: lower group first. 16: page 4 (g0), page 6 (g1);
@@ -997,12 +980,12 @@ def test_free_in_hybrid_order_evicts_every_group_tail_first_together(impl: Modul
     assert cache.acquire("z", 4)  # g0 takes page 2, g1 takes page 1: the 16-token boundary goes
     assert cache.match_prefix(hs).num_common_tokens == 8  # the 8-token prefix survives whole
     with pytest.raises(ValueError, match="eviction_order"):
-        make_cache(impl, [("full", 4)], 4, order="lru")
+        make_cache(api, [("full", 4)], 4, order="lru")
 
 
-def test_no_group_stands_for_the_request(impl: ModuleType) -> None:
+def test_no_group_stands_for_the_request(api: ModuleType) -> None:
     """SPEC 12.5: group 0 is the sliding group here (alternating models); the request is all groups."""
-    cache = make_cache(impl, [("sliding_window", 16, 17), ("full", 16)], 40)
+    cache = make_cache(api, [("sliding_window", 16, 17), ("full", 16)], 40)
     hs = fake_hashes(4)
     assert cache.pages_needed(40) == 3 + 3
     assert cache.acquire("a", 64)  # g0 pages 1..4, g1 pages 5..8
@@ -1023,11 +1006,11 @@ def test_no_group_stands_for_the_request(impl: ModuleType) -> None:
     cache.check_invariants()
 
 
-def test_block_tables_pad_holes_and_dtype(impl: ModuleType) -> None:
+def test_block_tables_pad_holes_and_dtype(api: ModuleType) -> None:
     if not flat_kvcache.FLAT_KVCACHE:
         pytest.skip("the `flat` feature is off in this build (see test_block_tables_follow_the_build_flag)")
-    cache = impl.FlatKVCache(
-        [impl.KVCacheSpec("sliding_window", 4, 5, "swa"), impl.KVCacheSpec("full", 8, None, "full")], 20
+    cache = api.FlatKVCache(
+        [api.KVCacheSpec("sliding_window", 4, 5, "swa"), api.KVCacheSpec("full", 8, None, "full")], 20
     )
     assert cache.acquire("a", 16)  # swa [1, 2, 3, 4], full [5, 6]
     assert cache.acquire("b", 4)  # swa [7], full [8] (tail 4)
@@ -1045,8 +1028,8 @@ def test_block_tables_pad_holes_and_dtype(impl: ModuleType) -> None:
 
 
 @pytest.mark.flag
-def test_block_tables_follow_the_build_flag(impl: ModuleType) -> None:
-    cache = make_cache(impl, [("full", 4)], 4)
+def test_block_tables_follow_the_build_flag(api: ModuleType) -> None:
+    cache = make_cache(api, [("full", 4)], 4)
     assert cache.acquire("a", 4)
     if flat_kvcache.FLAT_KVCACHE:
         assert cache.block_tables(["a"])["g0"].tolist() == [[1]]

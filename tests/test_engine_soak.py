@@ -18,11 +18,6 @@ from typing import Any
 import flat_kvcache
 import pytest
 
-NATIVE_MISSING = (
-    "native engine not in this build yet: flat_kvcache has no FlatKVCache "
-    "(it is written in another worktree; CI runs this test against it)"
-)
-
 #: Hybrid models: (kind, page size, window) per group, and a pool somewhat smaller than twelve
 #: running requests need, so that admissions are refused and steps preempted now and then.
 MODELS: dict[str, tuple[list[tuple[str, int, int | None]], int]] = {
@@ -169,7 +164,6 @@ def run_soak(
     return counters
 
 
-@pytest.mark.skipif(not hasattr(flat_kvcache, "FlatKVCache"), reason=NATIVE_MISSING)
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_native_soak_returns_every_page(model: str) -> None:
     groups, num_pages = MODELS[model]
@@ -182,7 +176,6 @@ def test_native_soak_returns_every_page(model: str) -> None:
     assert counters["refused"] + counters["preempted"] > 0
 
 
-@pytest.mark.skipif(not hasattr(flat_kvcache, "FlatKVCache"), reason=NATIVE_MISSING)
 def test_native_soak_without_caching() -> None:
     groups, num_pages = MODELS["mixed-pages"]
     counters = run_soak(flat_kvcache, groups, num_requests=2000, num_pages=num_pages, seed=7, caching=False)

@@ -25,19 +25,13 @@ from typing import Any
 
 import flat_kvcache
 import flat_kvcache.reference
-import numpy as np
-import pytest
+from helpers import normalize
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 REFERENCE: ModuleType = flat_kvcache.reference
 NATIVE: ModuleType = flat_kvcache
-HAS_NATIVE_ENGINE = hasattr(flat_kvcache, "FlatKVCache")
-NATIVE_MISSING = (
-    "native engine not in this build yet: flat_kvcache has no FlatKVCache "
-    "(it is written in another worktree; CI runs these tests against it)"
-)
 
 #: Examples per machine: 500 under the CI profile (a few minutes on 2 cores), fewer locally.
 IN_CI = os.environ.get("HYPOTHESIS_PROFILE") == "ci"
@@ -58,24 +52,6 @@ def machine_settings(max_examples: int, steps: int) -> settings:
 # ------------------------------------------------------------------------------------------------
 # Comparing two implementations
 # ------------------------------------------------------------------------------------------------
-
-
-def normalize(value: Any) -> Any:
-    """Plain, comparable data from an engine result (PrefixMatch, arrays, dicts, lists)."""
-    if hasattr(value, "num_common_tokens"):
-        return (
-            "PrefixMatch",
-            int(value.num_common_tokens),
-            [list(map(int, pages)) for pages in value.pages],
-            list(map(int, value.num_hit_pages)),
-        )
-    if isinstance(value, np.ndarray):
-        return ("ndarray", str(value.dtype), value.shape, value.tolist())
-    if isinstance(value, dict):
-        return {key: normalize(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [normalize(item) for item in value]
-    return value
 
 
 @dataclass
@@ -607,8 +583,6 @@ def pool_machine(subject: ModuleType, reference: ModuleType) -> type[PoolMachine
 # The test cases
 # ------------------------------------------------------------------------------------------------
 
-needs_native = pytest.mark.skipif(not HAS_NATIVE_ENGINE, reason=NATIVE_MISSING)
-
 # Hashing is stateless; the machines take their hashes from the reference, so check the native
 # hash functions against it directly on random inputs.
 
@@ -617,7 +591,6 @@ keys = st.lists(st.text(st.characters(exclude_categories=["Cs"]), max_size=6), m
 u32s = st.integers(0, 2**32 - 1)
 
 
-@needs_native
 @settings(max_examples=NATIVE_EXAMPLES, deadline=None)
 @given(tokens=st.lists(u32s, max_size=40), page_size=st.integers(1, 8), prior=priors, extra=keys)
 def test_hashing_native_matches_reference(
@@ -628,7 +601,6 @@ def test_hashing_native_matches_reference(
     assert native == REFERENCE.hash_pages(tokens, page_size, prior=prior, extra_keys=extra)
 
 
-@needs_native
 @settings(max_examples=NATIVE_EXAMPLES, deadline=None)
 @given(count=st.integers(0, 12), first_base=st.integers(0, 9), m=st.integers(1, 5), group=u32s)
 def test_folding_native_matches_reference(count: int, first_base: int, m: int, group: int) -> None:
@@ -639,10 +611,10 @@ def test_folding_native_matches_reference(count: int, first_base: int, m: int, g
         assert NATIVE.group_key(h, group) == REFERENCE.group_key(h, group)
 
 
-TestEngineNativeVsReference = needs_native(engine_machine(flat_kvcache, REFERENCE).TestCase)
+TestEngineNativeVsReference = engine_machine(flat_kvcache, REFERENCE).TestCase
 TestEngineNativeVsReference.settings = machine_settings(NATIVE_EXAMPLES, steps=50)
 
-TestPoolNativeVsReference = needs_native(pool_machine(flat_kvcache, REFERENCE).TestCase)
+TestPoolNativeVsReference = pool_machine(flat_kvcache, REFERENCE).TestCase
 TestPoolNativeVsReference.settings = machine_settings(NATIVE_EXAMPLES, steps=50)
 
 TestEngineReferenceSanity = engine_machine(REFERENCE, REFERENCE).TestCase

@@ -1,4 +1,4 @@
-"""KV events on the wire (issue 5): the MessagePack writer, vLLM's batch layout, ZMQ publishing.
+"""KV events on the wire: the MessagePack writer, vLLM's batch layout, ZMQ publishing.
 
 The writer is checked byte for byte against the ``msgpack`` package, and the batch layout
 against msgspec encoding structs declared the way vLLM declares its event classes, so the
@@ -12,9 +12,7 @@ one a test skips, except in CI (``CI`` set), where it fails: CI must run them.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
-import os
 import sys
 from types import ModuleType
 from typing import Any, Literal
@@ -29,23 +27,13 @@ from flat_kvcache.events import (
     encode_event_batch,
     packb,
 )
+from helpers import need
 from hypothesis import given
 from hypothesis import strategies as st
 
 #: Bounded waits for the loopback tests (seconds / milliseconds).
 WAIT_S = 10.0
 WAIT_MS = 10_000
-
-
-def need(name: str) -> ModuleType:
-    """Import test dependency ``name``; skip without it, but fail in CI, which must run these tests."""
-    try:
-        return importlib.import_module(name)
-    except ImportError as exc:
-        message = f"{name} is not installed (pip install -r requirements/test.txt): {exc}"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
 
 
 H0, H1, H2 = (bytes([i]) * 31 + bytes([0x80 + i]) for i in range(3))
@@ -438,6 +426,151 @@ def test_publisher_errors_and_lifecycle() -> None:
         publisher.wait_for_subscriber(0)
 
 
+# --- replay ------------------------------------------------------------------------------------
+
+#: vLLM's end-of-replay marker, written out here rather than taken from the module under test.
+END_SEQ = b"\xff" * 8
+
+
+def replay_from(dealer: Any, start: int) -> list[tuple[int, bytes]]:
+    """Ask for the batches from ``start`` on a DEALER socket; (seq, payload) until the end
+    marker, each reply waited for at most WAIT_MS."""
+    zmq = need("zmq")
+    dealer.send_multipart([b"", start.to_bytes(8, "big")])  # the delimiter a REQ socket would add
+    got: list[tuple[int, bytes]] = []
+    while True:
+        assert dealer.poll(WAIT_MS, zmq.POLLIN), "no replay reply within the wait"
+        delimiter, seq_bytes, payload = dealer.recv_multipart()
+        assert delimiter == b""
+        if seq_bytes == END_SEQ:
+            assert payload == b""
+            return got
+        got.append((int.from_bytes(seq_bytes, "big"), payload))
+
+
+def ask_once(context: Any, endpoint: str, start: int) -> tuple[bytes, bytes]:
+    """One request on a fresh REQ socket: ZMQ hands it the first reply message only (the rest
+    of the run would stay queued on that socket and answer its next request)."""
+    zmq = need("zmq")
+    req = context.socket(zmq.REQ)
+    try:
+        req.connect(endpoint)
+        req.send(start.to_bytes(8, "big"))
+        assert req.poll(WAIT_MS, zmq.POLLIN), "no replay reply within the wait"
+        seq_bytes, payload = req.recv_multipart()
+    finally:
+        req.close(linger=0)
+    return seq_bytes, payload
+
+
+def test_replay_returns_the_buffered_batches_from_the_asked_seq() -> None:
+    zmq = need("zmq")
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    try:
+        with ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*") as publisher:
+            assert publisher.replay_endpoint is not None
+            assert publisher.replay_endpoint.startswith("tcp://127.0.0.1:")
+            assert publisher.replay_endpoint != publisher.endpoint
+            # Nobody subscribes: the stream drops all five; replay still has them.
+            batches = [[EVENTS[i % len(EVENTS)]] for i in range(5)]
+            for i, batch in enumerate(batches):
+                assert publisher.publish(batch, ts=float(i)) == i
+            dealer.connect(publisher.replay_endpoint)
+            from_two = replay_from(dealer, 2)
+            everything = replay_from(dealer, 0)
+            nothing = replay_from(dealer, 5)
+            req_three = ask_once(context, publisher.replay_endpoint, 3)
+            req_past_the_end = ask_once(context, publisher.replay_endpoint, 9)
+    finally:
+        dealer.close(linger=0)
+        context.term()
+    expected = [(i, encode_event_batch(batch, ts=float(i))) for i, batch in enumerate(batches)]
+    assert from_two == expected[2:]
+    assert everything == expected
+    assert nothing == []
+    assert req_three == ((3).to_bytes(8, "big"), expected[3][1])
+    assert req_past_the_end == (END_SEQ, b"")
+
+
+def test_replay_keeps_only_the_last_buffer_steps_batches() -> None:
+    zmq = need("zmq")
+    context = zmq.Context()
+    client = context.socket(zmq.DEALER)
+    try:
+        with ZmqEventPublisher(
+            "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", buffer_steps=2, layout="map"
+        ) as publisher:
+            for i in range(4):
+                publisher.publish([EVENTS[3]], ts=float(i))
+            client.connect(publisher.replay_endpoint)
+            got = replay_from(client, 0)
+    finally:
+        client.close(linger=0)
+        context.term()
+    assert [seq for seq, _ in got] == [2, 3]  # 0 and 1 left the buffer: lost for good
+    assert got[0][1] == encode_event_batch([EVENTS[3]], ts=2.0, layout="map")
+
+
+def test_a_consumer_fills_a_gap_from_the_replay_socket() -> None:
+    """vLLM's subscriber recipe: on the stream, a seq past last + 1 means batches were missed;
+    ask the replay socket from last + 1 (here one REQ request per batch) up to the one before
+    the gap."""
+    zmq = need("zmq")
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    try:
+        with ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*") as publisher:
+            sub.connect(publisher.endpoint)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            assert publisher.wait_for_subscriber(WAIT_S)
+            for i in range(4):
+                publisher.publish([EVENTS[i]], ts=float(i))
+            stream = [receive(sub) for _ in range(4)]
+            # The consumer got seq 0, then lost 1 and 2 on the way: the next it sees is 3.
+            seen = {0: stream[0][2]}
+            last, (_, seq_bytes, payload) = 0, stream[3]
+            seq = int.from_bytes(seq_bytes, "big")
+            replay_endpoint = publisher.replay_endpoint
+            assert replay_endpoint is not None
+            while last < seq - 1:
+                replay_seq_bytes, replay_payload = ask_once(context, replay_endpoint, last + 1)
+                assert replay_seq_bytes != END_SEQ, "the batches are still buffered"
+                last = int.from_bytes(replay_seq_bytes, "big")
+                seen[last] = replay_payload
+            seen[seq] = payload
+    finally:
+        sub.close(linger=0)
+        context.term()
+    assert seen == {i: encode_event_batch([EVENTS[i]], ts=float(i)) for i in range(4)}
+
+
+def test_replay_ignores_malformed_requests_and_argument_errors() -> None:
+    zmq = need("zmq")
+    with pytest.raises(TypeError, match="replay_endpoint must be a str or None"):
+        ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint=5557)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="buffer_steps must be >= 1, got 0"):
+        ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", buffer_steps=0)
+    with pytest.raises(ValueError, match=r"cannot bind replay_endpoint 'nowhere'"):
+        ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="nowhere")
+    with ZmqEventPublisher("tcp://127.0.0.1:*") as plain:
+        assert plain.replay_endpoint is None
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    try:
+        with ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*") as publisher:
+            publisher.publish([EVENTS[3]], ts=0.0)
+            dealer.connect(publisher.replay_endpoint)
+            dealer.send_multipart([b"", b"\x00\x01"])  # a start seq that is not 8 bytes
+            dealer.send_multipart([b"a", b"b", b"c"])  # not a request at all
+            assert not dealer.poll(300, zmq.POLLIN)  # both ignored
+            assert replay_from(dealer, 0) == [(0, encode_event_batch([EVENTS[3]], ts=0.0))]  # still serving
+        assert publisher.closed
+    finally:
+        dealer.close(linger=0)
+        context.term()
+
+
 def test_publisher_without_pyzmq_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "zmq", None)  # makes `import zmq` raise ImportError
     with pytest.raises(ImportError, match=r"pip install 'flat-kvcache\[zmq\]'"):
@@ -486,14 +619,14 @@ def test_engine_events_published_over_loopback(api: ModuleType) -> None:
     try:
         with ZmqEventPublisher("tcp://127.0.0.1:*") as publisher:
             sub.connect(publisher.endpoint)
-            sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+            sub.setsockopt(zmq.SUBSCRIBE, b"")  # vLLM's default topic is the empty one
             assert publisher.wait_for_subscriber(WAIT_S)
             assert publisher.publish(events, ts=7.25) == 0
             topic, seq, payload = receive(sub)
     finally:
         sub.close(linger=0)
         context.term()
-    assert (topic, seq) == (b"kv-events", bytes(8))
+    assert (topic, seq) == (b"", bytes(8))
     ts, wire, rank = msgpack.unpackb(payload)
     assert (ts, rank, len(wire)) == (7.25, None, 4)
     stored_a, removed, stored_b, cleared = wire

@@ -6,6 +6,7 @@ out by hand from the SPEC formulas, with the working in comments.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -288,11 +289,12 @@ def test_geometry_errors(
 @pytest.mark.parametrize("field", ["bytes_per_slot", "const_bytes"])
 def test_component_fields_must_not_be_negative(api: ModuleType, field: str) -> None:
     comp = ComponentSpec("g", 0, "kv", **{"bytes_per_slot": 1, "const_bytes": 0, field: -1})
-    for call in (
+    calls: list[Callable[[], object]] = [
         lambda: api.solve_page_geometry([comp], 16, 16),
         lambda: api.plan_component_tensors([comp], 16, 10**6),
         lambda: api.plan_tensors([comp], 16, 10**6),
-    ):
+    ]
+    for call in calls:
         with pytest.raises(ValueError, match=field):
             call()
 

@@ -1,7 +1,7 @@
 """Hypothesis: the native memory-plan API agrees with the reference on random inputs (SPEC 3).
 
 Same result, or same exception class and message; ``OverflowError`` only where an input or a
-SPEC intermediate exceeds ``u64`` (see ``crosscheck.assert_agree``).
+SPEC intermediate exceeds ``u64`` (see ``helpers.assert_agree``).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 import flat_kvcache
 import flat_kvcache.reference as reference
 import pytest
-from crosscheck import U64_MAX, Outcome, assert_agree, i32, ints_in, outcome, signed_sizes, sizes
 from flat_kvcache._types import ComponentSpec
 from flat_kvcache.reference._checks import ceil_div
+from helpers import U64_MAX, Outcome, assert_agree, i32, ints_in, outcome, signed_sizes, sizes
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -146,7 +146,7 @@ def test_state_const_bytes_never_overflows_on_32_bit_inputs(shape: list[int], it
     assert flat_kvcache.state_const_bytes(shape, itemsize) == reference.state_const_bytes(shape, itemsize)
 
 
-state_bytes = st.one_of(
+state_bytes: st.SearchStrategy[dict[str, int] | None] = st.one_of(
     st.none(),
     st.just({}),
     st.dictionaries(

@@ -15,18 +15,13 @@ from typing import Any
 import flat_kvcache
 import numpy as np
 import pytest
-from flat_kvcache.engine import FlatKVCache, KVCacheSpec, hash_pages
+from flat_kvcache.engine import FlatKVCache, hash_pages
 from flat_kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from helpers import native_hybrid
 
 needs_flat = pytest.mark.skipif(not flat_kvcache.FLAT_KVCACHE, reason="built without the `flat` feature")
 
 GROUPS = ("full", "swa")
-
-
-def hybrid(num_pages: int = 64, **options: Any) -> FlatKVCache:
-    """Full P = 4 and sliding P = 4, W = 8 (the docs' running example)."""
-    specs = [KVCacheSpec("full", 4, group_id="full"), KVCacheSpec("sliding_window", 4, 8, "swa")]
-    return FlatKVCache(specs, num_pages, **options)
 
 
 def running(cache: FlatKVCache, req: str | int, prompt: list[int]) -> None:
@@ -44,7 +39,7 @@ def buffers(rows: int, cols: int, fill: int = 7) -> dict[str, np.ndarray]:
 
 @needs_flat
 def test_out_numpy_is_written_in_place() -> None:
-    cache = hybrid()
+    cache = native_hybrid()
     running(cache, "a", list(range(20)))
     running(cache, "b", list(range(100, 105)))
     cache.append_tokens("a", [20])
@@ -68,7 +63,7 @@ def test_out_numpy_is_written_in_place() -> None:
 @needs_flat
 def test_out_torch_cpu_tensor_is_written_in_place() -> None:
     torch = pytest.importorskip("torch")
-    cache = hybrid()
+    cache = native_hybrid()
     running(cache, "a", list(range(13)))
     out = {g: torch.full((2, 6), 7, dtype=torch.int32) for g in GROUPS}
     ptrs = {g: out[g].data_ptr() for g in GROUPS}
@@ -102,7 +97,7 @@ class _FakeCudaTensor:
 
 @needs_flat
 def test_out_errors_name_the_group_and_write_nothing() -> None:
-    cache = hybrid()
+    cache = native_hybrid()
     running(cache, "a", list(range(20)))  # 5 pages per group
     good = buffers(2, 8)
 
@@ -152,7 +147,7 @@ def test_out_errors_name_the_group_and_write_nothing() -> None:
 @pytest.mark.flag
 def test_block_tables_follow_the_build_flag() -> None:
     """Both forms raise the RuntimeError naming the build when the `flat` feature is off."""
-    cache = hybrid()
+    cache = native_hybrid()
     running(cache, "a", list(range(6)))
     if flat_kvcache.FLAT_KVCACHE:
         assert cache.block_tables(["a"], out=buffers(1, 4))["full"][0, 0] > 0
@@ -170,7 +165,7 @@ def test_block_tables_follow_the_build_flag() -> None:
 
 
 def test_add_schedule_append_preempt_round_trip() -> None:
-    cache = hybrid(enable_kv_events=True)
+    cache = native_hybrid(enable_kv_events=True)
     assert cache.add_request("a", np.arange(10, dtype=np.uint32)) == 0
     assert cache.num_tokens("a") == 10 and cache.num_computed_tokens("a") == 0
     assert cache.schedule("a", 10, lookahead=2)
@@ -189,7 +184,7 @@ def test_add_schedule_append_preempt_round_trip() -> None:
 
 
 def test_stats_have_the_documented_names() -> None:
-    cache = hybrid()
+    cache = native_hybrid()
     running(cache, "a", list(range(9)))
     assert cache.acquire("page-level", 4)
     stats = cache.stats()
@@ -212,8 +207,8 @@ def test_stats_have_the_documented_names() -> None:
 
 
 def test_events_are_the_shared_dataclasses() -> None:
-    assert hybrid().take_events() == []
-    cache = hybrid(num_pages=5, enable_kv_events=True)  # 4 pages
+    assert native_hybrid().take_events() == []
+    cache = native_hybrid(num_pages=5, enable_kv_events=True)  # 4 pages
     running(cache, "a", list(range(8)))  # 2 + 2 pages
     cache.finish("a")  # registers both base pages in both groups
     hashes = [bytes.fromhex(h) for h in hash_pages(list(range(8)), 4)]
@@ -231,7 +226,7 @@ def test_events_are_the_shared_dataclasses() -> None:
 
 
 def test_admission_accounting() -> None:
-    cache = hybrid(21)  # 20 pages
+    cache = native_hybrid(21)  # 20 pages
     running(cache, "a", list(range(6)))
     assert cache.budget() == 16
     cache.reserve("a", 3)  # tail 2, then 1 page per group
@@ -243,7 +238,7 @@ def test_admission_accounting() -> None:
 
 
 def test_argument_errors_name_the_argument() -> None:
-    cache = hybrid()
+    cache = native_hybrid()
     running(cache, "a", list(range(8)))
     assert cache.acquire("p", 4)  # page-level
     with pytest.raises(ValueError, match="already exists"):
@@ -278,15 +273,15 @@ def test_argument_errors_name_the_argument() -> None:
         with pytest.raises(ValueError, match="is page-level"):
             call()
     with pytest.raises(ValueError, match="eviction_order must be 'hybrid' or 'group', got 'lru'"):
-        hybrid(eviction_order="lru")
+        native_hybrid(eviction_order="lru")
     with pytest.raises(ValueError, match="eviction_order must be 'hybrid' or 'group', got None"):
-        hybrid(eviction_order=None)
+        native_hybrid(eviction_order=None)
     with pytest.raises(ValueError, match=r"content_hashes\[0\] must be a 64-character lowercase hex"):
         cache.match_prefix([hash_pages([1, 2, 3, 4], 4)[0].upper()])
 
 
 def test_schedule_batch_validates_everything_first() -> None:
-    cache = hybrid()
+    cache = native_hybrid()
     cache.add_request("a", list(range(8)))
     cache.add_request("b", list(range(8)))
     before = (cache.stats(), cache.page_ids("a"), cache.page_ids("b"))
@@ -311,15 +306,15 @@ def test_schedule_batch_validates_everything_first() -> None:
     assert (cache.stats(), cache.page_ids("a"), cache.page_ids("b")) == before
     assert cache.num_computed_tokens("a") == 0
     for ns in ([4, 4], (4, 4), np.array([4, 4], dtype=np.uint8), np.array([4, 4], dtype=np.int64)):
-        cache2 = hybrid()
+        cache2 = native_hybrid()
         cache2.add_request("a", list(range(8)))
         cache2.add_request("b", list(range(8)))
         assert cache2.schedule_batch(["a", "b"], ns).tolist() == [True, True]
-    assert hybrid().schedule_batch([], []).shape == (0,)
+    assert native_hybrid().schedule_batch([], []).shape == (0,)
 
 
 def test_append_tokens_batch_validates_everything_first() -> None:
-    cache = hybrid()
+    cache = native_hybrid()
     cache.add_request("a", list(range(8)))
     cache.add_request("b", list(range(8)))
     before = (cache.num_tokens("a"), cache.num_tokens("b"))
@@ -355,7 +350,7 @@ def test_append_tokens_batch_validates_everything_first() -> None:
 def test_thread_hammer_on_one_shared_cache() -> None:
     """Eight threads run their own requests through the whole API on one cache; the engine's
     invariants hold throughout and every page comes back."""
-    cache = hybrid(num_pages=400, enable_kv_events=True)
+    cache = native_hybrid(num_pages=400, enable_kv_events=True)
     errors: list[BaseException] = []
     start = threading.Barrier(8)
 

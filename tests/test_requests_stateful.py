@@ -24,7 +24,7 @@ from typing import Any
 import flat_kvcache
 import flat_kvcache.reference
 import numpy as np
-import pytest
+from helpers import normalize
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -38,17 +38,6 @@ REQUEST_IDS = [0, 1, 2, 3, "a", "b"]
 #: Documents prompts are cut from: equal prefixes of one document hash alike.
 DOCUMENTS = [[1000 * d + i for i in range(96)] for d in range(3)]
 EXTRA_KEYS = [(), ("lora-1",), ("salt", "mm:7")]
-
-
-def normalize(value: Any) -> Any:
-    """Comparable plain data: arrays become (dtype, shape, values); containers recurse."""
-    if isinstance(value, np.ndarray):
-        return ("ndarray", str(value.dtype), value.shape, value.tolist())
-    if isinstance(value, dict):
-        return {key: normalize(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [normalize(item) for item in value]
-    return value
 
 
 @st.composite
@@ -340,7 +329,4 @@ RequestsMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 
-
-@pytest.mark.skipif(not hasattr(flat_kvcache, "FlatKVCache"), reason="native engine not built")
-class TestRequestsCrossCheck(RequestsMachine.TestCase):  # type: ignore[misc,name-defined]
-    pass
+TestRequestsCrossCheck = RequestsMachine.TestCase

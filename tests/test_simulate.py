@@ -1,4 +1,4 @@
-"""``flat-kvcache simulate`` (issue 5): traces, the scheduler loop on both engines, the command line.
+"""``flat-kvcache simulate``: traces, the scheduler loop on both engines, the command line.
 
 The loop's counts are checked two ways: on a two-request trace whose every step is worked out
 by hand below (on both engines), and on a 40-request trace under memory pressure (with
@@ -8,20 +8,15 @@ in the same test: same steps, finishes, preemptions, hit tokens, evictions, peak
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
 import re
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 import pytest
-from flat_kvcache.cli import main
 from flat_kvcache.simulate import (
     SimulationConfig,
     TraceRequest,
@@ -32,19 +27,9 @@ from flat_kvcache.simulate import (
     load_trace,
     simulate,
 )
+from helpers import need, run_cli, run_python
 
 ENGINES = ["native", "reference"]
-
-
-def need(name: str) -> ModuleType:
-    """Import test dependency ``name``; skip without it, but fail in CI, which must run these tests."""
-    try:
-        return importlib.import_module(name)
-    except ImportError as exc:
-        message = f"{name} is not installed (pip install -r requirements/test.txt): {exc}"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
 
 
 def write_trace(tmp_path: Path, lines: list[Any], name: str = "trace.jsonl") -> Path:
@@ -256,20 +241,8 @@ def test_format_summary_names_every_figure() -> None:
 # --- the command line -------------------------------------------------------------------------
 
 
-def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    status = main(["simulate", *argv])
-    out, err = capsys.readouterr()
-    return status, out, err
-
-
 def test_cli_smoke_json_as_a_module() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "flat_kvcache", "simulate", "--num-requests", "30", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    result = run_python("-m", "flat_kvcache", "simulate", "--num-requests", "30", "--json")
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""  # no progress bar when stderr is not a terminal
     summary = json.loads(result.stdout)
@@ -280,7 +253,9 @@ def test_cli_smoke_json_as_a_module() -> None:
 
 def test_cli_table_progress_and_trace(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     path = write_trace(tmp_path, [{"prompt_len": 64, "output_len": 4}, {"prompt_len": 80, "output_len": 2}])
-    status, out, err = run_cli(capsys, "--trace", str(path), "--progress", "--engine", "reference")
+    status, out, err = run_cli(
+        capsys, "simulate", "--trace", str(path), "--progress", "--engine", "reference"
+    )
     assert status == 0
     assert re.search(r"^requests +2: 2 finished, 0 aborted$", out, re.MULTILINE)
     assert err.startswith("\r[") and err.endswith("\n") and "2/2 requests" in err
@@ -289,7 +264,7 @@ def test_cli_table_progress_and_trace(capsys: pytest.CaptureFixture[str], tmp_pa
 def test_cli_plot_writes_a_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     need("matplotlib")
     target = tmp_path / "run.png"
-    status, _, err = run_cli(capsys, "--num-requests", "8", "--plot", str(target))
+    status, _, err = run_cli(capsys, "simulate", "--num-requests", "8", "--plot", str(target))
     assert (status, err) == (0, "")
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -298,7 +273,7 @@ def test_cli_plot_without_matplotlib_names_the_extra(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    status, out, err = run_cli(capsys, "--num-requests", "2", "--plot", str(tmp_path / "x.png"))
+    status, out, err = run_cli(capsys, "simulate", "--num-requests", "2", "--plot", str(tmp_path / "x.png"))
     assert (status, out) == (1, "")
     assert "pip install 'flat-kvcache[plot]'" in err and err.count("\n") == 1
 
@@ -317,13 +292,13 @@ def test_cli_plot_without_matplotlib_names_the_extra(
 def test_cli_bad_input_is_one_error_line(
     capsys: pytest.CaptureFixture[str], argv: list[str], status: int, message: str
 ) -> None:
-    got, out, err = run_cli(capsys, *argv)
+    got, out, err = run_cli(capsys, "simulate", *argv)
     assert (got, out) == (status, "")
     assert err.startswith("flat-kvcache: error: ") and message in err and err.count("\n") == 1
 
 
 def test_cli_bad_trace_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     path = write_trace(tmp_path, [{"prompt_len": 8, "output_len": 1}, {"prompt_len": 8}])
-    status, out, err = run_cli(capsys, "--trace", str(path))
+    status, out, err = run_cli(capsys, "simulate", "--trace", str(path))
     assert (status, out) == (1, "")
     assert err == f"flat-kvcache: error: {path}:2: output_len is required\n"

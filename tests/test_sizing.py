@@ -12,8 +12,8 @@ from typing import Any
 import flat_kvcache
 import numpy as np
 import pytest
-from crosscheck import publish
 from flat_kvcache._types import PagedCacheGroupSpec
+from helpers import publish
 
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
 KNOWN = "expected one of full_attention, sliding_attention, linear_attention"

@@ -2,7 +2,7 @@
 
 Same result, or same exception class and message; native may raise ``OverflowError`` only
 where an input or a SPEC intermediate exceeds ``u64``, must raise it where the exact result
-does, and never does for inputs that all fit 32 bits (see ``crosscheck.assert_agree``).
+does, and never does for inputs that all fit 32 bits (see ``helpers.assert_agree``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from typing import Any
 import flat_kvcache
 import flat_kvcache.reference as reference
 import pytest
-from crosscheck import (
+from flat_kvcache._types import PagedCacheGroupSpec
+from flat_kvcache.reference._checks import ceil_div
+from helpers import (
     U64_MAX,
     Outcome,
     assert_agree,
@@ -24,8 +26,6 @@ from crosscheck import (
     signed_sizes,
     sizes,
 )
-from flat_kvcache._types import PagedCacheGroupSpec
-from flat_kvcache.reference._checks import ceil_div
 from hypothesis import example, given
 from hypothesis import strategies as st
 

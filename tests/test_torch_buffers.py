@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
+from helpers import missing
 
 try:
     import torch
-except ModuleNotFoundError:
-    if os.environ.get("CI"):
-        raise RuntimeError("torch is missing: the flat_kvcache.torch tests must run in CI") from None
-    pytest.importorskip("torch")
+except ModuleNotFoundError as exc:
+    missing("torch", exc)
 
 from flat_kvcache.torch import KVBuffers, KVMemoryPlan, ModelShape, allocate_kv_buffers, plan_kv_memory
 

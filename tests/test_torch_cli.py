@@ -3,37 +3,27 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import missing, run_cli, run_python
 
 try:
     import torch
-except ModuleNotFoundError:
-    if os.environ.get("CI"):
-        raise RuntimeError("torch is missing: the flat_kvcache.torch tests must run in CI") from None
-    pytest.importorskip("torch")
+except ModuleNotFoundError as exc:
+    missing("torch", exc)
 
 import flat_kvcache
-from flat_kvcache.cli import main
 from flat_kvcache.presets import get_preset
 from flat_kvcache.torch import ModelShape, plan_kv_memory
 
 GiB = 1 << 30
 
 
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    status = main(["plan", *argv])
-    out, err = capsys.readouterr()
-    return status, out, err
-
-
 def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
-    status, out, err = run(capsys, *argv, "--json")
+    status, out, err = run_cli(capsys, "plan", *argv, "--json")
     assert status == 0, err
     result: dict[str, Any] = json.loads(out)
     return result
@@ -65,7 +55,7 @@ def test_memory_in_the_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_memory_in_the_table(capsys: pytest.CaptureFixture[str]) -> None:
-    status, out, _ = run(capsys, "--memory", "80GiB")
+    status, out, _ = run_cli(capsys, "plan", "--memory", "80GiB")
     assert status == 0
     want = expected("gpt-oss-like", 80 * GiB)
     memory = out[out.index("\nmemory:") :]
@@ -85,7 +75,7 @@ def test_state_model_plans_with_the_raised_page_size(capsys: pytest.CaptureFixtu
     page_size = got["memory"]["page_size"]
     assert page_size > 16 and got["settings"]["page_size"] == page_size
     assert all(group["rows_per_page"] == page_size for group in got["groups"])
-    status, out, _ = run(capsys, "--preset", "qwen3.5-like", "--memory", "40GiB")
+    status, out, _ = run_cli(capsys, "plan", "--preset", "qwen3.5-like", "--memory", "40GiB")
     assert status == 0 and f"{page_size} tokens (raised from 16" in out
 
 
@@ -113,7 +103,7 @@ def test_device_budget(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.M
     assert memory["budget_bytes"] == 60 * GiB - 40 * GiB
     assert memory["device"] == "cuda" and memory["allocator_slack_bytes"] > 0
     assert memory["total_bytes"] <= memory["budget_bytes"] - memory["allocator_slack_bytes"]
-    status, out, _ = run(capsys, "--device", "cuda:0", "--memory", "10GiB")
+    status, out, _ = run_cli(capsys, "plan", "--device", "cuda:0", "--memory", "10GiB")
     assert status == 0 and "on cuda:0" in out and "allocator slack" in out
 
 
@@ -131,14 +121,14 @@ def test_device_budget(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.M
     ],
 )
 def test_errors(capsys: pytest.CaptureFixture[str], argv: list[str], status: int, message: str) -> None:
-    got, out, err = run(capsys, *argv)
+    got, out, err = run_cli(capsys, "plan", *argv)
     assert (got, out) == (status, "")
     assert err.startswith("flat-kvcache: error: ") and message in err and err.count("\n") == 1
 
 
 def test_cuda_missing(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    status, _, err = run(capsys, "--device", "cuda")
+    status, _, err = run_cli(capsys, "plan", "--device", "cuda")
     assert status == 1 and "CUDA is not available" in err
 
 
@@ -150,7 +140,7 @@ def without_torch(*argv: str) -> subprocess.CompletedProcess[str]:
         "assert 'torch' not in sys.modules or sys.modules['torch'] is None\n"
         "sys.exit(status)\n"
     )
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    return run_python("-c", code)
 
 
 def test_torch_is_only_needed_for_memory() -> None:

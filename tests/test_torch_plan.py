@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import pytest
+from helpers import missing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 try:
     import torch
-except ModuleNotFoundError:
-    if os.environ.get("CI"):
-        raise RuntimeError("torch is missing: the flat_kvcache.torch tests must run in CI") from None
-    pytest.importorskip("torch")
+except ModuleNotFoundError as exc:
+    missing("torch", exc)
 
 import flat_kvcache
 from flat_kvcache import reference as ref

@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 import pkgutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import missing, run_python
 
 try:
     import torch
-except ModuleNotFoundError:
-    if os.environ.get("CI"):
-        raise RuntimeError("torch is missing: the flat_kvcache.torch tests must run in CI") from None
-    pytest.importorskip("torch")
+except ModuleNotFoundError as exc:
+    missing("torch", exc)
 
 import flat_kvcache
 from flat_kvcache import reference as ref
@@ -39,15 +35,11 @@ def shape(**overrides: Any) -> ModelShape:
     return ModelShape(**fields)
 
 
-def run_python(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
-
-
 # -- import hygiene ---------------------------------------------------------------------------
 
 
 def test_import_without_torch_names_the_extra() -> None:
-    result = run_python("import sys; sys.modules['torch'] = None; import flat_kvcache.torch")
+    result = run_python("-c", "import sys; sys.modules['torch'] = None; import flat_kvcache.torch")
     assert result.returncode != 0
     assert "ImportError" in result.stderr
     assert "flat-kvcache[torch]" in result.stderr
@@ -68,7 +60,7 @@ def test_no_other_module_imports_torch() -> None:
         "    importlib.import_module(name)\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
-    result = run_python(code)
+    result = run_python("-c", code)
     assert result.returncode == 0, result.stderr
 
 

@@ -194,7 +194,7 @@ def _parser() -> _Parser:
     )
     memory.add_argument("--kv-dtype", metavar="DTYPE", help="K/V dtype, e.g. fp8_e4m3 (default: the model's)")
     plan.set_defaults(run=_run_plan)
-    simulate.add_parser(commands)
+    _add_simulate_parser(commands)
     return parser
 
 
@@ -220,6 +220,138 @@ def main(argv: Sequence[str] | None = None) -> int:
         # final flush of stdout from failing again (the recipe in the `signal` module docs).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+
+
+# --- simulate ---------------------------------------------------------------------------------
+
+
+def _add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
+    """Add the ``simulate`` subcommand to ``commands`` (an argparse subparsers object)."""
+    non_negative, positive = _int_at_least(0), _int_at_least(1)
+    parser: argparse.ArgumentParser = commands.add_parser(
+        "simulate",
+        help="run a reference scheduler loop over a request trace and time the cache calls",
+        description=(
+            "Run a reference scheduler loop (FCFS, chunked prefill under a token budget, decode, "
+            "admission and preemption per SPEC 9) over a request trace, and print steps, finished "
+            "requests, preemptions, prefix hit rate, peak pages per group and the time spent in "
+            "cache calls per step. The default trace is built in: 2000 requests, prompts of 512 "
+            "to 4096 tokens, half sharing a 1024-token prefix, 128 generated tokens each."
+        ),
+    )
+    parser.add_argument(
+        "--preset",
+        default=DEFAULT_PRESET,
+        metavar="NAME",
+        help=f"model preset or config.json path (default {DEFAULT_PRESET}; "
+        f"presets: {', '.join(preset_names())})",
+    )
+    parser.add_argument("--trace", metavar="FILE.jsonl", help="a JSONL trace (default: the built-in one)")
+    parser.add_argument(
+        "--num-requests",
+        type=non_negative,
+        default=simulate.DEFAULT_NUM_REQUESTS,
+        metavar="N",
+        help=f"requests in the built-in trace ({simulate.DEFAULT_NUM_REQUESTS})",
+    )
+    parser.add_argument(
+        "--seed", type=non_negative, default=0, metavar="S", help="seed of every token id (0)"
+    )
+    parser.add_argument(
+        "--num-pages",
+        type=positive,
+        metavar="N",
+        help="pool size, page 0 included (default: half of what the first --max-running requests "
+        "need at full length, so the run preempts)",
+    )
+    parser.add_argument(
+        "--page-size",
+        type=positive,
+        default=simulate.DEFAULT_PAGE_SIZE,
+        metavar="P",
+        help="tokens per page (16)",
+    )
+    parser.add_argument(
+        "--max-scheduled-tokens",
+        type=positive,
+        default=simulate.DEFAULT_MAX_SCHEDULED_TOKENS,
+        metavar="S",
+        help=f"token budget per step ({simulate.DEFAULT_MAX_SCHEDULED_TOKENS})",
+    )
+    parser.add_argument(
+        "--max-running",
+        type=positive,
+        default=simulate.DEFAULT_MAX_RUNNING,
+        metavar="B",
+        help=f"most requests running at once ({simulate.DEFAULT_MAX_RUNNING})",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("native", "reference"),
+        default="native",
+        help="the Rust engine (default) or the pure-Python reference",
+    )
+    parser.add_argument(
+        "--eviction-order",
+        choices=("hybrid", "group"),
+        default="hybrid",
+        help="free-list order of a finished request's pages: all groups tail first (hybrid, "
+        "default) or group by group (group, the reference design's)",
+    )
+    parser.add_argument("--no-prefix-caching", action="store_true", help="run with prefix caching off")
+    parser.add_argument("--no-block-tables", action="store_true", help="skip the per-step block_tables call")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw pages in use per group and running requests per step (needs the plot extra)",
+    )
+    parser.add_argument(
+        "--progress",
+        action="store_true",
+        help="show the progress bar even when stderr is not a terminal",
+    )
+    parser.set_defaults(run=_run_simulate)
+    return parser
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    """Run ``flat-kvcache simulate`` from parsed arguments; returns the exit status."""
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            _print_error(
+                "--plot needs matplotlib, the optional `plot` extra: pip install 'flat-kvcache[plot]'"
+            )
+            return 1
+    try:
+        if args.trace is not None:
+            trace = simulate.load_trace(args.trace, seed=args.seed)
+        else:
+            trace = simulate.default_trace(args.num_requests, seed=args.seed)
+        config = simulate.SimulationConfig(
+            preset=args.preset,
+            engine=args.engine,
+            eviction_order=args.eviction_order,
+            num_pages=args.num_pages,
+            page_size=args.page_size,
+            max_scheduled_tokens=args.max_scheduled_tokens,
+            max_running=args.max_running,
+            enable_caching=not args.no_prefix_caching,
+            block_tables=not args.no_block_tables,
+        )
+        show = args.progress or sys.stderr.isatty()
+        result = simulate.simulate(
+            trace, config, progress=simulate.ProgressBar(sys.stderr) if show and trace else None
+        )
+        if args.plot is not None:
+            simulate.plot_result(result, args.plot)
+    except (OSError, ValueError, OverflowError) as exc:
+        _print_error(str(exc))
+        return 1
+    print(simulate.summary_json(result.summary) if args.json else simulate.format_summary(result.summary))
+    return 0
 
 
 # --- plan -------------------------------------------------------------------------------------

@@ -1,21 +1,103 @@
-"""Helpers shared by the sizing and memory tests, mostly for the native-vs-reference properties.
+"""Helpers shared by the tests (fixtures live in conftest.py).
 
-The contract (docs/sizing-api.md): both implementations give the same result, or the same
-exception class and message. The one allowed difference is size: where a value, an
-intermediate or the result does not fit ``u64`` the native side raises ``OverflowError``
-(naming the argument) and the reference returns the exact Python int.
+- Optional dependencies: :func:`need` imports one or skips, except in CI where it fails.
+- Running the program: :func:`run_cli` in-process, :func:`run_python` in a fresh interpreter.
+- Engines: :func:`normalize` turns results into comparable plain data; :func:`native_hybrid`
+  builds the docs' running example on the native engine.
+- Native-vs-reference cross-checks (sizing and memory properties): strategies for edge-case
+  ints, :class:`Outcome` / :func:`outcome` and :func:`assert_agree`. The contract
+  (docs/sizing-api.md): both implementations give the same result, or the same exception class
+  and message. The one allowed difference is size: where a value, an intermediate or the result
+  does not fit ``u64`` the native side raises ``OverflowError`` (naming the argument) and the
+  reference returns the exact Python int.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
+import numpy as np
+import pytest
+from flat_kvcache import FlatKVCache, KVCacheSpec
+from flat_kvcache.cli import main
 from hypothesis import strategies as st
+
+# --- optional dependencies --------------------------------------------------------------------
+
+
+def missing(name: str, exc: ImportError) -> NoReturn:
+    """Skip the test (or the module, at module level) that needs ``name``; fail in CI instead,
+    which installs every test dependency and must run these tests."""
+    message = f"{name} is not installed (pip install -r requirements/test.txt): {exc}"
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message, allow_module_level=True)
+
+
+def need(name: str) -> ModuleType:
+    """Import test dependency ``name``; see :func:`missing` for when it is absent."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        missing(name, exc)
+
+
+# --- running the program ----------------------------------------------------------------------
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """``flat-kvcache ARGV...`` in this process: its exit status, stdout and stderr."""
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def run_python(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``python ARGS...`` in a fresh interpreter (``-c CODE``, ``-m MODULE``), output captured."""
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=300, check=False
+    )
+
+
+# --- engines ----------------------------------------------------------------------------------
+
+
+def normalize(value: Any) -> Any:
+    """Plain, comparable data from an engine result: PrefixMatch and arrays become tuples,
+    dicts and sequences recurse."""
+    if hasattr(value, "num_common_tokens"):
+        return (
+            "PrefixMatch",
+            int(value.num_common_tokens),
+            [list(map(int, pages)) for pages in value.pages],
+            list(map(int, value.num_hit_pages)),
+        )
+    if isinstance(value, np.ndarray):
+        return ("ndarray", str(value.dtype), value.shape, value.tolist())
+    if isinstance(value, dict):
+        return {key: normalize(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [normalize(item) for item in value]
+    return value
+
+
+def native_hybrid(num_pages: int = 64, **options: Any) -> FlatKVCache:
+    """A native cache with full P = 4 and sliding P = 4, W = 8 (the docs' running example)."""
+    specs = [KVCacheSpec("full", 4, group_id="full"), KVCacheSpec("sliding_window", 4, 8, "swa")]
+    return FlatKVCache(specs, num_pages, **options)
+
+
+# --- native-vs-reference cross-checks ---------------------------------------------------------
 
 U64_MAX = 2**64 - 1
 I32_MIN, I32_MAX = -(2**31), 2**31 - 1

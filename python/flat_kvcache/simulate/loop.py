@@ -1,4 +1,4 @@
-"""``flat-kvcache simulate``: a reference scheduler loop over a request trace (issue 5, SPEC 9).
+"""The scheduler loop of ``flat-kvcache simulate`` (SPEC 9).
 
 The loop is what a serving engine's scheduler does with the token-level API of
 ``docs/requests-api.md``, minus the model: every step it schedules the running requests, admits
@@ -37,222 +37,50 @@ One step, in order:
 
 Generated tokens are pseudo-random ids drawn from the seed when the trace is built, so a run is
 deterministic and the native engine and the reference give the same summary (timings aside).
-
-Trace files (``--trace FILE.jsonl``): one JSON object per line (blank lines and lines starting
-with ``#`` are skipped):
-
-- ``prompt`` (list of token ids, each in ``[0, 2**32)``) or ``prompt_len`` (int >= 1): the
-  prompt, given or drawn from the seed;
-- ``output_len`` (int >= 1): tokens to generate;
-- ``prefix_id`` (str or int) with ``prefix_len`` (int >= 1, < ``prompt_len``), optional and only
-  with ``prompt_len``: the prompt starts with the first ``prefix_len`` tokens of a token stream
-  drawn from the seed and the prefix id, so requests with the same id share that prefix;
-- ``arrival_step`` (int >= 0, default 0): the step at which the request arrives;
-- ``extra_keys`` (list of str, default none): keys that separate equal token pages (LoRA
-  adapter, cache salt), hashed into every page of the request.
-
-Requests keep file order within an arrival step.
 """
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
 import math
 import os
-import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from importlib import import_module
 from types import ModuleType
-from typing import Any, Literal, TextIO
+from typing import Any, Literal
 
 import numpy as np
-import numpy.typing as npt
 
 from flat_kvcache.config import layer_types_from_config, load_model_config, sliding_window_from_config
-from flat_kvcache.presets import DEFAULT_PRESET, preset_names
+from flat_kvcache.presets import DEFAULT_PRESET
+from flat_kvcache.simulate.report import SimulationResult, percentiles
+from flat_kvcache.simulate.trace import TokenArray, TraceRequest
 
 __all__ = [
+    "CALL_KINDS",
+    "DEFAULT_MAX_RUNNING",
     "DEFAULT_MAX_SCHEDULED_TOKENS",
+    "DEFAULT_PAGE_SIZE",
+    "DEFAULT_POOL_FRACTION",
+    "Engine",
+    "EvictionOrder",
     "SimulationConfig",
-    "SimulationResult",
-    "TraceRequest",
-    "add_parser",
     "default_num_pages",
-    "default_trace",
-    "format_summary",
-    "load_trace",
-    "plot_result",
+    "engine_specs",
     "simulate",
 ]
 
-PROG = "flat-kvcache"
-DEFAULT_NUM_REQUESTS = 2000
 DEFAULT_MAX_SCHEDULED_TOKENS = 8192
 DEFAULT_MAX_RUNNING = 256
 DEFAULT_PAGE_SIZE = 16
-#: Token ids are drawn from ``[0, VOCAB)``.
-VOCAB = 50_000
 #: The default pool holds this fraction of what the trace's first ``max_running`` requests need
 #: at their full length (see :func:`default_num_pages`): enough to run, short enough to preempt.
 DEFAULT_POOL_FRACTION = 0.5
 
 Engine = Literal["native", "reference"]
 EvictionOrder = Literal["hybrid", "group"]
-TokenArray = npt.NDArray[np.uint32]
-
-
-# --- traces -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TraceRequest:
-    """One request of a trace: its prompt, the tokens it will generate, when it arrives."""
-
-    request_id: int
-    prompt: TokenArray
-    output: TokenArray
-    arrival_step: int = 0
-    extra_keys: tuple[str, ...] = ()
-
-    @property
-    def output_len(self) -> int:
-        return len(self.output)
-
-
-def _tokens(rng: np.random.Generator, count: int) -> TokenArray:
-    return rng.integers(0, VOCAB, size=count, dtype=np.uint32)
-
-
-def default_trace(
-    num_requests: int = DEFAULT_NUM_REQUESTS,
-    *,
-    seed: int = 0,
-    prompt_len: tuple[int, int] = (512, 4096),
-    shared_prefix_len: int = 1024,
-    shared_fraction: float = 0.5,
-    output_len: int = 128,
-) -> list[TraceRequest]:
-    """The built-in trace: ``num_requests`` requests, all arriving at step 0.
-
-    Prompts are ``prompt_len[0]`` to ``prompt_len[1]`` tokens (uniform). A ``shared_fraction``
-    of the requests (chosen at random) start with one common ``shared_prefix_len``-token prefix
-    followed by at least ``prompt_len[0] // 2`` own tokens, so their prompts are
-    ``shared_prefix_len + prompt_len[0] // 2`` to ``prompt_len[1]`` tokens. Each generates
-    ``output_len`` tokens. Everything is drawn from ``seed``.
-    """
-    low, high = prompt_len
-    if not 1 <= low <= high:
-        raise ValueError(f"prompt_len must be (low, high) with 1 <= low <= high, got {prompt_len}")
-    if num_requests < 0 or output_len < 1 or shared_prefix_len < 0:
-        raise ValueError("num_requests and shared_prefix_len must be >= 0 and output_len >= 1")
-    rng = np.random.default_rng(seed)
-    prefix = _tokens(rng, shared_prefix_len)
-    shared_low = min(shared_prefix_len + max(low // 2, 1), high)
-    trace = []
-    for index in range(num_requests):
-        shared = shared_prefix_len > 0 and shared_low < high and rng.random() < shared_fraction
-        if shared:
-            length = int(rng.integers(shared_low, high, endpoint=True))
-            prompt = np.concatenate([prefix, _tokens(rng, length - shared_prefix_len)])
-        else:
-            prompt = _tokens(rng, int(rng.integers(low, high, endpoint=True)))
-        trace.append(TraceRequest(index, prompt, _tokens(rng, output_len)))
-    return trace
-
-
-def _prefix_stream_seed(seed: int, prefix_id: str | int) -> list[int]:
-    """An entropy list for the token stream of ``prefix_id`` (stable across runs and platforms)."""
-    digest = hashlib.sha256(f"{type(prefix_id).__name__}:{prefix_id}".encode()).digest()
-    return [seed, int.from_bytes(digest[:8], "little")]
-
-
-def _field_int(
-    record: dict[str, Any], key: str, where: str, *, minimum: int, default: int | None = None
-) -> int:
-    value = record.get(key, default)
-    if value is None:
-        raise ValueError(f"{where}: {key} is required")
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{where}: {key} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-_TRACE_KEYS = frozenset(
-    {"prompt", "prompt_len", "output_len", "prefix_id", "prefix_len", "arrival_step", "extra_keys"}
-)
-
-
-def _parse_trace_lines(lines: Iterable[str], source: str, seed: int) -> list[TraceRequest]:
-    rng = np.random.default_rng(seed)
-    prefixes: dict[str | int, TokenArray] = {}
-    parsed: list[TraceRequest] = []
-    for number, line in enumerate(lines, start=1):
-        text = line.strip()
-        if not text or text.startswith("#"):
-            continue
-        where = f"{source}:{number}"
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}: not valid JSON: {exc.msg}") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        unknown = sorted(set(record) - _TRACE_KEYS)
-        if unknown:
-            raise ValueError(
-                f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(_TRACE_KEYS))}"
-            )
-        if ("prompt" in record) == ("prompt_len" in record):
-            raise ValueError(f"{where}: give exactly one of prompt (token ids) and prompt_len")
-        output_len = _field_int(record, "output_len", where, minimum=1)
-        arrival = _field_int(record, "arrival_step", where, minimum=0, default=0)
-        extra = record.get("extra_keys", [])
-        if not isinstance(extra, list) or not all(isinstance(key, str) for key in extra):
-            raise ValueError(f"{where}: extra_keys must be a list of strings, got {extra!r}")
-        if "prompt" in record:
-            if "prefix_id" in record or "prefix_len" in record:
-                raise ValueError(f"{where}: prefix_id/prefix_len go with prompt_len, not with prompt")
-            tokens = record["prompt"]
-            if not isinstance(tokens, list) or not tokens:
-                raise ValueError(f"{where}: prompt must be a non-empty list of token ids")
-            for i, token in enumerate(tokens):
-                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < 2**32:
-                    raise ValueError(f"{where}: prompt[{i}] = {token!r} is not a token id in [0, 2**32)")
-            prompt = np.asarray(tokens, dtype=np.uint32)
-        else:
-            length = _field_int(record, "prompt_len", where, minimum=1)
-            prefix_len = 0
-            if "prefix_id" in record or "prefix_len" in record:
-                prefix_id = record.get("prefix_id")
-                if isinstance(prefix_id, bool) or not isinstance(prefix_id, str | int):
-                    raise ValueError(f"{where}: prefix_id must be a string or an int, got {prefix_id!r}")
-                prefix_len = _field_int(record, "prefix_len", where, minimum=1)
-                if prefix_len >= length:
-                    raise ValueError(f"{where}: prefix_len ({prefix_len}) must be < prompt_len ({length})")
-                stream = prefixes.get(prefix_id)
-                if stream is None or len(stream) < prefix_len:
-                    stream = _tokens(np.random.default_rng(_prefix_stream_seed(seed, prefix_id)), prefix_len)
-                    prefixes[prefix_id] = stream
-                own = _tokens(rng, length - prefix_len)
-                prompt = np.concatenate([stream[:prefix_len], own])
-            else:
-                prompt = _tokens(rng, length)
-        parsed.append(TraceRequest(len(parsed), prompt, _tokens(rng, output_len), arrival, tuple(extra)))
-    if not parsed:
-        raise ValueError(f"{source}: the trace has no requests")
-    parsed.sort(key=lambda request: request.arrival_step)  # stable: file order within a step
-    return parsed
-
-
-def load_trace(path: str | os.PathLike[str], *, seed: int = 0) -> list[TraceRequest]:
-    """Read a JSONL trace (format in the module docstring); ``ValueError`` naming ``FILE:LINE``."""
-    with open(path, encoding="utf-8") as lines:
-        return _parse_trace_lines(lines, str(path), seed)
 
 
 # --- the engine -------------------------------------------------------------------------------
@@ -350,29 +178,6 @@ class _Live:
 
 #: Cache calls are timed per kind; these are the kinds, in summary order.
 CALL_KINDS = ("schedule_batch", "admit", "block_tables", "append_tokens", "finish", "reserve", "preempt")
-
-
-@dataclass
-class SimulationResult:
-    """The summary (JSON-ready) and per-step series of a run."""
-
-    summary: dict[str, Any]
-    step_cache_ns: list[int] = field(default_factory=list)
-    running: list[int] = field(default_factory=list)
-    pages_by_group: dict[str, list[int]] = field(default_factory=dict)
-    group_ids: list[str] = field(default_factory=list)
-
-
-def _percentiles(values_ns: Sequence[int]) -> dict[str, float]:
-    if not values_ns:
-        return {"median_us": 0.0, "p99_us": 0.0, "mean_us": 0.0, "max_us": 0.0}
-    array = np.asarray(values_ns, dtype=np.float64) / 1000.0
-    return {
-        "median_us": round(float(np.median(array)), 3),
-        "p99_us": round(float(np.percentile(array, 99)), 3),
-        "mean_us": round(float(array.mean()), 3),
-        "max_us": round(float(array.max()), 3),
-    }
 
 
 _perf = time.perf_counter_ns
@@ -663,8 +468,8 @@ class _Loop:
             ),
             "timing": {
                 "cache_total_ms": round(sum(self.step_cache_ns) / 1e6, 3),
-                "per_step": _percentiles(self.step_cache_ns),
-                "per_decode_step": {**_percentiles(self.decode_step_ns), "steps": len(self.decode_step_ns)},
+                "per_step": percentiles(self.step_cache_ns),
+                "per_decode_step": {**percentiles(self.decode_step_ns), "steps": len(self.decode_step_ns)},
                 "by_call_ms": {kind: round(ns / 1e6, 3) for kind, ns in self.calls_ns.items()},
                 "wall_s": round(wall_ns / 1e9, 3),
             },
@@ -682,246 +487,3 @@ def simulate(
     ``progress(step, done, total, running)`` is called every 50 steps and once at the end.
     """
     return _Loop(trace, config).run(progress)
-
-
-# --- output -----------------------------------------------------------------------------------
-
-
-def format_summary(summary: dict[str, Any]) -> str:
-    """The summary as an aligned table."""
-    timing = summary["timing"]
-    step, decode = timing["per_step"], timing["per_decode_step"]
-    groups = ", ".join(
-        f"{g['group_id']} ({g['kind']}, P={g['page_size']}"
-        + (f", W={g['sliding_window']})" if g["sliding_window"] is not None else ")")
-        for g in summary["groups"]
-    )
-    peak = ", ".join(f"{gid} {pages}" for gid, pages in summary["peak_pages_by_group"].items())
-    calls = ", ".join(f"{kind} {ms:.1f}" for kind, ms in timing["by_call_ms"].items() if ms)
-    rows = [
-        ("engine", f"{summary['engine']} (eviction order {summary['eviction_order']})"),
-        ("model", f"{summary['preset']}: {groups}"),
-        ("pool", f"{summary['num_pages']} pages (page 0 is the null page)"),
-        ("limits", f"{summary['max_scheduled_tokens']} tokens per step, {summary['max_running']} running"),
-        ("requests", f"{summary['requests']}: {summary['finished']} finished, {summary['aborted']} aborted"),
-        ("steps", str(summary["steps"])),
-        ("preemptions", str(summary["preemptions"])),
-        (
-            "prefix hit rate",
-            f"{summary['prefix_hit_rate']:.2%} ({summary['prefix_hits_tokens']} of "
-            f"{summary['prefix_queries_tokens']} prompt tokens)",
-        ),
-        ("evictions", str(summary["evictions"])),
-        ("tokens", f"{summary['scheduled_tokens']} scheduled, {summary['generated_tokens']} generated"),
-        ("peak running", str(summary["peak_running"])),
-        ("peak pages", f"{peak} (together {summary['peak_pages_in_use']})"),
-        ("cache time / step", f"median {step['median_us']:.1f} us, p99 {step['p99_us']:.1f} us"),
-        (
-            "  decode-only steps",
-            f"median {decode['median_us']:.1f} us, p99 {decode['p99_us']:.1f} us ({decode['steps']} steps)",
-        ),
-        ("cache time total", f"{timing['cache_total_ms']:.1f} ms (by call, ms: {calls})"),
-        ("wall time", f"{timing['wall_s']:.2f} s"),
-    ]
-    width = max(len(name) for name, _ in rows)
-    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
-
-
-def plot_result(result: SimulationResult, path: str | os.PathLike[str]) -> None:
-    """Pages in use per group and running requests over the steps, as a PNG (needs matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError(
-            "--plot needs matplotlib, the optional `plot` extra: pip install 'flat-kvcache[plot]'"
-        ) from exc
-    summary = result.summary
-    steps = np.arange(len(result.running))
-    figure, (pages_axis, running_axis) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
-    for gid in result.group_ids:
-        pages_axis.plot(steps, result.pages_by_group[gid], label=gid, linewidth=1)
-    pages_axis.axhline(summary["num_pages"] - 1, color="grey", linestyle="--", linewidth=1, label="pool")
-    pages_axis.set_ylabel("pages in use")
-    pages_axis.legend(loc="center right")
-    pages_axis.set_title(
-        f"{summary['preset']}, {summary['engine']} engine, eviction order {summary['eviction_order']}: "
-        f"{summary['requests']} requests, {summary['preemptions']} preemptions, "
-        f"prefix hit rate {summary['prefix_hit_rate']:.1%}"
-    )
-    running_axis.plot(steps, result.running, color="black", linewidth=1)
-    running_axis.set_ylabel("running requests")
-    running_axis.set_xlabel("step")
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-
-
-class _ProgressBar:
-    """A one-line progress bar on a stream (stderr), redrawn at most every 0.1 s."""
-
-    def __init__(self, stream: TextIO, width: int = 30) -> None:
-        self._stream = stream
-        self._width = width
-        self._last = 0.0
-
-    def __call__(self, step: int, done: int, total: int, running: int) -> None:
-        now = time.monotonic()
-        if done < total and now - self._last < 0.1:
-            return
-        self._last = now
-        filled = self._width * done // total if total else self._width
-        bar = "#" * filled + "." * (self._width - filled)
-        self._stream.write(f"\r[{bar}] {done}/{total} requests, step {step}, {running} running ")
-        if done >= total:
-            self._stream.write("\n")
-        self._stream.flush()
-
-
-# --- the command line -------------------------------------------------------------------------
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def add_parser(commands: Any) -> argparse.ArgumentParser:
-    """Add the ``simulate`` subcommand to ``commands`` (an argparse subparsers object)."""
-    parser: argparse.ArgumentParser = commands.add_parser(
-        "simulate",
-        help="run a reference scheduler loop over a request trace and time the cache calls",
-        description=(
-            "Run a reference scheduler loop (FCFS, chunked prefill under a token budget, decode, "
-            "admission and preemption per SPEC 9) over a request trace, and print steps, finished "
-            "requests, preemptions, prefix hit rate, peak pages per group and the time spent in "
-            "cache calls per step. The default trace is built in: 2000 requests, prompts of 512 "
-            "to 4096 tokens, half sharing a 1024-token prefix, 128 generated tokens each."
-        ),
-    )
-    parser.add_argument(
-        "--preset",
-        default=DEFAULT_PRESET,
-        metavar="NAME",
-        help=f"model preset or config.json path (default {DEFAULT_PRESET}; "
-        f"presets: {', '.join(preset_names())})",
-    )
-    parser.add_argument("--trace", metavar="FILE.jsonl", help="a JSONL trace (default: the built-in one)")
-    parser.add_argument(
-        "--num-requests",
-        type=_non_negative,
-        default=DEFAULT_NUM_REQUESTS,
-        metavar="N",
-        help=f"requests in the built-in trace ({DEFAULT_NUM_REQUESTS})",
-    )
-    parser.add_argument(
-        "--seed", type=_non_negative, default=0, metavar="S", help="seed of every token id (0)"
-    )
-    parser.add_argument(
-        "--num-pages",
-        type=_positive,
-        metavar="N",
-        help="pool size, page 0 included (default: half of what the first --max-running requests "
-        "need at full length, so the run preempts)",
-    )
-    parser.add_argument(
-        "--page-size", type=_positive, default=DEFAULT_PAGE_SIZE, metavar="P", help="tokens per page (16)"
-    )
-    parser.add_argument(
-        "--max-scheduled-tokens",
-        type=_positive,
-        default=DEFAULT_MAX_SCHEDULED_TOKENS,
-        metavar="S",
-        help=f"token budget per step ({DEFAULT_MAX_SCHEDULED_TOKENS})",
-    )
-    parser.add_argument(
-        "--max-running",
-        type=_positive,
-        default=DEFAULT_MAX_RUNNING,
-        metavar="B",
-        help=f"most requests running at once ({DEFAULT_MAX_RUNNING})",
-    )
-    parser.add_argument(
-        "--engine",
-        choices=("native", "reference"),
-        default="native",
-        help="the Rust engine (default) or the pure-Python reference",
-    )
-    parser.add_argument(
-        "--eviction-order",
-        choices=("hybrid", "group"),
-        default="hybrid",
-        help="free-list order of a finished request's pages: all groups tail first (hybrid, "
-        "default) or group by group (group, the reference design's)",
-    )
-    parser.add_argument("--no-prefix-caching", action="store_true", help="run with prefix caching off")
-    parser.add_argument("--no-block-tables", action="store_true", help="skip the per-step block_tables call")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-    parser.add_argument(
-        "--plot",
-        metavar="FILE.png",
-        help="draw pages in use per group and running requests per step (needs the plot extra)",
-    )
-    parser.add_argument(
-        "--progress",
-        action="store_true",
-        help="show the progress bar even when stderr is not a terminal",
-    )
-    parser.set_defaults(run=run_command)
-    return parser
-
-
-def _error(message: str) -> None:
-    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
-
-
-def run_command(args: argparse.Namespace) -> int:
-    """Run ``flat-kvcache simulate`` from parsed arguments; returns the exit status."""
-    if args.plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            _error("--plot needs matplotlib, the optional `plot` extra: pip install 'flat-kvcache[plot]'")
-            return 1
-    try:
-        if args.trace is not None:
-            trace = load_trace(args.trace, seed=args.seed)
-        else:
-            trace = default_trace(args.num_requests, seed=args.seed)
-        config = SimulationConfig(
-            preset=args.preset,
-            engine=args.engine,
-            eviction_order=args.eviction_order,
-            num_pages=args.num_pages,
-            page_size=args.page_size,
-            max_scheduled_tokens=args.max_scheduled_tokens,
-            max_running=args.max_running,
-            enable_caching=not args.no_prefix_caching,
-            block_tables=not args.no_block_tables,
-        )
-        show = args.progress or sys.stderr.isatty()
-        result = simulate(trace, config, progress=_ProgressBar(sys.stderr) if show and trace else None)
-        if args.plot is not None:
-            plot_result(result, args.plot)
-    except (OSError, ValueError, OverflowError) as exc:
-        _error(str(exc))
-        return 1
-    print(json.dumps(result.summary, indent=2) if args.json else format_summary(result.summary))
-    return 0

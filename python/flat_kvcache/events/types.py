@@ -1,0 +1,41 @@
+"""The KV-cache event types (docs/requests-api.md, "KV events").
+
+Plain frozen dataclasses shared by the native engine and the reference, so both produce values
+that compare equal. The native module builds them by name from :mod:`flat_kvcache.events`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent"]
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Pages of one group newly cached by one register call (slot order)."""
+
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    group_index: int
+    group_kind: str
+    sliding_window: int | None
+    extra_keys: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """Cached pages of one group whose keys were dropped because the pool handed them out again."""
+
+    block_hashes: list[bytes]
+    group_index: int
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """Every cached free page lost its key (``reset_prefix_cache``)."""
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared

@@ -1,0 +1,67 @@
+"""``flat-kvcache simulate``: a reference scheduler loop over a request trace (SPEC 9).
+
+Three parts, one concern each:
+
+- :mod:`flat_kvcache.simulate.trace`: the requests to run, built in or read from a JSONL file;
+- :mod:`flat_kvcache.simulate.loop`: the scheduler loop that drives the cache step by step
+  (its docstring describes one step) and times the cache calls;
+- :mod:`flat_kvcache.simulate.report`: the run's result, its summary as a table or JSON, the
+  plot and the progress bar.
+
+The command line (argument parsing, exit statuses) is :mod:`flat_kvcache.cli`; this package
+takes plain values.
+"""
+
+from flat_kvcache.simulate.loop import (
+    CALL_KINDS,
+    DEFAULT_MAX_RUNNING,
+    DEFAULT_MAX_SCHEDULED_TOKENS,
+    DEFAULT_PAGE_SIZE,
+    DEFAULT_POOL_FRACTION,
+    Engine,
+    EvictionOrder,
+    SimulationConfig,
+    default_num_pages,
+    engine_specs,
+    simulate,
+)
+from flat_kvcache.simulate.report import (
+    ProgressBar,
+    SimulationResult,
+    format_summary,
+    plot_result,
+    summary_json,
+)
+from flat_kvcache.simulate.trace import (
+    DEFAULT_NUM_REQUESTS,
+    VOCAB,
+    TokenArray,
+    TraceRequest,
+    default_trace,
+    load_trace,
+)
+
+__all__ = [
+    "CALL_KINDS",
+    "DEFAULT_MAX_RUNNING",
+    "DEFAULT_MAX_SCHEDULED_TOKENS",
+    "DEFAULT_NUM_REQUESTS",
+    "DEFAULT_PAGE_SIZE",
+    "DEFAULT_POOL_FRACTION",
+    "VOCAB",
+    "Engine",
+    "EvictionOrder",
+    "ProgressBar",
+    "SimulationConfig",
+    "SimulationResult",
+    "TokenArray",
+    "TraceRequest",
+    "default_num_pages",
+    "default_trace",
+    "engine_specs",
+    "format_summary",
+    "load_trace",
+    "plot_result",
+    "simulate",
+    "summary_json",
+]
