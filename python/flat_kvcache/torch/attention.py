@@ -124,7 +124,8 @@ def paged_attention(
     kv_heads = int(k_cache.shape[1])
     if int(k_cache.shape[2]) != head_dim or heads % kv_heads:
         raise ValueError(
-            f"query has {heads} heads of {head_dim}; the cache has {kv_heads} heads of {int(k_cache.shape[2])} "
+            f"query has {heads} heads of {head_dim}; the cache has {kv_heads} heads of "
+            f"{int(k_cache.shape[2])} "
             "(heads must be a multiple of kv_heads, head dims equal)"
         )
     if block_table.dim() != 2:

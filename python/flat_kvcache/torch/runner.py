@@ -37,11 +37,13 @@ from flat_kvcache.torch.shape import ModelShape
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "DecodeGraph",
     "PagedModelRunner",
     "RequestRecord",
     "max_logit_error",
     "model_shape",
     "reference_logits",
+    "run_decode_graph",
     "run_greedy",
 ]
 
@@ -412,3 +414,143 @@ def max_logit_error(
             diff = (logits.to(reference.device) - reference[positions]).abs().max()
             worst = max(worst, float(diff) if bool(torch.isfinite(diff)) else math.inf)
     return worst
+
+
+class DecodeGraph:
+    """One-token decode steps of ``runner`` over fixed tensors, optionally as a captured CUDA graph.
+
+    Needs ``runner.capture``: the attention reads the capture buffers' rows (in either mode), and
+    every other input (token ids, positions, sequence lengths, write slots) lives in a tensor
+    allocated once and updated in place, with ``check=False`` attention (NaN, never silent data,
+    for a hole read). With ``use_graph=True`` (CUDA) the model forward is captured once and each
+    :meth:`step` replays it; with False it runs eagerly on the same tensors (the CPU check of the
+    same path). Rows past the batch are graph padding: page 0, position 0, output ignored.
+    """
+
+    def __init__(self, runner: PagedModelRunner, *, use_graph: bool) -> None:
+        if runner.capture is None:
+            raise ValueError("DecodeGraph needs a runner built with capture buffers")
+        self.runner = runner
+        self.capture = runner.capture
+        size = self.capture.max_batch_size
+        device = runner.device
+        self.ids = torch.zeros(size, dtype=torch.long, device=device)
+        self.positions = torch.zeros(size, dtype=torch.long, device=device)
+        self.query_lens = torch.ones(size, dtype=torch.long, device=device)
+        self.seq_lens = {g: torch.ones(size, dtype=torch.long, device=device) for g in runner.layers_of_group}
+        self.slots = {g: torch.zeros(size, dtype=torch.long, device=device) for g in runner.layers_of_group}
+        self.context = _StepContext(
+            buffers=runner.buffers,
+            group_of_layer=runner.group_of_layer,
+            windows=runner.windows,
+            page_size=runner.page_size,
+            tables={g: self.capture.buffer(g) for g in runner.layers_of_group},
+            seq_lens=self.seq_lens,
+            slots=self.slots,
+            query_lens=self.query_lens,
+            check=False,
+        )
+        self.graph: Any = None
+        self.logits: torch.Tensor | None = None
+        if use_graph:
+            if device.type != "cuda":
+                raise ValueError(f"a CUDA graph needs CUDA buffers, these are on {device}")
+            stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up outside the graph
+                    self._forward()
+            torch.cuda.current_stream(device).wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self._forward()
+
+    def _forward(self) -> torch.Tensor:
+        token = _ACTIVE.set(self.context)
+        try:
+            with self.runner._paged(), torch.no_grad():
+                out = self.runner.model(
+                    input_ids=self.ids[None], position_ids=self.positions[None], use_cache=False
+                )
+        finally:
+            _ACTIVE.reset(token)
+        logits: torch.Tensor = out.logits[0]
+        return logits
+
+    def step(self, reqs: Sequence[str], tokens: Sequence[int]) -> torch.Tensor:
+        """Logits ``[len(reqs), vocab]`` of one decode token per request, already scheduled."""
+        runner, batch = self.runner, len(reqs)
+        if batch != len(tokens) or batch > self.capture.max_batch_size:
+            raise ValueError(
+                f"{batch} requests, {len(tokens)} tokens, max batch {self.capture.max_batch_size}"
+            )
+        tables = runner.cache.block_tables(list(reqs))
+        runner._poison(reqs, tables)
+        self.capture.fill(tables, batch_size=batch)
+        computed = torch.tensor([runner.cache.num_computed_tokens(r) for r in reqs], dtype=torch.long)
+        self.ids.zero_()
+        self.ids[:batch] = torch.tensor(list(tokens), dtype=torch.long)
+        self.positions.zero_()
+        self.positions[:batch] = computed - 1
+        for group in runner.layers_of_group:
+            shift = torch.zeros(batch, dtype=torch.long, device=runner.device)
+            with contextlib.suppress(KeyError):
+                shift = self.capture.page_offsets(group)[:batch].long() * runner.page_size
+            seq = computed.to(runner.device) - shift
+            self.seq_lens[group].fill_(1)
+            self.seq_lens[group][:batch] = seq
+            table = self.capture.buffer(group)
+            self.slots[group].zero_()
+            self.slots[group][:batch] = write_locations_rows(table[:batch], seq - 1, runner.page_size)
+        if self.graph is not None:
+            self.graph.replay()
+            assert self.logits is not None
+            return self.logits[:batch].float().clone()
+        return self._forward()[:batch].float()
+
+
+def write_locations_rows(table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``write_locations`` with the write checked (every decode write must hit a real page)."""
+    from flat_kvcache.torch.capture import write_locations
+
+    return write_locations(table, positions, page_size, check=True)
+
+
+def run_decode_graph(
+    runner: PagedModelRunner, prompts: Mapping[str, Sequence[int]], steps: int, *, use_graph: bool
+) -> dict[str, RequestRecord]:
+    """Prefill ``prompts`` with :meth:`PagedModelRunner.step`, then decode ``steps`` greedy tokens
+    per request through a :class:`DecodeGraph` (every request decodes each step)."""
+    reqs = list(prompts)
+    records = {r: RequestRecord(prompt=list(p), tokens=list(p)) for r, p in prompts.items()}
+    for req in reqs:
+        records[req].hits.append(runner.add_request(req, records[req].tokens))
+    ns = [len(records[r].tokens) - runner.cache.num_computed_tokens(r) for r in reqs]
+    if not runner.cache.schedule_batch(reqs, ns).all():
+        raise RuntimeError("the prompts do not fit in the pool")
+    chunks = [records[r].tokens[len(records[r].tokens) - n :] for r, n in zip(reqs, ns, strict=True)]
+    graph: DecodeGraph | None = None
+    capture, runner.capture = runner.capture, None  # a whole prompt may not fit a windowed buffer
+    try:
+        prefill = runner.step(reqs, chunks)
+    finally:
+        runner.capture = capture
+    for req, n, out in zip(reqs, ns, prefill, strict=True):
+        end = len(records[req].tokens)
+        records[req].computed.append((list(range(end - n, end)), out))
+    for _ in range(steps):
+        sampled = [int(records[r].computed[-1][1][-1].argmax()) for r in reqs]
+        runner.cache.append_tokens_batch(reqs, sampled)
+        for req, token in zip(reqs, sampled, strict=True):
+            records[req].tokens.append(token)
+        if not runner.cache.schedule_batch(reqs, [1] * len(reqs)).all():
+            raise RuntimeError("a decode step does not fit in the pool")
+        if graph is None:
+            graph = DecodeGraph(runner, use_graph=use_graph)
+        logits = graph.step(reqs, sampled)
+        for row, req in enumerate(reqs):
+            end = len(records[req].tokens)
+            records[req].computed.append(([end - 1], logits[row : row + 1]))
+    for req in reqs:
+        runner.release(req)
+    return records
