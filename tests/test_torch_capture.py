@@ -34,20 +34,30 @@ def tables(rows: int = 2, sliding_cols: int = 2, full_cols: int = 3) -> dict[str
     return {"linear_attention": full.copy(), "sliding_attention": sliding, "full_attention": full}
 
 
+def full_width(tokens: int = 1, depth: int = 0, context: int = 1024) -> int:
+    """The full-history capture width of SPEC 2, ceil((C + (D + 1) * N) / P), computed here."""
+    return -(-(context + (depth + 1) * tokens) // PAGE)
+
+
 @pytest.mark.parametrize(("tokens", "depth"), [(1, 0), (1, 1), (4, 1), (3, 0)])
 def test_widths_are_the_capture_widths(tokens: int, depth: int) -> None:
     buffers = capture(max_tokens_per_req=tokens, overlap_schedule_depth=depth)
     assert buffers.group_ids == ("sliding_attention", "full_attention")  # the state group is not captured
+    # Absolute tables (default): every captured group, sliding included, gets the full-history width.
     for spec in GROUPS[1:]:
-        width = ref.compute_max_logical_pages_for_capture(
-            spec, max_context_len=1024, max_tokens_per_req=tokens, overlap_schedule_depth=depth
-        )
-        assert buffers.width(spec.group_id) == width
-        assert buffers.buffer(spec.group_id).shape == (4, width)
+        assert buffers.width(spec.group_id) == full_width(tokens, depth)
+        assert buffers.buffer(spec.group_id).shape == (4, full_width(tokens, depth))
         assert buffers.buffer(spec.group_id).dtype is torch.int32
     # Never narrower than ceil(C / P) (SPEC 12.1: the reservation horizon needs more).
     assert buffers.width("full_attention") >= 1024 // PAGE
     assert "CaptureBuffers(max_batch_size=4" in repr(buffers)
+    # Windowed tables: the sliding group gets the narrow width ceil((min(W, C) + horizon) / P) + 1.
+    windowed = capture(max_tokens_per_req=tokens, overlap_schedule_depth=depth, sliding_offsets=True)
+    assert windowed.width("sliding_attention") == -(-(64 + (depth + 1) * tokens) // PAGE) + 1
+    assert windowed.width("sliding_attention") == ref.compute_max_logical_pages_for_capture(
+        GROUPS[1], max_context_len=1024, max_tokens_per_req=tokens, overlap_schedule_depth=depth
+    )
+    assert windowed.width("full_attention") == full_width(tokens, depth)
 
 
 def test_fill_copies_and_pads() -> None:
@@ -112,12 +122,37 @@ def test_fill_from_flat_block_tables() -> None:
 
 
 @needs_flat
-def test_sliding_tables_outgrow_the_window_width() -> None:
+def test_default_buffers_hold_long_sliding_requests() -> None:
     step = flat_step()
     assert step["sliding_attention"][1, :2].tolist() == [0, 0]  # holes
-    assert step["sliding_attention"].shape[1] == 7 > capture().width("sliding_attention") == 6
-    with pytest.raises(ValueError, match=r"'sliding_attention' has 7 columns, .*sliding_offsets=True"):
-        capture().fill(step, batch_size=2)
+    assert step["sliding_attention"].shape[1] == 7 > capture(sliding_offsets=True).width("sliding_attention")
+    buffers = capture()
+    buffers.fill(step, batch_size=2)
+    sliding = step["sliding_attention"]
+    assert buffers.buffer("sliding_attention")[:2, :7].tolist() == sliding.tolist()
+    assert (buffers.buffer("sliding_attention")[:2, 7:] == -1).all()
+
+
+@needs_flat
+def test_default_buffers_hold_a_request_at_the_context_limit() -> None:
+    # A request of C = 4096 tokens on a 64-token window, page 16: its sliding table has 256
+    # columns (252 of them holes after reclaim), far wider than the window's 6 columns.
+    groups = ref.group_specs_from_layer_types(["sliding_attention", "full_attention"], 64, page_size=PAGE)
+    cache = ref.FlatKVCache(ref.kv_cache_specs(groups), 600)
+    assert cache.acquire("long", 4096)
+    cache.reclaim("long", 4096)
+    assert cache.acquire("short", 100)
+    step = cache.block_tables(["long", "short"])
+    assert step["sliding_attention"].shape[1] == 256 and (step["sliding_attention"][0, :252] == 0).all()
+    buffers = CaptureBuffers(groups, max_batch_size=2, max_context_len=4096)
+    assert buffers.width("sliding_attention") == buffers.width("full_attention") == full_width(context=4096)
+    buffers.fill(step, batch_size=2)
+    for group_id in buffers.group_ids:
+        assert buffers.buffer(group_id)[:, :256].tolist() == step[group_id].tolist()
+    with pytest.raises(
+        ValueError, match=r"'sliding_attention' has 258 columns, wider than its capture buffer \(257\)"
+    ):
+        buffers.fill({g: np.ones((2, 258), np.int32) for g in buffers.group_ids}, batch_size=2)
 
 
 @needs_flat
@@ -164,7 +199,7 @@ def test_sliding_offsets_refuse_to_drop_a_live_page() -> None:
         (
             {"sliding_attention": np.zeros((2, 100), np.int32)},
             2,
-            "'sliding_attention' has 100 columns, wider",
+            "'sliding_attention' has 100 columns, wider than its capture buffer \\(65\\)",
         ),
         (
             {"full_attention": np.zeros((1, 3), np.int32)},

@@ -14,6 +14,10 @@ The pipeline, one call per step::
     capture.fill(cache.block_tables(reqs), batch_size=len(reqs))
     out_loc = write_locations(capture.buffer("full_attention"), positions, plan.page_size)
 
+Attention over the pages: :func:`paged_attention` and :func:`write_kv` are the executable
+definition of the layout a kernel must match (docs/model-runner.md); ``flat_kvcache.torch.runner``
+runs a ``transformers`` model on them (needs the ``model`` extra).
+
 Every size comes from the native memory plan (``flat_kvcache.components_from_layers``,
 ``equalized_block_size``, ``plan_tensors`` / ``plan_component_tensors``), computed in Rust with
 checked arithmetic; this module turns the planned byte counts into tensor shapes and checks
@@ -35,6 +39,7 @@ except ModuleNotFoundError as exc:
         "install it with `pip install 'flat-kvcache[torch]'`"
     ) from exc
 
+from flat_kvcache.torch.attention import paged_attention, write_kv
 from flat_kvcache.torch.capture import CaptureBuffers, extend_locations, write_locations
 from flat_kvcache.torch.plan import KVBuffers, KVMemoryPlan, TensorSpec, allocate_kv_buffers, plan_kv_memory
 from flat_kvcache.torch.shape import ModelShape
@@ -47,6 +52,8 @@ __all__ = [
     "TensorSpec",
     "allocate_kv_buffers",
     "extend_locations",
+    "paged_attention",
     "plan_kv_memory",
+    "write_kv",
     "write_locations",
 ]

@@ -5,6 +5,7 @@ Public through :mod:`flat_kvcache.torch`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -12,7 +13,7 @@ import numpy as np
 import torch
 
 from flat_kvcache import PagedCacheGroupSpec, compute_max_logical_pages_for_capture
-from flat_kvcache._types import SLIDING_WINDOW, STATE
+from flat_kvcache._types import FULL_HISTORY, SLIDING_WINDOW, STATE
 from flat_kvcache.torch._checks import DeviceLike, as_device, as_int, is_integer_dtype
 
 __all__ = ["CaptureBuffers", "extend_locations", "write_locations"]
@@ -24,17 +25,22 @@ _INT32 = torch.iinfo(torch.int32)
 class CaptureBuffers:
     """Fixed int32 block-table buffers for CUDA-graph capture, one per non-state group.
 
-    Each buffer is ``[max_batch_size, width]`` with ``width`` from
-    ``compute_max_logical_pages_for_capture`` (SPEC 2 and 12.1: the reservation horizon, not
-    ``ceil(C / P)``). :meth:`fill` copies a step's tables into the same storage every step, so a
-    captured graph can read them.
+    Each buffer is ``[max_batch_size, width]``; :meth:`fill` copies a step's tables into the same
+    storage every step, so a captured graph can read them. Two modes:
 
-    Tables are absolute (slot ``i`` covers tokens ``[i * P, (i + 1) * P)``), but a sliding-window
-    group's capture width only covers the window: past it, a sliding table is wider than its
-    buffer. By default that is an error. With ``sliding_offsets=True`` a sliding group's buffer
-    holds each row's last ``width`` slots instead, and :meth:`page_offsets` gives, per row, the
-    logical page of column 0; a kernel then sees positions shifted by ``offset * P`` (which leaves
-    the window mask unchanged), and :func:`write_locations` takes ``positions - offset * P``.
+    * Absolute tables (the default). Rows are the cache's tables as they are: slot ``i`` covers
+      tokens ``[i * P, (i + 1) * P)`` in every group, holes included. A sliding-window table keeps
+      growing (with holes in front) as a request runs past its window, so every non-state group's
+      buffer is as wide as the full-history capture width ``ceil((C + (D + 1) * N) / P)`` (SPEC 2
+      and 12.1: the reservation horizon, not ``ceil(C / P)``). Any kernel that reads absolute
+      tables works unchanged.
+    * Windowed tables (``sliding_offsets=True``). A sliding group's buffer has the narrow sliding
+      capture width of SPEC 2 (``compute_max_logical_pages_for_capture`` for the sliding spec,
+      ``ceil((min(W, C) + horizon) / P) + 1``) and holds each row's last ``width`` slots;
+      :meth:`page_offsets` gives, per row, the logical page of column 0. A kernel then sees
+      positions shifted by ``offset * P``: pass it ``seq_lens - offset * P`` (the window mask is
+      relative, so the attention is the same) and write at ``positions - offset * P`` with
+      :func:`write_locations`. Full-history groups keep the full width.
     """
 
     def __init__(
@@ -59,15 +65,18 @@ class CaptureBuffers:
                 continue
             if spec.group_id in self._buffers:
                 raise ValueError(f"group {spec.group_id!r} appears twice")
+            windowed = sliding_offsets and spec.group_id in self._sliding
+            # Absolute sliding tables grow like full-history ones: size them with the full width.
+            sized = spec if windowed or spec.group_id not in self._sliding else _as_full_history(spec)
             width = compute_max_logical_pages_for_capture(
-                spec,
+                sized,
                 max_context_len=max_context_len,
                 max_tokens_per_req=max_tokens_per_req,
                 overlap_schedule_depth=overlap_schedule_depth,
             )
             shape = (self._max_batch_size, width)
             self._buffers[spec.group_id] = torch.zeros(shape, dtype=torch.int32, device=target)
-            if sliding_offsets and spec.group_id in self._sliding:
+            if windowed:
                 offsets = torch.zeros(self._max_batch_size, dtype=torch.int32, device=target)
                 self._offsets[spec.group_id] = offsets
 
@@ -139,15 +148,10 @@ class CaptureBuffers:
             if group_id in self._offsets:
                 prepared[group_id] = _tail_window(rows, group_id, width)
             elif rows.shape[1] > width:
-                hint = (
-                    "; sliding-window tables are absolute and outgrow the window's capture width: "
-                    "use CaptureBuffers(..., sliding_offsets=True)"
-                    if group_id in self._sliding
-                    else ""
-                )
                 raise ValueError(
                     f"block table for group {group_id!r} has {rows.shape[1]} columns, wider than its "
-                    f"capture buffer ({width}){hint}"
+                    f"capture buffer ({width}): a request longer than the max_context_len it was "
+                    "built for?"
                 )
             else:
                 prepared[group_id] = (rows, None)
@@ -165,6 +169,11 @@ class CaptureBuffers:
     def __repr__(self) -> str:
         widths = {g: int(b.shape[1]) for g, b in self._buffers.items()}
         return f"CaptureBuffers(max_batch_size={self._max_batch_size}, widths={widths})"
+
+
+def _as_full_history(spec: PagedCacheGroupSpec) -> PagedCacheGroupSpec:
+    """The same group with full-history retention: the capture width of an absolute table."""
+    return dataclasses.replace(spec, retention=FULL_HISTORY, sliding_window_tokens=None)
 
 
 def _table_rows(table: Any, group_id: str, batch: int) -> torch.Tensor:

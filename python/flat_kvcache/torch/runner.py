@@ -1,0 +1,556 @@
+"""Run a Hugging Face causal LM on the flat cache's pages, and a greedy scheduler loop (private).
+
+Public through :mod:`flat_kvcache.torch.runner` (it needs ``transformers``, the ``model`` extra).
+
+:class:`PagedModelRunner` registers :func:`~flat_kvcache.torch.paged_attention` as a
+``transformers`` attention implementation. Each :meth:`~PagedModelRunner.step` runs the model
+once over the new tokens of a batch of requests, packed into one sequence: every attention layer
+writes its new K/V rows at the slots the cache's block tables give (``extend_locations``) into the
+:class:`~flat_kvcache.torch.KVBuffers` of its layer and reads its history back through the
+tables. Nothing else keeps K/V, so a model that matches its own plain forward proves that the
+tables, write locations and buffers agree (docs/model-runner.md).
+
+:func:`run_greedy` is a small scheduler loop on ``FlatKVCache``'s token-level API (chunked
+prefill, decode, prefix hits, preemption when the pool runs dry) that records the logits of
+every computed position, and :func:`reference_logits` is the model's own forward to compare with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from flat_kvcache import FlatKVCache, layer_group_ids
+from flat_kvcache._types import SLIDING_WINDOW, STATE
+from flat_kvcache.torch.attention import paged_attention, write_kv
+from flat_kvcache.torch.capture import CaptureBuffers, extend_locations
+from flat_kvcache.torch.plan import KVBuffers
+from flat_kvcache.torch.shape import ModelShape
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "DecodeGraph",
+    "PagedModelRunner",
+    "RequestRecord",
+    "max_logit_error",
+    "model_shape",
+    "reference_logits",
+    "run_decode_graph",
+    "run_greedy",
+]
+
+#: The name under which the paged attention is registered with ``transformers``.
+ATTN_IMPLEMENTATION = "flat_kvcache_paged"
+
+
+@dataclass
+class _StepContext:
+    buffers: KVBuffers
+    group_of_layer: Sequence[str]
+    windows: Mapping[str, int | None]
+    page_size: int
+    tables: dict[str, torch.Tensor]
+    seq_lens: dict[str, torch.Tensor]
+    slots: dict[str, torch.Tensor]
+    query_lens: torch.Tensor
+    check: bool
+
+
+_ACTIVE: contextvars.ContextVar[_StepContext | None] = contextvars.ContextVar(
+    "flat_kvcache_step", default=None
+)
+
+
+def _paged_attention_forward(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The ``transformers`` attention function: write this step's K/V, then attend over the pages."""
+    step = _ACTIVE.get()
+    if step is None:
+        raise RuntimeError(
+            f"attention implementation {ATTN_IMPLEMENTATION!r} called outside PagedModelRunner.step"
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"the paged forward packs every request into batch 1, got batch {query.shape[0]}")
+    layer = int(module.layer_idx)
+    group = step.group_of_layer[layer]
+    if sliding_window != step.windows[group]:
+        raise ValueError(
+            f"layer {layer} attends with sliding_window={sliding_window} but its cache group {group!r} "
+            f"keeps window {step.windows[group]}"
+        )
+    k_cache, v_cache = step.buffers.k(layer), step.buffers.v(layer)
+    write_kv(k_cache, v_cache, step.slots[group], key[0].transpose(0, 1), value[0].transpose(0, 1))
+    out = paged_attention(
+        query[0].transpose(0, 1),
+        k_cache,
+        v_cache,
+        step.tables[group],
+        step.seq_lens[group],
+        step.query_lens,
+        step.page_size,
+        scale=scaling,
+        sliding_window=sliding_window,
+        sinks=s_aux,
+        check=step.check,
+    )
+    return out.unsqueeze(0), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _paged_attention_forward)
+
+
+def model_shape(config: Any, kv_dtype: torch.dtype = torch.float32) -> ModelShape:
+    """The :class:`ModelShape` of a ``transformers`` config (attention-only models)."""
+    num_layers = int(config.num_hidden_layers)
+    layer_types = tuple(getattr(config, "layer_types", None) or ("full_attention",) * num_layers)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    window = getattr(config, "sliding_window", None) if "sliding_attention" in layer_types else None
+    return ModelShape(
+        layer_types=layer_types,
+        sliding_window=window,
+        num_kv_heads=int(config.num_key_value_heads),
+        head_dim=int(head_dim),
+        kv_dtype=kv_dtype,
+    )
+
+
+class PagedModelRunner:
+    """Runs ``model`` over a :class:`~flat_kvcache.FlatKVCache`'s pages and ``buffers``.
+
+    Parameters
+    ----------
+    model
+        A ``transformers`` causal LM whose attention layers call the attention-function registry
+        (Llama, Qwen2, Mistral, Gemma, GPT-OSS...). Its ``layer_types`` / ``sliding_window`` must
+        be those ``buffers`` were planned for.
+    cache
+        The page manager, built from ``buffers.plan.groups``.
+    buffers
+        The K/V buffers (per layer or hybrid slabs).
+    capture
+        Optional :class:`CaptureBuffers`: every step fills them and the attention reads their rows
+        (in windowed mode, ``sliding_offsets=True``, with the row offsets applied).
+    check
+        Check write locations and attended slots (ValueError on a hole or padding).
+    poison_new_pages
+        Fill every page a request gets from the pool with NaN before its first use (claimed
+        prefix-hit pages keep their content), so a read of an unwritten slot shows up as NaN.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        cache: FlatKVCache,
+        buffers: KVBuffers,
+        *,
+        capture: CaptureBuffers | None = None,
+        check: bool = True,
+        poison_new_pages: bool = False,
+    ) -> None:
+        _register()
+        self.model = model
+        self.cache = cache
+        self.buffers = buffers
+        self.capture = capture
+        self.check = check
+        self.poison_new_pages = poison_new_pages
+        plan = buffers.plan
+        self.page_size = plan.page_size
+        shape = plan.shape
+        if any(spec.family == STATE for spec in plan.groups):
+            raise ValueError("PagedModelRunner drives attention layers only; the plan has a state group")
+        expected = model_shape(model.config, shape.kv_dtype)
+        if (expected.layer_types, expected.sliding_window) != (shape.layer_types, shape.sliding_window):
+            raise ValueError(
+                f"the model's layers {expected.layer_types} (window {expected.sliding_window}) are not "
+                f"those the buffers were planned for: {shape.layer_types} (window {shape.sliding_window})"
+            )
+        if list(cache.group_ids) != [spec.group_id for spec in plan.groups]:
+            raise ValueError(
+                f"cache groups {list(cache.group_ids)} differ from the plan's "
+                f"{[spec.group_id for spec in plan.groups]}"
+            )
+        self.group_of_layer = layer_group_ids(shape.layer_types, shape.sliding_window)
+        self.windows: dict[str, int | None] = {
+            spec.group_id: spec.sliding_window_tokens if spec.retention == SLIDING_WINDOW else None
+            for spec in plan.groups
+        }
+        self.layers_of_group: dict[str, list[int]] = {}
+        for layer, group in enumerate(self.group_of_layer):
+            self.layers_of_group.setdefault(group, []).append(layer)
+        self._known: dict[str, dict[str, set[int]]] = {}
+        self.device = next(iter(buffers.tensors.values())).device
+
+    # -- request bookkeeping ------------------------------------------------------------------
+
+    def add_request(self, req: str, tokens: Sequence[int]) -> int:
+        """``cache.add_request``; returns the prefix hit in tokens (those are not recomputed)."""
+        hit = self.cache.add_request(req, list(tokens))
+        tables = self.cache.block_tables([req])
+        self._known[req] = {g: {int(p) for p in t[0] if p > 0} for g, t in tables.items()}
+        return hit
+
+    def release(self, req: str, *, preempt: bool = False) -> list[int] | None:
+        """``cache.finish`` (or ``cache.preempt``, whose folded token list is returned)."""
+        self._known.pop(req, None)
+        if preempt:
+            return self.cache.preempt(req)
+        self.cache.finish(req)
+        return None
+
+    @contextlib.contextmanager
+    def _paged(self) -> Iterator[None]:
+        previous = self.model.config._attn_implementation
+        self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        try:
+            yield
+        finally:
+            self.model.set_attn_implementation(previous)
+
+    def _poison(self, reqs: Sequence[str], tables: Mapping[str, np.ndarray]) -> None:
+        size = self.page_size
+        for row, req in enumerate(reqs):
+            known = self._known.setdefault(req, {})
+            for group, table in tables.items():
+                seen = known.setdefault(group, set())
+                for page in (int(p) for p in table[row] if p > 0):
+                    if page in seen:
+                        continue
+                    seen.add(page)
+                    if self.poison_new_pages:
+                        for layer in self.layers_of_group[group]:
+                            self.buffers.k(layer)[page * size : (page + 1) * size] = math.nan
+                            self.buffers.v(layer)[page * size : (page + 1) * size] = math.nan
+
+    # -- one forward --------------------------------------------------------------------------
+
+    def step(self, reqs: Sequence[str], new_tokens: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Compute the logits of ``new_tokens[i]`` for every request, already scheduled.
+
+        Call after ``cache.schedule_batch(reqs, [len(t) for t in new_tokens])`` succeeded for all
+        of them: request ``i``'s new tokens are its positions ``computed - len(new_tokens[i]) ..
+        computed - 1``. Returns one ``[len(new_tokens[i]), vocab]`` float tensor per request.
+        """
+        if len(reqs) != len(new_tokens):
+            raise ValueError(f"{len(reqs)} requests but {len(new_tokens)} token lists")
+        if not reqs:
+            return []
+        lens = [len(t) for t in new_tokens]
+        if min(lens) < 1:
+            raise ValueError("every scheduled request needs at least one new token")
+        computed = [self.cache.num_computed_tokens(r) for r in reqs]
+        tables_np = self.cache.block_tables(list(reqs))
+        self._poison(reqs, tables_np)
+        device = self.device
+        seq = torch.tensor(computed, dtype=torch.long, device=device)
+        qlen = torch.tensor(lens, dtype=torch.long, device=device)
+        tables: dict[str, torch.Tensor] = {}
+        seq_lens: dict[str, torch.Tensor] = {}
+        slots: dict[str, torch.Tensor] = {}
+        if self.capture is not None:
+            self.capture.fill(tables_np, batch_size=len(reqs))
+        for group in self.layers_of_group:
+            shift = torch.zeros_like(seq)
+            if self.capture is not None:
+                table = self.capture.buffer(group)[: len(reqs)].to(device)
+                with contextlib.suppress(KeyError):
+                    shift = self.capture.page_offsets(group)[: len(reqs)].to(device).long() * self.page_size
+            else:
+                table = torch.from_numpy(tables_np[group]).to(device)
+            tables[group] = table
+            seq_lens[group] = seq - shift
+            slots[group] = extend_locations(table, seq - shift - qlen, qlen, self.page_size, check=self.check)
+        ids = torch.tensor([t for toks in new_tokens for t in toks], dtype=torch.long, device=device)
+        positions = torch.cat(
+            [torch.arange(c - n, c, device=device) for c, n in zip(computed, lens, strict=True)]
+        )
+        context = _StepContext(
+            buffers=self.buffers,
+            group_of_layer=self.group_of_layer,
+            windows=self.windows,
+            page_size=self.page_size,
+            tables=tables,
+            seq_lens=seq_lens,
+            slots=slots,
+            query_lens=qlen,
+            check=self.check,
+        )
+        token = _ACTIVE.set(context)
+        try:
+            with self._paged(), torch.no_grad():
+                out = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False)
+        finally:
+            _ACTIVE.reset(token)
+        logits: torch.Tensor = out.logits[0].float()
+        return list(torch.split(logits, lens))
+
+
+def reference_logits(model: Any, tokens: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[len(tokens), vocab]``: the model's own forward over the whole sequence (eager attention)."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
+            out = model(input_ids=ids, use_cache=False)
+    finally:
+        model.set_attn_implementation(previous)
+    logits: torch.Tensor = out.logits[0].float()
+    return logits
+
+
+@dataclass
+class RequestRecord:
+    """What :func:`run_greedy` did for one request."""
+
+    prompt: list[int]
+    tokens: list[int]
+    #: ``(positions, logits)`` of every forward that computed some of the request's tokens.
+    computed: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
+    #: Prefix hits (tokens) of each ``add_request`` (more than one after a preemption).
+    hits: list[int] = field(default_factory=list)
+    preemptions: int = 0
+
+
+StepHook = Callable[[int, Sequence[str], Sequence[int], Mapping[str, "RequestRecord"]], None]
+
+
+def run_greedy(
+    runner: PagedModelRunner,
+    prompts: Mapping[str, Sequence[int]],
+    max_new_tokens: int,
+    *,
+    chunk_size: int = 1 << 30,
+    max_running: int = 1 << 30,
+    on_step: StepHook | None = None,
+    max_steps: int = 100_000,
+) -> dict[str, RequestRecord]:
+    """Generate ``max_new_tokens`` greedy tokens per prompt through ``runner``.
+
+    Requests are admitted in order while fewer than ``max_running`` run; each step schedules
+    ``min(chunk_size, tokens not computed)`` tokens per running request with one
+    ``schedule_batch``; a request that does not fit is preempted (its folded tokens re-added later,
+    a prefix hit), and if no request fits the run fails. ``on_step(step, reqs, ns, records)``
+    is called after each forward.
+    """
+    records = {req: RequestRecord(prompt=list(p), tokens=list(p)) for req, p in prompts.items()}
+    waiting: deque[str] = deque(prompts)
+    running: list[str] = []
+    for step in range(max_steps):
+        if not waiting and not running:
+            return records
+        while waiting and len(running) < max_running:
+            req = waiting.popleft()
+            records[req].hits.append(runner.add_request(req, records[req].tokens))
+            running.append(req)
+        ns = [min(chunk_size, len(records[r].tokens) - runner.cache.num_computed_tokens(r)) for r in running]
+        ok = runner.cache.schedule_batch(running, ns)
+        failed = [r for r, good in zip(running, ok, strict=True) if not good]
+        scheduled = [(r, n) for r, n, good in zip(running, ns, ok, strict=True) if good]
+        if not scheduled:
+            raise RuntimeError(f"step {step}: no running request fits in the pool ({running})")
+        for req in reversed(failed):
+            runner.release(req, preempt=True)
+            records[req].preemptions += 1
+            running.remove(req)
+            waiting.appendleft(req)
+        reqs = [r for r, _ in scheduled]
+        chunks = []
+        for req, n in scheduled:
+            end = runner.cache.num_computed_tokens(req)
+            chunks.append(records[req].tokens[end - n : end])
+        logits = runner.step(reqs, chunks)
+        sampled_reqs: list[str] = []
+        sampled: list[int] = []
+        for (req, n), out in zip(scheduled, logits, strict=True):
+            record = records[req]
+            end = runner.cache.num_computed_tokens(req)
+            record.computed.append((list(range(end - n, end)), out))
+            if end == len(record.tokens):
+                sampled_reqs.append(req)
+                sampled.append(int(out[-1].argmax()))
+        if sampled_reqs:
+            runner.cache.append_tokens_batch(sampled_reqs, sampled)
+        for req, token in zip(sampled_reqs, sampled, strict=True):
+            record = records[req]
+            record.tokens.append(token)
+            if len(record.tokens) - len(record.prompt) >= max_new_tokens:
+                runner.release(req)
+                running.remove(req)
+        if on_step is not None:
+            on_step(step, reqs, [n for _, n in scheduled], records)
+    raise RuntimeError(f"run_greedy did not finish within {max_steps} steps")
+
+
+def max_logit_error(
+    model: Any, records: Mapping[str, RequestRecord], device: torch.device | str = "cpu"
+) -> float:
+    """Largest ``|paged - reference|`` over every computed position of every request."""
+    worst = 0.0
+    for record in records.values():
+        reference = reference_logits(model, record.tokens, device)
+        for positions, logits in record.computed:
+            diff = (logits.to(reference.device) - reference[positions]).abs().max()
+            worst = max(worst, float(diff) if bool(torch.isfinite(diff)) else math.inf)
+    return worst
+
+
+class DecodeGraph:
+    """One-token decode steps of ``runner`` over fixed tensors, optionally as a captured CUDA graph.
+
+    Needs ``runner.capture``: the attention reads the capture buffers' rows (in either mode), and
+    every other input (token ids, positions, sequence lengths, write slots) lives in a tensor
+    allocated once and updated in place, with ``check=False`` attention (NaN, never silent data,
+    for a hole read). With ``use_graph=True`` (CUDA) the model forward is captured once and each
+    :meth:`step` replays it; with False it runs eagerly on the same tensors (the CPU check of the
+    same path). Rows past the batch are graph padding: page 0, position 0, output ignored.
+    """
+
+    def __init__(self, runner: PagedModelRunner, *, use_graph: bool) -> None:
+        if runner.capture is None:
+            raise ValueError("DecodeGraph needs a runner built with capture buffers")
+        self.runner = runner
+        self.capture = runner.capture
+        size = self.capture.max_batch_size
+        device = runner.device
+        self.ids = torch.zeros(size, dtype=torch.long, device=device)
+        self.positions = torch.zeros(size, dtype=torch.long, device=device)
+        self.query_lens = torch.ones(size, dtype=torch.long, device=device)
+        self.seq_lens = {g: torch.ones(size, dtype=torch.long, device=device) for g in runner.layers_of_group}
+        self.slots = {g: torch.zeros(size, dtype=torch.long, device=device) for g in runner.layers_of_group}
+        self.context = _StepContext(
+            buffers=runner.buffers,
+            group_of_layer=runner.group_of_layer,
+            windows=runner.windows,
+            page_size=runner.page_size,
+            tables={g: self.capture.buffer(g) for g in runner.layers_of_group},
+            seq_lens=self.seq_lens,
+            slots=self.slots,
+            query_lens=self.query_lens,
+            check=False,
+        )
+        self.graph: Any = None
+        self.logits: torch.Tensor | None = None
+        if use_graph:
+            if device.type != "cuda":
+                raise ValueError(f"a CUDA graph needs CUDA buffers, these are on {device}")
+            stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up outside the graph
+                    self._forward()
+            torch.cuda.current_stream(device).wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self._forward()
+
+    def _forward(self) -> torch.Tensor:
+        token = _ACTIVE.set(self.context)
+        try:
+            with self.runner._paged(), torch.no_grad():
+                out = self.runner.model(
+                    input_ids=self.ids[None], position_ids=self.positions[None], use_cache=False
+                )
+        finally:
+            _ACTIVE.reset(token)
+        logits: torch.Tensor = out.logits[0]
+        return logits
+
+    def step(self, reqs: Sequence[str], tokens: Sequence[int]) -> torch.Tensor:
+        """Logits ``[len(reqs), vocab]`` of one decode token per request, already scheduled."""
+        runner, batch = self.runner, len(reqs)
+        if batch != len(tokens) or batch > self.capture.max_batch_size:
+            raise ValueError(
+                f"{batch} requests, {len(tokens)} tokens, max batch {self.capture.max_batch_size}"
+            )
+        tables = runner.cache.block_tables(list(reqs))
+        runner._poison(reqs, tables)
+        self.capture.fill(tables, batch_size=batch)
+        computed = torch.tensor([runner.cache.num_computed_tokens(r) for r in reqs], dtype=torch.long)
+        self.ids.zero_()
+        self.ids[:batch] = torch.tensor(list(tokens), dtype=torch.long)
+        self.positions.zero_()
+        self.positions[:batch] = computed - 1
+        for group in runner.layers_of_group:
+            shift = torch.zeros(batch, dtype=torch.long, device=runner.device)
+            with contextlib.suppress(KeyError):
+                shift = self.capture.page_offsets(group)[:batch].long() * runner.page_size
+            seq = computed.to(runner.device) - shift
+            self.seq_lens[group].fill_(1)
+            self.seq_lens[group][:batch] = seq
+            table = self.capture.buffer(group)
+            self.slots[group].zero_()
+            self.slots[group][:batch] = write_locations_rows(table[:batch], seq - 1, runner.page_size)
+        if self.graph is not None:
+            self.graph.replay()
+            assert self.logits is not None
+            return self.logits[:batch].float().clone()
+        return self._forward()[:batch].float()
+
+
+def write_locations_rows(table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``write_locations`` with the write checked (every decode write must hit a real page)."""
+    from flat_kvcache.torch.capture import write_locations
+
+    return write_locations(table, positions, page_size, check=True)
+
+
+def run_decode_graph(
+    runner: PagedModelRunner, prompts: Mapping[str, Sequence[int]], steps: int, *, use_graph: bool
+) -> dict[str, RequestRecord]:
+    """Prefill ``prompts`` with :meth:`PagedModelRunner.step`, then decode ``steps`` greedy tokens
+    per request through a :class:`DecodeGraph` (every request decodes each step)."""
+    reqs = list(prompts)
+    records = {r: RequestRecord(prompt=list(p), tokens=list(p)) for r, p in prompts.items()}
+    for req in reqs:
+        records[req].hits.append(runner.add_request(req, records[req].tokens))
+    ns = [len(records[r].tokens) - runner.cache.num_computed_tokens(r) for r in reqs]
+    if not runner.cache.schedule_batch(reqs, ns).all():
+        raise RuntimeError("the prompts do not fit in the pool")
+    chunks = [records[r].tokens[len(records[r].tokens) - n :] for r, n in zip(reqs, ns, strict=True)]
+    graph: DecodeGraph | None = None
+    capture, runner.capture = runner.capture, None  # a whole prompt may not fit a windowed buffer
+    try:
+        prefill = runner.step(reqs, chunks)
+    finally:
+        runner.capture = capture
+    for req, n, out in zip(reqs, ns, prefill, strict=True):
+        end = len(records[req].tokens)
+        records[req].computed.append((list(range(end - n, end)), out))
+    for _ in range(steps):
+        sampled = [int(records[r].computed[-1][1][-1].argmax()) for r in reqs]
+        runner.cache.append_tokens_batch(reqs, sampled)
+        for req, token in zip(reqs, sampled, strict=True):
+            records[req].tokens.append(token)
+        if not runner.cache.schedule_batch(reqs, [1] * len(reqs)).all():
+            raise RuntimeError("a decode step does not fit in the pool")
+        if graph is None:
+            graph = DecodeGraph(runner, use_graph=use_graph)
+        logits = graph.step(reqs, sampled)
+        for row, req in enumerate(reqs):
+            end = len(records[req].tokens)
+            records[req].computed.append(([end - 1], logits[row : row + 1]))
+    for req in reqs:
+        runner.release(req)
+    return records

@@ -1,0 +1,43 @@
+"""The demo generates through the whole stack, prints what the cache did, and exits 0."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+try:
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+except ModuleNotFoundError:
+    if os.environ.get("CI"):
+        raise RuntimeError("torch/transformers are missing: the model tests must run in CI") from None
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+
+import flat_kvcache
+from flat_kvcache.demo import main
+
+pytestmark = pytest.mark.skipif(not flat_kvcache.FLAT_KVCACHE, reason="needs the flat build")
+
+
+def test_demo_runs_and_reports_the_cache(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: one thread is much faster on a shared machine
+    try:
+        status = main(["--steps", "3", "--seed", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "step   0: A: +19 tok (prefix hit 0)" in out
+    assert "B: +1 tok (prefix hit 16)" in out  # B's shared 16-token prefix is not recomputed
+    assert "holes" in out and "free pages" in out
+    assert "largest logit difference to the model's own forward" in out
+
+
+def test_demo_rejects_bad_arguments() -> None:
+    with pytest.raises(SystemExit):
+        main(["--steps", "0"])

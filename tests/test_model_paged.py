@@ -1,0 +1,264 @@
+"""Tiny random Hugging Face models computed through the flat cache match their own plain forward.
+
+Every attention layer writes its K/V at the cache's write locations into the planned buffers and
+reads its history back through the cache's block tables (flat_kvcache.torch.runner); the logits
+of every computed position must equal the model's forward over the whole sequence. Freshly
+allocated pages are filled with NaN, so a read of an unwritten slot fails the comparison.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import pytest
+
+try:
+    import torch
+    import transformers
+except ModuleNotFoundError:
+    if os.environ.get("CI"):
+        raise RuntimeError("torch/transformers are missing: the model tests must run in CI") from None
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+
+import flat_kvcache as fk
+from flat_kvcache.torch import CaptureBuffers, allocate_kv_buffers, plan_kv_memory
+from flat_kvcache.torch.runner import (
+    PagedModelRunner,
+    RequestRecord,
+    max_logit_error,
+    model_shape,
+    run_decode_graph,
+    run_greedy,
+)
+
+pytestmark = [pytest.mark.torch, pytest.mark.skipif(not fk.FLAT_KVCACHE, reason="needs the flat build")]
+
+TOLERANCE = 1e-4
+WINDOW = 8
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models run far faster (and steadier on a shared machine) on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def gpt_oss(layers: int = 4) -> Any:
+    """GPT-OSS style: sliding/full alternation, attention sinks, a mixture of experts."""
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+        max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    model: Any = transformers.GptOssForCausalLM(config)
+    return model.eval()
+
+
+def llama() -> Any:
+    """A plain full-attention model."""
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    model: Any = transformers.LlamaForCausalLM(config)
+    return model.eval()
+
+
+def setup(
+    model: Any,
+    *,
+    page_size: int,
+    num_pages: int,
+    capture: str | None = None,
+    max_batch: int = 4,
+    max_context: int = 256,
+) -> PagedModelRunner:
+    """Buffers planned for ``num_pages`` pages, a cache over the plan's groups, and the runner."""
+    shape = model_shape(model.config)
+    per_page = plan_kv_memory(
+        shape,
+        page_size=page_size,
+        budget_bytes=1 << 24,
+        max_live_requests=1,
+        max_scheduled_tokens=1,
+        max_context_len=1,
+    ).bytes_per_page
+    plan = plan_kv_memory(
+        shape,
+        page_size=page_size,
+        budget_bytes=per_page * num_pages,
+        max_live_requests=max_batch,
+        max_scheduled_tokens=64,
+        max_context_len=max_context,
+    )
+    assert plan.num_pages == num_pages
+    buffers = allocate_kv_buffers(plan, "cpu")
+    cache = fk.FlatKVCache(fk.kv_cache_specs(plan.groups), plan.num_pages)
+    buffers_for_capture = None
+    if capture is not None:
+        buffers_for_capture = CaptureBuffers(
+            plan.groups,
+            max_batch_size=max_batch,
+            max_context_len=max_context,
+            sliding_offsets=capture == "windowed",
+        )
+    return PagedModelRunner(model, cache, buffers, capture=buffers_for_capture, poison_new_pages=True)
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return [int(t) for t in torch.randint(1, 64, (length,), generator=generator)]
+
+
+def assert_matches(model: Any, records: Mapping[str, RequestRecord]) -> None:
+    error = max_logit_error(model, records)
+    assert error <= TOLERANCE, f"paged logits differ from the model's own forward by {error}"
+
+
+def computed_positions(record: RequestRecord) -> list[int]:
+    return [p for positions, _ in record.computed for p in positions]
+
+
+def test_gpt_oss_decodes_far_past_the_window_with_holes_and_slabs() -> None:
+    model = gpt_oss()
+    runner = setup(model, page_size=4, num_pages=64)
+    assert runner.buffers.k(0) is runner.buffers.k(1)  # hybrid slabs: a sliding and a full layer share
+    assert runner.group_of_layer == ["sliding_attention", "full_attention"] * 2
+    seen_holes: list[int] = []
+
+    def on_step(
+        step: int, reqs: Sequence[str], ns: Sequence[int], records: Mapping[str, RequestRecord]
+    ) -> None:
+        if runner.cache.has_request("a"):
+            table = runner.cache.block_tables(["a"])["sliding_attention"][0]
+            seen_holes.append(int((table == 0).sum()))
+
+    records = run_greedy(runner, {"a": prompt(13, 0)}, 40, on_step=on_step)
+    assert len(records["a"].tokens) == 53
+    assert max(seen_holes) >= (52 - WINDOW) // 4 - 1  # slid-out pages became holes (reclaimed)
+    assert computed_positions(records["a"]) == list(range(52))  # only new tokens each step
+    assert_matches(model, records)
+
+
+def test_shared_prefix_hit_is_not_recomputed_and_chunked_prefill() -> None:
+    model = gpt_oss(layers=2)
+    runner = setup(model, page_size=4, num_pages=96)
+    shared = prompt(30, 1)
+    prompts = {"first": [*shared, *prompt(3, 2)], "second": [*shared, *prompt(5, 3)]}
+    records = run_greedy(runner, prompts, 6, chunk_size=7, max_running=1)
+    hit = records["second"].hits[0]
+    assert hit == 28  # 7 full pages of the shared prefix; sliding pages of the window are cached too
+    assert computed_positions(records["second"])[0] == hit
+    assert computed_positions(records["first"]) == list(range(38))
+    assert [len(p) for p, _ in records["first"].computed][:5] == [7, 7, 7, 7, 5]  # chunked prefill
+    assert_matches(model, records)
+
+
+def test_preemption_recompute_and_page_reuse_on_a_small_pool() -> None:
+    model = gpt_oss(layers=2)
+    runner = setup(model, page_size=4, num_pages=24)
+    prompts = {f"r{i}": prompt(9 + 3 * i, 10 + i) for i in range(4)}
+    records = run_greedy(runner, prompts, 12, chunk_size=8)
+    assert sum(r.preemptions for r in records.values()) >= 1
+    assert runner.cache.stats()["evictions"] >= 1  # cached pages were handed out again
+    preempted = next(r for r in records.values() if r.preemptions)
+    assert len(preempted.hits) == preempted.preemptions + 1
+    assert max(preempted.hits[1:]) > 0  # the recompute starts from a prefix hit on its own pages
+    assert_matches(model, records)
+
+
+@pytest.mark.parametrize("mode", ["absolute", "windowed"])
+def test_through_capture_buffers(mode: str) -> None:
+    model = gpt_oss(layers=2)
+    runner = setup(model, page_size=4, num_pages=64, capture=mode, max_context=64)
+    assert runner.capture is not None
+    records = run_greedy(runner, {"a": prompt(6, 4), "b": prompt(11, 5)}, 30)
+    sliding = runner.capture.width("sliding_attention")
+    assert sliding == (17 if mode == "absolute" else 4)  # ceil((64 + 1) / 4) vs ceil((8 + 1) / 4) + 1
+    assert len(records["b"].tokens) // 4 > sliding or mode == "absolute"
+    assert_matches(model, records)
+
+
+def test_llama_full_attention_with_prefix_hit_and_per_layer_buffers() -> None:
+    model = llama()
+    runner = setup(model, page_size=8, num_pages=40)
+    assert runner.buffers.k(0) is not runner.buffers.k(1)  # one label: per-layer buffers
+    shared = prompt(20, 6)
+    records = run_greedy(runner, {"x": [*shared, 1], "y": [*shared, 2, 3]}, 10, max_running=1)
+    assert records["y"].hits == [16]
+    assert_matches(model, records)
+
+
+def test_a_broken_table_is_caught() -> None:
+    """The comparison has teeth: a table shifted by one column makes the logits differ."""
+    model = gpt_oss(layers=2)
+    runner = setup(model, page_size=4, num_pages=32)
+    cache = runner.cache
+    original = cache.block_tables
+
+    def shifted(reqs: Sequence[str], out: Any = None) -> dict[str, Any]:
+        tables: dict[str, Any] = original(list(reqs))
+        full = tables["full_attention"]
+        full[:, 1:] = full[:, :-1].copy()
+        return tables
+
+    class Broken:
+        def __getattr__(self, name: str) -> Any:
+            return shifted if name == "block_tables" else getattr(cache, name)
+
+    runner.cache = Broken()  # type: ignore[assignment]
+    with pytest.raises((AssertionError, ValueError)):
+        records = run_greedy(runner, {"a": prompt(10, 7)}, 6)
+        assert_matches(model, records)
+
+
+@pytest.mark.parametrize("mode", ["absolute", "windowed"])
+def test_decode_graph_path_on_fixed_tensors(mode: str) -> None:
+    """The CUDA-graph decode path (fixed tensors, capture buffers, unchecked attention), run eagerly."""
+    model = llama_sliding()
+    runner = setup(model, page_size=4, num_pages=64, capture=mode, max_batch=4, max_context=64)
+    records = run_decode_graph(runner, {"a": prompt(5, 8), "b": prompt(9, 9)}, 24, use_graph=False)
+    assert len(records["b"].tokens) == 33
+    assert_matches(model, records)
+
+
+def llama_sliding() -> Any:
+    """A Mistral-style model with sliding/full alternation (no experts: graph-capturable)."""
+    torch.manual_seed(2)
+    config = transformers.Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=1024,
+    )
+    model: Any = transformers.Qwen2ForCausalLM(config)
+    return model.eval()
