@@ -41,3 +41,12 @@ def test_demo_runs_and_reports_the_cache(capsys: pytest.CaptureFixture[str]) -> 
 def test_demo_rejects_bad_arguments() -> None:
     with pytest.raises(SystemExit):
         main(["--steps", "0"])
+
+
+def test_cli_hands_demo_arguments_to_the_demo(capsys: pytest.CaptureFixture[str]) -> None:
+    from flat_kvcache.cli import main as cli_main
+
+    assert cli_main(["demo", "--steps", "0"]) == 2  # the demo's own parser saw --steps
+    assert "--steps must be >= 1" in capsys.readouterr().err
+    assert cli_main(["demo", "--help"]) == 0
+    assert "--num-pages" in capsys.readouterr().out

@@ -195,7 +195,25 @@ def _parser() -> _Parser:
     memory.add_argument("--kv-dtype", metavar="DTYPE", help="K/V dtype, e.g. fp8_e4m3 (default: the model's)")
     plan.set_defaults(run=_run_plan)
     _add_simulate_parser(commands)
+    demo = commands.add_parser(
+        "demo",
+        add_help=False,
+        help="generate tokens with a tiny random model through the cache and show each step "
+        "(needs the model extra; 'demo --help' for its options)",
+    )
+    # Listed here for --help; main() hands its arguments to the demo's own parser.
+    demo.set_defaults(run=lambda _args: _run_demo([]))
     return parser
+
+
+def _run_demo(argv: list[str]) -> int:
+    """``flat-kvcache demo ...``: the options are the demo's own (``flat_kvcache.demo``)."""
+    from flat_kvcache import demo
+
+    try:
+        return demo.main(argv)
+    except SystemExit as exc:  # argparse's --help and usage errors inside the demo
+        return exc.code if isinstance(exc.code, int) else 2
 
 
 def _with_default_command(argv: list[str]) -> list[str]:
@@ -208,6 +226,8 @@ def _with_default_command(argv: list[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line (``argv`` defaults to ``sys.argv[1:]``) and return the exit status."""
     args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["demo"]:
+        return _run_demo(args_list[1:])
     try:
         args = _parser().parse_args(_with_default_command(args_list))
     except _Exit as exc:
