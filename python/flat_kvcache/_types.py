@@ -69,22 +69,27 @@ LAYER_KINDS: tuple[LayerKind, ...] = (
     LayerKind(LINEAR_ATTENTION, FULL_HISTORY, STATE, STATE, "mamba"),
 )
 
-_ROW_OF_LABEL = {row.label: row for row in LAYER_KINDS}
 _KIND_OF_GROUP = {(row.retention, row.family): row.kind for row in LAYER_KINDS}
-_EVENT_KIND_OF_KIND = {row.kind: row.event_kind for row in LAYER_KINDS}
 
 #: The layer labels SPEC 2 knows, in table order.
-LAYER_LABELS: tuple[str, ...] = tuple(_ROW_OF_LABEL)
+LAYER_LABELS: tuple[str, ...] = tuple(row.label for row in LAYER_KINDS)
 #: Layer labels whose layers keep a recurrent state rather than K/V history.
 STATE_LAYER_TYPES: frozenset[str] = frozenset(row.label for row in LAYER_KINDS if row.family == STATE)
 
 
+def _row(column: str, value: str) -> LayerKind:
+    """The row of :data:`LAYER_KINDS` whose ``column`` is ``value`` (``ValueError`` naming the
+    values the column knows if there is none)."""
+    for row in LAYER_KINDS:
+        if getattr(row, column) == value:
+            return row
+    known = ", ".join(getattr(row, column) for row in LAYER_KINDS)
+    raise ValueError(f"unknown {column} {value!r}; expected one of {known}")
+
+
 def layer_kind(label: str) -> LayerKind:
     """The table row of layer label ``label`` (``ValueError`` naming the known labels if none)."""
-    row = _ROW_OF_LABEL.get(label)
-    if row is None:
-        raise ValueError(f"unknown layer label {label!r}; expected one of {', '.join(LAYER_LABELS)}")
-    return row
+    return _row("label", label)
 
 
 def engine_kind(retention: str, family: str) -> str:
@@ -101,10 +106,7 @@ def engine_kind(retention: str, family: str) -> str:
 
 def event_kind(kind: str) -> str:
     """vLLM's ``KVCacheSpecKind`` word for engine kind ``kind`` (``ValueError`` if unknown)."""
-    word = _EVENT_KIND_OF_KIND.get(kind)
-    if word is None:
-        raise ValueError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
-    return word
+    return _row("kind", kind).event_kind
 
 
 def as_int(value: object, name: str) -> int:

@@ -33,6 +33,7 @@ __all__ = [
     "as_counts",
     "as_flag",
     "as_page_ids",
+    "as_pool_size",
     "as_request_id",
     "as_request_ids",
     "as_token_ids",
@@ -74,6 +75,16 @@ def as_count(value: object, name: str) -> int:
     if number < 0:
         raise ValueError(f"{name} must be >= 0, got {number}")
     return check_u64(number, name)
+
+
+def as_pool_size(value: object, name: str) -> int:
+    """A pool size in pages, null page included: an int in ``[1, MAX_PAGES]`` (page ids are int32)."""
+    total = check_u64(as_int(value, name), name)
+    if total < 1:
+        raise ValueError(f"{name} must be >= 1, got {total}")
+    if total > MAX_PAGES:
+        raise ValueError(f"{name} must be <= {MAX_PAGES} (page ids are int32), got {total}")
+    return total
 
 
 def as_flag(value: object, name: str) -> bool:

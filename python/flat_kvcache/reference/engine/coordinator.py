@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 from flat_kvcache._types import KVCacheSpec
 from flat_kvcache.errors import UnknownRequestError
 from flat_kvcache.events import KVCacheEvent
-from flat_kvcache.reference._checks import as_int, ceil_div
+from flat_kvcache.reference._checks import ceil_div
 from flat_kvcache.reference.engine._args import (
     EVICTION_ORDERS,
-    MAX_PAGES,
     U64_MAX,
     RequestId,
     align_down,
@@ -26,6 +25,7 @@ from flat_kvcache.reference.engine._args import (
     as_counts,
     as_flag,
     as_page_ids,
+    as_pool_size,
     as_request_id,
     check_u64,
 )
@@ -99,11 +99,7 @@ class Coordinator:
             check_u64(spec.page_size, f"specs[{index}].page_size")
             if spec.sliding_window is not None:
                 check_u64(spec.sliding_window, f"specs[{index}].sliding_window")
-        total = check_u64(as_int(num_pages, "num_pages"), "num_pages")
-        if total < 1:
-            raise ValueError(f"num_pages must be >= 1, got {total}")
-        if total > MAX_PAGES:
-            raise ValueError(f"num_pages must be <= {MAX_PAGES} (page ids are int32), got {total}")
+        total = as_pool_size(num_pages, "num_pages")
         group_ids = [
             spec.group_id if spec.group_id is not None else f"g{i}" for i, spec in enumerate(spec_list)
         ]

@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 from flat_kvcache.reference._checks import as_int
-from flat_kvcache.reference.engine._args import MAX_PAGES, as_count, as_flag, check_u64
+from flat_kvcache.reference.engine._args import as_count, as_flag, as_pool_size
 
 __all__ = ["BlockPool"]
 
@@ -21,11 +21,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, *, enable_caching: bool = True) -> None:
-        total = check_u64(as_int(num_blocks, "num_blocks"), "num_blocks")
-        if total < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {total}")
-        if total > MAX_PAGES:
-            raise ValueError(f"num_blocks must be <= {MAX_PAGES} (page ids are int32), got {total}")
+        total = as_pool_size(num_blocks, "num_blocks")
         self._num_blocks = total
         self._enable_caching = as_flag(enable_caching, "enable_caching")
         self._ref_counts = [0] * total
