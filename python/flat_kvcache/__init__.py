@@ -6,12 +6,15 @@ coordinator run in Rust with checked arithmetic; :mod:`flat_kvcache.reference` i
 independent pure-Python implementation of the same behaviour.
 
 Public names come from the submodules, one concern each: :mod:`flat_kvcache.sizing`
-(SPEC 2), :mod:`flat_kvcache.memory` (SPEC 3), :mod:`flat_kvcache.engine` (SPEC 4-8).
+(SPEC 2), :mod:`flat_kvcache.memory` (SPEC 3), :mod:`flat_kvcache.engine` (SPEC 4-8), and the
+exception classes both engines raise, :mod:`flat_kvcache.errors`.
 """
 
 from flat_kvcache import _native
 from flat_kvcache.engine import *  # noqa: F403
 from flat_kvcache.engine import __all__ as _engine_all
+from flat_kvcache.errors import *  # noqa: F403
+from flat_kvcache.errors import __all__ as _errors_all
 from flat_kvcache.memory import *  # noqa: F403
 from flat_kvcache.memory import __all__ as _memory_all
 from flat_kvcache.sizing import *  # noqa: F403
@@ -21,4 +24,4 @@ __version__: str = _native.__version__
 #: True when the native module was built with the ``flat`` cargo feature (the default).
 FLAT_KVCACHE: bool = bool(_native.FLAT_KVCACHE)
 
-__all__ = ["FLAT_KVCACHE", "__version__", *_sizing_all, *_memory_all, *_engine_all]
+__all__ = ["FLAT_KVCACHE", "__version__", *_sizing_all, *_memory_all, *_engine_all, *_errors_all]

@@ -6,19 +6,11 @@ native side raises ``OverflowError`` where a value does not fit ``u64``; the ref
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
-from typing import SupportsIndex, cast
 
+from flat_kvcache._types import as_int
 
-def as_int(value: object, name: str) -> int:
-    """``value`` as an int: anything with ``__index__`` except ``bool`` (``TypeError`` otherwise)."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, not bool")
-    try:
-        return operator.index(cast("SupportsIndex", value))
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+__all__ = ["as_int", "ceil_div", "is_sequence", "non_negative", "positive"]
 
 
 def non_negative(value: object, name: str) -> int:

@@ -15,14 +15,16 @@ from typing import NamedTuple, cast
 from flat_kvcache._types import (
     FULL_ATTENTION,
     FULL_HISTORY,
-    HISTORY,
+    LAYER_LABELS,
     LINEAR_ATTENTION,
     SLIDING_ATTENTION,
     SLIDING_WINDOW,
     STATE,
     STATE_LAYER_TYPES,
     PagedCacheGroupSpec,
+    layer_kind,
 )
+from flat_kvcache.errors import ConfigError
 from flat_kvcache.reference._checks import as_int, ceil_div, is_sequence, non_negative, positive
 
 __all__ = [
@@ -41,13 +43,7 @@ __all__ = [
     "validate_flat_scheduler_config",
 ]
 
-#: SPEC 2: the retention each layer label maps to.
-_RETENTION_OF_LABEL = {
-    FULL_ATTENTION: FULL_HISTORY,
-    SLIDING_ATTENTION: SLIDING_WINDOW,
-    LINEAR_ATTENTION: FULL_HISTORY,
-}
-_KNOWN_LABELS = ", ".join(_RETENTION_OF_LABEL)
+_KNOWN_LABELS = ", ".join(LAYER_LABELS)
 
 #: A window argument: None, one int for every sliding layer, or one entry per layer.
 WindowArg = int | Sequence[int | None] | None
@@ -94,7 +90,7 @@ def _known_labels(layer_types: object) -> list[str]:
     """SPEC 2: every label must be full_attention, sliding_attention or linear_attention."""
     labels = layer_labels(layer_types)
     for i, label in enumerate(labels):
-        if label not in _RETENTION_OF_LABEL:
+        if label not in LAYER_LABELS:
             raise ValueError(f"unknown layer_type '{label}' at layer {i}; expected one of {_KNOWN_LABELS}")
     return labels
 
@@ -193,13 +189,14 @@ def group_specs_from_layer_types(
     specs: dict[str, PagedCacheGroupSpec] = {}
     for layer in _grouped_layers(layer_types, sliding_window_tokens):
         if layer.group_id not in specs:
+            row = layer_kind(layer.label)
             specs[layer.group_id] = PagedCacheGroupSpec(
                 group_id=layer.group_id,
-                retention=_RETENTION_OF_LABEL[layer.label],
+                retention=row.retention,
                 rows_per_page=page_size,
                 entry_stride_tokens=1,
                 sliding_window_tokens=layer.window,
-                family=STATE if layer.label in STATE_LAYER_TYPES else HISTORY,
+                family=row.family,
             )
     return list(specs.values())
 
@@ -373,12 +370,12 @@ def hybrid_slab_group_size(
 
 
 def _resolve_backend(attn_backend: object) -> object:
-    """Follow ``full_attn_backend`` while it is not None (a cycle is a RuntimeError)."""
+    """Follow ``full_attn_backend`` while it is not None (a cycle is a ConfigError)."""
     backend = attn_backend
     seen = {id(backend)}
     while (inner := getattr(backend, "full_attn_backend", None)) is not None:
         if id(inner) in seen:
-            raise RuntimeError("attn_backend full_attn_backend chain has a cycle")
+            raise ConfigError("attn_backend full_attn_backend chain has a cycle")
         seen.add(id(inner))
         backend = inner
     return backend
@@ -396,8 +393,9 @@ def validate_flat_scheduler_config(
 
     A no-op when ``flat_kvcache_ext`` is false or the build flag is off (SPEC 10). Otherwise the
     resolved backend's ``uses_paged_cache_groups`` (default False), ``uses_flat_cache_groups``
-    (default False) and ``flat_spec_capable`` (default True) are checked, raising RuntimeError
-    for the first problem in the contract's order.
+    (default False) and ``flat_spec_capable`` (default True) are checked, raising
+    :class:`~flat_kvcache.errors.ConfigError` (a ``RuntimeError``) for the first problem in the
+    contract's order.
     """
     if not flat_kvcache_ext or not _build_flag():
         return
@@ -410,28 +408,28 @@ def validate_flat_scheduler_config(
     algorithm = str(speculative_algorithm) if speculative_algorithm else None
 
     if uses_paged and not uses_flat:
-        raise RuntimeError(
+        raise ConfigError(
             f"flat KV cache: backend {b} uses paged cache groups but does not consume flat per-group "
             f"tables (kv_pool {p})"
         )
     if algorithm is not None and not spec_capable:
-        raise RuntimeError(
+        raise ConfigError(
             f"flat KV cache: speculative algorithm {algorithm} needs a flat-spec-capable backend; "
             f"{b} is not (kv_pool {p})"
         )
     if algorithm is not None and algorithm.upper() == "DFLASH":
-        raise RuntimeError(
+        raise ConfigError(
             f"flat KV cache: speculative algorithm DFLASH is not supported (backend {b}, kv_pool {p})"
         )
     num_groups = 0 if paged_cache_groups is None else len(paged_cache_groups)
     if num_groups > 1 and not uses_flat:
-        raise RuntimeError(
+        raise ConfigError(
             f"flat KV cache: {num_groups} paged cache groups but backend {b} does not consume flat "
             "per-group tables; the single-table fallback would serve one group's pages to every layer "
             f"and silently corrupt KV (kv_pool {p})"
         )
     if num_groups == 0:
-        raise RuntimeError(
+        raise ConfigError(
             "flat KV cache: at least one paged cache group is required; state-only pools publish none "
             f"(backend {b}, kv_pool {p})"
         )

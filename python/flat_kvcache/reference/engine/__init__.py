@@ -1,0 +1,69 @@
+"""Pure-Python reference of the page engine: SPEC sections 4 to 8, contract ``docs/engine-api.md``.
+
+Written to be read next to the SPEC, not to be fast. One module per concern, in the order they
+build on each other (no module imports one listed after it):
+
+- ``_args``: argument checks shared by every public entry point;
+- ``hash``: content hashes, group keys and folding (SPEC 4);
+- ``pool``: the page pool with prefix caching (SPEC 5), :class:`BlockPool`;
+- ``table``: a request's page table per group, and a token-level request's tokens;
+- ``group``: one manager per engine kind (SPEC 6), the kind's rules in the kind's module
+  (``full``, ``sliding``, ``state``);
+- ``events``: the KV events the cache records, and the calls that hand them out;
+- ``coordinator``: the cache's state, and match / claim / acquire / register across groups
+  (SPEC 7);
+- ``page_api``: reclaim, free, the dry runs and the step operations (SPEC 6 to 8);
+- ``token_api``: requests that own their tokens (docs/requests-api.md);
+- ``admission``: admission accounting and reserves (SPEC 9);
+- ``block_tables``: flat per-group block tables (SPEC 8, 10);
+- ``stats`` and ``invariants``: metrics and the SPEC 1 checks.
+
+:class:`FlatKVCache` is assembled from mixins, one per module, rather than by composition:
+each module adds methods to the one object that holds the state, so a call such as
+``decode_step`` or ``schedule`` runs exactly the code it ran as a single class (method lookup
+through the MRO is cached by the interpreter), with no forwarding layer on the hot path, and
+``self._pool`` stays the attribute the tests and the invariant checks read. The mixins form a
+chain where one needs another's calls (``Admission`` -> ``TokenApi`` -> ``PageApi`` ->
+``Coordinator``); the independent ones (``BlockTables``, ``Stats``, ``Invariants``) sit
+directly on ``Coordinator``, and ``KVEvents`` only declares the attributes it reads.
+
+The only native thing the reference reads is the build flag ``flat_kvcache._native.FLAT_KVCACHE``,
+looked up at call time (see ``block_tables``) so tests can switch it.
+"""
+
+from __future__ import annotations
+
+from flat_kvcache._types import KVCacheSpec, kv_cache_specs
+from flat_kvcache.reference.engine.admission import Admission
+from flat_kvcache.reference.engine.block_tables import BlockTables
+from flat_kvcache.reference.engine.coordinator import PrefixMatch
+from flat_kvcache.reference.engine.events import KVEvents
+from flat_kvcache.reference.engine.hash import fold_hashes, group_key, hash_page, hash_pages
+from flat_kvcache.reference.engine.invariants import Invariants
+from flat_kvcache.reference.engine.pool import BlockPool
+from flat_kvcache.reference.engine.stats import Stats
+
+__all__ = [
+    "BlockPool",
+    "FlatKVCache",
+    "KVCacheSpec",
+    "PrefixMatch",
+    "fold_hashes",
+    "group_key",
+    "hash_page",
+    "hash_pages",
+    "kv_cache_specs",
+]
+
+
+class FlatKVCache(Admission, BlockTables, KVEvents, Stats, Invariants):
+    """Every attention group of one model over one shared page pool (SPEC 6 to 8).
+
+    ``base`` (gcd) and ``lcm`` of the page sizes tie the groups together: content hashes are
+    per base page, a group of page size ``P_g`` folds ``m_g = P_g / base`` of them per key, and
+    a prefix match ends on a multiple of ``lcm`` so every group's pages are whole. Groups keep
+    their index order everywhere; no group stands for the request (SPEC 12.5).
+
+    The calls come from the mixins listed in the module docstring; the constructor is
+    :class:`~flat_kvcache.reference.engine.coordinator.Coordinator`'s.
+    """

@@ -1,0 +1,50 @@
+"""Admission accounting (SPEC 9): what admitting a prompt would cost, and pages promised ahead."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from flat_kvcache.reference.engine._args import RequestId, TokenIds, as_count, as_request_id, check_u64
+from flat_kvcache.reference.engine.token_api import TokenApi
+
+__all__ = ["Admission"]
+
+
+class Admission(TokenApi):
+    """Read-only admission probes and the per-request reserves."""
+
+    def prefix_hit_tokens(self, prompt_token_ids: TokenIds, *, extra_keys: Sequence[str] = ()) -> int:
+        """The (capped) hit ``add_request`` would get, read-only."""
+        tokens, hashes, _ = self._hash_prompt(prompt_token_ids, extra_keys)
+        return self._capped_match(hashes, len(tokens)).num_common_tokens
+
+    def pages_needed_to_admit(
+        self,
+        prompt_token_ids: TokenIds,
+        num_new_tokens: int,
+        reserve_tokens: int = 0,
+        *,
+        extra_keys: Sequence[str] = (),
+    ) -> int:
+        """Pages the capped match's claim takes plus ``pages_needed(new + reserve)`` on fresh tables."""
+        count = as_count(num_new_tokens, "num_new_tokens")
+        extra = as_count(reserve_tokens, "reserve_tokens")
+        tokens, hashes, _ = self._hash_prompt(prompt_token_ids, extra_keys)
+        match = self._capped_match(hashes, len(tokens))
+        total = self.pages_needed(check_u64(count + extra, "num_new_tokens + reserve_tokens"))
+        return check_u64(total + self.pages_consumed_by_claim(match), "num_new_tokens + reserve_tokens")
+
+    def reserve(self, req: RequestId, tokens: int) -> None:
+        """Promise ``pages_needed(tokens, req)`` pages to the request's next decode (replaces)."""
+        key = as_request_id(req)
+        count = as_count(tokens, "tokens")
+        self._reserves[key] = self.pages_needed(count, key)
+
+    def budget(self, req: RequestId | None = None) -> int:
+        """Free pages minus the reserves of every request other than ``req`` (may be negative)."""
+        own = 0
+        if req is not None:
+            key = as_request_id(req)
+            self._tables(key)
+            own = self._reserves.get(key, 0)
+        return self._pool.num_free - (sum(self._reserves.values()) - own)

@@ -1,0 +1,121 @@
+"""Flat per-group block tables for a batch (SPEC 8), refused without the ``flat`` build feature (SPEC 10)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from flat_kvcache.errors import FlatUnavailableError
+from flat_kvcache.reference.engine._args import RequestId, as_request_ids
+from flat_kvcache.reference.engine.coordinator import Coordinator
+from flat_kvcache.reference.engine.table import Table
+
+__all__ = ["BlockTables"]
+
+_FLAT_OFF_MESSAGE = (
+    "flat per-group block tables are unavailable: this build of flat_kvcache was compiled "
+    "without the `flat` cargo feature"
+)
+
+
+def _flat_build_enabled() -> bool:
+    """The native build flag, read at call time (SPEC 10); False if the native module is missing."""
+    try:
+        from flat_kvcache import _native
+    except ImportError:
+        return False
+    return bool(_native.FLAT_KVCACHE)
+
+
+class BlockTables(Coordinator):
+    """``block_tables``: every group's table of a batch of requests."""
+
+    def block_tables(self, reqs: Sequence[RequestId], out: Any = None) -> Any:
+        """Flat per-group block tables for a batch (SPEC 8): ``{group_id: int32 [len(reqs), cols]}``.
+
+        ``cols`` is the longest of those requests' tables in the group; holes are 0 and padding
+        past a row's end is -1; rows follow ``reqs`` (repeats allowed). Unavailable without the
+        ``flat`` build feature (SPEC 10): never a silent single-table fallback.
+
+        With ``out`` (a mapping group_id -> writable C-contiguous int32 numpy array or CPU torch
+        tensor ``[>= len(reqs), cols]`` for every group), row ``r`` of each buffer is written in
+        place and ``out`` is returned; rows past ``len(reqs)`` are untouched. Every check (the
+        buffers, then the requests, then rows and columns) happens before anything is written.
+        """
+        if not _flat_build_enabled():
+            raise FlatUnavailableError(_FLAT_OFF_MESSAGE)
+        keys = as_request_ids(reqs)
+        if out is None:
+            rows = [self._tables(key) for key in keys]
+            result: dict[str, npt.NDArray[np.int32]] = {}
+            for group, group_id in enumerate(self._group_ids):
+                cols = max((len(tables[group].pages) for tables in rows), default=0)
+                array = np.full((len(rows), cols), -1, dtype=np.int32)
+                self._fill_rows(array, rows, group)
+                result[group_id] = array
+            return result
+        buffers = self._out_buffers(out)
+        rows = [self._tables(key) for key in keys]
+        for group, (group_id, array) in enumerate(zip(self._group_ids, buffers, strict=True)):
+            if array.shape[0] < len(rows):
+                raise ValueError(
+                    f"block_tables: out[{group_id!r}] has {array.shape[0]} rows, "
+                    f"fewer than the {len(rows)} requests"
+                )
+            for key, tables in zip(keys, rows, strict=True):
+                if len(tables[group].pages) > array.shape[1]:
+                    raise ValueError(
+                        f"block_tables: out[{group_id!r}] has {array.shape[1]} columns but request "
+                        f"{key!r} has {len(tables[group].pages)} pages in that group"
+                    )
+        for group, array in enumerate(buffers):
+            self._fill_rows(array, rows, group)
+        return out
+
+    @staticmethod
+    def _fill_rows(array: npt.NDArray[np.int32], rows: list[list[Table]], group: int) -> None:
+        """Row ``r`` of ``array`` gets request ``r``'s pages in ``group`` (holes 0), then -1."""
+        for row, tables in enumerate(rows):
+            pages = tables[group].pages
+            array[row, : len(pages)] = pages
+            array[row, len(pages) :] = -1
+
+    def _out_buffers(self, out: Any) -> list[npt.NDArray[np.int32]]:
+        """Each group's ``out`` buffer as a numpy view of the caller's memory, checked."""
+        buffers: list[npt.NDArray[np.int32]] = []
+        for group_id in self._group_ids:
+            label = f"out[{group_id!r}]"
+            try:
+                item = out[group_id]
+            except KeyError:
+                raise ValueError(f"block_tables: out has no table for group {group_id!r}") from None
+            except TypeError:
+                raise TypeError(
+                    f"out must be a mapping of group id to int32 array, got {type(out).__name__}"
+                ) from None
+            if not isinstance(item, np.ndarray):
+                if not all(hasattr(item, name) for name in ("numpy", "device", "data_ptr")):
+                    raise TypeError(
+                        f"{label} must be an int32 numpy array or a CPU torch tensor, "
+                        f"got {type(item).__name__}"
+                    )
+                if getattr(item.device, "type", None) != "cpu":
+                    raise ValueError(f"{label} must be a CPU tensor, got one on device {item.device}")
+                item = item.numpy()  # shares the tensor's memory
+                if not isinstance(item, np.ndarray):
+                    raise TypeError(f"{label}.numpy() returned {type(item).__name__}, not a numpy array")
+            if item.ndim != 2:
+                raise ValueError(f"{label} must be 2-D [rows, cols], got {item.ndim} dimension(s)")
+            if item.dtype != np.int32:
+                raise TypeError(f"{label} must have dtype int32, got {item.dtype}")
+            if not item.flags.c_contiguous:
+                raise ValueError(f"{label} must be C-contiguous")
+            if not item.flags.writeable:
+                raise ValueError(f"{label} must be writable")
+            if any(np.shares_memory(item, other) for other in buffers):
+                raise ValueError(f"{label} shares its memory with another group's table")
+            buffers.append(item)
+        return buffers

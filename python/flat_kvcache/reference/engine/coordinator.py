@@ -1,0 +1,361 @@
+"""The coordinator (SPEC 7): the cache's state, and match / claim / acquire / register across groups.
+
+:class:`Coordinator` owns everything a cache holds (the pool, one manager per group, the
+request tables, the token-level states, reserves, counters and the event list); the other
+modules of this package add calls on top of it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from flat_kvcache._types import KVCacheSpec
+from flat_kvcache.errors import UnknownRequestError
+from flat_kvcache.events import KVCacheEvent
+from flat_kvcache.reference._checks import ceil_div
+from flat_kvcache.reference.engine._args import (
+    EVICTION_ORDERS,
+    U64_MAX,
+    RequestId,
+    align_down,
+    as_content_hashes,
+    as_count,
+    as_counts,
+    as_flag,
+    as_page_ids,
+    as_pool_size,
+    as_request_id,
+    check_u64,
+)
+from flat_kvcache.reference.engine.events import removed_events, stored_event
+from flat_kvcache.reference.engine.group import GroupManager, new_manager
+from flat_kvcache.reference.engine.hash import fold_hashes, group_key
+from flat_kvcache.reference.engine.pool import BlockPool
+from flat_kvcache.reference.engine.table import Table, TokenState
+
+__all__ = ["Coordinator", "PrefixMatch"]
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The result of :meth:`FlatKVCache.match_prefix` (SPEC 7).
+
+    ``pages[g]`` is group ``g``'s matched table (0 = hole); ``num_hit_pages[g]`` counts its real
+    pages; ``num_common_tokens`` is the greatest boundary every group supports (a multiple of
+    the lcm page size).
+
+    A match from ``match_prefix`` also remembers the key each real page was matched under, so
+    ``claim`` can refuse it once a page holds another key (or none). A match built by hand
+    remembers none. Equality compares the three public fields only.
+    """
+
+    num_common_tokens: int
+    pages: list[list[int]]
+    num_hit_pages: list[int]
+    _keys: list[list[str | None]] | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        """Check a hand-built match the way the native one does, and keep plain lists."""
+        common = as_count(self.num_common_tokens, "num_common_tokens")
+        pages = self.pages
+        if isinstance(pages, str) or not isinstance(pages, Iterable):
+            kind = "a str" if isinstance(pages, str) else type(pages).__name__
+            raise TypeError(f"pages must be a sequence of page-id sequences, not {kind}")
+        checked = [as_page_ids(group, f"pages[{g}]") for g, group in enumerate(pages)]
+        object.__setattr__(self, "num_common_tokens", common)
+        object.__setattr__(self, "pages", checked)
+        object.__setattr__(self, "num_hit_pages", as_counts(self.num_hit_pages, "num_hit_pages"))
+
+
+class Coordinator:
+    """The cache's state and the calls that span every group (SPEC 7).
+
+    ``base`` (gcd) and ``lcm`` of the page sizes tie the groups together: content hashes are
+    per base page, a group of page size ``P_g`` folds ``m_g = P_g / base`` of them per key, and
+    a prefix match ends on a multiple of ``lcm`` so every group's pages are whole. Groups keep
+    their index order everywhere; no group stands for the request (SPEC 12.5).
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[KVCacheSpec],
+        num_pages: int,
+        *,
+        enable_caching: bool = True,
+        eviction_order: str = "hybrid",
+        enable_kv_events: bool = False,
+    ) -> None:
+        if not isinstance(eviction_order, str) or eviction_order not in EVICTION_ORDERS:
+            raise ValueError(f"eviction_order must be 'hybrid' or 'group', got {eviction_order!r}")
+        spec_list = list(specs)
+        if not spec_list:
+            raise ValueError("specs must hold at least one KVCacheSpec")
+        for index, spec in enumerate(spec_list):
+            if not isinstance(spec, KVCacheSpec):
+                raise TypeError(f"specs[{index}] must be a KVCacheSpec, got {type(spec).__name__}")
+        for index, spec in enumerate(spec_list):
+            check_u64(spec.page_size, f"specs[{index}].page_size")
+            if spec.sliding_window is not None:
+                check_u64(spec.sliding_window, f"specs[{index}].sliding_window")
+        total = as_pool_size(num_pages, "num_pages")
+        group_ids = [
+            spec.group_id if spec.group_id is not None else f"g{i}" for i, spec in enumerate(spec_list)
+        ]
+        if len(set(group_ids)) != len(group_ids):
+            raise ValueError(f"group ids must be distinct, got {group_ids}")
+        sizes = [spec.page_size for spec in spec_list]
+        lcm = math.lcm(*sizes)
+        if lcm > U64_MAX:
+            raise OverflowError(f"specs: the lcm of the page sizes {sizes} does not fit in u64")
+
+        self._specs = spec_list
+        self._group_ids = group_ids
+        self._base = math.gcd(*sizes)
+        self._lcm = lcm
+        self._enable_caching = as_flag(enable_caching, "enable_caching")
+        self._eviction_order = eviction_order
+        self._pool = BlockPool(total, enable_caching=self._enable_caching)
+        self._managers: list[GroupManager] = [
+            new_manager(index, spec, self._base, self._pool) for index, spec in enumerate(spec_list)
+        ]
+        # SPEC 7: prefix-closed groups first, then the others, each in index order.
+        closed = [m.index for m in self._managers if m.prefix_closed]
+        others = [m.index for m in self._managers if not m.prefix_closed]
+        self._match_order = closed + others
+        self._requests: dict[RequestId, list[Table]] = {}
+        # Token-level requests (docs/requests-api.md): their tokens and position, and the
+        # pages promised to any request's next decode (SPEC 9).
+        self._token_states: dict[RequestId, TokenState] = {}
+        self._reserves: dict[RequestId, int] = {}
+        self._counters = {"prefix_queries_tokens": 0, "prefix_hits_tokens": 0, "preemptions": 0}
+        self._events_enabled = as_flag(enable_kv_events, "enable_kv_events")
+        self._events: list[KVCacheEvent] = []
+        self._pool._record_evictions = self._events_enabled
+
+    # -- properties -----------------------------------------------------------------------------
+
+    @property
+    def base_page_size(self) -> int:
+        """gcd of the page sizes: the size of the pages content hashes are taken over."""
+        return self._base
+
+    @property
+    def lcm_page_size(self) -> int:
+        """lcm of the page sizes: prefix matches end on a multiple of it."""
+        return self._lcm
+
+    @property
+    def num_groups(self) -> int:
+        return len(self._managers)
+
+    @property
+    def group_ids(self) -> list[str]:
+        return list(self._group_ids)
+
+    @property
+    def num_free_pages(self) -> int:
+        return self._pool.num_free
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def has_request(self, req: RequestId) -> bool:
+        return as_request_id(req) in self._requests
+
+    def __repr__(self) -> str:
+        return (
+            f"FlatKVCache(group_ids={self._group_ids}, num_pages={self._pool.num_blocks}, "
+            f"num_free_pages={self._pool.num_free}, num_requests={len(self._requests)})"
+        )
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _tables(self, req: RequestId) -> list[Table]:
+        """The request's tables, one per group; ``UnknownRequestError`` (a ``KeyError``) for an unknown id."""
+        key = as_request_id(req)
+        try:
+            return self._requests[key]
+        except KeyError:
+            raise UnknownRequestError(f"unknown request {req!r}") from None
+
+    def _tables_or_new(self, req: RequestId) -> list[Table]:
+        """The request's tables, created empty on first use (claim, acquire, first chunk)."""
+        key = as_request_id(req)
+        if key not in self._requests:
+            self._requests[key] = [Table() for _ in self._managers]
+        return self._requests[key]
+
+    def _group_keys(self, manager: GroupManager, hashes: Sequence[str], first_base: int) -> list[str]:
+        """Group keys of the group's slots covered by ``hashes`` (base pages from ``first_base``)."""
+        return [group_key(folded, manager.index) for folded in fold_hashes(hashes, first_base, manager.fold)]
+
+    def _still_matches(self, match: PrefixMatch, group: int, slot: int, page: int) -> bool:
+        """Whether ``page`` (slot ``slot`` of group ``group``) still holds the key it was matched
+        under; for a hand-built match, whether it holds any key of that group."""
+        held = self._pool._key_held_by(self._pool._page(page))
+        if held is None:
+            return False
+        if match._keys is None:
+            return held.endswith(f"{group:08x}")
+        return held == match._keys[group][slot]
+
+    @staticmethod
+    def _check_match(match: object) -> PrefixMatch:
+        if not isinstance(match, PrefixMatch):
+            raise TypeError(f"match must be a PrefixMatch, got {type(match).__name__}")
+        return match
+
+    # -- SPEC 7: across groups ------------------------------------------------------------------
+
+    def match_prefix(self, content_hashes: Sequence[str]) -> PrefixMatch:
+        """Hybrid prefix match (SPEC 7), read-only: no count, order or key changes.
+
+        ``bound = align_down(len * base, lcm)``. Sweep: match each group in match order up to
+        the bound, then lower the bound to that group's extent (aligned down to lcm). Converge:
+        re-match every non-closed group whose extent exceeds the bound until none does (a
+        sliding group's answer at a lower bound is not a prefix of its answer at a higher one).
+        Finally truncate every group to the bound. With caching off the match is empty.
+        """
+        hashes = as_content_hashes(content_hashes)
+        count = len(self._managers)
+        if not self._enable_caching:
+            return PrefixMatch(0, [[] for _ in range(count)], [0] * count)
+        keys = [self._group_keys(manager, hashes, 0) for manager in self._managers]
+        results: list[list[int]] = [[] for _ in range(count)]
+        bound = align_down(len(hashes) * self._base, self._lcm)
+
+        def match_group(index: int) -> None:
+            nonlocal bound
+            manager = self._managers[index]
+            results[index] = manager.match(keys[index][: bound // manager.page_size])
+            extent = len(results[index]) * manager.page_size
+            bound = min(bound, align_down(extent, self._lcm))
+
+        for index in self._match_order:
+            match_group(index)
+        changed = True
+        while changed:
+            changed = False
+            for manager in self._managers:
+                if not manager.prefix_closed and len(results[manager.index]) * manager.page_size > bound:
+                    match_group(manager.index)
+                    changed = True
+        pages = [results[m.index][: bound // m.page_size] for m in self._managers]
+        matched_keys = [
+            [keys[group][slot] if page != 0 else None for slot, page in enumerate(group_pages)]
+            for group, group_pages in enumerate(pages)
+        ]
+        hits = [sum(1 for page in group_pages if page != 0) for group_pages in pages]
+        return PrefixMatch(bound, pages, hits, matched_keys)
+
+    def claim(self, req: RequestId, match: PrefixMatch) -> None:
+        """Take a reference on every matched page; each group's table becomes the match (SPEC 7).
+
+        Holes stay holes; ``tail_avail`` is 0 (the match ends on whole pages). ValueError, with
+        nothing changed (the request is not created either), if the request's tables already
+        hold pages, if the match has the wrong number of groups, or if the match is stale: a
+        matched page no longer holds the very key it was matched under (it was evicted, and
+        maybe re-cached under another key or for another group; taking it would put one page
+        in two groups). A match built by hand remembers no keys: each real page must then hold
+        a key of the group it is claimed for.
+        """
+        key = as_request_id(req)
+        checked = self._check_match(match)
+        existing = self._requests.get(key)
+        if existing is not None and any(table.pages for table in existing):
+            raise ValueError(f"claim: request {req!r} already holds pages")
+        if len(checked.pages) != len(self._managers):
+            raise ValueError(
+                f"claim: the match has {len(checked.pages)} groups, this cache has {len(self._managers)}"
+            )
+        for group, pages in enumerate(checked.pages):
+            for slot, page in enumerate(pages):
+                if page != 0 and not self._still_matches(checked, group, slot, page):
+                    raise ValueError(
+                        f"claim: stale match, page {page} of group {self._group_ids[group]} "
+                        "no longer holds the key it was matched under"
+                    )
+        tables = self._tables_or_new(req)
+        for table, pages in zip(tables, checked.pages, strict=True):
+            table.pages = list(pages)
+            table.tail_avail = 0
+            for page in pages:
+                self._pool.touch(page)
+
+    def acquire(self, req: RequestId, num_tokens: int) -> bool:
+        """Room for ``num_tokens`` more tokens in every group, all or nothing (SPEC 7).
+
+        Check-then-act: if the pages needed over all groups exceed the free pages, return
+        False and allocate nothing anywhere. Otherwise groups allocate in index order, so page
+        ids are deterministic.
+        """
+        as_request_id(req)
+        count = as_count(num_tokens, "num_tokens")
+        tables = self._tables_or_new(req)
+        needed = sum(m.blocks_needed_for(t, count) for m, t in zip(self._managers, tables, strict=True))
+        if needed > self._pool.num_free:
+            return False
+        for manager, table in zip(self._managers, tables, strict=True):
+            ok = manager.acquire(table, count)
+            assert ok, "the check above guarantees every group's allocation"
+            self._record_evictions()
+        return True
+
+    def _record_evictions(self) -> None:
+        """Record the ``BlockRemoved`` events of the keys the last allocation evicted."""
+        self._events.extend(removed_events(self._pool._take_evicted()))
+
+    def register(
+        self,
+        req: RequestId,
+        content_hashes: Sequence[str],
+        *,
+        first_slot: int = 0,
+        end_tokens: int | None = None,
+    ) -> None:
+        """Give the request's full pages their cache keys (SPEC 7; nothing when caching is off).
+
+        ``content_hashes[j]`` is base page ``first_slot + j``. Each group folds them into keys
+        for its slots from ``ceil(first_slot / m_g)``. History groups register every key; state
+        groups only the last, and only when ``end_tokens`` is a multiple of their page size and
+        the hashes end exactly there (SPEC 6). Ranges are checked for every group first.
+        """
+        tables = self._tables(req)
+        hashes = as_content_hashes(content_hashes)
+        first = as_count(first_slot, "first_slot")
+        end = None if end_tokens is None else as_count(end_tokens, "end_tokens")
+        self._register(tables, hashes, first, end, None)
+
+    def _register(
+        self,
+        tables: list[Table],
+        hashes: list[str],
+        first: int,
+        end: int | None,
+        state: TokenState | None,
+    ) -> None:
+        """:meth:`register` on checked arguments; ``state`` is the token-level request, if any
+        (its tokens, hashes and extra keys go into the ``BlockStored`` events)."""
+        if not self._enable_caching:
+            return  # SPEC 12.4: nothing is registered when prefix caching is disabled
+        plan: list[tuple[GroupManager, Table, list[str], int]] = []
+        for manager, table in zip(self._managers, tables, strict=True):
+            keys = self._group_keys(manager, hashes, first)
+            slot = ceil_div(first, manager.fold)
+            chosen = manager.keys_to_register(keys, slot, (first + len(hashes)) * self._base, end)
+            if chosen is None:
+                continue
+            chosen_keys, chosen_slot = chosen
+            manager.check_register_range(table, chosen_keys, chosen_slot)
+            plan.append((manager, table, chosen_keys, chosen_slot))
+        for manager, table, chosen_keys, chosen_slot in plan:
+            stored = manager.register(table, chosen_keys, chosen_slot)
+            if stored and self._events_enabled:
+                self._events.append(
+                    stored_event(
+                        self._pool, self._specs[manager.index], manager, table, stored, hashes, first, state
+                    )
+                )

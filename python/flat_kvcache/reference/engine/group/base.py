@@ -1,0 +1,106 @@
+"""What every group kind shares (SPEC 6): acquiring room, its dry run, and registering keys.
+
+A manager holds no per-request state: the request's :class:`Table` is passed to every call.
+The kind-specific rules (how a group matches, what it reclaims, which keys it registers) live
+in the kind's own module and override the defaults here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from flat_kvcache._types import KVCacheSpec
+from flat_kvcache.reference._checks import ceil_div
+from flat_kvcache.reference.engine.pool import BlockPool
+from flat_kvcache.reference.engine.table import Table
+
+__all__ = ["GroupManager"]
+
+
+class GroupManager:
+    """What every group kind shares (SPEC 6): acquire and its dry run, and table registration."""
+
+    #: Full attention is prefix-closed; the windowed kinds are not (SPEC 6).
+    prefix_closed = False
+
+    def __init__(self, index: int, spec: KVCacheSpec, base_page_size: int, pool: BlockPool) -> None:
+        self.index = index
+        self.page_size = spec.page_size
+        #: Base pages per page of this group (``m_g`` of SPEC 4).
+        self.fold = spec.page_size // base_page_size
+        self.pool = pool
+
+    def blocks_needed_for(self, table: Table, num_tokens: int) -> int:
+        """Exact dry run of :meth:`acquire`: pages it would allocate."""
+        if num_tokens <= table.tail_avail:
+            return 0
+        return ceil_div(num_tokens - table.tail_avail, self.page_size)
+
+    def acquire(self, table: Table, num_tokens: int) -> bool:
+        """Room for ``num_tokens`` more tokens: the tail first, then new pages, all or nothing.
+
+        After allocating for ``over = n - tail_avail`` tokens the new tail has
+        ``0 if over % P == 0 else P - over % P`` free slots.
+        """
+        if num_tokens <= 0:
+            return True
+        if num_tokens <= table.tail_avail:
+            table.tail_avail -= num_tokens
+            return True
+        over = num_tokens - table.tail_avail
+        pages = self.pool.allocate(ceil_div(over, self.page_size))
+        if not pages:
+            return False
+        table.pages.extend(pages)
+        table.tail_avail = 0 if over % self.page_size == 0 else self.page_size - over % self.page_size
+        return True
+
+    def check_register_range(self, table: Table, keys: Sequence[str], first_slot: int) -> None:
+        """A registration range past the end of the table is an error (SPEC 6)."""
+        if first_slot + len(keys) > len(table.pages):
+            raise ValueError(
+                f"register: slots [{first_slot}, {first_slot + len(keys)}) of group {self.index} "
+                f"run past its table of {len(table.pages)} pages"
+            )
+
+    def register(self, table: Table, keys: Sequence[str], first_slot: int) -> list[tuple[int, str]]:
+        """Slot ``first_slot + j`` gets ``keys[j]`` (SPEC 6); returns the ``(slot, key)`` pairs
+        newly cached, in slot order (for KV events).
+
+        Holes and pages that already hold a key are skipped (so registering twice is harmless);
+        the last page is skipped while it still has free slots (a partial page has no hash).
+        """
+        self.check_register_range(table, keys, first_slot)
+        last_slot = len(table.pages) - 1
+        stored = []
+        for offset, key in enumerate(keys):
+            slot = first_slot + offset
+            page = table.pages[slot]
+            if page == 0 or self.pool.is_cached(page):
+                continue
+            if slot == last_slot and table.tail_avail > 0:
+                continue
+            self.pool.cache(page, key)
+            stored.append((slot, key))
+        return stored
+
+    def keys_to_register(
+        self, keys: list[str], first_slot: int, hashed_end: int, end_tokens: int | None
+    ) -> tuple[list[str], int] | None:
+        """Which of this group's keys a coordinator ``register`` writes, and from which slot.
+
+        ``hashed_end`` is the token where the hashed range ends. History groups write every
+        key; the state manager overrides this.
+        """
+        return keys, first_slot
+
+    def match(self, keys: Sequence[str]) -> list[int]:
+        """Prefix-match one group over the slots of ``keys``; 0 marks a hole."""
+        raise NotImplementedError
+
+    def reclaim(self, table: Table, num_computed_tokens: int) -> None:
+        """Free the pages that slid out of the window; full attention keeps everything."""
+
+    def blocks_reclaimable_at(self, table: Table, num_computed_tokens: int, count_uncached: bool) -> int:
+        """Exact dry run of :meth:`reclaim`: pages it would put back on the free list."""
+        return 0

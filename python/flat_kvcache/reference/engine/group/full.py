@@ -1,0 +1,25 @@
+"""Full-attention groups (SPEC 6): prefix-closed, every page kept."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from flat_kvcache.reference.engine.group.base import GroupManager
+
+__all__ = ["FullAttentionManager"]
+
+
+class FullAttentionManager(GroupManager):
+    """Full attention (SPEC 6): prefix-closed, keeps all history, never reclaims."""
+
+    prefix_closed = True
+
+    def match(self, keys: Sequence[str]) -> list[int]:
+        """Walk the keys left to right and stop at the first miss."""
+        pages = []
+        for key in keys:
+            page = self.pool.lookup(key)
+            if page is None:
+                break
+            pages.append(page)
+        return pages

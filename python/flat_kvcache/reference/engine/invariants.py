@@ -1,0 +1,66 @@
+"""The SPEC 1 core invariants, checked from scratch against the tables and the pool."""
+
+from __future__ import annotations
+
+from flat_kvcache.errors import InvariantError
+from flat_kvcache.reference.engine.coordinator import Coordinator
+
+__all__ = ["Invariants"]
+
+
+class Invariants(Coordinator):
+    """``check_invariants``."""
+
+    def check_invariants(self) -> None:
+        """``InvariantError`` (a ``RuntimeError``) naming the first broken invariant (SPEC 1, in
+        contract order).
+
+        A page in two groups' tables; a page count differing from its table references; a free
+        page missing from the free list or a referenced one in it; a key-map entry pointing at a
+        page that does not hold that key; ``free + in_use + 1 != num_pages``.
+        """
+        pool = self._pool
+        total = pool.num_blocks
+        references = [0] * total
+        owner: dict[int, int] = {}
+        for tables in self._requests.values():
+            for group, table in enumerate(tables):
+                for page in table.pages:
+                    if page == 0:
+                        continue
+                    if not 0 < page < total:
+                        raise InvariantError(
+                            f"group {self._group_ids[group]} holds page {page} outside the pool"
+                        )
+                    first_group = owner.setdefault(page, group)
+                    if first_group != group:
+                        raise InvariantError(
+                            f"page {page} is in the tables of groups "
+                            f"{self._group_ids[first_group]} and {self._group_ids[group]}"
+                        )
+                    references[page] += 1
+        for page in range(total):
+            if pool.ref_count(page) != references[page]:
+                raise InvariantError(
+                    f"page {page} has ref count {pool.ref_count(page)} "
+                    f"but {references[page]} table references"
+                )
+        free_list = pool._free_list()
+        free_set = set(free_list)
+        if len(free_set) != len(free_list) or 0 in free_set:
+            raise InvariantError("the free list holds a page twice or holds the null page")
+        for page in range(1, total):
+            count = pool.ref_count(page)
+            if count == 0 and page not in free_set:
+                raise InvariantError(f"page {page} has count 0 but is missing from the free list")
+            if count > 0 and page in free_set:
+                raise InvariantError(f"page {page} has count {count} but is on the free list")
+        for key, pages in pool._key_map().items():
+            for page in pages:
+                if pool._key_held_by(page) != key:
+                    raise InvariantError(
+                        f"key map entry {key!r} points at page {page}, which does not hold it"
+                    )
+        in_use = sum(1 for page in range(1, total) if pool.ref_count(page) > 0)
+        if pool.num_free + in_use + 1 != total:
+            raise InvariantError(f"accounting: free {pool.num_free} + in use {in_use} + 1 != {total} pages")

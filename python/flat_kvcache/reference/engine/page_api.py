@@ -1,0 +1,151 @@
+"""Page-level calls (docs/engine-api.md, SPEC 6 to 8): the caller brings the content hashes.
+
+Reclaim and free, the dry runs an admission check needs, reading tables, and the three step
+operations (first prefill chunk, later chunk, decode step) built on the coordinator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from flat_kvcache.reference.engine._args import (
+    RequestId,
+    as_content_hashes,
+    as_count,
+    as_request_id,
+    check_u64,
+)
+from flat_kvcache.reference.engine.coordinator import Coordinator, PrefixMatch
+from flat_kvcache.reference.engine.table import Table
+
+__all__ = ["PageApi"]
+
+
+class PageApi(Coordinator):
+    """The page-level calls on top of the coordinator."""
+
+    def reclaim(self, req: RequestId, num_computed_tokens: int) -> None:
+        """Free every page that slid out of its group's window, per group in index order (SPEC 6)."""
+        tables = self._tables(req)
+        computed = as_count(num_computed_tokens, "num_computed_tokens")
+        for manager, table in zip(self._managers, tables, strict=True):
+            manager.reclaim(table, computed)
+
+    def free(self, req: RequestId) -> None:
+        """Release every page of the request and forget it (SPEC 7), in the eviction order.
+
+        ``"hybrid"`` (the default, SPEC 12.3): all groups' real pages by the end token of their
+        slot, descending (ties: lower group index first), so the chain's tail is evicted first
+        in every group together and a hybrid prefix keeps all its groups equally long.
+        ``"group"`` (the reference design): each group's table tail first, group 0 first.
+        The first page released is the first evicted.
+        """
+        tables = self._tables(req)
+        if self._eviction_order == "group":
+            for table in tables:
+                self._pool.free(table.pages)  # BlockPool.free releases the list's tail first
+        else:
+            ordered = sorted(
+                (-(slot + 1) * manager.page_size, manager.index, page)
+                for manager, table in zip(self._managers, tables, strict=True)
+                for slot, page in enumerate(table.pages)
+                if page != 0
+            )
+            # BlockPool.free releases in reverse list order: reverse to release in ``ordered``.
+            self._pool.free([page for _, _, page in reversed(ordered)])
+        key = as_request_id(req)
+        del self._requests[key]
+        self._token_states.pop(key, None)
+        self._reserves.pop(key, None)
+
+    # -- admission helpers (SPEC 7, 9) ----------------------------------------------------------
+
+    def pages_needed(self, num_tokens: int, req: RequestId | None = None) -> int:
+        """Pages ``acquire(req, num_tokens)`` would allocate (fresh tables when ``req`` is None)."""
+        tables = None if req is None else self._tables(req)
+        count = as_count(num_tokens, "num_tokens")
+        if tables is None:
+            tables = [Table() for _ in self._managers]
+        needed = sum(m.blocks_needed_for(t, count) for m, t in zip(self._managers, tables, strict=True))
+        return check_u64(needed, "num_tokens")  # the native sum is a checked u64
+
+    def pages_reclaimable(
+        self, req: RequestId, num_computed_tokens: int, *, count_uncached: bool = True
+    ) -> int:
+        """Pages ``reclaim(req, num_computed_tokens)`` would put back on the free list."""
+        tables = self._tables(req)
+        computed = as_count(num_computed_tokens, "num_computed_tokens")
+        return sum(
+            m.blocks_reclaimable_at(t, computed, bool(count_uncached))
+            for m, t in zip(self._managers, tables, strict=True)
+        )
+
+    def pages_consumed_by_claim(self, match: PrefixMatch) -> int:
+        """Free pages a claim of ``match`` takes off the free list: distinct real pages, count 0."""
+        checked = self._check_match(match)
+        distinct = {page for pages in checked.pages for page in pages if page != 0}
+        return sum(1 for page in distinct if self._pool.ref_count(page) == 0)
+
+    # -- reading tables -------------------------------------------------------------------------
+
+    def page_ids(self, req: RequestId) -> list[list[int]]:
+        """Each group's table of the request (0 = hole)."""
+        return [list(table.pages) for table in self._tables(req)]
+
+    def tail_available(self, req: RequestId) -> list[int]:
+        """Each group's free token slots in the request's last page."""
+        return [table.tail_avail for table in self._tables(req)]
+
+    # -- SPEC 8: step operations ----------------------------------------------------------------
+
+    def prefill_first_chunk(self, req: RequestId, match: PrefixMatch, num_tokens: int) -> bool:
+        """Claim the match, then acquire the chunk's tokens (SPEC 8).
+
+        On False the claim stays; the caller frees the request.
+        """
+        as_request_id(req)
+        self._check_match(match)
+        count = as_count(num_tokens, "num_tokens")
+        self.claim(req, match)
+        return self.acquire(req, count)
+
+    def prefill_chunk(
+        self, req: RequestId, content_hashes: Sequence[str], num_tokens: int, num_computed_tokens: int
+    ) -> bool:
+        """A later prefill chunk (SPEC 8): register, THEN reclaim, THEN acquire.
+
+        ``content_hashes`` start at base page 0 and are cut to the ``computed // base`` pages
+        already computed. Registering first keeps the hashes of pages about to slide out
+        (registration skips holes); reclaimed pages fund this step's acquire.
+        """
+        self._tables(req)
+        hashes = as_content_hashes(content_hashes)
+        count = as_count(num_tokens, "num_tokens")
+        computed = as_count(num_computed_tokens, "num_computed_tokens")
+        cut = hashes[: computed // self._base]
+        self.register(req, cut, first_slot=0, end_tokens=computed)
+        self.reclaim(req, computed)
+        return self.acquire(req, count)
+
+    def decode_step(
+        self,
+        req: RequestId,
+        content_hashes: Sequence[str],
+        first_page_slot: int,
+        num_tokens: int,
+        num_computed_tokens: int,
+    ) -> bool:
+        """A decode step (SPEC 8): register, THEN reclaim, THEN acquire.
+
+        ``content_hashes`` start at base page ``first_page_slot`` and are cut so that they end
+        at or before base page ``computed // base``.
+        """
+        self._tables(req)
+        hashes = as_content_hashes(content_hashes)
+        first = as_count(first_page_slot, "first_page_slot")
+        count = as_count(num_tokens, "num_tokens")
+        computed = as_count(num_computed_tokens, "num_computed_tokens")
+        cut = hashes[: max(0, computed // self._base - first)]
+        self.register(req, cut, first_slot=first, end_tokens=computed)
+        self.reclaim(req, computed)
+        return self.acquire(req, count)

@@ -1,0 +1,45 @@
+"""Metrics: the pool probes of SPEC 5 and the counters of docs/requests-api.md, with stable names."""
+
+from __future__ import annotations
+
+from flat_kvcache._types import CacheStats, PoolStats
+from flat_kvcache.reference.engine.coordinator import Coordinator
+
+__all__ = ["Stats"]
+
+
+class Stats(Coordinator):
+    """``pool_stats`` and ``stats``."""
+
+    def pool_stats(self) -> PoolStats:
+        """The pool probes of SPEC 5."""
+        pool = self._pool
+        return {
+            "num_blocks": pool.num_blocks,
+            "num_free": pool.num_free,
+            "num_cached": pool.num_cached,
+            "num_cached_free": pool.num_cached_free,
+            "num_cached_pinned": pool.num_cached_pinned,
+        }
+
+    def stats(self) -> CacheStats:
+        """The metrics of docs/requests-api.md, with their stable names."""
+        pool = self._pool
+        total = pool.num_blocks - 1
+        in_use_by_group = {}
+        for group, group_id in enumerate(self._group_ids):
+            pages = {page for tables in self._requests.values() for page in tables[group].pages if page != 0}
+            in_use_by_group[group_id] = len(pages)
+        return {
+            "pages_total": total,
+            "pages_free": pool.num_free,
+            "pages_in_use": total - pool.num_free,
+            "pages_cached": pool.num_cached,
+            "pages_cached_free": pool.num_cached_free,
+            "requests": len(self._requests),
+            "prefix_queries_tokens": self._counters["prefix_queries_tokens"],
+            "prefix_hits_tokens": self._counters["prefix_hits_tokens"],
+            "evictions": pool._evictions,
+            "preemptions": self._counters["preemptions"],
+            "pages_in_use_by_group": in_use_by_group,
+        }

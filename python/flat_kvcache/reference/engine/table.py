@@ -1,0 +1,36 @@
+"""What the cache keeps per request: one page table per group, and a token-level request's tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Table", "TokenState"]
+
+
+@dataclass
+class Table:
+    """One request's pages in one group (SPEC 6).
+
+    Absolute: slot ``i`` covers tokens ``[i*P, (i+1)*P)``; a page that slid out of the window
+    becomes a hole (0) and the table never shrinks. ``tail_avail`` is the number of free token
+    slots in the last page.
+    """
+
+    pages: list[int] = field(default_factory=list)
+    tail_avail: int = 0
+
+
+@dataclass
+class TokenState:
+    """A token-level request's own tokens (docs/requests-api.md).
+
+    ``hashes[i]`` is the chained content hash of full base page ``i`` of ``tokens``;
+    ``computed`` is the position; base pages below ``registered`` were already registered (or
+    claimed, hence keyed).
+    """
+
+    tokens: list[int]
+    hashes: list[str]
+    extra_keys: list[str]
+    computed: int = 0
+    registered: int = 0

@@ -1,0 +1,228 @@
+"""Token-level requests (docs/requests-api.md; SPEC 8, 9, 12.4): the cache owns the tokens.
+
+``add_request`` hashes the prompt and claims its capped prefix hit; ``append_tokens`` hashes
+each base page once as it fills; ``schedule`` registers, reclaims and acquires at the
+request's position; ``finish`` / ``preempt`` register what was computed and free the request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from flat_kvcache.reference.engine._args import (
+    RequestId,
+    TokenIds,
+    as_count,
+    as_counts,
+    as_flag,
+    as_request_id,
+    as_request_ids,
+    as_token_ids,
+    check_u64,
+    extra_key_bytes,
+)
+from flat_kvcache.reference.engine.coordinator import PrefixMatch
+from flat_kvcache.reference.engine.hash import hash_page, hash_pages
+from flat_kvcache.reference.engine.page_api import PageApi
+from flat_kvcache.reference.engine.table import Table, TokenState
+
+__all__ = ["TokenApi"]
+
+
+class TokenApi(PageApi):
+    """Requests that own their tokens, on top of the page-level calls."""
+
+    def _token_state(self, method: str, key: RequestId) -> tuple[list[Table], TokenState]:
+        """A token-level request's tables and state: KeyError if unknown, ValueError if page-level."""
+        tables = self._tables(key)
+        state = self._token_states.get(key)
+        if state is None:
+            raise ValueError(f"{method}: request {key!r} is page-level (not created by add_request)")
+        return tables, state
+
+    def _capped_match(self, hashes: list[str], num_tokens: int) -> PrefixMatch:
+        """The prefix match over the first ``max((len - 1) // base, 0)`` base pages (SPEC 9):
+        the last prompt token is always recomputed."""
+        cap = max(num_tokens - 1, 0) // self._base
+        return self.match_prefix(hashes[:cap])
+
+    def _hash_prompt(
+        self, prompt_token_ids: object, extra_keys: object
+    ) -> tuple[list[int], list[str], list[str]]:
+        """Tokens, chained base-page hashes and extra keys of a prompt (checked)."""
+        tokens = as_token_ids(prompt_token_ids, "prompt_token_ids")
+        extra_key_bytes(extra_keys)
+        keys = list(extra_keys)  # type: ignore[call-overload]
+        return tokens, hash_pages(tokens, self._base, extra_keys=keys), keys
+
+    def add_request(
+        self,
+        req: RequestId,
+        prompt_token_ids: TokenIds,
+        *,
+        extra_keys: Sequence[str] = (),
+        use_prefix_cache: bool = True,
+    ) -> int:
+        """A new token-level request for a non-empty prompt; returns its prefix hit in tokens.
+
+        With caching on and ``use_prefix_cache`` the capped match is claimed and the request
+        starts computed up to the hit. Nothing else is allocated.
+        """
+        use_cache = as_flag(use_prefix_cache, "use_prefix_cache")
+        key = as_request_id(req)
+        tokens, hashes, keys = self._hash_prompt(prompt_token_ids, extra_keys)
+        if key in self._requests:
+            raise ValueError(f"add_request: request {req!r} already exists")
+        if not tokens:
+            raise ValueError("prompt_token_ids must not be empty")
+        hit = 0
+        self._requests[key] = [Table() for _ in self._managers]
+        if use_cache and self._enable_caching:
+            match = self._capped_match(hashes, len(tokens))
+            hit = match.num_common_tokens
+            self.claim(key, match)
+            self._counters["prefix_queries_tokens"] += len(tokens)
+            self._counters["prefix_hits_tokens"] += hit
+        self._token_states[key] = TokenState(tokens, hashes, keys, computed=hit, registered=hit // self._base)
+        return hit
+
+    def append_tokens(self, req: RequestId, token_ids: TokenIds) -> None:
+        """Append newly known tokens; each base page that fills is hashed once, chained (SPEC 12.4)."""
+        key = as_request_id(req)
+        tokens = as_token_ids(token_ids, "token_ids")
+        self._token_state("append_tokens", key)
+        self._append_checked(key, tokens)
+
+    def _append_checked(self, key: RequestId, tokens: list[int]) -> None:
+        _, state = self._token_state("append_tokens", key)
+        state.tokens.extend(tokens)
+        while len(state.hashes) < len(state.tokens) // self._base:
+            start = len(state.hashes) * self._base
+            prior = state.hashes[-1] if state.hashes else ""
+            state.hashes.append(hash_page(state.tokens[start : start + self._base], prior, state.extra_keys))
+
+    def append_tokens_batch(
+        self,
+        reqs: Sequence[RequestId],
+        token_ids: TokenIds,
+        num_tokens: Sequence[int] | npt.NDArray[np.integer[Any]] | None = None,
+    ) -> None:
+        """``append_tokens`` for many requests in one call, after validating everything.
+
+        Request ``i`` gets the next ``num_tokens[i]`` entries of the flat ``token_ids``, or
+        exactly one each when ``num_tokens`` is None.
+        """
+        keys = as_request_ids(reqs)
+        tokens = as_token_ids(token_ids, "token_ids")
+        if num_tokens is None:
+            if len(tokens) != len(keys):
+                raise ValueError(
+                    f"token_ids has {len(tokens)} entries but reqs has {len(keys)} "
+                    "(one token per request without num_tokens)"
+                )
+            counts = [1] * len(keys)
+        else:
+            counts = as_counts(num_tokens, "num_tokens")
+            if len(counts) != len(keys):
+                raise ValueError(f"num_tokens has {len(counts)} entries but reqs has {len(keys)}")
+            total = check_u64(sum(counts), "num_tokens")
+            if total != len(tokens):
+                raise ValueError(f"num_tokens adds up to {total} but token_ids has {len(tokens)} entries")
+        for key in keys:
+            self._token_state("append_tokens_batch", key)
+        start = 0
+        for key, count in zip(keys, counts, strict=True):
+            self._append_checked(key, tokens[start : start + count])
+            start += count
+
+    def num_computed_tokens(self, req: RequestId) -> int:
+        return self._token_state("num_computed_tokens", as_request_id(req))[1].computed
+
+    def num_tokens(self, req: RequestId) -> int:
+        return len(self._token_state("num_tokens", as_request_id(req))[1].tokens)
+
+    def _check_known(self, method: str, key: RequestId, state: TokenState, n: int) -> None:
+        if state.computed + n > len(state.tokens):
+            raise ValueError(
+                f"{method}: num_new_tokens = {n} for request {key!r} asks for more tokens than are "
+                f"known: {state.computed} computed of {len(state.tokens)}"
+            )
+
+    def schedule(self, req: RequestId, num_new_tokens: int, *, lookahead: int = 0) -> bool:
+        """Schedule the next ``num_new_tokens`` known tokens at the request's position (SPEC 8).
+
+        Register the completed full pages, reclaim slid-out pages, then acquire room for
+        ``computed + n + lookahead`` tokens all or nothing. True: the position moved by ``n``
+        and the reserve was released. False: nothing allocated, the position stays.
+        """
+        key = as_request_id(req)
+        count = as_count(num_new_tokens, "num_new_tokens")
+        ahead = as_count(lookahead, "lookahead")
+        _, state = self._token_state("schedule", key)
+        self._check_known("schedule", key, state, count)
+        check_u64(state.computed + count + ahead, "lookahead")
+        return self._schedule_checked(key, count, ahead)
+
+    def schedule_batch(
+        self, reqs: Sequence[RequestId], num_new_tokens: Sequence[int] | npt.NDArray[np.integer[Any]]
+    ) -> npt.NDArray[np.bool_]:
+        """``schedule(req, n)`` for each pair in order, after validating every pair first."""
+        keys = as_request_ids(reqs)
+        counts = as_counts(num_new_tokens, "num_new_tokens")
+        if len(counts) != len(keys):
+            raise ValueError(f"num_new_tokens has {len(counts)} entries but reqs has {len(keys)}")
+        asked: dict[RequestId, int] = {}
+        for key, count in zip(keys, counts, strict=True):
+            _, state = self._token_state("schedule_batch", key)
+            asked[key] = check_u64(asked.get(key, 0) + count, "num_new_tokens")
+            self._check_known("schedule_batch", key, state, asked[key])
+        results = [self._schedule_checked(key, count, 0) for key, count in zip(keys, counts, strict=True)]
+        return np.array(results, dtype=np.bool_)
+
+    def _schedule_checked(self, key: RequestId, count: int, ahead: int) -> bool:
+        tables, state = self._token_state("schedule", key)
+        self._register_computed(tables, state)
+        position = state.computed
+        self.reclaim(key, position)
+        # Allocated tokens (claimed plus acquired) are the same in every group.
+        allocated = len(tables[0].pages) * self._managers[0].page_size - tables[0].tail_avail
+        needed = position + count + ahead - allocated
+        if needed > 0 and not self.acquire(key, needed):
+            return False
+        state.computed = position + count
+        self._reserves.pop(key, None)
+        return True
+
+    def _register_computed(self, tables: list[Table], state: TokenState) -> None:
+        """Register the full base pages below the position not registered yet (``end_tokens`` =
+        the position). The range starts at the last base page aligned to every group's fold, so
+        a group wider than a base page sees whole runs; re-registering caches nothing twice."""
+        if not self._enable_caching:
+            return
+        full = min(state.computed // self._base, len(state.hashes))
+        if full <= state.registered:
+            return
+        step = self._lcm // self._base
+        first = state.registered - state.registered % step
+        self._register(tables, state.hashes[first:full], first, state.computed, state)
+        state.registered = full
+
+    def finish(self, req: RequestId) -> None:
+        """Register the completed full pages, free everything in ``eviction_order``, forget the id."""
+        self._finish("finish", as_request_id(req))
+
+    def preempt(self, req: RequestId) -> list[int]:
+        """``finish``, counted as a preemption; returns the request's whole token list to re-add."""
+        tokens = self._finish("preempt", as_request_id(req))
+        self._counters["preemptions"] += 1
+        return tokens
+
+    def _finish(self, method: str, key: RequestId) -> list[int]:
+        tables, state = self._token_state(method, key)
+        self._register_computed(tables, state)
+        self.free(key)
+        return state.tokens

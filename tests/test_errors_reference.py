@@ -1,0 +1,118 @@
+"""The reference raises the catchable classes of flat_kvcache.errors in real situations.
+
+Each class must also be the builtin the same failure raised before the classes existed, so old
+handlers (``except RuntimeError``, ``except KeyError``) keep catching it.
+"""
+
+from __future__ import annotations
+
+import flat_kvcache
+import flat_kvcache.reference as ref
+import pytest
+from flat_kvcache import _native
+from flat_kvcache.errors import (
+    ConfigError,
+    FlatKVCacheError,
+    FlatUnavailableError,
+    InvariantError,
+    UnknownRequestError,
+)
+
+
+class _Backend:
+    """A backend that uses paged cache groups but cannot read flat per-group tables."""
+
+    uses_paged_cache_groups = True
+    uses_flat_cache_groups = False
+
+
+def _cache() -> ref.FlatKVCache:
+    cache = ref.FlatKVCache([ref.KVCacheSpec("full", 4)], 8)
+    assert cache.acquire("a", 4)
+    return cache
+
+
+def test_the_classes_are_exported_from_the_package() -> None:
+    for cls in (ConfigError, FlatKVCacheError, FlatUnavailableError, InvariantError, UnknownRequestError):
+        assert getattr(flat_kvcache, cls.__name__) is cls
+        assert cls.__name__ in flat_kvcache.__all__
+
+
+def test_config_refusal_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ref.sizing, "_build_flag", lambda: True)
+    with pytest.raises(ConfigError, match="does not consume flat per-group tables") as caught:
+        ref.validate_flat_scheduler_config(
+            flat_kvcache_ext=True, paged_cache_groups=[object()], attn_backend=_Backend(), kv_pool=object()
+        )
+    assert isinstance(caught.value, RuntimeError)
+    assert isinstance(caught.value, FlatKVCacheError)
+
+
+def test_a_backend_cycle_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ref.sizing, "_build_flag", lambda: True)
+
+    class Looping:
+        full_attn_backend: object = None
+
+    first, second = Looping(), Looping()
+    first.full_attn_backend, second.full_attn_backend = second, first
+    with pytest.raises(ConfigError, match="has a cycle"):
+        ref.validate_flat_scheduler_config(
+            flat_kvcache_ext=True, paged_cache_groups=[object()], attn_backend=first, kv_pool=object()
+        )
+
+
+def test_block_tables_without_the_flat_feature(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = _cache()
+    monkeypatch.setattr(_native, "FLAT_KVCACHE", False)
+    with pytest.raises(FlatUnavailableError, match="without the `flat` cargo feature") as caught:
+        cache.block_tables(["a"])
+    assert isinstance(caught.value, RuntimeError)
+    assert isinstance(caught.value, FlatKVCacheError)
+    assert not isinstance(caught.value, ConfigError)
+
+
+def test_broken_bookkeeping_is_an_invariant_error() -> None:
+    cache = _cache()
+    cache.check_invariants()
+    cache._pool._ref_counts[1] += 1  # a reference no table holds
+    with pytest.raises(InvariantError, match="page 1 has ref count 2") as caught:
+        cache.check_invariants()
+    assert isinstance(caught.value, RuntimeError)
+    assert isinstance(caught.value, FlatKVCacheError)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda cache: cache.free("missing"),
+        lambda cache: cache.page_ids("missing"),
+        lambda cache: cache.reclaim("missing", 4),
+        lambda cache: cache.budget("missing"),
+        lambda cache: cache.schedule("missing", 1),
+        lambda cache: cache.finish(7),
+    ],
+)
+def test_an_unknown_request_is_an_unknown_request_error(call: object) -> None:
+    cache = _cache()
+    with pytest.raises(UnknownRequestError, match="unknown request") as caught:
+        call(cache)  # type: ignore[operator]
+    assert isinstance(caught.value, KeyError)
+    assert isinstance(caught.value, FlatKVCacheError)
+    # Nothing changed: the known request keeps its page.
+    assert cache.page_ids("a") == [[1]]
+
+
+def test_except_key_error_still_catches_an_unknown_id() -> None:
+    cache = _cache()
+    try:
+        cache.free("missing")
+    except KeyError as exc:
+        assert exc.args == ("unknown request 'missing'",)
+    else:
+        pytest.fail("free of an unknown request did not raise")
+
+
+def test_reference_and_package_share_one_spec_class() -> None:
+    assert ref.KVCacheSpec is flat_kvcache.KVCacheSpec
+    assert ref.kv_cache_specs is flat_kvcache.kv_cache_specs
