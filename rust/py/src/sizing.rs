@@ -13,7 +13,8 @@ use flat_kvcache_core::sizing::{
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyList, PyTuple};
 
-use crate::errors::{core, int_arg, is_sequence, is_str, text, type_has, type_name, IntParam};
+use crate::convert::{int_arg, is_sequence, is_str, text, type_has, type_name, IntParam};
+use crate::errors::core;
 
 /// `layer_types` as the core sees it: a bare str, a non-sequence, or its items (str or not).
 pub fn layer_types_arg(obj: &Bound<'_, PyAny>) -> PyResult<LayerTypesArg> {
