@@ -35,10 +35,11 @@ use crate::tables::{borrow_out, table_outs};
 /// enable_kv_events=False)`.
 ///
 /// `specs` is a non-empty sequence of `KVCacheSpec`; `num_pages` the pool size (page 0
-/// included). Request ids are `str` or `int` (`5` and `"5"` differ); an unknown id is a
-/// `KeyError` except for `claim`, `acquire` and `prefill_first_chunk`, which create it.
-/// Requests created by `add_request` own their tokens (token-level); the others are
-/// page-level, and token-level methods refuse them with `ValueError`.
+/// included). Request ids are `str` or `int` (`5` and `"5"` differ); an unknown id is an
+/// `UnknownRequestError` (a `KeyError`) except for `claim`, `acquire` and
+/// `prefill_first_chunk`, which create it. Requests created by `add_request` own their
+/// tokens (token-level); the others are page-level, and token-level methods refuse them with
+/// `ValueError`.
 #[pyclass(frozen, module = "flat_kvcache._native", name = "FlatKVCache")]
 pub struct PyFlatKVCache {
     /// The groups as the core normalised them (ids filled in), in group order.
@@ -355,7 +356,8 @@ impl PyFlatKVCache {
     /// each buffer gets the request's page ids then -1 up to `cols`, written in place with
     /// the GIL released; rows past `len(reqs)` are untouched; a table wider than `cols` is a
     /// `ValueError` naming the group and nothing is written. Returns `out`.
-    /// `RuntimeError` naming the build when compiled without the `flat` feature.
+    /// `FlatUnavailableError` (a `RuntimeError`) naming the build when compiled without the
+    /// `flat` feature.
     #[pyo3(signature = (reqs, out = None))]
     fn block_tables<'py>(
         &self,
@@ -420,8 +422,8 @@ impl PyFlatKVCache {
     /// sampled tokens): request `i` gets the next `num_tokens[i]` entries of the flat
     /// `token_ids`, or exactly one each when `num_tokens` is None. Same result as calling
     /// `append_tokens` per request in order; everything is validated first (unknown id:
-    /// `KeyError`; page-level request or lengths that do not add up: `ValueError`; nothing
-    /// changes then). The GIL is released while appending.
+    /// `UnknownRequestError`; page-level request or lengths that do not add up:
+    /// `ValueError`; nothing changes then). The GIL is released while appending.
     #[pyo3(
         signature = (reqs, token_ids, num_tokens = None),
         text_signature = "(self, reqs, token_ids, num_tokens=None)"
@@ -466,8 +468,8 @@ impl PyFlatKVCache {
 
     /// Schedule a whole step in one call: `num_new_tokens` holds one int per request (a
     /// sequence or a 1-D integer array). Everything is validated first (unknown id:
-    /// `KeyError`; page-level request or too many tokens: `ValueError`; nothing changes
-    /// then); each request is then scheduled in order exactly like `schedule(req, n)`.
+    /// `UnknownRequestError`; page-level request or too many tokens: `ValueError`; nothing
+    /// changes then); each request is then scheduled in order exactly like `schedule(req, n)`.
     /// Returns a numpy bool array. The GIL is released while scheduling.
     fn schedule_batch<'py>(
         &self,
@@ -605,7 +607,7 @@ impl PyFlatKVCache {
         Ok(lock(&self.inner)?.reset_prefix_cache())
     }
 
-    /// Check every engine invariant; `RuntimeError` describing the first violation.
+    /// Check every engine invariant; `InvariantError` (a `RuntimeError`) describing the first violation.
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
         core(self.detached(py, |c| c.check_invariants())?)
     }

@@ -340,7 +340,7 @@ fn resolve_backend<'py>(attn_backend: &Bound<'py, PyAny>) -> PyResult<Bound<'py,
 
 /// Refuse scheduler configurations that would corrupt the flat KV cache (SPEC 2): a no-op when
 /// `flat_kvcache_ext` is false or the module was built without the `flat` feature; else a
-/// `RuntimeError` for the first of the five problems, in the contract's order.
+/// `ConfigError` (a `RuntimeError`) for the first of the five problems, in the contract's order.
 #[pyfunction]
 #[pyo3(signature = (*, flat_kvcache_ext, paged_cache_groups, attn_backend, kv_pool, speculative_algorithm=None))]
 pub fn validate_flat_scheduler_config(
