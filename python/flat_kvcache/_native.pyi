@@ -1,12 +1,23 @@
-"""Type stubs for the native extension `flat_kvcache._native` (hand-written)."""
+"""Type stubs for the native extension `flat_kvcache._native` (hand-written).
+
+Errors: argument errors are builtins whose message names the argument (``TypeError`` for a
+wrong type, ``ValueError`` for a bad value, ``OverflowError`` for a size that does not fit the
+native integer type). Failures a caller may catch by kind raise the classes of
+:mod:`flat_kvcache.errors`: ``ConfigError``, ``FlatUnavailableError`` and ``InvariantError``
+(each a ``RuntimeError``) and ``UnknownRequestError`` (a ``KeyError``).
+"""
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, SupportsIndex, final, overload
+from typing import Any, Literal, Protocol, SupportsIndex, final, overload
 
 import numpy as np
 import numpy.typing as npt
 
+from flat_kvcache._types import CacheStats, PoolStats
+
+#: The package version the extension was built as.
 __version__: str
+#: True when the extension was compiled with the ``flat`` cargo feature (SPEC 10).
 FLAT_KVCACHE: bool
 # PyO3's declarative module sets __all__ to every #[pymodule_export] (sorted here).
 __all__ = [
@@ -50,11 +61,28 @@ _BindingTuple = tuple[int, Any, int, Any, int, int]
 #: ((block_size, block_bytes, num_blocks), [(name, nbytes, [binding, ...]), ...])
 _PlanTuple = tuple[tuple[int, int, int], list[tuple[str, int, list[_BindingTuple]]]]
 
-def scheduler_ext_flat_kvcache() -> bool: ...
-def layer_group_ids(layer_types: object, sliding_window_tokens: object = None) -> list[str]: ...
+def scheduler_ext_flat_kvcache() -> bool:
+    """Whether the module was built with the ``flat`` cargo feature (the value of ``FLAT_KVCACHE``)."""
+
+def layer_group_ids(layer_types: object, sliding_window_tokens: object = None) -> list[str]:
+    """The group id of every layer (SPEC 2).
+
+    ``layer_types`` is a sequence of layer labels; ``sliding_window_tokens`` None, one window
+    for every sliding layer, or one entry per layer. A sliding layer's id is
+    ``sliding_attention_<window>`` when sliding layers carry several windows, else its label.
+    Raises ``TypeError`` / ``ValueError`` naming a malformed argument.
+    """
+
 def group_specs_from_layer_types(
     layer_types: object, sliding_window_tokens: object = None, *, page_size: SupportsIndex
-) -> list[_SpecTuple]: ...
+) -> list[_SpecTuple]:
+    """One spec tuple per distinct group id, in first-appearance order (SPEC 2).
+
+    Each is ``(group_id, retention, rows_per_page, entry_stride_tokens, sliding_window_tokens,
+    family)``; ``page_size`` (> 0) is tokens per page. Raises ``TypeError`` / ``ValueError``
+    naming a malformed argument.
+    """
+
 def compute_paged_cache_group_page_counts(
     specs: Iterable[object],
     *,
@@ -65,7 +93,14 @@ def compute_paged_cache_group_page_counts(
     decode_input_tokens: SupportsIndex = 1,
     overlap_schedule_depth: SupportsIndex = 0,
     safety_margin: SupportsIndex = 0,
-) -> dict[Any, int]: ...
+) -> dict[Any, int]:
+    """Pages each group needs under the given limits (SPEC 2), as ``{group_id: pages}``.
+
+    ``specs`` are ``PagedCacheGroupSpec``-like objects; the limits are non-negative ints.
+    Raises ``TypeError`` / ``ValueError`` naming a malformed argument, ``OverflowError`` when a
+    count does not fit an unsigned 64-bit integer.
+    """
+
 def publish_paged_cache_groups(
     *,
     layer_types: object,
@@ -75,15 +110,33 @@ def publish_paged_cache_groups(
     max_scheduled_tokens: SupportsIndex,
     max_total_tokens: SupportsIndex,
     max_context_len: SupportsIndex,
-) -> tuple[list[_SpecTuple], dict[str, int]] | None: ...
+) -> tuple[list[_SpecTuple], dict[str, int]] | None:
+    """Publication (SPEC 2): ``(spec tuples, {group_id: pages})`` for the model's layers.
+
+    Returns None when the module was built without the ``flat`` feature (SPEC 10), before any
+    argument is checked. Raises ``TypeError`` / ``ValueError`` naming a malformed argument.
+    """
+
 def compute_max_logical_pages_for_capture(
     spec: object,
     *,
     max_context_len: SupportsIndex,
     max_tokens_per_req: SupportsIndex = 1,
     overlap_schedule_depth: SupportsIndex = 0,
-) -> int: ...
-def hybrid_slab_group_size(layer_types: object, *, sliding_window_tokens: object = None) -> int | None: ...
+) -> int:
+    """The block-table width of one group's CUDA-graph capture buffer (SPEC 2, 12.1).
+
+    ``spec`` is a ``PagedCacheGroupSpec``-like object. Raises ``TypeError`` / ``ValueError``
+    naming a malformed argument.
+    """
+
+def hybrid_slab_group_size(layer_types: object, *, sliding_window_tokens: object = None) -> int | None:
+    """How many K/V slabs the layers can share (SPEC 2, 11), or None.
+
+    Never raises: arguments that cannot be read, or a build without the ``flat`` feature,
+    give None.
+    """
+
 def validate_flat_scheduler_config(
     *,
     flat_kvcache_ext: object,
@@ -91,111 +144,335 @@ def validate_flat_scheduler_config(
     attn_backend: object,
     kv_pool: object,
     speculative_algorithm: object = None,
-) -> None: ...
-def occurrence_index(layer_types: object) -> list[int]: ...
-def state_const_bytes(shape: object, itemsize: SupportsIndex) -> int: ...
+) -> None:
+    """Refuse scheduler configurations that would corrupt the flat KV cache (SPEC 2).
+
+    A no-op when ``flat_kvcache_ext`` is false or the module was built without the ``flat``
+    feature. Otherwise raises ``ConfigError`` (a ``RuntimeError``) for the first problem found,
+    in the contract's order.
+    """
+
+def occurrence_index(layer_types: object) -> list[int]:
+    """For each layer, the number of earlier layers with the same label (SPEC 3).
+
+    Raises ``TypeError`` when ``layer_types`` is not a sequence of labels.
+    """
+
+def state_const_bytes(shape: object, itemsize: SupportsIndex) -> int:
+    """Bytes per page of one state component: ``prod(shape) * itemsize`` (SPEC 3).
+
+    Raises ``TypeError`` / ``ValueError`` naming a malformed argument, ``OverflowError`` when
+    the product does not fit an unsigned 64-bit integer.
+    """
+
 def components_from_layers(
     layer_types: object,
     *,
     kv_bytes_per_slot: SupportsIndex,
     state_component_bytes: object = None,
     sliding_window_tokens: object = None,
-) -> list[_ComponentTuple]: ...
+) -> list[_ComponentTuple]:
+    """The memory components of every layer (SPEC 3).
+
+    Each is ``(group_id, layer, component, bytes_per_slot, const_bytes)``. Raises
+    ``TypeError`` / ``ValueError`` naming a malformed argument.
+    """
+
 def solve_page_geometry(
     components: Iterable[object], block_size: SupportsIndex, alignment: SupportsIndex
-) -> tuple[int, int, int]: ...
+) -> tuple[int, int, int]:
+    """Page geometry (SPEC 3) as ``(block_size, block_bytes, 0)``.
+
+    ``components`` are component tuples or objects; ``block_size`` and ``alignment`` are
+    positive ints. Raises ``TypeError`` / ``ValueError`` naming a malformed argument.
+    """
+
 def equalized_block_size(
     components: Iterable[object], block_size: SupportsIndex, alignment: SupportsIndex | None = None
-) -> int: ...
+) -> int:
+    """The block size of ``solve_page_geometry``, ``alignment`` defaulting to ``block_size`` (SPEC 3).
+
+    Raises ``TypeError`` / ``ValueError`` naming a malformed argument.
+    """
+
 def plan_component_tensors(
     components: Iterable[object],
     block_size: SupportsIndex,
     budget_bytes: SupportsIndex,
     *,
     reserved_bytes_per_block: SupportsIndex = 0,
-) -> _PlanTuple: ...
+) -> _PlanTuple:
+    """The per-component memory plan (SPEC 3): one tensor per component.
+
+    Returns ``((block_size, block_bytes, num_blocks), [(name, nbytes, bindings), ...])``.
+    Raises ``TypeError`` / ``ValueError`` naming a malformed argument.
+    """
+
 def plan_tensors(
     components: Iterable[object], block_size: SupportsIndex, budget_bytes: SupportsIndex
-) -> _PlanTuple: ...
+) -> _PlanTuple:
+    """The slab memory plan (SPEC 3): slot j is one tensor shared by the j-th layer of every group.
+
+    Returns ``((block_size, block_bytes, num_blocks), [(name, nbytes, bindings), ...])``.
+    Raises ``TypeError`` / ``ValueError`` naming a malformed argument.
+    """
 
 # ----- page engine (SPEC 4-8, docs/engine-api.md) ----------------------------------------------
 
 _Tokens = Sequence[int] | npt.NDArray[np.integer[Any]]
+_Counts = Sequence[int] | npt.NDArray[np.integer[Any]]
 _RequestId = str | int
+#: The orders in which a request's pages go back to the free list.
+_EvictionOrder = Literal["hybrid", "group"]
 #: A caller-provided block-table buffer: a writable C-contiguous int32 array or CPU torch tensor.
 _TableBuffer = Any
 #: One event of ``take_events``: ``flat_kvcache.events.BlockStored | BlockRemoved | AllBlocksCleared``.
 _KVEvent = Any
 
-def hash_page(tokens: _Tokens, prior: str = "", extra_keys: Sequence[str] = ()) -> str: ...
+class _GroupSpec(Protocol):
+    """What ``FlatKVCache`` reads of a group spec (``flat_kvcache.engine.KVCacheSpec`` has it).
+
+    ``kind`` is ``"full"``, ``"sliding_window"`` or ``"state"`` (typed ``str``, as
+    ``KVCacheSpec.kind`` is; another name is a ``ValueError``); ``sliding_window`` is an int
+    >= 1 for a sliding group and None otherwise; ``group_id`` None means ``f"g{index}"``.
+    """
+
+    @property
+    def kind(self) -> str:
+        """The kind name."""
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page (> 0)."""
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window in tokens of a sliding group, else None."""
+
+    @property
+    def group_id(self) -> str | None:
+        """The group id, or None for ``f"g{index}"``."""
+
+def hash_page(tokens: _Tokens, prior: str = "", extra_keys: Sequence[str] = ()) -> str:
+    """The content hash of one page (SPEC 4), as 64 lowercase hex digits.
+
+    SHA-256 over little-endian u32 fields: ``len(prior raw)``, the prior's raw bytes,
+    ``len(tokens)``, each token, then (if ``extra_keys`` is non-empty) their count and each
+    key's UTF-8 length and bytes. ``tokens`` is a sequence of ints or a 1-D integer array (each
+    must fit u32), ``prior`` is ``""`` or hex text of even length, ``extra_keys`` a sequence of
+    str. Raises ``TypeError`` / ``ValueError`` naming the bad argument or element.
+    """
+
 def hash_pages(
     token_ids: _Tokens, page_size: int, *, prior: str = "", extra_keys: Sequence[str] = ()
-) -> list[str]: ...
-def group_key(content_hash: str, group_index: int) -> str: ...
-def fold_hashes(base_hashes: Sequence[str], first_base: int, m: int) -> list[str]: ...
+) -> list[str]:
+    """The chained content hashes of the full pages of ``token_ids`` (SPEC 4).
+
+    ``h_0 = hash_page(page_0, prior, extra_keys)``, then ``h_i = hash_page(page_i, h_{i-1},
+    extra_keys)``; a trailing partial page is ignored. ``page_size`` must be > 0. Releases the
+    GIL while hashing. Raises ``TypeError`` / ``ValueError`` naming the bad argument or element.
+    """
+
+def group_key(content_hash: str, group_index: int) -> str:
+    """The pool key of a content hash in group ``group_index``: the hash text then the group as
+    8 hex digits (big-endian u32).
+
+    Raises ``ValueError`` when ``group_index`` is not in ``[0, 2**32)``, ``TypeError`` when it
+    is not an int.
+    """
+
+def fold_hashes(base_hashes: Sequence[str], first_base: int, m: int) -> list[str]:
+    """Fold base-page hashes into the hashes of a group whose page is ``m`` base pages wide.
+
+    ``base_hashes[j]`` is the hash of base page ``first_base + j``. The fold skips to the first
+    base page index that is a multiple of ``m``, then folds each complete run of ``m`` hashes
+    (``run = ""``, then ``run = hash_page([], run, [h])`` for each ``h``); incomplete runs at
+    either end are dropped and ``m == 1`` returns a copy. Raises ``TypeError`` for a non-str
+    hash and ``ValueError`` for ``m == 0`` or a negative ``first_base``.
+    """
 
 @final
 class BlockPool:
-    def __new__(cls, num_blocks: int, *, enable_caching: bool = True) -> BlockPool: ...
+    """The page pool of SPEC 5 with string keys.
+
+    Page 0 is the null page (never free, cached or counted); the free list starts as
+    ``1..num_blocks-1`` and is the eviction order. Misuse raises ``ValueError`` and changes
+    nothing. Safe to share between threads.
+    """
+
+    def __new__(cls, num_blocks: int, *, enable_caching: bool = True) -> BlockPool:
+        """A pool of ``num_blocks >= 1`` pages, page 0 included; ``ValueError`` for 0."""
+
     @property
-    def num_blocks(self) -> int: ...
+    def num_blocks(self) -> int:
+        """Total pages, the null page included."""
+
     @property
-    def num_free(self) -> int: ...
+    def num_free(self) -> int:
+        """Pages on the free list."""
+
     @property
-    def num_cached(self) -> int: ...
+    def num_cached(self) -> int:
+        """Pages holding a key."""
+
     @property
-    def num_cached_free(self) -> int: ...
+    def num_cached_free(self) -> int:
+        """Pages holding a key with reference count 0."""
+
     @property
-    def num_cached_pinned(self) -> int: ...
-    def allocate(self, n: int) -> list[int]: ...
-    def touch(self, page: int) -> None: ...
-    def free(self, pages: Iterable[int]) -> None: ...
-    def cache(self, page: int, key: str) -> None: ...
-    def lookup(self, key: str) -> int | None: ...
-    def ref_count(self, page: int) -> int: ...
-    def is_cached(self, page: int) -> bool: ...
+    def num_cached_pinned(self) -> int:
+        """Pages holding a key with reference count > 0."""
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n >= 0`` pages from the front of the free list, all or nothing.
+
+        Returns ``[]`` (and changes nothing) when fewer than ``n`` are free; taking a cached
+        page evicts its key.
+        """
+
+    def touch(self, page: int) -> None:
+        """Claim one more reference on ``page`` (taking it off the free list at count 0).
+
+        Page 0 is a no-op; a page out of range is a ``ValueError``.
+        """
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Release ``pages`` in reverse order (0 entries skipped).
+
+        At count 0 a page goes to the back of the free list with its key intact. Everything is
+        validated first: a bad page or a page with count 0 is a ``ValueError`` and nothing
+        changes.
+        """
+
+    def cache(self, page: int, key: str) -> None:
+        """Register ``key`` for ``page`` (a no-op with caching off or for page 0).
+
+        ``ValueError`` when the page already holds a key or is out of range.
+        """
+
+    def lookup(self, key: str) -> int | None:
+        """The earliest-registered page still holding ``key``, or None."""
+
+    def ref_count(self, page: int) -> int:
+        """Reference count of ``page`` (``ValueError`` when out of range)."""
+
+    def is_cached(self, page: int) -> bool:
+        """Whether ``page`` holds a key (``ValueError`` when out of range)."""
 
 @final
 class PrefixMatch:
+    """The result of ``FlatKVCache.match_prefix``.
+
+    Per group, the matched page of each slot (0 = hole) and the number of real pages, plus
+    the token count every group can resume from. A match remembers the key each real page was
+    matched under, so a claim refuses it once a page holds another key (or none). Equality
+    compares the three public fields only.
+    """
+
     def __new__(
         cls, num_common_tokens: int, pages: Sequence[Sequence[int]], num_hit_pages: Sequence[int]
-    ) -> PrefixMatch: ...
+    ) -> PrefixMatch:
+        """Build a match by hand (it remembers no keys).
+
+        ``pages`` is one sequence of page ids per group (each in ``[0, 2**31 - 1)``, else a
+        ``ValueError`` naming ``pages[g][i]``); ``num_hit_pages`` one count per group. A claim
+        of a hand-built match only requires each real page to hold a key of its group.
+        """
+
     @property
-    def num_common_tokens(self) -> int: ...
+    def num_common_tokens(self) -> int:
+        """Tokens every group can resume from (a multiple of the lcm page size)."""
+
     @property
-    def pages(self) -> list[list[int]]: ...
+    def pages(self) -> list[list[int]]:
+        """Per group, the matched page of each slot (0 = hole)."""
+
     @property
-    def num_hit_pages(self) -> list[int]: ...
-    def __eq__(self, other: object, /) -> bool: ...
+    def num_hit_pages(self) -> list[int]:
+        """Per group, the number of real (non-hole) matched pages."""
+
+    def __eq__(self, other: object, /) -> bool:
+        """Equal when ``num_common_tokens``, ``pages`` and ``num_hit_pages`` are."""
 
 @final
 class FlatKVCache:
+    """The page engine of one model (SPEC 6 to 9, docs/engine-api.md, docs/requests-api.md).
+
+    Request ids are ``str`` or ``int`` (``5`` and ``"5"`` differ; another type is a
+    ``TypeError``). An unknown id is an ``UnknownRequestError`` (a ``KeyError``) except for
+    ``claim``, ``acquire`` and ``prefill_first_chunk``, which create it. Requests created by
+    ``add_request`` own their tokens (token-level); the others are page-level, and token-level
+    methods refuse them with ``ValueError``. Running out of pages is not an error: the calls
+    that need pages return False and change nothing. Safe to share between threads.
+    """
+
     def __new__(
         cls,
-        specs: Iterable[Any],
+        specs: Iterable[_GroupSpec],
         num_pages: int,
         *,
         enable_caching: bool = True,
-        eviction_order: str = "hybrid",
+        eviction_order: _EvictionOrder = "hybrid",
         enable_kv_events: bool = False,
-    ) -> FlatKVCache: ...
+    ) -> FlatKVCache:
+        """The engine over ``specs`` (non-empty) with a pool of ``num_pages >= 1`` pages.
+
+        ``eviction_order`` ``"hybrid"`` frees a request's pages by slot end token, descending,
+        across all groups (SPEC 12.3); ``"group"`` frees group 0's table tail first, then group
+        1's, and so on. ``enable_kv_events`` records KV events for ``take_events``. Raises
+        ``TypeError`` / ``ValueError`` naming a malformed spec (``specs[i].kind`` ...) or option.
+        """
+
     @property
-    def base_page_size(self) -> int: ...
+    def base_page_size(self) -> int:
+        """The base page size (gcd of the groups' page sizes)."""
+
     @property
-    def lcm_page_size(self) -> int: ...
+    def lcm_page_size(self) -> int:
+        """The lcm of the groups' page sizes."""
+
     @property
-    def num_groups(self) -> int: ...
+    def num_groups(self) -> int:
+        """Number of groups."""
+
     @property
-    def group_ids(self) -> list[str]: ...
+    def group_ids(self) -> list[str]:
+        """Group ids in group order."""
+
     @property
-    def num_free_pages(self) -> int: ...
+    def num_free_pages(self) -> int:
+        """Pages on the free list."""
+
     @property
-    def num_requests(self) -> int: ...
-    def pool_stats(self) -> dict[str, int]: ...
-    def has_request(self, req: _RequestId) -> bool: ...
-    def match_prefix(self, content_hashes: Sequence[str]) -> PrefixMatch: ...
-    def claim(self, req: _RequestId, match: PrefixMatch) -> None: ...
-    def acquire(self, req: _RequestId, num_tokens: int) -> bool: ...
+    def num_requests(self) -> int:
+        """Number of live requests."""
+
+    def pool_stats(self) -> PoolStats:
+        """The pool counters: ``num_blocks num_free num_cached num_cached_free num_cached_pinned``."""
+
+    def has_request(self, req: _RequestId) -> bool:
+        """Whether ``req`` has tables."""
+
+    def match_prefix(self, content_hashes: Sequence[str]) -> PrefixMatch:
+        """The hybrid prefix match of base-page content hashes (64-char lowercase hex); read-only.
+
+        Releases the GIL while matching. Raises ``TypeError`` / ``ValueError`` naming a
+        malformed hash.
+        """
+
+    def claim(self, req: _RequestId, match: PrefixMatch) -> None:
+        """Take references on ``match``'s pages and make them ``req``'s tables (created if new).
+
+        ``ValueError`` (and no change) if the tables already hold pages, the match has the
+        wrong number of groups, or a matched page no longer holds the key it was matched under.
+        """
+
+    def acquire(self, req: _RequestId, num_tokens: int) -> bool:
+        """Make room for ``num_tokens`` more tokens in every group of ``req`` (created if new).
+
+        Check-then-act: False (and no change) when the pool has too few free pages.
+        """
+
     def register(
         self,
         req: _RequestId,
@@ -203,20 +480,62 @@ class FlatKVCache:
         *,
         first_slot: int = 0,
         end_tokens: int | None = None,
-    ) -> None: ...
-    def reclaim(self, req: _RequestId, num_computed_tokens: int) -> None: ...
-    def free(self, req: _RequestId) -> None: ...
-    def pages_needed(self, num_tokens: int, req: _RequestId | None = None) -> int: ...
+    ) -> None:
+        """Register base-page hashes in every group (a no-op with caching off).
+
+        ``content_hashes[j]`` is base page ``first_slot + j``; state groups register only the
+        last key, when the range ends at ``end_tokens`` on their page boundary. Raises
+        ``UnknownRequestError`` for an unknown ``req``.
+        """
+
+    def reclaim(self, req: _RequestId, num_computed_tokens: int) -> None:
+        """Free the pages of ``req`` that slid out of every window at ``num_computed_tokens``.
+
+        Raises ``UnknownRequestError`` for an unknown ``req``.
+        """
+
+    def free(self, req: _RequestId) -> None:
+        """Release all of ``req``'s pages (in the eviction order), drop its reserve and forget it.
+
+        Raises ``UnknownRequestError`` for an unknown ``req``.
+        """
+
+    def pages_needed(self, num_tokens: int, req: _RequestId | None = None) -> int:
+        """Pages ``acquire(req, num_tokens)`` would allocate (fresh tables when ``req`` is None)."""
+
     def pages_reclaimable(
         self, req: _RequestId, num_computed_tokens: int, *, count_uncached: bool = True
-    ) -> int: ...
-    def pages_consumed_by_claim(self, match: PrefixMatch) -> int: ...
-    def page_ids(self, req: _RequestId) -> list[list[int]]: ...
-    def tail_available(self, req: _RequestId) -> list[int]: ...
-    def prefill_first_chunk(self, req: _RequestId, match: PrefixMatch, num_tokens: int) -> bool: ...
+    ) -> int:
+        """Pages ``reclaim(req, num_computed_tokens)`` would put back on the free list.
+
+        Only pages whose last reference is ``req`` count, and only cached ones unless
+        ``count_uncached``.
+        """
+
+    def pages_consumed_by_claim(self, match: PrefixMatch) -> int:
+        """Distinct real pages of ``match`` with count 0 (what a claim takes off the free list)."""
+
+    def page_ids(self, req: _RequestId) -> list[list[int]]:
+        """``req``'s page ids per group (holes 0); ``UnknownRequestError`` for an unknown id."""
+
+    def tail_available(self, req: _RequestId) -> list[int]:
+        """``req``'s free token slots in its last page, per group."""
+
+    def prefill_first_chunk(self, req: _RequestId, match: PrefixMatch, num_tokens: int) -> bool:
+        """First prefill chunk: ``claim(req, match)`` then ``acquire(req, num_tokens)``.
+
+        On False the claim stays. Raises like ``claim``.
+        """
+
     def prefill_chunk(
         self, req: _RequestId, content_hashes: Sequence[str], num_tokens: int, num_computed_tokens: int
-    ) -> bool: ...
+    ) -> bool:
+        """A later prefill chunk: register, reclaim, then acquire ``num_tokens``.
+
+        ``content_hashes`` start at base page 0 and are cut to ``num_computed_tokens // base``.
+        Returns whether the acquire succeeded.
+        """
+
     def decode_step(
         self,
         req: _RequestId,
@@ -224,17 +543,34 @@ class FlatKVCache:
         first_page_slot: int,
         num_tokens: int,
         num_computed_tokens: int,
-    ) -> bool: ...
+    ) -> bool:
+        """A decode step: register, reclaim, then acquire ``num_tokens``.
+
+        ``content_hashes`` start at base page ``first_page_slot`` and are cut so that
+        ``first_page_slot + len <= num_computed_tokens // base``. Returns whether the acquire
+        succeeded.
+        """
+
     @overload
-    def block_tables(
-        self, reqs: Sequence[_RequestId], out: None = None
-    ) -> dict[str, npt.NDArray[np.int32]]: ...
+    def block_tables(self, reqs: Sequence[_RequestId], out: None = None) -> dict[str, npt.NDArray[np.int32]]:
+        """Flat per-group block tables of a batch, rows in the order given (repeats allowed).
+
+        Without ``out``: ``{group_id: int32 array [len(reqs), max_cols]}`` in group order,
+        holes 0, padding -1. With ``out`` (``group_id`` -> writable C-contiguous int32 numpy
+        array or CPU torch tensor of shape ``[>= len(reqs), cols]`` for every group): row r of
+        each buffer gets the request's page ids then -1 up to ``cols``, written in place with
+        the GIL released, and ``out`` is returned; a table wider than ``cols`` is a
+        ``ValueError`` naming the group and nothing is written. Raises
+        ``FlatUnavailableError`` (a ``RuntimeError``) in a build without the ``flat`` feature.
+        """
     @overload
     def block_tables(
         self, reqs: Sequence[_RequestId], out: Mapping[str, _TableBuffer]
     ) -> Mapping[str, _TableBuffer]: ...
-    def check_invariants(self) -> None: ...
-    # token-level requests (docs/requests-api.md)
+    def check_invariants(self) -> None:
+        """Check every engine invariant; ``InvariantError`` (a ``RuntimeError``) names the first
+        violation."""
+
     def add_request(
         self,
         req: _RequestId,
@@ -242,24 +578,71 @@ class FlatKVCache:
         *,
         extra_keys: Sequence[str] = (),
         use_prefix_cache: bool = True,
-    ) -> int: ...
-    def append_tokens(self, req: _RequestId, token_ids: _Tokens) -> None: ...
+    ) -> int:
+        """Add a token-level request for a non-empty prompt (each token must fit u32).
+
+        Every full base page is hashed (chained, ``extra_keys`` on every page) with the GIL
+        released; with caching on and ``use_prefix_cache``, the prefix match over all but the
+        last prompt token is claimed. Returns the hit in tokens (the request's computed tokens).
+        ``ValueError`` for an id already in use or an empty prompt.
+        """
+
+    def append_tokens(self, req: _RequestId, token_ids: _Tokens) -> None:
+        """Append newly known tokens to a token-level request.
+
+        Each base page that fills is hashed once, chained to the previous one.
+        ``UnknownRequestError`` for an unknown id, ``ValueError`` for a page-level request.
+        """
+
     def append_tokens_batch(
         self,
         reqs: Sequence[_RequestId],
         token_ids: _Tokens,
-        num_tokens: Sequence[int] | npt.NDArray[np.integer[Any]] | None = None,
-    ) -> None: ...
-    def schedule(self, req: _RequestId, num_new_tokens: int, *, lookahead: int = 0) -> bool: ...
-    def schedule_batch(
-        self, reqs: Sequence[_RequestId], num_new_tokens: Sequence[int] | npt.NDArray[np.integer[Any]]
-    ) -> npt.NDArray[np.bool_]: ...
-    def finish(self, req: _RequestId) -> None: ...
-    def preempt(self, req: _RequestId) -> list[int]: ...
-    def num_computed_tokens(self, req: _RequestId) -> int: ...
-    def num_tokens(self, req: _RequestId) -> int: ...
-    # admission accounting (SPEC 9)
-    def prefix_hit_tokens(self, prompt_token_ids: _Tokens, *, extra_keys: Sequence[str] = ()) -> int: ...
+        num_tokens: _Counts | None = None,
+    ) -> None:
+        """Append tokens to many token-level requests in one call (a decode step's samples).
+
+        Request ``i`` gets the next ``num_tokens[i]`` entries of the flat ``token_ids``, or
+        exactly one each when ``num_tokens`` is None; the same as ``append_tokens`` per request
+        in order. Everything is validated first (``UnknownRequestError``; ``ValueError`` for a
+        page-level request or lengths that do not add up) and nothing changes on error.
+        """
+
+    def schedule(self, req: _RequestId, num_new_tokens: int, *, lookahead: int = 0) -> bool:
+        """Schedule the next ``num_new_tokens`` known tokens of a token-level request.
+
+        Registers its completed full pages, reclaims slid-out pages, then acquires room for the
+        tokens plus ``lookahead`` slots, all or nothing. True: the position moved and the
+        reserve was released; False: nothing was allocated. ``ValueError`` when asking for more
+        tokens than are known and not computed.
+        """
+
+    def schedule_batch(self, reqs: Sequence[_RequestId], num_new_tokens: _Counts) -> npt.NDArray[np.bool_]:
+        """Schedule a whole step: ``num_new_tokens`` holds one count per request.
+
+        Everything is validated first (``UnknownRequestError``; ``ValueError`` for a page-level
+        request, too many tokens or a length mismatch; nothing changes then); each request is
+        then scheduled in order like ``schedule(req, n)``. Returns a bool array.
+        """
+
+    def finish(self, req: _RequestId) -> None:
+        """Register a token-level request's full pages, free its pages and forget the id."""
+
+    def preempt(self, req: _RequestId) -> list[int]:
+        """``finish``, counted as a preemption; returns the request's whole token list.
+
+        Re-adding that list with ``add_request`` recomputes the request.
+        """
+
+    def num_computed_tokens(self, req: _RequestId) -> int:
+        """Tokens a token-level request has computed (its position)."""
+
+    def num_tokens(self, req: _RequestId) -> int:
+        """Tokens a token-level request knows (prompt plus appended)."""
+
+    def prefix_hit_tokens(self, prompt_token_ids: _Tokens, *, extra_keys: Sequence[str] = ()) -> int:
+        """The prefix hit ``add_request`` would get for this prompt (last token recomputed); read-only."""
+
     def pages_needed_to_admit(
         self,
         prompt_token_ids: _Tokens,
@@ -267,10 +650,31 @@ class FlatKVCache:
         reserve_tokens: int = 0,
         *,
         extra_keys: Sequence[str] = (),
-    ) -> int: ...
-    def reserve(self, req: _RequestId, tokens: int) -> None: ...
-    def budget(self, req: _RequestId | None = None) -> int: ...
-    # metrics and KV events
-    def stats(self) -> dict[str, Any]: ...
-    def take_events(self) -> list[_KVEvent]: ...
-    def reset_prefix_cache(self) -> int: ...
+    ) -> int:
+        """Pages admitting this prompt would take (SPEC 9).
+
+        The capped match's claim (its free cached pages) plus
+        ``pages_needed(num_new_tokens + reserve_tokens)`` on fresh tables.
+        """
+
+    def reserve(self, req: _RequestId, tokens: int) -> None:
+        """Promise ``pages_needed(tokens, req)`` pages to ``req``'s next decode (0 clears it).
+
+        Replaces the previous reserve; released by a successful ``schedule``, ``finish``,
+        ``preempt`` and ``free``.
+        """
+
+    def budget(self, req: _RequestId | None = None) -> int:
+        """Free pages minus the reserves of every request other than ``req`` (may be negative)."""
+
+    def stats(self) -> CacheStats:
+        """Metrics with stable names (see :class:`flat_kvcache._types.CacheStats`)."""
+
+    def take_events(self) -> list[_KVEvent]:
+        """The KV events recorded since the last call, oldest first (``[]`` with events off)."""
+
+    def reset_prefix_cache(self) -> int:
+        """Drop the key of every cached page with count 0 and record ``AllBlocksCleared``.
+
+        The pages stay free (no ``BlockRemoved``); returns how many keys were dropped.
+        """

@@ -1,385 +1,165 @@
-//! Checked extraction of the page engine's Python arguments: counts, token sequences, hex
-//! hashes and request ids. Every error names the argument (and index) it is about.
+//! Extraction of Python values into the "as seen" types the core checks: exact ints of any
+//! size, type names, str-or-not, sequences.
+//!
+//! Extraction never decides anything: a bool or a float becomes a fact (`IntArg::Bool`,
+//! `IntArg::Other("float")`) and the core raises the error in its own order.
 
-use flat_kvcache_core::hash::{parse_hash_lower, parse_hex, ContentHash};
-use flat_kvcache_core::pool::MAX_BLOCKS;
-use flat_kvcache_core::request::RequestIdRef;
-use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use flat_kvcache_core::int::{self, Int};
+use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyMapping, PyString};
 
-use crate::errors::{non_negative, signed, IntArg};
-
-/// A non-negative int argument as `u64` (`TypeError` / `ValueError` / `OverflowError` naming
-/// `name`). Exact ints that fit take a fast path without a method call.
-#[inline]
-pub fn count(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
-    if obj.is_exact_instance_of::<PyInt>() {
-        if let Ok(v) = obj.extract::<u64>() {
-            return Ok(v);
-        }
-    }
-    non_negative(obj, name)
-}
-
-/// An optional non-negative int argument (`None` passes through).
-pub fn opt_count(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option<u64>> {
-    match obj {
-        Some(o) if !o.is_none() => count(o, name).map(Some),
-        _ => Ok(None),
+/// Extract a non-negative Python int of any size as `u64` (a direct check, for bindings whose
+/// core takes plain `u64`).
+///
+/// A bool or non-int is a `TypeError`, a negative value a `ValueError`, and a value above
+/// `u64::MAX` an `OverflowError`; each message names `name`.
+pub fn non_negative(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
+    match signed(obj, name)? {
+        IntArg::Small(v) if v < 0 => Err(PyValueError::new_err(format!("{name} must be >= 0, got {v}"))),
+        IntArg::Small(v) => u64::try_from(v).map_err(|_| overflow(name)),
+        IntArg::HugeNegative => Err(PyValueError::new_err(format!("{name} must be >= 0, got {obj}"))),
+        IntArg::HugePositive => Err(overflow(name)),
     }
 }
 
-/// A positive int argument as `usize` (0 is a `ValueError` naming `name`).
-pub fn positive(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
-    match count(obj, name)? {
-        0 => Err(PyValueError::new_err(format!("{name} must be > 0, got 0"))),
-        v => Ok(v),
-    }
+/// A Python int classified by whether it fits an `i128`.
+pub enum IntArg {
+    /// The value fits an `i128`.
+    Small(i128),
+    /// A negative value below `i128::MIN`.
+    HugeNegative,
+    /// A positive value above `i128::MAX`.
+    HugePositive,
 }
 
-/// A page id argument: an int, or the `ValueError` for a value no pool holds.
-#[inline]
-pub fn page(obj: &Bound<'_, PyAny>, num_blocks: usize) -> PyResult<u64> {
-    if obj.is_exact_instance_of::<PyInt>() {
-        if let Ok(v) = obj.extract::<u64>() {
-            return Ok(v);
-        }
+/// Classify a Python int (bools and non-ints are a `TypeError` naming `name`).
+pub fn signed(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<IntArg> {
+    if obj.is_instance_of::<PyBool>() {
+        return Err(PyTypeError::new_err(format!("{name} must be an int, not bool")));
     }
-    let out_of_range =
-        |v: &dyn std::fmt::Display| PyValueError::new_err(format!("page {v} is out of range [0, {num_blocks})"));
-    match signed(obj, "page")? {
-        IntArg::Small(v) => u64::try_from(v).map_err(|_| out_of_range(&v)),
-        IntArg::HugeNegative | IntArg::HugePositive => Err(out_of_range(obj)),
-    }
-}
-
-/// One token of `name[index]`: an int that fits `u32`.
-#[inline]
-fn token(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<u32> {
-    if item.is_exact_instance_of::<PyInt>() {
-        if let Ok(v) = item.extract::<u32>() {
-            return Ok(v);
-        }
-    }
-    let label = format!("{name}[{index}]");
-    match signed(item, &label)? {
-        IntArg::Small(v) => u32::try_from(v).map_err(|_| not_u32(&label, &v)),
-        IntArg::HugeNegative | IntArg::HugePositive => Err(not_u32(&label, item)),
-    }
-}
-
-fn not_u32(label: &str, v: &dyn std::fmt::Display) -> PyErr {
-    PyValueError::new_err(format!("{label} = {v} does not fit in u32"))
-}
-
-/// Copy a 1-D numpy array of integer dtype `T` into `u64` counts, checking every value is >= 0.
-fn counts_from_array<T>(arr: &Bound<'_, PyArray1<T>>, name: &str) -> PyResult<Vec<u64>>
-where
-    T: numpy::Element + Copy + std::fmt::Display,
-    u64: TryFrom<T>,
-{
-    let view = arr.readonly();
-    let view = view.as_array();
-    let mut out = Vec::with_capacity(view.len());
-    for (i, &v) in view.iter().enumerate() {
-        out.push(u64::try_from(v).map_err(|_| PyValueError::new_err(format!("{name}[{i}] must be >= 0, got {v}")))?);
-    }
-    Ok(out)
-}
-
-/// One count of `name[index]` (the fast path for exact ints; the message names the element).
-#[inline]
-fn count_item(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<u64> {
-    if item.is_exact_instance_of::<PyInt>() {
-        if let Ok(v) = item.extract::<u64>() {
-            return Ok(v);
-        }
-    }
-    non_negative(item, &format!("{name}[{index}]"))
-}
-
-/// A sequence of ints or a 1-D numpy integer array, element by element: `item` converts one
-/// Python item of `name[index]`, `array` converts a whole array (None when its dtype is not an
-/// integer one). Shared by [`counts`] and [`tokens`] so both accept exactly the same inputs.
-fn int_sequence<'py, E>(
-    obj: &Bound<'py, PyAny>,
-    name: &str,
-    item: impl Fn(&Bound<'py, PyAny>, &str, usize) -> PyResult<E>,
-    array: impl FnOnce(&Bound<'py, PyUntypedArray>) -> Option<PyResult<Vec<E>>>,
-) -> PyResult<Vec<E>> {
-    if let Ok(list) = obj.cast::<PyList>() {
-        let mut out = Vec::with_capacity(list.len());
-        for (i, it) in list.iter().enumerate() {
-            out.push(item(&it, name, i)?);
-        }
-        return Ok(out);
-    }
-    if let Ok(tuple) = obj.cast::<PyTuple>() {
-        return tuple.iter().enumerate().map(|(i, t)| item(&t, name, i)).collect();
-    }
-    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
-        return array(arr).unwrap_or_else(|| {
-            Err(PyTypeError::new_err(format!(
-                "{name} must be a 1-D integer array, got a {}-D array of dtype {}",
-                arr.ndim(),
-                arr.dtype()
-            )))
-        });
-    }
-    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+    let Ok(index) = obj.call_method0("__index__") else {
         return Err(PyTypeError::new_err(format!(
-            "{name} must be a sequence of ints, got {}",
-            type_name(obj)
-        )));
-    }
-    let Ok(iter) = obj.try_iter() else {
-        return Err(PyTypeError::new_err(format!(
-            "{name} must be a sequence of ints or a 1-D integer array, got {}",
+            "{name} must be an int, got {}",
             type_name(obj)
         )));
     };
-    iter.enumerate().map(|(i, t)| item(&t?, name, i)).collect()
-}
-
-/// Counts (ints >= 0) from a sequence of ints or a 1-D numpy integer array.
-pub fn counts(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u64>> {
-    int_sequence(obj, name, count_item, |arr| {
-        macro_rules! try_dtype {
-            ($($t:ty),*) => {$(
-                if let Ok(a) = arr.cast::<PyArray1<$t>>() {
-                    return Some(counts_from_array(a, name));
-                }
-            )*};
-        }
-        try_dtype!(i64, i32, u64, u32, i16, u16, i8, u8);
-        None
-    })
-}
-
-/// Copy a 1-D numpy array of integer dtype `T` into `u32` tokens, checking every value.
-fn tokens_from_array<T>(arr: &Bound<'_, PyArray1<T>>, name: &str) -> PyResult<Vec<u32>>
-where
-    T: numpy::Element + Copy + std::fmt::Display,
-    u32: TryFrom<T>,
-{
-    let view = arr.readonly();
-    let bad = |i: usize, v: T| not_u32(&format!("{name}[{i}]"), &v);
-    // A contiguous array converts as a slice, which the compiler vectorises (a u32 array is
-    // a plain copy); a strided one element by element.
-    if let Ok(slice) = view.as_slice() {
-        return slice
-            .iter()
-            .enumerate()
-            .map(|(i, &v)| u32::try_from(v).map_err(|_| bad(i, v)))
-            .collect();
+    if let Ok(v) = index.extract::<i128>() {
+        return Ok(IntArg::Small(v));
     }
-    let view = view.as_array();
-    let mut out = Vec::with_capacity(view.len());
-    for (i, &v) in view.iter().enumerate() {
-        out.push(u32::try_from(v).map_err(|_| bad(i, v))?);
-    }
-    Ok(out)
-}
-
-/// Tokens from a sequence of ints or a 1-D numpy integer array; each value must fit `u32`
-/// (`ValueError("<name>[<i>] = <v> does not fit in u32")`).
-pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
-    int_sequence(obj, name, token, |arr| {
-        macro_rules! try_dtype {
-            ($($t:ty),*) => {$(
-                if let Ok(a) = arr.cast::<PyArray1<$t>>() {
-                    return Some(tokens_from_array(a, name));
-                }
-            )*};
-        }
-        try_dtype!(u32, i64, i32, u64, u16, i16, u8, i8);
-        None
-    })
-}
-
-/// One page id of `name[index]`: an int in `[0, MAX_BLOCKS)` (page ids are written into
-/// int32 tables); anything else is a `ValueError` naming the element (a `TypeError` for a
-/// non-int), whatever its size.
-fn page_id_item(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<u32> {
-    let label = format!("{name}[{index}]");
-    let bad = |v: &dyn std::fmt::Display| {
-        PyValueError::new_err(format!("{label} = {v} is not a page id (0 <= id < {MAX_BLOCKS})"))
-    };
-    match signed(item, &label)? {
-        IntArg::Small(v) => u32::try_from(v)
-            .ok()
-            .filter(|&p| u64::from(p) < MAX_BLOCKS)
-            .ok_or_else(|| bad(&v)),
-        IntArg::HugeNegative | IntArg::HugePositive => Err(bad(item)),
+    if index.lt(0)? {
+        Ok(IntArg::HugeNegative)
+    } else {
+        Ok(IntArg::HugePositive)
     }
 }
 
-/// Page ids from a sequence of ints or a 1-D integer array (see [`page_id_item`]). Arrays go
-/// through `tolist()`, so both give the same messages; this is not a hot path.
-pub fn page_ids(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
-    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
-        if arr.ndim() != 1 || !matches!(arr.dtype().kind(), b'i' | b'u') {
-            return Err(PyTypeError::new_err(format!(
-                "{name} must be a 1-D integer array, got a {}-D array of dtype {}",
-                arr.ndim(),
-                arr.dtype()
-            )));
-        }
-        return page_ids(&obj.call_method0("tolist")?, name);
-    }
-    int_sequence(obj, name, page_id_item, |_| None)
+/// The `OverflowError` raised when an argument does not fit the native type.
+pub fn overflow(name: &str) -> PyErr {
+    PyOverflowError::new_err(format!("{name}: value does not fit in an unsigned 64-bit integer"))
 }
 
-/// The type name of `obj`, for messages.
+/// `str(obj)` (as the reference's f-strings print it).
+pub fn text(obj: &Bound<'_, PyAny>) -> PyResult<String> {
+    Ok(obj.str()?.to_string_lossy().into_owned())
+}
+
+/// True when `type(obj)` has the attribute (the reference's `hasattr(type(obj), name)`).
+pub fn type_has(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
+    obj.get_type().hasattr(name)
+}
+
+/// The reference's `is_sequence`: indexable with a length, not a mapping (lists, tuples, 1-D
+/// ndarrays and strs pass; callers refuse a bare str first). A 0-d ndarray has `__len__` on its
+/// type but `len()` raises `TypeError`, so it is not a sequence.
+pub fn is_sequence(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    if obj.is_instance_of::<PyMapping>() || !type_has(obj, "__getitem__")? {
+        return Ok(false);
+    }
+    match obj.len() {
+        Ok(_) => Ok(true),
+        Err(err) if err.is_instance_of::<pyo3::exceptions::PyTypeError>(obj.py()) => Ok(false),
+        Err(err) => Err(err),
+    }
+}
+
+/// An int argument as the core sees it ([`int::IntArg`]: the reference's `as_int`, without raising): a bool is
+/// `Bool`, anything `operator.index` refuses with `TypeError` is `Other(type name)`, anything
+/// else its exact value. Other exceptions of a custom `__index__` propagate.
+pub fn int_arg(obj: &Bound<'_, PyAny>) -> PyResult<int::IntArg> {
+    if obj.is_instance_of::<PyBool>() {
+        return Ok(int::IntArg::Bool);
+    }
+    // Fast path: most values fit i128 (the extraction goes through `__index__` too).
+    if let Ok(v) = obj.extract::<i128>() {
+        return Ok(int::IntArg::Int(Int::from(v)));
+    }
+    let py = obj.py();
+    match py.import("operator")?.getattr("index")?.call1((obj,)) {
+        Ok(index) => Ok(int::IntArg::Int(exact_int(&index)?)),
+        Err(err) if err.is_instance_of::<PyTypeError>(py) => Ok(int::IntArg::Other(type_name(obj))),
+        Err(err) => Err(err),
+    }
+}
+
+/// The exact value of a Python `int` of any size (sign, then the magnitude's bytes).
+fn exact_int(index: &Bound<'_, PyAny>) -> PyResult<Int> {
+    let negative = index.lt(0)?;
+    let magnitude = index.call_method0("__abs__")?;
+    let bits: usize = magnitude.call_method0("bit_length")?.extract()?;
+    let bytes = magnitude.call_method1("to_bytes", (bits.div_ceil(8), "little"))?;
+    let bytes = bytes.cast::<PyBytes>()?;
+    Ok(Int::from_magnitude_le_bytes(negative, bytes.as_bytes()))
+}
+
+/// An exact integer as a Python `int`.
+pub fn int_to_py<'py>(py: Python<'py>, value: &Int) -> PyResult<Bound<'py, PyAny>> {
+    if let Some(v) = value.to_i128() {
+        return Ok(v.into_pyobject(py)?.into_any());
+    }
+    let bytes = PyBytes::new(py, &value.magnitude_le_bytes());
+    let magnitude = py
+        .get_type::<pyo3::types::PyInt>()
+        .call_method1("from_bytes", (bytes, "little"))?;
+    if value.is_negative() {
+        magnitude.neg()
+    } else {
+        Ok(magnitude)
+    }
+}
+
+/// An int argument of a `#[pyfunction]` (see [`int_arg`]); defaults are written in Rust, e.g.
+/// `decode_input_tokens = IntParam::of(1)`.
+pub struct IntParam(pub int::IntArg);
+
+impl IntParam {
+    /// A default value.
+    pub fn of(v: u64) -> Self {
+        Self(int::IntArg::from(v))
+    }
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for IntParam {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        int_arg(&obj).map(Self)
+    }
+}
+
+/// True for a `str` (or subclass).
+pub fn is_str(obj: &Bound<'_, PyAny>) -> bool {
+    obj.is_instance_of::<PyString>()
+}
+
+/// `type(obj).__name__`, for messages.
 pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type()
         .name()
-        .map_or_else(|_| "object".to_owned(), |n| n.to_string())
-}
-
-/// The raw bytes of a `prior` hash: `""` or hex text of even length (either case).
-pub fn prior(text: &str) -> PyResult<Vec<u8>> {
-    parse_hex(text.as_bytes()).ok_or_else(|| {
-        PyValueError::new_err(format!(
-            "prior must be \"\" or a hex string of even length, got {:?}",
-            clip(text)
-        ))
-    })
+        .map_or_else(|_| "?".to_owned(), |name| name.to_string_lossy().into_owned())
 }
 
 /// At most 80 characters of `text`, for messages.
 pub fn clip(text: &str) -> &str {
     text.char_indices().nth(80).map_or(text, |(i, _)| &text[..i])
-}
-
-/// Extra keys: a sequence of `str` (a bare `str` is a `TypeError`), kept as UTF-8 strings.
-#[derive(Debug, Default)]
-pub struct ExtraKeys(pub Vec<String>);
-
-impl<'a, 'py> FromPyObject<'a, 'py> for ExtraKeys {
-    type Error = PyErr;
-
-    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        if obj.is_instance_of::<PyString>() {
-            return Err(PyTypeError::new_err("extra_keys must be a sequence of str, not a str"));
-        }
-        let Ok(iter) = obj.try_iter() else {
-            return Err(PyTypeError::new_err(format!(
-                "extra_keys must be a sequence of str, got {}",
-                type_name(&obj)
-            )));
-        };
-        let mut keys = Vec::new();
-        for (i, item) in iter.enumerate() {
-            let item = item?;
-            let Ok(s) = item.cast::<PyString>() else {
-                return Err(PyTypeError::new_err(format!(
-                    "extra_keys[{i}] must be a str, got {}",
-                    type_name(&item)
-                )));
-            };
-            keys.push(s.to_str()?.to_owned());
-        }
-        Ok(Self(keys))
-    }
-}
-
-/// One 64-digit lowercase hex content hash at `name[index]`.
-#[inline]
-fn content_hash(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<ContentHash> {
-    let parsed = match item.cast::<PyString>() {
-        Ok(s) => parse_hash_lower(s.to_str()?.as_bytes()),
-        Err(_) => {
-            return Err(PyTypeError::new_err(format!(
-                "{name}[{index}] must be a str, got {}",
-                type_name(item)
-            )))
-        }
-    };
-    parsed.ok_or_else(|| {
-        PyValueError::new_err(format!(
-            "{name}[{index}] must be a 64-character lowercase hex string, got {:?}",
-            clip(&item.to_string())
-        ))
-    })
-}
-
-/// Content hashes: a sequence of 64-character lowercase hex strings, as raw bytes (uppercase
-/// is refused: folding hashes the text, so two spellings of one hash would fold differently).
-pub fn content_hashes(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<ContentHash>> {
-    if let Ok(list) = obj.cast::<PyList>() {
-        let mut out = Vec::with_capacity(list.len());
-        for (i, item) in list.iter().enumerate() {
-            out.push(content_hash(&item, name, i)?);
-        }
-        return Ok(out);
-    }
-    if let Ok(tuple) = obj.cast::<PyTuple>() {
-        return tuple
-            .iter()
-            .enumerate()
-            .map(|(i, h)| content_hash(&h, name, i))
-            .collect();
-    }
-    if obj.is_instance_of::<PyString>() {
-        return Err(PyTypeError::new_err(format!(
-            "{name} must be a sequence of str, not a str"
-        )));
-    }
-    let Ok(iter) = obj.try_iter() else {
-        return Err(PyTypeError::new_err(format!(
-            "{name} must be a sequence of str, got {}",
-            type_name(obj)
-        )));
-    };
-    iter.enumerate().map(|(i, h)| content_hash(&h?, name, i)).collect()
-}
-
-/// A request id argument: a `str` or an `int` of any size (not a bool).
-pub enum ReqArg<'py> {
-    /// A string id (borrowed from the Python object, which this keeps alive).
-    Str(Bound<'py, PyString>),
-    /// An int id that fits `i64`.
-    Int(i64),
-    /// A larger int id as decimal text.
-    Big(String),
-}
-
-impl<'py> ReqArg<'py> {
-    /// Classify `obj`: a `str`, or an int (anything with `__index__`, such as numpy ints, but
-    /// not a bool); anything else is a `TypeError`.
-    #[inline]
-    pub fn new(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
-        if let Ok(s) = obj.cast::<PyString>() {
-            return Ok(Self::Str(s.clone()));
-        }
-        if obj.is_exact_instance_of::<PyInt>() {
-            if let Ok(v) = obj.extract::<i64>() {
-                return Ok(Self::Int(v));
-            }
-        }
-        let not_an_id = || PyTypeError::new_err(format!("request ids must be str or int, got {}", type_name(obj)));
-        if obj.is_instance_of::<PyBool>() {
-            return Err(not_an_id());
-        }
-        let Ok(index) = obj.call_method0("__index__") else {
-            return Err(not_an_id());
-        };
-        match index.extract::<i64>() {
-            Ok(v) => Ok(Self::Int(v)),
-            Err(_) => Ok(Self::Big(index.str()?.to_str()?.to_owned())),
-        }
-    }
-
-    /// The borrowed core id.
-    #[inline]
-    pub fn id(&self) -> PyResult<RequestIdRef<'_>> {
-        Ok(match self {
-            Self::Str(s) => RequestIdRef::Str(s.to_str()?),
-            Self::Int(v) => RequestIdRef::Int(*v),
-            Self::Big(s) => RequestIdRef::BigInt(s),
-        })
-    }
 }

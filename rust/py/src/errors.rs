@@ -1,14 +1,19 @@
-//! Translation of core errors into Python exceptions, and extraction of Python arguments into
-//! the "as seen" types the core checks (exact ints of any size, type names, str-or-not).
+//! Translation of core errors into Python exceptions.
 //!
-//! Extraction never decides anything: a bool or a float becomes a fact (`IntArg::Bool`,
-//! `IntArg::Other("float")`) and the core raises the error in its own order.
+//! The failures a caller may want to catch by kind raise the classes of `flat_kvcache.errors`
+//! (each subclasses the builtin raised before those classes existed); argument errors stay
+//! plain builtins. Messages are the core's, unchanged.
 
-use flat_kvcache_core::int::{self, Int};
+use std::sync::{Mutex, MutexGuard};
+
 use flat_kvcache_core::CoreError;
-use pyo3::exceptions::{PyKeyError, PyMemoryError, PyOverflowError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyMemoryError, PyOverflowError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyMapping, PyString};
+
+pyo3::import_exception!(flat_kvcache.errors, ConfigError);
+pyo3::import_exception!(flat_kvcache.errors, FlatUnavailableError);
+pyo3::import_exception!(flat_kvcache.errors, InvariantError);
+pyo3::import_exception!(flat_kvcache.errors, UnknownRequestError);
 
 /// Newtype that lets `?` turn a [`CoreError`] into a `PyErr` (the orphan rule forbids a direct impl).
 pub struct PyCoreError(pub CoreError);
@@ -26,8 +31,10 @@ impl From<PyCoreError> for PyErr {
             CoreError::InvalidArgument(_) => PyValueError::new_err(msg),
             CoreError::Type(_) => PyTypeError::new_err(msg),
             CoreError::Overflow { .. } => PyOverflowError::new_err(msg),
-            CoreError::Config(_) | CoreError::FlatUnavailable | CoreError::Invariant(_) => PyRuntimeError::new_err(msg),
-            CoreError::UnknownRequest(_) => PyKeyError::new_err(msg),
+            CoreError::Config(_) => ConfigError::new_err(msg),
+            CoreError::FlatUnavailable => FlatUnavailableError::new_err(msg),
+            CoreError::Invariant(_) => InvariantError::new_err(msg),
+            CoreError::UnknownRequest(_) => UnknownRequestError::new_err(msg),
             CoreError::OutOfMemory(_) => PyMemoryError::new_err(msg),
         }
     }
@@ -38,152 +45,8 @@ pub fn core<T>(result: Result<T, CoreError>) -> PyResult<T> {
     result.map_err(|e| PyErr::from(PyCoreError(e)))
 }
 
-/// Extract a non-negative Python int of any size as `u64` (a direct check, for bindings whose
-/// core takes plain `u64`).
-///
-/// A bool or non-int is a `TypeError`, a negative value a `ValueError`, and a value above
-/// `u64::MAX` an `OverflowError`; each message names `name`.
-pub fn non_negative(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
-    match signed(obj, name)? {
-        IntArg::Small(v) if v < 0 => Err(PyValueError::new_err(format!("{name} must be >= 0, got {v}"))),
-        IntArg::Small(v) => u64::try_from(v).map_err(|_| overflow(name)),
-        IntArg::HugeNegative => Err(PyValueError::new_err(format!("{name} must be >= 0, got {obj}"))),
-        IntArg::HugePositive => Err(overflow(name)),
-    }
-}
-
-/// A Python int classified by whether it fits an `i128`.
-pub enum IntArg {
-    /// The value fits an `i128`.
-    Small(i128),
-    /// A negative value below `i128::MIN`.
-    HugeNegative,
-    /// A positive value above `i128::MAX`.
-    HugePositive,
-}
-
-/// Classify a Python int (bools and non-ints are a `TypeError` naming `name`).
-pub fn signed(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<IntArg> {
-    if obj.is_instance_of::<PyBool>() {
-        return Err(PyTypeError::new_err(format!("{name} must be an int, not bool")));
-    }
-    let Ok(index) = obj.call_method0("__index__") else {
-        return Err(PyTypeError::new_err(format!(
-            "{name} must be an int, got {}",
-            obj.get_type().name().map_or_else(|_| "?".to_owned(), |n| n.to_string())
-        )));
-    };
-    if let Ok(v) = index.extract::<i128>() {
-        return Ok(IntArg::Small(v));
-    }
-    if index.lt(0)? {
-        Ok(IntArg::HugeNegative)
-    } else {
-        Ok(IntArg::HugePositive)
-    }
-}
-
-/// The `OverflowError` raised when an argument does not fit the native type.
-pub fn overflow(name: &str) -> PyErr {
-    PyOverflowError::new_err(format!("{name}: value does not fit in an unsigned 64-bit integer"))
-}
-
-/// `type(obj).__name__`.
-pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type()
-        .name()
-        .map_or_else(|_| "?".to_owned(), |name| name.to_string_lossy().into_owned())
-}
-
-/// `str(obj)` (as the reference's f-strings print it).
-pub fn text(obj: &Bound<'_, PyAny>) -> PyResult<String> {
-    Ok(obj.str()?.to_string_lossy().into_owned())
-}
-
-/// True when `type(obj)` has the attribute (the reference's `hasattr(type(obj), name)`).
-pub fn type_has(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
-    obj.get_type().hasattr(name)
-}
-
-/// The reference's `is_sequence`: indexable with a length, not a mapping (lists, tuples, 1-D
-/// ndarrays and strs pass; callers refuse a bare str first). A 0-d ndarray has `__len__` on its
-/// type but `len()` raises `TypeError`, so it is not a sequence.
-pub fn is_sequence(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
-    if obj.is_instance_of::<PyMapping>() || !type_has(obj, "__getitem__")? {
-        return Ok(false);
-    }
-    match obj.len() {
-        Ok(_) => Ok(true),
-        Err(err) if err.is_instance_of::<pyo3::exceptions::PyTypeError>(obj.py()) => Ok(false),
-        Err(err) => Err(err),
-    }
-}
-
-/// An int argument as the core sees it ([`int::IntArg`]: the reference's `as_int`, without raising): a bool is
-/// `Bool`, anything `operator.index` refuses with `TypeError` is `Other(type name)`, anything
-/// else its exact value. Other exceptions of a custom `__index__` propagate.
-pub fn int_arg(obj: &Bound<'_, PyAny>) -> PyResult<int::IntArg> {
-    if obj.is_instance_of::<PyBool>() {
-        return Ok(int::IntArg::Bool);
-    }
-    // Fast path: most values fit i128 (the extraction goes through `__index__` too).
-    if let Ok(v) = obj.extract::<i128>() {
-        return Ok(int::IntArg::Int(Int::from(v)));
-    }
-    let py = obj.py();
-    match py.import("operator")?.getattr("index")?.call1((obj,)) {
-        Ok(index) => Ok(int::IntArg::Int(exact_int(&index)?)),
-        Err(err) if err.is_instance_of::<PyTypeError>(py) => Ok(int::IntArg::Other(type_name(obj))),
-        Err(err) => Err(err),
-    }
-}
-
-/// The exact value of a Python `int` of any size (sign, then the magnitude's bytes).
-fn exact_int(index: &Bound<'_, PyAny>) -> PyResult<Int> {
-    let negative = index.lt(0)?;
-    let magnitude = index.call_method0("__abs__")?;
-    let bits: usize = magnitude.call_method0("bit_length")?.extract()?;
-    let bytes = magnitude.call_method1("to_bytes", (bits.div_ceil(8), "little"))?;
-    let bytes = bytes.cast::<PyBytes>()?;
-    Ok(Int::from_magnitude_le_bytes(negative, bytes.as_bytes()))
-}
-
-/// An exact integer as a Python `int`.
-pub fn int_to_py<'py>(py: Python<'py>, value: &Int) -> PyResult<Bound<'py, PyAny>> {
-    if let Some(v) = value.to_i128() {
-        return Ok(v.into_pyobject(py)?.into_any());
-    }
-    let bytes = PyBytes::new(py, &value.magnitude_le_bytes());
-    let magnitude = py
-        .get_type::<pyo3::types::PyInt>()
-        .call_method1("from_bytes", (bytes, "little"))?;
-    if value.is_negative() {
-        magnitude.neg()
-    } else {
-        Ok(magnitude)
-    }
-}
-
-/// An int argument of a `#[pyfunction]` (see [`int_arg`]); defaults are written in Rust, e.g.
-/// `decode_input_tokens = IntParam::of(1)`.
-pub struct IntParam(pub int::IntArg);
-
-impl IntParam {
-    /// A default value.
-    pub fn of(v: u64) -> Self {
-        Self(int::IntArg::from(v))
-    }
-}
-
-impl<'a, 'py> FromPyObject<'a, 'py> for IntParam {
-    type Error = PyErr;
-
-    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        int_arg(&obj).map(Self)
-    }
-}
-
-/// True for a `str` (or subclass).
-pub fn is_str(obj: &Bound<'_, PyAny>) -> bool {
-    obj.is_instance_of::<PyString>()
+/// Lock `m`, or a `RuntimeError` if an earlier panic poisoned it.
+pub fn lock<T>(m: &Mutex<T>) -> PyResult<MutexGuard<'_, T>> {
+    m.lock()
+        .map_err(|_| PyRuntimeError::new_err("flat_kvcache: internal state poisoned by an earlier panic"))
 }

@@ -3,8 +3,9 @@
 //! The core records plain values; they become `BlockStored` / `BlockRemoved` /
 //! `AllBlocksCleared` objects only in `take_events`, through classes imported once.
 
+use flat_kvcache_core::coordinator::GroupSpec;
 use flat_kvcache_core::events::KvEvent;
-use flat_kvcache_core::table::GroupKind;
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyList, PyType};
@@ -15,35 +16,9 @@ static ALL_BLOCKS_CLEARED: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
 const EVENTS_MODULE: &str = "flat_kvcache.events";
 
-/// What a `BlockStored` event says of its group.
-#[derive(Clone, Debug)]
-pub struct GroupMeta {
-    /// Tokens per page.
-    pub page_size: u64,
-    /// `"full"`, `"sliding_window"` or `"state"`.
-    pub kind: &'static str,
-    /// The sliding window in tokens (None for full and state groups).
-    pub window: Option<u64>,
-}
-
-impl GroupMeta {
-    /// The metadata of a group of `kind` with pages of `page_size` tokens.
-    pub fn new(kind: GroupKind, page_size: u64) -> Self {
-        let (kind, window) = match kind {
-            GroupKind::Full => ("full", None),
-            GroupKind::SlidingWindow { window } => ("sliding_window", Some(window)),
-            GroupKind::State => ("state", None),
-        };
-        Self {
-            page_size,
-            kind,
-            window,
-        }
-    }
-}
-
-/// The events as a list of dataclass instances, in order.
-pub fn events_to_py<'py>(py: Python<'py>, events: Vec<KvEvent>, groups: &[GroupMeta]) -> PyResult<Bound<'py, PyList>> {
+/// The events as a list of dataclass instances, in order; `groups` are the cache's specs in
+/// group order (a `BlockStored` event carries its group's page size, kind and window).
+pub fn events_to_py<'py>(py: Python<'py>, events: Vec<KvEvent>, groups: &[GroupSpec]) -> PyResult<Bound<'py, PyList>> {
     let out = PyList::empty(py);
     if events.is_empty() {
         return Ok(out);
@@ -60,7 +35,11 @@ pub fn events_to_py<'py>(py: Python<'py>, events: Vec<KvEvent>, groups: &[GroupM
                 group,
                 extra_keys,
             } => {
-                let meta = usize::try_from(group).ok().and_then(|g| groups.get(g));
+                let Some(spec) = usize::try_from(group).ok().and_then(|g| groups.get(g)) else {
+                    return Err(PyRuntimeError::new_err(format!(
+                        "flat_kvcache: a stored event names group {group}, which the cache does not have"
+                    )));
+                };
                 let hashes = PyList::new(py, hashes.iter().map(|h| PyBytes::new(py, h)))?;
                 let parent = parent.map(|p| PyBytes::new(py, &p));
                 let keys = PyList::new(py, extra_keys.iter().map(String::as_str))?;
@@ -68,10 +47,10 @@ pub fn events_to_py<'py>(py: Python<'py>, events: Vec<KvEvent>, groups: &[GroupM
                     hashes,
                     parent,
                     token_ids,
-                    meta.map_or(0, |m| m.page_size),
+                    spec.page_size,
                     group,
-                    meta.map_or("full", |m| m.kind),
-                    meta.and_then(|m| m.window),
+                    spec.kind.name(),
+                    spec.kind.sliding_window(),
                     keys,
                 ))?
             }

@@ -5,8 +5,9 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyString};
 
-use crate::convert::{count, positive, prior as parse_prior, tokens, type_name, ExtraKeys};
-use crate::errors::{core, signed, IntArg};
+use crate::args::{count, positive, prior as parse_prior, tokens, ExtraKeys};
+use crate::convert::{signed, type_name, IntArg};
+use crate::errors::core;
 
 /// The content hash of one page: SHA-256 over little-endian u32 fields (`len(prior raw)`,
 /// prior raw bytes, `len(tokens)`, each token, then if `extra_keys` is non-empty their count

@@ -3,12 +3,15 @@
 //! Nothing algorithmic lives here: each entry point extracts its arguments (checked), calls the
 //! core, and converts the result or error.
 
+pub mod args;
+pub mod cache;
 pub mod convert;
-pub mod engine;
 pub mod errors;
 pub mod events;
 pub mod hashing;
 pub mod plan;
+pub mod pool;
+pub mod prefix_match;
 pub mod sizing;
 pub mod tables;
 
@@ -40,7 +43,11 @@ mod _native {
 
     // Page engine (SPEC 4-8).
     #[pymodule_export]
-    use crate::engine::{PyBlockPool, PyFlatKVCache, PyPrefixMatch};
+    use crate::cache::PyFlatKVCache;
     #[pymodule_export]
     use crate::hashing::{fold_hashes, group_key, hash_page, hash_pages};
+    #[pymodule_export]
+    use crate::pool::PyBlockPool;
+    #[pymodule_export]
+    use crate::prefix_match::PyPrefixMatch;
 }

@@ -13,7 +13,8 @@ use flat_kvcache_core::sizing::LabelItem;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyMapping, PyTuple};
 
-use crate::errors::{core, int_arg, int_to_py, is_sequence, is_str, text, type_name, IntParam};
+use crate::convert::{int_arg, int_to_py, is_sequence, is_str, text, type_name, IntParam};
+use crate::errors::core;
 use crate::sizing::{layer_types_arg, windows_arg};
 
 /// Per component, the `group_id` and `component` objects a plan hands back.

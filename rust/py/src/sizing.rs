@@ -13,7 +13,8 @@ use flat_kvcache_core::sizing::{
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyList, PyTuple};
 
-use crate::errors::{core, int_arg, is_sequence, is_str, text, type_has, type_name, IntParam};
+use crate::convert::{int_arg, is_sequence, is_str, text, type_has, type_name, IntParam};
+use crate::errors::core;
 
 /// `layer_types` as the core sees it: a bare str, a non-sequence, or its items (str or not).
 pub fn layer_types_arg(obj: &Bound<'_, PyAny>) -> PyResult<LayerTypesArg> {
@@ -339,7 +340,7 @@ fn resolve_backend<'py>(attn_backend: &Bound<'py, PyAny>) -> PyResult<Bound<'py,
 
 /// Refuse scheduler configurations that would corrupt the flat KV cache (SPEC 2): a no-op when
 /// `flat_kvcache_ext` is false or the module was built without the `flat` feature; else a
-/// `RuntimeError` for the first of the five problems, in the contract's order.
+/// `ConfigError` (a `RuntimeError`) for the first of the five problems, in the contract's order.
 #[pyfunction]
 #[pyo3(signature = (*, flat_kvcache_ext, paged_cache_groups, attn_backend, kv_pool, speculative_algorithm=None))]
 pub fn validate_flat_scheduler_config(

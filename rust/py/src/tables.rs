@@ -6,17 +6,18 @@
 //! tensor's `data_ptr()` never changes. Rust never depends on torch.
 
 use flat_kvcache_core::cache::TableOut;
+use flat_kvcache_core::coordinator::GroupSpec;
 use numpy::{BorrowError, PyArray2, PyArrayMethods, PyReadwriteArray2, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyString;
 
-use crate::convert::type_name;
+use crate::convert::{clip, type_name};
 
 /// A group id quoted the Python way (`'full'`), for messages.
 fn quoted(gid: &str) -> String {
-    format!("'{}'", crate::convert::clip(gid).escape_debug())
+    format!("'{}'", clip(gid).escape_debug())
 }
 
 /// `out['<group id>']`, as messages name a group's buffer.
@@ -68,15 +69,15 @@ fn as_ndarray<'py>(item: &Bound<'py, PyAny>, gid: &str) -> PyResult<Bound<'py, P
     })
 }
 
-/// Borrow every group's buffer from the mapping `out` (in group order), writable.
+/// Borrow every group's buffer from the mapping `out` (in the order of `groups`), writable.
 ///
 /// A missing group, a non-array, a dtype other than int32, a shape that is not 2-D, a
 /// non-C-contiguous or read-only buffer, or one buffer given for two groups is an error
 /// naming the group. Rows and columns are checked by the core against the batch.
-pub fn borrow_out<'py>(out: &Bound<'py, PyAny>, group_ids: &[String]) -> PyResult<Vec<PyReadwriteArray2<'py, i32>>> {
+pub fn borrow_out<'py>(out: &Bound<'py, PyAny>, groups: &[GroupSpec]) -> PyResult<Vec<PyReadwriteArray2<'py, i32>>> {
     let py = out.py();
-    let mut arrays = Vec::with_capacity(group_ids.len());
-    for gid in group_ids {
+    let mut arrays = Vec::with_capacity(groups.len());
+    for GroupSpec { group_id: gid, .. } in groups {
         let item = match out.get_item(gid) {
             Ok(item) => item,
             Err(e) if e.is_instance_of::<PyKeyError>(py) => {

@@ -1,0 +1,521 @@
+//! The argument types of the page engine and hashing API, extracted and checked: counts,
+//! token sequences, page ids, hex hashes, extra keys, request ids, group specs and the
+//! eviction order. Every error names the argument (and index) it is about.
+
+use flat_kvcache_core::coordinator::{EvictionOrder, GroupSpec};
+use flat_kvcache_core::hash::{parse_hash_lower, parse_hex, ContentHash};
+use flat_kvcache_core::pool::MAX_BLOCKS;
+use flat_kvcache_core::request::RequestIdRef;
+use flat_kvcache_core::table::{GroupKind, KindError};
+use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
+
+use crate::convert::{clip, non_negative, signed, type_name, IntArg};
+
+// ----- counts, tokens and page ids ------------------------------------------------------------
+
+/// A non-negative int argument as `u64` (`TypeError` / `ValueError` / `OverflowError` naming
+/// `name`). Exact ints that fit take a fast path without a method call.
+#[inline]
+pub fn count(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
+    if obj.is_exact_instance_of::<PyInt>() {
+        if let Ok(v) = obj.extract::<u64>() {
+            return Ok(v);
+        }
+    }
+    non_negative(obj, name)
+}
+
+/// An optional non-negative int argument (`None` passes through).
+pub fn opt_count(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option<u64>> {
+    match obj {
+        Some(o) if !o.is_none() => count(o, name).map(Some),
+        _ => Ok(None),
+    }
+}
+
+/// A positive int argument as `usize` (0 is a `ValueError` naming `name`).
+pub fn positive(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
+    match count(obj, name)? {
+        0 => Err(PyValueError::new_err(format!("{name} must be > 0, got 0"))),
+        v => Ok(v),
+    }
+}
+
+/// A page id argument: an int, or the `ValueError` for a value no pool holds.
+#[inline]
+pub fn page(obj: &Bound<'_, PyAny>, num_blocks: usize) -> PyResult<u64> {
+    if obj.is_exact_instance_of::<PyInt>() {
+        if let Ok(v) = obj.extract::<u64>() {
+            return Ok(v);
+        }
+    }
+    let out_of_range =
+        |v: &dyn std::fmt::Display| PyValueError::new_err(format!("page {v} is out of range [0, {num_blocks})"));
+    match signed(obj, "page")? {
+        IntArg::Small(v) => u64::try_from(v).map_err(|_| out_of_range(&v)),
+        IntArg::HugeNegative | IntArg::HugePositive => Err(out_of_range(obj)),
+    }
+}
+
+/// One token of `name[index]`: an int that fits `u32`.
+#[inline]
+fn token(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<u32> {
+    if item.is_exact_instance_of::<PyInt>() {
+        if let Ok(v) = item.extract::<u32>() {
+            return Ok(v);
+        }
+    }
+    let label = format!("{name}[{index}]");
+    match signed(item, &label)? {
+        IntArg::Small(v) => u32::try_from(v).map_err(|_| not_u32(&label, &v)),
+        IntArg::HugeNegative | IntArg::HugePositive => Err(not_u32(&label, item)),
+    }
+}
+
+fn not_u32(label: &str, v: &dyn std::fmt::Display) -> PyErr {
+    PyValueError::new_err(format!("{label} = {v} does not fit in u32"))
+}
+
+/// Copy a 1-D numpy array of integer dtype `T` into `u64` counts, checking every value is >= 0.
+fn counts_from_array<T>(arr: &Bound<'_, PyArray1<T>>, name: &str) -> PyResult<Vec<u64>>
+where
+    T: numpy::Element + Copy + std::fmt::Display,
+    u64: TryFrom<T>,
+{
+    let view = arr.readonly();
+    let view = view.as_array();
+    let mut out = Vec::with_capacity(view.len());
+    for (i, &v) in view.iter().enumerate() {
+        out.push(u64::try_from(v).map_err(|_| PyValueError::new_err(format!("{name}[{i}] must be >= 0, got {v}")))?);
+    }
+    Ok(out)
+}
+
+/// One count of `name[index]` (the fast path for exact ints; the message names the element).
+#[inline]
+fn count_item(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<u64> {
+    if item.is_exact_instance_of::<PyInt>() {
+        if let Ok(v) = item.extract::<u64>() {
+            return Ok(v);
+        }
+    }
+    non_negative(item, &format!("{name}[{index}]"))
+}
+
+/// A sequence of ints or a 1-D numpy integer array, element by element: `item` converts one
+/// Python item of `name[index]`, `array` converts a whole array (None when its dtype is not an
+/// integer one). Shared by [`counts`] and [`tokens`] so both accept exactly the same inputs.
+fn int_sequence<'py, E>(
+    obj: &Bound<'py, PyAny>,
+    name: &str,
+    item: impl Fn(&Bound<'py, PyAny>, &str, usize) -> PyResult<E>,
+    array: impl FnOnce(&Bound<'py, PyUntypedArray>) -> Option<PyResult<Vec<E>>>,
+) -> PyResult<Vec<E>> {
+    if let Ok(list) = obj.cast::<PyList>() {
+        let mut out = Vec::with_capacity(list.len());
+        for (i, it) in list.iter().enumerate() {
+            out.push(item(&it, name, i)?);
+        }
+        return Ok(out);
+    }
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        return tuple.iter().enumerate().map(|(i, t)| item(&t, name, i)).collect();
+    }
+    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
+        return array(arr).unwrap_or_else(|| {
+            Err(PyTypeError::new_err(format!(
+                "{name} must be a 1-D integer array, got a {}-D array of dtype {}",
+                arr.ndim(),
+                arr.dtype()
+            )))
+        });
+    }
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(PyTypeError::new_err(format!(
+            "{name} must be a sequence of ints, got {}",
+            type_name(obj)
+        )));
+    }
+    let Ok(iter) = obj.try_iter() else {
+        return Err(PyTypeError::new_err(format!(
+            "{name} must be a sequence of ints or a 1-D integer array, got {}",
+            type_name(obj)
+        )));
+    };
+    iter.enumerate().map(|(i, t)| item(&t?, name, i)).collect()
+}
+
+/// Counts (ints >= 0) from a sequence of ints or a 1-D numpy integer array.
+pub fn counts(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u64>> {
+    int_sequence(obj, name, count_item, |arr| {
+        macro_rules! try_dtype {
+            ($($t:ty),*) => {$(
+                if let Ok(a) = arr.cast::<PyArray1<$t>>() {
+                    return Some(counts_from_array(a, name));
+                }
+            )*};
+        }
+        try_dtype!(i64, i32, u64, u32, i16, u16, i8, u8);
+        None
+    })
+}
+
+/// Copy a 1-D numpy array of integer dtype `T` into `u32` tokens, checking every value.
+fn tokens_from_array<T>(arr: &Bound<'_, PyArray1<T>>, name: &str) -> PyResult<Vec<u32>>
+where
+    T: numpy::Element + Copy + std::fmt::Display,
+    u32: TryFrom<T>,
+{
+    let view = arr.readonly();
+    let bad = |i: usize, v: T| not_u32(&format!("{name}[{i}]"), &v);
+    // A contiguous array converts as a slice, which the compiler vectorises (a u32 array is
+    // a plain copy); a strided one element by element.
+    if let Ok(slice) = view.as_slice() {
+        return slice
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| u32::try_from(v).map_err(|_| bad(i, v)))
+            .collect();
+    }
+    let view = view.as_array();
+    let mut out = Vec::with_capacity(view.len());
+    for (i, &v) in view.iter().enumerate() {
+        out.push(u32::try_from(v).map_err(|_| bad(i, v))?);
+    }
+    Ok(out)
+}
+
+/// Tokens from a sequence of ints or a 1-D numpy integer array; each value must fit `u32`
+/// (`ValueError("<name>[<i>] = <v> does not fit in u32")`).
+pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
+    int_sequence(obj, name, token, |arr| {
+        macro_rules! try_dtype {
+            ($($t:ty),*) => {$(
+                if let Ok(a) = arr.cast::<PyArray1<$t>>() {
+                    return Some(tokens_from_array(a, name));
+                }
+            )*};
+        }
+        try_dtype!(u32, i64, i32, u64, u16, i16, u8, i8);
+        None
+    })
+}
+
+/// One page id of `name[index]`: an int in `[0, MAX_BLOCKS)` (page ids are written into
+/// int32 tables); anything else is a `ValueError` naming the element (a `TypeError` for a
+/// non-int), whatever its size.
+fn page_id_item(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<u32> {
+    let label = format!("{name}[{index}]");
+    let bad = |v: &dyn std::fmt::Display| {
+        PyValueError::new_err(format!("{label} = {v} is not a page id (0 <= id < {MAX_BLOCKS})"))
+    };
+    match signed(item, &label)? {
+        IntArg::Small(v) => u32::try_from(v)
+            .ok()
+            .filter(|&p| u64::from(p) < MAX_BLOCKS)
+            .ok_or_else(|| bad(&v)),
+        IntArg::HugeNegative | IntArg::HugePositive => Err(bad(item)),
+    }
+}
+
+/// Page ids from a sequence of ints or a 1-D integer array (see [`page_id_item`]). Arrays go
+/// through `tolist()`, so both give the same messages; this is not a hot path.
+pub fn page_ids(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
+    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
+        if arr.ndim() != 1 || !matches!(arr.dtype().kind(), b'i' | b'u') {
+            return Err(PyTypeError::new_err(format!(
+                "{name} must be a 1-D integer array, got a {}-D array of dtype {}",
+                arr.ndim(),
+                arr.dtype()
+            )));
+        }
+        return page_ids(&obj.call_method0("tolist")?, name);
+    }
+    int_sequence(obj, name, page_id_item, |_| None)
+}
+
+// ----- hashes and extra keys ------------------------------------------------------------------
+
+/// The raw bytes of a `prior` hash: `""` or hex text of even length (either case).
+pub fn prior(text: &str) -> PyResult<Vec<u8>> {
+    parse_hex(text.as_bytes()).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "prior must be \"\" or a hex string of even length, got {:?}",
+            clip(text)
+        ))
+    })
+}
+
+/// Extra keys: a sequence of `str` (a bare `str` is a `TypeError`), kept as UTF-8 strings.
+#[derive(Debug, Default)]
+pub struct ExtraKeys(pub Vec<String>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for ExtraKeys {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if obj.is_instance_of::<PyString>() {
+            return Err(PyTypeError::new_err("extra_keys must be a sequence of str, not a str"));
+        }
+        let Ok(iter) = obj.try_iter() else {
+            return Err(PyTypeError::new_err(format!(
+                "extra_keys must be a sequence of str, got {}",
+                type_name(&obj)
+            )));
+        };
+        let mut keys = Vec::new();
+        for (i, item) in iter.enumerate() {
+            let item = item?;
+            let Ok(s) = item.cast::<PyString>() else {
+                return Err(PyTypeError::new_err(format!(
+                    "extra_keys[{i}] must be a str, got {}",
+                    type_name(&item)
+                )));
+            };
+            keys.push(s.to_str()?.to_owned());
+        }
+        Ok(Self(keys))
+    }
+}
+
+/// One 64-digit lowercase hex content hash at `name[index]`.
+#[inline]
+fn content_hash(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<ContentHash> {
+    let parsed = match item.cast::<PyString>() {
+        Ok(s) => parse_hash_lower(s.to_str()?.as_bytes()),
+        Err(_) => {
+            return Err(PyTypeError::new_err(format!(
+                "{name}[{index}] must be a str, got {}",
+                type_name(item)
+            )))
+        }
+    };
+    parsed.ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "{name}[{index}] must be a 64-character lowercase hex string, got {:?}",
+            clip(&item.to_string())
+        ))
+    })
+}
+
+/// Content hashes: a sequence of 64-character lowercase hex strings, as raw bytes (uppercase
+/// is refused: folding hashes the text, so two spellings of one hash would fold differently).
+pub fn content_hashes(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<ContentHash>> {
+    if let Ok(list) = obj.cast::<PyList>() {
+        let mut out = Vec::with_capacity(list.len());
+        for (i, item) in list.iter().enumerate() {
+            out.push(content_hash(&item, name, i)?);
+        }
+        return Ok(out);
+    }
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        return tuple
+            .iter()
+            .enumerate()
+            .map(|(i, h)| content_hash(&h, name, i))
+            .collect();
+    }
+    if obj.is_instance_of::<PyString>() {
+        return Err(PyTypeError::new_err(format!(
+            "{name} must be a sequence of str, not a str"
+        )));
+    }
+    let Ok(iter) = obj.try_iter() else {
+        return Err(PyTypeError::new_err(format!(
+            "{name} must be a sequence of str, got {}",
+            type_name(obj)
+        )));
+    };
+    iter.enumerate().map(|(i, h)| content_hash(&h?, name, i)).collect()
+}
+
+// ----- request ids ----------------------------------------------------------------------------
+
+/// A request id argument: a `str` or an `int` of any size (anything with `__index__`, such as
+/// numpy ints, but not a bool); anything else is a `TypeError`. A `str` is kept alive so the
+/// core borrows its text without a copy.
+pub enum RequestId<'py> {
+    /// A string id.
+    Str(Bound<'py, PyString>),
+    /// An int id that fits `i64`.
+    Int(i64),
+    /// A larger int id as decimal text.
+    Big(String),
+}
+
+impl RequestId<'_> {
+    /// The borrowed core id.
+    #[inline]
+    pub fn id(&self) -> PyResult<RequestIdRef<'_>> {
+        Ok(match self {
+            Self::Str(s) => RequestIdRef::Str(s.to_str()?),
+            Self::Int(v) => RequestIdRef::Int(*v),
+            Self::Big(s) => RequestIdRef::BigInt(s),
+        })
+    }
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for RequestId<'py> {
+    type Error = PyErr;
+
+    #[inline]
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if let Ok(s) = obj.cast::<PyString>() {
+            return Ok(Self::Str(s.to_owned()));
+        }
+        if obj.is_exact_instance_of::<PyInt>() {
+            if let Ok(v) = obj.extract::<i64>() {
+                return Ok(Self::Int(v));
+            }
+        }
+        let not_an_id = || PyTypeError::new_err(format!("request ids must be str or int, got {}", type_name(&obj)));
+        if obj.is_instance_of::<PyBool>() {
+            return Err(not_an_id());
+        }
+        let Ok(index) = obj.call_method0("__index__") else {
+            return Err(not_an_id());
+        };
+        match index.extract::<i64>() {
+            Ok(v) => Ok(Self::Int(v)),
+            Err(_) => Ok(Self::Big(index.str()?.to_str()?.to_owned())),
+        }
+    }
+}
+
+/// The request ids of a batch: a sequence of [`RequestId`] (a bare `str` is a `TypeError`).
+pub struct RequestIds<'py>(Vec<RequestId<'py>>);
+
+impl RequestIds<'_> {
+    /// The borrowed core ids, in order.
+    pub fn ids(&self) -> PyResult<Vec<RequestIdRef<'_>>> {
+        self.0.iter().map(RequestId::id).collect()
+    }
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for RequestIds<'py> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if obj.is_instance_of::<PyString>() {
+            return Err(PyTypeError::new_err(
+                "reqs must be a sequence of request ids, not a str",
+            ));
+        }
+        let ids = obj
+            .try_iter()?
+            .map(|r| r?.extract::<RequestId<'py>>())
+            .collect::<PyResult<_>>()?;
+        Ok(Self(ids))
+    }
+}
+
+// ----- engine configuration -------------------------------------------------------------------
+
+/// The `specs` argument of `FlatKVCache`: a sequence of spec objects (anything with `kind`,
+/// `page_size`, `sliding_window` and `group_id`, such as `KVCacheSpec`); a bare `str` is a
+/// `TypeError`.
+pub struct GroupSpecs(pub Vec<GroupSpec>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for GroupSpecs {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if obj.is_instance_of::<PyString>() {
+            return Err(PyTypeError::new_err(
+                "specs must be a sequence of KVCacheSpec, not a str",
+            ));
+        }
+        let mut groups = Vec::new();
+        for (i, spec) in obj.try_iter()?.enumerate() {
+            groups.push(group_spec(i, &spec?)?);
+        }
+        Ok(Self(groups))
+    }
+}
+
+/// Read `specs[i]`; the kind and its window are validated by [`GroupKind::from_name`].
+fn group_spec(i: usize, spec: &Bound<'_, PyAny>) -> PyResult<GroupSpec> {
+    let field = |name: &str| {
+        spec.getattr(name).map_err(|_| {
+            PyTypeError::new_err(format!(
+                "specs[{i}] must be a KVCacheSpec, got {} (no attribute {name:?})",
+                type_name(spec)
+            ))
+        })
+    };
+    let kind_obj = field("kind")?;
+    let Ok(kind_str) = kind_obj.cast::<PyString>() else {
+        return Err(PyTypeError::new_err(format!(
+            "specs[{i}].kind must be a str, got {}",
+            type_name(&kind_obj)
+        )));
+    };
+    let page_size = positive(&field("page_size")?, &format!("specs[{i}].page_size"))?;
+    let window_obj = field("sliding_window")?;
+    let window = opt_count(Some(&window_obj), &format!("specs[{i}].sliding_window"))?;
+    let name = kind_str.to_str()?;
+    let kind = GroupKind::from_name(name, window).map_err(|err| {
+        PyValueError::new_err(match err {
+            KindError::WindowRequired => {
+                format!("specs[{i}].sliding_window must be an int >= 1 for a {name} group, got {window_obj}")
+            }
+            KindError::WindowNotAllowed => {
+                format!("specs[{i}].sliding_window must be None for a {name} group, got {window_obj}")
+            }
+            KindError::UnknownName => {
+                format!("specs[{i}].kind must be {}, got {:?}", kind_choices(), clip(name))
+            }
+        })
+    })?;
+    let id_obj = field("group_id")?;
+    let group_id = if id_obj.is_none() {
+        format!("g{i}")
+    } else if let Ok(s) = id_obj.cast::<PyString>() {
+        s.to_str()?.to_owned()
+    } else {
+        return Err(PyTypeError::new_err(format!(
+            "specs[{i}].group_id must be a str or None, got {}",
+            type_name(&id_obj)
+        )));
+    };
+    Ok(GroupSpec {
+        group_id,
+        kind,
+        page_size,
+    })
+}
+
+/// The kind names as messages list them: `'full', 'sliding_window' or 'state'`.
+fn kind_choices() -> String {
+    let quoted: Vec<String> = GroupKind::NAMES.iter().map(|n| format!("'{n}'")).collect();
+    match quoted.split_last() {
+        Some((last, [])) => last.clone(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+        None => String::new(),
+    }
+}
+
+/// The `eviction_order` argument: `"hybrid"` or `"group"`; anything else is a `ValueError`.
+#[derive(Clone, Copy)]
+pub struct EvictionArg(pub EvictionOrder);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for EvictionArg {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let named = obj
+            .cast::<PyString>()
+            .ok()
+            .and_then(|s| s.to_str().ok().and_then(EvictionOrder::from_name));
+        match named {
+            Some(order) => Ok(Self(order)),
+            None => Err(PyValueError::new_err(format!(
+                "eviction_order must be 'hybrid' or 'group', got {}",
+                clip(&obj.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string()))
+            ))),
+        }
+    }
+}
