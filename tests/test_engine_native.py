@@ -232,7 +232,7 @@ def test_argument_errors_change_nothing() -> None:
     with pytest.raises(ValueError):
         FlatKVCache([], 8)
     with pytest.raises(TypeError, match="KVCacheSpec"):
-        FlatKVCache([object()], 8)
+        FlatKVCache([object()], 8)  # type: ignore[list-item]
     with pytest.raises(ValueError, match=r"distinct|more than once"):
         FlatKVCache([KVCacheSpec("full", 4, group_id="x"), KVCacheSpec("state", 4, group_id="x")], 8)
     with pytest.raises(OverflowError, match="specs"):

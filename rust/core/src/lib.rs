@@ -21,32 +21,3 @@ pub use error::{CoreError, CoreResult};
 
 /// True when the crate was compiled with the `flat` feature (the flat per-group layout).
 pub const FLAT_KVCACHE: bool = cfg!(feature = "flat");
-
-// Compatibility paths kept for the bindings until those move to the new paths; nothing in
-// this crate uses them, and they go once the bindings do.
-#[doc(hidden)]
-pub use engine::{coordinator, events, hash, ids as request, pool};
-#[doc(hidden)]
-pub use num::int;
-#[doc(hidden)]
-pub use sizing::plan;
-
-/// Compatibility path: see the note above.
-#[doc(hidden)]
-pub mod cache {
-    pub use crate::engine::block_tables::{FlatTable, TableOut};
-    pub use crate::engine::{CacheOptions, FlatCache};
-    pub use crate::error::FLAT_UNAVAILABLE;
-}
-
-/// Compatibility path: see the note above.
-#[doc(hidden)]
-pub mod requests {
-    pub use crate::engine::tokens::Prompt;
-}
-
-/// Compatibility path: see the note above.
-#[doc(hidden)]
-pub mod table {
-    pub use crate::engine::group::GroupKind;
-}

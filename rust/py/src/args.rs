@@ -2,11 +2,11 @@
 //! token sequences, page ids, hex hashes, extra keys, request ids, group specs and the
 //! eviction order. Every error names the argument (and index) it is about.
 
-use flat_kvcache_core::coordinator::{EvictionOrder, GroupSpec};
-use flat_kvcache_core::hash::{parse_hash_lower, parse_hex, ContentHash};
-use flat_kvcache_core::pool::MAX_BLOCKS;
-use flat_kvcache_core::request::RequestIdRef;
-use flat_kvcache_core::table::{GroupKind, KindError};
+use flat_kvcache_core::engine::coordinator::{EvictionOrder, GroupSpec};
+use flat_kvcache_core::engine::group::{GroupKind, KindError};
+use flat_kvcache_core::engine::hash::{parse_hash_lower, parse_hex, ContentHash};
+use flat_kvcache_core::engine::ids::RequestIdRef;
+use flat_kvcache_core::engine::pool::MAX_BLOCKS;
 use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;

@@ -10,10 +10,11 @@
 
 use std::sync::Mutex;
 
-use flat_kvcache_core::cache::{CacheOptions, FlatCache, FlatTable};
-use flat_kvcache_core::coordinator::{EvictionOrder, GroupSpec};
-use flat_kvcache_core::request::RequestIdRef;
-use flat_kvcache_core::requests::Prompt;
+use flat_kvcache_core::engine::block_tables::FlatTable;
+use flat_kvcache_core::engine::coordinator::{EvictionOrder, GroupSpec};
+use flat_kvcache_core::engine::ids::RequestIdRef;
+use flat_kvcache_core::engine::tokens::Prompt;
+use flat_kvcache_core::engine::{CacheOptions, FlatCache};
 use flat_kvcache_core::CoreError;
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods};

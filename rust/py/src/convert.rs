@@ -4,7 +4,7 @@
 //! Extraction never decides anything: a bool or a float becomes a fact (`IntArg::Bool`,
 //! `IntArg::Other("float")`) and the core raises the error in its own order.
 
-use flat_kvcache_core::int::{self, Int};
+use flat_kvcache_core::num::int::{self, Int};
 use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyMapping, PyString};

@@ -3,8 +3,8 @@
 //! The core records plain values; they become `BlockStored` / `BlockRemoved` /
 //! `AllBlocksCleared` objects only in `take_events`, through classes imported once.
 
-use flat_kvcache_core::coordinator::GroupSpec;
-use flat_kvcache_core::events::KvEvent;
+use flat_kvcache_core::engine::coordinator::GroupSpec;
+use flat_kvcache_core::engine::events::KvEvent;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;

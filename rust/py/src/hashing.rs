@@ -1,6 +1,6 @@
 //! Python entry points of content hashing (SPEC 4): hex text in and out, raw bytes inside.
 
-use flat_kvcache_core::hash::{self, to_hex, ContentHash};
+use flat_kvcache_core::engine::hash::{self, to_hex, ContentHash};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyString};

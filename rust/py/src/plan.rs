@@ -8,7 +8,7 @@
     reason = "pyfunction arguments are extracted by value"
 )]
 
-use flat_kvcache_core::plan::{self, ComponentArg, FlatMemoryPlan, ShapeArg, StateComponentsArg, StateItemArg};
+use flat_kvcache_core::sizing::plan::{self, ComponentArg, FlatMemoryPlan, ShapeArg, StateComponentsArg, StateItemArg};
 use flat_kvcache_core::sizing::LabelItem;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyMapping, PyTuple};

@@ -2,7 +2,7 @@
 
 use std::sync::Mutex;
 
-use flat_kvcache_core::pool::BlockPool;
+use flat_kvcache_core::engine::pool::BlockPool;
 use pyo3::prelude::*;
 
 use crate::args::{count, page};

@@ -1,6 +1,6 @@
 //! `PrefixMatch`: the result of a prefix match, as a Python class.
 
-use flat_kvcache_core::coordinator::PrefixMatch;
+use flat_kvcache_core::engine::coordinator::PrefixMatch;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyString;

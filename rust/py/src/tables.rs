@@ -5,8 +5,8 @@
 //! writes the caller's storage directly: no copy, no per-element Python object, and the
 //! tensor's `data_ptr()` never changes. Rust never depends on torch.
 
-use flat_kvcache_core::cache::TableOut;
-use flat_kvcache_core::coordinator::GroupSpec;
+use flat_kvcache_core::engine::block_tables::TableOut;
+use flat_kvcache_core::engine::coordinator::GroupSpec;
 use numpy::{BorrowError, PyArray2, PyArrayMethods, PyReadwriteArray2, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::intern;
