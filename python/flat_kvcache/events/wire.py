@@ -62,6 +62,7 @@ import math
 from collections.abc import Iterable
 from typing import Literal
 
+from flat_kvcache._types import LAYER_KINDS
 from flat_kvcache.events.pack import WideMap, packb
 from flat_kvcache.events.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
@@ -73,8 +74,8 @@ Layout = Literal["array", "map"]
 #: vLLM's ``medium`` for pages in device memory (``MEDIUM_GPU``).
 MEDIUM_GPU = "GPU"
 
-#: Our group kinds in vLLM's ``KVCacheSpecKind`` words.
-VLLM_SPEC_KINDS = {"full": "full_attention", "sliding_window": "sliding_window", "state": "mamba"}
+#: Our group kinds in vLLM's ``KVCacheSpecKind`` words (from the one kind table, ``LAYER_KINDS``).
+VLLM_SPEC_KINDS = {row.kind: row.event_kind for row in LAYER_KINDS}
 
 
 _U64 = (1 << 64) - 1

@@ -53,6 +53,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from flat_kvcache._types import SLIDING
 from flat_kvcache.config import layer_types_from_config, load_model_config, sliding_window_from_config
 from flat_kvcache.presets import DEFAULT_PRESET
 from flat_kvcache.simulate.report import SimulationResult, percentiles
@@ -124,7 +125,7 @@ def default_num_pages(
     def pages(tokens: int) -> int:
         total = 0
         for spec in specs:
-            if spec.kind == "sliding_window":
+            if spec.kind == SLIDING:
                 total += min(
                     math.ceil(tokens / spec.page_size),
                     math.ceil((spec.sliding_window - 1) / spec.page_size) + 1,
