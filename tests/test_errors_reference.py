@@ -108,7 +108,7 @@ def test_except_key_error_still_catches_an_unknown_id() -> None:
     try:
         cache.free("missing")
     except KeyError as exc:
-        assert exc.args == ("unknown request 'missing'",)
+        assert exc.args == ("unknown request id 'missing'",)
     else:
         pytest.fail("free of an unknown request did not raise")
 

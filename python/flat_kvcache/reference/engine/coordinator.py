@@ -179,7 +179,7 @@ class Coordinator:
         try:
             return self._requests[key]
         except KeyError:
-            raise UnknownRequestError(f"unknown request {req!r}") from None
+            raise UnknownRequestError(f"unknown request id {req!r}") from None
 
     def _tables_or_new(self, req: RequestId) -> list[Table]:
         """The request's tables, created empty on first use (claim, acquire, first chunk)."""
