@@ -166,23 +166,33 @@ pub fn clip(text: &str) -> &str {
     text.char_indices().nth(80).map_or(text, |(i, _)| &text[..i])
 }
 
-/// The numpy view of a CPU torch tensor (anything whose `device.type` is `"cpu"` and whose
-/// `numpy()` returns an ndarray sharing its memory), or None for anything else, including a
-/// tensor `numpy()` refuses (its elements are then read one by one, as for any iterable).
-pub fn cpu_tensor_numpy<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyUntypedArray>>> {
+/// The `device` of a torch tensor (anything with a `device` attribute and a `numpy()` method;
+/// Rust never depends on torch), or None for anything else.
+pub fn tensor_device<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
     let py = obj.py();
     let Ok(device) = obj.getattr(intern!(py, "device")) else {
         return Ok(None);
     };
-    let on_cpu = device.getattr(intern!(py, "type")).is_ok_and(|kind| {
+    Ok(obj.hasattr(intern!(py, "numpy"))?.then_some(device))
+}
+
+/// Whether a tensor's `device` is the CPU (`device.type == "cpu"`).
+pub fn is_cpu(device: &Bound<'_, PyAny>) -> bool {
+    device.getattr(intern!(device.py(), "type")).is_ok_and(|kind| {
         kind.cast::<PyString>()
             .is_ok_and(|k| k.to_str().is_ok_and(|k| k == "cpu"))
-    });
-    if !on_cpu || !obj.hasattr(intern!(py, "numpy"))? {
+    })
+}
+
+/// The numpy view of a CPU torch tensor (`.numpy()` shares its memory), or None for anything
+/// else, including a tensor `numpy()` refuses (its elements are then read one by one, as for
+/// any iterable).
+pub fn cpu_tensor_numpy<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyUntypedArray>>> {
+    if !tensor_device(obj)?.is_some_and(|device| is_cpu(&device)) {
         return Ok(None);
     }
     Ok(obj
-        .call_method0(intern!(py, "numpy"))
+        .call_method0(intern!(obj.py(), "numpy"))
         .ok()
         .and_then(|view| view.cast_into::<PyUntypedArray>().ok()))
 }
