@@ -219,8 +219,11 @@ def plan_tensors(
 
 # ----- page engine (SPEC 4-8, docs/engine-api.md) ----------------------------------------------
 
-_Tokens = Sequence[int] | npt.NDArray[np.integer[Any]]
-_Counts = Sequence[int] | npt.NDArray[np.integer[Any]]
+#: Ints from Python: a sequence of ints or numpy integer scalars, or a 1-D integer array of any
+#: integer dtype and strides (a CPU torch integer tensor is accepted too, through ``.numpy()``).
+#: Floats and bools are a ``TypeError`` naming the argument.
+_Tokens = Sequence[SupportsIndex] | npt.NDArray[np.integer[Any]]
+_Counts = Sequence[SupportsIndex] | npt.NDArray[np.integer[Any]]
 _RequestId = str | int
 #: The orders in which a request's pages go back to the free list.
 _EvictionOrder = Literal["hybrid", "group"]

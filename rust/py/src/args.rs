@@ -9,10 +9,11 @@ use flat_kvcache_core::engine::ids::RequestIdRef;
 use flat_kvcache_core::engine::pool::MAX_BLOCKS;
 use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 
-use crate::convert::{clip, non_negative, signed, type_name, IntArg};
+use crate::convert::{clip, cpu_tensor_numpy, non_negative, signed, type_name, IntArg};
 
 // ----- counts, tokens and page ids ------------------------------------------------------------
 
@@ -60,13 +61,26 @@ pub fn page(obj: &Bound<'_, PyAny>, num_blocks: usize) -> PyResult<u64> {
     }
 }
 
+/// The value of one element of an int sequence when it is an int-like that fits `T`: an `int`,
+/// a numpy integer scalar (what `list(array)` holds) or anything else with `__index__`, never
+/// a bool. None sends the element down the checked path, which raises the precise error
+/// (a float, a bool, a negative or too large value), so both paths accept the same values.
+#[inline]
+fn fitting_int<'py, T>(item: &Bound<'py, PyAny>) -> Option<T>
+where
+    T: for<'a> FromPyObject<'a, 'py>,
+{
+    if item.is_instance_of::<PyBool>() {
+        return None;
+    }
+    item.extract::<T>().ok()
+}
+
 /// One token of `name[index]`: an int that fits `u32`.
 #[inline]
 fn token(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<u32> {
-    if item.is_exact_instance_of::<PyInt>() {
-        if let Ok(v) = item.extract::<u32>() {
-            return Ok(v);
-        }
+    if let Some(v) = fitting_int(item) {
+        return Ok(v);
     }
     let label = format!("{name}[{index}]");
     match signed(item, &label)? {
@@ -94,25 +108,24 @@ where
     Ok(out)
 }
 
-/// One count of `name[index]` (the fast path for exact ints; the message names the element).
+/// One count of `name[index]` (see [`fitting_int`]; the message names the element).
 #[inline]
 fn count_item(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<u64> {
-    if item.is_exact_instance_of::<PyInt>() {
-        if let Ok(v) = item.extract::<u64>() {
-            return Ok(v);
-        }
+    if let Some(v) = fitting_int(item) {
+        return Ok(v);
     }
     non_negative(item, &format!("{name}[{index}]"))
 }
 
-/// A sequence of ints or a 1-D numpy integer array, element by element: `item` converts one
+/// A sequence of ints, a 1-D numpy integer array (any integer dtype, any strides) or a CPU
+/// torch integer tensor (viewed through `.numpy()`), element by element: `item` converts one
 /// Python item of `name[index]`, `array` converts a whole array (None when its dtype is not an
 /// integer one). Shared by [`counts`] and [`tokens`] so both accept exactly the same inputs.
 fn int_sequence<'py, E>(
     obj: &Bound<'py, PyAny>,
     name: &str,
     item: impl Fn(&Bound<'py, PyAny>, &str, usize) -> PyResult<E>,
-    array: impl FnOnce(&Bound<'py, PyUntypedArray>) -> Option<PyResult<Vec<E>>>,
+    array: impl Fn(&Bound<'py, PyUntypedArray>) -> Option<PyResult<Vec<E>>>,
 ) -> PyResult<Vec<E>> {
     if let Ok(list) = obj.cast::<PyList>() {
         let mut out = Vec::with_capacity(list.len());
@@ -124,14 +137,28 @@ fn int_sequence<'py, E>(
     if let Ok(tuple) = obj.cast::<PyTuple>() {
         return tuple.iter().enumerate().map(|(i, t)| item(&t, name, i)).collect();
     }
-    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
-        return array(arr).unwrap_or_else(|| {
-            Err(PyTypeError::new_err(format!(
-                "{name} must be a 1-D integer array, got a {}-D array of dtype {}",
-                arr.ndim(),
-                arr.dtype()
-            )))
-        });
+    let arr = match obj.cast::<PyUntypedArray>() {
+        Ok(arr) => Some(arr.clone()),
+        Err(_) => cpu_tensor_numpy(obj)?,
+    };
+    if let Some(arr) = arr {
+        if let Some(out) = array(&arr) {
+            return out;
+        }
+        // An integer dtype `array` has no arm for (a non-native byte order): one conversion
+        // to the native order, then the same arm.
+        if arr.ndim() == 1 && matches!(arr.dtype().kind(), b'i' | b'u') {
+            let native = arr.dtype().call_method1(intern!(obj.py(), "newbyteorder"), ("=",))?;
+            let converted = arr.call_method1(intern!(obj.py(), "astype"), (native,))?;
+            if let Some(out) = converted.cast::<PyUntypedArray>().ok().and_then(&array) {
+                return out;
+            }
+        }
+        return Err(PyTypeError::new_err(format!(
+            "{name} must be a 1-D integer array, got a {}-D array of dtype {}",
+            arr.ndim(),
+            arr.dtype()
+        )));
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(PyTypeError::new_err(format!(
@@ -148,7 +175,7 @@ fn int_sequence<'py, E>(
     iter.enumerate().map(|(i, t)| item(&t?, name, i)).collect()
 }
 
-/// Counts (ints >= 0) from a sequence of ints or a 1-D numpy integer array.
+/// Counts (ints >= 0) from any integer form `int_sequence` accepts.
 pub fn counts(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u64>> {
     int_sequence(obj, name, count_item, |arr| {
         macro_rules! try_dtype {
@@ -188,7 +215,7 @@ where
     Ok(out)
 }
 
-/// Tokens from a sequence of ints or a 1-D numpy integer array; each value must fit `u32`
+/// Tokens from any integer form `int_sequence` accepts; each value must fit `u32`
 /// (`ValueError("<name>[<i>] = <v> does not fit in u32")`).
 pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
     int_sequence(obj, name, token, |arr| {
@@ -221,10 +248,15 @@ fn page_id_item(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<u
     }
 }
 
-/// Page ids from a sequence of ints or a 1-D integer array (see [`page_id_item`]). Arrays go
+/// Page ids from a sequence of ints, a 1-D integer array or a CPU torch integer tensor (see
+/// [`page_id_item`]). Arrays go
 /// through `tolist()`, so both give the same messages; this is not a hot path.
 pub fn page_ids(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
-    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
+    let arr = match obj.cast::<PyUntypedArray>() {
+        Ok(arr) => Some(arr.clone()),
+        Err(_) => cpu_tensor_numpy(obj)?,
+    };
+    if let Some(arr) = arr {
         if arr.ndim() != 1 || !matches!(arr.dtype().kind(), b'i' | b'u') {
             return Err(PyTypeError::new_err(format!(
                 "{name} must be a 1-D integer array, got a {}-D array of dtype {}",
@@ -232,7 +264,7 @@ pub fn page_ids(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
                 arr.dtype()
             )));
         }
-        return page_ids(&obj.call_method0("tolist")?, name);
+        return page_ids(&arr.call_method0("tolist")?, name);
     }
     int_sequence(obj, name, page_id_item, |_| None)
 }

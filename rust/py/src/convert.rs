@@ -5,7 +5,9 @@
 //! `IntArg::Other("float")`) and the core raises the error in its own order.
 
 use flat_kvcache_core::num::int::{self, Int};
+use numpy::PyUntypedArray;
 use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyMapping, PyString};
 
@@ -162,4 +164,35 @@ pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
 /// At most 80 characters of `text`, for messages.
 pub fn clip(text: &str) -> &str {
     text.char_indices().nth(80).map_or(text, |(i, _)| &text[..i])
+}
+
+/// The `device` of a torch tensor (anything with a `device` attribute and a `numpy()` method;
+/// Rust never depends on torch), or None for anything else.
+pub fn tensor_device<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let py = obj.py();
+    let Ok(device) = obj.getattr(intern!(py, "device")) else {
+        return Ok(None);
+    };
+    Ok(obj.hasattr(intern!(py, "numpy"))?.then_some(device))
+}
+
+/// Whether a tensor's `device` is the CPU (`device.type == "cpu"`).
+pub fn is_cpu(device: &Bound<'_, PyAny>) -> bool {
+    device.getattr(intern!(device.py(), "type")).is_ok_and(|kind| {
+        kind.cast::<PyString>()
+            .is_ok_and(|k| k.to_str().is_ok_and(|k| k == "cpu"))
+    })
+}
+
+/// The numpy view of a CPU torch tensor (`.numpy()` shares its memory), or None for anything
+/// else, including a tensor `numpy()` refuses (its elements are then read one by one, as for
+/// any iterable).
+pub fn cpu_tensor_numpy<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyUntypedArray>>> {
+    if !tensor_device(obj)?.is_some_and(|device| is_cpu(&device)) {
+        return Ok(None);
+    }
+    Ok(obj
+        .call_method0(intern!(obj.py(), "numpy"))
+        .ok()
+        .and_then(|view| view.cast_into::<PyUntypedArray>().ok()))
 }

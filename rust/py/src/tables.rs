@@ -11,9 +11,8 @@ use numpy::{BorrowError, PyArray2, PyArrayMethods, PyReadwriteArray2, PyUntypedA
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::PyString;
 
-use crate::convert::{clip, type_name};
+use crate::convert::{clip, is_cpu, tensor_device, type_name};
 
 /// A group id quoted the Python way (`'full'`), for messages.
 fn quoted(gid: &str) -> String {
@@ -40,17 +39,10 @@ fn as_ndarray<'py>(item: &Bound<'py, PyAny>, gid: &str) -> PyResult<Bound<'py, P
             type_name(item)
         ))
     };
-    let Ok(device) = item.getattr(intern!(py, "device")) else {
+    let Some(device) = tensor_device(item)? else {
         return Err(not_a_buffer());
     };
-    if !item.hasattr(intern!(py, "numpy"))? {
-        return Err(not_a_buffer());
-    }
-    let kind = device.getattr(intern!(py, "type")).ok();
-    if !kind
-        .as_ref()
-        .is_some_and(|k| k.cast::<PyString>().is_ok_and(|d| d.to_str().is_ok_and(|d| d == "cpu")))
-    {
+    if !is_cpu(&device) {
         return Err(PyValueError::new_err(format!(
             "{} must be a CPU tensor, got one on device {}",
             label(gid),
