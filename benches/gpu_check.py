@@ -28,6 +28,7 @@ CUDA device: the run prints "no CUDA device: skipped"), 1 when one fails.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import random
 import re
@@ -255,61 +256,19 @@ def check_capture(plan: KVMemoryPlan, buffers: KVBuffers, device: torch.device, 
 
 def check_model(device: torch.device, report: Report) -> None:
     """Tiny random models through the paged path on ``device`` vs their own forward."""
-    try:
-        import transformers
-    except ModuleNotFoundError:
+    if importlib.util.find_spec("transformers") is None:
         report.value("model comparison", "skipped: transformers is not installed")
         return
-    from flat_kvcache.torch.runner import (
-        PagedModelRunner,
-        max_logit_error,
-        model_shape,
-        run_decode_graph,
-        run_greedy,
-    )
+    from flat_kvcache.torch import runner as paged
 
     torch.backends.cuda.matmul.allow_tf32 = False  # compare fp32 with fp32
     tolerance = 1e-3
 
-    def tiny(kind: str) -> Any:
-        torch.manual_seed(0)
-        common = dict(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            sliding_window=8,
-            layer_types=["sliding_attention", "full_attention"],
-            max_position_embeddings=1024,
-        )
-        if kind == "gpt-oss":
-            config = transformers.GptOssConfig(
-                **common,
-                head_dim=8,
-                num_local_experts=4,
-                num_experts_per_tok=2,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-            )
-            return transformers.GptOssForCausalLM(config).eval().to(device)
-        config = transformers.Qwen2Config(**common, use_sliding_window=True)
-        return transformers.Qwen2ForCausalLM(config).eval().to(device)
-
-    def runner(model: Any, mode: str | None) -> PagedModelRunner:
-        shape = model_shape(model.config)
-        per_page = plan_kv_memory(
-            shape,
+    def runner(model: Any, mode: str | None) -> paged.PagedModelRunner:
+        plan = paged.plan_for_pages(
+            paged.model_shape(model.config),
             page_size=4,
-            budget_bytes=1 << 24,
-            max_live_requests=1,
-            max_scheduled_tokens=1,
-            max_context_len=1,
-        ).bytes_per_page
-        plan = plan_kv_memory(
-            shape,
-            page_size=4,
-            budget_bytes=per_page * 96,
+            num_pages=96,
             max_live_requests=4,
             max_scheduled_tokens=64,
             max_context_len=128,
@@ -325,22 +284,24 @@ def check_model(device: torch.device, report: Report) -> None:
                 device=device,
                 sliding_offsets=mode == "windowed",
             )
-        return PagedModelRunner(model, cache, buffers, capture=capture, poison_new_pages=True)
+        return paged.PagedModelRunner(model, cache, buffers, capture=capture, poison_new_pages=True)
 
     rng = random.Random(0)
     prompts = {f"r{i}": [rng.randrange(1, 64) for _ in range(5 + 7 * i)] for i in range(3)}
-    model = tiny("gpt-oss")
+    model = paged.tiny_model("gpt-oss", device=device)
     for mode in (None, "absolute", "windowed"):
-        records = run_greedy(runner(model, mode), prompts, 24, chunk_size=1 if mode == "windowed" else 8)
-        error = max_logit_error(model, records, device)
+        records = paged.run_greedy(
+            runner(model, mode), prompts, 24, chunk_size=1 if mode == "windowed" else 8
+        )
+        error = paged.max_logit_error(model, records, device)
         report.check(
             f"gpt-oss-style model, capture {mode or 'off'}: max |diff| {error:.1e}", error <= tolerance
         )
-    model = tiny("qwen2")
+    model = paged.tiny_model("qwen2", intermediate_size=32, device=device)
     for mode in ("absolute", "windowed"):
-        paged = runner(model, mode)
-        records = run_decode_graph(paged, prompts, 16, use_graph=device.type == "cuda")
-        error = max_logit_error(model, records, device)
+        decoder = runner(model, mode)
+        records = paged.run_decode_graph(decoder, prompts, 16, use_graph=device.type == "cuda")
+        error = paged.max_logit_error(model, records, device)
         report.check(
             f"CUDA graph decode, 16 replays, {mode} tables: max |diff| {error:.1e}", error <= tolerance
         )

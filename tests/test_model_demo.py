@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
+from helpers import missing
 
 try:
     import torch  # noqa: F401
     import transformers  # noqa: F401
-except ModuleNotFoundError:
-    if os.environ.get("CI"):
-        raise RuntimeError("torch/transformers are missing: the model tests must run in CI") from None
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
+except ModuleNotFoundError as exc:
+    missing(exc.name or "torch/transformers", exc)
 
 import flat_kvcache
 from flat_kvcache.demo import main

@@ -8,30 +8,29 @@ allocated pages are filled with NaN, so a read of an unwritten slot fails the co
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
+from helpers import missing
 
 try:
     import torch
-    import transformers
-except ModuleNotFoundError:
-    if os.environ.get("CI"):
-        raise RuntimeError("torch/transformers are missing: the model tests must run in CI") from None
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
+    import transformers  # noqa: F401  (tiny_model builds its models)
+except ModuleNotFoundError as exc:
+    missing(exc.name or "torch/transformers", exc)
 
 import flat_kvcache as fk
-from flat_kvcache.torch import CaptureBuffers, allocate_kv_buffers, plan_kv_memory
+from flat_kvcache.torch import CaptureBuffers, allocate_kv_buffers
 from flat_kvcache.torch.runner import (
     PagedModelRunner,
     RequestRecord,
     max_logit_error,
     model_shape,
+    plan_for_pages,
     run_decode_graph,
     run_greedy,
+    tiny_model,
 )
 
 pytestmark = [pytest.mark.torch, pytest.mark.skipif(not fk.FLAT_KVCACHE, reason="needs the flat build")]
@@ -51,40 +50,12 @@ def one_thread() -> Iterator[None]:
 
 def gpt_oss(layers: int = 4) -> Any:
     """GPT-OSS style: sliding/full alternation, attention sinks, a mixture of experts."""
-    torch.manual_seed(0)
-    config = transformers.GptOssConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        sliding_window=WINDOW,
-        layer_types=["sliding_attention", "full_attention"] * (layers // 2),
-        max_position_embeddings=1024,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )
-    model: Any = transformers.GptOssForCausalLM(config)
-    return model.eval()
+    return tiny_model("gpt-oss", window=WINDOW, num_layers=layers, seed=0)
 
 
 def llama() -> Any:
     """A plain full-attention model."""
-    torch.manual_seed(1)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-    )
-    model: Any = transformers.LlamaForCausalLM(config)
-    return model.eval()
+    return tiny_model("llama", seed=1)
 
 
 def setup(
@@ -97,19 +68,10 @@ def setup(
     max_context: int = 256,
 ) -> PagedModelRunner:
     """Buffers planned for ``num_pages`` pages, a cache over the plan's groups, and the runner."""
-    shape = model_shape(model.config)
-    per_page = plan_kv_memory(
-        shape,
+    plan = plan_for_pages(
+        model_shape(model.config),
         page_size=page_size,
-        budget_bytes=1 << 24,
-        max_live_requests=1,
-        max_scheduled_tokens=1,
-        max_context_len=1,
-    ).bytes_per_page
-    plan = plan_kv_memory(
-        shape,
-        page_size=page_size,
-        budget_bytes=per_page * num_pages,
+        num_pages=num_pages,
         max_live_requests=max_batch,
         max_scheduled_tokens=64,
         max_context_len=max_context,
@@ -247,18 +209,4 @@ def test_decode_graph_path_on_fixed_tensors(mode: str) -> None:
 
 def llama_sliding() -> Any:
     """A Mistral-style model with sliding/full alternation (no experts: graph-capturable)."""
-    torch.manual_seed(2)
-    config = transformers.Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        use_sliding_window=True,
-        sliding_window=WINDOW,
-        layer_types=["sliding_attention", "full_attention"],
-        max_position_embeddings=1024,
-    )
-    model: Any = transformers.Qwen2ForCausalLM(config)
-    return model.eval()
+    return tiny_model("qwen2", window=WINDOW, seed=2)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     try:
         import torch
-        import transformers
+        import transformers  # noqa: F401  (the runner's models need it)
     except ModuleNotFoundError as exc:
         print(
             f"demo needs torch and transformers (pip install 'flat-kvcache[model]'): {exc}", file=sys.stderr
@@ -38,46 +37,23 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     import flat_kvcache as fk
-    from flat_kvcache.torch import allocate_kv_buffers, plan_kv_memory
+    from flat_kvcache.torch import allocate_kv_buffers
     from flat_kvcache.torch.runner import (
         PagedModelRunner,
         RequestRecord,
         max_logit_error,
         model_shape,
+        plan_for_pages,
         run_greedy,
+        tiny_model,
     )
 
-    torch.manual_seed(args.seed)
-    config = transformers.GptOssConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        sliding_window=args.window,
-        layer_types=["sliding_attention", "full_attention"],
-        max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )
-    model: Any = transformers.GptOssForCausalLM(config)
-    model.eval()
-    shape = model_shape(config)
-    probe = plan_kv_memory(
+    model = tiny_model("gpt-oss", window=args.window, seed=args.seed, max_position_embeddings=4096)
+    shape = model_shape(model.config)
+    plan = plan_for_pages(
         shape,
         page_size=args.page_size,
-        budget_bytes=1 << 24,
-        max_live_requests=1,
-        max_scheduled_tokens=1,
-        max_context_len=1,
-    )
-    plan = plan_kv_memory(
-        shape,
-        page_size=args.page_size,
-        budget_bytes=probe.bytes_per_page * args.num_pages,
+        num_pages=args.num_pages,
         max_live_requests=2,
         max_scheduled_tokens=64,
         max_context_len=1024,

@@ -30,21 +30,25 @@ import torch
 
 from flat_kvcache import FlatKVCache, layer_group_ids
 from flat_kvcache._types import SLIDING_WINDOW, STATE
+from flat_kvcache.torch._checks import as_int
 from flat_kvcache.torch.attention import paged_attention, write_kv
 from flat_kvcache.torch.capture import CaptureBuffers, extend_locations
-from flat_kvcache.torch.plan import KVBuffers
+from flat_kvcache.torch.plan import KVBuffers, KVMemoryPlan, plan_kv_memory
 from flat_kvcache.torch.shape import ModelShape
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "TINY_MODEL_KINDS",
     "DecodeGraph",
     "PagedModelRunner",
     "RequestRecord",
     "max_logit_error",
     "model_shape",
+    "plan_for_pages",
     "reference_logits",
     "run_decode_graph",
     "run_greedy",
+    "tiny_model",
 ]
 
 #: The name under which the paged attention is registered with ``transformers``.
@@ -133,6 +137,126 @@ def model_shape(config: Any, kv_dtype: torch.dtype = torch.float32) -> ModelShap
         head_dim=int(head_dim),
         kv_dtype=kv_dtype,
     )
+
+
+#: The ``kind`` names :func:`tiny_model` builds.
+TINY_MODEL_KINDS = ("gpt-oss", "qwen2", "llama")
+
+# The budget of the one-page plan that :func:`plan_for_pages` reads ``bytes_per_page`` from.
+_PROBE_BUDGET_BYTES = 1 << 24
+
+
+def tiny_model(
+    kind: str,
+    *,
+    window: int = 8,
+    num_layers: int = 2,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 1024,
+) -> Any:
+    """A tiny random-weight ``transformers`` causal LM in eval mode on ``device``.
+
+    Every kind has a vocabulary of 64 tokens, hidden size 32, 4 query and 2 K/V heads;
+    ``torch.manual_seed(seed)`` is set just before the weights are drawn, so a kind, seed and
+    size always give the same model.
+
+    - ``"gpt-oss"``: GPT-OSS style, sliding/full alternation with attention sinks and a mixture
+      of 4 experts (2 per token), head dim 8, MLP size 32 unless ``intermediate_size`` is given.
+    - ``"qwen2"``: Mistral-style sliding/full alternation without experts (graph-capturable),
+      MLP size 48 unless given.
+    - ``"llama"``: full attention only (``window`` is not used), MLP size 48 unless given.
+
+    The alternating kinds have ``sliding_window=window`` and need an even ``num_layers``.
+    Needs ``transformers``.
+    """
+    if kind not in TINY_MODEL_KINDS:
+        raise ValueError(f"kind must be one of {TINY_MODEL_KINDS}, got {kind!r}")
+    as_int(num_layers, "num_layers", minimum=1)
+    as_int(window, "window", minimum=1)
+    if intermediate_size is None:
+        mlp = 32 if kind == "gpt-oss" else 48
+    else:
+        mlp = as_int(intermediate_size, "intermediate_size", minimum=1)
+    alternating = kind != "llama"
+    if alternating and num_layers % 2:
+        raise ValueError(
+            f"a {kind} model alternates sliding and full layers: num_layers must be even, got {num_layers}"
+        )
+    import transformers
+
+    common: dict[str, Any] = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": mlp,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": max_position_embeddings,
+    }
+    if alternating:
+        common["sliding_window"] = window
+        common["layer_types"] = ["sliding_attention", "full_attention"] * (num_layers // 2)
+    torch.manual_seed(seed)
+    model: Any
+    if kind == "gpt-oss":
+        config = transformers.GptOssConfig(
+            **common,
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+        model = transformers.GptOssForCausalLM(config)
+    elif kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, use_sliding_window=True))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    return model.eval().to(device)
+
+
+def plan_for_pages(
+    shape: ModelShape,
+    *,
+    page_size: int,
+    num_pages: int,
+    max_live_requests: int,
+    max_scheduled_tokens: int,
+    max_context_len: int,
+) -> KVMemoryPlan:
+    """A :func:`~flat_kvcache.torch.plan_kv_memory` plan of exactly ``num_pages`` pages (page 0
+    included) instead of a byte budget.
+
+    A one-page probe plan gives the bytes one page takes (the same for any budget); the budget
+    of the real plan is then ``num_pages`` times that. The probe needs a page under 16 MiB,
+    which the small models of tests and demos have.
+    """
+    pages = as_int(num_pages, "num_pages", minimum=2)
+    try:
+        probe = plan_kv_memory(
+            shape,
+            page_size=page_size,
+            budget_bytes=_PROBE_BUDGET_BYTES,
+            max_live_requests=1,
+            max_scheduled_tokens=1,
+            max_context_len=1,
+        )
+    except ValueError as exc:
+        raise ValueError(
+            f"cannot size one page of this shape from a {_PROBE_BUDGET_BYTES}-byte probe: {exc}"
+        ) from exc
+    plan = plan_kv_memory(
+        shape,
+        page_size=page_size,
+        budget_bytes=probe.bytes_per_page * pages,
+        max_live_requests=max_live_requests,
+        max_scheduled_tokens=max_scheduled_tokens,
+        max_context_len=max_context_len,
+    )
+    if plan.num_pages != pages:  # pragma: no cover - a CPU budget of n pages plans n pages
+        raise RuntimeError(f"asked for {pages} pages, the plan has {plan.num_pages}")
+    return plan
 
 
 class PagedModelRunner:
