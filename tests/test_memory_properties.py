@@ -1,22 +1,23 @@
 """Hypothesis: the native memory-plan API agrees with the reference on random inputs (SPEC 3).
 
-Same result, or same exception class and message; ``OverflowError`` only where an input or a
-SPEC intermediate exceeds ``u64`` (see ``helpers.assert_agree``).
+Inputs range far past ``u64``. Native gives the reference's result, or the same exception class
+and message; it raises ``OverflowError`` (naming an argument) exactly when a size the reference
+computes (bytes per block, block counts, tensor bytes, offsets) does not fit ``u64``. Values a
+result only hands back (component sizes, layers, an unchanged block size) are returned exactly.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import flat_kvcache
 import flat_kvcache.reference as reference
 import pytest
-from flat_kvcache._types import ComponentSpec
-from flat_kvcache.reference._checks import ceil_div
-from helpers import U64_MAX, Outcome, assert_agree, i32, ints_in, outcome, signed_sizes, sizes
+from flat_kvcache._types import BlockGeometry, ComponentSpec, FlatMemoryPlan
+from helpers import U64_MAX, Outcome, i32, ints_in, outcome, signed_sizes, sizes
 from hypothesis import example, given
 from hypothesis import strategies as st
+from test_sizing_properties import assert_exact, wide_signed_sizes, wide_sizes
 
 pytestmark = pytest.mark.properties
 
@@ -30,10 +31,10 @@ FIELDS = [
     "reserved_bytes_per_block",
 ]
 
-mostly_valid = st.one_of(sizes(), sizes(), signed_sizes())
+mostly_valid = st.one_of(sizes(), wide_sizes(), signed_sizes())
 block_sizes = st.one_of(st.integers(1, 64), mostly_valid)
 budgets = st.one_of(st.integers(0, 10**9), mostly_valid)
-FIELD_SIZES = sizes(small=512)
+FIELD_SIZES = st.one_of(sizes(small=512), wide_sizes())
 
 
 COMPONENT_GROUPS = st.sampled_from(["g0", "g1", "state"])
@@ -64,41 +65,23 @@ def component_lists(
     return comps
 
 
-# --- peak magnitudes: inputs and the SPEC formulas' intermediate values, by hand ---------------
+# --- what a result computes (as opposed to what it hands back) --------------------------------
 
 
-def rows_of(comps: list[ComponentSpec]) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], int]]:
-    linear: dict[tuple[str, int], int] = {}
-    const: dict[tuple[str, int], int] = {}
-    for c in comps:
-        linear[c.group_id, c.layer] = linear.get((c.group_id, c.layer), 0) + abs(c.bytes_per_slot)
-        const[c.group_id, c.layer] = const.get((c.group_id, c.layer), 0) + abs(c.const_bytes)
-    return linear, const
+def geometry_sizes(geometry: BlockGeometry) -> list[int]:
+    """The computed sizes of a geometry: its block bytes and block count (not the block size)."""
+    return [geometry.block_bytes, geometry.num_blocks]
 
 
-def geometry_peak(comps: list[ComponentSpec], block_size: int, alignment: int) -> int:
-    linear, const = rows_of(comps)
-    max_linear, max_const = max(linear.values(), default=0), max(const.values(), default=0)
-    values = [*map(abs, ints_in([comps, block_size, alignment])), max_linear, max_const]
-    if max_linear > 0 and block_size > 0 and alignment > 0:
-        needed = ceil_div(max_const, max_linear)
-        grown = alignment * ceil_div(needed, alignment) if needed > block_size else block_size
-        values += [needed, grown, max_linear * grown]
-    return max(values)
-
-
-def component_plan_peak(comps: list[ComponentSpec], block_size: int, budget: int, reserved: int) -> int:
-    rows = [abs(c.bytes_per_slot) * abs(block_size) + abs(c.const_bytes) for c in comps]
-    return max([*map(abs, ints_in([comps, block_size, budget, reserved])), *rows, sum(rows) + abs(reserved)])
-
-
-def slab_plan_peak(comps: list[ComponentSpec], block_size: int, budget: int) -> int:
-    row_bytes: dict[tuple[str, int], int] = {}
-    for c in comps:
-        row = abs(c.bytes_per_slot) * abs(block_size) + abs(c.const_bytes)
-        row_bytes[c.group_id, c.layer] = row_bytes.get((c.group_id, c.layer), 0) + row
-    # every slot row is at most one (group, layer) row, so the sum of all rows bounds sum(slot rows)
-    return max([*map(abs, ints_in([comps, block_size, budget])), sum(row_bytes.values())])
+def plan_sizes(plan: FlatMemoryPlan | None) -> list[int]:
+    """The computed sizes of a plan: geometry, tensor bytes, bytes per block and offsets."""
+    if plan is None:
+        return []
+    values = geometry_sizes(plan.geometry)
+    for tensor in plan.tensors:
+        values.append(tensor.nbytes)
+        values += [v for b in tensor.bindings for v in (b.nbytes_per_block, b.row_offset)]
+    return values
 
 
 # --- properties ------------------------------------------------------------------------------------
@@ -123,9 +106,7 @@ def test_occurrence_index_agrees(layer_types: Any) -> None:
 def check_state_const_bytes(shape: list[int], itemsize: int) -> None:
     native = outcome(lambda: flat_kvcache.state_const_bytes(shape, itemsize))
     ref = outcome(lambda: reference.state_const_bytes(shape, itemsize))
-    running = [abs(math.prod(shape[: i + 1])) for i in range(len(shape))]
-    peak = max([*map(abs, [*shape, itemsize]), *running, abs(math.prod(shape) * itemsize)])
-    assert_agree(native, ref, peak=peak, names=["shape", "itemsize"])
+    assert_exact(native, ref, computed=ints_in(ref.value), names=["shape", "itemsize"])
 
 
 @given(
@@ -135,6 +116,7 @@ def check_state_const_bytes(shape: list[int], itemsize: int) -> None:
 @example(shape=[2**32 - 1, 2**32 + 1], itemsize=1)  # 2**64 - 1 fits exactly
 @example(shape=[2**40, 2**40, 0], itemsize=4)  # a zero after an overflowing prefix
 @example(shape=[0, 2**70], itemsize=4)
+@example(shape=[2**200, 0], itemsize=2**200)  # a zero dimension: every other size multiplied by zero
 @example(shape=[], itemsize=2**64)
 @example(shape=[3, -(2**200)], itemsize=2)
 def test_state_const_bytes_agrees(shape: list[int], itemsize: int) -> None:
@@ -193,20 +175,23 @@ def test_components_from_layers_agree(case: tuple[list[str], Any], kv_bytes: int
         # a negative per-page size: the contract fixes the class, not the wording
         assert native.error is ref.error, f"native {native}, reference {ref}"
         return
-    peak = max(map(abs, ints_in([kv_bytes, state, window])))
-    names = ["kv_bytes_per_slot", "state_component_bytes", "sliding_window_tokens"]
-    assert_agree(native, ref, peak=peak, names=names)
+    assert_exact(native, ref, computed=[], names=[])
 
 
 def check_geometry(comps: list[ComponentSpec], block_size: int, alignment: int) -> tuple[Outcome, Outcome]:
     """Native and reference geometry and equalized block size agree; returns the native outcomes."""
     native = outcome(lambda: flat_kvcache.solve_page_geometry(comps, block_size, alignment))
     ref = outcome(lambda: reference.solve_page_geometry(comps, block_size, alignment))
-    peak = geometry_peak(comps, block_size, alignment)
-    assert_agree(native, ref, peak=peak, names=FIELDS)
+    # a block size is computed when it grew; unchanged, it is the caller's own value
+    grown = [v for v in ints_in(ref.value)[:1] if v != block_size]
+    computed = [] if ref.value is None else [*grown, *geometry_sizes(ref.value)]
+    assert_exact(native, ref, computed=computed, names=FIELDS)
     native_eq = outcome(lambda: flat_kvcache.equalized_block_size(comps, block_size, alignment))
     ref_eq = outcome(lambda: reference.equalized_block_size(comps, block_size, alignment))
-    assert_agree(native_eq, ref_eq, peak=peak, names=FIELDS)
+    # the block size alone: the block bytes are not part of the answer
+    assert_exact(
+        native_eq, ref_eq, computed=[v for v in ints_in(ref_eq.value) if v != block_size], names=FIELDS
+    )
     return native, native_eq
 
 
@@ -228,6 +213,22 @@ def check_geometry(comps: list[ComponentSpec], block_size: int, alignment: int) 
 @example(comps=[ComponentSpec("g", 0, "kv", 2**32, 0)], block_size=2**32, alignment=1)
 @example(comps=[ComponentSpec("g", 0, "kv", 2**32 - 1, 0)], block_size=2**32 + 1, alignment=1)
 @example(comps=[], block_size=2**64, alignment=1)
+@example(  # per-page bytes beyond u64 over per-token bytes beyond u64: needed = 2, aligned to 2**100
+    comps=[ComponentSpec("g", 0, "kv", 2**199, 0), ComponentSpec("s", 1, "ssm", 0, 2**200)],
+    block_size=1,
+    alignment=2**100,
+)
+@example(  # needed = 2**136 does not fit, so neither do the block bytes; the block size is exact
+    comps=[ComponentSpec("g", 0, "kv", 2**64, 0), ComponentSpec("s", 1, "ssm", 0, 2**200)],
+    block_size=1,
+    alignment=1,
+)
+@example(comps=[ComponentSpec("g", 0, "kv", 0, 0)], block_size=2**200, alignment=2**200)  # times zero
+@example(  # needed = 2**64 + 1 just above a block size of 2**64: the grown block does not fit
+    comps=[ComponentSpec("g", 0, "kv", 1, 0), ComponentSpec("g", 1, "kv", 0, 2**64 + 1)],
+    block_size=2**64,
+    alignment=1,
+)
 def test_page_geometry_agrees(comps: list[ComponentSpec], block_size: int, alignment: int) -> None:
     check_geometry(comps, block_size, alignment)
 
@@ -247,8 +248,7 @@ def check_component_plan(comps: list[ComponentSpec], block_size: int, budget: in
         return api.plan_component_tensors(comps, block_size, budget, reserved_bytes_per_block=reserved)
 
     native, ref = outcome(lambda: call(flat_kvcache)), outcome(lambda: call(reference))
-    peak = component_plan_peak(comps, block_size, budget, reserved)
-    assert_agree(native, ref, peak=peak, names=FIELDS)
+    assert_exact(native, ref, computed=plan_sizes(ref.value), names=FIELDS)
     return native
 
 
@@ -268,6 +268,15 @@ def check_component_plan(comps: list[ComponentSpec], block_size: int, budget: in
     reserved=0,
 )
 @example(comps=[], block_size=16, budget=2**200, reserved=7)
+@example(  # per-page rows only: the block size beyond u64 is multiplied by zero
+    comps=[ComponentSpec("s", 0, "ssm", 0, 100)], block_size=2**200, budget=1000, reserved=0
+)
+@example(  # rows beyond u64 against a small budget: "need at least 2", not an overflow
+    comps=[ComponentSpec("g", 0, "kv", 2**100, 0)], block_size=2**100, budget=10**9, reserved=2**200
+)
+@example(  # rows and budget beyond u64: 4 blocks, but each row of 2**100 bytes does not fit
+    comps=[ComponentSpec("g", 0, "kv", 2**100, 0)], block_size=1, budget=2**102, reserved=0
+)
 def test_component_plan_agrees(
     comps: list[ComponentSpec], block_size: int, budget: int, reserved: int
 ) -> None:
@@ -291,16 +300,24 @@ def check_slab_plan(comps: list[ComponentSpec], block_size: int, budget: int) ->
     """Native and reference slab plans agree; returns the native outcome."""
     native = outcome(lambda: flat_kvcache.plan_tensors(comps, block_size, budget))
     ref = outcome(lambda: reference.plan_tensors(comps, block_size, budget))
-    assert_agree(native, ref, peak=slab_plan_peak(comps, block_size, budget), names=FIELDS)
+    assert_exact(native, ref, computed=plan_sizes(ref.value), names=FIELDS)
     return native
 
 
-@given(comps=component_lists(), block_size=block_sizes, budget=budgets)
+@given(comps=component_lists(), block_size=block_sizes, budget=st.one_of(budgets, wide_signed_sizes()))
 @example(comps=[ComponentSpec("g", 0, "kv", 2**60, 0)], block_size=16, budget=2**66)
 @example(
     comps=[ComponentSpec("g", 0, "kv", 1, 0), ComponentSpec("h", 0, "kv", 1, 0)], block_size=1, budget=U64_MAX
 )
 @example(comps=[ComponentSpec("g", 0, "kv", 1, 0)], block_size=1, budget=2**64)
+@example(  # the block size beyond u64 is multiplied by zero
+    comps=[ComponentSpec("s", 0, "ssm", 0, 7), ComponentSpec("s", 0, "conv", 0, 9)],
+    block_size=2**64,
+    budget=100,
+)
+@example(  # a budget beyond u64 with rows beyond u64: 4 blocks, but a row of 2**100 bytes does not fit
+    comps=[ComponentSpec("g", 0, "kv", 2**99, 0)], block_size=2, budget=2**102 + 5
+)
 @example(  # the row sum overflows even u128: the OverflowError must still name the arguments
     comps=[ComponentSpec("g", 0, "k", U64_MAX, 0), ComponentSpec("g", 0, "v", U64_MAX, 0)],
     block_size=U64_MAX,

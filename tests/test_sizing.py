@@ -758,13 +758,11 @@ def is_native(api: ModuleType) -> bool:
     return api is flat_kvcache
 
 
-def test_huge_inputs_overflow_natively_and_stay_exact_in_python(api: ModuleType) -> None:
-    # T = 2**64 does not fit u64: full = ceil(2**64/16) + 0 + 0 + 1 = 2**60 + 1
-    if is_native(api):
-        with pytest.raises(OverflowError, match="max_total_tokens"):
-            counts(api, [full()], max_total_tokens=2**64)
-    else:
-        assert counts(api, [full()], max_total_tokens=2**64) == {FULL: 2**60 + 1}
+def test_huge_inputs_whose_count_fits_are_exact(api: ModuleType) -> None:
+    # SPEC 2: any int is accepted; T = 2**64 gives full = ceil(2**64/16) + 0 + 0 + 1 = 2**60 + 1
+    assert counts(api, [full()], max_total_tokens=2**64) == {FULL: 2**60 + 1}
+    # C = 2**64 is not used by a full-history group: 0 + 0 + 0 + 1
+    assert counts(api, [full()], max_context_len=2**64) == {FULL: 1}
 
 
 def test_a_result_beyond_u64_overflows_natively(api: ModuleType) -> None:

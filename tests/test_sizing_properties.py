@@ -1,24 +1,24 @@
 """Hypothesis: the native sizing API agrees with the reference on random inputs (SPEC 2, 10).
 
-Same result, or same exception class and message; native may raise ``OverflowError`` only
-where an input or a SPEC intermediate exceeds ``u64``, must raise it where the exact result
-does, and never does for inputs that all fit 32 bits (see ``helpers.assert_agree``).
+Inputs range far past ``u64`` (SPEC 2: Python ints of any size are accepted). Native gives the
+reference's result, or the same exception class and message; it raises ``OverflowError`` (naming
+an argument) exactly when a count or width the reference computes does not fit ``u64``. Values a
+result only hands back (a spec's page size or window) are returned exactly (see ``assert_exact``).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from typing import Any
 
 import flat_kvcache
 import flat_kvcache.reference as reference
 import pytest
 from flat_kvcache._types import PagedCacheGroupSpec
-from flat_kvcache.reference._checks import ceil_div
 from helpers import (
     U64_MAX,
     Outcome,
-    assert_agree,
     fits_i32,
     i32,
     ints_in,
@@ -128,52 +128,54 @@ def count_args_of(ints: st.SearchStrategy[int]) -> st.SearchStrategy[dict[str, i
     )
 
 
-mostly_valid = st.one_of(sizes(), sizes(), signed_sizes())
+#: Ints near and far beyond the ``u64`` limit.
+WIDE_INTS = [2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**64 + 1, 2**100, 2**200]
+
+
+@functools.cache
+def wide_sizes() -> st.SearchStrategy[int]:
+    """Non-negative ints: small ones mixed with values around and far beyond ``u64``."""
+    return st.one_of(sizes(), st.sampled_from(WIDE_INTS), st.integers(2**63, 2**201))
+
+
+@functools.cache
+def wide_signed_sizes() -> st.SearchStrategy[int]:
+    """``wide_sizes`` of either sign, mostly non-negative."""
+    return st.one_of(wide_sizes(), wide_sizes(), wide_sizes().map(lambda v: -v))
+
+
+mostly_valid = st.one_of(sizes(), wide_sizes(), signed_sizes())
 i32_sizes = i32(low=-4)  # 32-bit ints, mostly non-negative
 
 
-# --- peak magnitudes: the inputs and the SPEC formulas' intermediate values, by hand -----------
+# --- the native u64 limit ----------------------------------------------------------------------
 
 
-def page_count_peak(specs: list[PagedCacheGroupSpec], args: dict[str, int]) -> int:
-    b, s, t, c, n, d, m = (args[name] for name in COUNT_ARGS)
-    values = [abs(v) for v in ints_in([specs, args])]
-    args_valid = min(b, s, t, c, n, m) >= 0 and d in (0, 1)
-    for spec in specs:
-        raw = spec.rows_per_page * spec.entry_stride_tokens
-        values.append(abs(raw))
-        if raw <= 0 or not args_valid:
-            continue
-        protected = b * ceil_div(d * n, raw)
-        values += [
-            d * n,
-            protected,
-            ceil_div(t, raw) + b + protected + 1 + m,
-            2 * b + t // raw + protected + 1 + m,
-        ]
-        w = spec.sliding_window_tokens
-        if spec.retention == "sliding_window" and isinstance(w, int) and w > 0:
-            values.append(
-                b * ceil_div(min(max(w - 1, 0), c), raw) + ceil_div(min(s, t), raw) + b + protected + 1 + m
-            )
-    return max(values, default=0)
+def assert_exact(native: Outcome, ref: Outcome, *, computed: Iterable[int], names: Iterable[str]) -> None:
+    """Native agrees with the reference exactly, up to the ``u64`` limit of what it computes.
 
-
-def capture_peak(spec: PagedCacheGroupSpec, c: int, n: int, d: int) -> int:
-    raw = spec.rows_per_page * spec.entry_stride_tokens
-    horizon = (abs(d) + 1) * abs(n)
-    w = spec.sliding_window_tokens
-    values = [abs(v) for v in ints_in([spec, c, n, d])] + [abs(raw), horizon, abs(c) + horizon]
-    if isinstance(w, int):
-        values.append(min(abs(w), abs(c)) + horizon)
-    return max(values)
+    ``computed`` holds the values of the reference's result that are computed (counts, widths,
+    bytes), as opposed to values it hands back unchanged. If the reference raised, native raised
+    the same; if a computed value exceeds ``u64``, native raised ``OverflowError`` naming one of
+    ``names``; otherwise native returned the reference's result (no overflow for any input size).
+    """
+    context = f"native {native}, reference {ref}"
+    if ref.error is None:
+        too_big = [v for v in computed if v > U64_MAX]
+        if too_big:
+            assert native.error is OverflowError, f"native must overflow for {too_big[0]}: {context}"
+            names = list(names)
+            assert any(name in native.message for name in names), f"names none of {names}: {context}"
+            return
+    assert native == ref, context
 
 
 # --- properties ------------------------------------------------------------------------------------
 
 
-@given(case=layers_and_window())
+@given(case=layers_and_window(ints=wide_signed_sizes()))
 @example(case=([SLIDING, SLIDING, FULL], [8, 16, None]))
+@example(case=([SLIDING, SLIDING], [2**64, 2**64 + 1]))
 @example(case=([SLIDING, FULL], 2**64))
 @example(case=([SLIDING, SLIDING], [2**200, 8]))
 @example(case=([FULL], [2**64]))  # a huge window on a full layer: mislabeled
@@ -186,10 +188,10 @@ def test_layer_group_ids_agree(case: tuple[Any, Any]) -> None:
     layer_types, window = case
     native = outcome(lambda: flat_kvcache.layer_group_ids(layer_types, window))
     ref = outcome(lambda: reference.layer_group_ids(layer_types, window))
-    assert_agree(native, ref, peak=max(map(abs, ints_in(window)), default=0), names=["sliding_window_tokens"])
+    assert_exact(native, ref, computed=[], names=[])
 
 
-@given(case=layers_and_window(), page_size=mostly_valid)
+@given(case=layers_and_window(ints=wide_signed_sizes()), page_size=mostly_valid)
 @example(case=([SLIDING, LINEAR, FULL], 128), page_size=16)
 @example(case=([FULL], None), page_size=2**64)
 @example(case=([], None), page_size=2**64)
@@ -201,25 +203,63 @@ def test_group_specs_agree(case: tuple[Any, Any], page_size: int) -> None:
         lambda: flat_kvcache.group_specs_from_layer_types(layer_types, window, page_size=page_size)
     )
     ref = outcome(lambda: reference.group_specs_from_layer_types(layer_types, window, page_size=page_size))
-    peak = max(abs(v) for v in [page_size, *ints_in(window)])
-    assert_agree(native, ref, peak=peak, names=["page_size", "sliding_window_tokens"])
+    assert_exact(native, ref, computed=[], names=[])
 
 
 def check_page_counts(specs: list[PagedCacheGroupSpec], args: dict[str, int]) -> Outcome:
     """Native and reference page counts agree; returns the native outcome."""
     native = outcome(lambda: flat_kvcache.compute_paged_cache_group_page_counts(specs, **args))
     ref = outcome(lambda: reference.compute_paged_cache_group_page_counts(specs, **args))
-    assert_agree(
-        native,
-        ref,
-        peak=page_count_peak(specs, args),
-        names=COUNT_ARGS + SPEC_FIELDS,
-    )
+    counts = [] if ref.value is None else list(ref.value.values())
+    assert_exact(native, ref, computed=counts, names=COUNT_ARGS + SPEC_FIELDS)
     return native
 
 
-@given(specs=specs_of(signed_sizes()), args=count_args_of(mostly_valid))
+ZEROS = dict.fromkeys(COUNT_ARGS, 0)
+
+
+@given(specs=specs_of(wide_signed_sizes()), args=count_args_of(mostly_valid))
+@example(  # C beyond u64 is not used by a full-history group
+    specs=[PagedCacheGroupSpec("g", "full_history", 16, 1, None)],
+    args=ZEROS | {"max_context_len": 2**64},
+)
+@example(  # C beyond u64 loses min(W - 1, C)
+    specs=[PagedCacheGroupSpec("w", "sliding_window", 16, 1, 4096)],
+    args=ZEROS | {"max_live_requests": 3, "max_scheduled_tokens": 100, "max_context_len": 2**200},
+)
+@example(  # W beyond u64 loses min(W - 1, C)
+    specs=[PagedCacheGroupSpec("w", "sliding_window", 16, 1, 2**200)],
+    args=ZEROS | {"max_live_requests": 3, "max_context_len": 4096},
+)
+@example(  # T beyond u64 loses min(S, T) and B = 0 drops the resident history
+    specs=[PagedCacheGroupSpec("w", "sliding_window", 16, 1, 2**100)],
+    args=ZEROS | {"max_scheduled_tokens": 64, "max_total_tokens": 2**200, "max_context_len": 2**200},
+)
+@example(  # S beyond u64 loses min(S, T)
+    specs=[PagedCacheGroupSpec("w", "sliding_window", 16, 1, 8)],
+    args=ZEROS | {"max_scheduled_tokens": 2**64 + 1, "max_total_tokens": 100},
+)
+@example(  # N beyond u64 with D = 0 is unused; with D = 1, B = 0 multiplies it by zero
+    specs=[PagedCacheGroupSpec("g", "full_history", 16, 1, None)],
+    args=ZEROS | {"decode_input_tokens": 2**200},
+)
 @example(
+    specs=[PagedCacheGroupSpec("g", "full_history", 16, 1, None, "state")],
+    args=ZEROS | {"decode_input_tokens": 2**200, "overlap_schedule_depth": 1},
+)
+@example(  # raw beyond u64 only divides
+    specs=[PagedCacheGroupSpec("g", "full_history", 2**100, 2**100, None)],
+    args=ZEROS | {"max_live_requests": 5, "max_total_tokens": 2**210, "decode_input_tokens": 2**199},
+)
+@example(  # the state formula is the smaller of two counts that both need T beyond u64
+    specs=[PagedCacheGroupSpec("g", "full_history", 2**64, 1, None, "state")],
+    args=ZEROS | {"max_live_requests": 2**62, "max_total_tokens": 2**130},
+)
+@example(  # M beyond u64 always reaches the count
+    specs=[PagedCacheGroupSpec("g", "full_history", 16, 1, None)],
+    args=ZEROS | {"safety_margin": 2**64},
+)
+@example(  # T = 2**64: ceil(2**64 / 16) + 1 fits
     specs=[PagedCacheGroupSpec("g", "full_history", 16, 1, None)],
     args=dict.fromkeys(COUNT_ARGS, 0) | {"max_total_tokens": 2**64},
 )
@@ -292,11 +332,11 @@ def check_capture(spec: PagedCacheGroupSpec, c: int, n: int, d: int) -> Outcome:
 
     native, ref = outcome(lambda: call(flat_kvcache)), outcome(lambda: call(reference))
     names = ["max_context_len", "max_tokens_per_req", "overlap_schedule_depth", *SPEC_FIELDS]
-    assert_agree(native, ref, peak=capture_peak(spec, c, n, d), names=names)
+    assert_exact(native, ref, computed=ints_in(ref.value), names=names)
     return native
 
 
-capture_specs = spec_of(signed_sizes())
+capture_specs = spec_of(wide_signed_sizes())
 
 
 @given(
@@ -311,6 +351,9 @@ capture_specs = spec_of(signed_sizes())
 @example(spec=PagedCacheGroupSpec("s", "sliding_window", 1, 1, 2**200), c=5, n=1, d=0)
 @example(spec=PagedCacheGroupSpec("s", "sliding_window", 1, 1, U64_MAX), c=U64_MAX, n=1, d=0)
 @example(spec=PagedCacheGroupSpec("g", "full_history", 1, 1, None), c=-(2**200), n=1, d=0)
+@example(spec=PagedCacheGroupSpec("s", "sliding_window", 16, 1, 8), c=2**64, n=1, d=0)  # C loses min(W, C)
+@example(spec=PagedCacheGroupSpec("s", "sliding_window", 2**100, 1, 2**200), c=2**200, n=2**64, d=1)
+@example(spec=PagedCacheGroupSpec("g", "full_history", 2**190, 2**10, None), c=2**200, n=2**199, d=1)
 def test_capture_width_agrees(spec: PagedCacheGroupSpec, c: int, n: int, d: int) -> None:
     check_capture(spec, c, n, d)
 
@@ -332,29 +375,42 @@ def check_publish(layer_types: Any, window: Any, page_size: int, args: dict[str,
         )
 
     native, ref = outcome(lambda: call(flat_kvcache)), outcome(lambda: call(reference))
-    count_args = (
-        dict.fromkeys(COUNT_ARGS, 0) | args | {"max_scheduled_tokens": max(0, args["max_scheduled_tokens"])}
-    )
-    specs = ref.value[0] if ref.value is not None else []
-    peak = max(
-        abs(v) for v in [page_size, *ints_in(window), page_count_peak(specs, count_args), *args.values()]
-    )
-    names = ["page_size", *COUNT_ARGS, *SPEC_FIELDS]
-    assert_agree(native, ref, peak=peak, names=names)
+    counts = [] if ref.value is None else list(ref.value[1].values())
+    assert_exact(native, ref, computed=counts, names=["page_size", *COUNT_ARGS, *SPEC_FIELDS])
     return native
 
 
 publish_args = st.fixed_dictionaries(
     {
         "max_live_requests": mostly_valid,
-        "max_scheduled_tokens": signed_sizes(),
+        "max_scheduled_tokens": wide_signed_sizes(),
         "max_total_tokens": mostly_valid,
         "max_context_len": mostly_valid,
     }
 )
 
 
-@given(case=layers_and_window(), page_size=mostly_valid, args=publish_args)
+@given(case=layers_and_window(ints=wide_signed_sizes()), page_size=mostly_valid, args=publish_args)
+@example(  # a window beyond u64 is handed back exactly and loses min(W - 1, C)
+    case=(["sliding_attention", "full_attention"], 2**64),
+    page_size=16,
+    args={"max_live_requests": 2, "max_scheduled_tokens": 5, "max_total_tokens": 10, "max_context_len": 20},
+)
+@example(  # a page size beyond u64 only divides
+    case=(["full_attention"], None),
+    page_size=2**100,
+    args={
+        "max_live_requests": 2,
+        "max_scheduled_tokens": 5,
+        "max_total_tokens": 2**90,
+        "max_context_len": 20,
+    },
+)
+@example(  # C beyond u64 for the stand-in full layer: unused
+    case=([], None),
+    page_size=16,
+    args={"max_live_requests": 0, "max_scheduled_tokens": 0, "max_total_tokens": 0, "max_context_len": 2**64},
+)
 @example(
     case=([], None),
     page_size=16,

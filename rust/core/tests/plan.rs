@@ -22,8 +22,8 @@ fn comp(group_id: &str, layer: usize, component: &str, bytes_per_slot: u64, cons
         group_id: group_id.to_owned(),
         layer,
         component: component.to_owned(),
-        bytes_per_slot,
-        const_bytes,
+        bytes_per_slot: Int::from(bytes_per_slot),
+        const_bytes: Int::from(const_bytes),
     }
 }
 
@@ -161,13 +161,17 @@ fn components_follow_the_layers() {
             "state_component_bytes keys must be str, not int".into()
         ))
     );
-    // Sizes the components carry must fit u64.
-    let huge = IntArg::Int(Int::from(u128::from(u64::MAX) + 1));
+    // The sizes the components carry are the caller's own values, handed back exactly.
+    let two_64 = Int::from(u128::from(u64::MAX) + 1);
     let only_full = LayerTypesArg::labels(&[FULL]);
-    assert_eq!(
-        components_from_layers(&only_full, &huge, &StateComponentsArg::None, &WindowsArg::None),
-        Err(CoreError::overflow("kv_bytes_per_slot"))
-    );
+    let kv = components_from_layers(
+        &only_full,
+        &IntArg::Int(two_64.clone()),
+        &StateComponentsArg::None,
+        &WindowsArg::None,
+    )
+    .unwrap();
+    assert_eq!(kv[0].bytes_per_slot, two_64);
 }
 
 #[test]
@@ -182,25 +186,31 @@ fn geometry_grows_the_block_to_hold_the_largest_state_row() {
     assert_eq!(
         solve_page_geometry(&comps, &int(16), &int(16)),
         Ok(BlockGeometry {
-            block_size: 48,
+            block_size: Int::from(48u64),
             block_bytes: 3072,
             num_blocks: 0
         })
     );
     // alignment 8: block = 8 * ceil(33 / 8) = 40.
-    assert_eq!(solve_page_geometry(&comps, &int(16), &int(8)).unwrap().block_size, 40);
+    assert_eq!(
+        solve_page_geometry(&comps, &int(16), &int(8)).unwrap().block_size,
+        Int::from(40u64)
+    );
     // A block already large enough stays: 64 >= 33, block_bytes = 64 * 64 = 4096.
     assert_eq!(
         solve_page_geometry(&comps, &int(64), &int(16)).unwrap(),
         BlockGeometry {
-            block_size: 64,
+            block_size: Int::from(64u64),
             block_bytes: 4096,
             num_blocks: 0
         }
     );
     // The default alignment is the block size: 10 * ceil(33 / 10) = 40.
-    assert_eq!(equalized_block_size(&comps, &int(10), None), Ok(40));
-    assert_eq!(equalized_block_size(&comps, &int(10), Some(&int(4))), Ok(36));
+    assert_eq!(equalized_block_size(&comps, &int(10), None), Ok(Int::from(40u64)));
+    assert_eq!(
+        equalized_block_size(&comps, &int(10), Some(&int(4))),
+        Ok(Int::from(36u64))
+    );
     // Rows sum their components: two kv parts in one row give 128 bytes per slot.
     let two_parts = args(&[
         comp("g", 0, "k", 64, 0),
@@ -215,7 +225,7 @@ fn geometry_grows_the_block_to_hold_the_largest_state_row() {
     assert_eq!(
         solve_page_geometry(&[], &int(16), &int(16)),
         Ok(BlockGeometry {
-            block_size: 16,
+            block_size: Int::from(16u64),
             block_bytes: 0,
             num_blocks: 0
         })
@@ -263,7 +273,7 @@ fn component_plan_gives_one_tensor_per_component() {
     assert_eq!(
         plan.geometry,
         BlockGeometry {
-            block_size: 16,
+            block_size: Int::from(16u64),
             block_bytes: 1536,
             num_blocks: 6
         }
@@ -321,7 +331,7 @@ fn slab_plan_shares_slot_j_between_the_jth_layers_of_every_group() {
     assert_eq!(
         plan.geometry,
         BlockGeometry {
-            block_size: 16,
+            block_size: Int::from(16u64),
             block_bytes: 2048,
             num_blocks: 4
         }

@@ -168,8 +168,8 @@ proptest! {
                 group_id: format!("g{group}"),
                 layer: group * 10 + layer,
                 component: "kv".into(),
-                bytes_per_slot: bytes,
-                const_bytes: 0,
+                bytes_per_slot: Int::from(bytes),
+                const_bytes: Int::zero(),
             })
             .collect();
         let comps = component_args(&specs);
@@ -192,6 +192,6 @@ proptest! {
         }
         // Per-token only: geometry keeps the block size.
         let geometry = solve_page_geometry(&comps, &arg(block), &arg(block)).unwrap();
-        prop_assert_eq!(geometry.block_size, block);
+        prop_assert_eq!(geometry.block_size, Int::from(block));
     }
 }

@@ -181,9 +181,9 @@ fn specs_follow_first_appearance() {
             &GroupSpec {
                 group_id: gid.to_owned(),
                 retention,
-                rows_per_page: 16,
+                rows_per_page: Int::from(16u64),
                 entry_stride_tokens: 1,
-                sliding_window_tokens: window,
+                sliding_window_tokens: window.map(|w: u64| Int::from(w)),
                 family,
             }
         );
@@ -201,16 +201,17 @@ fn specs_follow_first_appearance() {
         )),
         "page_size must be an int, not bool"
     );
-    // A page size or window the specs would carry must fit u64.
+    // A page size or window the specs carry is handed back exactly, whatever its size.
+    let exact = Int::from(1u128 << 64);
     assert_eq!(
         group_specs_from_layer_types(&labels(&[]), &WindowsArg::None, &two_pow_64()),
-        Err(CoreError::overflow("page_size"))
+        Ok(Vec::new())
     );
+    let specs = group_specs_from_layer_types(&labels(&[FULL]), &WindowsArg::None, &two_pow_64()).unwrap();
+    assert_eq!(specs[0].rows_per_page, exact);
     let windows = WindowsArg::PerLayer(vec![WindowEntry::Int(two_pow_64())]);
-    assert_eq!(
-        group_specs_from_layer_types(&labels(&[SLIDING]), &windows, &int(16)),
-        Err(CoreError::overflow("sliding_window_tokens"))
-    );
+    let specs = group_specs_from_layer_types(&labels(&[SLIDING]), &windows, &int(16)).unwrap();
+    assert_eq!(specs[0].sliding_window_tokens, Some(exact));
 }
 
 // --- page counts ------------------------------------------------------------------------------
@@ -379,12 +380,11 @@ fn page_count_errors_follow_the_contract() {
 
 #[test]
 fn page_counts_overflow_names_the_arguments() {
-    // Every argument must fit u64, used by a formula or not.
+    // An argument the count does not use may be of any size: C for a full-history group.
     let mut a = args(0, 0, 0, 0, 0, 0, 0);
     a.max_context_len = two_pow_64();
-    assert_eq!(counts(&[full(16)], &a), Err(CoreError::overflow("max_context_len")));
-    assert_eq!(counts(&[], &a), Err(CoreError::overflow("max_context_len")));
-    // ... but only after every check: a later spec error wins.
+    assert_eq!(counts(&[full(16)], &a), Ok(vec![1]));
+    assert_eq!(counts(&[], &a), Ok(Vec::new()));
     assert!(matches!(counts(&[full(0)], &a), Err(CoreError::InvalidArgument(_))));
     // T = u64::MAX, raw = 1, B = 1: u64::MAX + 1 + 1 does not fit.
     let mut a = args(1, 0, 0, 0, 0, 0, 0);
@@ -392,10 +392,77 @@ fn page_counts_overflow_names_the_arguments() {
     let err = counts(&[full(1)], &a).unwrap_err();
     assert!(matches!(err, CoreError::Overflow { .. }));
     assert!(err.to_string().contains("max_total_tokens"), "{err}");
-    // raw beyond u64: named.
+    // raw beyond u64 only divides: ceil(0 / 2**80) = 0, so B + 1 = 1 page.
     let big = spec("g", "full_history", 1 << 40, 1 << 40, None, "history");
-    let err = counts(&[big], &args(0, 0, 0, 0, 0, 0, 0)).unwrap_err();
-    assert_eq!(err, CoreError::overflow("group g: rows_per_page * entry_stride_tokens"));
+    assert_eq!(counts(&[big], &args(0, 0, 0, 0, 0, 0, 0)), Ok(vec![1]));
+    // M beyond u64 always reaches the count.
+    let mut a = args(0, 0, 0, 0, 0, 0, 0);
+    a.safety_margin = two_pow_64();
+    let err = counts(&[full(16)], &a).unwrap_err();
+    assert!(matches!(err, CoreError::Overflow { .. }));
+    assert!(err.to_string().contains("safety_margin"), "{err}");
+}
+
+/// `2**bits` as an argument.
+fn pow2(bits: u32) -> IntArg {
+    let mut bytes = vec![0u8; usize::try_from(bits / 8).unwrap() + 1];
+    *bytes.last_mut().unwrap() = 1 << (bits % 8);
+    huge(&bytes)
+}
+
+#[test]
+fn page_counts_accept_huge_inputs_whose_count_fits() {
+    // C = 2**64 beyond every window: min(W - 1, C) = W - 1 = 7, so 2 * ceil(7/4) + ceil(5/4) + 2 + 1.
+    let mut a = args(2, 5, 10, 0, 1, 0, 0);
+    a.max_context_len = two_pow_64();
+    assert_eq!(counts(&[sliding(4, 8)], &a), Ok(vec![9]));
+    // T = 2**200 only through min(S, T) in a sliding group: ceil(5/4) + 1 = 3 with B = 0.
+    let mut a = args(0, 5, 0, 0, 1, 0, 0);
+    a.max_total_tokens = pow2(200);
+    assert_eq!(counts(&[sliding(4, 8)], &a), Ok(vec![3]));
+    // ... but a full-history group needs ceil(T / raw): not representable.
+    let err = counts(&[full(4)], &a).unwrap_err();
+    assert!(err.to_string().contains("max_total_tokens"), "{err}");
+    // S = 2**100 with T = 40: min(S, T) = T; B * ceil(7/4) + ceil(40/4) + B + 1 = 2 + 10 + 1 + 1.
+    let mut a = args(1, 0, 40, 8, 1, 0, 0);
+    a.max_scheduled_tokens = pow2(100);
+    assert_eq!(counts(&[sliding(4, 8)], &a), Ok(vec![14]));
+    // B = 0 times a resident history of 2**200 / 1 pages.
+    let mut a = args(0, 0, 0, 0, 1, 0, 0);
+    a.max_context_len = pow2(200);
+    let window = SpecArg {
+        sliding_window_tokens: Some(pow2(200)),
+        ..sliding(1, 1)
+    };
+    assert_eq!(counts(std::slice::from_ref(&window), &a), Ok(vec![1]));
+    // With B = 1 that history is really needed and does not fit.
+    a.max_live_requests = int(1);
+    assert!(matches!(counts(&[window], &a), Err(CoreError::Overflow { .. })));
+    // N = 2**200 with D = 0 is unused; with D = 1 and B = 0 it is multiplied by zero.
+    let mut a = args(0, 0, 0, 0, 0, 0, 0);
+    a.decode_input_tokens = pow2(200);
+    assert_eq!(counts(&[full(16), state(16)], &a), Ok(vec![1, 1]));
+    a.overlap_schedule_depth = int(1);
+    assert_eq!(counts(&[full(16), state(16)], &a), Ok(vec![1, 1]));
+    // ... and with B = 1 it divides a huge raw: ceil(2**200 / 2**190) = 1024 protected pages.
+    a.max_live_requests = int(1);
+    let raw = SpecArg {
+        rows_per_page: pow2(190),
+        ..full(1)
+    };
+    assert_eq!(counts(&[raw], &a), Ok(vec![1 + 1024 + 1]));
+    // Huge raw and huge T: ceil(2**200 / 2**190) = 1024, 2**200 // 2**190 = 1024.
+    let mut a = args(1, 0, 0, 0, 1, 0, 0);
+    a.max_total_tokens = pow2(200);
+    let state_raw = SpecArg {
+        rows_per_page: pow2(190),
+        ..state(1)
+    };
+    assert_eq!(counts(&[state_raw], &a), Ok(vec![1024 + 1 + 1]));
+    // State with B = 2**64: 2B + ... does not fit, the full-history count does not either.
+    let mut a = args(0, 0, 0, 0, 1, 0, 0);
+    a.max_live_requests = two_pow_64();
+    assert!(matches!(counts(&[state(1)], &a), Err(CoreError::Overflow { .. })));
 }
 
 #[test]
@@ -509,9 +576,31 @@ fn capture_width_covers_the_horizon() {
     // C = u64::MAX, raw = 1: u64::MAX + 1 does not fit.
     let err = compute_max_logical_pages_for_capture(&full(1), &IntArg::from(u64::MAX), &int(1), &int(0));
     assert!(message(err).contains("max_context_len"));
-    // C must fit u64 even when a small window makes it unused.
-    let err = compute_max_logical_pages_for_capture(&sliding(16, 8), &two_pow_64(), &int(1), &int(0));
-    assert_eq!(err, Err(CoreError::overflow("max_context_len")));
+    // C beyond u64 above a small window: min(W, C) = 8, ceil((8 + 1) / 16) + 1 = 2.
+    let width = compute_max_logical_pages_for_capture(&sliding(16, 8), &two_pow_64(), &int(1), &int(0));
+    assert_eq!(width, Ok(2));
+    // A huge window and context over a huge raw: ceil((2**200 + 2) / 2**199) + 1 = 4.
+    let spec = SpecArg {
+        rows_per_page: pow2(199),
+        sliding_window_tokens: Some(pow2(200)),
+        ..sliding(1, 1)
+    };
+    assert_eq!(
+        compute_max_logical_pages_for_capture(&spec, &pow2(200), &int(1), &int(1)),
+        Ok(4)
+    );
+    // Full history over the same: ceil((2**200 + 1) / 2**199) = 3.
+    let spec = SpecArg {
+        rows_per_page: pow2(199),
+        ..full(1)
+    };
+    assert_eq!(
+        compute_max_logical_pages_for_capture(&spec, &pow2(200), &int(1), &int(0)),
+        Ok(3)
+    );
+    // N = 2**64 with raw 1: the width itself does not fit.
+    let err = compute_max_logical_pages_for_capture(&full(1), &int(0), &two_pow_64(), &int(0));
+    assert!(message(err).contains("max_tokens_per_req"));
 }
 
 // --- slab pairing -----------------------------------------------------------------------------

@@ -8,7 +8,9 @@
     reason = "pyfunction arguments are extracted by value"
 )]
 
-use flat_kvcache_core::sizing::plan::{self, ComponentArg, FlatMemoryPlan, ShapeArg, StateComponentsArg, StateItemArg};
+use flat_kvcache_core::sizing::plan::{
+    self, BlockGeometry, ComponentArg, FlatMemoryPlan, ShapeArg, StateComponentsArg, StateItemArg,
+};
 use flat_kvcache_core::sizing::LabelItem;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyMapping, PyTuple};
@@ -85,12 +87,20 @@ fn plan_to_py<'py>(py: Python<'py>, plan: &FlatMemoryPlan, objects: &HandBack<'p
         }
         tensors.push((tensor.name.clone(), tensor.nbytes, PyList::new(py, bindings)?).into_pyobject(py)?);
     }
-    let geometry = plan.geometry;
-    (
-        (geometry.block_size, geometry.block_bytes, geometry.num_blocks),
-        PyList::new(py, tensors)?,
+    let geometry = &plan.geometry;
+    (geometry_to_py(py, geometry)?, PyList::new(py, tensors)?).into_pyobject(py)
+}
+
+/// A geometry as `(block_size, block_bytes, num_blocks)` (the block size exactly).
+fn geometry_to_py<'py>(py: Python<'py>, geometry: &BlockGeometry) -> PyResult<Bound<'py, PyTuple>> {
+    PyTuple::new(
+        py,
+        [
+            int_to_py(py, &geometry.block_size)?,
+            geometry.block_bytes.into_pyobject(py)?.into_any(),
+            geometry.num_blocks.into_pyobject(py)?.into_any(),
+        ],
     )
-        .into_pyobject(py)
 }
 
 /// For each layer, the number of earlier layers with the same label (SPEC 3).
@@ -167,8 +177,8 @@ pub fn components_from_layers<'py>(
                     c.group_id.clone().into_pyobject(py)?.into_any(),
                     c.layer.into_pyobject(py)?.into_any(),
                     c.component.clone().into_pyobject(py)?.into_any(),
-                    c.bytes_per_slot.into_pyobject(py)?.into_any(),
-                    c.const_bytes.into_pyobject(py)?.into_any(),
+                    int_to_py(py, &c.bytes_per_slot)?,
+                    int_to_py(py, &c.const_bytes)?,
                 ],
             )
         })
@@ -178,30 +188,33 @@ pub fn components_from_layers<'py>(
 
 /// Page geometry (SPEC 3) as `(block_size, block_bytes, 0)`.
 #[pyfunction]
-pub fn solve_page_geometry(
-    components: &Bound<'_, PyAny>,
+pub fn solve_page_geometry<'py>(
+    py: Python<'py>,
+    components: &Bound<'py, PyAny>,
     block_size: IntParam,
     alignment: IntParam,
-) -> PyResult<(u64, u64, u64)> {
+) -> PyResult<Bound<'py, PyTuple>> {
     let (args, _) = component_args(components, true)?;
     let geometry = core(plan::solve_page_geometry(&args, &block_size.0, &alignment.0))?;
-    Ok((geometry.block_size, geometry.block_bytes, geometry.num_blocks))
+    geometry_to_py(py, &geometry)
 }
 
 /// The block size of `solve_page_geometry`, `alignment` defaulting to `block_size` (SPEC 3).
 #[pyfunction]
 #[pyo3(signature = (components, block_size, alignment=None))]
-pub fn equalized_block_size(
-    components: &Bound<'_, PyAny>,
+pub fn equalized_block_size<'py>(
+    py: Python<'py>,
+    components: &Bound<'py, PyAny>,
     block_size: IntParam,
     alignment: Option<IntParam>,
-) -> PyResult<u64> {
+) -> PyResult<Bound<'py, PyAny>> {
     let (args, _) = component_args(components, true)?;
-    core(plan::equalized_block_size(
+    let block_size = core(plan::equalized_block_size(
         &args,
         &block_size.0,
         alignment.as_ref().map(|a| &a.0),
-    ))
+    ))?;
+    int_to_py(py, &block_size)
 }
 
 /// The per-component plan (SPEC 3): one tensor per component.

@@ -13,7 +13,7 @@ use flat_kvcache_core::sizing::{
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyList, PyTuple};
 
-use crate::convert::{int_arg, is_sequence, is_str, text, type_has, type_name, IntParam};
+use crate::convert::{int_arg, int_to_py, is_sequence, is_str, text, type_has, type_name, IntParam};
 use crate::errors::core;
 
 /// `layer_types` as the core sees it: a bare str, a non-sequence, or its items (str or not).
@@ -110,8 +110,8 @@ fn spec_arg<'py>(spec: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyAny>, SpecA
 /// A spec as the tuple `(group_id, retention, rows_per_page, entry_stride_tokens,
 /// sliding_window_tokens, family)` (the wrapper makes a `PagedCacheGroupSpec` of it).
 fn spec_to_py<'py>(py: Python<'py>, spec: &GroupSpec) -> PyResult<Bound<'py, PyTuple>> {
-    let window = match spec.sliding_window_tokens {
-        Some(window) => window.into_pyobject(py)?.into_any(),
+    let window = match &spec.sliding_window_tokens {
+        Some(window) => int_to_py(py, window)?,
         None => py.None().into_bound(py),
     };
     PyTuple::new(
@@ -119,7 +119,7 @@ fn spec_to_py<'py>(py: Python<'py>, spec: &GroupSpec) -> PyResult<Bound<'py, PyT
         [
             spec.group_id.clone().into_pyobject(py)?.into_any(),
             spec.retention.into_pyobject(py)?.into_any(),
-            spec.rows_per_page.into_pyobject(py)?.into_any(),
+            int_to_py(py, &spec.rows_per_page)?,
             spec.entry_stride_tokens.into_pyobject(py)?.into_any(),
             window,
             spec.family.into_pyobject(py)?.into_any(),

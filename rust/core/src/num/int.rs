@@ -118,6 +118,78 @@ impl Int {
         .normalized()
     }
 
+    /// The exact sum.
+    #[must_use]
+    pub fn add(&self, other: &Int) -> Int {
+        if self.negative == other.negative {
+            return Self {
+                negative: self.negative,
+                limbs: add_magnitudes(&self.limbs, &other.limbs),
+            }
+            .normalized();
+        }
+        // Opposite signs: the larger magnitude keeps its sign.
+        let (larger, smaller) = match self.cmp_magnitude(other) {
+            Ordering::Less => (other, self),
+            _ => (self, other),
+        };
+        Self {
+            negative: larger.negative,
+            limbs: sub_magnitudes(&larger.limbs, &smaller.limbs),
+        }
+        .normalized()
+    }
+
+    /// The exact difference.
+    #[must_use]
+    pub fn sub(&self, other: &Int) -> Int {
+        let negated = Self {
+            negative: !other.negative,
+            limbs: other.limbs.clone(),
+        }
+        .normalized();
+        self.add(&negated)
+    }
+
+    /// `floor(self / divisor)` for `self >= 0` and `divisor > 0`, when it fits `u64`; None when
+    /// it does not (or when the operands are outside that domain).
+    ///
+    /// The work is bounded by 64 steps over the operands' limbs, whatever their size: only a
+    /// quotient below `2^64` is ever computed.
+    pub fn quotient_u64(&self, divisor: &Int) -> Option<u64> {
+        if self.negative || !divisor.is_positive() {
+            return None;
+        }
+        if let (Some(a), Some(d)) = (self.magnitude(), divisor.magnitude()) {
+            return u64::try_from(a / d).ok();
+        }
+        if divisor.mul(&Int::from(1u128 << 64)) <= *self {
+            return None;
+        }
+        // Schoolbook binary division, one quotient bit at a time from the top.
+        let mut rest = self.clone();
+        let mut quotient = 0u64;
+        for bit in (0..64).rev() {
+            let step = divisor.mul(&Int::from(1u64 << bit));
+            if step <= rest {
+                rest = rest.sub(&step);
+                quotient |= 1u64 << bit;
+            }
+        }
+        Some(quotient)
+    }
+
+    /// `ceil(self / divisor)` for `self >= 0` and `divisor > 0`, when it fits `u64` (see
+    /// [`Int::quotient_u64`]).
+    pub fn ceil_quotient_u64(&self, divisor: &Int) -> Option<u64> {
+        let floor = self.quotient_u64(divisor)?;
+        if divisor.mul(&Int::from(floor)) == *self {
+            Some(floor)
+        } else {
+            floor.checked_add(1)
+        }
+    }
+
     /// `|self|` as `u128`, or None when it needs more than 128 bits.
     fn magnitude(&self) -> Option<u128> {
         if self.limbs.len() > 4 {
@@ -147,6 +219,35 @@ impl Int {
             .cmp(&other.limbs.len())
             .then_with(|| self.limbs.iter().rev().cmp(other.limbs.iter().rev()))
     }
+}
+
+/// The sum of two magnitudes (little-endian limbs).
+fn add_magnitudes(a: &[u32], b: &[u32]) -> Vec<u32> {
+    let (long, short) = if a.len() >= b.len() { (a, b) } else { (b, a) };
+    let mut limbs = Vec::with_capacity(long.len() + 1);
+    let mut carry = 0u64;
+    for (i, &x) in long.iter().enumerate() {
+        let cur = u64::from(x) + u64::from(short.get(i).copied().unwrap_or(0)) + carry;
+        limbs.push(low_limb(u128::from(cur)));
+        carry = cur >> 32;
+    }
+    limbs.push(low_limb(u128::from(carry)));
+    limbs
+}
+
+/// `a - b` for magnitudes with `a >= b` (little-endian limbs).
+fn sub_magnitudes(a: &[u32], b: &[u32]) -> Vec<u32> {
+    let mut limbs = Vec::with_capacity(a.len());
+    let mut borrow = 0i64;
+    for (i, &x) in a.iter().enumerate() {
+        let mut cur = i64::from(x) - i64::from(b.get(i).copied().unwrap_or(0)) - borrow;
+        borrow = i64::from(cur < 0);
+        if cur < 0 {
+            cur += 1i64 << 32;
+        }
+        limbs.push(u32::try_from(cur).unwrap_or(0));
+    }
+    limbs
 }
 
 /// The low 32 bits of `v` (the truncation is the point: callers carry the high bits separately).
@@ -248,6 +349,32 @@ impl fmt::Display for Int {
         }
         f.write_str(&text)
     }
+}
+
+/// `2^64`, the stand-in for a quotient that does not fit `u64` (see [`capped_quotient`]).
+pub fn beyond_u64() -> Int {
+    Int::from(1u128 << 64)
+}
+
+/// `floor(a / d)` for `a >= 0`, `d > 0`, capped at `2^64` ([`beyond_u64`]).
+///
+/// The sizing formulas are sums, products, minimums and maximums of non-negative terms whose
+/// result must fit `u64`. A term at or above `2^64` either drops out (multiplied by zero, or the
+/// larger side of a minimum) or makes the result too large, and the capped value does exactly
+/// the same; so a formula computed with capped quotients fits `u64` exactly when the exact one
+/// does, and then has the same value. The cost stays bounded whatever the operands' size.
+pub fn capped_quotient(a: &Int, d: &Int) -> Int {
+    a.quotient_u64(d).map_or_else(beyond_u64, Int::from)
+}
+
+/// `ceil(a / d)` for `a >= 0`, `d > 0`, capped at `2^64` like [`capped_quotient`].
+pub fn capped_ceil_quotient(a: &Int, d: &Int) -> Int {
+    a.ceil_quotient_u64(d).map_or_else(beyond_u64, Int::from)
+}
+
+/// The exact sum of `values`.
+pub fn sum<'a, I: IntoIterator<Item = &'a Int>>(values: I) -> Int {
+    values.into_iter().fold(Int::zero(), |acc, v| acc.add(v))
 }
 
 /// An integer argument as the bindings saw it, before any check.
@@ -385,6 +512,56 @@ mod tests {
             p.to_string(),
             "-1606938044258990275541962092341162602522202993782792835301376"
         );
+    }
+
+    fn pow2(bits: u32) -> Int {
+        let mut bytes = vec![0u8; usize::try_from(bits / 8).unwrap() + 1];
+        *bytes.last_mut().unwrap() = 1 << (bits % 8);
+        big(false, &bytes)
+    }
+
+    #[test]
+    fn addition_and_subtraction_are_exact() {
+        let max = Int::from(u64::MAX);
+        assert_eq!(max.add(&Int::from(1u64)), Int::from(u128::from(u64::MAX) + 1));
+        assert_eq!(Int::from(u128::MAX).add(&Int::from(1u64)), pow2(128));
+        assert_eq!(pow2(128).sub(&Int::from(1u64)), Int::from(u128::MAX));
+        assert_eq!(Int::from(3i64).sub(&Int::from(5i64)), Int::from(-2i64));
+        assert_eq!(Int::from(-3i64).add(&Int::from(5i64)), Int::from(2i64));
+        assert_eq!(Int::from(-3i64).add(&Int::from(-5i64)), Int::from(-8i64));
+        assert_eq!(pow2(200).sub(&pow2(200)), Int::zero());
+        assert_eq!(pow2(200).sub(&pow2(200)).to_string(), "0");
+        assert_eq!(
+            Int::from(i128::MIN).sub(&Int::from(1i64)).to_string(),
+            "-170141183460469231731687303715884105729"
+        );
+    }
+
+    #[test]
+    fn quotients_are_exact_below_2_pow_64() {
+        let q = |a: &Int, d: &Int| a.quotient_u64(d);
+        assert_eq!(q(&Int::from(7u64), &Int::from(2u64)), Some(3));
+        assert_eq!(Int::from(7u64).ceil_quotient_u64(&Int::from(2u64)), Some(4));
+        assert_eq!(Int::from(8u64).ceil_quotient_u64(&Int::from(2u64)), Some(4));
+        assert_eq!(q(&Int::zero(), &pow2(300)), Some(0));
+        // Huge operands, small quotient: 2^200 / 2^190 = 1024, (2^200 + 1) / 2^190 rounds up.
+        assert_eq!(q(&pow2(200), &pow2(190)), Some(1024));
+        let above = pow2(200).add(&Int::from(1u64));
+        assert_eq!(q(&above, &pow2(190)), Some(1024));
+        assert_eq!(above.ceil_quotient_u64(&pow2(190)), Some(1025));
+        assert_eq!(pow2(200).ceil_quotient_u64(&pow2(190)), Some(1024));
+        // (2^64 - 1) * 3^... : a quotient of exactly u64::MAX, then one that does not fit.
+        let d = pow2(100).add(&Int::from(7u64));
+        let a = d.mul(&Int::from(u64::MAX));
+        assert_eq!(q(&a, &d), Some(u64::MAX));
+        assert_eq!(q(&a.add(&d.sub(&Int::from(1u64))), &d), Some(u64::MAX));
+        assert_eq!(a.add(&Int::from(1u64)).ceil_quotient_u64(&d), None);
+        assert_eq!(q(&a.add(&d), &d), None);
+        assert_eq!(q(&pow2(64), &Int::from(1u64)), None);
+        assert_eq!(q(&Int::from(u64::MAX), &Int::from(1u64)), Some(u64::MAX));
+        // Outside the domain.
+        assert_eq!(q(&Int::from(5u64), &Int::zero()), None);
+        assert_eq!(q(&Int::from(-5i64), &Int::from(1u64)), None);
     }
 
     #[test]

@@ -2,8 +2,7 @@
 
 use super::page_counts::{overlap_depth, spec_geometry, SpecArg};
 use crate::error::CoreResult;
-use crate::num::checked;
-use crate::num::int::IntArg;
+use crate::num::int::{capped_ceil_quotient, Int, IntArg};
 
 /// `compute_max_logical_pages_for_capture`: the block-table width of one group's capture
 /// buffer (SPEC 2, 12.1). With `horizon = (D+1) * N`: sliding `ceil((min(W, C) + horizon) /
@@ -18,21 +17,16 @@ pub fn compute_max_logical_pages_for_capture(
     let n = max_tokens_per_req.positive("max_tokens_per_req")?;
     let overlap = overlap_depth(overlap_schedule_depth)?;
     let geometry = spec_geometry(spec)?;
-    let raw = geometry.raw()?;
     let what = format!(
-        "group {}: capture width from max_context_len and max_tokens_per_req",
+        "group {}: capture width from max_context_len, max_tokens_per_req and rows_per_page * entry_stride_tokens",
         geometry.group_id
     );
-    let c = u128::from(c.u64("max_context_len")?);
-    let n = u128::from(n.u64("max_tokens_per_req")?);
-    let horizon = if overlap { checked::mul_wide(2, n, &what)? } else { n };
-    let width = if let Some(window) = geometry.window {
-        // min(W, C), exactly (a window beyond u64 exceeds C).
-        let covered = window.to_u64().map_or(c, |w| u128::from(w).min(c));
-        let pages = checked::ceil_div_wide(checked::add_wide(covered, horizon, &what)?, raw, &what)?;
-        checked::add_wide(pages, 1, &what)?
-    } else {
-        checked::ceil_div_wide(checked::add_wide(c, horizon, &what)?, raw, &what)?
+    // Exact; only the width must fit u64 (a window or context beyond u64 may still give one).
+    let horizon = if overlap { Int::from(2u64).mul(n) } else { n.clone() };
+    let width = match geometry.window {
+        // min(W, C): the larger of the two never matters.
+        Some(window) => capped_ceil_quotient(&window.min(c).add(&horizon), &geometry.raw).add(&Int::from(1u64)),
+        None => capped_ceil_quotient(&c.add(&horizon), &geometry.raw),
     };
-    checked::narrow(width, &what)
+    width.u64(&what)
 }

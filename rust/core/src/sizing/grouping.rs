@@ -217,36 +217,31 @@ pub struct GroupSpec {
     pub group_id: String,
     /// `full_history` or `sliding_window`.
     pub retention: &'static str,
-    /// Rows per page (the page size).
-    pub rows_per_page: u64,
+    /// Rows per page (the page size), exactly as given.
+    pub rows_per_page: Int,
     /// Tokens per row.
     pub entry_stride_tokens: u64,
-    /// The window of a sliding group.
-    pub sliding_window_tokens: Option<u64>,
+    /// The window of a sliding group, exactly as given.
+    pub sliding_window_tokens: Option<Int>,
     /// `history` or `state`.
     pub family: &'static str,
 }
 
-/// The specs of checked labels. The layers are checked first; then the values the specs carry
-/// (the page size and the windows) must fit `u64`.
+/// The specs of checked labels. The page size and the windows are carried exactly (they are the
+/// caller's own values; only the sizes computed from them must fit `u64`).
 pub(super) fn specs_for_labels(labels: &[String], windows: &WindowsArg, page_size: &Int) -> CoreResult<Vec<GroupSpec>> {
     let layers = group_labels(labels, windows)?;
-    let rows_per_page = page_size.u64("page_size")?;
     let mut specs: Vec<GroupSpec> = Vec::new();
     for layer in layers {
         if specs.iter().any(|spec| spec.group_id == layer.group_id) {
             continue;
         }
-        let window = match &layer.window {
-            Some(window) => Some(window.u64("sliding_window_tokens")?),
-            None => None,
-        };
         specs.push(GroupSpec {
             group_id: layer.group_id,
             retention: layer.kind.retention(),
-            rows_per_page,
+            rows_per_page: page_size.clone(),
             entry_stride_tokens: 1,
-            sliding_window_tokens: window,
+            sliding_window_tokens: layer.window,
             family: layer.kind.family(),
         });
     }

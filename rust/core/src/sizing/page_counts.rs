@@ -4,8 +4,7 @@
 use super::grouping::{layer_labels, show, specs_for_labels, GroupSpec, LayerTypesArg, WindowsArg};
 use super::labels::{Text, FULL_ATTENTION, FULL_HISTORY, SLIDING_WINDOW, STATE};
 use crate::error::{CoreError, CoreResult};
-use crate::num::checked;
-use crate::num::int::{Int, IntArg};
+use crate::num::int::{capped_ceil_quotient, capped_quotient, sum, Int, IntArg};
 
 /// A group spec as the bindings read it from a `PagedCacheGroupSpec` (or any object with its
 /// attributes).
@@ -30,9 +29,9 @@ impl From<&GroupSpec> for SpecArg {
         Self {
             group_id: spec.group_id.clone(),
             retention: Text::from(spec.retention),
-            rows_per_page: IntArg::from(spec.rows_per_page),
+            rows_per_page: IntArg::Int(spec.rows_per_page.clone()),
             entry_stride_tokens: IntArg::from(spec.entry_stride_tokens),
-            sliding_window_tokens: spec.sliding_window_tokens.map(IntArg::from),
+            sliding_window_tokens: spec.sliding_window_tokens.clone().map(IntArg::Int),
             family: Text::from(spec.family),
         }
     }
@@ -41,17 +40,9 @@ impl From<&GroupSpec> for SpecArg {
 /// A checked spec: its exact `raw` tokens per page (> 0) and its window (sliding only).
 pub(super) struct SpecGeometry<'a> {
     pub(super) group_id: &'a str,
-    raw: Int,
+    pub(super) raw: Int,
     pub(super) window: Option<&'a Int>,
     state: bool,
-}
-
-impl SpecGeometry<'_> {
-    /// `raw` as a `u64` operand.
-    pub(super) fn raw(&self) -> CoreResult<u128> {
-        let what = format!("group {}: rows_per_page * entry_stride_tokens", self.group_id);
-        Ok(u128::from(self.raw.u64(&what)?))
-    }
 }
 
 /// The SPEC 2 spec checks, in order: `raw > 0`, a positive window for sliding specs, a known
@@ -191,99 +182,72 @@ impl<'a> Limits<'a> {
         })
     }
 
-    /// Every argument as an operand: each must fit `u64`, used by a formula or not.
-    fn operands(&self) -> CoreResult<Operands> {
-        let operand = |v: &Int, name: &str| v.u64(name).map(u128::from);
-        Ok(Operands {
-            live: operand(self.live, "max_live_requests")?,
-            scheduled: operand(self.scheduled, "max_scheduled_tokens")?,
-            total: operand(self.total, "max_total_tokens")?,
-            context: operand(self.context, "max_context_len")?,
-            decode: operand(self.decode, "decode_input_tokens")?,
-            margin: operand(self.margin, "safety_margin")?,
-            overlap: self.overlap,
-        })
-    }
-}
-
-/// The page-count arguments as `u64` operands, widened for the intermediates.
-struct Operands {
-    live: u128,
-    scheduled: u128,
-    total: u128,
-    context: u128,
-    decode: u128,
-    margin: u128,
-    overlap: bool,
-}
-
-impl Operands {
     /// The pages held back for the overlap horizon: `B * ceil(D*N / raw)`.
-    fn protected(&self, raw: u128, what: &str) -> CoreResult<u128> {
-        if !self.overlap {
-            return Ok(0);
+    fn protected(&self, raw: &Int) -> Int {
+        if self.overlap {
+            self.live.mul(&capped_ceil_quotient(self.decode, raw))
+        } else {
+            Int::zero()
         }
-        checked::mul_wide(self.live, checked::ceil_div_wide(self.decode, raw, what)?, what)
     }
 
-    /// The page count of one checked spec.
+    /// The page count of one checked spec, computed exactly (quotients capped at `2^64`, see
+    /// [`capped_quotient`]); only the count itself must fit `u64`.
+    ///
+    /// So an input that reaches the count only through a minimum it loses (`T` in `min(S, T)`,
+    /// `C` above the window), a product with zero (`B = 0`) or not at all (`C` for a
+    /// full-history group) may be of any size.
     fn pages(&self, spec: &SpecGeometry<'_>) -> CoreResult<u64> {
         let gid = spec.group_id;
-        let raw = spec.raw()?;
-        let (live, margin) = (self.live, self.margin);
+        let raw = &spec.raw;
+        let one = Int::from(1u64);
+        let protected = self.protected(raw);
         if let Some(window) = spec.window {
             let what = format!(
                 "group {gid}: page count from max_live_requests, max_context_len, max_scheduled_tokens, \
-                 max_total_tokens, decode_input_tokens and safety_margin"
+                 max_total_tokens, decode_input_tokens, safety_margin and rows_per_page * entry_stride_tokens"
             );
-            // min(max(W - 1, 0), C), exactly: W > 0 was checked, and one beyond u64 exceeds C.
-            let resident = window
-                .to_u64()
-                .map_or(self.context, |w| u128::from(w.saturating_sub(1)).min(self.context));
-            let history = checked::mul_wide(live, checked::ceil_div_wide(resident, raw, &what)?, &what)?;
-            let step = checked::ceil_div_wide(self.scheduled.min(self.total), raw, &what)?;
-            let pages = checked::sum_wide([history, step, live, self.protected(raw, &what)?, 1, margin], &what)?;
-            return checked::narrow(pages, &what);
+            // min(max(W - 1, 0), C): W > 0 was checked.
+            let resident = window.sub(&one).min(self.context.clone());
+            let history = self.live.mul(&capped_ceil_quotient(&resident, raw));
+            let step = capped_ceil_quotient(self.scheduled.min(self.total), raw);
+            return sum([&history, &step, self.live, &protected, &one, self.margin]).u64(&what);
         }
         let what = format!(
-            "group {gid}: page count from max_total_tokens, max_live_requests, decode_input_tokens and safety_margin"
+            "group {gid}: page count from max_total_tokens, max_live_requests, decode_input_tokens, \
+             safety_margin and rows_per_page * entry_stride_tokens"
         );
-        let protected = self.protected(raw, &what)?;
-        let full = checked::sum_wide(
-            [
-                checked::ceil_div_wide(self.total, raw, &what)?,
-                live,
-                protected,
-                1,
-                margin,
-            ],
-            &what,
-        );
+        let full = sum([
+            &capped_ceil_quotient(self.total, raw),
+            self.live,
+            &protected,
+            &one,
+            self.margin,
+        ]);
         if !spec.state {
-            return checked::narrow(full?, &what);
+            return full.u64(&what);
         }
-        // Two live pages per request plus snapshots, bounded by the full-history count. A
-        // wide overflow of one count only means that the other one is the smaller.
-        let state = checked::mul_wide(2, live, &what)
-            .and_then(|twice| checked::sum_wide([twice, self.total / raw, protected, 1, margin], &what));
-        match (state, full) {
-            (Ok(state), Ok(full)) => checked::narrow(state.min(full), &what),
-            (Ok(pages), Err(_)) | (Err(_), Ok(pages)) => checked::narrow(pages, &what),
-            (Err(err), Err(_)) => Err(err),
-        }
+        // Two live pages per request plus snapshots, bounded by the full-history count.
+        let state = sum([
+            &Int::from(2u64).mul(self.live),
+            &capped_quotient(self.total, raw),
+            &protected,
+            &one,
+            self.margin,
+        ]);
+        state.min(full).u64(&what)
     }
 }
 
 /// `compute_paged_cache_group_page_counts`: the pages of each spec, in spec order.
 ///
-/// The arguments are checked first, then every spec in order; only then are the arguments
-/// converted to `u64` operands and the counts computed (so an overflow never hides an error
-/// of the reference).
+/// The arguments are checked first, then every spec in order; only then are the counts computed
+/// (so an overflow never hides an error of the reference). Arguments of any size are accepted;
+/// a count that does not fit `u64` is an overflow naming the arguments it comes from.
 pub fn compute_paged_cache_group_page_counts(specs: &[SpecArg], args: &PageCountArgs) -> CoreResult<Vec<u64>> {
     let limits = Limits::check(args)?;
     let geometries = specs.iter().map(spec_geometry).collect::<CoreResult<Vec<_>>>()?;
-    let operands = limits.operands()?;
-    geometries.iter().map(|spec| operands.pages(spec)).collect()
+    geometries.iter().map(|spec| limits.pages(spec)).collect()
 }
 
 /// The result of a publication: the specs and their page counts (in spec order).

@@ -2,15 +2,18 @@
 //! that turn a byte budget into a page count.
 //!
 //! As in [`crate::sizing`], inputs arrive as the bindings saw them and are checked exactly, in
-//! the reference's order, before any arithmetic. Sizes are then computed from `u64` operands in
-//! checked `u128`, so a sum of rows that exceeds `u64` still gives the exact "need at least 2
-//! blocks" error instead of an overflow.
+//! the reference's order, before any arithmetic. Sizes are then computed exactly (quotients
+//! capped at `2^64`, see [`capped_quotient`]), so a sum of rows beyond `u64` still gives the
+//! exact "need at least 2 blocks" error, and a size multiplied by zero may be of any size. Only
+//! the sizes a plan reports (bytes per block, block counts, tensor bytes, offsets) must fit `u64`;
+//! the caller's own values it hands back (layers, component sizes, an unchanged block size) are
+//! carried exactly.
 
 use std::collections::HashMap;
 
 use crate::error::{CoreError, CoreResult};
 use crate::num::checked;
-use crate::num::int::{Int, IntArg};
+use crate::num::int::{capped_ceil_quotient, capped_quotient, sum, Int, IntArg};
 use crate::sizing::{self, LabelItem, LayerTypesArg, WindowsArg};
 
 /// `occurrence_index`: for each layer, the number of earlier layers with the same label (any
@@ -96,18 +99,16 @@ pub struct ComponentSpec {
     pub layer: usize,
     /// The component name (`kv` for history layers).
     pub component: String,
-    /// Bytes per token slot.
-    pub bytes_per_slot: u64,
-    /// Bytes per page.
-    pub const_bytes: u64,
+    /// Bytes per token slot, exactly as given.
+    pub bytes_per_slot: Int,
+    /// Bytes per page, exactly as given.
+    pub const_bytes: Int,
 }
 
-/// One checked state component: its name, its size (exact) and the name's `repr` (for the
-/// overflow message).
+/// One checked state component: its name and its size (exact).
 struct StateItem<'a> {
     name: &'a str,
     nbytes: &'a Int,
-    repr: &'a str,
 }
 
 /// The state mapping, checked: a mapping of str to non-negative ints.
@@ -125,7 +126,6 @@ fn state_items(state_component_bytes: &StateComponentsArg) -> CoreResult<Vec<Sta
                     nbytes: item
                         .nbytes
                         .non_negative(&format!("state_component_bytes[{}]", item.repr))?,
-                    repr: &item.repr,
                 }),
                 LabelItem::Other(type_name) => Err(CoreError::Type(format!(
                     "state_component_bytes keys must be str, not {type_name}"
@@ -139,7 +139,7 @@ fn state_items(state_component_bytes: &StateComponentsArg) -> CoreResult<Vec<Sta
 ///
 /// Checks, in order: `kv_bytes_per_slot > 0`, the state mapping (a mapping of str to
 /// non-negative ints), the layers (as `layer_group_ids`), then each state layer needs a
-/// non-empty mapping. Only then must the sizes the components carry fit `u64`.
+/// non-empty mapping. The sizes are carried exactly (nothing is computed from them here).
 pub fn components_from_layers(
     layer_types: &LayerTypesArg,
     kv_bytes_per_slot: &IntArg,
@@ -163,27 +163,25 @@ pub fn components_from_layers(
         }
         layout.extend(state.iter().map(|item| (layer.group_id.clone(), i, Some(item))));
     }
-    layout
+    Ok(layout
         .into_iter()
-        .map(|(group_id, layer, item)| {
-            Ok(match item {
-                None => ComponentSpec {
-                    group_id,
-                    layer,
-                    component: "kv".to_owned(),
-                    bytes_per_slot: kv_bytes.u64("kv_bytes_per_slot")?,
-                    const_bytes: 0,
-                },
-                Some(item) => ComponentSpec {
-                    group_id,
-                    layer,
-                    component: item.name.to_owned(),
-                    bytes_per_slot: 0,
-                    const_bytes: item.nbytes.u64(&format!("state_component_bytes[{}]", item.repr))?,
-                },
-            })
+        .map(|(group_id, layer, item)| match item {
+            None => ComponentSpec {
+                group_id,
+                layer,
+                component: "kv".to_owned(),
+                bytes_per_slot: kv_bytes.clone(),
+                const_bytes: Int::zero(),
+            },
+            Some(item) => ComponentSpec {
+                group_id,
+                layer,
+                component: item.name.to_owned(),
+                bytes_per_slot: Int::zero(),
+                const_bytes: item.nbytes.clone(),
+            },
         })
-        .collect()
+        .collect())
 }
 
 /// A component as the bindings read it from a `ComponentSpec` (or any object with its fields).
@@ -216,8 +214,8 @@ pub fn component_args(specs: &[ComponentSpec]) -> Vec<ComponentArg> {
                 group_id: spec.group_id.clone(),
                 layer: IntArg::Int(Int::from(spec.layer)),
                 component: spec.component.clone(),
-                bytes_per_slot: IntArg::from(spec.bytes_per_slot),
-                const_bytes: IntArg::from(spec.const_bytes),
+                bytes_per_slot: IntArg::Int(spec.bytes_per_slot.clone()),
+                const_bytes: IntArg::Int(spec.const_bytes.clone()),
             }
         })
         .collect()
@@ -233,18 +231,9 @@ struct Checked<'a> {
 
 impl Checked<'_> {
     /// The row bytes of this component at `page` tokens per page: `bytes_per_slot * P +
-    /// const_bytes` (at most about 2^128, so it always fits the wide type).
-    fn row(&self, page: u64) -> CoreResult<u128> {
-        let what = format!(
-            "components: {}.bytes_per_slot * block_size + const_bytes",
-            self.arg.group_id
-        );
-        let linear = checked::mul_wide(
-            u128::from(self.bytes_per_slot.u64("bytes_per_slot")?),
-            u128::from(page),
-            &what,
-        )?;
-        checked::add_wide(linear, u128::from(self.const_bytes.u64("const_bytes")?), &what)
+    /// const_bytes`, exactly.
+    fn row(&self, page: &Int) -> Int {
+        self.bytes_per_slot.mul(page).add(self.const_bytes)
     }
 }
 
@@ -267,10 +256,10 @@ fn check_components(components: &[ComponentArg]) -> CoreResult<Vec<Checked<'_>>>
 }
 
 /// Page geometry: tokens per page (`block_size`), bytes per page row, and page count.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockGeometry {
-    /// Tokens per page.
-    pub block_size: u64,
+    /// Tokens per page (exact: a block size that nothing multiplies may be of any size).
+    pub block_size: Int,
     /// Bytes per page (one row of every buffer together).
     pub block_bytes: u64,
     /// Number of pages (0 when only the geometry was solved).
@@ -307,6 +296,17 @@ pub fn solve_page_geometry(
     block_size: &IntArg,
     alignment: &IntArg,
 ) -> CoreResult<BlockGeometry> {
+    let (block, block_bytes) = exact_geometry(components, block_size, alignment)?;
+    let what = "block_bytes from bytes_per_slot, const_bytes and block_size";
+    Ok(BlockGeometry {
+        block_bytes: block_bytes.u64(what)?,
+        block_size: block,
+        num_blocks: 0,
+    })
+}
+
+/// The checks of [`solve_page_geometry`], then its block size and block bytes, exactly.
+fn exact_geometry(components: &[ComponentArg], block_size: &IntArg, alignment: &IntArg) -> CoreResult<(Int, Int)> {
     let block_size = block_size.positive("block_size")?;
     let alignment = alignment.positive("alignment")?;
     let checked = check_components(components)?;
@@ -334,48 +334,43 @@ pub fn solve_page_geometry(
             "state components need at least one per-token (history) component to size pages",
         ));
     }
-    // Per-row sums, from u64 operands (exact in the wide type).
-    let row_sum = |members: &[usize], linear: bool, what: &str| -> CoreResult<u128> {
-        let values = members
+    // Per-row sums, exactly.
+    let row_sum = |members: &[usize], linear: bool| -> Int {
+        sum(members
             .iter()
             .filter_map(|&k| checked.get(k))
-            .map(|c| if linear { c.bytes_per_slot } else { c.const_bytes })
-            .map(|size| size.u64(what).map(u128::from))
-            .collect::<CoreResult<Vec<_>>>()?;
-        checked::sum_wide(values, what)
+            .map(|c| if linear { c.bytes_per_slot } else { c.const_bytes }))
     };
-    let mut max_linear = 0u128;
-    let mut max_const = 0u128;
+    let mut max_linear = Int::zero();
+    let mut max_const = Int::zero();
     for (_, _, members) in &rows {
-        max_linear = max_linear.max(row_sum(members, true, "bytes_per_slot")?);
-        max_const = max_const.max(row_sum(members, false, "const_bytes")?);
+        max_linear = max_linear.max(row_sum(members, true));
+        max_const = max_const.max(row_sum(members, false));
     }
-    let mut block = u128::from(block_size.u64("block_size")?);
-    if max_const > 0 {
-        let needed = checked::ceil_div_wide(max_const, max_linear, "max_const / max_linear")?;
-        if needed > block {
-            let alignment = u128::from(alignment.u64("alignment")?);
+    let mut block = block_size.clone();
+    if max_const.is_positive() {
+        // max_linear > 0 here (checked above). needed = ceil(C / L) > block exactly when
+        // C > block * L (no division, so exact at any size). A grown block size is computed, so
+        // it must fit u64; a quotient capped at 2^64 then gives the exact answer (or the overflow).
+        if max_const > block.mul(&max_linear) {
+            let needed = capped_ceil_quotient(&max_const, &max_linear);
             let what = "block_size from const_bytes, bytes_per_slot and alignment";
-            block = checked::mul_wide(alignment, checked::ceil_div_wide(needed, alignment, what)?, what)?;
+            let grown = alignment.mul(&capped_ceil_quotient(&needed, alignment));
+            block = Int::from(grown.u64(what)?);
         }
     }
-    let what = "block_bytes from bytes_per_slot, const_bytes and block_size";
-    let block_bytes = checked::mul_wide(max_linear, block, what)?.max(max_const);
-    Ok(BlockGeometry {
-        block_size: checked::narrow(block, "block_size from const_bytes, bytes_per_slot and alignment")?,
-        block_bytes: checked::narrow(block_bytes, what)?,
-        num_blocks: 0,
-    })
+    let block_bytes = max_linear.mul(&block).max(max_const);
+    Ok((block, block_bytes))
 }
 
 /// `equalized_block_size`: the block size of [`solve_page_geometry`], `alignment` defaulting to
-/// `block_size`.
+/// `block_size` (the block bytes are not part of the answer, so they need not fit `u64`).
 pub fn equalized_block_size(
     components: &[ComponentArg],
     block_size: &IntArg,
     alignment: Option<&IntArg>,
-) -> CoreResult<u64> {
-    Ok(solve_page_geometry(components, block_size, alignment.unwrap_or(block_size))?.block_size)
+) -> CoreResult<Int> {
+    Ok(exact_geometry(components, block_size, alignment.unwrap_or(block_size))?.0)
 }
 
 /// Where one component lives inside a planned tensor (the fields of `LayerBinding`).
@@ -417,26 +412,25 @@ pub struct FlatMemoryPlan {
 }
 
 /// How many whole blocks of `bytes_per_block` fit the budget (round down); fewer than 2 (one is
-/// the null page) is an error.
-fn num_blocks(budget: &Int, bytes_per_block: u128) -> CoreResult<u64> {
+/// the null page) is an error, more than `u64` holds an overflow naming `budget_bytes`.
+fn num_blocks(budget: &Int, bytes_per_block: &Int) -> CoreResult<u64> {
     // A zero divisor gives 0 blocks (the error below), whatever the budget.
-    let blocks = match budget.to_u64() {
-        Some(budget) => u128::from(budget).checked_div(bytes_per_block).unwrap_or(0),
-        None if bytes_per_block == 0 => 0,
-        None => return Err(CoreError::overflow("budget_bytes")),
+    let blocks = if bytes_per_block.is_positive() {
+        capped_quotient(budget, bytes_per_block)
+    } else {
+        Int::zero()
     };
-    if blocks <= 1 {
+    if blocks <= Int::from(1u64) {
         return Err(CoreError::invalid(format!(
             "budget_bytes={budget} gives {blocks} blocks of {bytes_per_block} bytes; need at least 2 (one is the null page)"
         )));
     }
-    checked::narrow(blocks, "num_blocks")
+    blocks.u64("num_blocks = budget_bytes // bytes per block")
 }
 
-/// A size of the plan once `num_blocks >= 2`: every row is then at most half the budget, so
-/// this never fails in practice; it is still checked.
-fn plan_size(v: u128, what: &str) -> CoreResult<u64> {
-    checked::narrow(v, what)
+/// A size the plan reports, which must fit `u64` (`what` names the inputs it comes from).
+fn plan_size(v: &Int, what: &str) -> CoreResult<u64> {
+    v.u64(what)
 }
 
 /// `plan_component_tensors`: one tensor per component, each with `num_blocks` rows of
@@ -452,27 +446,18 @@ pub fn plan_component_tensors(
     let budget = budget_bytes.non_negative("budget_bytes")?;
     let reserved = reserved_bytes_per_block.non_negative("reserved_bytes_per_block")?;
     let checked = check_components(components)?;
-    let page = page.u64("block_size")?;
-    let rows = checked.iter().map(|c| c.row(page)).collect::<CoreResult<Vec<_>>>()?;
-    let row_sum = checked::sum_wide(
-        rows.iter().copied(),
-        "bytes_per_slot * block_size + const_bytes summed over components",
-    )?;
-    let divisor = checked::add_wide(
-        row_sum,
-        u128::from(reserved.u64("reserved_bytes_per_block")?),
-        "bytes_per_slot * block_size + const_bytes summed over components, + reserved_bytes_per_block",
-    )?;
-    let blocks = num_blocks(budget, divisor)?;
+    let rows: Vec<Int> = checked.iter().map(|c| c.row(page)).collect();
+    let row_sum = sum(&rows);
+    let blocks = num_blocks(budget, &row_sum.add(reserved))?;
     let tensors = checked
         .iter()
         .zip(&rows)
         .enumerate()
-        .map(|(k, (comp, &row))| {
+        .map(|(k, (comp, row))| {
             let row_bytes = plan_size(row, "bytes_per_slot * block_size + const_bytes of a component")?;
             Ok(TensorPlan {
                 name: format!("{}.{}.{}", comp.arg.group_id, comp.layer, comp.arg.component),
-                nbytes: checked::mul(blocks, row_bytes, "num_blocks * row bytes")?,
+                nbytes: checked::mul(blocks, row_bytes, "budget_bytes: num_blocks * row bytes")?,
                 bindings: vec![LayerBinding {
                     slot: k,
                     group_source: k,
@@ -486,9 +471,9 @@ pub fn plan_component_tensors(
         .collect::<CoreResult<Vec<_>>>()?;
     Ok(FlatMemoryPlan {
         geometry: BlockGeometry {
-            block_size: page,
+            block_size: page.clone(),
             block_bytes: plan_size(
-                row_sum,
+                &row_sum,
                 "bytes_per_slot * block_size + const_bytes summed over components",
             )?,
             num_blocks: blocks,
@@ -500,7 +485,7 @@ pub fn plan_component_tensors(
 /// One (group, layer) row of a slab plan: its layer and its components `(index, row bytes)`.
 struct SlabRow<'a> {
     layer: &'a Int,
-    parts: Vec<(usize, u128)>,
+    parts: Vec<(usize, Int)>,
 }
 
 /// `plan_tensors` (slab plan): slot j is one tensor shared by the j-th layer (first-appearance
@@ -515,13 +500,12 @@ pub fn plan_tensors(
     let page = block_size.positive("block_size")?;
     let budget = budget_bytes.non_negative("budget_bytes")?;
     let checked = check_components(components)?;
-    let page = page.u64("block_size")?;
     // Groups in first-appearance order, each with its rows in first-appearance order; the
     // group's first component carries its id.
     let mut group_index: HashMap<usize, usize> = HashMap::new();
     let mut groups: Vec<(usize, Vec<SlabRow<'_>>)> = Vec::new();
     for (k, comp) in checked.iter().enumerate() {
-        let row_bytes = comp.row(page)?;
+        let row_bytes = comp.row(page);
         let next = groups.len();
         let g = *group_index.entry(comp.arg.group_key).or_insert(next);
         if g == next {
@@ -537,30 +521,30 @@ pub fn plan_tensors(
         }
     }
     let num_slots = groups.iter().map(|(_, rows)| rows.len()).max().unwrap_or(0);
-    let mut slot_rows = vec![0u128; num_slots];
+    let mut slot_rows = vec![Int::zero(); num_slots];
     // (slot, group source, component, layer, row bytes, offset), in (group, component) order.
-    let mut placed: Vec<(usize, usize, usize, &Int, u128, u128)> = Vec::new();
+    let mut placed: Vec<(usize, usize, usize, &Int, &Int, Int)> = Vec::new();
     for (group_source, rows) in &groups {
         for (slot, row) in rows.iter().enumerate() {
-            let mut offset = 0u128;
-            for &(k, bytes) in &row.parts {
-                placed.push((slot, *group_source, k, row.layer, bytes, offset));
-                offset = checked::add_wide(offset, bytes, "bytes_per_slot * block_size + const_bytes of a slab row")?;
+            let mut offset = Int::zero();
+            for (k, bytes) in &row.parts {
+                let next = offset.add(bytes);
+                placed.push((slot, *group_source, *k, row.layer, bytes, offset));
+                offset = next;
             }
             if let Some(slot_row) = slot_rows.get_mut(slot) {
-                *slot_row = (*slot_row).max(offset);
+                if offset > *slot_row {
+                    *slot_row = offset;
+                }
             }
         }
     }
-    let total = checked::sum_wide(
-        slot_rows.iter().copied(),
-        "bytes_per_slot * block_size + const_bytes summed over slab rows",
-    )?;
-    let blocks = num_blocks(budget, total)?;
+    let total = sum(&slot_rows);
+    let blocks = num_blocks(budget, &total)?;
     let mut tensors = slot_rows
         .iter()
         .enumerate()
-        .map(|(slot, &row)| {
+        .map(|(slot, row)| {
             Ok(TensorPlan {
                 name: format!("slab{slot}"),
                 nbytes: checked::mul(
@@ -579,7 +563,10 @@ pub fn plan_tensors(
             component_source: k,
             layer: layer.clone(),
             nbytes_per_block: plan_size(bytes, "bytes_per_slot * block_size + const_bytes of a component")?,
-            row_offset: plan_size(offset, "slab row offset")?,
+            row_offset: plan_size(
+                &offset,
+                "slab row offset from bytes_per_slot * block_size + const_bytes",
+            )?,
         };
         if let Some(tensor) = tensors.get_mut(slot) {
             tensor.bindings.push(binding);
@@ -587,8 +574,11 @@ pub fn plan_tensors(
     }
     Ok(FlatMemoryPlan {
         geometry: BlockGeometry {
-            block_size: page,
-            block_bytes: plan_size(total, "bytes_per_slot * block_size + const_bytes summed over slab rows")?,
+            block_size: page.clone(),
+            block_bytes: plan_size(
+                &total,
+                "bytes_per_slot * block_size + const_bytes summed over slab rows",
+            )?,
             num_blocks: blocks,
         },
         tensors,
