@@ -769,7 +769,7 @@ mod tests {
             pool.check().unwrap();
             // Five pages evict no key when uncached pages go first, one (4's) otherwise.
             pool.allocate(5);
-            assert_eq!(pool.evictions(), if on { 0 } else { 1 });
+            assert_eq!(pool.evictions(), u64::from(!on));
             pool.check().unwrap();
         }
     }
