@@ -317,6 +317,26 @@ def test_pool_key_with_several_pages_returns_the_earliest(api: ModuleType) -> No
     assert [pool.ref_count(p) for p in (1, 2, 3)] == [1, 1, 1]
 
 
+@pytest.mark.parametrize("reuse_uncached_first", [True, False])
+def test_pool_uncached_pages_rejoin_the_front_when_reused_first(
+    api: ModuleType, reuse_uncached_first: bool
+) -> None:
+    pool = api.BlockPool(8, reuse_uncached_first=reuse_uncached_first)
+    assert pool.allocate(5) == [1, 2, 3, 4, 5]  # free list [6, 7]
+    pool.cache(2, "b")
+    pool.cache(4, "d")
+    # Released in reverse: 5, 4 (cached), 3, 2 (cached), 1.
+    pool.free([1, 2, 3, 4, 5])
+    if reuse_uncached_first:
+        # Uncached 5, 3, 1 each join the front (1 ends up first); cached 4, 2 the back.
+        assert pool.allocate(7) == [1, 3, 5, 6, 7, 4, 2]
+    else:
+        assert pool.allocate(7) == [6, 7, 5, 4, 3, 2, 1]
+    assert pool.num_cached == 0
+    with pytest.raises(TypeError, match="reuse_uncached_first"):
+        api.BlockPool(4, reuse_uncached_first=1)
+
+
 def test_pool_with_caching_off(api: ModuleType) -> None:
     pool = api.BlockPool(3, enable_caching=False)
     assert pool.allocate(1) == [1]
