@@ -26,10 +26,10 @@ from typing import Any
 import flat_kvcache
 import flat_kvcache.reference
 import numpy as np
+from flat_kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from helpers import normalize
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from flat_kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 IN_CI = os.environ.get("HYPOTHESIS_PROFILE") == "ci"
