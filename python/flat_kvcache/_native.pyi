@@ -304,7 +304,7 @@ class BlockPool:
     """
 
     def __new__(
-        cls, num_blocks: int, *, enable_caching: bool = True, reuse_uncached_first: bool = False
+        cls, num_blocks: int, *, enable_caching: bool = True, reuse_uncached_first: bool = True
     ) -> BlockPool:
         """A pool of ``num_blocks >= 1`` pages, page 0 included; ``ValueError`` for 0.
 
@@ -423,7 +423,7 @@ class FlatKVCache:
         enable_caching: bool = True,
         eviction_order: _EvictionOrder = "hybrid",
         enable_kv_events: bool = False,
-        reuse_uncached_first: bool = False,
+        reuse_uncached_first: bool = True,
     ) -> FlatKVCache:
         """The engine over ``specs`` (non-empty) with a pool of ``num_pages >= 1`` pages.
 

@@ -82,7 +82,7 @@ DEFAULT_PAGE_SIZE = 16
 DEFAULT_POOL_FRACTION = 0.5
 #: The engines' default for ``reuse_uncached_first`` (a released page that holds no key is
 #: handed out before any cached page).
-DEFAULT_REUSE_UNCACHED_FIRST = False
+DEFAULT_REUSE_UNCACHED_FIRST = True
 
 Engine = Literal["native", "reference"]
 EvictionOrder = Literal["hybrid", "group"]

@@ -34,7 +34,7 @@ use crate::tables::{borrow_out, table_outs};
 
 /// The page engine of one model (SPEC 6 to 9, docs/engine-api.md and docs/requests-api.md):
 /// `FlatKVCache(specs, num_pages, *, enable_caching=True, eviction_order="hybrid",
-/// enable_kv_events=False, reuse_uncached_first=False)`.
+/// enable_kv_events=False, reuse_uncached_first=True)`.
 ///
 /// `specs` is a non-empty sequence of `KVCacheSpec`; `num_pages` the pool size (page 0
 /// included). Request ids are `str` or `int` (`5` and `"5"` differ); an unknown id is an
@@ -112,7 +112,7 @@ impl PyFlatKVCache {
     #[new]
     #[pyo3(
         signature = (specs, num_pages, *, enable_caching = true, eviction_order = EvictionArg(EvictionOrder::Hybrid), enable_kv_events = false, reuse_uncached_first = DEFAULT_REUSE_UNCACHED_FIRST),
-        text_signature = "(specs, num_pages, *, enable_caching=True, eviction_order='hybrid', enable_kv_events=False, reuse_uncached_first=False)"
+        text_signature = "(specs, num_pages, *, enable_caching=True, eviction_order='hybrid', enable_kv_events=False, reuse_uncached_first=True)"
     )]
     fn new(
         specs: GroupSpecs,

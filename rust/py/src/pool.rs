@@ -9,7 +9,7 @@ use crate::args::{count, page};
 use crate::errors::{core, lock};
 
 /// The page pool of SPEC 5 with string keys:
-/// `BlockPool(num_blocks, *, enable_caching=True, reuse_uncached_first=False)`.
+/// `BlockPool(num_blocks, *, enable_caching=True, reuse_uncached_first=True)`.
 ///
 /// Page 0 is the null page (never free, cached or counted); the free list starts as
 /// `1..num_blocks-1` and is the eviction order. Misuse raises `ValueError` and changes nothing.
@@ -28,7 +28,7 @@ impl PyBlockPool {
     #[new]
     #[pyo3(
         signature = (num_blocks, *, enable_caching = true, reuse_uncached_first = DEFAULT_REUSE_UNCACHED_FIRST),
-        text_signature = "(num_blocks, *, enable_caching=True, reuse_uncached_first=False)"
+        text_signature = "(num_blocks, *, enable_caching=True, reuse_uncached_first=True)"
     )]
     fn new(num_blocks: &Bound<'_, PyAny>, enable_caching: bool, reuse_uncached_first: bool) -> PyResult<Self> {
         let mut pool = core(BlockPool::new(count(num_blocks, "num_blocks")?, enable_caching))?;

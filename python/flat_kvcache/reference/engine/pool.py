@@ -11,7 +11,7 @@ from flat_kvcache.reference.engine._args import as_count, as_flag, as_pool_size
 __all__ = ["DEFAULT_REUSE_UNCACHED_FIRST", "BlockPool"]
 
 #: Whether a pool reuses released uncached pages first unless told otherwise.
-DEFAULT_REUSE_UNCACHED_FIRST = False
+DEFAULT_REUSE_UNCACHED_FIRST = True
 
 
 class BlockPool:

@@ -28,7 +28,7 @@ pub const MAX_BLOCKS: u64 = i32::MAX as u64;
 
 /// Whether a new pool reuses released uncached pages first (see
 /// [`BlockPool::set_reuse_uncached_first`]).
-pub const DEFAULT_REUSE_UNCACHED_FIRST: bool = false;
+pub const DEFAULT_REUSE_UNCACHED_FIRST: bool = true;
 
 /// One key-map slot: the fingerprint (the pool's 64-bit hash of a key) and the pages holding
 /// keys with that fingerprint, in registration order.
@@ -673,6 +673,13 @@ mod tests {
         pool.free_list().collect()
     }
 
+    /// A pool in SPEC 5's order: every released page joins the back of the free list.
+    fn appending(num_blocks: u64) -> Pool {
+        let mut pool = Pool::new(num_blocks, true).unwrap();
+        pool.set_reuse_uncached_first(false);
+        pool
+    }
+
     #[test]
     fn new_pool_frees_pages_in_order_and_never_the_null_page() {
         let pool = Pool::new(5, true).unwrap();
@@ -739,7 +746,7 @@ mod tests {
 
     #[test]
     fn free_releases_in_reverse_to_the_back() {
-        let mut pool = Pool::new(6, true).unwrap();
+        let mut pool = appending(6);
         let pages = pool.allocate(3); // [1, 2, 3]; free list [4, 5]
         pool.free(&[1, 2, 3]).unwrap();
         // Reverse order: 3, 2, 1 go to the back.
@@ -776,7 +783,7 @@ mod tests {
 
     #[test]
     fn free_validates_before_changing_anything() {
-        let mut pool = Pool::new(5, true).unwrap();
+        let mut pool = appending(5);
         pool.allocate(2); // 1, 2 with count 1
         let before = free_list(&pool);
         // Page 1 twice: the second release would go below zero.
@@ -793,7 +800,7 @@ mod tests {
 
     #[test]
     fn repeats_release_at_the_earliest_occurrence() {
-        let mut pool = Pool::new(4, true).unwrap();
+        let mut pool = appending(4);
         pool.allocate(2); // 1, 2
         pool.touch(1).unwrap(); // count 2
         pool.free(&[1, 2, 1]).unwrap(); // reverse: 1 -> 1, 2 -> 0 (back), 1 -> 0 (back)
@@ -862,7 +869,7 @@ mod tests {
 
     #[test]
     fn evictions_are_counted_and_recorded_in_order() {
-        let mut pool = Pool::new(5, true).unwrap();
+        let mut pool = appending(5);
         pool.allocate(3); // 1, 2, 3
         pool.cache(1, "a".into()).unwrap();
         pool.cache(3, "c".into()).unwrap();
@@ -883,7 +890,7 @@ mod tests {
 
     #[test]
     fn clear_cached_free_drops_only_free_keys_in_place() {
-        let mut pool = Pool::new(6, true).unwrap();
+        let mut pool = appending(6);
         pool.allocate(4); // 1..=4
         for (p, k) in [(1, "a"), (2, "b"), (3, "c")] {
             pool.cache(p, k.into()).unwrap();

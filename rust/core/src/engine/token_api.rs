@@ -607,6 +607,8 @@ mod tests {
             9,
             CacheOptions {
                 eviction_order: order,
+                // The pages are never registered: appended, they show the release order.
+                reuse_uncached_first: false,
                 ..CacheOptions::default()
             },
         );
