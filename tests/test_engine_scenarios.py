@@ -54,14 +54,25 @@ def fake_hashes(count: int, seed: int = 0) -> list[str]:
 
 
 def make_cache(
-    api: ModuleType, groups: list[tuple[Any, ...]], num_pages: int, caching: bool = True, order: str = ""
+    api: ModuleType,
+    groups: list[tuple[Any, ...]],
+    num_pages: int,
+    caching: bool = True,
+    order: str = "",
+    *,
+    appending: bool = False,
 ) -> Any:
     """A FlatKVCache from ``(kind, page_size[, window])`` tuples; ``order`` is an eviction order
-    (empty: the default, ``"hybrid"``)."""
+    (empty: the default, ``"hybrid"``); ``appending`` puts every released page at the back of
+    the free list (``reuse_uncached_first=False``, SPEC 5's original order), so the free list
+    shows the release order of pages that were never registered."""
     specs = [api.KVCacheSpec(g[0], g[1], g[2] if len(g) > 2 else None) for g in groups]
+    options: dict[str, Any] = {"enable_caching": caching}
     if order:
-        return api.FlatKVCache(specs, num_pages, enable_caching=caching, eviction_order=order)
-    return api.FlatKVCache(specs, num_pages, enable_caching=caching)
+        options["eviction_order"] = order
+    if appending:
+        options["reuse_uncached_first"] = False
+    return api.FlatKVCache(specs, num_pages, **options)
 
 
 def stats(cache: Any) -> dict[str, int]:
@@ -217,7 +228,7 @@ def test_pool_allocate_is_all_or_nothing(api: ModuleType) -> None:
 
 
 def test_pool_free_releases_in_reverse_order(api: ModuleType) -> None:
-    pool = api.BlockPool(5)
+    pool = api.BlockPool(5, reuse_uncached_first=False)  # SPEC 5's order: all to the back
     assert pool.allocate(4) == [1, 2, 3, 4]
     # free([1, 2, 3]) releases 3, then 2, then 1: each goes to the back, so the free list is
     # [3, 2, 1] (a chain's tail is evicted before its head).
@@ -226,7 +237,7 @@ def test_pool_free_releases_in_reverse_order(api: ModuleType) -> None:
 
 
 def test_pool_eviction_is_least_recently_freed_first(api: ModuleType) -> None:
-    pool = api.BlockPool(6)
+    pool = api.BlockPool(6, reuse_uncached_first=False)  # SPEC 5's order: all to the back
     assert pool.allocate(5) == [1, 2, 3, 4, 5]
     pool.free([2])
     pool.free([4])
@@ -315,6 +326,26 @@ def test_pool_key_with_several_pages_returns_the_earliest(api: ModuleType) -> No
     assert pool.lookup("k") == 1
     # lookup never changes counts.
     assert [pool.ref_count(p) for p in (1, 2, 3)] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("reuse_uncached_first", [True, False])
+def test_pool_uncached_pages_rejoin_the_front_when_reused_first(
+    api: ModuleType, reuse_uncached_first: bool
+) -> None:
+    pool = api.BlockPool(8, reuse_uncached_first=reuse_uncached_first)
+    assert pool.allocate(5) == [1, 2, 3, 4, 5]  # free list [6, 7]
+    pool.cache(2, "b")
+    pool.cache(4, "d")
+    # Released in reverse: 5, 4 (cached), 3, 2 (cached), 1.
+    pool.free([1, 2, 3, 4, 5])
+    if reuse_uncached_first:
+        # Uncached 5, 3, 1 each join the front (1 ends up first); cached 4, 2 the back.
+        assert pool.allocate(7) == [1, 3, 5, 6, 7, 4, 2]
+    else:
+        assert pool.allocate(7) == [6, 7, 5, 4, 3, 2, 1]
+    assert pool.num_cached == 0
+    with pytest.raises(TypeError, match="reuse_uncached_first"):
+        api.BlockPool(4, reuse_uncached_first=1)
 
 
 def test_pool_with_caching_off(api: ModuleType) -> None:
@@ -565,7 +596,7 @@ def test_sliding_match_window_one_needs_no_pages(api: ModuleType) -> None:
 
 def test_reclaim_frees_slid_out_pages_lowest_slot_first(api: ModuleType) -> None:
     # P = 4, W = 6. Pool of exactly 6 pages (5 usable) so the free list is empty before reclaim.
-    cache = make_cache(api, [("sliding_window", 4, 6)], 6)
+    cache = make_cache(api, [("sliding_window", 4, 6)], 6, appending=True)
     assert cache.acquire("r", 20)  # pages 1..5, free list empty
     # n - W + 1 = 5 - 6 + 1 = 0 <= 0: nothing has slid out.
     assert cache.pages_reclaimable("r", 5) == 0
@@ -717,7 +748,7 @@ def test_match_sweep_with_mixed_page_sizes(api: ModuleType) -> None:
 def test_match_converge_rematches_a_sliding_group_above_the_bound(api: ModuleType) -> None:
     # g0 sliding P = 16, W = 17 (needed 1); g1 state P = 32 (W = 2, needed 1). base 16, lcm 32.
     # 13 pages: a request of 128 tokens takes all 12 usable ones (g0: 8, g1: 4).
-    cache = make_cache(api, [("sliding_window", 16, 17), ("state", 32)], 13, order="group")
+    cache = make_cache(api, [("sliding_window", 16, 17), ("state", 32)], 13, order="group", appending=True)
     hs = fake_hashes(8)
     assert cache.acquire("a", 128)
     assert cache.page_ids("a") == [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12]]
@@ -936,7 +967,7 @@ def test_chunked_prefill_registers_each_page_once(api: ModuleType) -> None:
 
 
 def test_decode_step_cuts_hashes_at_computed_tokens(api: ModuleType) -> None:
-    cache = make_cache(api, [("full", 4), ("state", 8)], 30)
+    cache = make_cache(api, [("full", 4), ("state", 8)], 30, appending=True)
     hs = fake_hashes(6)
     assert cache.prefill_first_chunk("r", cache.match_prefix([]), 15)  # full 1..4, state 5, 6
     # computed 15: hashes of base pages 2.. cut so that 2 + len <= 15 // 4 = 3: one hash (page 2).
@@ -954,7 +985,7 @@ def test_decode_step_cuts_hashes_at_computed_tokens(api: ModuleType) -> None:
 
 
 def test_free_in_group_order_releases_each_group_tail_first(api: ModuleType) -> None:
-    cache = make_cache(api, [("full", 4), ("full", 8)], 7, order="group")
+    cache = make_cache(api, [("full", 4), ("full", 8)], 7, order="group", appending=True)
     assert cache.acquire("r", 16)  # g0 [1, 2, 3, 4], g1 [5, 6]: free list empty
     cache.free("r")
     # g0 released 4, 3, 2, 1, then g1 6, 5: free list [4, 3, 2, 1, 6, 5].
@@ -965,7 +996,7 @@ def test_free_in_group_order_releases_each_group_tail_first(api: ModuleType) -> 
 
 def test_free_in_hybrid_order_evicts_every_group_tail_first_together(api: ModuleType) -> None:
     """SPEC 12.3, the default order: a request's groups are evicted together, tail first."""
-    cache = make_cache(api, [("full", 4), ("full", 8)], 7)
+    cache = make_cache(api, [("full", 4), ("full", 8)], 7, appending=True)
     assert cache.acquire("r", 16)  # g0 [1, 2, 3, 4] (slot ends 4, 8, 12, 16), g1 [5, 6] (8, 16)
     cache.free("r")
     # By slot end token, descending; ties: lower group first. 16: page 4 (g0), page 6 (g1);

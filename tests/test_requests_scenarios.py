@@ -12,6 +12,7 @@ from typing import Any
 import flat_kvcache
 import numpy as np
 import pytest
+from flat_kvcache.events import AllBlocksCleared, BlockRemoved
 
 needs_flat = pytest.mark.skipif(
     not getattr(flat_kvcache, "FLAT_KVCACHE", False), reason="built without the `flat` feature"
@@ -182,6 +183,69 @@ def test_events_of_a_request(api: ModuleType) -> None:
     quiet.schedule("a", 9)
     quiet.finish("a")
     assert quiet.take_events() == []
+
+
+def test_reset_while_a_request_holds_cached_pages_reports_only_the_dropped_keys(api: ModuleType) -> None:
+    """Pages a running request holds keep their keys through a reset and keep serving hits,
+    so the events must not claim the cache is empty: they name exactly the dropped keys."""
+    cache = full_cache(api, enable_kv_events=True)
+    other = list(range(100, 105))
+    cache.add_request("b", other)
+    assert cache.schedule("b", 5)
+    cache.finish("b")  # one full page cached, then free
+    cache.add_request("a", list(range(9)))
+    assert cache.schedule("a", 9)
+    cache.append_tokens("a", [9])
+    assert cache.schedule("a", 1)  # registers a's two full pages below 9: cached and pinned
+    assert [type(item).__name__ for item in cache.take_events()] == ["BlockStored", "BlockStored"]
+    stats = cache.stats()
+    assert (stats["pages_cached"], stats["pages_cached_free"]) == (3, 1)
+    # The reset drops b's free page only; a's two pages keep their keys.
+    assert cache.reset_prefix_cache() == 1
+    dropped = bytes.fromhex(flat_kvcache.hash_pages(other, 4)[0])
+    assert cache.take_events() == [BlockRemoved([dropped], 0)]
+    assert cache.stats()["pages_cached"] == 2
+    assert cache.prefix_hit_tokens(other) == 0
+    assert cache.prefix_hit_tokens(list(range(9))) == 8
+    # Nothing free is cached now: a second reset drops nothing and records nothing.
+    assert cache.reset_prefix_cache() == 0
+    assert cache.take_events() == []
+    cache.finish("a")  # both full pages were registered already: no new event
+    assert cache.take_events() == []
+    assert cache.prefix_hit_tokens(list(range(9))) == 8
+    # No request holds a cached page any more: the reset empties the cache, one AllBlocksCleared.
+    assert cache.reset_prefix_cache() == 2
+    assert cache.take_events() == [AllBlocksCleared()]
+    assert cache.stats()["pages_cached"] == 0
+    assert cache.prefix_hit_tokens(list(range(9))) == 0
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("reuse_uncached_first", "expected", "hit"),
+    [
+        # Free list after "x" is freed (released 4 then 3, both uncached): [3, 4, 5, 6, 2, 1];
+        # "c" takes 3, 4, 5, 6, 2 and evicts only a's page 2 (slot 1): page 1 still hits 4.
+        (True, [3, 4, 5, 6, 2], 4),
+        # SPEC 5: [5, 6, 2, 1, 4, 3]; "c" takes 5, 6, 2, 1, 4 and evicts both of a's pages.
+        (False, [5, 6, 2, 1, 4], 0),
+    ],
+)
+def test_reuse_uncached_first_keeps_cached_pages_longer(
+    api: ModuleType, reuse_uncached_first: bool, expected: list[int], hit: int
+) -> None:
+    cache = full_cache(api, 7, reuse_uncached_first=reuse_uncached_first)  # pages 1..6
+    cache.add_request("a", list(range(8)))
+    assert cache.schedule("a", 8)
+    cache.finish("a")  # a's pages [1, 2] cached; released by slot end: 2, then 1
+    assert cache.acquire("x", 8)  # page-level, never registered
+    assert cache.page_ids("x") == [[3, 4]]
+    cache.free("x")
+    assert cache.acquire("c", 20)
+    assert cache.page_ids("c") == [expected]
+    assert cache.prefix_hit_tokens(list(range(9))) == hit
+    assert cache.stats()["evictions"] == 2 - hit // 4
+    cache.check_invariants()
 
 
 def test_schedule_more_than_known_is_value_error(api: ModuleType) -> None:

@@ -11,7 +11,8 @@ shortfalls happen, caching on and off, both eviction orders, KV events on).
 
 After every step both must agree on return values (or the exception class raised), page ids
 and positions of every live request, ``stats()``, ``budget()`` and ``take_events()``, and both
-must pass ``check_invariants()``.
+must pass ``check_invariants()``. The events are also replayed into an index, as a router
+would: it must hold exactly the (group, content hash) of every cached page, counted per page.
 
 ``HYPOTHESIS_PROFILE=ci`` runs 500 examples (about a minute on 2 cores).
 """
@@ -19,11 +20,13 @@ must pass ``check_invariants()``.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from typing import Any
 
 import flat_kvcache
 import flat_kvcache.reference
 import numpy as np
+from flat_kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from helpers import normalize
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -58,6 +61,31 @@ def configs(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
+def replay(index: Counter[tuple[int, bytes]], events: list[KVCacheEvent]) -> None:
+    """Apply ``events`` to ``index`` (cached pages per (group, content hash)), as a router does."""
+    for item in events:
+        if isinstance(item, BlockStored):
+            for block_hash in item.block_hashes:
+                index[item.group_index, block_hash] += 1
+        elif isinstance(item, BlockRemoved):
+            for block_hash in item.block_hashes:
+                assert index[item.group_index, block_hash] > 0, f"{item} removes a key never stored"
+                index[item.group_index, block_hash] -= 1
+        else:
+            assert isinstance(item, AllBlocksCleared)
+            index.clear()
+    # Counter arithmetic drops the zero counts a removal leaves.
+    index -= Counter()
+
+
+def cached_keys(reference: Any) -> Counter[tuple[int, bytes]]:
+    """The reference cache's pages per (group, content hash), read from its pool's key map."""
+    held: Counter[tuple[int, bytes]] = Counter()
+    for key, pages in reference._pool._key_map().items():
+        held[int(key[64:], 16), bytes.fromhex(key[:64])] += len(pages)
+    return held
+
+
 class RequestsMachine(RuleBasedStateMachine):
     """Native and reference caches side by side; every call must agree."""
 
@@ -65,6 +93,7 @@ class RequestsMachine(RuleBasedStateMachine):
         super().__init__()
         self.caches: list[Any] = []
         self.live: list[Any] = []
+        self.index: Counter[tuple[int, bytes]] = Counter()
 
     @initialize(
         config=configs(),
@@ -252,6 +281,9 @@ class RequestsMachine(RuleBasedStateMachine):
 
     @rule()
     def reset_prefix_cache(self) -> None:
+        stats = self.caches[1].stats() if self.caches else None
+        if stats and stats["pages_cached"] > stats["pages_cached_free"]:
+            event("reset while requests hold cached pages")
         self.both("reset_prefix_cache")
 
     @rule(
@@ -318,8 +350,11 @@ class RequestsMachine(RuleBasedStateMachine):
         stats = self.both("stats")[1]
         if stats["evictions"]:
             event("evictions")
-        for item in self.both("take_events")[1]:
+        taken = self.both("take_events")[1]
+        for item in taken:
             event(type(item).__name__)
+        replay(self.index, taken)
+        assert self.index == cached_keys(self.caches[1]), "the replayed events disagree with the cache"
 
 
 RequestsMachine.TestCase.settings = settings(

@@ -191,15 +191,23 @@ def test_two_requests_worked_out_by_hand(engine: str) -> None:
     assert summary["timing"]["per_decode_step"]["steps"] == 3  # steps 1, 2 and 11
 
 
-@pytest.mark.parametrize("order", ["hybrid", "group"])
-def test_native_equals_reference_under_memory_pressure(order: str) -> None:
+@pytest.mark.parametrize(
+    ("order", "reuse_uncached_first"), [("hybrid", True), ("group", True), ("hybrid", False)]
+)
+def test_native_equals_reference_under_memory_pressure(order: str, reuse_uncached_first: bool) -> None:
     # 40 short requests (128 to 512 prompt tokens, 20 of them sharing 256) on a 240-page pool
     # with 1024 tokens per step: requests queue, fill the pool while decoding, and get preempted.
     trace = default_trace(40, seed=1, prompt_len=(128, 512), shared_prefix_len=256, output_len=128)
-    config = {"num_pages": 240, "max_scheduled_tokens": 1024, "eviction_order": order}
+    config = {
+        "num_pages": 240,
+        "max_scheduled_tokens": 1024,
+        "eviction_order": order,
+        "reuse_uncached_first": reuse_uncached_first,
+    }
     reference = simulate(trace, SimulationConfig(engine="reference", **config)).summary  # type: ignore[arg-type]
     native = simulate(trace, SimulationConfig(engine="native", **config)).summary  # type: ignore[arg-type]
     assert without_timing(native) == without_timing(reference)
+    assert reference["reuse_uncached_first"] is reuse_uncached_first
     # What the run must have exercised, whatever the exact numbers:
     assert (reference["finished"], reference["aborted"]) == (40, 0)
     assert reference["preemptions"] > 0
@@ -302,3 +310,16 @@ def test_cli_bad_trace_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
     status, out, err = run_cli(capsys, "simulate", "--trace", str(path))
     assert (status, out) == (1, "")
     assert err == f"flat-kvcache: error: {path}:2: output_len is required\n"
+
+
+def test_reuse_uncached_first_default_is_the_engines_default() -> None:
+    """The simulate default, the reference's and the native constructor's agree."""
+    import inspect
+
+    import flat_kvcache
+    from flat_kvcache.reference.engine.pool import DEFAULT_REUSE_UNCACHED_FIRST
+    from flat_kvcache.simulate import DEFAULT_REUSE_UNCACHED_FIRST as SIMULATE_DEFAULT
+
+    native = inspect.signature(flat_kvcache.FlatKVCache).parameters["reuse_uncached_first"].default
+    pool = inspect.signature(flat_kvcache.BlockPool).parameters["reuse_uncached_first"].default
+    assert native is pool is DEFAULT_REUSE_UNCACHED_FIRST is SIMULATE_DEFAULT is True

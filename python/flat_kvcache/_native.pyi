@@ -303,8 +303,14 @@ class BlockPool:
     nothing. Safe to share between threads.
     """
 
-    def __new__(cls, num_blocks: int, *, enable_caching: bool = True) -> BlockPool:
-        """A pool of ``num_blocks >= 1`` pages, page 0 included; ``ValueError`` for 0."""
+    def __new__(
+        cls, num_blocks: int, *, enable_caching: bool = True, reuse_uncached_first: bool = True
+    ) -> BlockPool:
+        """A pool of ``num_blocks >= 1`` pages, page 0 included; ``ValueError`` for 0.
+
+        ``reuse_uncached_first``: a released page that holds no key joins the front of the free
+        list (handed out before any cached page) instead of the back (SPEC 5's order).
+        """
 
     @property
     def num_blocks(self) -> int:
@@ -417,12 +423,15 @@ class FlatKVCache:
         enable_caching: bool = True,
         eviction_order: _EvictionOrder = "hybrid",
         enable_kv_events: bool = False,
+        reuse_uncached_first: bool = True,
     ) -> FlatKVCache:
         """The engine over ``specs`` (non-empty) with a pool of ``num_pages >= 1`` pages.
 
         ``eviction_order`` ``"hybrid"`` frees a request's pages by slot end token, descending,
         across all groups (SPEC 12.3); ``"group"`` frees group 0's table tail first, then group
-        1's, and so on. ``enable_kv_events`` records KV events for ``take_events``. Raises
+        1's, and so on. ``enable_kv_events`` records KV events for ``take_events``.
+        ``reuse_uncached_first``: a released page that holds no key joins the front of the free
+        list (handed out before any cached page) instead of the back. Raises
         ``TypeError`` / ``ValueError`` naming a malformed spec (``specs[i].kind`` ...) or option.
         """
 
@@ -677,7 +686,9 @@ class FlatKVCache:
         """The KV events recorded since the last call, oldest first (``[]`` with events off)."""
 
     def reset_prefix_cache(self) -> int:
-        """Drop the key of every cached page with count 0 and record ``AllBlocksCleared``.
+        """Drop the key of every cached page with count 0; returns how many keys were dropped.
 
-        The pages stay free (no ``BlockRemoved``); returns how many keys were dropped.
+        The pages stay free; pages held by requests keep their keys. Events: ``AllBlocksCleared``
+        when no request held a cached page (no key is left), else one ``BlockRemoved`` per group
+        of the dropped keys.
         """

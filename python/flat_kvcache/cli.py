@@ -318,6 +318,15 @@ def _add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
         help="free-list order of a finished request's pages: all groups tail first (hybrid, "
         "default) or group by group (group, the reference design's)",
     )
+    parser.add_argument(
+        "--reuse-uncached-first",
+        action=argparse.BooleanOptionalAction,
+        default=simulate.DEFAULT_REUSE_UNCACHED_FIRST,
+        help="a freed page that holds no key joins the front of the free list, so it is reused "
+        "before any cached page (--no-reuse-uncached-first: the back, SPEC 5's order; default "
+        + ("on" if simulate.DEFAULT_REUSE_UNCACHED_FIRST else "off")
+        + ")",
+    )
     parser.add_argument("--no-prefix-caching", action="store_true", help="run with prefix caching off")
     parser.add_argument("--no-block-tables", action="store_true", help="skip the per-step block_tables call")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -354,6 +363,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
             preset=args.preset,
             engine=args.engine,
             eviction_order=args.eviction_order,
+            reuse_uncached_first=args.reuse_uncached_first,
             num_pages=args.num_pages,
             page_size=args.page_size,
             max_scheduled_tokens=args.max_scheduled_tokens,

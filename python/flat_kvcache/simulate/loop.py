@@ -65,6 +65,7 @@ __all__ = [
     "DEFAULT_MAX_SCHEDULED_TOKENS",
     "DEFAULT_PAGE_SIZE",
     "DEFAULT_POOL_FRACTION",
+    "DEFAULT_REUSE_UNCACHED_FIRST",
     "Engine",
     "EvictionOrder",
     "SimulationConfig",
@@ -79,6 +80,9 @@ DEFAULT_PAGE_SIZE = 16
 #: The default pool holds this fraction of what the trace's first ``max_running`` requests need
 #: at their full length (see :func:`default_num_pages`): enough to run, short enough to preempt.
 DEFAULT_POOL_FRACTION = 0.5
+#: The engines' default for ``reuse_uncached_first`` (a released page that holds no key is
+#: handed out before any cached page).
+DEFAULT_REUSE_UNCACHED_FIRST = True
 
 Engine = Literal["native", "reference"]
 EvictionOrder = Literal["hybrid", "group"]
@@ -148,11 +152,14 @@ def default_num_pages(
 
 @dataclass(frozen=True)
 class SimulationConfig:
-    """Settings of one run. ``num_pages`` None means :func:`default_num_pages`."""
+    """Settings of one run. ``num_pages`` None means :func:`default_num_pages`;
+    ``reuse_uncached_first`` is the engine option of that name (where released pages that hold
+    no key join the free list)."""
 
     preset: str = DEFAULT_PRESET
     engine: Engine = "native"
     eviction_order: EvictionOrder = "hybrid"
+    reuse_uncached_first: bool = DEFAULT_REUSE_UNCACHED_FIRST
     num_pages: int | None = None
     page_size: int = DEFAULT_PAGE_SIZE
     max_scheduled_tokens: int = DEFAULT_MAX_SCHEDULED_TOKENS
@@ -203,6 +210,7 @@ class _Loop:
             self.num_pages,
             enable_caching=config.enable_caching,
             eviction_order=config.eviction_order,
+            reuse_uncached_first=config.reuse_uncached_first,
         )
         self.group_ids: list[str] = list(self.cache.group_ids)
         self.num_groups = len(self.group_ids)
@@ -438,6 +446,7 @@ class _Loop:
             "engine": config.engine,
             "preset": config.preset,
             "eviction_order": config.eviction_order,
+            "reuse_uncached_first": config.reuse_uncached_first,
             "groups": [
                 {
                     "group_id": gid,

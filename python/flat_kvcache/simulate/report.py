@@ -50,7 +50,11 @@ def format_summary(summary: dict[str, Any]) -> str:
     peak = ", ".join(f"{gid} {pages}" for gid, pages in summary["peak_pages_by_group"].items())
     calls = ", ".join(f"{kind} {ms:.1f}" for kind, ms in timing["by_call_ms"].items() if ms)
     rows = [
-        ("engine", f"{summary['engine']} (eviction order {summary['eviction_order']})"),
+        (
+            "engine",
+            f"{summary['engine']} (eviction order {summary['eviction_order']}, freed uncached pages "
+            + ("reused first)" if summary["reuse_uncached_first"] else "appended)"),
+        ),
         ("model", f"{summary['preset']}: {groups}"),
         ("pool", f"{summary['num_pages']} pages (page 0 is the null page)"),
         ("limits", f"{summary['max_scheduled_tokens']} tokens per step, {summary['max_running']} running"),

@@ -13,6 +13,7 @@ use std::sync::Mutex;
 use flat_kvcache_core::engine::block_tables::FlatTable;
 use flat_kvcache_core::engine::coordinator::{EvictionOrder, GroupSpec};
 use flat_kvcache_core::engine::ids::RequestIdRef;
+use flat_kvcache_core::engine::pool::DEFAULT_REUSE_UNCACHED_FIRST;
 use flat_kvcache_core::engine::tokens::Prompt;
 use flat_kvcache_core::engine::{CacheOptions, FlatCache};
 use flat_kvcache_core::CoreError;
@@ -33,7 +34,7 @@ use crate::tables::{borrow_out, table_outs};
 
 /// The page engine of one model (SPEC 6 to 9, docs/engine-api.md and docs/requests-api.md):
 /// `FlatKVCache(specs, num_pages, *, enable_caching=True, eviction_order="hybrid",
-/// enable_kv_events=False)`.
+/// enable_kv_events=False, reuse_uncached_first=True)`.
 ///
 /// `specs` is a non-empty sequence of `KVCacheSpec`; `num_pages` the pool size (page 0
 /// included). Request ids are `str` or `int` (`5` and `"5"` differ); an unknown id is an
@@ -106,10 +107,12 @@ impl PyFlatKVCache {
     /// `eviction_order` is `"hybrid"` (free a request's pages by slot end token, descending,
     /// across all groups; SPEC 12.3) or `"group"` (group 0's table tail first, then group
     /// 1's, ...). `enable_kv_events` records KV events for `take_events`.
+    /// `reuse_uncached_first`: a released page that holds no key joins the front of the free
+    /// list (handed out before any cached page) instead of the back.
     #[new]
     #[pyo3(
-        signature = (specs, num_pages, *, enable_caching = true, eviction_order = EvictionArg(EvictionOrder::Hybrid), enable_kv_events = false),
-        text_signature = "(specs, num_pages, *, enable_caching=True, eviction_order='hybrid', enable_kv_events=False)"
+        signature = (specs, num_pages, *, enable_caching = true, eviction_order = EvictionArg(EvictionOrder::Hybrid), enable_kv_events = false, reuse_uncached_first = DEFAULT_REUSE_UNCACHED_FIRST),
+        text_signature = "(specs, num_pages, *, enable_caching=True, eviction_order='hybrid', enable_kv_events=False, reuse_uncached_first=True)"
     )]
     fn new(
         specs: GroupSpecs,
@@ -117,6 +120,7 @@ impl PyFlatKVCache {
         enable_caching: bool,
         eviction_order: EvictionArg,
         enable_kv_events: bool,
+        reuse_uncached_first: bool,
     ) -> PyResult<Self> {
         let num_pages = count(num_pages, "num_pages")?;
         if num_pages == 0 {
@@ -126,6 +130,7 @@ impl PyFlatKVCache {
             enable_caching,
             eviction_order: eviction_order.0,
             enable_kv_events,
+            reuse_uncached_first,
         };
         let cache = core(FlatCache::with_options(specs.0, num_pages, options))?;
         let coord = cache.coordinator();
@@ -602,8 +607,10 @@ impl PyFlatKVCache {
         events_to_py(py, events, &self.specs)
     }
 
-    /// Drop the key of every cached page with count 0 (they stay free; no `BlockRemoved`),
-    /// record `AllBlocksCleared`, and return how many keys were dropped.
+    /// Drop the key of every cached page with count 0 (they stay free; pages held by requests
+    /// keep theirs) and return how many keys were dropped. Events: `AllBlocksCleared` when no
+    /// request held a cached page (no key is left), else one `BlockRemoved` per group of the
+    /// dropped keys.
     fn reset_prefix_cache(&self) -> PyResult<usize> {
         Ok(lock(&self.inner)?.reset_prefix_cache())
     }

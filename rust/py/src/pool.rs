@@ -2,13 +2,14 @@
 
 use std::sync::Mutex;
 
-use flat_kvcache_core::engine::pool::BlockPool;
+use flat_kvcache_core::engine::pool::{BlockPool, DEFAULT_REUSE_UNCACHED_FIRST};
 use pyo3::prelude::*;
 
 use crate::args::{count, page};
 use crate::errors::{core, lock};
 
-/// The page pool of SPEC 5 with string keys: `BlockPool(num_blocks, *, enable_caching=True)`.
+/// The page pool of SPEC 5 with string keys:
+/// `BlockPool(num_blocks, *, enable_caching=True, reuse_uncached_first=True)`.
 ///
 /// Page 0 is the null page (never free, cached or counted); the free list starts as
 /// `1..num_blocks-1` and is the eviction order. Misuse raises `ValueError` and changes nothing.
@@ -21,10 +22,17 @@ pub struct PyBlockPool {
 #[pymethods]
 impl PyBlockPool {
     /// Create a pool of `num_blocks >= 1` pages (page 0 included).
+    ///
+    /// `reuse_uncached_first`: a released page that holds no key joins the front of the free
+    /// list (it is handed out before any cached page) instead of the back.
     #[new]
-    #[pyo3(signature = (num_blocks, *, enable_caching = true))]
-    fn new(num_blocks: &Bound<'_, PyAny>, enable_caching: bool) -> PyResult<Self> {
-        let pool = core(BlockPool::new(count(num_blocks, "num_blocks")?, enable_caching))?;
+    #[pyo3(
+        signature = (num_blocks, *, enable_caching = true, reuse_uncached_first = DEFAULT_REUSE_UNCACHED_FIRST),
+        text_signature = "(num_blocks, *, enable_caching=True, reuse_uncached_first=True)"
+    )]
+    fn new(num_blocks: &Bound<'_, PyAny>, enable_caching: bool, reuse_uncached_first: bool) -> PyResult<Self> {
+        let mut pool = core(BlockPool::new(count(num_blocks, "num_blocks")?, enable_caching))?;
+        pool.set_reuse_uncached_first(reuse_uncached_first);
         Ok(Self {
             num_blocks: pool.num_blocks(),
             inner: Mutex::new(pool),

@@ -32,7 +32,7 @@ from flat_kvcache.reference.engine._args import (
 from flat_kvcache.reference.engine.events import removed_events, stored_event
 from flat_kvcache.reference.engine.group import GroupManager, new_manager
 from flat_kvcache.reference.engine.hash import fold_hashes, group_key
-from flat_kvcache.reference.engine.pool import BlockPool
+from flat_kvcache.reference.engine.pool import DEFAULT_REUSE_UNCACHED_FIRST, BlockPool
 from flat_kvcache.reference.engine.table import Table, TokenState
 
 __all__ = ["Coordinator", "PrefixMatch"]
@@ -86,6 +86,7 @@ class Coordinator:
         enable_caching: bool = True,
         eviction_order: str = "hybrid",
         enable_kv_events: bool = False,
+        reuse_uncached_first: bool = DEFAULT_REUSE_UNCACHED_FIRST,
     ) -> None:
         if not isinstance(eviction_order, str) or eviction_order not in EVICTION_ORDERS:
             raise ValueError(f"eviction_order must be 'hybrid' or 'group', got {eviction_order!r}")
@@ -116,7 +117,9 @@ class Coordinator:
         self._lcm = lcm
         self._enable_caching = as_flag(enable_caching, "enable_caching")
         self._eviction_order = eviction_order
-        self._pool = BlockPool(total, enable_caching=self._enable_caching)
+        self._pool = BlockPool(
+            total, enable_caching=self._enable_caching, reuse_uncached_first=reuse_uncached_first
+        )
         self._managers: list[GroupManager] = [
             new_manager(index, spec, self._base, self._pool) for index, spec in enumerate(spec_list)
         ]

@@ -1,7 +1,8 @@
 """KV events (docs/requests-api.md): what the cache records, and the calls that read and clear it.
 
 The coordinator records a ``BlockStored`` per group that a register call newly caches, and a
-``BlockRemoved`` per group whose keys an allocation evicted; :class:`KVEvents` hands them out.
+``BlockRemoved`` per group whose keys an allocation evicted; :class:`KVEvents` hands them out
+and records what ``reset_prefix_cache`` drops.
 The event classes themselves are :mod:`flat_kvcache.events`.
 """
 
@@ -87,9 +88,18 @@ class KVEvents:
         return events
 
     def reset_prefix_cache(self) -> int:
-        """Drop the key of every free cached page (they stay free, no ``BlockRemoved``), record
-        ``AllBlocksCleared``, and return how many keys were dropped."""
+        """Drop the key of every free cached page (they stay free, in place) and return how many
+        keys were dropped; pages held by requests keep theirs.
+
+        The events say exactly what changed: ``AllBlocksCleared`` when no request held a
+        cached page (no key is left), else one ``BlockRemoved`` per group of dropped keys
+        (groups in first-appearance order, hashes in free-list order), nothing if none was.
+        """
+        pinned = self._pool.num_cached_pinned
         dropped = self._pool._clear_cached_free()
         if self._events_enabled:
-            self._events.append(AllBlocksCleared())
-        return dropped
+            if pinned == 0:
+                self._events.append(AllBlocksCleared())
+            else:
+                self._events.extend(removed_events(dropped))
+        return len(dropped)

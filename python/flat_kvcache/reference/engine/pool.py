@@ -8,7 +8,10 @@ from collections.abc import Iterator, Sequence
 from flat_kvcache.reference._checks import as_int
 from flat_kvcache.reference.engine._args import as_count, as_flag, as_pool_size
 
-__all__ = ["BlockPool"]
+__all__ = ["DEFAULT_REUSE_UNCACHED_FIRST", "BlockPool"]
+
+#: Whether a pool reuses released uncached pages first unless told otherwise.
+DEFAULT_REUSE_UNCACHED_FIRST = True
 
 
 class BlockPool:
@@ -17,13 +20,22 @@ class BlockPool:
     Page 0 is the null page: never free, never cached, never counted. The free list is the
     eviction order: allocation takes from its front, a page whose count drops to 0 goes to its
     back with its key intact (it stays prefix-reusable), and a prefix hit removes a free page
-    from the middle. An ``OrderedDict`` keyed by page id gives all three in O(1).
+    from the middle. With ``reuse_uncached_first``, a page that drops to 0 holding no key goes
+    to the front instead (it is handed out before any cached page). An ``OrderedDict`` keyed by
+    page id gives all of these in O(1).
     """
 
-    def __init__(self, num_blocks: int, *, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        enable_caching: bool = True,
+        reuse_uncached_first: bool = DEFAULT_REUSE_UNCACHED_FIRST,
+    ) -> None:
         total = as_pool_size(num_blocks, "num_blocks")
         self._num_blocks = total
         self._enable_caching = as_flag(enable_caching, "enable_caching")
+        self._reuse_uncached_first = as_flag(reuse_uncached_first, "reuse_uncached_first")
         self._ref_counts = [0] * total
         # The key each page holds (None: not cached), and each key's pages in registration order.
         self._key_of: list[str | None] = [None] * total
@@ -111,7 +123,9 @@ class BlockPool:
     def free(self, pages: Sequence[int]) -> None:
         """Release one reference per entry, in REVERSE order of ``pages`` (SPEC 5).
 
-        A chain's tail is released, hence evicted, before its head. Entries equal to 0 are
+        A chain's tail is released, hence evicted, before its head; a page that drops to 0
+        joins the back of the free list, or the front when it holds no key and the pool reuses
+        uncached pages first (so such pages end up in list order). Entries equal to 0 are
         skipped. Everything is validated first: a page out of range, or one released more
         times than it is referenced (repeats counted), raises ValueError and changes nothing.
         """
@@ -132,6 +146,8 @@ class BlockPool:
             self._ref_counts[page] -= 1
             if self._ref_counts[page] == 0:
                 self._free[page] = None  # to the back, key kept
+                if self._reuse_uncached_first and self._key_of[page] is None:
+                    self._free.move_to_end(page, last=False)
 
     def cache(self, page: int, key: str) -> None:
         """Register ``page`` under ``key`` (SPEC 5). No-op when caching is off or page is 0.
@@ -190,12 +206,15 @@ class BlockPool:
         evicted, self._evicted = self._evicted, []
         return evicted
 
-    def _clear_cached_free(self) -> int:
-        """Drop the key of every free cached page (they stay free, in place); not evictions."""
-        dropped = 0
+    def _clear_cached_free(self) -> list[str]:
+        """Drop the key of every free cached page (they stay free, in place); not evictions.
+
+        Returns the dropped keys in free-list order."""
+        dropped = []
         for page in self._free:
-            if self._drop_key(page) is not None:
-                dropped += 1
+            key = self._drop_key(page)
+            if key is not None:
+                dropped.append(key)
         return dropped
 
     def _cached_pages(self) -> Iterator[int]:

@@ -212,12 +212,32 @@ impl Coordinator {
         &self.in_use
     }
 
-    /// Drop the key of every cached page with count 0 (they stay free) and record
-    /// `AllBlocksCleared`; returns how many keys were dropped.
+    /// Whether a released page that holds no key goes to the front of the free list
+    /// ([`BlockPool::set_reuse_uncached_first`]).
+    pub fn set_reuse_uncached_first(&mut self, on: bool) {
+        self.pool.set_reuse_uncached_first(on);
+    }
+
+    /// Drop the key of every cached page with count 0 (they stay free, in place) and return
+    /// how many keys were dropped; pages held by requests keep their keys.
+    ///
+    /// The events say exactly what changed: `AllBlocksCleared` when no request held a cached
+    /// page (no key is left), else one `BlockRemoved` per group of dropped keys (groups in the
+    /// order they first appear on the free list, hashes in free-list order), nothing when none
+    /// was dropped.
     pub fn reset_prefix_cache(&mut self) -> usize {
+        let pinned = self.pool.num_cached_pinned();
         let dropped = self.pool.clear_cached_free();
-        self.events.push(KvEvent::Cleared);
-        dropped
+        let count = dropped.len();
+        if !self.events.enabled() {
+            return count;
+        }
+        if pinned == 0 {
+            self.events.push(KvEvent::Cleared);
+        } else {
+            Self::push_removed(dropped, &mut self.events);
+        }
+        count
     }
 
     /// The group specs, in index order.
@@ -481,14 +501,18 @@ impl Coordinator {
         true
     }
 
-    /// Turn the keys one allocation evicted into `BlockRemoved` events: one per group of
-    /// evicted keys, in the order each group first appears, hashes in eviction order.
+    /// Turn the keys one allocation evicted into `BlockRemoved` events ([`Self::push_removed`]).
     fn record_evictions(pool: &mut BlockPool<GroupKey>, events: &mut EventLog) {
-        let mut evicted = pool.take_evicted();
-        while !evicted.is_empty() {
-            let group = evicted[0].group;
-            let hashes: Vec<ContentHash> = evicted.iter().filter(|k| k.group == group).map(|k| k.hash).collect();
-            evicted.retain(|k| k.group != group);
+        Self::push_removed(pool.take_evicted(), events);
+    }
+
+    /// Record one `BlockRemoved` per group of `keys`, in the order each group first appears,
+    /// hashes in the order of `keys`.
+    fn push_removed(mut keys: Vec<GroupKey>, events: &mut EventLog) {
+        while !keys.is_empty() {
+            let group = keys[0].group;
+            let hashes: Vec<ContentHash> = keys.iter().filter(|k| k.group == group).map(|k| k.hash).collect();
+            keys.retain(|k| k.group != group);
             events.push(KvEvent::Removed { hashes, group });
         }
     }

@@ -26,14 +26,15 @@ pub enum KvEvent {
         /// The request's extra keys (token-level requests only).
         extra_keys: Arc<[String]>,
     },
-    /// Cached pages whose keys one allocation dropped, all of one group, in eviction order.
+    /// Cached pages whose keys one allocation (or a `reset_prefix_cache` that left pinned
+    /// pages cached) dropped, all of one group, in eviction order.
     Removed {
         /// The content hashes of the evicted pages.
         hashes: Vec<ContentHash>,
         /// The group the evicted keys belonged to.
         group: u32,
     },
-    /// `reset_prefix_cache` dropped every cached free page's key.
+    /// `reset_prefix_cache` dropped every key: no page holds one any more.
     Cleared,
 }
 

@@ -54,6 +54,9 @@ pub struct CacheOptions {
     pub eviction_order: EvictionOrder,
     /// Record KV events for [`FlatCache::take_events`].
     pub enable_kv_events: bool,
+    /// A released page that holds no key joins the front of the free list (reused before any
+    /// cached page) instead of the back; see [`pool::BlockPool::set_reuse_uncached_first`].
+    pub reuse_uncached_first: bool,
 }
 
 impl Default for CacheOptions {
@@ -62,6 +65,7 @@ impl Default for CacheOptions {
             enable_caching: true,
             eviction_order: EvictionOrder::Hybrid,
             enable_kv_events: false,
+            reuse_uncached_first: pool::DEFAULT_REUSE_UNCACHED_FIRST,
         }
     }
 }
@@ -125,6 +129,7 @@ impl FlatCache {
     pub fn with_options(specs: Vec<GroupSpec>, num_pages: u64, options: CacheOptions) -> CoreResult<Self> {
         let mut coord = Coordinator::new(specs, num_pages, options.enable_caching)?;
         coord.set_kv_events(options.enable_kv_events);
+        coord.set_reuse_uncached_first(options.reuse_uncached_first);
         Ok(Self {
             coord,
             index: HashMap::default(),

@@ -101,8 +101,8 @@ impl FlatCache {
         Ok(self.tables(req)?.iter().map(Table::tail_avail).collect())
     }
 
-    /// Drop the key of every cached page with count 0 (they stay free, no `BlockRemoved`),
-    /// record `AllBlocksCleared`, and return how many keys were dropped.
+    /// Drop the key of every cached page with count 0 (they stay free) and return how many
+    /// keys were dropped; the events match the state ([`crate::engine::coordinator::Coordinator::reset_prefix_cache`]).
     pub fn reset_prefix_cache(&mut self) -> usize {
         self.coord.reset_prefix_cache()
     }

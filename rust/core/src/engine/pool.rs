@@ -4,8 +4,10 @@
 //! The free list is an intrusive doubly-linked list over page indices stored in two flat
 //! vectors, with the null page 0 as its sentinel (page 0 is never free, so its link slot is
 //! free to serve as the list head). Every list operation is O(1) and allocates nothing.
-//! Free-list order is eviction order: allocation pops the front, a released page is pushed to
-//! the back, and a prefix hit on a free page unlinks it from the middle.
+//! Free-list order is eviction order: allocation pops the front, a released page that holds a
+//! key is pushed to the back, and a prefix hit on a free page unlinks it from the middle. A
+//! released page that holds no key goes to the front when the pool reuses uncached pages first
+//! (the default, [`BlockPool::set_reuse_uncached_first`]), else to the back (SPEC 5's order).
 //!
 //! The pool is generic over the key type: the coordinator uses [`crate::engine::hash::GroupKey`]
 //! (fixed-size bytes), the Python `BlockPool` uses strings.
@@ -23,6 +25,10 @@ pub const NULL_PAGE: u32 = 0;
 
 /// Largest pool size: page ids are written into `int32` block tables.
 pub const MAX_BLOCKS: u64 = i32::MAX as u64;
+
+/// Whether a new pool reuses released uncached pages first (see
+/// [`BlockPool::set_reuse_uncached_first`]).
+pub const DEFAULT_REUSE_UNCACHED_FIRST: bool = true;
 
 /// One key-map slot: the fingerprint (the pool's 64-bit hash of a key) and the pages holding
 /// keys with that fingerprint, in registration order.
@@ -60,6 +66,9 @@ struct Link {
 #[derive(Clone, Debug)]
 pub struct BlockPool<K> {
     enable_caching: bool,
+    /// Whether a released page that holds no key goes to the front of the free list (reused
+    /// before any cached page) instead of the back.
+    reuse_uncached_first: bool,
     /// Reference count per page (page 0 always 0).
     refs: Vec<u32>,
     /// Free-list links per page; `links[0]` is the sentinel (`next` = front, `prev` = back).
@@ -119,6 +128,7 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
         };
         Ok(Self {
             enable_caching,
+            reuse_uncached_first: DEFAULT_REUSE_UNCACHED_FIRST,
             refs: try_filled(n, 0)?,
             links,
             num_free: n - 1,
@@ -183,6 +193,19 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
     /// The keys evicted since the last call, in eviction order (empty unless recording).
     pub fn take_evicted(&mut self) -> Vec<K> {
         std::mem::take(&mut self.evicted)
+    }
+
+    /// Where a released page that holds no key joins the free list: the front when `on` (it is
+    /// handed out before any cached page, so cached pages stay reusable longer), else the back
+    /// (SPEC 5's order: every released page joins the back). Released cached pages always join
+    /// the back. Pages already on the free list keep their places.
+    pub fn set_reuse_uncached_first(&mut self, on: bool) {
+        self.reuse_uncached_first = on;
+    }
+
+    /// Whether released uncached pages join the front of the free list.
+    pub fn reuse_uncached_first(&self) -> bool {
+        self.reuse_uncached_first
     }
 
     /// Whether prefix caching is on.
@@ -276,6 +299,15 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
         self.num_free += 1;
     }
 
+    #[inline]
+    fn push_front(&mut self, page: u32) {
+        let head = self.links[0].next;
+        self.links[page as usize] = Link { prev: 0, next: head };
+        self.links[head as usize].prev = page;
+        self.links[0].next = page;
+        self.num_free += 1;
+    }
+
     /// Drop the key of a free `page`; returns the key it held, if any.
     fn drop_key(&mut self, page: u32) -> Option<K> {
         let key = self.keys[page as usize].take()?;
@@ -320,14 +352,12 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
     }
 
     /// Drop the key of every cached page with count 0 (they stay free, in place); returns
-    /// how many keys were dropped. Not counted as evictions.
-    pub fn clear_cached_free(&mut self) -> usize {
-        let mut dropped = 0usize;
+    /// the dropped keys in free-list order. Not counted as evictions.
+    pub fn clear_cached_free(&mut self) -> Vec<K> {
+        let mut dropped = Vec::with_capacity(self.num_cached_free);
         let mut at = self.links[0].next;
         while at != NULL_PAGE && self.num_cached_free > 0 {
-            if self.drop_key(at).is_some() {
-                dropped += 1;
-            }
+            dropped.extend(self.drop_key(at));
             at = self.links[at as usize].next;
         }
         dropped
@@ -397,17 +427,22 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
         was_free
     }
 
-    /// Release one reference on a real page whose count is known to be > 0; at 0 it goes to
-    /// the back of the free list with its key intact. Returns whether the page became free.
+    /// Release one reference on a real page whose count is known to be > 0; at 0 it joins the
+    /// free list: at the back with its key intact, or, holding no key, at the front when the
+    /// pool reuses uncached pages first. Returns whether the page became free.
     #[inline]
     pub(crate) fn release(&mut self, page: u32) -> bool {
         let count = &mut self.refs[page as usize];
         debug_assert!(*count > 0, "release of page {page} with count 0");
         *count = count.saturating_sub(1);
         if *count == 0 {
-            self.push_back(page);
             if self.keys[page as usize].is_some() {
+                self.push_back(page);
                 self.num_cached_free += 1;
+            } else if self.reuse_uncached_first {
+                self.push_front(page);
+            } else {
+                self.push_back(page);
             }
             true
         } else {
@@ -415,8 +450,8 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
         }
     }
 
-    /// Release `pages` in reverse order (a chain's tail is evicted before its head); null
-    /// entries are skipped. Validated first: a page out of range or a count that would go
+    /// Release `pages` in reverse order (a chain's tail is evicted before its head; uncached
+    /// pages pushed to the front therefore end up in list order); null entries are skipped. Validated first: a page out of range or a count that would go
     /// below zero (repeats in the call counted) is an error and changes nothing.
     pub fn free(&mut self, pages: &[u64]) -> CoreResult<()> {
         // Pass 1 tentatively decrements so repeats are counted; on error it rolls back.
@@ -638,6 +673,13 @@ mod tests {
         pool.free_list().collect()
     }
 
+    /// A pool in SPEC 5's order: every released page joins the back of the free list.
+    fn appending(num_blocks: u64) -> Pool {
+        let mut pool = Pool::new(num_blocks, true).unwrap();
+        pool.set_reuse_uncached_first(false);
+        pool
+    }
+
     #[test]
     fn new_pool_frees_pages_in_order_and_never_the_null_page() {
         let pool = Pool::new(5, true).unwrap();
@@ -683,7 +725,7 @@ mod tests {
         assert_eq!(pool.num_cached(), 2);
         // Down to one key in the slot, then none; the freed page lists are reused.
         pool.free(&[4]).unwrap();
-        assert_eq!(pool.clear_cached_free(), 1);
+        assert_eq!(pool.clear_cached_free(), vec![b]);
         assert_eq!((pool.lookup(&a), pool.lookup(&b)), (Some(3), None));
         pool.cache(5, b).unwrap();
         pool.cache(1, a).unwrap();
@@ -704,7 +746,7 @@ mod tests {
 
     #[test]
     fn free_releases_in_reverse_to_the_back() {
-        let mut pool = Pool::new(6, true).unwrap();
+        let mut pool = appending(6);
         let pages = pool.allocate(3); // [1, 2, 3]; free list [4, 5]
         pool.free(&[1, 2, 3]).unwrap();
         // Reverse order: 3, 2, 1 go to the back.
@@ -714,8 +756,34 @@ mod tests {
     }
 
     #[test]
+    fn uncached_pages_rejoin_the_front_when_reused_first() {
+        for on in [true, false] {
+            let mut pool = Pool::new(8, true).unwrap();
+            pool.set_reuse_uncached_first(on);
+            assert_eq!(pool.allocate(5), vec![1, 2, 3, 4, 5]); // free list [6, 7]
+            pool.cache(2, "b".into()).unwrap();
+            pool.cache(4, "d".into()).unwrap();
+            // Released in reverse: 5, 4 (cached), 3, 2 (cached), 1.
+            pool.free(&[1, 2, 3, 4, 5]).unwrap();
+            let expected = if on {
+                // Uncached 5, 3, 1 each go to the front (1 ends first); cached 4, 2 to the back.
+                vec![1, 3, 5, 6, 7, 4, 2]
+            } else {
+                vec![6, 7, 5, 4, 3, 2, 1]
+            };
+            assert_eq!(free_list(&pool), expected);
+            assert_eq!(pool.reuse_uncached_first(), on);
+            pool.check().unwrap();
+            // Five pages evict no key when uncached pages go first, one (4's) otherwise.
+            pool.allocate(5);
+            assert_eq!(pool.evictions(), u64::from(!on));
+            pool.check().unwrap();
+        }
+    }
+
+    #[test]
     fn free_validates_before_changing_anything() {
-        let mut pool = Pool::new(5, true).unwrap();
+        let mut pool = appending(5);
         pool.allocate(2); // 1, 2 with count 1
         let before = free_list(&pool);
         // Page 1 twice: the second release would go below zero.
@@ -732,7 +800,7 @@ mod tests {
 
     #[test]
     fn repeats_release_at_the_earliest_occurrence() {
-        let mut pool = Pool::new(4, true).unwrap();
+        let mut pool = appending(4);
         pool.allocate(2); // 1, 2
         pool.touch(1).unwrap(); // count 2
         pool.free(&[1, 2, 1]).unwrap(); // reverse: 1 -> 1, 2 -> 0 (back), 1 -> 0 (back)
@@ -801,7 +869,7 @@ mod tests {
 
     #[test]
     fn evictions_are_counted_and_recorded_in_order() {
-        let mut pool = Pool::new(5, true).unwrap();
+        let mut pool = appending(5);
         pool.allocate(3); // 1, 2, 3
         pool.cache(1, "a".into()).unwrap();
         pool.cache(3, "c".into()).unwrap();
@@ -822,20 +890,20 @@ mod tests {
 
     #[test]
     fn clear_cached_free_drops_only_free_keys_in_place() {
-        let mut pool = Pool::new(6, true).unwrap();
+        let mut pool = appending(6);
         pool.allocate(4); // 1..=4
         for (p, k) in [(1, "a"), (2, "b"), (3, "c")] {
             pool.cache(p, k.into()).unwrap();
         }
         pool.free(&[1, 3, 4]).unwrap(); // free list [5, 4, 3, 1]
-        assert_eq!(pool.clear_cached_free(), 2);
+        assert_eq!(pool.clear_cached_free(), vec!["c".to_owned(), "a".to_owned()]);
         assert_eq!(free_list(&pool), vec![5, 4, 3, 1]);
         assert_eq!(
             (pool.lookup("a"), pool.lookup("c"), pool.lookup("b")),
             (None, None, Some(2))
         );
         assert_eq!((pool.num_cached(), pool.num_cached_free(), pool.evictions()), (1, 0, 0));
-        assert_eq!(pool.clear_cached_free(), 0);
+        assert!(pool.clear_cached_free().is_empty());
         pool.check().unwrap();
     }
 
@@ -878,8 +946,9 @@ mod properties {
     proptest! {
         /// Random op sequences keep every pool invariant, and failed ops change nothing.
         #[test]
-        fn random_ops_keep_invariants(ops in proptest::collection::vec(op(), 0..60)) {
+        fn random_ops_keep_invariants(ops in proptest::collection::vec(op(), 0..60), front in any::<bool>()) {
             let mut pool: BlockPool<u8> = BlockPool::new(8, true).unwrap();
+            pool.set_reuse_uncached_first(front);
             for op in ops {
                 let before: (Vec<u32>, Vec<u32>) = (pool.free_list().collect(), pool.refs.clone());
                 let failed = match op {

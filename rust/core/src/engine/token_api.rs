@@ -607,6 +607,8 @@ mod tests {
             9,
             CacheOptions {
                 eviction_order: order,
+                // The pages are never registered: appended, they show the release order.
+                reuse_uncached_first: false,
                 ..CacheOptions::default()
             },
         );
@@ -775,14 +777,35 @@ mod tests {
             matches!(&events[0], KvEvent::Stored { token_ids, parent: None, group: 0, extra_keys, .. }
             if token_ids.is_empty() && extra_keys.is_empty())
         );
-        // reset_prefix_cache drops the free cached pages' keys (1 and 3 hold a's slot 0),
-        // records one AllBlocksCleared and no BlockRemoved.
+        // reset_prefix_cache drops the free cached pages' keys (1 holds a's g0 slot 0, 3 its
+        // g1 slot 0, in free-list order [1, 3]). B's four pages keep theirs, so the events
+        // name exactly the dropped keys: one BlockRemoved per group, no AllBlocksCleared.
         assert_eq!(c.stats().pages_cached, 2 + 4);
         assert_eq!(c.reset_prefix_cache(), 2);
-        assert_eq!(c.take_events(), vec![KvEvent::Cleared]);
+        assert_eq!(
+            c.take_events(),
+            vec![
+                KvEvent::Removed {
+                    hashes: vec![h[0]],
+                    group: 0
+                },
+                KvEvent::Removed {
+                    hashes: vec![h[0]],
+                    group: 1
+                },
+            ]
+        );
         assert_eq!(c.stats().pages_cached, 4);
         assert_eq!(c.stats().evictions, 2);
         assert_eq!(c.prefix_hit_tokens(&prompt(&c, toks(0..9))).unwrap(), 0);
+        // Nothing left to drop while B runs: no key changes, no event.
+        assert_eq!(c.reset_prefix_cache(), 0);
+        assert!(c.take_events().is_empty());
+        // Once B is freed no page is pinned: the reset drops its 4 keys and the cache is empty.
+        c.free(B).unwrap();
+        assert_eq!(c.reset_prefix_cache(), 4);
+        assert_eq!(c.take_events(), vec![KvEvent::Cleared]);
+        assert_eq!(c.stats().pages_cached, 0);
         c.check_invariants().unwrap();
     }
 

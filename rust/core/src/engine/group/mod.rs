@@ -375,6 +375,7 @@ mod tests {
     #[test]
     fn free_releases_tail_first() {
         let mut pool = Pool::new(6, true).unwrap();
+        pool.set_reuse_uncached_first(false); // SPEC 5's order: released pages join the back
         let g = GroupManager::new(GroupKind::Full, 1);
         let mut t = Table::default();
         assert!(g.acquire(&mut pool, &mut t, 3));

@@ -126,6 +126,7 @@ mod tests {
     #[test]
     fn reclaim_frees_every_slid_out_page_even_past_a_middle_hole() {
         let mut pool = Pool::new(10, true).unwrap();
+        pool.set_reuse_uncached_first(false); // SPEC 5's order: released pages join the back
         let g = sliding(4, 5); // W = 5
         let mut t = Table::default();
         assert!(g.acquire(&mut pool, &mut t, 20)); // pages 1..=5
