@@ -375,10 +375,14 @@ def test_disjoint_row_blocks_of_one_array_are_fine(api: ModuleType) -> None:
 
 # --- request ids --------------------------------------------------------------------------------
 
+
+def _add(rid: object) -> Any:
+    """``add_request(rid, [1, 2])`` as a case call."""
+    return lambda c: c.add_request(rid, [1, 2])
+
+
 ID_CASES = [
-    pytest.param(
-        Case(lambda c, rid=rid: c.add_request(rid, [1, 2]), TypeError, "request ids"), id=f"add-{label}"
-    )
+    pytest.param(Case(_add(rid), TypeError, "request ids"), id=f"add-{label}")
     for label, rid in [("bytes", b"a"), ("tuple", ("a",)), ("float", 1.0), ("bool", True), ("None", None)]
 ] + [
     pytest.param(Case(call, kind, name), id=label)
