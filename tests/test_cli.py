@@ -330,7 +330,7 @@ def test_bad_model_sources(capsys: pytest.CaptureFixture[str], tmp_path: Path) -
 
 
 def test_sizes_beyond_the_native_range(capsys: pytest.CaptureFixture[str]) -> None:
-    assert_one_line_error(capsys, ["--max-total-tokens", str(2**70)], 1, "max_total_tokens")
+    assert_one_line_error(capsys, ["--max-total-tokens", str(2**70)], 1, "--max-total-tokens")
 
 
 @pytest.mark.parametrize(

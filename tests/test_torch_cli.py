@@ -116,8 +116,8 @@ def test_device_budget(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.M
         (["--kv-dtype", "fp8"], 2, "--kv-dtype needs --memory or --device"),
         (["--device", "cpu"], 1, "--device cpu: only CUDA devices report free memory; pass --memory"),
         (["--device", "nope", "--memory", "1GiB"], 1, "--device nope:"),
-        (["--memory", "1000"], 1, "budget_bytes=1000 gives 0 blocks"),
-        (["--memory", "1GiB", "--kv-dtype", "int8"], 1, "kv_dtype must be a floating dtype"),
+        (["--memory", "1000"], 1, "--memory 1000 gives 0 blocks"),
+        (["--memory", "1GiB", "--kv-dtype", "int8"], 1, "--kv-dtype must be a floating dtype"),
     ],
 )
 def test_errors(capsys: pytest.CaptureFixture[str], argv: list[str], status: int, message: str) -> None:

@@ -18,6 +18,8 @@ invalid config, unknown preset or layer label).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import re
@@ -210,10 +212,21 @@ def _run_demo(argv: list[str]) -> int:
     """``flat-kvcache demo ...``: the options are the demo's own (``flat_kvcache.demo``)."""
     from flat_kvcache import demo
 
+    errors = io.StringIO()
     try:
-        return demo.main(argv)
+        with contextlib.redirect_stderr(errors):
+            status = demo.main(argv)
     except SystemExit as exc:  # argparse's --help and usage errors inside the demo
-        return exc.code if isinstance(exc.code, int) else 2
+        code = exc.code if isinstance(exc.code, int) else 2
+        if code:
+            # argparse printed its usage and then "prog: error: ..."; keep the one error line.
+            lines = [line for line in errors.getvalue().splitlines() if ": error: " in line]
+            _print_error(lines[-1].split(": error: ", 1)[1] if lines else errors.getvalue())
+        else:
+            sys.stderr.write(errors.getvalue())
+        return code
+    sys.stderr.write(errors.getvalue())
+    return status
 
 
 def _with_default_command(argv: list[str]) -> list[str]:
@@ -397,10 +410,14 @@ def _run_plan(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.config is not None:
-            source, cfg = args.config, load_model_config(args.config)
+            source, option = args.config, f"--config {args.config}"
         else:
             name = args.preset or DEFAULT_PRESET
-            source, cfg = f"preset {name}", load_model_config(name)
+            source, option = f"preset {name}", f"--preset {name}"
+        try:
+            cfg = load_model_config(args.config if args.config is not None else name)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{option}: {exc}") from None
         memory = _memory_plan(cfg, args) if with_memory else None
         plan = build_plan(
             cfg,
@@ -420,12 +437,37 @@ def _run_plan(args: argparse.Namespace) -> int:
             safety_margin=args.safety_margin,
         )
     except (OSError, ValueError, OverflowError) as exc:
-        _print_error(str(exc))
+        message = _option_names(str(exc))
+        # A config the sizing rejects: say which option gave it.
+        _print_error(f"{option}: {message}" if message.startswith("config ") else message)
         return 1
     if memory is not None:
         plan["memory"] = memory
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
     return 0
+
+
+#: Python keywords of the plan API and the command-line options that set them.
+_OPTION_OF_KEYWORD = {
+    "budget_bytes": "--memory",
+    "kv_dtype": "--kv-dtype",
+    "page_size": "--page-size",
+    "max_live_requests": "--max-live-requests",
+    "max_scheduled_tokens": "--max-scheduled-tokens",
+    "max_total_tokens": "--max-total-tokens",
+    "max_context_len": "--max-context-len",
+    "decode_input_tokens": "--decode-input-tokens",
+    "overlap_schedule_depth": "--overlap-schedule-depth",
+    "safety_margin": "--safety-margin",
+    "utilization": "--utilization",
+}
+
+
+def _option_names(message: str) -> str:
+    """``message`` with each Python keyword of the plan API (``budget_bytes=``) replaced by the
+    option that sets it (``--memory``), so an error names what the user typed."""
+    pattern = r"\b(" + "|".join(_OPTION_OF_KEYWORD) + r")\b(=(?=\S))?"
+    return re.sub(pattern, lambda m: _OPTION_OF_KEYWORD[m.group(1)] + (" " if m.group(2) else ""), message)
 
 
 def _memory_plan(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -442,6 +484,9 @@ def _memory_plan(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         raise ValueError(f"--device {args.device}: only CUDA devices report free memory; pass --memory")
     try:
         shape = ModelShape.from_config(cfg, kv_dtype=args.kv_dtype)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+    try:
         plan = plan_kv_memory(
             shape,
             page_size=args.page_size,

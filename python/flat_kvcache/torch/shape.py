@@ -163,22 +163,25 @@ class ModelShape:
         model dtype with ``conv_dim = 2 * linear_num_key_heads * linear_key_head_dim +
         linear_num_value_heads * linear_value_head_dim``, and ``ssm`` ``[linear_num_value_heads,
         linear_key_head_dim, linear_value_head_dim]`` in ``mamba_ssm_dtype`` (default float32).
+        A config without a model dtype (as ``transformers`` writes one built in code) needs
+        ``kv_dtype``, which then is the conv state's dtype too unless it is a one-byte (fp8) type.
         """
         cfg = load_model_config(source)
         layer_types = tuple(layer_types_from_config(cfg))
         has_state = any(label in STATE_LAYER_TYPES for label in layer_types)
-        # The model dtype is needed for K/V unless kv_dtype overrides it, and for the conv state.
-        model_dtype = _config_dtype(cfg) if kv_dtype is None or has_state else None
+        # The model dtype is needed for K/V unless kv_dtype overrides it.
+        model_dtype = _config_dtype(cfg, required=kv_dtype is None)
+        kv = as_dtype(model_dtype if kv_dtype is None else kv_dtype, "kv_dtype")
         state_shapes: dict[str, tuple[int, ...]] | None = None
         state_dtypes: dict[str, torch.dtype] | None = None
-        if has_state and model_dtype is not None:
-            state_shapes, state_dtypes = _gdn_state(cfg, model_dtype)
+        if has_state:
+            state_shapes, state_dtypes = _gdn_state(cfg, _conv_dtype(model_dtype, kv))
         return cls(
             layer_types=layer_types,
             sliding_window=sliding_window_from_config(cfg),
             num_kv_heads=_config_kv_heads(cfg),
             head_dim=_config_head_dim(cfg),
-            kv_dtype=as_dtype(model_dtype if kv_dtype is None else kv_dtype, "kv_dtype"),
+            kv_dtype=kv,
             state_shapes=state_shapes,
             state_dtypes=state_dtypes,
         )
@@ -224,14 +227,32 @@ def _config_head_dim(cfg: Mapping[str, Any]) -> int:
     raise ValueError("config is missing 'head_dim' (and 'hidden_size'/'num_attention_heads' to derive it)")
 
 
-def _config_dtype(cfg: Mapping[str, Any]) -> torch.dtype:
+def _config_dtype(cfg: Mapping[str, Any], *, required: bool) -> torch.dtype | None:
+    """The model dtype of a config (``torch_dtype``, or ``dtype`` in newer configs); None when the
+    config has neither and it is not ``required``."""
     for key in ("torch_dtype", "dtype"):
         if cfg.get(key) is not None:
             try:
                 return as_dtype(cfg[key], f"config key {key!r}")
             except TypeError as exc:
                 raise ValueError(str(exc)) from exc
-    raise ValueError("config is missing 'torch_dtype' (the model dtype); pass kv_dtype= to choose one")
+    if required:
+        raise ValueError("config is missing 'torch_dtype' (the model dtype); pass kv_dtype= to choose one")
+    return None
+
+
+def _conv_dtype(model_dtype: torch.dtype | None, kv_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the linear-attention conv state: the model's, else the K/V dtype unless that
+    is a one-byte (fp8) type, which cannot hold the state."""
+    if model_dtype is not None:
+        return model_dtype
+    if kv_dtype.itemsize == 1:
+        raise ValueError(
+            f"config is missing 'torch_dtype' (the model dtype), which the linear-attention conv "
+            f"state is stored in, and kv_dtype {kv_dtype} is a one-byte type that cannot hold it; "
+            f"add 'torch_dtype' to the config"
+        )
+    return kv_dtype
 
 
 def _gdn_state(

@@ -1,0 +1,118 @@
+"""The harness of the robustness sweep (tests/test_robustness_*.py).
+
+Every case is a call on a small, busy cache (:func:`busy_cache`) that must be refused. The
+harness runs it on one engine, checks that the exception is the expected kind and names the
+argument, and that nothing observable changed: ``stats()``, ``budget()``, ``pool_stats()``, the
+block tables, page ids and tail slots of the live requests, the token positions of the token-level
+ones, the recorded KV events and ``check_invariants()``. The tests then compare the native
+engine's exception type and message with the pure-Python reference's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import flat_kvcache
+import flat_kvcache.reference
+
+#: A placeholder content hash (64 lowercase hex digits).
+HASH = "0" * 64
+#: Token-level requests of :func:`busy_cache` (``"a"`` scheduled, ``7`` admitted only).
+TOKEN_LEVEL: tuple[str | int, ...] = ("a", 7)
+#: Page-level request of :func:`busy_cache`.
+PAGE_LEVEL = "p"
+#: Every live request of :func:`busy_cache`.
+LIVE: tuple[str | int, ...] = (*TOKEN_LEVEL, PAGE_LEVEL)
+
+#: Both engines, native first.
+ENGINES: tuple[ModuleType, ModuleType] = (flat_kvcache, flat_kvcache.reference)
+
+Call = Callable[[Any], object]
+
+
+def busy_cache(api: ModuleType) -> Any:
+    """Full P = 4 and sliding P = 4, W = 8 over 64 pages, with events on and three live requests:
+    ``"a"`` (10-token prompt scheduled, one token appended), ``7`` (6-token prompt, nothing
+    scheduled) and page-level ``"p"`` (room for 5 tokens). Events so far are taken."""
+    specs = [api.KVCacheSpec("full", 4, group_id="full"), api.KVCacheSpec("sliding_window", 4, 8, "swa")]
+    cache = api.FlatKVCache(specs, 64, enable_kv_events=True)
+    cache.add_request("a", list(range(10)))
+    assert cache.schedule("a", 10)
+    cache.append_tokens("a", [3])
+    cache.add_request(7, list(range(100, 106)))
+    assert cache.acquire(PAGE_LEVEL, 5)
+    cache.reserve("a", 2)
+    cache.take_events()
+    return cache
+
+
+def snapshot(cache: Any) -> dict[str, object]:
+    """Everything observable about the live requests and the pool, as plain data."""
+    live = [req for req in LIVE if cache.has_request(req)]
+    return {
+        "stats": cache.stats(),
+        "budget": [cache.budget(), *(cache.budget(req) for req in live)],
+        "pool": cache.pool_stats(),
+        "tables": {group: table.tolist() for group, table in cache.block_tables(live).items()},
+        "pages": [cache.page_ids(req) for req in live],
+        "tails": [cache.tail_available(req) for req in live],
+        "tokens": [
+            (cache.num_tokens(req), cache.num_computed_tokens(req)) for req in live if req != PAGE_LEVEL
+        ],
+        "requests": cache.num_requests,
+    }
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The exception a refused call raised."""
+
+    kind: type[BaseException]
+    message: str
+
+
+def refusal(api: ModuleType, call: Call, setup: Call | None = None) -> Refusal:
+    """Run ``call`` on a fresh :func:`busy_cache` of ``api`` (after ``setup``, when given); it
+    must raise, and change nothing."""
+    cache = busy_cache(api)
+    if setup is not None:
+        setup(cache)
+        cache.take_events()
+    before = snapshot(cache)
+    try:
+        result = call(cache)
+    except (TypeError, ValueError, OverflowError, KeyError, RuntimeError, BufferError) as exc:
+        caught = Refusal(type(exc), str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc))
+    else:
+        raise AssertionError(f"{api.__name__}: the call returned {result!r} instead of raising")
+    assert snapshot(cache) == before, f"{api.__name__}: a refused call changed the cache"
+    assert cache.take_events() == [], f"{api.__name__}: a refused call recorded KV events"
+    cache.check_invariants()
+    return caught
+
+
+@dataclass(frozen=True)
+class Case:
+    """A call to refuse: the exception kind expected and a text its message must contain."""
+
+    call: Call
+    kind: type[BaseException]
+    names: str
+    setup: Call | None = None
+
+
+def check_case(api: ModuleType, case: Case) -> Refusal:
+    """:func:`refusal`, plus the expected kind and the argument's name in the message."""
+    got = refusal(api, case.call, case.setup)
+    assert issubclass(got.kind, case.kind), f"{api.__name__}: {got}"
+    assert case.names in got.message, f"{api.__name__}: message does not name {case.names!r}: {got}"
+    return got
+
+
+def check_agree(case: Case) -> None:
+    """Native and reference refuse ``case`` with the same exception type and message."""
+    native, reference = (check_case(api, case) for api in ENGINES)
+    assert native == reference, f"native {native} != reference {reference}"

@@ -1,0 +1,121 @@
+"""Robustness sweep of the command line: every bad input is one ``flat-kvcache: error:`` line on
+stderr naming the option, with a non-zero exit status and no traceback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import need, run_cli
+
+#: (arguments, the option the message must name, exit status).
+BAD_PLAN = [
+    (["--kv-dtype", "nope", "--memory", "1GiB"], "--kv-dtype", 1),
+    (["--kv-dtype", "int8", "--memory", "1GiB"], "--kv-dtype", 1),
+    (["--kv-dtype", "bf16"], "--kv-dtype", 2),
+    (["--memory", "abc"], "--memory", 2),
+    (["--memory", "-1"], "--memory", 2),
+    (["--memory", "1"], "--memory", 1),
+    (["--page-size", "0"], "--page-size", 2),
+    (["--page-size", "1.5"], "--page-size", 2),
+    (["--utilization", "2", "--device", "cuda"], "--utilization", 2),
+    (["--max-live-requests", "-1"], "--max-live-requests", 2),
+    (["--overlap-schedule-depth", "2"], "--overlap-schedule-depth", 2),
+    (["--device", "cpu"], "--device", 1),
+    (["--preset", "nope"], "--preset", 1),
+    (["--config", "/nonexistent/config.json"], "--config", 1),
+    (["--preset", "gpt-oss-like", "--config", "x.json"], "--config", 2),
+]
+
+
+def _check_one_line(status: int, err: str, option: str, expected_status: int) -> None:
+    assert status == expected_status, err
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("flat-kvcache: error: "), err
+    assert option in lines[0], f"the message does not name {option}: {err}"
+
+
+@pytest.mark.parametrize(("argv", "option", "expected"), BAD_PLAN, ids=[" ".join(a) for a, _, _ in BAD_PLAN])
+def test_bad_plan_option_is_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], option: str, expected: int
+) -> None:
+    if "--memory" in argv or "--kv-dtype" in argv:
+        need("torch")
+    status, out, err = run_cli(capsys, "plan", *argv)
+    _check_one_line(status, err, option, expected)
+    assert out == ""
+
+
+@pytest.mark.parametrize(
+    "content", ["{bad", "[1]", '{"layer_types": "full_attention"}'], ids=["invalid", "list", "str-layers"]
+)
+def test_bad_config_file_names_the_option(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, content: str
+) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(content, encoding="utf-8")
+    status, _, err = run_cli(capsys, "plan", "--config", str(path))
+    _check_one_line(status, err, "--config", 1)
+
+
+def test_bad_demo_option_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    status, _, err = run_cli(capsys, "demo", "--bogus")
+    _check_one_line(status, err, "--bogus", 2)
+
+
+def _qwen3_next_config(tmp_path: Path) -> Path:
+    """A Qwen3-Next config as transformers writes one built in code: no dtype key."""
+    transformers = need("transformers")
+    path = tmp_path / "config.json"
+    transformers.Qwen3NextConfig().to_json_file(str(path))
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    assert cfg.get("torch_dtype") is None and cfg.get("dtype") is None
+    return path
+
+
+def test_kv_dtype_option_serves_a_config_without_dtype(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """--kv-dtype is the K/V dtype and, for lack of a model dtype, the conv state's too."""
+    need("torch")
+    path = _qwen3_next_config(tmp_path)
+    status, out, err = run_cli(
+        capsys, "plan", "--config", str(path), "--memory", "80GiB", "--kv-dtype", "bfloat16", "--json"
+    )
+    assert status == 0, err
+    memory = json.loads(out)["memory"]
+    assert memory["kv_dtype"] == "bfloat16"
+    assert memory["bytes_per_page"] > 0 and memory["num_pages"] > 1
+
+
+def test_config_without_dtype_needs_the_option(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    need("torch")
+    path = _qwen3_next_config(tmp_path)
+    status, _, err = run_cli(capsys, "plan", "--config", str(path), "--memory", "80GiB")
+    _check_one_line(status, err, "--kv-dtype", 1)
+    assert "kv_dtype=" not in err
+
+
+def test_fp8_cannot_hold_the_conv_state(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A one-byte K/V dtype is not a state dtype: the message says what to add."""
+    need("torch")
+    path = _qwen3_next_config(tmp_path)
+    status, _, err = run_cli(capsys, "plan", "--config", str(path), "--memory", "80GiB", "--kv-dtype", "fp8")
+    _check_one_line(status, err, "--kv-dtype", 1)
+    assert "torch_dtype" in err
+
+
+def test_shape_from_config_without_dtype_takes_kv_dtype(tmp_path: Path) -> None:
+    """The library call behind the option: conv state in the K/V dtype, ssm state in float32."""
+    torch = need("torch")
+    from flat_kvcache.torch import ModelShape
+
+    path = _qwen3_next_config(tmp_path)
+    shape = ModelShape.from_config(path, kv_dtype="float16")
+    assert shape.state_dtypes is not None
+    assert shape.kv_dtype == torch.float16
+    assert dict(shape.state_dtypes) == {"conv": torch.float16, "ssm": torch.float32}
+    with pytest.raises(ValueError, match="kv_dtype="):
+        ModelShape.from_config(path)
