@@ -35,7 +35,7 @@ class BlockRemoved:
 
 @dataclass(frozen=True)
 class AllBlocksCleared:
-    """Every cached free page lost its key (``reset_prefix_cache``)."""
+    """No page holds a key any more (``reset_prefix_cache`` when no request held a cached page)."""
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
