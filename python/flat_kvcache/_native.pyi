@@ -590,13 +590,49 @@ class FlatKVCache:
         *,
         extra_keys: Sequence[str] = (),
         use_prefix_cache: bool = True,
+        row: int | None = None,
     ) -> int:
         """Add a token-level request for a non-empty prompt (each token must fit u32).
 
         Every full base page is hashed (chained, ``extra_keys`` on every page) with the GIL
         released; with caching on and ``use_prefix_cache``, the prefix match over all but the
         last prompt token is claimed. Returns the hit in tokens (the request's computed tokens).
-        ``ValueError`` for an id already in use or an empty prompt.
+        ``ValueError`` for an id already in use or an empty prompt. ``row``: the request owns
+        that row of the tables bound by :meth:`bind_rows` until it is finished or preempted
+        (``ValueError`` if no rows are bound, the row is out of range or held).
+        """
+
+    def bind_rows(
+        self, tables: Mapping[str, _TableBuffer], *, offsets: Mapping[str, _TableBuffer] | None = None
+    ) -> None:
+        """Bind persistent block-table rows (docs/requests-api.md "Persistent rows").
+
+        ``tables``: every group id -> writable C-contiguous int32 numpy array or CPU torch
+        tensor ``[max_rows, cols]`` (the same ``max_rows`` for every group). ``offsets``:
+        sliding-window group ids -> int32 ``[max_rows]``; those groups' rows become windowed
+        (a row holds the table's last ``cols`` slots and ``offsets[g][row]`` is the slot of
+        column 0, ``max(0, len - cols)``). The buffers are filled with -1 / 0 and kept; requests
+        keep their rows across a re-bind (each must fit the new row count).
+        """
+
+    def unbind_rows(self) -> None:
+        """Forget the bound rows; requests keep no rows."""
+
+    def row_of(self, req: _RequestId) -> int | None:
+        """The row ``req`` holds in the bound tables, or None."""
+
+    def update_rows(
+        self, *, full: bool = False
+    ) -> tuple[dict[str, npt.NDArray[np.int32]], dict[str, npt.NDArray[np.int32]]]:
+        """Write the cells that changed since the last update; return ``(cells, offsets)``.
+
+        ``cells[g]``: int32 ``[3, n]`` (row, col, value) of every cell written in group ``g``,
+        sorted by row then column (apply with ``index_put_`` to a device copy);
+        ``offsets[g]`` (windowed groups only): int32 ``[2, m]`` (row, offset) of every row
+        whose page offset changed. Only rows whose tables changed are visited; ``full=True``
+        compares every cell with the buffers (a repair). A table wider than its row, or a
+        windowed row with a real page before its first slot, is a ``ValueError`` naming the
+        group, row and request, and nothing is written.
         """
 
     def append_tokens(self, req: _RequestId, token_ids: _Tokens) -> None:

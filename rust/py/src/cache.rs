@@ -30,6 +30,7 @@ use crate::convert::clip;
 use crate::errors::{core, lock};
 use crate::events::events_to_py;
 use crate::prefix_match::PyPrefixMatch;
+use crate::rows::{as_outs, check_bind, copy_deltas, deltas_to_py, BoundBuffers};
 use crate::tables::{borrow_out, table_outs};
 
 /// The page engine of one model (SPEC 6 to 9, docs/engine-api.md and docs/requests-api.md):
@@ -51,6 +52,8 @@ pub struct PyFlatKVCache {
     inner: Mutex<FlatCache>,
     /// The last prompt hashed, so probing, sizing and adding one prompt hash it once.
     last_prompt: Mutex<Option<Prompt>>,
+    /// The buffers bound by `bind_rows` (kept alive and re-borrowed by each update).
+    rows: Mutex<Option<BoundBuffers>>,
 }
 
 impl PyFlatKVCache {
@@ -140,6 +143,7 @@ impl PyFlatKVCache {
             lcm: coord.lcm_page_size(),
             inner: Mutex::new(cache),
             last_prompt: Mutex::new(None),
+            rows: Mutex::new(None),
         })
     }
 
@@ -398,9 +402,13 @@ impl PyFlatKVCache {
     /// every page) with the GIL released; with caching on and `use_prefix_cache`, the prefix
     /// match over all but the last prompt token is claimed. Returns the hit in tokens (the
     /// request's computed tokens); allocates nothing else.
+    ///
+    /// `row`: give the request that row of the tables bound by `bind_rows` (free, and below
+    /// their row count); `update_rows` keeps it current until the request is finished or
+    /// preempted.
     #[pyo3(
-        signature = (req, prompt_token_ids, *, extra_keys = ExtraKeys::default(), use_prefix_cache = true),
-        text_signature = "(self, req, prompt_token_ids, *, extra_keys=(), use_prefix_cache=True)"
+        signature = (req, prompt_token_ids, *, extra_keys = ExtraKeys::default(), use_prefix_cache = true, row = None),
+        text_signature = "(self, req, prompt_token_ids, *, extra_keys=(), use_prefix_cache=True, row=None)"
     )]
     fn add_request(
         &self,
@@ -409,10 +417,89 @@ impl PyFlatKVCache {
         prompt_token_ids: &Bound<'_, PyAny>,
         extra_keys: ExtraKeys,
         use_prefix_cache: bool,
+        row: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<u64> {
         let id = req.id()?;
+        let row = match row.filter(|r| !r.is_none()) {
+            Some(r) => Some(usize::try_from(count(r, "row")?).unwrap_or(usize::MAX)),
+            None => None,
+        };
         let prompt = self.prompt(py, prompt_token_ids, extra_keys)?;
-        core(self.detached(py, |c| c.add_request(id, prompt, use_prefix_cache))?)
+        core(self.detached(py, |c| match row {
+            Some(row) => c.add_request_in_row(id, prompt, use_prefix_cache, row),
+            None => c.add_request(id, prompt, use_prefix_cache),
+        })?)
+    }
+
+    /// Bind persistent block-table rows (docs/requests-api.md "Persistent rows"): `tables`
+    /// maps every group id to a writable C-contiguous int32 numpy array or CPU torch tensor
+    /// `[max_rows, cols]` (the same `max_rows` for all groups); `offsets` optionally maps
+    /// sliding-window group ids to int32 `[max_rows]` buffers, which makes those groups'
+    /// rows windowed (a row holds the table's last `cols` slots; `offsets[g][row]` is the
+    /// slot of column 0). The buffers are filled with -1 (tables) and 0 (offsets) and kept;
+    /// requests added with `row=k` own row `k` until they finish. Binding again replaces the
+    /// buffers; requests keep their rows (each must fit the new row count) and are rewritten
+    /// whole on the next update.
+    #[pyo3(signature = (tables, *, offsets = None), text_signature = "(self, tables, *, offsets=None)")]
+    fn bind_rows(&self, py: Python<'_>, tables: &Bound<'_, PyAny>, offsets: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        if !flat_kvcache_core::FLAT_KVCACHE {
+            return core(Err(CoreError::FlatUnavailable));
+        }
+        let (max_rows, layouts, buffers) = check_bind(tables, offsets, &self.specs)?;
+        let mut bound = lock(&self.rows)?;
+        core(lock(&self.inner)?.bind_rows(max_rows, layouts))?;
+        buffers.reset(py)?;
+        *bound = Some(buffers);
+        Ok(())
+    }
+
+    /// Forget the bound rows: requests keep no rows and the buffers are released.
+    fn unbind_rows(&self) -> PyResult<()> {
+        let mut bound = lock(&self.rows)?;
+        lock(&self.inner)?.unbind_rows();
+        *bound = None;
+        Ok(())
+    }
+
+    /// The row `req` holds in the bound tables, or None.
+    fn row_of(&self, req: RequestId<'_>) -> PyResult<Option<usize>> {
+        self.on_request(&req, |c, id| c.row_of(id))
+    }
+
+    /// Bring the bound tables up to date and return what changed, as
+    /// `(cells, offsets)`: `cells[g]` is an int32 `[3, n]` array of (row, col, value) for
+    /// every cell written in group `g` since the last update (sorted by row, then column),
+    /// so `device_table[g].index_put_((rows, cols), values)` with `rows, cols, values =
+    /// torch.from_numpy(cells[g])` (moved to the device) makes a device copy equal;
+    /// `offsets[g]` (windowed groups only) is an int32 `[2, m]` array of (row, offset) for
+    /// every row whose page offset changed. Only rows whose tables changed are visited.
+    /// `full=True` compares every cell of every row with the buffers (a repair after
+    /// someone else wrote them). A table wider than its row, or a windowed row with a real
+    /// page before its first slot, is a `ValueError` naming the group, row and request, and
+    /// nothing is written.
+    #[pyo3(signature = (*, full = false), text_signature = "(self, *, full=False)")]
+    fn update_rows<'py>(&self, py: Python<'py>, full: bool) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyDict>)> {
+        if !flat_kvcache_core::FLAT_KVCACHE {
+            return core(Err(CoreError::FlatUnavailable));
+        }
+        let bound = lock(&self.rows)?;
+        let Some(buffers) = bound.as_ref() else {
+            return core(Err(CoreError::invalid(
+                "update_rows: no rows are bound (call bind_rows first)",
+            )));
+        };
+        let (mut tables, mut offsets) = buffers.borrow(py)?;
+        let (mut outs, mut offs) = as_outs(&mut tables, &mut offsets)?;
+        let copies = {
+            let mut c = lock(&self.inner)?;
+            core(c.update_rows(&mut outs, &mut offs, full))?;
+            let windowed = c
+                .row_layouts()
+                .map(|(_, l)| l.iter().map(|l| l.windowed).collect::<Vec<_>>());
+            copy_deltas(c.row_deltas(), windowed.unwrap_or_default().into_iter())
+        };
+        drop(bound);
+        deltas_to_py(py, self.gids(), copies)
     }
 
     /// Append newly known tokens (a list or 1-D integer array of u32) to a token-level

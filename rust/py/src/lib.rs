@@ -12,6 +12,7 @@ pub mod hashing;
 pub mod plan;
 pub mod pool;
 pub mod prefix_match;
+pub mod rows;
 pub mod sizing;
 pub mod tables;
 

@@ -19,15 +19,15 @@ fn quoted(gid: &str) -> String {
     format!("'{}'", clip(gid).escape_debug())
 }
 
-/// `out['<group id>']`, as messages name a group's buffer.
-fn label(gid: &str) -> String {
-    format!("out[{}]", quoted(gid))
+/// `out['<group id>']` (for the argument `name`), as messages name a group's buffer.
+fn label(name: &str, gid: &str) -> String {
+    format!("{name}[{}]", quoted(gid))
 }
 
 /// View one group's buffer as a numpy array: an ndarray as is, a torch tensor (anything with
 /// a `device` and a `numpy()` method) through `.numpy()` after checking that it lives on the
 /// CPU.
-fn as_ndarray<'py>(item: &Bound<'py, PyAny>, gid: &str) -> PyResult<Bound<'py, PyUntypedArray>> {
+pub fn as_ndarray<'py>(item: &Bound<'py, PyAny>, label: &str) -> PyResult<Bound<'py, PyUntypedArray>> {
     if let Ok(arr) = item.cast::<PyUntypedArray>() {
         return Ok(arr.clone());
     }
@@ -35,7 +35,7 @@ fn as_ndarray<'py>(item: &Bound<'py, PyAny>, gid: &str) -> PyResult<Bound<'py, P
     let not_a_buffer = || {
         PyTypeError::new_err(format!(
             "{} must be an int32 numpy array or a CPU torch tensor, got {}",
-            label(gid),
+            label,
             type_name(item)
         ))
     };
@@ -45,17 +45,17 @@ fn as_ndarray<'py>(item: &Bound<'py, PyAny>, gid: &str) -> PyResult<Bound<'py, P
     if !is_cpu(&device) {
         return Err(PyValueError::new_err(format!(
             "{} must be a CPU tensor, got one on device {}",
-            label(gid),
+            label,
             device.str()?
         )));
     }
     let view = item
         .call_method0(intern!(py, "numpy"))
-        .map_err(|e| PyTypeError::new_err(format!("{} cannot be viewed as a numpy array: {e}", label(gid))))?;
+        .map_err(|e| PyTypeError::new_err(format!("{label} cannot be viewed as a numpy array: {e}")))?;
     view.cast_into::<PyUntypedArray>().map_err(|e| {
         PyTypeError::new_err(format!(
             "{}.numpy() returned {}, not a numpy array",
-            label(gid),
+            label,
             type_name(&e.into_inner())
         ))
     })
@@ -67,6 +67,16 @@ fn as_ndarray<'py>(item: &Bound<'py, PyAny>, gid: &str) -> PyResult<Bound<'py, P
 /// non-C-contiguous or read-only buffer, or one buffer given for two groups is an error
 /// naming the group. Rows and columns are checked by the core against the batch.
 pub fn borrow_out<'py>(out: &Bound<'py, PyAny>, groups: &[GroupSpec]) -> PyResult<Vec<PyReadwriteArray2<'py, i32>>> {
+    borrow_tables(out, groups, "out", "block_tables")
+}
+
+/// [`borrow_out`] for the argument `name` of `method` (messages name `name['<group id>']`).
+pub fn borrow_tables<'py>(
+    out: &Bound<'py, PyAny>,
+    groups: &[GroupSpec],
+    name: &str,
+    method: &str,
+) -> PyResult<Vec<PyReadwriteArray2<'py, i32>>> {
     let py = out.py();
     let mut arrays = Vec::with_capacity(groups.len());
     for GroupSpec { group_id: gid, .. } in groups {
@@ -74,41 +84,41 @@ pub fn borrow_out<'py>(out: &Bound<'py, PyAny>, groups: &[GroupSpec]) -> PyResul
             Ok(item) => item,
             Err(e) if e.is_instance_of::<PyKeyError>(py) => {
                 return Err(PyValueError::new_err(format!(
-                    "block_tables: out has no table for group {}",
+                    "{method}: {name} has no table for group {}",
                     quoted(gid)
                 )))
             }
             Err(e) if e.is_instance_of::<PyTypeError>(py) => {
                 return Err(PyTypeError::new_err(format!(
-                    "out must be a mapping of group id to int32 array, got {}",
+                    "{name} must be a mapping of group id to int32 array, got {}",
                     type_name(out)
                 )))
             }
             Err(e) => return Err(e),
         };
-        let arr = as_ndarray(&item, gid)?;
+        let label = label(name, gid);
+        let arr = as_ndarray(&item, &label)?;
         if arr.ndim() != 2 {
             return Err(PyValueError::new_err(format!(
                 "{} must be 2-D [rows, cols], got {} dimension(s)",
-                label(gid),
+                label,
                 arr.ndim()
             )));
         }
         let Ok(typed) = arr.cast::<PyArray2<i32>>() else {
             return Err(PyTypeError::new_err(format!(
                 "{} must have dtype int32, got {}",
-                label(gid),
+                label,
                 arr.dtype().str()?
             )));
         };
         if !arr.is_c_contiguous() {
-            return Err(PyValueError::new_err(format!("{} must be C-contiguous", label(gid))));
+            return Err(PyValueError::new_err(format!("{label} must be C-contiguous")));
         }
         let rw = typed.try_readwrite().map_err(|e| match e {
-            BorrowError::NotWriteable => PyValueError::new_err(format!("{} must be writable", label(gid))),
+            BorrowError::NotWriteable => PyValueError::new_err(format!("{label} must be writable")),
             _ => PyValueError::new_err(format!(
-                "{} shares its memory with another group's table (or is borrowed elsewhere)",
-                label(gid)
+                "{label} shares its memory with another group's table (or is borrowed elsewhere)"
             )),
         })?;
         arrays.push(rw);

@@ -13,15 +13,15 @@ from flat_kvcache.reference.engine._args import RequestId, as_request_ids
 from flat_kvcache.reference.engine.coordinator import Coordinator
 from flat_kvcache.reference.engine.table import Table
 
-__all__ = ["BlockTables"]
+__all__ = ["FLAT_OFF_MESSAGE", "BlockTables", "flat_build_enabled", "out_buffers"]
 
-_FLAT_OFF_MESSAGE = (
+FLAT_OFF_MESSAGE = (
     "flat per-group block tables are unavailable: this build of flat_kvcache was compiled "
     "without the `flat` cargo feature"
 )
 
 
-def _flat_build_enabled() -> bool:
+def flat_build_enabled() -> bool:
     """The native build flag, read at call time (SPEC 10); False if the native module is missing."""
     try:
         from flat_kvcache import _native
@@ -45,8 +45,8 @@ class BlockTables(Coordinator):
         place and ``out`` is returned; rows past ``len(reqs)`` are untouched. Every check (the
         buffers, then the requests, then rows and columns) happens before anything is written.
         """
-        if not _flat_build_enabled():
-            raise FlatUnavailableError(_FLAT_OFF_MESSAGE)
+        if not flat_build_enabled():
+            raise FlatUnavailableError(FLAT_OFF_MESSAGE)
         keys = as_request_ids(reqs)
         if out is None:
             rows = [self._tables(key) for key in keys]
@@ -57,7 +57,7 @@ class BlockTables(Coordinator):
                 self._fill_rows(array, rows, group)
                 result[group_id] = array
             return result
-        buffers = self._out_buffers(out)
+        buffers = out_buffers(out, self._group_ids)
         rows = [self._tables(key) for key in keys]
         for group, (group_id, array) in enumerate(zip(self._group_ids, buffers, strict=True)):
             if array.shape[0] < len(rows):
@@ -83,39 +83,43 @@ class BlockTables(Coordinator):
             array[row, : len(pages)] = pages
             array[row, len(pages) :] = -1
 
-    def _out_buffers(self, out: Any) -> list[npt.NDArray[np.int32]]:
-        """Each group's ``out`` buffer as a numpy view of the caller's memory, checked."""
-        buffers: list[npt.NDArray[np.int32]] = []
-        for group_id in self._group_ids:
-            label = f"out[{group_id!r}]"
-            try:
-                item = out[group_id]
-            except KeyError:
-                raise ValueError(f"block_tables: out has no table for group {group_id!r}") from None
-            except TypeError:
+
+def out_buffers(
+    out: Any, group_ids: list[str], name: str = "out", method: str = "block_tables"
+) -> list[npt.NDArray[np.int32]]:
+    """Each group's buffer in the mapping ``out`` (argument ``name`` of ``method``) as a numpy
+    view of the caller's memory, checked: int32, 2-D, C-contiguous, writable, no two sharing
+    memory."""
+    buffers: list[npt.NDArray[np.int32]] = []
+    for group_id in group_ids:
+        label = f"{name}[{group_id!r}]"
+        try:
+            item = out[group_id]
+        except KeyError:
+            raise ValueError(f"{method}: {name} has no table for group {group_id!r}") from None
+        except TypeError:
+            raise TypeError(
+                f"{name} must be a mapping of group id to int32 array, got {type(out).__name__}"
+            ) from None
+        if not isinstance(item, np.ndarray):
+            if not all(hasattr(item, attr) for attr in ("numpy", "device", "data_ptr")):
                 raise TypeError(
-                    f"out must be a mapping of group id to int32 array, got {type(out).__name__}"
-                ) from None
+                    f"{label} must be an int32 numpy array or a CPU torch tensor, got {type(item).__name__}"
+                )
+            if getattr(item.device, "type", None) != "cpu":
+                raise ValueError(f"{label} must be a CPU tensor, got one on device {item.device}")
+            item = item.numpy()  # shares the tensor's memory
             if not isinstance(item, np.ndarray):
-                if not all(hasattr(item, name) for name in ("numpy", "device", "data_ptr")):
-                    raise TypeError(
-                        f"{label} must be an int32 numpy array or a CPU torch tensor, "
-                        f"got {type(item).__name__}"
-                    )
-                if getattr(item.device, "type", None) != "cpu":
-                    raise ValueError(f"{label} must be a CPU tensor, got one on device {item.device}")
-                item = item.numpy()  # shares the tensor's memory
-                if not isinstance(item, np.ndarray):
-                    raise TypeError(f"{label}.numpy() returned {type(item).__name__}, not a numpy array")
-            if item.ndim != 2:
-                raise ValueError(f"{label} must be 2-D [rows, cols], got {item.ndim} dimension(s)")
-            if item.dtype != np.int32:
-                raise TypeError(f"{label} must have dtype int32, got {item.dtype}")
-            if not item.flags.c_contiguous:
-                raise ValueError(f"{label} must be C-contiguous")
-            if not item.flags.writeable:
-                raise ValueError(f"{label} must be writable")
-            if any(np.shares_memory(item, other) for other in buffers):
-                raise ValueError(f"{label} shares its memory with another group's table")
-            buffers.append(item)
-        return buffers
+                raise TypeError(f"{label}.numpy() returned {type(item).__name__}, not a numpy array")
+        if item.ndim != 2:
+            raise ValueError(f"{label} must be 2-D [rows, cols], got {item.ndim} dimension(s)")
+        if item.dtype != np.int32:
+            raise TypeError(f"{label} must have dtype int32, got {item.dtype}")
+        if not item.flags.c_contiguous:
+            raise ValueError(f"{label} must be C-contiguous")
+        if not item.flags.writeable:
+            raise ValueError(f"{label} must be writable")
+        if any(np.shares_memory(item, other) for other in buffers):
+            raise ValueError(f"{label} shares its memory with another group's table")
+        buffers.append(item)
+    return buffers

@@ -15,14 +15,15 @@ from flat_kvcache.reference.engine._args import (
     as_request_id,
     check_u64,
 )
-from flat_kvcache.reference.engine.coordinator import Coordinator, PrefixMatch
+from flat_kvcache.reference.engine.coordinator import PrefixMatch
+from flat_kvcache.reference.engine.rows import Rows
 from flat_kvcache.reference.engine.table import Table
 
 __all__ = ["PageApi"]
 
 
-class PageApi(Coordinator):
-    """The page-level calls on top of the coordinator."""
+class PageApi(Rows):
+    """The page-level calls on top of the coordinator (and the persistent rows a request may hold)."""
 
     def reclaim(self, req: RequestId, num_computed_tokens: int) -> None:
         """Free every page that slid out of its group's window, per group in index order (SPEC 6)."""
@@ -54,6 +55,7 @@ class PageApi(Coordinator):
             # BlockPool.free releases in reverse list order: reverse to release in ``ordered``.
             self._pool.free([page for _, _, page in reversed(ordered)])
         key = as_request_id(req)
+        self._vacate_row(key)
         del self._requests[key]
         self._token_states.pop(key, None)
         self._reserves.pop(key, None)

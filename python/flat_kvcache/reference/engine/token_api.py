@@ -66,15 +66,19 @@ class TokenApi(PageApi):
         *,
         extra_keys: Sequence[str] = (),
         use_prefix_cache: bool = True,
+        row: int | None = None,
     ) -> int:
         """A new token-level request for a non-empty prompt; returns its prefix hit in tokens.
 
         With caching on and ``use_prefix_cache`` the capped match is claimed and the request
-        starts computed up to the hit. Nothing else is allocated.
+        starts computed up to the hit. Nothing else is allocated. ``row``: the request owns that
+        row of the tables bound by ``bind_rows`` (it must be free) until it is freed.
         """
         use_cache = as_flag(use_prefix_cache, "use_prefix_cache")
         key = as_request_id(req)
+        wanted_row = None if row is None else as_count(row, "row")
         tokens, hashes, keys = self._hash_prompt(prompt_token_ids, extra_keys)
+        row_index = None if wanted_row is None else self._check_row_free(wanted_row)
         if key in self._requests:
             raise ValueError(f"add_request: request {req!r} already exists")
         if not tokens:
@@ -88,6 +92,8 @@ class TokenApi(PageApi):
             self._counters["prefix_queries_tokens"] += len(tokens)
             self._counters["prefix_hits_tokens"] += hit
         self._token_states[key] = TokenState(tokens, hashes, keys, computed=hit, registered=hit // self._base)
+        if row_index is not None:
+            self._assign_row(key, row_index)
         return hit
 
     def append_tokens(self, req: RequestId, token_ids: TokenIds) -> None:

@@ -39,6 +39,7 @@ mod admission;
 pub mod block_tables;
 mod invariants;
 mod page_api;
+pub mod rows;
 pub mod stats;
 mod token_api;
 
@@ -82,6 +83,8 @@ struct Entry {
     tokens: Option<TokenState>,
     /// Pages reserved for this request's next decode (docs/requests-api.md `reserve`).
     reserve: u64,
+    /// The persistent row it holds ([`rows`]), if any.
+    row: Option<usize>,
 }
 
 /// Counters behind [`stats::CacheStats`] that the pool does not keep.
@@ -109,6 +112,8 @@ pub struct FlatCache {
     counters: Counters,
     /// Reused buffer of slab positions for batch calls.
     scratch: Vec<usize>,
+    /// Persistent block-table rows, once bound ([`rows`]).
+    rows: Option<rows::RowBinding>,
 }
 
 impl FlatCache {
@@ -139,6 +144,7 @@ impl FlatCache {
             reserved: 0,
             counters: Counters::default(),
             scratch: Vec::new(),
+            rows: None,
         })
     }
 
@@ -183,6 +189,7 @@ impl FlatCache {
             tables: vec![Table::default(); self.coord.num_groups()],
             tokens,
             reserve: 0,
+            row: None,
         };
         let at = if let Some(at) = self.vacant.pop() {
             self.entries[at] = entry;
@@ -200,6 +207,9 @@ impl FlatCache {
     fn release(&mut self, req: RequestIdRef<'_>, at: usize) -> Option<TokenState> {
         self.index.remove(&req);
         let mut entry = std::mem::take(&mut self.entries[at]);
+        if let (Some(row), Some(binding)) = (entry.row, self.rows.as_mut()) {
+            binding.vacate(row);
+        }
         self.coord.free(&mut entry.tables, self.eviction);
         self.reserved -= u128::from(entry.reserve);
         self.vacant.push(at);

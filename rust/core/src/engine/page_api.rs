@@ -13,7 +13,10 @@ impl FlatCache {
     /// The request's position, created empty (page-level) on first use.
     fn ensure(&mut self, req: RequestIdRef<'_>) -> usize {
         match self.index.get(&req) {
-            Some(&at) => at,
+            Some(&at) => {
+                self.touch_row(at, true);
+                at
+            }
             None => self.insert(req, None),
         }
     }
@@ -21,6 +24,7 @@ impl FlatCache {
     /// The request's tables and the coordinator, borrowed together.
     fn split_mut(&mut self, req: RequestIdRef<'_>) -> CoreResult<(&mut Coordinator, &mut Vec<Table>)> {
         let i = self.find(req)?;
+        self.touch_row(i, true);
         Ok((&mut self.coord, &mut self.entries[i].tables))
     }
 

@@ -26,6 +26,12 @@ fn page_level(method: &str, req: RequestIdRef<'_>) -> CoreError {
     ))
 }
 
+/// Slots below each table's hole bound, summed (they only grow between frees).
+#[inline]
+fn holes(tables: &[Table]) -> usize {
+    tables.iter().map(Table::holes_below).sum()
+}
+
 /// Tokens allocated to a request: claimed plus acquired tokens (the same in every group).
 #[inline]
 fn allocated(coord: &Coordinator, tables: &[Table]) -> u64 {
@@ -91,6 +97,23 @@ impl FlatCache {
             c.prefix_queries_tokens = c.prefix_queries_tokens.saturating_add(prompt_len);
             c.prefix_hits_tokens = c.prefix_hits_tokens.saturating_add(hit);
         }
+        Ok(hit)
+    }
+
+    /// [`Self::add_request`], giving the new request persistent row `row` of the bound
+    /// tables ([`super::rows`]); a row past the bound rows or held by another request is an
+    /// error and nothing is added.
+    pub fn add_request_in_row(
+        &mut self,
+        req: RequestIdRef<'_>,
+        prompt: Prompt,
+        use_prefix_cache: bool,
+        row: usize,
+    ) -> CoreResult<u64> {
+        self.check_row_free(row)?;
+        let hit = self.add_request(req, prompt, use_prefix_cache)?;
+        let at = self.find(req)?;
+        self.assign_row(at, row);
         Ok(hit)
     }
 
@@ -266,16 +289,24 @@ impl FlatCache {
         };
         register_computed(&mut self.coord, &entry.tables, state)?;
         let c = state.computed;
+        // A bound row is visited by the next update only if a reclaim or an acquire changed
+        // the tables.
+        let holes_before = entry.row.map(|_| holes(&entry.tables));
         self.coord.reclaim(&mut entry.tables, c);
         // Validated by the callers: c + n + lookahead fits u64.
         let target = c.saturating_add(n).saturating_add(lookahead);
         let need = target.saturating_sub(allocated(&self.coord, &entry.tables));
-        if need > 0 && !self.coord.acquire(&mut entry.tables, need) {
-            return Ok(false);
+        let acquired = need > 0 && self.coord.acquire(&mut entry.tables, need);
+        let changed = acquired || holes_before.is_some_and(|h| h != holes(&entry.tables));
+        let scheduled = need == 0 || acquired;
+        if scheduled {
+            state.computed = c + n;
+            self.reserved -= u128::from(std::mem::take(&mut entry.reserve));
         }
-        state.computed = c + n;
-        self.reserved -= u128::from(std::mem::take(&mut entry.reserve));
-        Ok(true)
+        if changed {
+            self.touch_row(at, false);
+        }
+        Ok(scheduled)
     }
 
     /// Register a token-level request's completed full pages, free everything in the

@@ -1,0 +1,285 @@
+//! Persistent block-table rows (`FlatKVCache.bind_rows` / `update_rows`): the caller's
+//! buffers, kept between calls, and the deltas of an update as numpy arrays.
+//!
+//! The buffers are checked once when bound (int32, C-contiguous, writable, one per group, no
+//! two sharing memory, the same number of rows) and kept as numpy arrays (a CPU torch tensor
+//! through its `.numpy()` view, which keeps the tensor alive and shares its memory); each
+//! update borrows them writable again, so a buffer borrowed elsewhere is refused, never
+//! aliased.
+
+use flat_kvcache_core::engine::block_tables::TableOut;
+use flat_kvcache_core::engine::coordinator::GroupSpec;
+use flat_kvcache_core::engine::group::GroupKind;
+use flat_kvcache_core::engine::rows::{RowDelta, RowLayout};
+use numpy::ndarray::Array2;
+use numpy::{
+    BorrowError, IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadwriteArray1, PyReadwriteArray2,
+    PyUntypedArrayMethods,
+};
+use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyMapping};
+
+use crate::convert::{clip, type_name};
+use crate::tables::{as_ndarray, borrow_tables};
+
+/// The bound buffers: one table per group, one offsets vector per windowed group.
+pub struct BoundBuffers {
+    tables: Vec<Py<PyArray2<i32>>>,
+    offsets: Vec<Option<Py<PyArray1<i32>>>>,
+}
+
+/// `offsets['<group id>']`, as messages name an offsets buffer.
+fn offsets_label(gid: &str) -> String {
+    format!("offsets['{}']", clip(gid).escape_debug())
+}
+
+/// Check and borrow the offsets buffers: a mapping of sliding-window group id to a writable
+/// C-contiguous int32 vector of `max_rows` values. Groups without an entry are not windowed.
+fn borrow_offsets<'py>(
+    offsets: &Bound<'py, PyAny>,
+    groups: &[GroupSpec],
+    max_rows: usize,
+) -> PyResult<Vec<Option<PyReadwriteArray1<'py, i32>>>> {
+    let mapping = offsets.cast::<PyMapping>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "offsets must be a mapping of sliding-window group id to int32 array, got {}",
+            type_name(offsets)
+        ))
+    })?;
+    for key in mapping.keys()?.iter() {
+        let known = key
+            .extract::<String>()
+            .is_ok_and(|k| groups.iter().any(|g| g.group_id == k));
+        if !known {
+            let ids: Vec<String> = groups
+                .iter()
+                .map(|g| format!("'{}'", clip(&g.group_id).escape_debug()))
+                .collect();
+            return Err(PyValueError::new_err(format!(
+                "offsets has a buffer for {}, which is not a group of this cache ({})",
+                key.repr()?,
+                ids.join(", ")
+            )));
+        }
+    }
+    let mut out = Vec::with_capacity(groups.len());
+    for spec in groups {
+        let gid = spec.group_id.as_str();
+        let item = match mapping.get_item(gid) {
+            Ok(item) => item,
+            Err(e) if e.is_instance_of::<PyKeyError>(offsets.py()) => {
+                out.push(None);
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        let label = offsets_label(gid);
+        if !matches!(spec.kind, GroupKind::SlidingWindow { .. }) {
+            return Err(PyValueError::new_err(format!(
+                "{label}: only sliding-window groups have windowed rows, and '{}' is a {} group",
+                clip(gid).escape_debug(),
+                spec.kind.name()
+            )));
+        }
+        let arr = as_ndarray(&item, &label)?;
+        if arr.ndim() != 1 || arr.shape()[0] != max_rows {
+            return Err(PyValueError::new_err(format!(
+                "{label} must be 1-D with one value per row ({max_rows}), got shape {:?}",
+                arr.shape()
+            )));
+        }
+        let Ok(typed) = arr.cast::<PyArray1<i32>>() else {
+            return Err(PyTypeError::new_err(format!(
+                "{label} must have dtype int32, got {}",
+                arr.dtype().str()?
+            )));
+        };
+        if !arr.is_c_contiguous() {
+            return Err(PyValueError::new_err(format!("{label} must be C-contiguous")));
+        }
+        let rw = typed.try_readwrite().map_err(|e| match e {
+            BorrowError::NotWriteable => PyValueError::new_err(format!("{label} must be writable")),
+            _ => PyValueError::new_err(format!("{label} shares its memory with another bound buffer")),
+        })?;
+        out.push(Some(rw));
+    }
+    Ok(out)
+}
+
+/// Check the buffers of `bind_rows`, returning the row count, each group's layout and the
+/// arrays to keep. Nothing is written.
+pub fn check_bind(
+    tables: &Bound<'_, PyAny>,
+    offsets: Option<&Bound<'_, PyAny>>,
+    groups: &[GroupSpec],
+) -> PyResult<(usize, Vec<RowLayout>, BoundBuffers)> {
+    let arrays = borrow_tables(tables, groups, "tables", "bind_rows")?;
+    let max_rows = arrays.first().map_or(0, |a| a.shape()[0]);
+    for (spec, arr) in groups.iter().zip(&arrays) {
+        if arr.shape()[0] != max_rows {
+            return Err(PyValueError::new_err(format!(
+                "tables['{}'] has {} rows but tables['{}'] has {max_rows}: every group needs the same rows",
+                clip(&spec.group_id).escape_debug(),
+                arr.shape()[0],
+                clip(&groups[0].group_id).escape_debug()
+            )));
+        }
+    }
+    let offs = match offsets.filter(|o| !o.is_none()) {
+        Some(o) => borrow_offsets(o, groups, max_rows)?,
+        None => groups.iter().map(|_| None).collect(),
+    };
+    let layouts = arrays
+        .iter()
+        .zip(&offs)
+        .map(|(a, o)| RowLayout {
+            cols: a.shape()[1],
+            windowed: o.is_some(),
+        })
+        .collect();
+    let buffers = BoundBuffers {
+        tables: arrays.iter().map(|a| keep2(a)).collect(),
+        offsets: offs.iter().map(|o| o.as_ref().map(keep1)).collect(),
+    };
+    Ok((max_rows, layouts, buffers))
+}
+
+/// A reference to keep of a borrowed 2-D buffer.
+fn keep2(a: &PyReadwriteArray2<'_, i32>) -> Py<PyArray2<i32>> {
+    let bound: &Bound<'_, PyArray2<i32>> = a;
+    bound.clone().unbind()
+}
+
+/// A reference to keep of a borrowed 1-D buffer.
+fn keep1(a: &PyReadwriteArray1<'_, i32>) -> Py<PyArray1<i32>> {
+    let bound: &Bound<'_, PyArray1<i32>> = a;
+    bound.clone().unbind()
+}
+
+impl BoundBuffers {
+    /// Fill the buffers as a fresh binding expects them: tables -1, offsets 0.
+    pub fn reset(&self, py: Python<'_>) -> PyResult<()> {
+        for t in &self.tables {
+            t.bind(py).try_readwrite().map_err(borrowed)?.as_array_mut().fill(-1);
+        }
+        for o in self.offsets.iter().flatten() {
+            o.bind(py).try_readwrite().map_err(borrowed)?.as_array_mut().fill(0);
+        }
+        Ok(())
+    }
+
+    /// Borrow every buffer writable for one update.
+    #[allow(clippy::type_complexity, reason = "one borrow per group, tables then offsets")]
+    pub fn borrow<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(
+        Vec<PyReadwriteArray2<'py, i32>>,
+        Vec<Option<PyReadwriteArray1<'py, i32>>>,
+    )> {
+        let tables = self
+            .tables
+            .iter()
+            .map(|t| t.bind(py).try_readwrite().map_err(borrowed))
+            .collect::<PyResult<_>>()?;
+        let offsets = self
+            .offsets
+            .iter()
+            .map(|o| {
+                o.as_ref()
+                    .map(|a| a.bind(py).try_readwrite().map_err(borrowed))
+                    .transpose()
+            })
+            .collect::<PyResult<_>>()?;
+        Ok((tables, offsets))
+    }
+}
+
+/// A bound buffer that cannot be borrowed writable right now.
+#[allow(clippy::needless_pass_by_value, reason = "used as a map_err callback")]
+fn borrowed(e: BorrowError) -> PyErr {
+    PyValueError::new_err(format!("update_rows: a bound buffer cannot be written now ({e})"))
+}
+
+/// The borrowed buffers as the core's outputs.
+#[allow(clippy::type_complexity, reason = "mirrors BoundBuffers::borrow")]
+pub fn as_outs<'a>(
+    tables: &'a mut [PyReadwriteArray2<'_, i32>],
+    offsets: &'a mut [Option<PyReadwriteArray1<'_, i32>>],
+) -> PyResult<(Vec<TableOut<'a>>, Vec<Option<&'a mut [i32]>>)> {
+    let mut outs = Vec::with_capacity(tables.len());
+    for t in tables.iter_mut() {
+        let (rows, cols) = (t.shape()[0], t.shape()[1]);
+        let data = t
+            .as_slice_mut()
+            .map_err(|e| PyValueError::new_err(format!("update_rows: bound table: {e}")))?;
+        outs.push(TableOut { data, rows, cols });
+    }
+    let mut offs = Vec::with_capacity(offsets.len());
+    for o in offsets.iter_mut() {
+        offs.push(match o {
+            Some(a) => Some(
+                a.as_slice_mut()
+                    .map_err(|e| PyValueError::new_err(format!("update_rows: bound offsets: {e}")))?,
+            ),
+            None => None,
+        });
+    }
+    Ok((outs, offs))
+}
+
+/// One group's changes, copied out of the core: `[rows..., cols..., values...]` and
+/// `[offset rows..., offsets...]`.
+pub struct DeltaCopy {
+    cells: Vec<i32>,
+    offsets: Option<Vec<i32>>,
+}
+
+/// Copy the core's deltas (while the engine is locked).
+pub fn copy_deltas(deltas: &[RowDelta], windowed: impl Iterator<Item = bool>) -> Vec<DeltaCopy> {
+    deltas
+        .iter()
+        .zip(windowed)
+        .map(|(d, w)| {
+            let mut cells = Vec::with_capacity(3 * d.len());
+            cells.extend_from_slice(&d.rows);
+            cells.extend_from_slice(&d.cols);
+            cells.extend_from_slice(&d.values);
+            let offsets = w.then(|| {
+                let mut o = Vec::with_capacity(2 * d.offsets.len());
+                o.extend_from_slice(&d.offset_rows);
+                o.extend_from_slice(&d.offsets);
+                o
+            });
+            DeltaCopy { cells, offsets }
+        })
+        .collect()
+}
+
+/// The deltas as `(cells, offsets)`: `{group_id: int32 [3, n]}` for every group and
+/// `{group_id: int32 [2, m]}` for the windowed ones.
+pub fn deltas_to_py<'py, 'a>(
+    py: Python<'py>,
+    gids: impl Iterator<Item = &'a str>,
+    copies: Vec<DeltaCopy>,
+) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyDict>)> {
+    let cells = PyDict::new(py);
+    let offsets = PyDict::new(py);
+    let shape_err = |e: numpy::ndarray::ShapeError| PyValueError::new_err(format!("update_rows: {e}"));
+    for (gid, DeltaCopy { cells: c, offsets: o }) in gids.zip(copies) {
+        let n = c.len() / 3;
+        cells.set_item(
+            gid,
+            Array2::from_shape_vec((3, n), c).map_err(shape_err)?.into_pyarray(py),
+        )?;
+        if let Some(o) = o {
+            let m = o.len() / 2;
+            offsets.set_item(
+                gid,
+                Array2::from_shape_vec((2, m), o).map_err(shape_err)?.into_pyarray(py),
+            )?;
+        }
+    }
+    Ok((cells, offsets))
+}

@@ -1,0 +1,262 @@
+"""Stateful cross-check of persistent block-table rows (docs/requests-api.md "Persistent rows").
+
+One hypothesis state machine drives the native ``FlatKVCache`` and the pure-Python reference
+with the same scheduler-loop operations on requests that own rows of bound buffers: add with a
+row (free, held, or out of range), decode steps (``schedule_batch`` + ``append_tokens_batch``),
+prefill chunks, finish, preempt and re-add in another row, page-level calls, ``reset_prefix_cache``,
+re-binding (more rows, other widths, windowed sliding groups) and a scribble repaired by
+``update_rows(full=True)``.
+
+After every ``update_rows`` the two engines must return the same deltas (or raise the same
+exception class), and the deltas, applied to a shadow copy that only ever sees deltas, must
+give the bound buffers; each live request's row must be exactly its ``block_tables`` row (a
+windowed row: the table's last ``cols`` slots from ``offsets[row] = max(0, len - cols)``, with
+no real page before it) and every other row padding.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import flat_kvcache
+import flat_kvcache.reference
+import numpy as np
+from helpers import normalize
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from test_requests_stateful import DOCUMENTS, REQUEST_IDS, configs
+
+IN_CI = os.environ.get("HYPOTHESIS_PROFILE") == "ci"
+EXAMPLES = int(os.environ.get("ROWS_EXAMPLES", "300" if IN_CI else "60"))
+
+
+class RowsMachine(RuleBasedStateMachine):
+    """Native and reference caches with bound rows; deltas must agree and be exact."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.caches: list[Any] = []
+        self.live: dict[Any, int] = {}  # request -> row
+        self.bound_buffers: list[dict[str, np.ndarray]] = []
+        self.bound_offsets: list[dict[str, np.ndarray]] = []
+
+    @initialize(config=configs(), max_rows=st.integers(1, 5), cols=st.integers(1, 40), windowed=st.booleans())
+    def build(self, config: dict[str, Any], max_rows: int, cols: int, windowed: bool) -> None:
+        self.config = config
+        for module in (flat_kvcache, flat_kvcache.reference):
+            specs = [module.KVCacheSpec(kind, size, window) for kind, size, window in config["groups"]]
+            self.caches.append(
+                module.FlatKVCache(
+                    specs,
+                    config["num_pages"],
+                    enable_caching=config["enable_caching"],
+                    eviction_order=config["eviction_order"],
+                )
+            )
+        self.group_ids = self.caches[0].group_ids
+        self.kinds = [kind for kind, _, _ in config["groups"]]
+        self.bind(max_rows, cols, windowed)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def bind(self, max_rows: int, cols: int, windowed: bool) -> None:
+        """Bind fresh buffers (the same shapes) to both caches; both must agree."""
+        self.buffers: list[dict[str, np.ndarray]] = []
+        self.offsets: list[dict[str, np.ndarray]] = []
+        outcomes = []
+        for cache in self.caches:
+            tables = {g: np.full((max_rows, cols + i), 7, np.int32) for i, g in enumerate(self.group_ids)}
+            offsets = {
+                g: np.full(max_rows, 7, np.int32)
+                for g, kind in zip(self.group_ids, self.kinds, strict=True)
+                if windowed and kind == "sliding_window"
+            }
+            try:
+                cache.bind_rows(tables, offsets=offsets)
+                outcomes.append("ok")
+            except ValueError as exc:
+                outcomes.append(str(exc))
+            self.buffers.append(tables)
+            self.offsets.append(offsets)
+        assert outcomes[0] == outcomes[1], outcomes
+        if outcomes[0] != "ok":
+            event("rebind refused")
+            self.buffers, self.offsets = self.bound_buffers, self.bound_offsets
+            return
+        for tables, offsets in zip(self.buffers, self.offsets, strict=True):
+            assert all((t == -1).all() for t in tables.values()), "bind_rows fills tables with -1"
+            assert all((o == 0).all() for o in offsets.values()), "bind_rows fills offsets with 0"
+        self.bound_buffers, self.bound_offsets = self.buffers, self.offsets
+        # The engine's device copy, kept only through deltas (a fresh binding starts as padding).
+        self.shadow = {g: t.copy() for g, t in self.buffers[0].items()}
+        self.shadow_offsets = {g: o.copy() for g, o in self.offsets[0].items()}
+
+    def both(self, method: str, *args: Any, **kwargs: Any) -> tuple[str, Any]:
+        outcomes: list[tuple[str, Any]] = []
+        for cache in self.caches:
+            try:
+                outcomes.append(("ok", normalize(getattr(cache, method)(*args, **kwargs))))
+            except Exception as exc:
+                outcomes.append(("raise", f"{type(exc).__name__}: {exc}"))
+        if method != "update_rows":
+            assert outcomes[0] == outcomes[1], f"{method}{args}: {outcomes}"
+        return outcomes[0]
+
+    def pick(self, index: int) -> Any:
+        return list(self.live)[index % len(self.live)]
+
+    def remaining(self, req: Any) -> int:
+        native = self.caches[0]
+        return int(native.num_tokens(req) - native.num_computed_tokens(req))
+
+    # -- rules --------------------------------------------------------------------------------
+
+    @rule(
+        req=st.sampled_from(REQUEST_IDS),
+        doc=st.integers(0, 2),
+        length=st.integers(1, 40),
+        row=st.integers(0, 5),
+    )
+    def add_request(self, req: Any, doc: int, length: int, row: int) -> None:
+        outcome = self.both("add_request", req, DOCUMENTS[doc][:length], row=row)
+        if outcome[0] == "ok":
+            self.live[req] = row
+        else:
+            event("add_request refused")
+
+    @precondition(lambda self: self.live)
+    @rule(tokens=st.lists(st.integers(0, 2000), min_size=1, max_size=5))
+    def decode_step(self, tokens: list[int]) -> None:
+        """One decode step for up to 5 live requests: schedule one token each, then append."""
+        reqs = [r for r in self.live if self.remaining(r) >= 1][: len(tokens)]
+        if not reqs:
+            return
+        self.both("schedule_batch", reqs, [1] * len(reqs))
+        self.both("append_tokens_batch", reqs, tokens[: len(reqs)])
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 10), fraction=st.floats(0, 1))
+    def prefill_chunk(self, index: int, fraction: float) -> None:
+        req = self.pick(index)
+        self.both("schedule", req, int(self.remaining(req) * fraction))
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 10), preempt=st.booleans(), row=st.integers(0, 5))
+    def finish_or_preempt(self, index: int, preempt: bool, row: int) -> None:
+        req = self.pick(index)
+        if not preempt:
+            self.both("finish", req)
+            del self.live[req]
+            return
+        tokens = self.both("preempt", req)[1]
+        del self.live[req]
+        if self.both("add_request", req, tokens, row=row)[0] == "ok":
+            self.live[req] = row
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 10), op=st.sampled_from(["acquire", "reclaim"]), k=st.integers(0, 9))
+    def page_level_call(self, index: int, op: str, k: int) -> None:
+        self.both(op, self.pick(index), k)
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        self.both("reset_prefix_cache")
+
+    @rule(max_rows=st.integers(1, 6), cols=st.integers(1, 40), windowed=st.booleans())
+    def rebind(self, max_rows: int, cols: int, windowed: bool) -> None:
+        self.update()  # settle the old binding first; the new one starts over
+        self.bind(max_rows, cols, windowed)
+
+    @rule(row=st.integers(0, 5), col=st.integers(0, 40), value=st.integers(-5, 50))
+    def scribble(self, row: int, col: int, value: int) -> None:
+        """Someone writes a cell of both engines' buffers: a full update must repair it."""
+        first = self.buffers[0][self.group_ids[0]]
+        if row >= first.shape[0] or col >= first.shape[1]:
+            return
+        for tables in self.buffers:
+            tables[self.group_ids[0]][row, col] = value
+        self.shadow[self.group_ids[0]][row, col] = value
+        self.update(full=True)
+
+    @rule()
+    def update(self, full: bool = False) -> None:
+        outcomes = [self._update(cache, full) for cache in self.caches]
+        assert outcomes[0] == outcomes[1], (
+            f"update_rows(full={full}): native {outcomes[0]} != reference {outcomes[1]}"
+        )
+        if outcomes[0][0] == "raise":
+            event("update_rows refused")
+            return
+        cells, offsets = outcomes[0][1]
+        for group_id, (rows, cols, values) in cells.items():
+            assert (self.shadow[group_id][rows, cols] != values).all(), "a delta changes its cell"
+            self.shadow[group_id][rows, cols] = values
+            if len(values):
+                event("cells changed")
+        for group_id, (rows, values) in offsets.items():
+            self.shadow_offsets[group_id][rows] = values
+            if len(values):
+                event("windowed offsets changed")
+        for tables, offs in zip(self.buffers, self.offsets, strict=True):
+            for group_id, table in tables.items():
+                np.testing.assert_array_equal(self.shadow[group_id], table)
+            for group_id, off in offs.items():
+                np.testing.assert_array_equal(self.shadow_offsets[group_id], off)
+        self.check_rows()
+
+    @staticmethod
+    def _update(cache: Any, full: bool) -> tuple[str, Any]:
+        try:
+            cells, offsets = cache.update_rows(full=full)
+        except Exception as exc:
+            return ("raise", f"{type(exc).__name__}: {exc}")
+        as_lists = (
+            {g: a.tolist() for g, a in cells.items()},
+            {g: a.tolist() for g, a in offsets.items()},
+        )
+        for g, a in cells.items():
+            assert a.dtype == np.int32 and a.shape[0] == 3, (g, a.dtype, a.shape)
+            keys = list(zip(a[0].tolist(), a[1].tolist(), strict=True))
+            assert keys == sorted(set(keys)), "deltas sorted by row, then column, no repeats"
+        return ("ok", as_lists)
+
+    def check_rows(self) -> None:
+        """Each live request's row is its ``block_tables`` row; every other row is padding."""
+        native = self.caches[0]
+        tables, offsets = self.buffers[0], self.offsets[0]
+        owners = {row: req for req, row in self.live.items()}
+        for group_id, table in tables.items():
+            cols = table.shape[1]
+            for row in range(table.shape[0]):
+                want = np.full(cols, -1, np.int32)
+                offset = 0
+                if row in owners:
+                    pages = native.block_tables([owners[row]])[group_id][0]
+                    if group_id in offsets:
+                        offset = max(0, len(pages) - cols)
+                        assert (pages[:offset] == 0).all(), "no real page before a windowed row"
+                    want[: len(pages) - offset] = pages[offset:]
+                    assert native.row_of(owners[row]) == row
+                np.testing.assert_array_equal(table[row], want, err_msg=f"{group_id} row {row}")
+                if group_id in offsets:
+                    assert offsets[group_id][row] == offset
+
+    @invariant()
+    def agree(self) -> None:
+        for cache in self.caches:
+            cache.check_invariants()
+        for req in self.live:
+            self.both("page_ids", req)
+            self.both("row_of", req)
+
+
+RowsMachine.TestCase.settings = settings(
+    max_examples=EXAMPLES,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+TestRowsCrossCheck = RowsMachine.TestCase
