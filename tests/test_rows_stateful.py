@@ -42,8 +42,15 @@ class RowsMachine(RuleBasedStateMachine):
         self.bound_buffers: list[dict[str, np.ndarray]] = []
         self.bound_offsets: list[dict[str, np.ndarray]] = []
 
-    @initialize(config=configs(), max_rows=st.integers(1, 5), cols=st.integers(1, 40), windowed=st.booleans())
-    def build(self, config: dict[str, Any], max_rows: int, cols: int, windowed: bool) -> None:
+    @initialize(
+        # Every config has a sliding group, so windowed rows are exercised (full and state
+        # groups come alongside).
+        config=configs().filter(lambda c: any(kind == "sliding_window" for kind, _, _ in c["groups"])),
+        max_rows=st.integers(1, 5),
+        cols=st.integers(1, 40),
+        windowed=st.sampled_from([0, 2, 4, 6, 10, 16]),
+    )
+    def build(self, config: dict[str, Any], max_rows: int, cols: int, windowed: int) -> None:
         self.config = config
         for module in (flat_kvcache, flat_kvcache.reference):
             specs = [module.KVCacheSpec(kind, size, window) for kind, size, window in config["groups"]]
@@ -61,13 +68,19 @@ class RowsMachine(RuleBasedStateMachine):
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def bind(self, max_rows: int, cols: int, windowed: bool) -> None:
-        """Bind fresh buffers (the same shapes) to both caches; both must agree."""
+    def bind(self, max_rows: int, cols: int, windowed: int) -> None:
+        """Bind fresh buffers (the same shapes) to both caches; both must agree. ``windowed``:
+        0, or the width of every sliding group's windowed rows."""
         self.buffers: list[dict[str, np.ndarray]] = []
         self.offsets: list[dict[str, np.ndarray]] = []
         outcomes = []
         for cache in self.caches:
-            tables = {g: np.full((max_rows, cols + i), 7, np.int32) for i, g in enumerate(self.group_ids)}
+            tables = {
+                g: np.full(
+                    (max_rows, windowed if windowed and kind == "sliding_window" else cols + i), 7, np.int32
+                )
+                for i, (g, kind) in enumerate(zip(self.group_ids, self.kinds, strict=True))
+            }
             offsets = {
                 g: np.full(max_rows, 7, np.int32)
                 for g, kind in zip(self.group_ids, self.kinds, strict=True)
@@ -127,14 +140,41 @@ class RowsMachine(RuleBasedStateMachine):
             event("add_request refused")
 
     @precondition(lambda self: self.live)
-    @rule(tokens=st.lists(st.integers(0, 2000), min_size=1, max_size=5))
-    def decode_step(self, tokens: list[int]) -> None:
-        """One decode step for up to 5 live requests: schedule one token each, then append."""
+    @rule(tokens=st.lists(st.integers(0, 2000), min_size=1, max_size=5), by_row=st.booleans())
+    def decode_step(self, tokens: list[int], by_row: bool) -> None:
+        """One decode step for up to 5 live requests: schedule one token each, then append
+        (by request id, or by row with ``schedule_rows`` / ``append_tokens_rows``)."""
         reqs = [r for r in self.live if self.remaining(r) >= 1][: len(tokens)]
         if not reqs:
             return
-        self.both("schedule_batch", reqs, [1] * len(reqs))
-        self.both("append_tokens_batch", reqs, tokens[: len(reqs)])
+        if by_row:
+            rows = np.array([self.live[r] for r in reqs], dtype=np.int64)
+            self.both("schedule_rows", rows, [1] * len(reqs))
+            self.both("append_tokens_rows", rows, np.array(tokens[: len(reqs)], dtype=np.uint32))
+        else:
+            self.both("schedule_batch", reqs, [1] * len(reqs))
+            self.both("append_tokens_batch", reqs, tokens[: len(reqs)])
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 10), steps=st.integers(1, 24))
+    def long_decode(self, index: int, steps: int) -> None:
+        """Run one request to the end of its prompt, then decode ``steps`` tokens with an update
+        after each, so tables grow past windowed rows and slide."""
+        req = self.pick(index)
+        self.both("schedule", req, self.remaining(req))
+        for token in range(steps):
+            self.both("append_tokens_rows", [self.live[req]], [token])
+            if self.both("schedule_rows", [self.live[req]], [1])[0] == "raise":
+                return
+            self.update()
+
+    @rule(rows=st.lists(st.integers(0, 6), max_size=4), counts=st.lists(st.integers(0, 3), max_size=4))
+    def by_row_anything(self, rows: list[int], counts: list[int]) -> None:
+        """Row-addressed calls with any rows and counts: free rows, repeats, too many tokens."""
+        outcome = self.both("schedule_rows", rows, counts)
+        if outcome[0] == "raise":
+            event("schedule_rows refused")
+        self.both("append_tokens_rows", rows, list(range(sum(counts))), counts)
 
     @precondition(lambda self: self.live)
     @rule(index=st.integers(0, 10), fraction=st.floats(0, 1))
@@ -164,8 +204,8 @@ class RowsMachine(RuleBasedStateMachine):
     def reset_prefix_cache(self) -> None:
         self.both("reset_prefix_cache")
 
-    @rule(max_rows=st.integers(1, 6), cols=st.integers(1, 40), windowed=st.booleans())
-    def rebind(self, max_rows: int, cols: int, windowed: bool) -> None:
+    @rule(max_rows=st.integers(1, 6), cols=st.integers(1, 40), windowed=st.sampled_from([0, 2, 4, 6, 10, 16]))
+    def rebind(self, max_rows: int, cols: int, windowed: int) -> None:
         self.update()  # settle the old binding first; the new one starts over
         self.bind(max_rows, cols, windowed)
 

@@ -621,6 +621,18 @@ class FlatKVCache:
     def row_of(self, req: _RequestId) -> int | None:
         """The row ``req`` holds in the bound tables, or None."""
 
+    def schedule_rows(self, rows: _Counts, num_new_tokens: _Counts) -> npt.NDArray[np.bool_]:
+        """``schedule_batch`` addressed by persistent rows: the request holding ``rows[i]``
+        schedules ``num_new_tokens[i]`` tokens. No request id is parsed or looked up (most of a
+        batch call's cost). A row that holds no request is a ``ValueError``; everything is
+        validated first."""
+
+    def append_tokens_rows(
+        self, rows: _Counts, token_ids: _Tokens, num_tokens: _Counts | None = None
+    ) -> None:
+        """``append_tokens_batch`` addressed by persistent rows: the request holding ``rows[i]``
+        gets the next ``num_tokens[i]`` tokens (one each without ``num_tokens``)."""
+
     def update_rows(
         self, *, full: bool = False
     ) -> tuple[dict[str, npt.NDArray[np.int32]], dict[str, npt.NDArray[np.int32]]]:

@@ -583,6 +583,46 @@ impl PyFlatKVCache {
         Ok(scheduled.into_pyarray(py))
     }
 
+    /// `schedule_batch` addressed by persistent rows (`bind_rows`): the request holding
+    /// `rows[i]` schedules `num_new_tokens[i]` tokens (both sequences or 1-D integer arrays).
+    /// No request id is parsed or looked up, which is most of a batch call's cost. A row that
+    /// holds no request is a `ValueError`; everything is validated first, as `schedule_batch`.
+    #[pyo3(text_signature = "(self, rows, num_new_tokens)")]
+    fn schedule_rows<'py>(
+        &self,
+        py: Python<'py>,
+        rows: &Bound<'py, PyAny>,
+        num_new_tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<bool>>> {
+        let rows = counts(rows, "rows")?;
+        let ns = counts(num_new_tokens, "num_new_tokens")?;
+        let scheduled = core(self.detached(py, |c| c.schedule_rows(&rows, &ns))?)?;
+        Ok(scheduled.into_pyarray(py))
+    }
+
+    /// `append_tokens_batch` addressed by persistent rows: the request holding `rows[i]` gets
+    /// the next `num_tokens[i]` entries of `token_ids` (exactly one each when `num_tokens` is
+    /// None). A row that holds no request is a `ValueError`; nothing changes on error.
+    #[pyo3(
+        signature = (rows, token_ids, num_tokens = None),
+        text_signature = "(self, rows, token_ids, num_tokens=None)"
+    )]
+    fn append_tokens_rows(
+        &self,
+        py: Python<'_>,
+        rows: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+        num_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let rows = counts(rows, "rows")?;
+        let toks = tokens(token_ids, "token_ids")?;
+        let ns = match num_tokens {
+            Some(obj) if !obj.is_none() => Some(counts(obj, "num_tokens")?),
+            _ => None,
+        };
+        core(self.detached(py, |c| c.append_tokens_rows(&rows, &toks, ns.as_deref()))?)
+    }
+
     /// Register a token-level request's completed full pages, free all its pages (in the
     /// eviction order), release its reserve and forget the id (it may be used again).
     fn finish(&self, req: RequestId<'_>) -> PyResult<()> {

@@ -146,6 +146,15 @@ class Rows(Coordinator):
             return None
         return next((row for row, owner in self._binding.owners.items() if owner == key), None)
 
+    def _row_owner(self, method: str, row: int) -> RequestId:
+        """The request holding ``row`` (ValueError for ``method`` if none does)."""
+        if self._binding is None:
+            raise ValueError(f"{method}: no rows are bound (call bind_rows first)")
+        owner = self._binding.owners.get(row)
+        if owner is None:
+            raise ValueError(f"{method}: row {row} holds no request")
+        return owner
+
     def _check_row_free(self, row: object) -> int:
         """The row a new request asks for, checked: bound, in range, not held."""
         index = as_count(row, "row")

@@ -124,22 +124,48 @@ class TokenApi(PageApi):
         """
         keys = as_request_ids(reqs)
         tokens = as_token_ids(token_ids, "token_ids")
-        if num_tokens is None:
-            if len(tokens) != len(keys):
-                raise ValueError(
-                    f"token_ids has {len(tokens)} entries but reqs has {len(keys)} "
-                    "(one token per request without num_tokens)"
-                )
-            counts = [1] * len(keys)
-        else:
-            counts = as_counts(num_tokens, "num_tokens")
-            if len(counts) != len(keys):
-                raise ValueError(f"num_tokens has {len(counts)} entries but reqs has {len(keys)}")
-            total = check_u64(sum(counts), "num_tokens")
-            if total != len(tokens):
-                raise ValueError(f"num_tokens adds up to {total} but token_ids has {len(tokens)} entries")
+        counts = self._append_counts(len(keys), "reqs", tokens, num_tokens)
         for key in keys:
             self._token_state("append_tokens_batch", key)
+        self._append_keys(keys, tokens, counts)
+
+    def append_tokens_rows(
+        self,
+        rows: Sequence[int] | npt.NDArray[np.integer[Any]],
+        token_ids: TokenIds,
+        num_tokens: Sequence[int] | npt.NDArray[np.integer[Any]] | None = None,
+    ) -> None:
+        """``append_tokens_batch`` addressed by persistent rows (the request holding ``rows[i]``)."""
+        indices = as_counts(rows, "rows")
+        tokens = as_token_ids(token_ids, "token_ids")
+        counts = self._append_counts(len(indices), "rows", tokens, num_tokens)
+        keys = [self._row_owner("append_tokens_rows", row) for row in indices]
+        self._append_keys(keys, tokens, counts)
+
+    @staticmethod
+    def _append_counts(
+        length: int,
+        what: str,
+        tokens: list[int],
+        num_tokens: Sequence[int] | npt.NDArray[np.integer[Any]] | None,
+    ) -> list[int]:
+        """Tokens per entry of a batch append of ``length`` entries (``what`` names the batch)."""
+        if num_tokens is None:
+            if len(tokens) != length:
+                raise ValueError(
+                    f"token_ids has {len(tokens)} entries but {what} has {length} "
+                    "(one token per request without num_tokens)"
+                )
+            return [1] * length
+        counts = as_counts(num_tokens, "num_tokens")
+        if len(counts) != length:
+            raise ValueError(f"num_tokens has {len(counts)} entries but {what} has {length}")
+        total = check_u64(sum(counts), "num_tokens")
+        if total != len(tokens):
+            raise ValueError(f"num_tokens adds up to {total} but token_ids has {len(tokens)} entries")
+        return counts
+
+    def _append_keys(self, keys: list[RequestId], tokens: list[int], counts: list[int]) -> None:
         start = 0
         for key, count in zip(keys, counts, strict=True):
             self._append_checked(key, tokens[start : start + count])
@@ -186,6 +212,31 @@ class TokenApi(PageApi):
             _, state = self._token_state("schedule_batch", key)
             asked[key] = check_u64(asked.get(key, 0) + count, "num_new_tokens")
             self._check_known("schedule_batch", key, state, asked[key])
+        results = [self._schedule_checked(key, count, 0) for key, count in zip(keys, counts, strict=True)]
+        return np.array(results, dtype=np.bool_)
+
+    def schedule_rows(
+        self,
+        rows: Sequence[int] | npt.NDArray[np.integer[Any]],
+        num_new_tokens: Sequence[int] | npt.NDArray[np.integer[Any]],
+    ) -> npt.NDArray[np.bool_]:
+        """``schedule_batch`` addressed by persistent rows (the request holding ``rows[i]``)."""
+        indices = as_counts(rows, "rows")
+        counts = as_counts(num_new_tokens, "num_new_tokens")
+        if len(counts) != len(indices):
+            raise ValueError(f"num_new_tokens has {len(counts)} entries but rows has {len(indices)}")
+        keys: list[RequestId] = []
+        asked: dict[RequestId, int] = {}
+        for row, count in zip(indices, counts, strict=True):
+            key = self._row_owner("schedule_rows", row)
+            keys.append(key)
+            state = self._token_states[key]
+            asked[key] = check_u64(asked.get(key, 0) + count, "num_new_tokens")
+            if state.computed + asked[key] > len(state.tokens):
+                raise ValueError(
+                    f"schedule_rows: num_new_tokens = {asked[key]} for request {key!r} (row {row}) asks "
+                    f"for more tokens than are known: {state.computed} computed of {len(state.tokens)}"
+                )
         results = [self._schedule_checked(key, count, 0) for key, count in zip(keys, counts, strict=True)]
         return np.array(results, dtype=np.bool_)
 

@@ -300,11 +300,25 @@ impl FlatCache {
     }
 
     /// The id of the live request at slab position `at` (for messages).
-    fn id_at(&self, at: usize) -> String {
+    pub(super) fn id_at(&self, at: usize) -> String {
         self.index
             .iter()
             .find(|&(_, &i)| i == at)
             .map_or_else(|| format!("#{at}"), |(id, _)| id.to_string())
+    }
+
+    /// The slab position of the request holding `row` (an error for `method` if none does).
+    pub(super) fn row_owner(&self, method: &str, row: u64) -> CoreResult<usize> {
+        let Some(binding) = &self.rows else {
+            return Err(CoreError::invalid(format!(
+                "{method}: no rows are bound (call bind_rows first)"
+            )));
+        };
+        usize::try_from(row)
+            .ok()
+            .and_then(|r| binding.rows.get(r))
+            .and_then(|state| state.owner)
+            .ok_or_else(|| CoreError::invalid(format!("{method}: row {row} holds no request")))
     }
 
     /// Check that `row` can be given to a new request.

@@ -26,6 +26,36 @@ fn page_level(method: &str, req: RequestIdRef<'_>) -> CoreError {
     ))
 }
 
+/// The lengths of a batch append: one token per entry of the batch (`what` names it) without
+/// `counts`, else one count per entry adding up to the tokens.
+fn check_append_lengths(len: usize, what: &str, tokens: &[u32], counts: Option<&[u64]>) -> CoreResult<()> {
+    match counts {
+        None if tokens.len() != len => Err(CoreError::invalid(format!(
+            "token_ids has {} entries but {what} has {len} (one token per request without num_tokens)",
+            tokens.len()
+        ))),
+        Some(ns) if ns.len() != len => Err(CoreError::invalid(format!(
+            "num_tokens has {} entries but {what} has {len}",
+            ns.len()
+        ))),
+        Some(ns) => {
+            let total = ns
+                .iter()
+                .try_fold(0u64, |sum, &n| sum.checked_add(n))
+                .ok_or_else(|| CoreError::overflow("num_tokens"))?;
+            if u64::try_from(tokens.len()).ok() == Some(total) {
+                Ok(())
+            } else {
+                Err(CoreError::invalid(format!(
+                    "num_tokens adds up to {total} but token_ids has {} entries",
+                    tokens.len()
+                )))
+            }
+        }
+        None => Ok(()),
+    }
+}
+
 /// Slots below each table's hole bound, summed (they only grow between frees).
 #[inline]
 fn holes(tables: &[Table]) -> usize {
@@ -134,48 +164,38 @@ impl FlatCache {
         tokens: &[u32],
         counts: Option<&[u64]>,
     ) -> CoreResult<()> {
-        match counts {
-            None if tokens.len() != reqs.len() => {
-                return Err(CoreError::invalid(format!(
-                    "token_ids has {} entries but reqs has {} (one token per request without num_tokens)",
-                    tokens.len(),
-                    reqs.len()
-                )));
-            }
-            Some(ns) if ns.len() != reqs.len() => {
-                return Err(CoreError::invalid(format!(
-                    "num_tokens has {} entries but reqs has {}",
-                    ns.len(),
-                    reqs.len()
-                )));
-            }
-            Some(ns) => {
-                let total = ns
-                    .iter()
-                    .try_fold(0u64, |sum, &n| sum.checked_add(n))
-                    .ok_or_else(|| CoreError::overflow("num_tokens"))?;
-                if u64::try_from(tokens.len()).ok() != Some(total) {
-                    return Err(CoreError::invalid(format!(
-                        "num_tokens adds up to {total} but token_ids has {} entries",
-                        tokens.len()
-                    )));
-                }
-            }
-            None => {}
-        }
+        check_append_lengths(reqs.len(), "reqs", tokens, counts)?;
         self.with_scratch(|this, at| {
             for &req in reqs {
                 at.push(this.find_token("append_tokens_batch", req)?);
             }
-            let mut start = 0usize;
-            for (k, &i) in at.iter().enumerate() {
-                // The counts add up to tokens.len() (checked above), so each fits usize.
-                let n = counts.map_or(1, |ns| usize::try_from(ns[k]).unwrap_or(usize::MAX));
-                this.append_at(i, &tokens[start..start + n])?;
-                start += n;
-            }
-            Ok(())
+            this.append_positions(at, tokens, counts)
         })
+    }
+
+    /// [`Self::append_tokens_batch`] addressed by persistent rows ([`super::rows`]): the
+    /// request holding `rows[i]` gets the next `counts[i]` tokens (one each without
+    /// `counts`). A row that holds no request is an error; on error nothing has changed.
+    pub fn append_tokens_rows(&mut self, rows: &[u64], tokens: &[u32], counts: Option<&[u64]>) -> CoreResult<()> {
+        check_append_lengths(rows.len(), "rows", tokens, counts)?;
+        self.with_scratch(|this, at| {
+            for &row in rows {
+                at.push(this.row_owner("append_tokens_rows", row)?);
+            }
+            this.append_positions(at, tokens, counts)
+        })
+    }
+
+    /// Append to each request at the slab positions `at` its share of `tokens` (lengths checked).
+    fn append_positions(&mut self, at: &[usize], tokens: &[u32], counts: Option<&[u64]>) -> CoreResult<()> {
+        let mut start = 0usize;
+        for (k, &i) in at.iter().enumerate() {
+            // The counts add up to tokens.len() (checked), so each fits usize.
+            let n = counts.map_or(1, |ns| usize::try_from(ns[k]).unwrap_or(usize::MAX));
+            self.append_at(i, &tokens[start..start + n])?;
+            start += n;
+        }
+        Ok(())
     }
 
     /// Run `f` with the cache's reusable vector of slab positions (emptied first), then keep
@@ -262,6 +282,61 @@ impl FlatCache {
             }
             Ok(out)
         })
+    }
+
+    /// [`Self::schedule_batch`] addressed by persistent rows ([`super::rows`]): the request
+    /// holding `rows[i]` schedules `ns[i]` tokens. No id is parsed or looked up, which is most
+    /// of a batch call's cost. A row that holds no request is an error; on error nothing has
+    /// changed.
+    pub fn schedule_rows(&mut self, rows: &[u64], ns: &[u64]) -> CoreResult<Vec<bool>> {
+        if rows.len() != ns.len() {
+            return Err(CoreError::invalid(format!(
+                "num_new_tokens has {} entries but rows has {}",
+                ns.len(),
+                rows.len()
+            )));
+        }
+        self.with_scratch(|this, at| {
+            let checked = this.validate_rows(rows, ns, at);
+            for &i in at.iter() {
+                if let Some(s) = this.entries[i].tokens.as_mut() {
+                    s.pending = 0;
+                }
+            }
+            checked?;
+            let mut out = Vec::with_capacity(at.len());
+            for (&i, &n) in at.iter().zip(ns) {
+                out.push(this.schedule_at(i, n, 0)?);
+            }
+            Ok(out)
+        })
+    }
+
+    /// [`Self::validate_batch`] for rows.
+    fn validate_rows(&mut self, rows: &[u64], ns: &[u64], at: &mut Vec<usize>) -> CoreResult<()> {
+        for (&row, &n) in rows.iter().zip(ns) {
+            let i = self.row_owner("schedule_rows", row)?;
+            at.push(i);
+            let Some(s) = self.entries[i].tokens.as_mut() else {
+                return Err(CoreError::invalid(format!(
+                    "schedule_rows: row {row} holds a page-level request"
+                )));
+            };
+            s.pending = s
+                .pending
+                .checked_add(n)
+                .ok_or_else(|| CoreError::overflow("num_new_tokens"))?;
+            let known = u64::try_from(s.tokens.len()).unwrap_or(u64::MAX);
+            if s.computed.checked_add(s.pending).is_none_or(|end| end > known) {
+                let (computed, pending) = (s.computed, s.pending);
+                return Err(CoreError::invalid(format!(
+                    "schedule_rows: num_new_tokens = {pending} for request {} (row {row}) asks for more tokens \
+                     than are known: {computed} computed of {known}",
+                    self.id_at(i)
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Resolve and check a batch, leaving each request's cumulative ask in `pending`.

@@ -1,0 +1,179 @@
+"""Per-step cost of persistent block-table rows vs a full rewrite (issue: incremental tables).
+
+``R`` token-level requests decode one token per step on a full + sliding-window model (page 16,
+window 1024) after a ``C``-token prompt. One step is what a scheduler loop calls once per step:
+
+- ``schedule_batch(reqs, ones)``: registers completed pages, reclaims the page that slid out
+  of the window, acquires the next slot;
+- the tables: ``update_rows()`` (incremental: only the cells that changed, returned as deltas;
+  the sliding group's rows windowed, ``ceil((W + 1) / P) + 1`` = 66 columns with per-row
+  offsets) or ``block_tables(reqs, out=buffers)`` (full rewrite of ``[R, cols]`` per group,
+  ``cols`` the full-history width);
+- ``append_tokens_batch(reqs, tokens)``: the sampled tokens.
+
+Three ways of making those calls are measured: request ids and a full rewrite (``full``, the way
+before persistent rows), request ids and ``update_rows`` (``incremental``), and rows everywhere:
+``schedule_rows(rows, ones)`` + ``update_rows()`` + ``append_tokens_rows(rows, tokens)``
+(``rows``), which parses and looks up no request id.
+
+Run with a release build (``maturin develop --release`` or ``pip install .``)::
+
+    python benches/bench_rows.py                 # R in 256, 1024, 4096 x C in 8k, 32k
+    python benches/bench_rows.py --requests 256 --context 8192 --steps 2048
+    python benches/bench_rows.py --smoke         # tiny sizes: does it run (CI), measures nothing
+
+Targets (2-core machine): median step for 256 decoding requests (schedule_batch + incremental
+tables + append_tokens_batch) <= 10 us; per-step cost flat in context length.
+"""
+
+from __future__ import annotations
+
+import os
+
+# OpenBLAS worker threads spin-wait and steal the timed thread's core on a 2-core machine.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+from flat_kvcache import FlatKVCache, KVCacheSpec
+
+PAGE = 16
+WINDOW = 1024
+#: The three ways of making a step's calls (see the module docstring).
+MODES = {
+    "rows": "rows: schedule_rows + update_rows + append_tokens_rows",
+    "incremental": "ids: schedule_batch + update_rows + append_tokens_batch",
+    "full": "ids: schedule_batch + block_tables(out=) + append_tokens_batch",
+}
+#: Columns of a windowed sliding row: the window plus one step's token, plus one slot.
+WINDOW_COLS = -(-(WINDOW + 1) // PAGE) + 1
+
+
+def prompt(n: int, seed: int) -> np.ndarray:
+    """``n`` distinct-per-seed token ids as uint32 (no prefix sharing between requests)."""
+    return ((np.arange(n, dtype=np.uint64) * 2654435761 + seed * 7919) % 151936).astype(np.uint32)
+
+
+class Loop:
+    """``requests`` token-level requests after a ``context``-token prompt, decoding."""
+
+    def __init__(self, requests: int, context: int, steps: int, *, mode: str) -> None:
+        specs = [
+            KVCacheSpec("full", PAGE, group_id="full"),
+            KVCacheSpec("sliding_window", PAGE, WINDOW, "swa"),
+        ]
+        full_cols = -(-(context + steps + 1) // PAGE)
+        self.cache = FlatKVCache(specs, requests * (full_cols + 2) * 2 + 1)
+        self.reqs = [f"req-{r}" for r in range(requests)]
+        self.rows = np.arange(requests, dtype=np.int64)
+        self.ones = np.ones(requests, dtype=np.int64)
+        self.mode = mode
+        incremental = mode != "full"
+        self.incremental = incremental
+        if incremental:
+            self.tables = {
+                "full": np.zeros((requests, full_cols), np.int32),
+                "swa": np.zeros((requests, WINDOW_COLS), np.int32),
+            }
+            self.offsets = {"swa": np.zeros(requests, np.int32)}
+            self.cache.bind_rows(self.tables, offsets=self.offsets)
+        else:
+            self.tables = {g: np.zeros((requests, full_cols), np.int32) for g in ("full", "swa")}
+        for r, req in enumerate(self.reqs):
+            self.cache.add_request(req, prompt(context, r), row=r if incremental else None)
+        assert self.cache.schedule_batch(self.reqs, np.full(requests, context, np.int64)).all()
+        assert self.cache.schedule_batch(self.reqs, np.zeros(requests, np.int64)).all()
+        # The first sampled token, scheduled by the first step.
+        self.cache.append_tokens_batch(self.reqs, np.zeros(requests, np.uint32))
+        self.token = 0
+        self.cells = 0
+        self.write_tables()
+
+    def write_tables(self) -> None:
+        if self.incremental:
+            cells, _ = self.cache.update_rows()
+            self.cells += sum(a.shape[1] for a in cells.values())
+        else:
+            self.cache.block_tables(self.reqs, out=self.tables)
+
+    def step(self) -> tuple[int, int, int]:
+        """One step; ns spent in schedule, tables and append."""
+        tokens = np.full(len(self.reqs), self.token % 151936, np.uint32)
+        by_row = self.mode == "rows"
+        t0 = time.perf_counter_ns()
+        if by_row:
+            scheduled = self.cache.schedule_rows(self.rows, self.ones)
+        else:
+            scheduled = self.cache.schedule_batch(self.reqs, self.ones)
+        t1 = time.perf_counter_ns()
+        self.write_tables()
+        t2 = time.perf_counter_ns()
+        if by_row:
+            self.cache.append_tokens_rows(self.rows, tokens)
+        else:
+            self.cache.append_tokens_batch(self.reqs, tokens)
+        t3 = time.perf_counter_ns()
+        assert scheduled.all()
+        self.token += 1
+        return t1 - t0, t2 - t1, t3 - t2
+
+
+def run(requests: int, context: int, steps: int, *, mode: str) -> dict[str, Any]:
+    loop = Loop(requests, context, steps + PAGE, mode=mode)
+    for _ in range(PAGE):  # warm-up: one page's worth of steps
+        loop.step()
+    loop.cells = 0
+    parts = [loop.step() for _ in range(steps)]
+    loop.cache.check_invariants()
+    if loop.incremental:
+        # The rows are exact: compare with a full block_tables of every request.
+        full = loop.cache.block_tables(loop.reqs)
+        np.testing.assert_array_equal(loop.tables["full"][:, : full["full"].shape[1]], full["full"])
+        offsets = loop.offsets["swa"]
+        for r in (0, requests - 1):
+            row = full["swa"][r]
+            np.testing.assert_array_equal(loop.tables["swa"][r][: len(row) - offsets[r]], row[offsets[r] :])
+    med = [statistics.median(p[i] for p in parts) / 1e3 for i in range(3)]
+    total = statistics.median(sum(p) for p in parts) / 1e3
+    return {
+        "schedule": med[0],
+        "tables": med[1],
+        "append": med[2],
+        "step": total,
+        "cells": loop.cells / steps,
+    }
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, nargs="*", default=[256, 1024, 4096])
+    parser.add_argument("--context", type=int, nargs="*", default=[8192, 32768])
+    parser.add_argument("--steps", type=int, default=0, help="timed steps per run (default: by size)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes; measures nothing")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.requests, args.context, args.steps = [8], [256], 32
+    print(f"cpu cores: {os.cpu_count()}, python {sys.version.split()[0]}; page {PAGE}, window {WINDOW}")
+    print("| requests | context | calls | step median | schedule | tables | append | cells/step |")
+    print("|---|---|---|---|---|---|---|---|")
+    for requests in args.requests:
+        for context in args.context:
+            steps = args.steps or max(64, 2 * 262144 // requests)
+            for mode, label in MODES.items():
+                start = time.perf_counter()
+                r = run(requests, context, steps, mode=mode)
+                print(
+                    f"| {requests} | {context} | {label} | **{r['step']:.1f} us** | {r['schedule']:.1f} us | "
+                    f"{r['tables']:.1f} us | {r['append']:.1f} us | {r['cells']:.0f} |",
+                    flush=True,
+                )
+                print(f"    ({steps} steps, {time.perf_counter() - start:.1f} s with setup)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
