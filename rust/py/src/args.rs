@@ -29,6 +29,30 @@ pub fn count(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
     non_negative(obj, name)
 }
 
+/// An int argument with a default written in Rust: left out, it takes the default; passed,
+/// it is checked by [`count`], so an explicit `None` is a `TypeError` naming it (as the
+/// reference's `as_count` refuses it). Extraction only keeps the object, so the checks (and
+/// their messages) run in the method body, after the arguments before it.
+pub struct CountParam<'py>(Option<Bound<'py, PyAny>>);
+
+impl CountParam<'_> {
+    /// The argument left out.
+    pub const OMITTED: Self = Self(None);
+
+    /// The count passed, or `default` when the argument was left out.
+    pub fn or(&self, default: u64, name: &str) -> PyResult<u64> {
+        self.0.as_ref().map_or(Ok(default), |obj| count(obj, name))
+    }
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for CountParam<'py> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        Ok(Self(Some(obj.to_owned())))
+    }
+}
+
 /// An optional non-negative int argument (`None` passes through).
 pub fn opt_count(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option<u64>> {
     match obj {
@@ -290,7 +314,9 @@ impl<'a, 'py> FromPyObject<'a, 'py> for ExtraKeys {
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
         if obj.is_instance_of::<PyString>() {
-            return Err(PyTypeError::new_err("extra_keys must be a sequence of str, not a str"));
+            return Err(PyTypeError::new_err(
+                "extra_keys must be a sequence of str, not a bare str",
+            ));
         }
         let Ok(iter) = obj.try_iter() else {
             return Err(PyTypeError::new_err(format!(
@@ -325,12 +351,14 @@ fn content_hash(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<C
             )))
         }
     };
-    parsed.ok_or_else(|| {
-        PyValueError::new_err(format!(
-            "{name}[{index}] must be a 64-character lowercase hex string, got {:?}",
-            clip(&item.to_string())
-        ))
-    })
+    if let Some(hash) = parsed {
+        return Ok(hash);
+    }
+    // The value as Python's repr shows it, cut to 80 characters first (as the reference).
+    let shown = PyString::new(item.py(), clip(&item.to_string())).repr()?;
+    Err(PyValueError::new_err(format!(
+        "{name}[{index}] must be a 64-character lowercase hex string, got {shown}"
+    )))
 }
 
 /// Content hashes: a sequence of 64-character lowercase hex strings, as raw bytes (uppercase
@@ -352,7 +380,7 @@ pub fn content_hashes(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<Conten
     }
     if obj.is_instance_of::<PyString>() {
         return Err(PyTypeError::new_err(format!(
-            "{name} must be a sequence of str, not a str"
+            "{name} must be a sequence of str, not a bare str"
         )));
     }
     let Ok(iter) = obj.try_iter() else {
@@ -433,7 +461,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for RequestIds<'py> {
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
         if obj.is_instance_of::<PyString>() {
             return Err(PyTypeError::new_err(
-                "reqs must be a sequence of request ids, not a str",
+                "reqs must be a sequence of request ids, not a bare str",
             ));
         }
         let ids = obj
@@ -457,7 +485,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for GroupSpecs {
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
         if obj.is_instance_of::<PyString>() {
             return Err(PyTypeError::new_err(
-                "specs must be a sequence of KVCacheSpec, not a str",
+                "specs must be a sequence of KVCacheSpec, not a bare str",
             ));
         }
         let mut groups = Vec::new();
