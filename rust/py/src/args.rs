@@ -14,6 +14,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 
 use crate::convert::{clip, cpu_tensor_numpy, non_negative, signed, type_name, IntArg};
+use crate::npscalar::Scalars;
 
 // ----- counts, tokens and page ids ------------------------------------------------------------
 
@@ -145,21 +146,31 @@ fn count_item(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<u64
 /// torch integer tensor (viewed through `.numpy()`), element by element: `item` converts one
 /// Python item of `name[index]`, `array` converts a whole array (None when its dtype is not an
 /// integer one). Shared by [`counts`] and [`tokens`] so both accept exactly the same inputs.
+///
+/// In a list or tuple, a numpy integer scalar is read in place ([`Scalars`]) and kept when
+/// `fits` accepts its value; any other item, or a value `fits` refuses, goes through `item`,
+/// which raises the precise error.
 fn int_sequence<'py, E>(
     obj: &Bound<'py, PyAny>,
     name: &str,
     item: impl Fn(&Bound<'py, PyAny>, &str, usize) -> PyResult<E>,
+    fits: impl Fn(i128) -> Option<E>,
     array: impl Fn(&Bound<'py, PyUntypedArray>) -> Option<PyResult<Vec<E>>>,
 ) -> PyResult<Vec<E>> {
+    let mut scalars = Scalars::new(obj.py());
+    let mut convert = |it: &Bound<'py, PyAny>, i: usize| match scalars.value(it).and_then(&fits) {
+        Some(v) => Ok(v),
+        None => item(it, name, i),
+    };
     if let Ok(list) = obj.cast::<PyList>() {
         let mut out = Vec::with_capacity(list.len());
         for (i, it) in list.iter().enumerate() {
-            out.push(item(&it, name, i)?);
+            out.push(convert(&it, i)?);
         }
         return Ok(out);
     }
     if let Ok(tuple) = obj.cast::<PyTuple>() {
-        return tuple.iter().enumerate().map(|(i, t)| item(&t, name, i)).collect();
+        return tuple.iter().enumerate().map(|(i, t)| convert(&t, i)).collect();
     }
     let arr = match obj.cast::<PyUntypedArray>() {
         Ok(arr) => Some(arr.clone()),
@@ -196,22 +207,28 @@ fn int_sequence<'py, E>(
             type_name(obj)
         )));
     };
-    iter.enumerate().map(|(i, t)| item(&t?, name, i)).collect()
+    iter.enumerate().map(|(i, t)| convert(&t?, i)).collect()
 }
 
 /// Counts (ints >= 0) from any integer form `int_sequence` accepts.
 pub fn counts(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u64>> {
-    int_sequence(obj, name, count_item, |arr| {
-        macro_rules! try_dtype {
+    int_sequence(
+        obj,
+        name,
+        count_item,
+        |v| u64::try_from(v).ok(),
+        |arr| {
+            macro_rules! try_dtype {
             ($($t:ty),*) => {$(
                 if let Ok(a) = arr.cast::<PyArray1<$t>>() {
                     return Some(counts_from_array(a, name));
                 }
             )*};
         }
-        try_dtype!(i64, i32, u64, u32, i16, u16, i8, u8);
-        None
-    })
+            try_dtype!(i64, i32, u64, u32, i16, u16, i8, u8);
+            None
+        },
+    )
 }
 
 /// Copy a 1-D numpy array of integer dtype `T` into `u32` tokens, checking every value.
@@ -242,17 +259,23 @@ where
 /// Tokens from any integer form `int_sequence` accepts; each value must fit `u32`
 /// (`ValueError("<name>[<i>] = <v> does not fit in u32")`).
 pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
-    int_sequence(obj, name, token, |arr| {
-        macro_rules! try_dtype {
+    int_sequence(
+        obj,
+        name,
+        token,
+        |v| u32::try_from(v).ok(),
+        |arr| {
+            macro_rules! try_dtype {
             ($($t:ty),*) => {$(
                 if let Ok(a) = arr.cast::<PyArray1<$t>>() {
                     return Some(tokens_from_array(a, name));
                 }
             )*};
         }
-        try_dtype!(u32, i64, i32, u64, u16, i16, u8, i8);
-        None
-    })
+            try_dtype!(u32, i64, i32, u64, u16, i16, u8, i8);
+            None
+        },
+    )
 }
 
 /// One page id of `name[index]`: an int in `[0, MAX_BLOCKS)` (page ids are written into
@@ -290,7 +313,8 @@ pub fn page_ids(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
         }
         return page_ids(&arr.call_method0("tolist")?, name);
     }
-    int_sequence(obj, name, page_id_item, |_| None)
+    let page = |v: i128| u32::try_from(v).ok().filter(|&p| u64::from(p) < MAX_BLOCKS);
+    int_sequence(obj, name, page_id_item, page, |_| None)
 }
 
 // ----- hashes and extra keys ------------------------------------------------------------------
