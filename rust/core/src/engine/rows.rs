@@ -18,8 +18,9 @@
 //! context length or to the number of bound rows.
 //!
 //! What a row's cells hold is recorded per row and group as a [`Mark`] (`len`, `holes_below`,
-//! `offset`), so the next update knows which cells can differ; a row whose tables changed in
-//! another way (bound anew, or touched by a page-level call) is compared cell by cell.
+//! `offset`), so the next update knows which cells can differ; a row bound anew is compared
+//! cell by cell. Only token-level requests hold rows, and page-level calls refuse them, so
+//! their tables change only through `schedule` (appends and slid-out holes) and release.
 
 use super::table::Table;
 use super::FlatCache;
@@ -98,7 +99,7 @@ struct RowState {
     owner: Option<usize>,
     /// On the dirty list.
     dirty: bool,
-    /// Compare every cell on the next update (bound anew or changed by a page-level call).
+    /// Compare every cell on the next update (bound anew, or a full update asked for).
     full: bool,
 }
 
@@ -352,8 +353,8 @@ impl FlatCache {
         }
     }
 
-    /// The tables of the request at `at` changed in a way the marks cannot follow (a
-    /// page-level call): compare its row cell by cell on the next update.
+    /// The tables of the request at `at` changed: visit its row on the next update (`full`:
+    /// compare every cell).
     #[inline]
     pub(super) fn touch_row(&mut self, at: usize, full: bool) {
         if let (Some(row), Some(binding)) = (self.entries[at].row, self.rows.as_mut()) {
