@@ -121,7 +121,9 @@ def out_buffers(
             raise ValueError(f"{label} must be writable")
         if any(np.shares_memory(item, other) for other in buffers):
             # The native engine's borrow check refuses a buffer some other call holds too.
-            raise ValueError(f"{label} shares its memory with another group's table (or is borrowed elsewhere)")
+            raise ValueError(
+                f"{label} shares its memory with another group's table (or is borrowed elsewhere)"
+            )
         buffers.append(item)
     keys = getattr(out, "keys", None)
     if keys is not None:
