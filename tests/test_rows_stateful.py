@@ -215,20 +215,27 @@ class RowsMachine(RuleBasedStateMachine):
         first = self.buffers[0][self.group_ids[0]]
         if row >= first.shape[0] or col >= first.shape[1]:
             return
+        # Only over rows that are up to date (a refused update would leave the scribble there).
+        if not self.update():
+            return
         for tables in self.buffers:
             tables[self.group_ids[0]][row, col] = value
         self.shadow[self.group_ids[0]][row, col] = value
         self.update(full=True)
 
     @rule()
-    def update(self, full: bool = False) -> None:
+    def update_rule(self) -> None:
+        self.update()
+
+    def update(self, full: bool = False) -> bool:
+        """``update_rows`` on both; True if it succeeded (and everything checked out)."""
         outcomes = [self._update(cache, full) for cache in self.caches]
         assert outcomes[0] == outcomes[1], (
             f"update_rows(full={full}): native {outcomes[0]} != reference {outcomes[1]}"
         )
         if outcomes[0][0] == "raise":
             event("update_rows refused")
-            return
+            return False
         cells, offsets = outcomes[0][1]
         for group_id, (rows, cols, values) in cells.items():
             assert (self.shadow[group_id][rows, cols] != values).all(), "a delta changes its cell"
@@ -245,6 +252,7 @@ class RowsMachine(RuleBasedStateMachine):
             for group_id, off in offs.items():
                 np.testing.assert_array_equal(self.shadow_offsets[group_id], off)
         self.check_rows()
+        return True
 
     @staticmethod
     def _update(cache: Any, full: bool) -> tuple[str, Any]:

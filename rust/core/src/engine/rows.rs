@@ -396,6 +396,41 @@ impl FlatCache {
         result
     }
 
+    /// Check that every owned row among `rows` fits its buffers: a table no wider than its
+    /// row, a windowed row with no real page before its first slot.
+    fn check_rows(&self, b: &RowBinding, rows: impl Iterator<Item = usize>) -> CoreResult<()> {
+        let specs = self.coord.specs();
+        for row in rows {
+            let Some(at) = b.rows[row].owner else { continue };
+            let tables = &self.entries[at].tables;
+            for (g, (table, &layout)) in tables.iter().zip(&b.layouts).enumerate() {
+                let offset = offset_of(layout, table.len());
+                if layout.windowed {
+                    let start = table.holes_below().min(offset);
+                    if let Some(i) = table.pages()[start..offset].iter().position(|&p| p != 0) {
+                        return Err(CoreError::invalid(format!(
+                            "update_rows: row {row} (request {}) of windowed group '{}' shows slots from {offset}, \
+                             but slot {} still holds page {} (reclaim slid-out pages first, or bind wider rows)",
+                            self.id_at(at),
+                            specs[g].group_id.escape_debug(),
+                            start + i,
+                            table.pages()[start + i]
+                        )));
+                    }
+                } else if table.len() > layout.cols {
+                    return Err(CoreError::invalid(format!(
+                        "update_rows: tables['{}'] has {} columns but request {} (row {row}) has {} pages in that group",
+                        specs[g].group_id.escape_debug(),
+                        layout.cols,
+                        self.id_at(at),
+                        table.len()
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn update_bound(
         &self,
         b: &mut RowBinding,
@@ -435,40 +470,17 @@ impl FlatCache {
                 _ => {}
             }
         }
+        b.dirty.sort_unstable();
+        // Check every row to be visited before writing anything (a full update touches every
+        // row only once the check passed, so a refused one leaves no full comparison behind).
         if full {
+            self.check_rows(b, 0..max_rows)?;
             for row in 0..max_rows {
                 b.touch(row, true);
             }
-        }
-        b.dirty.sort_unstable();
-        // Check every dirty row before writing anything.
-        for &row in &b.dirty {
-            let Some(at) = b.rows[row].owner else { continue };
-            let tables = &self.entries[at].tables;
-            for (g, (table, &layout)) in tables.iter().zip(&b.layouts).enumerate() {
-                let offset = offset_of(layout, table.len());
-                if layout.windowed {
-                    let start = table.holes_below().min(offset);
-                    if let Some(i) = table.pages()[start..offset].iter().position(|&p| p != 0) {
-                        return Err(CoreError::invalid(format!(
-                            "update_rows: row {row} (request {}) of windowed group '{}' shows slots from {offset}, \
-                             but slot {} still holds page {} (reclaim slid-out pages first, or bind wider rows)",
-                            self.id_at(at),
-                            specs[g].group_id.escape_debug(),
-                            start + i,
-                            table.pages()[start + i]
-                        )));
-                    }
-                } else if table.len() > layout.cols {
-                    return Err(CoreError::invalid(format!(
-                        "update_rows: tables['{}'] has {} columns but request {} (row {row}) has {} pages in that group",
-                        specs[g].group_id.escape_debug(),
-                        layout.cols,
-                        self.id_at(at),
-                        table.len()
-                    )));
-                }
-            }
+            b.dirty.sort_unstable();
+        } else {
+            self.check_rows(b, b.dirty.iter().copied())?;
         }
         for d in &mut b.deltas {
             d.clear();

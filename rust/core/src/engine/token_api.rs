@@ -56,10 +56,11 @@ fn check_append_lengths(len: usize, what: &str, tokens: &[u32], counts: Option<&
     }
 }
 
-/// Slots below each table's hole bound, summed (they only grow between frees).
+/// Slots plus known-hole slots of every table, summed: both only grow between frees, so the
+/// sum changes exactly when a cell of a block-table row does.
 #[inline]
-fn holes(tables: &[Table]) -> usize {
-    tables.iter().map(Table::holes_below).sum()
+fn shape(tables: &[Table]) -> usize {
+    tables.iter().map(|t| t.len() + t.holes_below()).sum()
 }
 
 /// Tokens allocated to a request: claimed plus acquired tokens (the same in every group).
@@ -118,6 +119,7 @@ impl FlatCache {
             computed: hit,
             registered,
             pending: 0,
+            fast_until: 0,
         };
         let at = self.insert(req, Some(state));
         if let Some(m) = m {
@@ -362,17 +364,46 @@ impl FlatCache {
         let Some(state) = entry.tokens.as_mut() else {
             return Ok(false);
         };
+        let c = state.computed;
+        if c < state.fast_until {
+            // Nothing to register or reclaim at c: if every group's last page has room, the
+            // step only takes slots of it (what acquire does then), and no cell changes.
+            let target = c.saturating_add(n).saturating_add(lookahead);
+            let need = target.saturating_sub(allocated(&self.coord, &entry.tables));
+            if entry.tables.iter().all(|t| need <= t.tail_avail) {
+                for table in &mut entry.tables {
+                    table.tail_avail -= need;
+                }
+                state.computed = c + n;
+                self.reserved -= u128::from(std::mem::take(&mut entry.reserve));
+                return Ok(true);
+            }
+        }
+        let scheduled = self.schedule_slow(at, n, lookahead)?;
+        let entry = &mut self.entries[at];
+        if let Some(state) = entry.tokens.as_mut() {
+            state.fast_until = fast_until(&self.coord, &entry.tables, state);
+        }
+        Ok(scheduled)
+    }
+
+    /// [`Self::schedule_at`] the general way: register, reclaim, then acquire.
+    fn schedule_slow(&mut self, at: usize, n: u64, lookahead: u64) -> CoreResult<bool> {
+        let entry = &mut self.entries[at];
+        let Some(state) = entry.tokens.as_mut() else {
+            return Ok(false);
+        };
         register_computed(&mut self.coord, &entry.tables, state)?;
         let c = state.computed;
         // A bound row is visited by the next update only if a reclaim or an acquire changed
-        // the tables.
-        let holes_before = entry.row.map(|_| holes(&entry.tables));
+        // the tables (an acquire served by the last page's free slots changes no cell).
+        let shape_before = entry.row.map(|_| shape(&entry.tables));
         self.coord.reclaim(&mut entry.tables, c);
         // Validated by the callers: c + n + lookahead fits u64.
         let target = c.saturating_add(n).saturating_add(lookahead);
         let need = target.saturating_sub(allocated(&self.coord, &entry.tables));
         let acquired = need > 0 && self.coord.acquire(&mut entry.tables, need);
-        let changed = acquired || holes_before.is_some_and(|h| h != holes(&entry.tables));
+        let changed = shape_before.is_some_and(|h| h != shape(&entry.tables));
         let scheduled = need == 0 || acquired;
         if scheduled {
             state.computed = c + n;
@@ -453,6 +484,23 @@ fn register_computed(coord: &mut Coordinator, tables: &[Table], state: &mut Toke
     )?;
     state.registered = full;
     Ok(())
+}
+
+/// The first position at which scheduling would register or reclaim something, given the
+/// tables and registration progress now: registration waits for the next full base page,
+/// and each windowed group for its next slid-out slot.
+fn fast_until(coord: &Coordinator, tables: &[Table], state: &TokenState) -> u64 {
+    let mut until = u64::MAX;
+    if coord.pool().caching_enabled() {
+        let next = u64::try_from(state.registered).map_or(u64::MAX, |r| r.saturating_add(1));
+        until = next.saturating_mul(coord.base_page_size());
+    }
+    for (manager, table) in coord.managers().iter().zip(tables) {
+        if let Some(due) = manager.reclaim_due(table) {
+            until = until.min(due);
+        }
+    }
+    until
 }
 
 #[cfg(test)]

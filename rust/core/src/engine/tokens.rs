@@ -22,6 +22,9 @@ pub(super) struct TokenState {
     pub(super) registered: usize,
     /// `schedule_batch` scratch: tokens the batch being validated asks of this request.
     pub(super) pending: u64,
+    /// While the position is below this, scheduling registers and reclaims nothing (the
+    /// decode fast path of `schedule`); 0 until the first schedule works it out.
+    pub(super) fast_until: u64,
 }
 
 /// A prompt hashed into base pages for a cache with a given base page size. Built (and

@@ -201,6 +201,24 @@ impl GroupManager {
         }
     }
 
+    /// The smallest position `n` at which [`Self::reclaim`] would change `table` (its bound
+    /// passes the known holes), or `None` if no position would until the table grows.
+    pub fn reclaim_due(&self, table: &Table) -> Option<u64> {
+        let window = match self.kind {
+            GroupKind::Full => return None,
+            GroupKind::SlidingWindow { window } => window,
+            GroupKind::State => state::WINDOW,
+        };
+        if table.holes_below() >= table.len() {
+            return None;
+        }
+        // bound(n) = (n - (W - 1)) // P > holes  <=>  n >= (holes + 1) * P + W - 1.
+        let slots = u64::try_from(table.holes_below()).ok()?.checked_add(1)?;
+        slots
+            .checked_mul(self.page.get())?
+            .checked_add(window.saturating_sub(1))
+    }
+
     /// Replace every real page of the slid-out slots `[0, k)` by a hole and release them,
     /// lowest slot first (so the lowest slot is evicted first). Holes in the middle do not
     /// stop it (SPEC 12.2). Returns how many released pages became free (count 0).
