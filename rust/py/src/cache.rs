@@ -29,8 +29,10 @@ use crate::args::{
 use crate::convert::clip;
 use crate::errors::{core, lock};
 use crate::events::events_to_py;
+use crate::host::{transfer_ids, transfers_to_py, HostStoreArg};
 use crate::prefix_match::PyPrefixMatch;
 use crate::tables::{borrow_out, table_outs};
+use flat_kvcache_core::engine::host::HostStore;
 
 /// The page engine of one model (SPEC 6 to 9, docs/engine-api.md and docs/requests-api.md):
 /// `FlatKVCache(specs, num_pages, *, enable_caching=True, eviction_order="hybrid",
@@ -111,9 +113,10 @@ impl PyFlatKVCache {
     /// list (handed out before any cached page) instead of the back.
     #[new]
     #[pyo3(
-        signature = (specs, num_pages, *, enable_caching = true, eviction_order = EvictionArg(EvictionOrder::Hybrid), enable_kv_events = false, reuse_uncached_first = DEFAULT_REUSE_UNCACHED_FIRST),
-        text_signature = "(specs, num_pages, *, enable_caching=True, eviction_order='hybrid', enable_kv_events=False, reuse_uncached_first=True)"
+        signature = (specs, num_pages, *, enable_caching = true, eviction_order = EvictionArg(EvictionOrder::Hybrid), enable_kv_events = false, reuse_uncached_first = DEFAULT_REUSE_UNCACHED_FIRST, host_pages = None, host_store = HostStoreArg(HostStore::WriteThrough)),
+        text_signature = "(specs, num_pages, *, enable_caching=True, eviction_order='hybrid', enable_kv_events=False, reuse_uncached_first=True, host_pages=0, host_store='write_through')"
     )]
+    #[allow(clippy::too_many_arguments, reason = "the Python constructor's keyword arguments")]
     fn new(
         specs: GroupSpecs,
         num_pages: &Bound<'_, PyAny>,
@@ -121,8 +124,11 @@ impl PyFlatKVCache {
         eviction_order: EvictionArg,
         enable_kv_events: bool,
         reuse_uncached_first: bool,
+        host_pages: Option<&Bound<'_, PyAny>>,
+        host_store: HostStoreArg,
     ) -> PyResult<Self> {
         let num_pages = count(num_pages, "num_pages")?;
+        let host_pages = opt_count(host_pages, "host_pages")?.unwrap_or(0);
         if num_pages == 0 {
             return Err(PyValueError::new_err("num_pages must be >= 1, got 0"));
         }
@@ -131,6 +137,8 @@ impl PyFlatKVCache {
             eviction_order: eviction_order.0,
             enable_kv_events,
             reuse_uncached_first,
+            host_pages,
+            host_store: host_store.0,
         };
         let cache = core(FlatCache::with_options(specs.0, num_pages, options))?;
         let coord = cache.coordinator();
@@ -602,6 +610,28 @@ impl PyFlatKVCache {
 
     /// The KV events recorded since the last call, oldest first, as `flat_kvcache.events`
     /// dataclasses (always `[]` when `enable_kv_events` is off).
+    /// The host-tier transfers emitted since the last call (see `flat_kvcache._native.pyi`).
+    fn take_transfers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let transfers = lock(&self.inner)?.take_transfers();
+        transfers_to_py(py, &transfers, &self.specs)
+    }
+
+    /// Acknowledge finished transfers by id, in any order (checked first).
+    fn ack_transfers(&self, ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = transfer_ids(ids)?;
+        core(lock(&self.inner)?.ack_transfers(&ids))
+    }
+
+    /// Host-tier loads of `req` not acknowledged yet.
+    fn loads_in_flight(&self, req: RequestId<'_>) -> PyResult<u64> {
+        core(lock(&self.inner)?.loads_in_flight(req.id()?))
+    }
+
+    /// Transfers emitted and not acknowledged yet.
+    fn transfers_in_flight(&self) -> PyResult<usize> {
+        Ok(lock(&self.inner)?.transfers_in_flight())
+    }
+
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let events = lock(&self.inner)?.take_events();
         events_to_py(py, events, &self.specs)

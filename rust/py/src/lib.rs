@@ -9,6 +9,7 @@ pub mod convert;
 pub mod errors;
 pub mod events;
 pub mod hashing;
+pub mod host;
 pub mod plan;
 pub mod pool;
 pub mod prefix_match;

@@ -30,6 +30,7 @@ class PageApi(Coordinator):
         computed = as_count(num_computed_tokens, "num_computed_tokens")
         for manager, table in zip(self._managers, tables, strict=True):
             manager.reclaim(table, computed)
+        self._store_released()
 
     def free(self, req: RequestId) -> None:
         """Release every page of the request and forget it (SPEC 7), in the eviction order.
@@ -53,10 +54,12 @@ class PageApi(Coordinator):
             )
             # BlockPool.free releases in reverse list order: reverse to release in ``ordered``.
             self._pool.free([page for _, _, page in reversed(ordered)])
+        self._store_released()
         key = as_request_id(req)
         del self._requests[key]
         self._token_states.pop(key, None)
         self._reserves.pop(key, None)
+        self._loading.pop(key, None)
 
     # -- admission helpers (SPEC 7, 9) ----------------------------------------------------------
 

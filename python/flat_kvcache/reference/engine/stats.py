@@ -29,6 +29,8 @@ class Stats(Coordinator):
         in_use_by_group = {}
         for group, group_id in enumerate(self._group_ids):
             pages = {page for tables in self._requests.values() for page in tables[group].pages if page != 0}
+            if self._host is not None:  # pages pinned by host-tier transfers are in use too
+                pages.update(op.device for op in self._host.ops.values() if op.group == group)
             in_use_by_group[group_id] = len(pages)
         return {
             "pages_total": total,

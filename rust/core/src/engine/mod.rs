@@ -30,6 +30,7 @@ pub mod coordinator;
 pub mod events;
 pub mod group;
 pub mod hash;
+pub mod host;
 pub mod ids;
 pub mod pool;
 pub mod table;
@@ -57,6 +58,10 @@ pub struct CacheOptions {
     /// A released page that holds no key joins the front of the free list (reused before any
     /// cached page) instead of the back; see [`pool::BlockPool::set_reuse_uncached_first`].
     pub reuse_uncached_first: bool,
+    /// Pages of the host-memory tier (0: no tier; see [`host`]).
+    pub host_pages: u64,
+    /// When pages are copied to the host tier.
+    pub host_store: host::HostStore,
 }
 
 impl Default for CacheOptions {
@@ -66,6 +71,8 @@ impl Default for CacheOptions {
             eviction_order: EvictionOrder::Hybrid,
             enable_kv_events: false,
             reuse_uncached_first: pool::DEFAULT_REUSE_UNCACHED_FIRST,
+            host_pages: 0,
+            host_store: host::HostStore::WriteThrough,
         }
     }
 }
@@ -82,6 +89,12 @@ struct Entry {
     tokens: Option<TokenState>,
     /// Pages reserved for this request's next decode (docs/requests-api.md `reserve`).
     reserve: u64,
+    /// Host-tier loads into this request's pages not acknowledged yet (it cannot be
+    /// scheduled before they are).
+    loading: u64,
+    /// A number no other request of this cache had, so a late load acknowledgement can tell
+    /// this request from a later one in the same slot.
+    serial: u64,
 }
 
 /// Counters behind [`stats::CacheStats`] that the pool does not keep.
@@ -109,6 +122,8 @@ pub struct FlatCache {
     counters: Counters,
     /// Reused buffer of slab positions for batch calls.
     scratch: Vec<usize>,
+    /// The serial of the next request.
+    next_serial: u64,
 }
 
 impl FlatCache {
@@ -130,6 +145,9 @@ impl FlatCache {
         let mut coord = Coordinator::new(specs, num_pages, options.enable_caching)?;
         coord.set_kv_events(options.enable_kv_events);
         coord.set_reuse_uncached_first(options.reuse_uncached_first);
+        if options.host_pages > 0 {
+            coord.set_host(options.host_pages, options.host_store)?;
+        }
         Ok(Self {
             coord,
             index: HashMap::default(),
@@ -139,6 +157,7 @@ impl FlatCache {
             reserved: 0,
             counters: Counters::default(),
             scratch: Vec::new(),
+            next_serial: 0,
         })
     }
 
@@ -183,7 +202,11 @@ impl FlatCache {
             tables: vec![Table::default(); self.coord.num_groups()],
             tokens,
             reserve: 0,
+            loading: 0,
+            serial: self.next_serial,
         };
+        // A u64 counter of single increments cannot overflow in practice.
+        self.next_serial = self.next_serial.saturating_add(1);
         let at = if let Some(at) = self.vacant.pop() {
             self.entries[at] = entry;
             at

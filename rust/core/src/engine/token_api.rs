@@ -86,7 +86,14 @@ impl FlatCache {
         let at = self.insert(req, Some(state));
         if let Some(m) = m {
             // A match just made under the lock is never stale and the tables are empty.
-            self.coord.claim(&mut self.entries[at].tables, &m);
+            if self.coord.host().is_some() {
+                if let Err(e) = self.claim_with_loads(at, &m) {
+                    self.release(req, at);
+                    return Err(e);
+                }
+            } else {
+                self.coord.claim(&mut self.entries[at].tables, &m);
+            }
             let c = &mut self.counters;
             c.prefix_queries_tokens = c.prefix_queries_tokens.saturating_add(prompt_len);
             c.prefix_hits_tokens = c.prefix_hits_tokens.saturating_add(hit);
@@ -205,6 +212,7 @@ impl FlatCache {
     /// allocated and the position stays. `n + c > num_tokens` is an error.
     pub fn schedule(&mut self, req: RequestIdRef<'_>, n: u64, lookahead: u64) -> CoreResult<bool> {
         let at = self.find_token("schedule", req)?;
+        self.check_loaded("schedule", req, at)?;
         if let Some(s) = &self.entries[at].tokens {
             check_known("schedule", req, s, n, "num_new_tokens")?;
             n.checked_add(s.computed)
@@ -246,6 +254,10 @@ impl FlatCache {
         for (&req, &n) in reqs.iter().zip(ns) {
             let i = self.find(req)?;
             at.push(i);
+            if self.entries[i].tokens.is_none() {
+                return Err(page_level("schedule_batch", req));
+            }
+            self.check_loaded("schedule_batch", req, i)?;
             let Some(s) = self.entries[i].tokens.as_mut() else {
                 return Err(page_level("schedule_batch", req));
             };
