@@ -9,15 +9,18 @@ acknowledgements (unknown, not yet handed out, repeated ids), which must be refu
 with the same message and change nothing.
 
 After every step, besides everything the base machine compares (page ids, positions,
-``stats()``, ``budget()``, events replayed into an index), both must agree on each live
-request's loads in flight and the transfers in flight, and both ``check_invariants()``: every
-transfer pins its device page, no page is lost, no host page is read before its store is
-acknowledged. Scheduling a request whose loads are in flight must fail the same way on both.
+``stats()`` with its ``host_*`` figures, ``budget()``, the events, GPU-medium ones replayed
+into an index), the CPU-medium events replayed must name exactly the findable host pages, and
+both must agree on each live request's loads in flight and the transfers in flight, and both
+``check_invariants()``: every transfer pins its device page, no page is lost, no host page is
+read before its store is acknowledged. Scheduling a request whose loads are in flight must
+fail the same way on both.
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from typing import Any
 
 import flat_kvcache
@@ -25,7 +28,7 @@ import flat_kvcache.reference
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
-from test_requests_stateful import DOCUMENTS, REQUEST_IDS, RequestsMachine, configs
+from test_requests_stateful import DOCUMENTS, REQUEST_IDS, RequestsMachine, configs, replay
 
 IN_CI = os.environ.get("HYPOTHESIS_PROFILE") == "ci"
 EXAMPLES = int(os.environ.get("HOST_EXAMPLES", "300" if IN_CI else "60"))
@@ -46,6 +49,27 @@ class HostMachine(RequestsMachine):
     def __init__(self) -> None:
         super().__init__()
         self.handed_out: list[int] = []
+        self.host_index: Counter[tuple[int, bytes]] = Counter()
+
+    def check_more_events(self, taken: list[Any]) -> None:
+        """The CPU-medium events, replayed, name exactly the findable host pages' keys; the
+        host figures of ``stats()`` (compared between engines by the base machine) add up."""
+        replay(self.host_index, taken, medium="CPU")
+        host = self.caches[1]._host
+        findable: Counter[tuple[int, bytes]] = Counter(
+            (int(key[64:], 16), bytes.fromhex(key[:64]))
+            for page, key in enumerate(host.keys)
+            if key is not None and host.ready[page]
+        )
+        assert self.host_index == findable, "the CPU-medium events disagree with the host tier"
+        stats = self.caches[1].stats()
+        assert stats["host_pages_used"] <= stats["host_pages_total"]
+        assert stats["host_hits_tokens"] <= stats["prefix_hits_tokens"]
+        assert stats["host_evictions"] <= stats["host_stores"]
+        if stats["host_hits_tokens"]:
+            event("host hits counted")
+        if stats["host_evictions"]:
+            event("host evictions")
 
     @initialize(
         config=configs(),
@@ -172,3 +196,56 @@ HostMachine.TestCase.settings = settings(
 )
 
 TestHostCrossCheck = HostMachine.TestCase
+
+
+def test_cpu_medium_events_and_host_stats() -> None:
+    """A write-through tier of 2 host pages over one full group of page size 4 (docs/requests-api.md,
+    "Host-memory tier"): a 13-token prompt registers 3 pages; the host takes the first 2 and
+    skips the third; each acknowledged store is a CPU-medium ``BlockStored``; a later store
+    evicts the least recently used host page (a CPU-medium ``BlockRemoved``); a re-added
+    prompt whose pages left the device loads them back and counts host hit tokens."""
+    from flat_kvcache.events import BlockRemoved, BlockStored
+
+    for module in (flat_kvcache, flat_kvcache.reference):
+        c = module.FlatKVCache([module.KVCacheSpec("full", 4)], 5, host_pages=2, enable_kv_events=True)
+        assert c.stats()["host_pages_total"] == 2
+        c.add_request("a", list(range(13)))
+        assert c.schedule("a", 13)
+        c.finish("a")
+        gpu = c.take_events()
+        assert [type(e) for e in gpu] == [BlockStored] and gpu[0].medium == "GPU"
+        assert len(gpu[0].block_hashes) == 3
+        stats = c.stats()
+        assert (stats["host_stores"], stats["host_stores_skipped"], stats["host_pages_used"]) == (2, 1, 2)
+        assert stats["host_transfers_in_flight"] == 2
+        ids, _, _ = c.take_transfers()["store"]["g0"]
+        c.ack_transfers(ids[::-1])
+        cpu = c.take_events()
+        assert [(type(e), e.medium) for e in cpu] == [(BlockStored, "CPU")] * 2
+        # Acknowledged in reverse order: the events follow the acknowledgements.
+        assert [e.block_hashes[0] for e in cpu] == [gpu[0].block_hashes[1], gpu[0].block_hashes[0]]
+        assert all(e.parent_block_hash is None and e.token_ids == [] for e in cpu)
+        # Take every device page (evicting the 3 cached ones), then give them back.
+        assert c.acquire("evictor", 16)
+        c.free("evictor")
+        assert [(type(e), e.medium) for e in c.take_events()] == [(BlockRemoved, "GPU")]
+        # The first 2 pages come back from the host: 8 tokens, all of them host hits.
+        assert c.add_request("b", list(range(13))) == 8
+        assert c.loads_in_flight("b") == 2
+        stats = c.stats()
+        assert (stats["host_loads"], stats["host_hits_tokens"], stats["prefix_hits_tokens"]) == (2, 8, 8)
+        ids, _, _ = c.take_transfers()["load"]["g0"]
+        c.ack_transfers(ids)
+        assert [(type(e), e.medium) for e in c.take_events()] == [(BlockStored, "GPU")] * 2
+        # A new prompt's page is stored (at its registration, before its GPU event) over the
+        # least recently used host page: the loads were acknowledged page 0 first.
+        c.add_request("c", list(range(100, 105)))
+        assert c.schedule("c", 5)
+        c.finish("c")
+        events = c.take_events()
+        assert [(type(e), e.medium) for e in events] == [(BlockRemoved, "CPU"), (BlockStored, "GPU")]
+        assert events[0].block_hashes == [gpu[0].block_hashes[0]]
+        ids, _, _ = c.take_transfers()["store"]["g0"]
+        assert c.stats()["host_evictions"] == 1
+        c.ack_transfers(ids)
+        c.check_invariants()

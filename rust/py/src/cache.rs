@@ -586,7 +586,8 @@ impl PyFlatKVCache {
 
     /// Metrics with stable names: `pages_total pages_free pages_in_use pages_cached
     /// pages_cached_free requests prefix_queries_tokens prefix_hits_tokens evictions
-    /// preemptions` and `pages_in_use_by_group` (`{group_id: pages}`).
+    /// preemptions`, `pages_in_use_by_group` (`{group_id: pages}`) and the host tier's
+    /// `host_*` figures (all 0 without a host tier).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = lock(&self.inner)?.stats();
         let d = PyDict::new(py);
@@ -605,11 +606,18 @@ impl PyFlatKVCache {
             by_group.set_item(gid, pages)?;
         }
         d.set_item("pages_in_use_by_group", by_group)?;
+        let h = s.host.unwrap_or_default();
+        d.set_item("host_pages_total", h.pages_total)?;
+        d.set_item("host_pages_used", h.pages_used)?;
+        d.set_item("host_hits_tokens", h.hits_tokens)?;
+        d.set_item("host_stores", h.stores)?;
+        d.set_item("host_stores_skipped", h.stores_skipped)?;
+        d.set_item("host_loads", h.loads)?;
+        d.set_item("host_evictions", h.evictions)?;
+        d.set_item("host_transfers_in_flight", h.transfers_in_flight)?;
         Ok(d)
     }
 
-    /// The KV events recorded since the last call, oldest first, as `flat_kvcache.events`
-    /// dataclasses (always `[]` when `enable_kv_events` is off).
     /// The host-tier transfers emitted since the last call (see `flat_kvcache._native.pyi`).
     fn take_transfers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let transfers = lock(&self.inner)?.take_transfers();
@@ -632,6 +640,8 @@ impl PyFlatKVCache {
         Ok(lock(&self.inner)?.transfers_in_flight())
     }
 
+    /// The KV events recorded since the last call, oldest first, as `flat_kvcache.events`
+    /// dataclasses (always `[]` when `enable_kv_events` is off).
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let events = lock(&self.inner)?.take_events();
         events_to_py(py, events, &self.specs)

@@ -16,10 +16,11 @@ import numpy as np
 
 from flat_kvcache._types import KVCacheSpec
 from flat_kvcache.errors import UnknownRequestError
-from flat_kvcache.events import KVCacheEvent
+from flat_kvcache.events import BlockRemoved, BlockStored, KVCacheEvent
 from flat_kvcache.reference._checks import ceil_div
 from flat_kvcache.reference.engine._args import (
     EVICTION_ORDERS,
+    HASH_HEX_LEN,
     U64_MAX,
     RequestId,
     align_down,
@@ -141,7 +142,12 @@ class Coordinator:
         # pages promised to any request's next decode (SPEC 9).
         self._token_states: dict[RequestId, TokenState] = {}
         self._reserves: dict[RequestId, int] = {}
-        self._counters = {"prefix_queries_tokens": 0, "prefix_hits_tokens": 0, "preemptions": 0}
+        self._counters = {
+            "prefix_queries_tokens": 0,
+            "prefix_hits_tokens": 0,
+            "preemptions": 0,
+            "host_hits_tokens": 0,
+        }
         self._events_enabled = as_flag(enable_kv_events, "enable_kv_events")
         self._events: list[KVCacheEvent] = []
         self._pool._record_evictions = self._events_enabled
@@ -408,7 +414,15 @@ class Coordinator:
     def _store_to_host(self, page: int, key: str) -> None:
         """Emit a store of device ``page`` holding ``key`` if the tier takes it; the page keeps
         one more reference until the store is acknowledged."""
-        if self._host is not None and self._host.store(page, key, int(key[-8:], 16)):
+        if self._host is None:
+            return
+        stored = self._host.store(page, key, int(key[-8:], 16))
+        evicted, self._host.evicted = self._host.evicted, []
+        if self._events_enabled:
+            for dropped in evicted:
+                hashes = [bytes.fromhex(dropped[:HASH_HEX_LEN])]
+                self._events.append(BlockRemoved(hashes, int(dropped[HASH_HEX_LEN:], 16), medium="CPU"))
+        if stored:
             self._pool.touch(page)
 
     def _store_released(self) -> None:
@@ -421,6 +435,16 @@ class Coordinator:
             key = self._pool._key_held_by(page)
             if self._pool.ref_count(page) == 0 and key is not None:
                 self._store_to_host(page, key)
+
+    def _host_hit_tokens(self, pages: list[list[int]], hit: int) -> int:
+        """Tokens of ``hit`` at or after the first slot any group loads from the host tier."""
+        first = hit
+        for manager, group_pages in zip(self._managers, pages, strict=True):
+            for slot, page in enumerate(group_pages):
+                if page & HOST_BIT:
+                    first = min(first, slot * manager.page_size)
+                    break
+        return hit - first
 
     def _tiered_claim_cost(self, pages: list[list[int]]) -> tuple[int, int]:
         """(distinct device pages with count 0, host hits) of a tiered match's pages."""
@@ -510,6 +534,20 @@ class Coordinator:
         self._host.check_ack(checked)
         for op_id in checked:
             op = self._host.finish(op_id)
+            if op.kind == "store" and self._events_enabled:
+                spec = self._specs[op.group]
+                self._events.append(
+                    BlockStored(
+                        block_hashes=[bytes.fromhex(op.key[:HASH_HEX_LEN])],
+                        parent_block_hash=None,
+                        token_ids=[],
+                        block_size=spec.page_size,
+                        group_index=op.group,
+                        group_kind=spec.kind,
+                        sliding_window=spec.sliding_window,
+                        medium="CPU",
+                    )
+                )
             if op.kind == "load":
                 if self._enable_caching and self._pool._key_held_by(op.device) is None:
                     self._pool.cache(op.device, op.key)

@@ -70,6 +70,8 @@ class HostTier:
         self.ops: dict[int, Op] = {}
         self.untaken: list[int] = []
         self.next_id = 1
+        #: Keys a store's host eviction dropped, not yet turned into events by the coordinator.
+        self.evicted: list[str] = []
         self.counters = {
             "stores": 0,
             "stores_done": 0,
@@ -94,6 +96,7 @@ class HostTier:
         key = self.keys[page]
         assert key is not None, "a page on the LRU list holds a key"
         del self.map[key]
+        self.evicted.append(key)
         self.keys[page] = None
         self.ready[page] = False
         self.counters["evictions"] += 1

@@ -97,6 +97,7 @@ class TokenApi(PageApi):
             self._claim_tiered(key, pages, state)
             self._counters["prefix_queries_tokens"] += len(tokens)
             self._counters["prefix_hits_tokens"] += hit
+            self._counters["host_hits_tokens"] += self._host_hit_tokens(pages, hit)
         state.computed = hit
         state.registered = hit // self._base
         return hit

@@ -807,7 +807,14 @@ impl Coordinator {
     /// page until the store is acknowledged.
     fn store_to_host(&mut self, page: u32, key: GroupKey) {
         let Some(host) = self.host.as_mut() else { return };
-        if host.store(page, key) && self.pool.retain(page) {
+        let stored = host.store(page, key);
+        for key in host.evicted.drain(..) {
+            self.events.push(KvEvent::HostRemoved {
+                hash: key.hash,
+                group: key.group,
+            });
+        }
+        if stored && self.pool.retain(page) {
             self.in_use[key.group as usize] += 1;
         }
     }
@@ -826,6 +833,18 @@ impl Coordinator {
                 self.store_to_host(page, key);
             }
         }
+    }
+
+    /// Tokens of a `hit` served from host memory: those at or after the first slot any group
+    /// loads from the host tier (0 when the match is all device pages).
+    pub fn host_hit_tokens(&self, m: &PrefixMatch, hit: u64) -> u64 {
+        let mut first = hit;
+        for (pages, manager) in m.pages.iter().zip(&self.managers) {
+            if let Some(slot) = pages.iter().position(|&p| p != NULL_PAGE && p & HOST_BIT != 0) {
+                first = first.min(extent(slot, manager.page_size()));
+            }
+        }
+        hit - first
     }
 
     /// What claiming a tiered match takes: (distinct device pages with count 0, host hits).
@@ -939,7 +958,14 @@ impl Coordinator {
     /// `BlockStored` event). Either way the device page's pin is dropped. Returns a load's
     /// owner. Call [`Self::store_released`] after a batch of these.
     pub(crate) fn finish_transfer(&mut self, id: u64) -> Option<(usize, u64)> {
-        let mut op: Op = self.host.as_mut()?.finish(id)?;
+        let host = self.host.as_mut()?;
+        let mut op: Op = host.finish(id)?;
+        for key in host.stored.drain(..) {
+            self.events.push(KvEvent::HostStored {
+                hash: key.hash,
+                group: key.group,
+            });
+        }
         let g = op.group as usize;
         if op.kind == TransferKind::Load && self.pool.caching_enabled() && self.pool.key_of(op.device).is_none() {
             self.pool.cache_unchecked(op.device, op.key);

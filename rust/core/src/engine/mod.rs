@@ -103,6 +103,9 @@ struct Counters {
     prefix_queries_tokens: u64,
     prefix_hits_tokens: u64,
     preemptions: u64,
+    /// Of `prefix_hits_tokens`, those at or after the first page any group loads from the
+    /// host tier.
+    host_hits_tokens: u64,
 }
 
 /// The page engine of one model: a coordinator plus each live request.

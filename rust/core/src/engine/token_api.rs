@@ -86,7 +86,9 @@ impl FlatCache {
         let at = self.insert(req, Some(state));
         if let Some(m) = m {
             // A match just made under the lock is never stale and the tables are empty.
+            let mut host_hit = 0;
             if self.coord.host().is_some() {
+                host_hit = self.coord.host_hit_tokens(&m, hit);
                 if let Err(e) = self.claim_with_loads(at, &m) {
                     self.release(req, at);
                     return Err(e);
@@ -97,6 +99,7 @@ impl FlatCache {
             let c = &mut self.counters;
             c.prefix_queries_tokens = c.prefix_queries_tokens.saturating_add(prompt_len);
             c.prefix_hits_tokens = c.prefix_hits_tokens.saturating_add(hit);
+            c.host_hits_tokens = c.host_hits_tokens.saturating_add(host_hit);
         }
         Ok(hit)
     }
