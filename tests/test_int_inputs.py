@@ -14,6 +14,8 @@ import pytest
 import torch
 from flat_kvcache import _native
 from flat_kvcache.engine import KVCacheSpec
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 TOKENS = [5, 0, 70000, 3, 1, 2**31 + 7, 9, 4, 11, 8, 12, 6, 40000, 255]
 SMALL = [5, 0, 100, 3, 1, 127, 9, 4, 11, 8, 12, 6, 40, 2]  # fits every integer dtype
@@ -129,3 +131,75 @@ def test_floats_and_bools_are_refused_with_the_argument_name(value: Any) -> None
 def test_two_dimensional_arrays_are_refused() -> None:
     with pytest.raises(TypeError, match=r"token_ids must be a 1-D integer array, got a 2-D array"):
         _native.hash_pages(np.zeros((2, 2), np.int64), 2)
+
+
+#: numpy's C integer scalar types (every sized name such as ``np.int64`` is one of them).
+C_INT_TYPES = [
+    np.byte,
+    np.ubyte,
+    np.short,
+    np.ushort,
+    np.intc,
+    np.uintc,
+    np.int_,
+    np.uint,
+    np.longlong,
+    np.ulonglong,
+]
+
+
+class _Int64Subclass(np.int64):
+    """A subclass of a numpy scalar type: read through ``__index__``, never in place."""
+
+
+def _outcome(call: Any) -> object:
+    """The result of ``call()``, or the exception's type and message."""
+    try:
+        return call()
+    except (TypeError, ValueError, OverflowError) as exc:
+        return (type(exc), str(exc))
+
+
+@st.composite
+def _scalar_lists(draw: st.DrawFn) -> tuple[list[Any], list[int]]:
+    """A list of numpy integer scalars of random C types (any value the type holds, so some
+    are negative or past u32), Python ints and subclass instances, and the same values as ints."""
+    items: list[Any] = []
+    for _ in range(draw(st.integers(1, 12))):
+        kind: Any = draw(st.sampled_from([*C_INT_TYPES, int, _Int64Subclass]))
+        if kind is int:
+            items.append(draw(st.integers(-(2**65), 2**65)))
+            continue
+        info = np.iinfo(np.int64 if kind is _Int64Subclass else kind)
+        items.append(kind(draw(st.integers(int(info.min), int(info.max)))))
+    return items, [int(item) for item in items]
+
+
+@settings(max_examples=150, deadline=None)
+@given(_scalar_lists())
+def test_numpy_scalars_read_in_place_convert_like_their_ints(lists: tuple[list[Any], list[int]]) -> None:
+    """The in-place read of numpy scalars accepts and refuses exactly what the ints would: the
+    same tokens (hash_pages) and counts (schedule_batch), or the same error naming the index."""
+    items, ints = lists
+    expected = _outcome(lambda: _native.hash_pages(ints, 2))
+    for form in (items, tuple(items)):
+        assert _outcome(lambda f=form: _native.hash_pages(f, 2)) == expected
+
+    def scheduled(counts: Any) -> object:
+        cache = _native.FlatKVCache([KVCacheSpec("full", 4)], 4096)
+        reqs = [f"r{i}" for i in range(len(ints))]
+        for req in reqs:
+            cache.add_request(req, list(range(300)))
+        return _outcome(lambda: cache.schedule_batch(reqs, counts).tolist())
+
+    assert scheduled(items) == scheduled(ints)
+
+
+def test_numpy_bools_and_floats_among_scalars_are_still_refused() -> None:
+    """After numpy integer scalars of one type, a numpy bool or float is still refused."""
+    with_bool: list[Any] = [np.int64(1), np.int64(2), np.bool_(True)]
+    with pytest.raises(TypeError, match=r"token_ids\[2\] must be an int, got bool"):
+        _native.hash_pages(with_bool, 2)
+    with_float: list[Any] = [np.int64(1), np.float64(2.0)]
+    with pytest.raises(TypeError, match=r"token_ids\[1\] must be an int, got float64"):
+        _native.hash_pages(with_float, 2)

@@ -139,10 +139,15 @@ def test_out_errors_name_the_group_and_write_nothing() -> None:
     assert all((v == 7).all() for v in narrow.values())
     with pytest.raises(KeyError):
         cache.block_tables(["a", "nope"], out=good)
-    # Extra keys in the mapping are ignored; an empty batch writes nothing.
+    # A key that is not a group would be left unwritten: refused, naming it, nothing written.
     extra = {**buffers(1, 5), "other": np.zeros(3)}
-    assert cache.block_tables([], out=extra) is extra
+    with pytest.raises(ValueError, match=r"out\['other'\] is not a group of this cache"):
+        cache.block_tables(["a"], out=extra)
     assert (extra["full"] == 7).all()
+    # An empty batch writes nothing.
+    exact = buffers(1, 5)
+    assert cache.block_tables([], out=exact) is exact
+    assert (exact["full"] == 7).all()
 
 
 @pytest.mark.flag
@@ -212,7 +217,7 @@ def test_stats_have_the_documented_names() -> None:
     }
     assert set(stats) == set(CacheStats.__annotations__)
     # Without a host tier every host figure is 0.
-    assert all(stats[name] == 0 for name in stats if name.startswith("host_"))
+    assert all(value == 0 for name, value in stats.items() if name.startswith("host_"))
     assert stats["pages_total"] == 63 and stats["requests"] == 2
     assert stats["pages_in_use_by_group"] == {"full": 4, "swa": 4}
     assert stats["pages_free"] + stats["pages_in_use"] == stats["pages_total"]
@@ -261,7 +266,7 @@ def test_argument_errors_name_the_argument() -> None:
         cache.add_request("e", [])
     with pytest.raises(ValueError, match=r"prompt_token_ids\[1\] = -1 does not fit in u32"):
         cache.add_request("e", [1, -1])
-    with pytest.raises(TypeError, match="extra_keys must be a sequence of str, not a str"):
+    with pytest.raises(TypeError, match="extra_keys must be a sequence of str, not a bare str"):
         cache.add_request("e", [1], extra_keys="lora")
     with pytest.raises(TypeError, match="request ids must be str or int"):
         cache.add_request(1.5, [1])  # type: ignore[arg-type]
@@ -313,7 +318,7 @@ def test_schedule_batch_validates_everything_first() -> None:
         cache.schedule_batch(["a", "b"], [1, 9])
     with pytest.raises(ValueError, match="asks for more tokens"):
         cache.schedule_batch(["a", "a"], [5, 4])  # repeats count together
-    with pytest.raises(TypeError, match="not a str"):
+    with pytest.raises(TypeError, match="not a bare str"):
         cache.schedule_batch("ab", [1, 1])
     assert (cache.stats(), cache.page_ids("a"), cache.page_ids("b")) == before
     assert cache.num_computed_tokens("a") == 0
@@ -344,7 +349,7 @@ def test_append_tokens_batch_validates_everything_first() -> None:
         cache.append_tokens_batch(["a", "b"], [1, 2], np.array([-1, 3]))
     with pytest.raises(KeyError):
         cache.append_tokens_batch(["a", "zz"], [1, 2])
-    with pytest.raises(TypeError, match="not a str"):
+    with pytest.raises(TypeError, match="not a bare str"):
         cache.append_tokens_batch("ab", [1, 2])
     assert (cache.num_tokens("a"), cache.num_tokens("b")) == before
     # Arrays of any integer dtype; None is one token each.

@@ -125,7 +125,10 @@ def test_reserve_budget_and_schedule_release(api: ModuleType) -> None:
     assert cache.budget() == 5 - 1 - 2
     cache.finish("b")  # releases b's reserve
     assert cache.budget() == 5 - 1
-    cache.free("a")  # page-level free releases a token-level request's reserve too
+    with pytest.raises(ValueError, match="free: request 'a' is token-level"):
+        cache.free("a")  # a token-level request ends with finish or preempt, not free
+    assert cache.budget() == 5 - 1
+    cache.preempt("a")  # releases a's reserve too
     assert cache.budget() == 8
     # Admission: an unrelated 8-token prompt, 8 new tokens and 4 reserved: 0 + ceil(12 / 4).
     assert cache.pages_needed_to_admit(list(range(200, 208)), 8, 4) == 3

@@ -119,3 +119,56 @@ def test_shape_from_config_without_dtype_takes_kv_dtype(tmp_path: Path) -> None:
     assert dict(shape.state_dtypes) == {"conv": torch.float16, "ssm": torch.float32}
     with pytest.raises(ValueError, match="kv_dtype="):
         ModelShape.from_config(path)
+
+
+#: Bad ``simulate`` inputs: (arguments, the option the message must name).
+BAD_SIMULATE = [
+    (["--trace", "/nonexistent/trace.jsonl"], "--trace"),
+    (["--preset", "nope"], "--preset"),
+    (["--preset", "/nonexistent/config.json"], "--preset"),
+    # A pool that cannot hold one token of a request (a page per group besides page 0).
+    (["--num-pages", "2", "--num-requests", "3"], "--num-pages"),
+    # One that holds a token but never a whole prompt: every request aborted, nothing measured.
+    (["--num-pages", "60", "--num-requests", "3"], "--num-pages"),
+]
+
+
+@pytest.mark.parametrize(("argv", "option"), BAD_SIMULATE, ids=[" ".join(a) for a, _ in BAD_SIMULATE])
+def test_bad_simulate_input_is_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], option: str
+) -> None:
+    status, out, err = run_cli(capsys, "simulate", *argv)
+    _check_one_line(status, err, option, 1)
+    assert out == ""
+
+
+@pytest.mark.parametrize(
+    ("content", "where"),
+    [("{bad\n", "trace.jsonl:1"), ('{"prompt_len": 4}\n', "output_len"), ("", "no requests")],
+    ids=["invalid-json", "missing-field", "empty"],
+)
+def test_bad_trace_file_names_the_option_and_the_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, content: str, where: str
+) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text(content, encoding="utf-8")
+    status, _, err = run_cli(capsys, "simulate", "--trace", str(path))
+    _check_one_line(status, err, "--trace", 1)
+    assert where in err
+
+
+def test_too_small_pool_states_the_minimum(capsys: pytest.CaptureFixture[str]) -> None:
+    """gpt-oss-like has two groups: one token needs a page in each, plus the null page."""
+    status, _, err = run_cli(capsys, "simulate", "--num-pages", "2", "--num-requests", "3")
+    _check_one_line(status, err, "--num-pages must be >= 3", 1)
+    status, out, err = run_cli(capsys, "simulate", "--num-pages", "3", "--num-requests", "0")
+    assert (status, err) == (0, ""), err
+    assert "requests             0" in out
+
+
+def test_a_run_that_finishes_something_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    """The default pool fits the largest request, so a run finishes its requests."""
+    status, out, err = run_cli(capsys, "simulate", "--num-requests", "3", "--json")
+    assert status == 0, err
+    summary = json.loads(out)
+    assert summary["finished"] == 3 and summary["aborted"] == 0

@@ -14,7 +14,19 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 from flat_kvcache.errors import UnknownRequestError
-from robustness_cases import HASH, LIVE, PAGE_LEVEL, Case, busy_cache, check_agree, check_case
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from robustness_cases import (
+    ENGINES,
+    HASH,
+    LIVE,
+    PAGE_LEVEL,
+    TOKEN_LEVEL,
+    Case,
+    busy_cache,
+    check_agree,
+    check_case,
+)
 
 # --- int arguments ------------------------------------------------------------------------------
 
@@ -77,16 +89,9 @@ def _count_calls(v: object) -> dict[str, tuple[Any, str]]:
 
 
 #: Count arguments for which None is not a bad value: ``end_tokens`` is optional (None means
-#: "state groups register nothing"), and the others are optional ints whose None is accepted by
-#: one engine only (left out here until the engines agree).
-_NONE_LEFT_OUT = frozenset(
-    {
-        "register.end_tokens",
-        "register.first_slot",
-        "schedule.lookahead",
-        "pages_needed_to_admit.reserve_tokens",
-    }
-)
+#: "state groups register nothing"). The ints with a default (``first_slot``, ``lookahead``,
+#: ``reserve_tokens``) take it only when left out: an explicit None is refused.
+_NONE_LEFT_OUT = frozenset({"register.end_tokens"})
 
 COUNT_CASES = [
     pytest.param(Case(call, kind, name), id=f"{where}={label}")
@@ -124,16 +129,30 @@ def test_bad_int_same_error_on_both_engines(case: Case) -> None:
     check_agree(case)
 
 
-@pytest.mark.parametrize(
-    ("label", "value", "kind"),
-    [(label, value, kind) for label, value, kind, _ in BAD_INTS if value is not None],
-)
-def test_bad_num_pages_is_refused(api: ModuleType, label: str, value: object, kind: type[Exception]) -> None:
-    """The pool size of a new cache (nothing to change: only the exception is checked).
+def _new_cache(num_pages: object) -> Any:
+    """A case call building a second cache of ``num_pages`` pages next to the busy one."""
+    return lambda c: type(c)([_full_spec(c)], num_pages)
 
-    A negative size is left out of the cross-check: the engines word its bound differently."""
-    with pytest.raises(kind, match="num_pages"):
-        api.FlatKVCache([api.KVCacheSpec("full", 4)], value)
+
+#: Bad pool sizes: the BAD_INTS and 0 (a pool holds page 0, so 0 and negatives are "< 1").
+NUM_PAGES_CASES = [
+    pytest.param(Case(_new_cache(value), kind, "num_pages"), id=f"num_pages={label}")
+    for label, value, kind, _ in BAD_INTS
+] + [
+    pytest.param(Case(_new_cache(value), ValueError, "num_pages must be >= 1"), id=f"num_pages={value}")
+    for value in (0, -1, -(2**70))
+]
+
+
+@pytest.mark.parametrize("case", NUM_PAGES_CASES)
+def test_bad_num_pages_is_refused(api: ModuleType, case: Case) -> None:
+    """The pool size of a new cache (the busy cache it is built next to stays unchanged)."""
+    check_case(api, case)
+
+
+@pytest.mark.parametrize("case", NUM_PAGES_CASES)
+def test_bad_num_pages_same_error_on_both_engines(case: Case) -> None:
+    check_agree(case)
 
 
 # --- numpy arrays as tokens and counts ---------------------------------------------------------
@@ -161,6 +180,15 @@ ARRAY_CASES = [
         id="tokens-empty",
     ),
     pytest.param(Case(lambda c: c.add_request("n", "abc"), TypeError, "prompt_token_ids"), id="tokens-str"),
+    pytest.param(
+        Case(lambda c: c.add_request("n", np.array([1.0, 2.0])), TypeError, "prompt_token_ids"),
+        id="tokens-float-array",
+    ),
+    pytest.param(Case(lambda c: c.append_tokens("a", np.array(1)), TypeError, "token_ids"), id="tokens-0-d"),
+    pytest.param(
+        Case(lambda c: c.schedule_batch([7], np.zeros((1, 1), np.int64)), TypeError, "num_new_tokens"),
+        id="counts-2-d",
+    ),
     pytest.param(
         Case(lambda c: c.add_request("n", b"abc"), TypeError, "prompt_token_ids"), id="tokens-bytes"
     ),
@@ -328,6 +356,14 @@ OUT_CASES = [
     ),
     pytest.param(Case(_tables([_buffer(), _buffer()]), TypeError, "out"), id="not-a-mapping"),
     pytest.param(
+        Case(_tables({"full": _buffer(), "swa": _buffer(), "x": _buffer()}), ValueError, "out['x']"),
+        id="unknown-group",
+    ),
+    pytest.param(
+        Case(_tables({"full": _buffer(), "swa": _buffer(), 0: _buffer()}), ValueError, "out[0]"),
+        id="non-str-key",
+    ),
+    pytest.param(
         Case(_shared(lambda b: {"full": b[:, :8], "swa": b[:, 8:]}), ValueError, "out['full']"),
         id="column-halves-of-one-array",
     ),
@@ -352,14 +388,26 @@ def test_bad_out_buffer_same_error_on_both_engines(case: Case) -> None:
         pytest.param(lambda b: {"full": b[:3], "swa": b[:3]}, id="equal-views"),
     ],
 )
-def test_overlapping_out_buffers_are_refused(api: ModuleType, make: Any) -> None:
-    """Two groups writing into the same memory would overwrite each other's tables."""
-    buffer = _buffer(6, 16)
-    got = check_case(
-        api, Case(lambda c: c.block_tables(list(LIVE), out=make(buffer)), ValueError, "out['swa']")
-    )
-    assert "shares its memory" in got.message
-    assert not buffer.any(), "nothing may be written when the call is refused"
+def test_overlapping_out_buffers_are_refused(make: Any) -> None:
+    """Two groups writing into the same memory would overwrite each other's tables: refused
+    alike by both engines, before anything is written."""
+    got = []
+    for api in ENGINES:
+        buffer = _buffer(6, 16)
+        got.append(check_case(api, Case(_tables(make(buffer)), ValueError, "out['swa']")))
+        assert not buffer.any(), "nothing may be written when the call is refused"
+    native, reference = got
+    assert native == reference
+    assert "shares its memory" in native.message
+
+
+def test_a_buffer_under_an_unknown_key_is_not_written(api: ModuleType) -> None:
+    """The unknown key is found after the group buffers are checked, but before any is written."""
+    cache = busy_cache(api)
+    full, swa = _buffer(), _buffer()
+    with pytest.raises(ValueError, match=r"out\['full '\] is not a group"):
+        cache.block_tables(list(LIVE), out={"full": full, "swa": swa, "full ": _buffer()})
+    assert not full.any() and not swa.any()
 
 
 def test_disjoint_row_blocks_of_one_array_are_fine(api: ModuleType) -> None:
@@ -393,7 +441,13 @@ ID_CASES = [
         ("schedule-tuple", lambda c: c.schedule(("a",), 1), TypeError, "request ids"),
         ("batch-float-second", lambda c: c.schedule_batch(["a", 7.0], [0, 1]), TypeError, "request ids"),
         ("finish-'7'", lambda c: c.finish("7"), UnknownRequestError, "'7'"),
-        ("finish-b'a'-as-str", lambda c: c.finish("b'a'"), UnknownRequestError, "unknown request id"),
+        (
+            "finish-b'a'-as-str",
+            lambda c: c.finish("b'a'"),
+            UnknownRequestError,
+            "unknown request id \"b'a'\"",
+        ),
+        ("finish-both-quotes", lambda c: c.finish("'\""), UnknownRequestError, "unknown request id '\\'\"'"),
         ("add-existing-str", lambda c: c.add_request("a", [1, 2]), ValueError, "'a'"),
         ("add-existing-int", lambda c: c.add_request(7, [1, 2]), ValueError, "7"),
         ("add-existing-page-level", lambda c: c.add_request(PAGE_LEVEL, [1, 2]), ValueError, "'p'"),
@@ -407,13 +461,26 @@ def test_bad_request_id_is_refused(api: ModuleType, case: Case) -> None:
     check_case(api, case)
 
 
-#: Cases the engines word differently (listed as pending, left out of the cross-check).
-_WORDED_DIFFERENTLY = frozenset({"block_tables-bare-str", "finish-b'a'-as-str", "register-bad-hash"})
-
-
-@pytest.mark.parametrize("case", [case for case in ID_CASES if case.id not in _WORDED_DIFFERENTLY])
+@pytest.mark.parametrize("case", ID_CASES)
 def test_bad_request_id_same_error_on_both_engines(case: Case) -> None:
     check_agree(case)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(st.characters(blacklist_categories=("Cn", "Cs")), max_size=12))
+def test_unknown_str_id_is_quoted_as_python_repr_on_both_engines(rid: str) -> None:
+    """Ids of any text (quotes, backslashes, control and non-ASCII characters) are shown the
+    way Python's ``repr`` shows them, by both engines.
+
+    Characters this Python's Unicode database does not assign (Cn) are left out: the native
+    engine's table may be newer and print a character that ``repr`` escapes here."""
+    messages = []
+    for api in ENGINES:
+        cache = api.FlatKVCache([api.KVCacheSpec("full", 4)], 8)
+        with pytest.raises(UnknownRequestError) as info:
+            cache.finish(rid)
+        messages.append(info.value.args[0])
+    assert messages == [f"unknown request id {rid!r}"] * 2
 
 
 def test_int_and_str_ids_are_distinct(api: ModuleType) -> None:
@@ -519,6 +586,20 @@ ORDER_CASES = [
             "content_hashes[0]",
         ),
         (
+            "claim-holding-pages",
+            None,
+            lambda c: c.claim(PAGE_LEVEL, c.match_prefix([])),
+            ValueError,
+            "claim: request 'p' already holds pages",
+        ),
+        (
+            "prefill_first_chunk-holding-pages",
+            None,
+            lambda c: c.prefill_first_chunk(PAGE_LEVEL, c.match_prefix([]), 1),
+            ValueError,
+            "prefill_first_chunk: request 'p' already holds pages",
+        ),
+        (
             "eviction-order",
             None,
             lambda c: type(c)([_full_spec(c)], 8, eviction_order="lru"),
@@ -540,9 +621,54 @@ def test_out_of_order_call_is_refused(api: ModuleType, case: Case) -> None:
     check_case(api, case)
 
 
-@pytest.mark.parametrize("case", [case for case in ORDER_CASES if case.id not in _WORDED_DIFFERENTLY])
+@pytest.mark.parametrize("case", ORDER_CASES)
 def test_out_of_order_call_same_error_on_both_engines(case: Case) -> None:
     check_agree(case)
+
+
+def _page_level_calls(req: object) -> dict[str, Any]:
+    """Every page-level call that moves pages, on ``req``."""
+    return {
+        "acquire": lambda c: c.acquire(req, 1),
+        "claim": lambda c: c.claim(req, c.match_prefix([])),
+        "register": lambda c: c.register(req, [HASH]),
+        "reclaim": lambda c: c.reclaim(req, 10),
+        "free": lambda c: c.free(req),
+        "prefill_first_chunk": lambda c: c.prefill_first_chunk(req, c.match_prefix([]), 1),
+        "prefill_chunk": lambda c: c.prefill_chunk(req, [], 1, 10),
+        "decode_step": lambda c: c.decode_step(req, [], 0, 1, 10),
+    }
+
+
+#: Page-level calls on the token-level requests: ``"a"`` (scheduled, holding pages) and ``7``
+#: (admitted, no pages yet). The message names the method and the request.
+TOKEN_LEVEL_CASES = [
+    pytest.param(Case(call, ValueError, f"{method}: request {req!r} is token-level"), id=f"{method}-{req!r}")
+    for req in TOKEN_LEVEL
+    for method, call in _page_level_calls(req).items()
+]
+
+
+@pytest.mark.parametrize("case", TOKEN_LEVEL_CASES)
+def test_page_level_call_on_token_level_request_is_refused(api: ModuleType, case: Case) -> None:
+    check_case(api, case)
+
+
+@pytest.mark.parametrize("case", TOKEN_LEVEL_CASES)
+def test_page_level_call_on_token_level_request_same_error_on_both_engines(case: Case) -> None:
+    check_agree(case)
+
+
+def test_read_only_page_level_calls_answer_for_token_level_requests(api: ModuleType) -> None:
+    """Reading a token-level request's tables stays open to the page-level readers."""
+    cache = busy_cache(api)
+    assert cache.page_ids("a") == [[1, 2, 3], [4, 5, 6]]
+    # 10 tokens computed in 4-token pages: 2 free slots in the last page of each group.
+    assert cache.tail_available("a") == [2, 2]
+    assert cache.pages_needed(2, "a") == 0 and cache.pages_needed(3, "a") == 2
+    assert cache.pages_reclaimable("a", 10) == 0
+    assert cache.page_ids(7) == [[], []]
+    assert cache.block_tables(["a", 7])["full"].tolist() == [[1, 2, 3], [-1, -1, -1]]
 
 
 def test_finished_id_can_be_reused_as_a_new_request(api: ModuleType) -> None:

@@ -226,6 +226,17 @@ def test_requests_that_never_fit_are_aborted(engine: str) -> None:
     assert summary["steps"] == 6  # two stuck steps before the first abort, then one per step
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_pool_without_room_for_one_token_is_refused(engine: str) -> None:
+    """gpt-oss-like has two groups: one token needs a page in each besides the null page, so
+    2 pages could never schedule anything (every request would be aborted)."""
+    with pytest.raises(ValueError, match=r"num_pages=2 is too small: .* num_pages must be >= 3"):
+        simulate(default_trace(1, seed=0), SimulationConfig(engine=engine, num_pages=2))  # type: ignore[arg-type]
+    # An empty trace gets a default pool that could hold a token, and runs nothing.
+    summary = simulate(default_trace(0, seed=0), SimulationConfig(engine=engine)).summary  # type: ignore[arg-type]
+    assert (summary["num_pages"], summary["requests"], summary["finished"]) == (3, 0, 0)
+
+
 def test_prefix_caching_off_gets_no_hits() -> None:
     trace = default_trace(10, seed=2)
     summary = simulate(trace, SimulationConfig(enable_caching=False)).summary
@@ -309,7 +320,7 @@ def test_cli_bad_trace_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
     path = write_trace(tmp_path, [{"prompt_len": 8, "output_len": 1}, {"prompt_len": 8}])
     status, out, err = run_cli(capsys, "simulate", "--trace", str(path))
     assert (status, out) == (1, "")
-    assert err == f"flat-kvcache: error: {path}:2: output_len is required\n"
+    assert err == f"flat-kvcache: error: --trace: {path}:2: output_len is required\n"
 
 
 def test_reuse_uncached_first_default_is_the_engines_default() -> None:

@@ -412,9 +412,13 @@ class FlatKVCache:
     Request ids are ``str`` or ``int`` (``5`` and ``"5"`` differ; another type is a
     ``TypeError``). An unknown id is an ``UnknownRequestError`` (a ``KeyError``) except for
     ``claim``, ``acquire`` and ``prefill_first_chunk``, which create it. Requests created by
-    ``add_request`` own their tokens (token-level); the others are page-level, and token-level
-    methods refuse them with ``ValueError``. Running out of pages is not an error: the calls
-    that need pages return False and change nothing. Safe to share between threads.
+    ``add_request`` own their tokens (token-level); the others are page-level. Token-level
+    methods refuse page-level requests, and the page-level methods that move pages (``claim``,
+    ``acquire``, ``register``, ``reclaim``, ``free`` and the step calls) refuse token-level ones,
+    with a ``ValueError`` naming the method and the request; the read-only ones (``page_ids``,
+    ``tail_available``, ``pages_needed``, ...) answer for both. Running out of pages is not an
+    error: the calls that need pages return False and change nothing. Safe to share between
+    threads.
     """
 
     def __new__(
@@ -514,13 +518,14 @@ class FlatKVCache:
     def reclaim(self, req: _RequestId, num_computed_tokens: int) -> None:
         """Free the pages of ``req`` that slid out of every window at ``num_computed_tokens``.
 
-        Raises ``UnknownRequestError`` for an unknown ``req``.
+        Raises ``UnknownRequestError`` for an unknown ``req``, ``ValueError`` for a token-level one.
         """
 
     def free(self, req: _RequestId) -> None:
         """Release all of ``req``'s pages (in the eviction order), drop its reserve and forget it.
 
-        Raises ``UnknownRequestError`` for an unknown ``req``.
+        Raises ``UnknownRequestError`` for an unknown ``req``, ``ValueError`` for a token-level
+        one (``finish`` or ``preempt`` end those).
         """
 
     def pages_needed(self, num_tokens: int, req: _RequestId | None = None) -> int:

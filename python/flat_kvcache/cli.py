@@ -12,7 +12,9 @@ the slab saving; it needs the ``torch`` extra, imported only then.
 
 Bad input is one line on stderr, ``flat-kvcache: error: ...``, and a non-zero exit status:
 2 for a usage error (unknown option, negative size), 1 for a model the API rejects (missing or
-invalid config, unknown preset or layer label).
+invalid config, unknown preset or layer label), a ``--trace`` that cannot be read, or a
+``simulate`` pool too small for any request (every request aborted). The message names the
+option (``--preset``, ``--trace``, ``--num-pages``, ...).
 """
 
 from __future__ import annotations
@@ -368,10 +370,11 @@ def _run_simulate(args: argparse.Namespace) -> int:
             )
             return 1
     try:
-        if args.trace is not None:
-            trace = simulate.load_trace(args.trace, seed=args.seed)
-        else:
-            trace = simulate.default_trace(args.num_requests, seed=args.seed)
+        trace = _simulate_trace(args)
+        try:
+            load_model_config(args.preset)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--preset {args.preset}: {exc}") from None
         config = simulate.SimulationConfig(
             preset=args.preset,
             engine=args.engine,
@@ -391,10 +394,42 @@ def _run_simulate(args: argparse.Namespace) -> int:
         if args.plot is not None:
             simulate.plot_result(result, args.plot)
     except (OSError, ValueError, OverflowError) as exc:
-        _print_error(str(exc))
+        _print_error(_option_names(str(exc), _SIMULATE_OPTIONS))
         return 1
-    print(simulate.summary_json(result.summary) if args.json else simulate.format_summary(result.summary))
+    summary = result.summary
+    if summary["finished"] == 0 and summary["aborted"] > 0:
+        # Every request was aborted as out of memory: the run measured nothing.
+        _print_error(
+            f"--num-pages {summary['num_pages']}: no request finished; all {summary['aborted']} were "
+            f"aborted because none fits the {summary['num_pages'] - 1} usable pages alone (a prompt "
+            "is admitted whole); give a larger --num-pages or leave it out (the default fits the "
+            "largest request)"
+        )
+        return 1
+    print(simulate.summary_json(summary) if args.json else simulate.format_summary(summary))
     return 0
+
+
+#: The option of each :class:`~flat_kvcache.simulate.SimulationConfig` field a message may name.
+_SIMULATE_OPTIONS = {
+    "num_pages": "--num-pages",
+    "max_scheduled_tokens": "--max-scheduled-tokens",
+    "max_running": "--max-running",
+    "page_size": "--page-size",
+}
+
+
+def _simulate_trace(args: argparse.Namespace) -> list[simulate.TraceRequest]:
+    """The trace of ``flat-kvcache simulate``: ``--trace`` read (errors naming the option) or
+    the built-in one."""
+    if args.trace is None:
+        return simulate.default_trace(args.num_requests, seed=args.seed)
+    try:
+        return simulate.load_trace(args.trace, seed=args.seed)
+    except OSError as exc:
+        raise ValueError(f"--trace {args.trace}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"--trace: {exc}") from None
 
 
 # --- plan -------------------------------------------------------------------------------------
@@ -463,11 +498,13 @@ _OPTION_OF_KEYWORD = {
 }
 
 
-def _option_names(message: str) -> str:
-    """``message`` with each Python keyword of the plan API (``budget_bytes=``) replaced by the
-    option that sets it (``--memory``), so an error names what the user typed."""
-    pattern = r"\b(" + "|".join(_OPTION_OF_KEYWORD) + r")\b(=(?=\S))?"
-    return re.sub(pattern, lambda m: _OPTION_OF_KEYWORD[m.group(1)] + (" " if m.group(2) else ""), message)
+def _option_names(message: str, options: dict[str, str] | None = None) -> str:
+    """``message`` with each Python keyword of the API (``budget_bytes=``; ``options`` maps
+    them, the plan's by default) replaced by the option that sets it (``--memory``), so an
+    error names what the user typed."""
+    names = _OPTION_OF_KEYWORD if options is None else options
+    pattern = r"\b(" + "|".join(names) + r")\b(=(?=\S))?"
+    return re.sub(pattern, lambda m: names[m.group(1)] + (" " if m.group(2) else ""), message)
 
 
 def _memory_plan(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:

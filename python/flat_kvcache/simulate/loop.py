@@ -140,9 +140,11 @@ def default_num_pages(
 
     sizes = [len(request.prompt) + request.output_len for request in trace]
     together = sum(pages(tokens) for tokens in sizes[:max_running])
-    # Alone, a request holds its whole prompt in every group during prefill (nothing slid out yet).
+    # Alone, a request holds its whole prompt in every group during prefill (nothing slid out
+    # yet). An empty trace still gets a pool that holds one token (a page per group).
     alone = max(
-        (len(specs) * math.ceil(tokens / min(s.page_size for s in specs)) for tokens in sizes), default=1
+        (len(specs) * math.ceil(tokens / min(s.page_size for s in specs)) for tokens in sizes),
+        default=len(specs),
     )
     return 1 + max(math.ceil(fraction * together), alone)
 
@@ -212,6 +214,14 @@ class _Loop:
             eviction_order=config.eviction_order,
             reuse_uncached_first=config.reuse_uncached_first,
         )
+        # The pool must hold one token of a request (a page in every group) besides the null
+        # page, or no request is ever scheduled and every one is aborted.
+        one_token = int(self.cache.pages_needed(1))
+        if self.num_pages - 1 < one_token:
+            raise ValueError(
+                f"num_pages={self.num_pages} is too small: one token of a request needs {one_token} "
+                f"pages (one per group) besides the null page 0, so num_pages must be >= {one_token + 1}"
+            )
         self.group_ids: list[str] = list(self.cache.group_ids)
         self.num_groups = len(self.group_ids)
         self.base = int(self.cache.base_page_size)

@@ -81,7 +81,7 @@ fn bench_match(c: &mut Criterion) {
     let hashes = hash_pages::<&str>(&tokens(256 * 16, 3), 16, &[], &[]).unwrap();
     let mut cache = FlatCache::new(vec![full_spec()], 4096, true).unwrap();
     let req = RequestIdRef::Int(0);
-    assert!(cache.acquire(req, 256 * PAGE));
+    assert!(cache.acquire(req, 256 * PAGE).unwrap());
     cache.register(req, &hashes, 0, None).unwrap();
     cache.free(req).unwrap();
     assert_eq!(cache.match_prefix(&hashes).unwrap().num_hit_pages, vec![256]);
@@ -89,7 +89,7 @@ fn bench_match(c: &mut Criterion) {
         b.iter(|| cache.match_prefix(black_box(&hashes)).unwrap());
     });
     let mut hybrid = FlatCache::new(vec![full_spec(), swa_spec(1024)], 8192, true).unwrap();
-    assert!(hybrid.acquire(req, 256 * PAGE));
+    assert!(hybrid.acquire(req, 256 * PAGE).unwrap());
     hybrid.register(req, &hashes, 0, None).unwrap();
     hybrid.free(req).unwrap();
     group.bench_function("full_plus_sliding_256_pages", |b| {

@@ -14,6 +14,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 
 use crate::convert::{clip, cpu_tensor_numpy, non_negative, signed, type_name, IntArg};
+use crate::npscalar::Scalars;
 
 // ----- counts, tokens and page ids ------------------------------------------------------------
 
@@ -27,6 +28,30 @@ pub fn count(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
         }
     }
     non_negative(obj, name)
+}
+
+/// An int argument with a default written in Rust: left out, it takes the default; passed,
+/// it is checked by [`count`], so an explicit `None` is a `TypeError` naming it (as the
+/// reference's `as_count` refuses it). Extraction only keeps the object, so the checks (and
+/// their messages) run in the method body, after the arguments before it.
+pub struct CountParam<'py>(Option<Bound<'py, PyAny>>);
+
+impl CountParam<'_> {
+    /// The argument left out.
+    pub const OMITTED: Self = Self(None);
+
+    /// The count passed, or `default` when the argument was left out.
+    pub fn or(&self, default: u64, name: &str) -> PyResult<u64> {
+        self.0.as_ref().map_or(Ok(default), |obj| count(obj, name))
+    }
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for CountParam<'py> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        Ok(Self(Some(obj.to_owned())))
+    }
 }
 
 /// An optional non-negative int argument (`None` passes through).
@@ -121,21 +146,31 @@ fn count_item(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<u64
 /// torch integer tensor (viewed through `.numpy()`), element by element: `item` converts one
 /// Python item of `name[index]`, `array` converts a whole array (None when its dtype is not an
 /// integer one). Shared by [`counts`] and [`tokens`] so both accept exactly the same inputs.
+///
+/// In a list or tuple, a numpy integer scalar is read in place ([`Scalars`]) and kept when
+/// `fits` accepts its value; any other item, or a value `fits` refuses, goes through `item`,
+/// which raises the precise error.
 fn int_sequence<'py, E>(
     obj: &Bound<'py, PyAny>,
     name: &str,
     item: impl Fn(&Bound<'py, PyAny>, &str, usize) -> PyResult<E>,
+    fits: impl Fn(i128) -> Option<E>,
     array: impl Fn(&Bound<'py, PyUntypedArray>) -> Option<PyResult<Vec<E>>>,
 ) -> PyResult<Vec<E>> {
+    let mut scalars = Scalars::new(obj.py());
+    let mut convert = |it: &Bound<'py, PyAny>, i: usize| match scalars.value(it).and_then(&fits) {
+        Some(v) => Ok(v),
+        None => item(it, name, i),
+    };
     if let Ok(list) = obj.cast::<PyList>() {
         let mut out = Vec::with_capacity(list.len());
         for (i, it) in list.iter().enumerate() {
-            out.push(item(&it, name, i)?);
+            out.push(convert(&it, i)?);
         }
         return Ok(out);
     }
     if let Ok(tuple) = obj.cast::<PyTuple>() {
-        return tuple.iter().enumerate().map(|(i, t)| item(&t, name, i)).collect();
+        return tuple.iter().enumerate().map(|(i, t)| convert(&t, i)).collect();
     }
     let arr = match obj.cast::<PyUntypedArray>() {
         Ok(arr) => Some(arr.clone()),
@@ -172,22 +207,28 @@ fn int_sequence<'py, E>(
             type_name(obj)
         )));
     };
-    iter.enumerate().map(|(i, t)| item(&t?, name, i)).collect()
+    iter.enumerate().map(|(i, t)| convert(&t?, i)).collect()
 }
 
 /// Counts (ints >= 0) from any integer form `int_sequence` accepts.
 pub fn counts(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u64>> {
-    int_sequence(obj, name, count_item, |arr| {
-        macro_rules! try_dtype {
+    int_sequence(
+        obj,
+        name,
+        count_item,
+        |v| u64::try_from(v).ok(),
+        |arr| {
+            macro_rules! try_dtype {
             ($($t:ty),*) => {$(
                 if let Ok(a) = arr.cast::<PyArray1<$t>>() {
                     return Some(counts_from_array(a, name));
                 }
             )*};
         }
-        try_dtype!(i64, i32, u64, u32, i16, u16, i8, u8);
-        None
-    })
+            try_dtype!(i64, i32, u64, u32, i16, u16, i8, u8);
+            None
+        },
+    )
 }
 
 /// Copy a 1-D numpy array of integer dtype `T` into `u32` tokens, checking every value.
@@ -218,17 +259,23 @@ where
 /// Tokens from any integer form `int_sequence` accepts; each value must fit `u32`
 /// (`ValueError("<name>[<i>] = <v> does not fit in u32")`).
 pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
-    int_sequence(obj, name, token, |arr| {
-        macro_rules! try_dtype {
+    int_sequence(
+        obj,
+        name,
+        token,
+        |v| u32::try_from(v).ok(),
+        |arr| {
+            macro_rules! try_dtype {
             ($($t:ty),*) => {$(
                 if let Ok(a) = arr.cast::<PyArray1<$t>>() {
                     return Some(tokens_from_array(a, name));
                 }
             )*};
         }
-        try_dtype!(u32, i64, i32, u64, u16, i16, u8, i8);
-        None
-    })
+            try_dtype!(u32, i64, i32, u64, u16, i16, u8, i8);
+            None
+        },
+    )
 }
 
 /// One page id of `name[index]`: an int in `[0, MAX_BLOCKS)` (page ids are written into
@@ -266,7 +313,8 @@ pub fn page_ids(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
         }
         return page_ids(&arr.call_method0("tolist")?, name);
     }
-    int_sequence(obj, name, page_id_item, |_| None)
+    let page = |v: i128| u32::try_from(v).ok().filter(|&p| u64::from(p) < MAX_BLOCKS);
+    int_sequence(obj, name, page_id_item, page, |_| None)
 }
 
 // ----- hashes and extra keys ------------------------------------------------------------------
@@ -290,7 +338,9 @@ impl<'a, 'py> FromPyObject<'a, 'py> for ExtraKeys {
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
         if obj.is_instance_of::<PyString>() {
-            return Err(PyTypeError::new_err("extra_keys must be a sequence of str, not a str"));
+            return Err(PyTypeError::new_err(
+                "extra_keys must be a sequence of str, not a bare str",
+            ));
         }
         let Ok(iter) = obj.try_iter() else {
             return Err(PyTypeError::new_err(format!(
@@ -325,12 +375,14 @@ fn content_hash(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<C
             )))
         }
     };
-    parsed.ok_or_else(|| {
-        PyValueError::new_err(format!(
-            "{name}[{index}] must be a 64-character lowercase hex string, got {:?}",
-            clip(&item.to_string())
-        ))
-    })
+    if let Some(hash) = parsed {
+        return Ok(hash);
+    }
+    // The value as Python's repr shows it, cut to 80 characters first (as the reference).
+    let shown = PyString::new(item.py(), clip(&item.to_string())).repr()?;
+    Err(PyValueError::new_err(format!(
+        "{name}[{index}] must be a 64-character lowercase hex string, got {shown}"
+    )))
 }
 
 /// Content hashes: a sequence of 64-character lowercase hex strings, as raw bytes (uppercase
@@ -352,7 +404,7 @@ pub fn content_hashes(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<Conten
     }
     if obj.is_instance_of::<PyString>() {
         return Err(PyTypeError::new_err(format!(
-            "{name} must be a sequence of str, not a str"
+            "{name} must be a sequence of str, not a bare str"
         )));
     }
     let Ok(iter) = obj.try_iter() else {
@@ -433,7 +485,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for RequestIds<'py> {
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
         if obj.is_instance_of::<PyString>() {
             return Err(PyTypeError::new_err(
-                "reqs must be a sequence of request ids, not a str",
+                "reqs must be a sequence of request ids, not a bare str",
             ));
         }
         let ids = obj
@@ -457,7 +509,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for GroupSpecs {
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
         if obj.is_instance_of::<PyString>() {
             return Err(PyTypeError::new_err(
-                "specs must be a sequence of KVCacheSpec, not a str",
+                "specs must be a sequence of KVCacheSpec, not a bare str",
             ));
         }
         let mut groups = Vec::new();

@@ -24,9 +24,10 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::args::{
-    content_hashes, count, counts, opt_count, tokens, EvictionArg, ExtraKeys, GroupSpecs, RequestId, RequestIds,
+    content_hashes, count, counts, opt_count, tokens, CountParam, EvictionArg, ExtraKeys, GroupSpecs, RequestId,
+    RequestIds,
 };
-use crate::convert::clip;
+use crate::convert::{clip, signed, IntArg};
 use crate::errors::{core, lock};
 use crate::events::events_to_py;
 use crate::host::{transfer_ids, transfers_to_py, HostStoreArg};
@@ -42,8 +43,10 @@ use flat_kvcache_core::engine::host::HostStore;
 /// included). Request ids are `str` or `int` (`5` and `"5"` differ); an unknown id is an
 /// `UnknownRequestError` (a `KeyError`) except for `claim`, `acquire` and
 /// `prefill_first_chunk`, which create it. Requests created by `add_request` own their
-/// tokens (token-level); the others are page-level, and token-level methods refuse them with
-/// `ValueError`.
+/// tokens (token-level); the others are page-level. Token-level methods refuse page-level
+/// requests, and the page-level methods that move pages (`claim`, `acquire`, `register`,
+/// `reclaim`, `free` and the step calls) refuse token-level ones, with `ValueError`; the
+/// read-only ones (`page_ids`, `tail_available`, `pages_needed`, ...) answer for both.
 #[pyclass(frozen, module = "flat_kvcache._native", name = "FlatKVCache")]
 pub struct PyFlatKVCache {
     /// The groups as the core normalised them (ids filled in), in group order.
@@ -127,11 +130,16 @@ impl PyFlatKVCache {
         host_pages: Option<&Bound<'_, PyAny>>,
         host_store: HostStoreArg,
     ) -> PyResult<Self> {
-        let num_pages = count(num_pages, "num_pages")?;
+        // The pool holds page 0, so its size is >= 1 (a negative size says so too, as in the
+        // reference, rather than count's ">= 0").
+        let too_small =
+            |shown: &dyn std::fmt::Display| PyValueError::new_err(format!("num_pages must be >= 1, got {shown}"));
+        let num_pages = match signed(num_pages, "num_pages")? {
+            IntArg::Small(v) if v < 1 => return Err(too_small(&v)),
+            IntArg::HugeNegative => return Err(too_small(num_pages)),
+            IntArg::Small(_) | IntArg::HugePositive => count(num_pages, "num_pages")?,
+        };
         let host_pages = opt_count(host_pages, "host_pages")?.unwrap_or(0);
-        if num_pages == 0 {
-            return Err(PyValueError::new_err("num_pages must be >= 1, got 0"));
-        }
         let options = CacheOptions {
             enable_caching,
             eviction_order: eviction_order.0,
@@ -228,14 +236,15 @@ impl PyFlatKVCache {
     fn acquire(&self, req: RequestId<'_>, num_tokens: &Bound<'_, PyAny>) -> PyResult<bool> {
         let id = req.id()?;
         let n = count(num_tokens, "num_tokens")?;
-        Ok(lock(&self.inner)?.acquire(id, n))
+        let result = lock(&self.inner)?.acquire(id, n);
+        core(result)
     }
 
     /// Register base-page hashes (`content_hashes[j]` is base page `first_slot + j`) in every
     /// group; state groups register only the last key when the range ends at `end_tokens`
     /// on their page boundary. Does nothing with caching off.
     #[pyo3(
-        signature = (req, content_hashes, *, first_slot = None, end_tokens = None),
+        signature = (req, content_hashes, *, first_slot = CountParam::OMITTED, end_tokens = None),
         text_signature = "(self, req, content_hashes, *, first_slot=0, end_tokens=None)"
     )]
     fn register(
@@ -243,12 +252,12 @@ impl PyFlatKVCache {
         py: Python<'_>,
         req: RequestId<'_>,
         content_hashes: &Bound<'_, PyAny>,
-        first_slot: Option<&Bound<'_, PyAny>>,
+        first_slot: CountParam<'_>,
         end_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let id = req.id()?;
         let hashes = self::content_hashes(content_hashes, "content_hashes")?;
-        let first = opt_count(first_slot, "first_slot")?.unwrap_or(0);
+        let first = first_slot.or(0, "first_slot")?;
         let end = opt_count(end_tokens, "end_tokens")?;
         let result = self.detached(py, |c| c.register(id, &hashes, first, end))?;
         core(result)
@@ -464,18 +473,18 @@ impl PyFlatKVCache {
     /// released; False: nothing was allocated and the position stays. Asking for more
     /// tokens than are known and not computed is a `ValueError`.
     #[pyo3(
-        signature = (req, num_new_tokens, *, lookahead = None),
+        signature = (req, num_new_tokens, *, lookahead = CountParam::OMITTED),
         text_signature = "(self, req, num_new_tokens, *, lookahead=0)"
     )]
     fn schedule(
         &self,
         req: RequestId<'_>,
         num_new_tokens: &Bound<'_, PyAny>,
-        lookahead: Option<&Bound<'_, PyAny>>,
+        lookahead: CountParam<'_>,
     ) -> PyResult<bool> {
         let id = req.id()?;
         let n = count(num_new_tokens, "num_new_tokens")?;
-        let ahead = opt_count(lookahead, "lookahead")?.unwrap_or(0);
+        let ahead = lookahead.or(0, "lookahead")?;
         let result = lock(&self.inner)?.schedule(id, n, ahead);
         core(result)
     }
@@ -547,7 +556,7 @@ impl PyFlatKVCache {
     /// Pages admitting this prompt would take: the capped match's claim (its free cached
     /// pages) plus `pages_needed(num_new_tokens + reserve_tokens)` on fresh tables.
     #[pyo3(
-        signature = (prompt_token_ids, num_new_tokens, reserve_tokens = None, *, extra_keys = ExtraKeys::default()),
+        signature = (prompt_token_ids, num_new_tokens, reserve_tokens = CountParam::OMITTED, *, extra_keys = ExtraKeys::default()),
         text_signature = "(self, prompt_token_ids, num_new_tokens, reserve_tokens=0, *, extra_keys=())"
     )]
     fn pages_needed_to_admit(
@@ -555,11 +564,11 @@ impl PyFlatKVCache {
         py: Python<'_>,
         prompt_token_ids: &Bound<'_, PyAny>,
         num_new_tokens: &Bound<'_, PyAny>,
-        reserve_tokens: Option<&Bound<'_, PyAny>>,
+        reserve_tokens: CountParam<'_>,
         extra_keys: ExtraKeys,
     ) -> PyResult<u64> {
         let n = count(num_new_tokens, "num_new_tokens")?;
-        let reserve = opt_count(reserve_tokens, "reserve_tokens")?.unwrap_or(0);
+        let reserve = reserve_tokens.or(0, "reserve_tokens")?;
         let prompt = self.prompt(py, prompt_token_ids, extra_keys)?;
         core(self.detached(py, |c| c.pages_needed_to_admit(&prompt, n, reserve))?)
     }

@@ -10,6 +10,7 @@ pub mod errors;
 pub mod events;
 pub mod hashing;
 pub mod host;
+mod npscalar;
 pub mod plan;
 pub mod pool;
 pub mod prefix_match;

@@ -113,7 +113,32 @@ pub fn borrow_out<'py>(out: &Bound<'py, PyAny>, groups: &[GroupSpec]) -> PyResul
         })?;
         arrays.push(rw);
     }
+    check_out_keys(out, groups)?;
     Ok(arrays)
+}
+
+/// Every key of `out` (when it has `keys()`) must be a group id: a buffer under any other key
+/// would be silently left unwritten, so it is a `ValueError` naming `out[<key>]`.
+fn check_out_keys(out: &Bound<'_, PyAny>, groups: &[GroupSpec]) -> PyResult<()> {
+    let py = out.py();
+    if !out.hasattr(intern!(py, "keys"))? {
+        return Ok(());
+    }
+    for key in out.call_method0(intern!(py, "keys"))?.try_iter()? {
+        let key = key?;
+        let known = key
+            .cast::<pyo3::types::PyString>()
+            .is_ok_and(|k| k.to_str().is_ok_and(|k| groups.iter().any(|g| g.group_id == k)));
+        if !known {
+            let ids: Vec<String> = groups.iter().map(|g| quoted(&g.group_id)).collect();
+            return Err(PyValueError::new_err(format!(
+                "block_tables: out[{}] is not a group of this cache (groups: {})",
+                key.repr()?,
+                ids.join(", ")
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The borrowed buffers as the core's [`TableOut`]s (C-contiguous, checked in [`borrow_out`]).

@@ -103,7 +103,9 @@ def as_token_ids(tokens: object, name: str) -> list[int]:
     """Token ids as Python ints, each checked to fit u32 (ValueError names ``name[i]``)."""
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise TypeError(f"{name} must be a 1-D integer array, got {tokens.ndim}-D {tokens.dtype}")
+            raise TypeError(
+                f"{name} must be a 1-D integer array, got a {tokens.ndim}-D array of dtype {tokens.dtype}"
+            )
         items: list[object] = tokens.tolist()
     elif isinstance(tokens, (str, bytes)):
         raise TypeError(f"{name} must be a sequence of ints, got {type(tokens).__name__}")
@@ -135,9 +137,11 @@ def extra_key_bytes(extra_keys: object) -> list[bytes]:
 
 
 def as_content_hashes(content_hashes: object) -> list[str]:
-    """Base-page content hashes: 64-char lowercase hex strings (ValueError naming
+    """Base-page content hashes: 64-character lowercase hex strings (ValueError naming
     ``content_hashes[i]``; uppercase is refused because folding hashes the text)."""
-    if isinstance(content_hashes, str) or not isinstance(content_hashes, Iterable):
+    if isinstance(content_hashes, str):
+        raise TypeError("content_hashes must be a sequence of str, not a bare str")
+    if not isinstance(content_hashes, Iterable):
         raise TypeError(f"content_hashes must be a sequence of str, got {type(content_hashes).__name__}")
     hashes = list(content_hashes)
     for index, value in enumerate(hashes):
@@ -145,7 +149,8 @@ def as_content_hashes(content_hashes: object) -> list[str]:
             raise TypeError(f"content_hashes[{index}] must be a str, got {type(value).__name__}")
         if len(value) != HASH_HEX_LEN or not set(value) <= _LOWER_HEX_DIGITS:
             raise ValueError(
-                f"content_hashes[{index}] must be a {HASH_HEX_LEN}-char lowercase hex string, got {value!r}"
+                f"content_hashes[{index}] must be a {HASH_HEX_LEN}-character lowercase hex string, "
+                f"got {value[:80]!r}"
             )
     return hashes
 
@@ -173,7 +178,9 @@ def as_counts(values: object, name: str) -> list[int]:
     """One count per entry: a sequence of ints or a 1-D integer numpy array."""
     if isinstance(values, np.ndarray):
         if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer):
-            raise TypeError(f"{name} must be a 1-D integer array, got {values.ndim}-D {values.dtype}")
+            raise TypeError(
+                f"{name} must be a 1-D integer array, got a {values.ndim}-D array of dtype {values.dtype}"
+            )
         items: list[object] = values.tolist()
     elif isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")

@@ -116,6 +116,18 @@ class BlockTables(Coordinator):
             if not item.flags.writeable:
                 raise ValueError(f"{label} must be writable")
             if any(np.shares_memory(item, other) for other in buffers):
-                raise ValueError(f"{label} shares its memory with another group's table")
+                # The native engine's borrow check refuses a buffer some other call holds too.
+                raise ValueError(
+                    f"{label} shares its memory with another group's table (or is borrowed elsewhere)"
+                )
             buffers.append(item)
+        keys = getattr(out, "keys", None)
+        if keys is not None:
+            # A buffer under any other key would be silently left unwritten.
+            for key in keys():
+                if not (isinstance(key, str) and key in self._group_ids):
+                    groups = ", ".join(repr(group_id) for group_id in self._group_ids)
+                    raise ValueError(
+                        f"block_tables: out[{key!r}] is not a group of this cache (groups: {groups})"
+                    )
         return buffers

@@ -97,6 +97,8 @@ class Coordinator:
     ) -> None:
         if not isinstance(eviction_order, str) or eviction_order not in EVICTION_ORDERS:
             raise ValueError(f"eviction_order must be 'hybrid' or 'group', got {eviction_order!r}")
+        if isinstance(specs, str):
+            raise TypeError("specs must be a sequence of KVCacheSpec, not a bare str")
         if not isinstance(host_store, str) or host_store not in HOST_STORES:
             raise ValueError(f"host_store must be 'write_through' or 'evict', got {host_store!r}")
         num_host = 0 if host_pages is None else as_count(host_pages, "host_pages")
@@ -207,7 +209,13 @@ class Coordinator:
         try:
             return self._requests[key]
         except KeyError:
-            raise UnknownRequestError(f"unknown request id {req!r}") from None
+            raise UnknownRequestError(f"unknown request id {key!r}") from None
+
+    def _check_page_level(self, method: str, key: RequestId) -> None:
+        """ValueError naming ``method`` if ``key`` is a live token-level request: its tables
+        follow its tokens, which only the token-level calls move (docs/requests-api.md)."""
+        if key in self._token_states:
+            raise ValueError(f"{method}: request {key!r} is token-level (created by add_request)")
 
     def _tables_or_new(self, req: RequestId) -> list[Table]:
         """The request's tables, created empty on first use (claim, acquire, first chunk)."""
@@ -309,10 +317,15 @@ class Coordinator:
         a key of the group it is claimed for.
         """
         key = as_request_id(req)
-        checked = self._check_match(match)
+        self._claim("claim", key, self._check_match(match))
+
+    def _claim(self, method: str, key: RequestId, checked: PrefixMatch) -> None:
+        """:meth:`claim` of a checked match, errors naming ``method`` (token-level requests
+        are refused)."""
+        self._check_page_level(method, key)
         existing = self._requests.get(key)
         if existing is not None and any(table.pages for table in existing):
-            raise ValueError(f"claim: request {req!r} already holds pages")
+            raise ValueError(f"{method}: request {key!r} already holds pages")
         if len(checked.pages) != len(self._managers):
             raise ValueError(
                 f"claim: the match has {len(checked.pages)} groups, this cache has {len(self._managers)}"
@@ -324,7 +337,7 @@ class Coordinator:
                         f"claim: stale match, page {page} of group {self._group_ids[group]} "
                         "no longer holds the key it was matched under"
                     )
-        tables = self._tables_or_new(req)
+        tables = self._tables_or_new(key)
         for table, pages in zip(tables, checked.pages, strict=True):
             table.pages = list(pages)
             table.tail_avail = 0
@@ -336,11 +349,15 @@ class Coordinator:
 
         Check-then-act: if the pages needed over all groups exceed the free pages, return
         False and allocate nothing anywhere. Otherwise groups allocate in index order, so page
-        ids are deterministic.
+        ids are deterministic. A token-level request is a ValueError.
         """
-        as_request_id(req)
+        key = as_request_id(req)
         count = as_count(num_tokens, "num_tokens")
-        tables = self._tables_or_new(req)
+        self._check_page_level("acquire", key)
+        return self._acquire(self._tables_or_new(key), count)
+
+    def _acquire(self, tables: list[Table], count: int) -> bool:
+        """:meth:`acquire` on a request's tables and a checked count."""
         needed = sum(m.blocks_needed_for(t, count) for m, t in zip(self._managers, tables, strict=True))
         if needed > self._pool.num_free:
             return False
@@ -367,12 +384,14 @@ class Coordinator:
         ``content_hashes[j]`` is base page ``first_slot + j``. Each group folds them into keys
         for its slots from ``ceil(first_slot / m_g)``. History groups register every key; state
         groups only the last, and only when ``end_tokens`` is a multiple of their page size and
-        the hashes end exactly there (SPEC 6). Ranges are checked for every group first.
+        the hashes end exactly there (SPEC 6). Ranges are checked for every group first. A
+        token-level request is a ValueError (its pages are registered as it is scheduled).
         """
         tables = self._tables(req)
         hashes = as_content_hashes(content_hashes)
         first = as_count(first_slot, "first_slot")
         end = None if end_tokens is None else as_count(end_tokens, "end_tokens")
+        self._check_page_level("register", as_request_id(req))
         self._register(tables, hashes, first, end, None)
 
     def _register(

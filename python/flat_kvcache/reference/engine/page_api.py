@@ -25,9 +25,16 @@ class PageApi(Coordinator):
     """The page-level calls on top of the coordinator."""
 
     def reclaim(self, req: RequestId, num_computed_tokens: int) -> None:
-        """Free every page that slid out of its group's window, per group in index order (SPEC 6)."""
+        """Free every page that slid out of its group's window, per group in index order (SPEC 6).
+
+        A token-level request is a ValueError (``schedule`` reclaims its pages)."""
         tables = self._tables(req)
         computed = as_count(num_computed_tokens, "num_computed_tokens")
+        self._check_page_level("reclaim", as_request_id(req))
+        self._reclaim(tables, computed)
+
+    def _reclaim(self, tables: list[Table], computed: int) -> None:
+        """:meth:`reclaim` on a request's tables and a checked count."""
         for manager, table in zip(self._managers, tables, strict=True):
             manager.reclaim(table, computed)
         self._store_released()
@@ -39,9 +46,16 @@ class PageApi(Coordinator):
         slot, descending (ties: lower group index first), so the chain's tail is evicted first
         in every group together and a hybrid prefix keeps all its groups equally long.
         ``"group"`` (the reference design): each group's table tail first, group 0 first.
-        The first page released is the first evicted.
+        The first page released is the first evicted. A token-level request is a ValueError
+        (``finish`` or ``preempt`` end it).
         """
-        tables = self._tables(req)
+        self._tables(req)
+        self._check_page_level("free", as_request_id(req))
+        self._release(as_request_id(req))
+
+    def _release(self, key: RequestId) -> None:
+        """:meth:`free` of a live request of either kind."""
+        tables = self._requests[key]
         if self._eviction_order == "group":
             for table in tables:
                 self._pool.free(table.pages)  # BlockPool.free releases the list's tail first
@@ -55,7 +69,6 @@ class PageApi(Coordinator):
             # BlockPool.free releases in reverse list order: reverse to release in ``ordered``.
             self._pool.free([page for _, _, page in reversed(ordered)])
         self._store_released()
-        key = as_request_id(req)
         del self._requests[key]
         self._token_states.pop(key, None)
         self._reserves.pop(key, None)
@@ -106,11 +119,11 @@ class PageApi(Coordinator):
 
         On False the claim stays; the caller frees the request.
         """
-        as_request_id(req)
-        self._check_match(match)
+        key = as_request_id(req)
+        checked = self._check_match(match)
         count = as_count(num_tokens, "num_tokens")
-        self.claim(req, match)
-        return self.acquire(req, count)
+        self._claim("prefill_first_chunk", key, checked)
+        return self._acquire(self._requests[key], count)
 
     def prefill_chunk(
         self, req: RequestId, content_hashes: Sequence[str], num_tokens: int, num_computed_tokens: int
@@ -121,14 +134,20 @@ class PageApi(Coordinator):
         already computed. Registering first keeps the hashes of pages about to slide out
         (registration skips holes); reclaimed pages fund this step's acquire.
         """
-        self._tables(req)
+        tables = self._tables(req)
         hashes = as_content_hashes(content_hashes)
         count = as_count(num_tokens, "num_tokens")
         computed = as_count(num_computed_tokens, "num_computed_tokens")
+        self._check_page_level("prefill_chunk", as_request_id(req))
         cut = hashes[: computed // self._base]
-        self.register(req, cut, first_slot=0, end_tokens=computed)
-        self.reclaim(req, computed)
-        return self.acquire(req, count)
+        return self._step(tables, cut, 0, count, computed)
+
+    def _step(self, tables: list[Table], hashes: list[str], first: int, count: int, computed: int) -> bool:
+        """Register ``hashes`` from base page ``first``, THEN reclaim at ``computed``, THEN
+        acquire ``count`` tokens (arguments checked, the request page-level)."""
+        self._register(tables, hashes, first, computed, None)
+        self._reclaim(tables, computed)
+        return self._acquire(tables, count)
 
     def decode_step(
         self,
@@ -143,12 +162,11 @@ class PageApi(Coordinator):
         ``content_hashes`` start at base page ``first_page_slot`` and are cut so that they end
         at or before base page ``computed // base``.
         """
-        self._tables(req)
+        tables = self._tables(req)
         hashes = as_content_hashes(content_hashes)
         first = as_count(first_page_slot, "first_page_slot")
         count = as_count(num_tokens, "num_tokens")
         computed = as_count(num_computed_tokens, "num_computed_tokens")
+        self._check_page_level("decode_step", as_request_id(req))
         cut = hashes[: max(0, computed // self._base - first)]
-        self.register(req, cut, first_slot=first, end_tokens=computed)
-        self.reclaim(req, computed)
-        return self.acquire(req, count)
+        return self._step(tables, cut, first, count, computed)

@@ -85,7 +85,7 @@ class TokenApi(PageApi):
         key = as_request_id(req)
         tokens, hashes, keys = self._hash_prompt(prompt_token_ids, extra_keys)
         if key in self._requests:
-            raise ValueError(f"add_request: request {req!r} already exists")
+            raise ValueError(f"add_request: request {key!r} already exists")
         if not tokens:
             raise ValueError("prompt_token_ids must not be empty")
         hit = 0
@@ -201,11 +201,11 @@ class TokenApi(PageApi):
         tables, state = self._token_state("schedule", key)
         self._register_computed(tables, state)
         position = state.computed
-        self.reclaim(key, position)
+        self._reclaim(tables, position)
         # Allocated tokens (claimed plus acquired) are the same in every group.
         allocated = len(tables[0].pages) * self._managers[0].page_size - tables[0].tail_avail
         needed = position + count + ahead - allocated
-        if needed > 0 and not self.acquire(key, needed):
+        if needed > 0 and not self._acquire(tables, needed):
             return False
         state.computed = position + count
         self._reserves.pop(key, None)
@@ -238,5 +238,5 @@ class TokenApi(PageApi):
     def _finish(self, method: str, key: RequestId) -> list[int]:
         tables, state = self._token_state(method, key)
         self._register_computed(tables, state)
-        self.free(key)
+        self._release(key)
         return state.tokens

@@ -155,8 +155,8 @@ mod tests {
     #[test]
     fn block_tables_pad_with_minus_one_and_keep_holes() {
         let mut c = hybrid(64);
-        assert!(c.acquire(A, 20));
-        assert!(c.acquire(B, 4));
+        assert!(c.acquire(A, 20).unwrap());
+        assert!(c.acquire(B, 4).unwrap());
         c.reclaim(A, 20).unwrap(); // (20 - 7) // 4 = 3 slid out
         if !crate::FLAT_KVCACHE {
             assert!(matches!(c.block_tables(&[B, A]), Err(CoreError::FlatUnavailable)));

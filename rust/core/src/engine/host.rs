@@ -621,7 +621,7 @@ mod tests {
         );
         // Every stored page is still held by its store: nothing can be allocated.
         assert_eq!(c.coordinator().pool().num_free(), 0);
-        assert!(!c.acquire(B, 1));
+        assert!(!c.acquire(B, 1).unwrap());
         c.check_invariants().unwrap();
         let mut order = ids(&t);
         order.reverse();
@@ -638,7 +638,7 @@ mod tests {
         let stores = c.take_transfers();
         c.ack_transfers(&ids(&stores)).unwrap();
         // Evict every cached device page: a page-level request takes all 8, then frees them.
-        assert!(c.acquire(B, 16));
+        assert!(c.acquire(B, 16).unwrap());
         c.free(B).unwrap();
         assert_eq!(c.coordinator().pool().num_cached(), 0);
         // 17 tokens: cap 4 pages. Full hits slots 0..3 on the host; the sliding group needs
@@ -677,7 +677,7 @@ mod tests {
         run_and_finish(&mut c, A, toks(0..16));
         let stores = c.take_transfers();
         c.ack_transfers(&ids(&stores)).unwrap();
-        assert!(c.acquire(B, 16));
+        assert!(c.acquire(B, 16).unwrap());
         c.free(B).unwrap();
         assert_eq!(add(&mut c, C, toks(0..17)), 16);
         let loads = c.take_transfers();

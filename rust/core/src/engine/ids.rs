@@ -84,7 +84,49 @@ impl Equivalent<RequestId> for RequestIdRef<'_> {
     }
 }
 
-/// Python-like text (`'abc'` or `123`), cut to a bounded length for messages.
+/// Whether Python's `str.isprintable()` holds for `c`. Rust's `escape_debug` leaves exactly
+/// the same characters alone (neither escapes a character unless its category is Cc, Cf, Cs,
+/// Co, Cn, Zl, Zp or Zs other than the space) except grapheme extenders, which it escapes
+/// only at the start of a string: `c` is printable iff it stays bare after an `a`.
+fn is_printable(c: char) -> bool {
+    if c.is_ascii() {
+        return matches!(c, ' '..='~');
+    }
+    let mut buf = [0u8; 8];
+    buf[0] = b'a';
+    let text = c.encode_utf8(&mut buf[1..]).len() + 1;
+    std::str::from_utf8(&buf[..text]).is_ok_and(|s| s.escape_debug().nth(1) == Some(c))
+}
+
+/// `text` quoted the way Python's `repr` quotes a `str`: single quotes unless the text holds
+/// a single quote and no double one; the quote, backslashes, `\t \n \r` escaped, and any
+/// other non-printable character as `\xNN`, `\uNNNN` or `\UNNNNNNNN`.
+fn write_py_str(f: &mut fmt::Formatter<'_>, text: &str) -> fmt::Result {
+    use fmt::Write as _;
+    let quote = if text.contains('\'') && !text.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    f.write_char(quote)?;
+    for c in text.chars() {
+        match c {
+            '\\' => f.write_str("\\\\")?,
+            '\t' => f.write_str("\\t")?,
+            '\n' => f.write_str("\\n")?,
+            '\r' => f.write_str("\\r")?,
+            c if c == quote => write!(f, "\\{c}")?,
+            c if is_printable(c) => f.write_char(c)?,
+            c if u32::from(c) < 0x100 => write!(f, "\\x{:02x}", u32::from(c))?,
+            c if u32::from(c) < 0x1_0000 => write!(f, "\\u{:04x}", u32::from(c))?,
+            c => write!(f, "\\U{:08x}", u32::from(c))?,
+        }
+    }
+    f.write_char(quote)
+}
+
+/// Python's `repr` of the id (`'abc'`, `"it's"` or `123`), cut to a bounded length for
+/// messages (`...` after the quote when cut).
 impl fmt::Display for RequestIdRef<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         const LIMIT: usize = 80;
@@ -96,7 +138,8 @@ impl fmt::Display for RequestIdRef<'_> {
         let cut = text.char_indices().nth(LIMIT).map_or(text, |(i, _)| &text[..i]);
         let more = if cut.len() < text.len() { "..." } else { "" };
         if quote {
-            write!(f, "'{}'{more}", cut.escape_debug())
+            write_py_str(f, cut)?;
+            f.write_str(more)
         } else {
             write!(f, "{cut}{more}")
         }
@@ -131,6 +174,15 @@ mod tests {
     fn display_is_bounded() {
         assert_eq!(RequestIdRef::Int(-3).to_string(), "-3");
         assert_eq!(RequestIdRef::Str("a").to_string(), "'a'");
+        // Python's repr: the quote that needs no escape, escapes for the rest.
+        assert_eq!(RequestIdRef::Str("b'a'").to_string(), r#""b'a'""#);
+        assert_eq!(RequestIdRef::Str("'\"").to_string(), r#"'\'"'"#);
+        assert_eq!(RequestIdRef::Str("a\\b\n\u{7}").to_string(), r"'a\\b\n\x07'");
+        assert_eq!(
+            RequestIdRef::Str("é\u{a0}\u{200b}\u{301}").to_string(),
+            "'é\\xa0\\u200b\u{301}'"
+        );
+        assert_eq!(RequestIdRef::Str("\u{10ffff}").to_string(), r"'\U0010ffff'");
         let long = "x".repeat(1000);
         assert!(RequestIdRef::Str(&long).to_string().len() < 100);
     }

@@ -115,7 +115,7 @@ mod tests {
     #[test]
     fn check_invariants_reports_a_corrupted_table() {
         let mut c = hybrid(16);
-        assert!(c.acquire(A, 4));
+        assert!(c.acquire(A, 4).unwrap());
         let shared = c.page_ids(A).unwrap()[0][0];
         // Corrupt: put group 0's page into group 1's table of another request.
         let at = c.insert(RequestIdRef::Int(9), None);

@@ -7,20 +7,49 @@ use super::hash::ContentHash;
 use super::ids::RequestIdRef;
 use super::table::Table;
 use super::FlatCache;
-use crate::error::CoreResult;
+use crate::error::{CoreError, CoreResult};
+
+/// The error for a page-level method called on a token-level request (the mirror of the
+/// token-level methods' refusal of a page-level request).
+fn token_level(method: &str, req: RequestIdRef<'_>) -> CoreError {
+    CoreError::invalid(format!(
+        "{method}: request {req} is token-level (created by add_request)"
+    ))
+}
 
 impl FlatCache {
-    /// The request's position, created empty (page-level) on first use.
-    fn ensure(&mut self, req: RequestIdRef<'_>) -> usize {
+    /// Refuse a live token-level request: its tables follow its tokens, which only the
+    /// token-level calls move (an unknown id passes: the callers create or refuse it).
+    fn check_not_token_level(&self, method: &str, req: RequestIdRef<'_>) -> CoreResult<()> {
         match self.index.get(&req) {
-            Some(&at) => at,
-            None => self.insert(req, None),
+            Some(&at) if self.entries[at].tokens.is_some() => Err(token_level(method, req)),
+            _ => Ok(()),
         }
     }
 
-    /// The request's tables and the coordinator, borrowed together.
-    fn split_mut(&mut self, req: RequestIdRef<'_>) -> CoreResult<(&mut Coordinator, &mut Vec<Table>)> {
-        let i = self.find(req)?;
+    /// The request's position, created empty (page-level) on first use; a token-level
+    /// request is an error naming `method`.
+    fn ensure(&mut self, method: &str, req: RequestIdRef<'_>) -> CoreResult<usize> {
+        self.check_not_token_level(method, req)?;
+        Ok(match self.index.get(&req) {
+            Some(&at) => at,
+            None => self.insert(req, None),
+        })
+    }
+
+    /// The position of a live page-level request (`UnknownRequest` if unknown, an error
+    /// naming `method` if token-level).
+    fn find_page(&self, method: &str, req: RequestIdRef<'_>) -> CoreResult<usize> {
+        let at = self.find(req)?;
+        if self.entries[at].tokens.is_some() {
+            return Err(token_level(method, req));
+        }
+        Ok(at)
+    }
+
+    /// A page-level request's tables and the coordinator, borrowed together.
+    fn split_mut(&mut self, method: &str, req: RequestIdRef<'_>) -> CoreResult<(&mut Coordinator, &mut Vec<Table>)> {
+        let i = self.find_page(method, req)?;
         Ok((&mut self.coord, &mut self.entries[i].tables))
     }
 
@@ -29,21 +58,33 @@ impl FlatCache {
         self.coord.match_prefix(hashes)
     }
 
-    /// Claim `m` for `req` (created if new). A request whose tables hold pages, a match with
-    /// the wrong number of groups or a stale page is an error and changes nothing (a new
-    /// request is then not created).
+    /// Claim `m` for `req` (created if new). A token-level request, a request whose tables
+    /// hold pages, a match with the wrong number of groups or a stale page is an error and
+    /// changes nothing (a new request is then not created).
     pub fn claim(&mut self, req: RequestIdRef<'_>, m: &PrefixMatch) -> CoreResult<()> {
+        self.claim_as("claim", req, m)
+    }
+
+    /// [`Self::claim`], errors naming `method`.
+    fn claim_as(&mut self, method: &str, req: RequestIdRef<'_>, m: &PrefixMatch) -> CoreResult<()> {
+        self.check_not_token_level(method, req)?;
         let existing = self.index.get(&req).map(|&at| self.entries[at].tables.as_slice());
+        if existing.is_some_and(|tables| tables.iter().any(|t| !t.is_empty())) {
+            return Err(CoreError::invalid(format!(
+                "{method}: request {req} already holds pages"
+            )));
+        }
         self.coord.check_claim(existing, m)?;
-        let at = self.ensure(req);
+        let at = self.ensure(method, req)?;
         self.coord.claim(&mut self.entries[at].tables, m);
         Ok(())
     }
 
-    /// Make room for `n` more tokens in every group of `req` (created if new), all or nothing.
-    pub fn acquire(&mut self, req: RequestIdRef<'_>, n: u64) -> bool {
-        let at = self.ensure(req);
-        self.coord.acquire(&mut self.entries[at].tables, n)
+    /// Make room for `n` more tokens in every group of `req` (created if new), all or
+    /// nothing; a token-level request is an error.
+    pub fn acquire(&mut self, req: RequestIdRef<'_>, n: u64) -> CoreResult<bool> {
+        let at = self.ensure("acquire", req)?;
+        Ok(self.coord.acquire(&mut self.entries[at].tables, n))
     }
 
     /// Register base-page hashes (base pages `first_slot ..`) for `req`.
@@ -54,20 +95,21 @@ impl FlatCache {
         first_slot: u64,
         end_tokens: Option<u64>,
     ) -> CoreResult<()> {
-        let (coord, tables) = self.split_mut(req)?;
+        let (coord, tables) = self.split_mut("register", req)?;
         coord.register(tables, hashes, first_slot, end_tokens)
     }
 
     /// Reclaim `req`'s slid-out pages at `n` computed tokens.
     pub fn reclaim(&mut self, req: RequestIdRef<'_>, n: u64) -> CoreResult<()> {
-        let (coord, tables) = self.split_mut(req)?;
+        let (coord, tables) = self.split_mut("reclaim", req)?;
         coord.reclaim(tables, n);
         Ok(())
     }
 
     /// Release all of `req`'s pages (in the eviction order), drop its reserve and forget it.
+    /// A token-level request is an error (`finish` or `preempt` end it).
     pub fn free(&mut self, req: RequestIdRef<'_>) -> CoreResult<()> {
-        let at = self.find(req)?;
+        let at = self.find_page("free", req)?;
         self.release(req, at);
         Ok(())
     }
@@ -109,8 +151,9 @@ impl FlatCache {
 
     /// First chunk: claim the match, then acquire `n` tokens (on `false` the claim stays).
     pub fn prefill_first_chunk(&mut self, req: RequestIdRef<'_>, m: &PrefixMatch, n: u64) -> CoreResult<bool> {
-        self.claim(req, m)?;
-        Ok(self.acquire(req, n))
+        self.claim_as("prefill_first_chunk", req, m)?;
+        let at = self.find_page("prefill_first_chunk", req)?;
+        Ok(self.coord.acquire(&mut self.entries[at].tables, n))
     }
 
     /// Later chunk at `computed` tokens: register the full pages so far (hashes from base
@@ -124,7 +167,7 @@ impl FlatCache {
     ) -> CoreResult<bool> {
         let limit = self.coord.base_div().quotient(computed);
         let cut = usize::try_from(limit).map_or(hashes.len(), |l| l.min(hashes.len()));
-        self.step(req, &hashes[..cut], 0, n, computed)
+        self.step("prefill_chunk", req, &hashes[..cut], 0, n, computed)
     }
 
     /// Decode step at `computed` tokens: hashes start at base page `first_page_slot` and are
@@ -140,19 +183,20 @@ impl FlatCache {
         let limit = self.coord.base_div().quotient(computed);
         let room = limit.saturating_sub(first_page_slot);
         let cut = usize::try_from(room).map_or(hashes.len(), |r| r.min(hashes.len()));
-        self.step(req, &hashes[..cut], first_page_slot, n, computed)
+        self.step("decode_step", req, &hashes[..cut], first_page_slot, n, computed)
     }
 
     /// Register, THEN reclaim (registration skips holes), THEN acquire.
     fn step(
         &mut self,
+        method: &str,
         req: RequestIdRef<'_>,
         hashes: &[ContentHash],
         first_slot: u64,
         n: u64,
         computed: u64,
     ) -> CoreResult<bool> {
-        let (coord, tables) = self.split_mut(req)?;
+        let (coord, tables) = self.split_mut(method, req)?;
         coord.register(tables, hashes, first_slot, Some(computed))?;
         coord.reclaim(tables, computed);
         Ok(coord.acquire(tables, n))
@@ -216,7 +260,7 @@ mod tests {
             Err(CoreError::UnknownRequest(_))
         ));
         // 3 free pages; 8 tokens need 4: False, but the request exists with empty tables.
-        assert!(!c.acquire(A, 8));
+        assert!(!c.acquire(A, 8).unwrap());
         assert!(c.has_request(A));
         assert_eq!(c.page_ids(A).unwrap(), vec![Vec::<u32>::new(), vec![]]);
         assert_eq!(c.pages_needed(4, Some(A)).unwrap(), 2);
@@ -233,7 +277,7 @@ mod tests {
             CacheOptions::default(),
         );
         let h = hash_pages::<&str>(&toks(0..4), 4, &[], &[]).unwrap();
-        assert!(c.acquire(A, 4));
+        assert!(c.acquire(A, 4).unwrap());
         assert_eq!(c.page_ids(A).unwrap(), vec![vec![1], vec![2]]);
         c.register(A, &h, 0, None).unwrap();
         c.free(A).unwrap();
@@ -242,7 +286,7 @@ mod tests {
         assert_eq!(m.pages, vec![vec![1], vec![2]]);
         // b takes pages 3 (full) and 1 (sliding, evicting a's full key), registers the same
         // content and is freed: page 1 now holds the *sliding* key of that content.
-        assert!(c.acquire(B, 4));
+        assert!(c.acquire(B, 4).unwrap());
         assert_eq!(c.page_ids(B).unwrap(), vec![vec![3], vec![1]]);
         c.register(B, &h, 0, None).unwrap();
         c.free(B).unwrap();
@@ -351,7 +395,7 @@ mod tests {
                             let id = RequestIdRef::Int(i64::from(r));
                             let Some((p, acquired)) = live[r as usize] else { continue };
                             let before = (c.page_ids(id).unwrap(), c.tail_available(id).unwrap(), c.pool_stats());
-                            if c.acquire(id, n) {
+                            if c.acquire(id, n).unwrap() {
                                 live[r as usize] = Some((p, acquired + n));
                             } else {
                                 let after = (c.page_ids(id).unwrap(), c.tail_available(id).unwrap(), c.pool_stats());

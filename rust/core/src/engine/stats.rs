@@ -127,7 +127,7 @@ mod tests {
         let mut c = hybrid(64);
         add(&mut c, A, toks(0..20));
         assert!(c.schedule(A, 20, 0).unwrap()); // 5 + 5 pages
-        assert!(c.acquire(B, 4)); // page-level: 1 + 1
+        assert!(c.acquire(B, 4).unwrap()); // page-level: 1 + 1
         let s = c.stats();
         assert_eq!((s.pages_total, s.pages_free, s.pages_in_use), (63, 51, 12));
         assert_eq!((s.requests, s.pages_in_use_by_group.clone()), (2, vec![6, 6]));

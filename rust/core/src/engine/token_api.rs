@@ -367,7 +367,7 @@ fn register_computed(coord: &mut Coordinator, tables: &[Table], state: &mut Toke
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::coordinator::EvictionOrder;
+    use crate::engine::coordinator::{EvictionOrder, PrefixMatch};
     use crate::engine::events::KvEvent;
     use crate::engine::group::GroupKind;
     use crate::engine::hash::fold_run;
@@ -576,7 +576,7 @@ mod tests {
         let mut c = hybrid(64);
         add(&mut c, A, toks(0..8));
         add(&mut c, B, toks(0..8));
-        assert!(c.acquire(C, 4)); // a page-level request
+        assert!(c.acquire(C, 4).unwrap()); // a page-level request
         let before = (free_list(&c), c.page_ids(A).unwrap());
         let unknown = RequestIdRef::Str("zz");
         assert!(matches!(
@@ -610,6 +610,29 @@ mod tests {
         assert!(matches!(c.num_tokens(C), Err(CoreError::InvalidArgument(_))));
         assert!(matches!(c.finish(C), Err(CoreError::InvalidArgument(_))));
         assert!(matches!(c.append_tokens(C, &[1]), Err(CoreError::InvalidArgument(_))));
+        // And page-level methods refuse token-level requests, naming the method and the
+        // request; nothing changes (read-only page-level calls still answer).
+        let before = (free_list(&c), c.page_ids(A).unwrap(), c.tail_available(A).unwrap());
+        let refused = |r: CoreResult<bool>, method: &str| match r {
+            Err(CoreError::InvalidArgument(m)) => {
+                assert!(m.starts_with(method) && m.contains("request 'a' is token-level"), "{m}");
+            }
+            other => panic!("{method}: {other:?}"),
+        };
+        let none = PrefixMatch::empty(2);
+        refused(c.acquire(A, 1), "acquire");
+        refused(c.claim(A, &none).map(|()| true), "claim");
+        refused(c.register(A, &[], 0, None).map(|()| true), "register");
+        refused(c.reclaim(A, 8).map(|()| true), "reclaim");
+        refused(c.free(A).map(|()| true), "free");
+        refused(c.prefill_first_chunk(A, &none, 1), "prefill_first_chunk");
+        refused(c.prefill_chunk(A, &[], 1, 8), "prefill_chunk");
+        refused(c.decode_step(A, &[], 0, 1, 8), "decode_step");
+        assert_eq!(
+            (free_list(&c), c.page_ids(A).unwrap(), c.tail_available(A).unwrap()),
+            before
+        );
+        assert!(c.pages_needed(4, Some(A)).is_ok() && c.pages_reclaimable(A, 8, true).is_ok());
         c.check_invariants().unwrap();
     }
 
@@ -627,7 +650,7 @@ mod tests {
                 ..CacheOptions::default()
             },
         );
-        assert!(c.acquire(A, 8));
+        assert!(c.acquire(A, 8).unwrap());
         assert_eq!(c.page_ids(A).unwrap(), vec![vec![1, 2, 3, 4], vec![5, 6]]);
         c
     }
@@ -662,7 +685,7 @@ mod tests {
                 },
             );
             run_and_finish(&mut c, A, toks(0..16));
-            assert!(c.acquire(B, tokens));
+            assert!(c.acquire(B, tokens).unwrap());
             c.prefix_hit_tokens(&prompt(&c, toks(0..17))).unwrap()
         };
         // Hybrid free list: [f3, s3, f2, s2, f1, s1, f0, s0] (f = full, s = sliding, by slot).
@@ -767,7 +790,7 @@ mod tests {
         // Free list after a hybrid free: [5, 6, 2, 4, 1, 3] (5, 6 never used). Taking 4
         // pages for a page-level request: g0 takes 5, 6; g1 takes 2, 4 and evicts g0 slot 1
         // then g1 slot 1 (two events: one per evicted group, first-appearance order).
-        assert!(c.acquire(B, 8));
+        assert!(c.acquire(B, 8).unwrap());
         assert_eq!(c.page_ids(B).unwrap(), vec![vec![5, 6], vec![2, 4]]);
         assert_eq!(
             c.take_events(),
@@ -828,7 +851,7 @@ mod tests {
     fn events_off_records_nothing() {
         let mut c = hybrid(8);
         run_and_finish(&mut c, A, toks(0..8));
-        assert!(c.acquire(B, 12)); // 3 + 3 of 7 pages: evicts cached pages
+        assert!(c.acquire(B, 12).unwrap()); // 3 + 3 of 7 pages: evicts cached pages
         assert!(c.stats().evictions > 0);
         c.reset_prefix_cache();
         assert!(c.take_events().is_empty());
@@ -1019,9 +1042,15 @@ mod tests {
                             }
                         }
                         Op::PageAcquire(r, n) => {
+                            // A page-level call on a token-level request is refused and
+                            // changes nothing.
                             let id = ids[usize::from(r)];
                             if c.has_request(id) {
-                                c.acquire(id, u64::from(n));
+                                let snap = (c.page_ids(id).unwrap(), c.tail_available(id).unwrap(), c.pool_stats());
+                                let refused = c.acquire(id, u64::from(n));
+                                prop_assert!(matches!(refused, Err(CoreError::InvalidArgument(_))));
+                                let again = (c.page_ids(id).unwrap(), c.tail_available(id).unwrap(), c.pool_stats());
+                                prop_assert_eq!(snap, again);
                             }
                         }
                     }
