@@ -644,3 +644,16 @@ def test_events_off_by_default(api: ModuleType) -> None:
     assert cache.schedule("a", 10)
     cache.finish("a")
     assert cache.take_events() == []
+
+
+def test_medium_is_written_as_given() -> None:
+    """A host-tier (``medium="CPU"``) event carries its medium on the wire, in both layouts,
+    as vLLM's ``BlockStored``/``BlockRemoved`` do; the default stays ``"GPU"``."""
+    msgpack = need("msgpack")
+    stored = BlockStored([H0], None, [], 16, 0, "full", None, medium="CPU")
+    removed = BlockRemoved([H1], 1, medium="CPU")
+    _, (s, r), _ = msgpack.unpackb(encode_event_batch([stored, removed], ts=1.0))
+    assert (s[0], s[6], r[0], r[2]) == ("BlockStored", "CPU", "BlockRemoved", "CPU")
+    _, (s, r), _ = msgpack.unpackb(encode_event_batch([stored, removed], ts=1.0, layout="map"))
+    assert (s["medium"], r["medium"]) == ("CPU", "CPU")
+    assert BlockRemoved([H1], 1).medium == "GPU"

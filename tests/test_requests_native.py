@@ -15,6 +15,7 @@ from typing import Any
 import flat_kvcache
 import numpy as np
 import pytest
+from flat_kvcache._types import CacheStats
 from flat_kvcache.engine import FlatKVCache, hash_pages
 from flat_kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from helpers import native_hybrid
@@ -205,7 +206,18 @@ def test_stats_have_the_documented_names() -> None:
         "evictions",
         "preemptions",
         "pages_in_use_by_group",
+        "host_pages_total",
+        "host_pages_used",
+        "host_hits_tokens",
+        "host_stores",
+        "host_stores_skipped",
+        "host_loads",
+        "host_evictions",
+        "host_transfers_in_flight",
     }
+    assert set(stats) == set(CacheStats.__annotations__)
+    # Without a host tier every host figure is 0.
+    assert all(value == 0 for name, value in stats.items() if name.startswith("host_"))
     assert stats["pages_total"] == 63 and stats["requests"] == 2
     assert stats["pages_in_use_by_group"] == {"full": 4, "swa": 4}
     assert stats["pages_free"] + stats["pages_in_use"] == stats["pages_total"]

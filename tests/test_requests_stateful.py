@@ -61,9 +61,12 @@ def configs(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
-def replay(index: Counter[tuple[int, bytes]], events: list[KVCacheEvent]) -> None:
-    """Apply ``events`` to ``index`` (cached pages per (group, content hash)), as a router does."""
+def replay(index: Counter[tuple[int, bytes]], events: list[KVCacheEvent], medium: str = "GPU") -> None:
+    """Apply the ``medium`` events of ``events`` to ``index`` (cached pages per (group, content
+    hash)), as a router does; ``AllBlocksCleared`` is about the device pool only."""
     for item in events:
+        if isinstance(item, (BlockStored, BlockRemoved)) and item.medium != medium:
+            continue
         if isinstance(item, BlockStored):
             for block_hash in item.block_hashes:
                 index[item.group_index, block_hash] += 1
@@ -73,7 +76,8 @@ def replay(index: Counter[tuple[int, bytes]], events: list[KVCacheEvent]) -> Non
                 index[item.group_index, block_hash] -= 1
         else:
             assert isinstance(item, AllBlocksCleared)
-            index.clear()
+            if medium == "GPU":
+                index.clear()
     # Counter arithmetic drops the zero counts a removal leaves.
     index -= Counter()
 
@@ -355,6 +359,10 @@ class RequestsMachine(RuleBasedStateMachine):
             event(type(item).__name__)
         replay(self.index, taken)
         assert self.index == cached_keys(self.caches[1]), "the replayed events disagree with the cache"
+        self.check_more_events(taken)
+
+    def check_more_events(self, taken: list[KVCacheEvent]) -> None:
+        """Hook for subclasses: more checks on the events of one step (none here)."""
 
 
 RequestsMachine.TestCase.settings = settings(

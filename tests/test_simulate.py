@@ -334,3 +334,23 @@ def test_reuse_uncached_first_default_is_the_engines_default() -> None:
     native = inspect.signature(flat_kvcache.FlatKVCache).parameters["reuse_uncached_first"].default
     pool = inspect.signature(flat_kvcache.BlockPool).parameters["reuse_uncached_first"].default
     assert native is pool is DEFAULT_REUSE_UNCACHED_FIRST is SIMULATE_DEFAULT is True
+
+
+def test_host_tier_keeps_evicted_prefixes_and_engines_agree() -> None:
+    """``--host-pages``: under memory pressure, device-evicted prefix pages come back from the
+    host tier (transfers acknowledged at once), so the hit rate is at least the device-only
+    one; native and reference report the same run."""
+    trace = default_trace(40, seed=1, prompt_len=(128, 512), shared_prefix_len=256, output_len=128)
+    config = {"num_pages": 240, "max_scheduled_tokens": 1024}
+    device_only = simulate(trace, SimulationConfig(engine="native", **config)).summary  # type: ignore[arg-type]
+    tiered = {
+        engine: simulate(trace, SimulationConfig(engine=engine, host_pages=400, **config)).summary  # type: ignore[arg-type]
+        for engine in ENGINES
+    }
+    assert without_timing(tiered["native"]) == without_timing(tiered["reference"])
+    summary = tiered["native"]
+    assert (summary["finished"], summary["aborted"]) == (40, 0)
+    assert summary["host_stores"] > 0 and summary["host_loads"] > 0
+    assert 0 < summary["host_hits_tokens"] <= summary["prefix_hits_tokens"]
+    assert summary["prefix_hit_rate"] >= device_only["prefix_hit_rate"]
+    assert device_only["host_hits_tokens"] == 0 and device_only["host_pages"] == 0

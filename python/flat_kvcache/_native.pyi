@@ -227,6 +227,8 @@ _Counts = Sequence[SupportsIndex] | npt.NDArray[np.integer[Any]]
 _RequestId = str | int
 #: The orders in which a request's pages go back to the free list.
 _EvictionOrder = Literal["hybrid", "group"]
+#: When pages are copied to the host tier.
+_HostStore = Literal["write_through", "evict"]
 #: A caller-provided block-table buffer: a writable C-contiguous int32 array or CPU torch tensor.
 _TableBuffer = Any
 #: One event of ``take_events``: ``flat_kvcache.events.BlockStored | BlockRemoved | AllBlocksCleared``.
@@ -428,6 +430,8 @@ class FlatKVCache:
         eviction_order: _EvictionOrder = "hybrid",
         enable_kv_events: bool = False,
         reuse_uncached_first: bool = True,
+        host_pages: int | None = 0,
+        host_store: _HostStore = "write_through",
     ) -> FlatKVCache:
         """The engine over ``specs`` (non-empty) with a pool of ``num_pages >= 1`` pages.
 
@@ -437,6 +441,13 @@ class FlatKVCache:
         ``reuse_uncached_first``: a released page that holds no key joins the front of the free
         list (handed out before any cached page) instead of the back. Raises
         ``TypeError`` / ``ValueError`` naming a malformed spec (``specs[i].kind`` ...) or option.
+
+        ``host_pages > 0`` adds a host-memory tier of that many pages of the same geometry
+        (host page ids ``[0, host_pages)``): pages are copied there and loaded back on a prefix
+        hit, through transfers the engine runs (``take_transfers`` / ``ack_transfers``).
+        ``host_store``: ``"write_through"`` copies each page as it is registered;
+        ``"evict"`` copies a cached page when its last reference goes (it joins the free list
+        once the copy is acknowledged). 0 (default): no tier, nothing changes.
         """
 
     @property
@@ -734,6 +745,38 @@ class FlatKVCache:
 
     def stats(self) -> CacheStats:
         """Metrics with stable names (see :class:`flat_kvcache._types.CacheStats`)."""
+
+    def take_transfers(
+        self,
+    ) -> dict[str, dict[str, tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]]]:
+        """The host-tier transfers emitted since the last call, now handed out.
+
+        ``{"store": {group_id: (ids, src, dst)}, "load": {group_id: (ids, src, dst)}}``, int64
+        arrays, groups in index order (only groups with transfers), transfers in emission
+        order. A store copies device page ``src[i]`` to host page ``dst[i]`` in the layers of
+        that group; a load copies host page ``src[i]`` to device page ``dst[i]``. A device page
+        being stored is never handed out again until the store is acknowledged; a load's
+        destination is already in its request's block tables, and that request cannot be
+        scheduled until every load into it is acknowledged. ``{"store": {}, "load": {}}``
+        without a tier.
+        """
+
+    def ack_transfers(self, ids: _Counts) -> None:
+        """Acknowledge finished transfers by id, in any order and any grouping.
+
+        A store makes its host page a hit for later requests; a load registers its device page
+        (a device hit from now on, with a ``BlockStored`` event) and unblocks its request once
+        its last load is in. A load acknowledged after its request finished, was preempted or
+        aborted just releases the page. ``ValueError`` (nothing changes) for an id not in
+        flight, not handed out by ``take_transfers`` yet, or listed twice.
+        """
+
+    def loads_in_flight(self, req: _RequestId) -> int:
+        """Host-tier loads into ``req``'s pages not acknowledged yet; ``schedule`` /
+        ``schedule_batch`` refuse the request (``ValueError``) until this is 0."""
+
+    def transfers_in_flight(self) -> int:
+        """Transfers emitted and not acknowledged yet (handed out or not)."""
 
     def take_events(self) -> list[_KVEvent]:
         """The KV events recorded since the last call, oldest first (``[]`` with events off)."""

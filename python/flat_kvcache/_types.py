@@ -261,3 +261,12 @@ class CacheStats(TypedDict):
     evictions: int
     preemptions: int
     pages_in_use_by_group: dict[str, int]
+    #: Host-memory tier (docs/requests-api.md, "Host-memory tier"); all 0 without one.
+    host_pages_total: int
+    host_pages_used: int
+    host_hits_tokens: int
+    host_stores: int
+    host_stores_skipped: int
+    host_loads: int
+    host_evictions: int
+    host_transfers_in_flight: int

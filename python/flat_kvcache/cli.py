@@ -342,6 +342,14 @@ def _add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
         + ("on" if simulate.DEFAULT_REUSE_UNCACHED_FIRST else "off")
         + ")",
     )
+    parser.add_argument(
+        "--host-pages",
+        type=_int_at_least(0),
+        default=0,
+        metavar="N",
+        help="add a host-memory tier of N pages (write-through; transfers acknowledged at once; "
+        "default 0, none)",
+    )
     parser.add_argument("--no-prefix-caching", action="store_true", help="run with prefix caching off")
     parser.add_argument("--no-block-tables", action="store_true", help="skip the per-step block_tables call")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -386,6 +394,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
             max_running=args.max_running,
             enable_caching=not args.no_prefix_caching,
             block_tables=not args.no_block_tables,
+            host_pages=args.host_pages,
         )
         show = args.progress or sys.stderr.isatty()
         result = simulate.simulate(

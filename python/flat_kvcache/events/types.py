@@ -23,6 +23,9 @@ class BlockStored:
     group_kind: str
     sliding_window: int | None
     extra_keys: list[str] = field(default_factory=list)
+    #: Where the pages live, as vLLM's ``medium``: ``"GPU"`` (device pool) or ``"CPU"`` (the
+    #: host-memory tier; such an event has no parent, tokens or extra keys).
+    medium: str = "GPU"
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,8 @@ class BlockRemoved:
 
     block_hashes: list[bytes]
     group_index: int
+    #: ``"GPU"`` (device pool) or ``"CPU"`` (a host-tier page evicted by a store).
+    medium: str = "GPU"
 
 
 @dataclass(frozen=True)

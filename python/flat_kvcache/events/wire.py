@@ -39,7 +39,7 @@ vLLM's fields, in its declaration order, and what this module puts in them:
 ``token_ids``                       :attr:`BlockStored.token_ids`
 ``block_size``                      :attr:`BlockStored.block_size` (the group page size)
 ``lora_id``                         nil (a LoRA adapter reaches the hash as an extra key)
-``medium``                          ``"GPU"``
+``medium``                          :attr:`BlockStored.medium` (``"GPU"``/``"CPU"``)
 ``lora_name``                       nil
 ``extra_keys`` (default nil)        one entry per block, as vLLM sends it: the event's
                                     :attr:`BlockStored.extra_keys` as an array of str, or
@@ -52,7 +52,7 @@ vLLM's fields, in its declaration order, and what this module puts in them:
 (default nil)                       state groups)
 ==================================  =====================================================
 
-``BlockRemoved`` is ``block_hashes, medium ("GPU"), group_idx``; ``AllBlocksCleared`` has no
+``BlockRemoved`` is ``block_hashes, medium, group_idx``; ``AllBlocksCleared`` has no
 fields. ``ts`` is a float64.
 """
 
@@ -130,7 +130,7 @@ def _stored_fields(event: BlockStored, int_block_hashes: bool, where: str) -> li
         ("token_ids", tokens, False),
         ("block_size", int_field(event.block_size, f"{where}.block_size"), False),
         ("lora_id", None, False),
-        ("medium", MEDIUM_GPU, False),
+        ("medium", event.medium, False),
         ("lora_name", None, False),
         ("extra_keys", [per_block] * len(hashes), False),
         ("group_idx", int_field(event.group_index, f"{where}.group_index"), False),
@@ -146,7 +146,7 @@ def _event_fields(event: object, int_block_hashes: bool, where: str) -> list[tup
         hashes = _block_hashes(event.block_hashes, int_block_hashes, f"{where}.block_hashes")
         return [
             ("block_hashes", hashes, False),
-            ("medium", MEDIUM_GPU, False),
+            ("medium", event.medium, False),
             ("group_idx", int_field(event.group_index, f"{where}.group_index"), False),
         ]
     if isinstance(event, AllBlocksCleared):

@@ -168,6 +168,8 @@ class SimulationConfig:
     max_running: int = DEFAULT_MAX_RUNNING
     enable_caching: bool = True
     block_tables: bool = True
+    #: Host-memory tier pages (0: none); its transfers are acknowledged as soon as emitted.
+    host_pages: int = 0
 
 
 @dataclass
@@ -213,6 +215,7 @@ class _Loop:
             enable_caching=config.enable_caching,
             eviction_order=config.eviction_order,
             reuse_uncached_first=config.reuse_uncached_first,
+            host_pages=config.host_pages,
         )
         # The pool must hold one token of a request (a page in every group) besides the null
         # page, or no request is ever scheduled and every one is aborted.
@@ -284,10 +287,22 @@ class _Loop:
             self.cache.block_tables([live.rid for live in batch], out=self.out)
             self._charge("block_tables", start)
         self._sample(batch)
+        self._ack_transfers()
         self.stuck_steps = 0 if batch else self.stuck_steps + 1
         if self.stuck_steps >= 2:
             self._retract()
         self._record(decode_only=bool(batch) and decodes == len(batch))
+
+    def _ack_transfers(self) -> None:
+        """With a host tier: run (instantly) and acknowledge every transfer emitted so far."""
+        if not self.config.host_pages:
+            return
+        start = _perf()
+        taken = self.cache.take_transfers()
+        ids = [int(i) for kind in ("store", "load") for ids, _, _ in taken[kind].values() for i in ids]
+        if ids:
+            self.cache.ack_transfers(ids)
+        self._charge("admit", start)
 
     def _arrivals(self) -> None:
         if not self.waiting and not self.running and self.pending[0].arrival_step > self.step:
@@ -348,6 +363,7 @@ class _Loop:
             got = ok = 0
             if fits:
                 got = cache.add_request(rid, prompt, extra_keys=extra)
+                self._ack_transfers()  # host loads land before the request is scheduled
                 ok = cache.schedule(rid, chunk)
                 if not ok:
                     cache.finish(rid)  # SPEC 8: on failure the claim stays; the caller frees it
@@ -481,6 +497,11 @@ class _Loop:
             "prefix_hits_tokens": hits,
             "prefix_hit_rate": round(hits / queries, 6) if queries else 0.0,
             "evictions": int(stats["evictions"]),
+            "host_pages": config.host_pages,
+            "host_hits_tokens": int(stats["host_hits_tokens"]),
+            "host_stores": int(stats["host_stores"]),
+            "host_loads": int(stats["host_loads"]),
+            "host_evictions": int(stats["host_evictions"]),
             "peak_running": max(self.running_series, default=0),
             "peak_pages_by_group": {gid: max(self.pages_series[gid], default=0) for gid in self.group_ids},
             "peak_pages_in_use": max(

@@ -67,6 +67,18 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{summary['prefix_queries_tokens']} prompt tokens)",
         ),
         ("evictions", str(summary["evictions"])),
+        *(
+            [
+                (
+                    "host tier",
+                    f"{summary['host_pages']} pages: {summary['host_hits_tokens']} hit tokens from host, "
+                    f"{summary['host_stores']} stores, {summary['host_loads']} loads, "
+                    f"{summary['host_evictions']} host evictions",
+                )
+            ]
+            if summary.get("host_pages")
+            else []
+        ),
         ("tokens", f"{summary['scheduled_tokens']} scheduled, {summary['generated_tokens']} generated"),
         ("peak running", str(summary["peak_running"])),
         ("peak pages", f"{peak} (together {summary['peak_pages_in_use']})"),

@@ -30,9 +30,11 @@ use crate::args::{
 use crate::convert::{clip, signed, IntArg};
 use crate::errors::{core, lock};
 use crate::events::events_to_py;
+use crate::host::{transfer_ids, transfers_to_py, HostStoreArg};
 use crate::prefix_match::PyPrefixMatch;
 use crate::rows::{as_outs, check_bind, copy_deltas, deltas_to_py, BoundBuffers};
 use crate::tables::{borrow_out, table_outs};
+use flat_kvcache_core::engine::host::HostStore;
 
 /// The page engine of one model (SPEC 6 to 9, docs/engine-api.md and docs/requests-api.md):
 /// `FlatKVCache(specs, num_pages, *, enable_caching=True, eviction_order="hybrid",
@@ -117,9 +119,10 @@ impl PyFlatKVCache {
     /// list (handed out before any cached page) instead of the back.
     #[new]
     #[pyo3(
-        signature = (specs, num_pages, *, enable_caching = true, eviction_order = EvictionArg(EvictionOrder::Hybrid), enable_kv_events = false, reuse_uncached_first = DEFAULT_REUSE_UNCACHED_FIRST),
-        text_signature = "(specs, num_pages, *, enable_caching=True, eviction_order='hybrid', enable_kv_events=False, reuse_uncached_first=True)"
+        signature = (specs, num_pages, *, enable_caching = true, eviction_order = EvictionArg(EvictionOrder::Hybrid), enable_kv_events = false, reuse_uncached_first = DEFAULT_REUSE_UNCACHED_FIRST, host_pages = None, host_store = HostStoreArg(HostStore::WriteThrough)),
+        text_signature = "(specs, num_pages, *, enable_caching=True, eviction_order='hybrid', enable_kv_events=False, reuse_uncached_first=True, host_pages=0, host_store='write_through')"
     )]
+    #[allow(clippy::too_many_arguments, reason = "the Python constructor's keyword arguments")]
     fn new(
         specs: GroupSpecs,
         num_pages: &Bound<'_, PyAny>,
@@ -127,6 +130,8 @@ impl PyFlatKVCache {
         eviction_order: EvictionArg,
         enable_kv_events: bool,
         reuse_uncached_first: bool,
+        host_pages: Option<&Bound<'_, PyAny>>,
+        host_store: HostStoreArg,
     ) -> PyResult<Self> {
         // The pool holds page 0, so its size is >= 1 (a negative size says so too, as in the
         // reference, rather than count's ">= 0").
@@ -137,11 +142,14 @@ impl PyFlatKVCache {
             IntArg::HugeNegative => return Err(too_small(num_pages)),
             IntArg::Small(_) | IntArg::HugePositive => count(num_pages, "num_pages")?,
         };
+        let host_pages = opt_count(host_pages, "host_pages")?.unwrap_or(0);
         let options = CacheOptions {
             enable_caching,
             eviction_order: eviction_order.0,
             enable_kv_events,
             reuse_uncached_first,
+            host_pages,
+            host_store: host_store.0,
         };
         let cache = core(FlatCache::with_options(specs.0, num_pages, options))?;
         let coord = cache.coordinator();
@@ -714,7 +722,8 @@ impl PyFlatKVCache {
 
     /// Metrics with stable names: `pages_total pages_free pages_in_use pages_cached
     /// pages_cached_free requests prefix_queries_tokens prefix_hits_tokens evictions
-    /// preemptions` and `pages_in_use_by_group` (`{group_id: pages}`).
+    /// preemptions`, `pages_in_use_by_group` (`{group_id: pages}`) and the host tier's
+    /// `host_*` figures (all 0 without a host tier).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = lock(&self.inner)?.stats();
         let d = PyDict::new(py);
@@ -733,7 +742,38 @@ impl PyFlatKVCache {
             by_group.set_item(gid, pages)?;
         }
         d.set_item("pages_in_use_by_group", by_group)?;
+        let h = s.host.unwrap_or_default();
+        d.set_item("host_pages_total", h.pages_total)?;
+        d.set_item("host_pages_used", h.pages_used)?;
+        d.set_item("host_hits_tokens", h.hits_tokens)?;
+        d.set_item("host_stores", h.stores)?;
+        d.set_item("host_stores_skipped", h.stores_skipped)?;
+        d.set_item("host_loads", h.loads)?;
+        d.set_item("host_evictions", h.evictions)?;
+        d.set_item("host_transfers_in_flight", h.transfers_in_flight)?;
         Ok(d)
+    }
+
+    /// The host-tier transfers emitted since the last call (see `flat_kvcache._native.pyi`).
+    fn take_transfers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let transfers = lock(&self.inner)?.take_transfers();
+        transfers_to_py(py, &transfers, &self.specs)
+    }
+
+    /// Acknowledge finished transfers by id, in any order (checked first).
+    fn ack_transfers(&self, ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = transfer_ids(ids)?;
+        core(lock(&self.inner)?.ack_transfers(&ids))
+    }
+
+    /// Host-tier loads of `req` not acknowledged yet.
+    fn loads_in_flight(&self, req: RequestId<'_>) -> PyResult<u64> {
+        core(lock(&self.inner)?.loads_in_flight(req.id()?))
+    }
+
+    /// Transfers emitted and not acknowledged yet.
+    fn transfers_in_flight(&self) -> PyResult<usize> {
+        Ok(lock(&self.inner)?.transfers_in_flight())
     }
 
     /// The KV events recorded since the last call, oldest first, as `flat_kvcache.events`

@@ -16,6 +16,9 @@ static ALL_BLOCKS_CLEARED: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
 const EVENTS_MODULE: &str = "flat_kvcache.events";
 
+/// vLLM's `medium` of pages in host memory.
+const MEDIUM_CPU: &str = "CPU";
+
 /// The events as a list of dataclass instances, in order; `groups` are the cache's specs in
 /// group order (a `BlockStored` event carries its group's page size, kind and window).
 pub fn events_to_py<'py>(py: Python<'py>, events: Vec<KvEvent>, groups: &[GroupSpec]) -> PyResult<Bound<'py, PyList>> {
@@ -59,6 +62,31 @@ pub fn events_to_py<'py>(py: Python<'py>, events: Vec<KvEvent>, groups: &[GroupS
                 removed.call1((hashes, group))?
             }
             KvEvent::Cleared => cleared.call0()?,
+            KvEvent::HostStored { hash, group } => {
+                let Some(spec) = usize::try_from(group).ok().and_then(|g| groups.get(g)) else {
+                    return Err(PyRuntimeError::new_err(format!(
+                        "flat_kvcache: a stored event names group {group}, which the cache does not have"
+                    )));
+                };
+                let hashes = PyList::new(py, [PyBytes::new(py, &hash)])?;
+                let no_tokens: Vec<u32> = Vec::new();
+                let no_keys: Vec<String> = Vec::new();
+                stored.call1((
+                    hashes,
+                    None::<Bound<'py, PyBytes>>,
+                    no_tokens,
+                    spec.page_size,
+                    group,
+                    spec.kind.name(),
+                    spec.kind.sliding_window(),
+                    no_keys,
+                    MEDIUM_CPU,
+                ))?
+            }
+            KvEvent::HostRemoved { hash, group } => {
+                let hashes = PyList::new(py, [PyBytes::new(py, &hash)])?;
+                removed.call1((hashes, group, MEDIUM_CPU))?
+            }
         };
         out.append(obj)?;
     }

@@ -9,6 +9,7 @@ pub mod convert;
 pub mod errors;
 pub mod events;
 pub mod hashing;
+pub mod host;
 mod npscalar;
 pub mod plan;
 pub mod pool;

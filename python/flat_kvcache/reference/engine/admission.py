@@ -16,7 +16,7 @@ class Admission(TokenApi):
     def prefix_hit_tokens(self, prompt_token_ids: TokenIds, *, extra_keys: Sequence[str] = ()) -> int:
         """The (capped) hit ``add_request`` would get, read-only."""
         tokens, hashes, _ = self._hash_prompt(prompt_token_ids, extra_keys)
-        return self._capped_match(hashes, len(tokens)).num_common_tokens
+        return self._capped_match(hashes, len(tokens))[0]
 
     def pages_needed_to_admit(
         self,
@@ -26,13 +26,15 @@ class Admission(TokenApi):
         *,
         extra_keys: Sequence[str] = (),
     ) -> int:
-        """Pages the capped match's claim takes plus ``pages_needed(new + reserve)`` on fresh tables."""
+        """Pages the capped match's claim takes (its free cached pages, plus one device page per
+        host-tier load) plus ``pages_needed(new + reserve)`` on fresh tables."""
         count = as_count(num_new_tokens, "num_new_tokens")
         extra = as_count(reserve_tokens, "reserve_tokens")
         tokens, hashes, _ = self._hash_prompt(prompt_token_ids, extra_keys)
-        match = self._capped_match(hashes, len(tokens))
+        _, pages = self._capped_match(hashes, len(tokens))
         total = self.pages_needed(check_u64(count + extra, "num_new_tokens + reserve_tokens"))
-        return check_u64(total + self.pages_consumed_by_claim(match), "num_new_tokens + reserve_tokens")
+        device, loads = self._tiered_claim_cost(pages)
+        return check_u64(total + device + loads, "num_new_tokens + reserve_tokens")
 
     def reserve(self, req: RequestId, tokens: int) -> None:
         """Promise ``pages_needed(tokens, req)`` pages to the request's next decode (replaces)."""

@@ -10,13 +10,17 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from flat_kvcache._types import KVCacheSpec
 from flat_kvcache.errors import UnknownRequestError
-from flat_kvcache.events import KVCacheEvent
+from flat_kvcache.events import BlockRemoved, BlockStored, KVCacheEvent
 from flat_kvcache.reference._checks import ceil_div
 from flat_kvcache.reference.engine._args import (
     EVICTION_ORDERS,
+    HASH_HEX_LEN,
     U64_MAX,
     RequestId,
     align_down,
@@ -32,6 +36,7 @@ from flat_kvcache.reference.engine._args import (
 from flat_kvcache.reference.engine.events import removed_events, stored_event
 from flat_kvcache.reference.engine.group import GroupManager, new_manager
 from flat_kvcache.reference.engine.hash import fold_hashes, group_key
+from flat_kvcache.reference.engine.host import HOST_BIT, HOST_STORES, MAX_HOST_PAGES, HostTier
 from flat_kvcache.reference.engine.pool import DEFAULT_REUSE_UNCACHED_FIRST, BlockPool
 from flat_kvcache.reference.engine.table import Table, TokenState
 
@@ -87,11 +92,16 @@ class Coordinator:
         eviction_order: str = "hybrid",
         enable_kv_events: bool = False,
         reuse_uncached_first: bool = DEFAULT_REUSE_UNCACHED_FIRST,
+        host_pages: int | None = 0,
+        host_store: str = "write_through",
     ) -> None:
         if not isinstance(eviction_order, str) or eviction_order not in EVICTION_ORDERS:
             raise ValueError(f"eviction_order must be 'hybrid' or 'group', got {eviction_order!r}")
         if isinstance(specs, str):
             raise TypeError("specs must be a sequence of KVCacheSpec, not a bare str")
+        if not isinstance(host_store, str) or host_store not in HOST_STORES:
+            raise ValueError(f"host_store must be 'write_through' or 'evict', got {host_store!r}")
+        num_host = 0 if host_pages is None else as_count(host_pages, "host_pages")
         spec_list = list(specs)
         if not spec_list:
             raise ValueError("specs must hold at least one KVCacheSpec")
@@ -134,10 +144,25 @@ class Coordinator:
         # pages promised to any request's next decode (SPEC 9).
         self._token_states: dict[RequestId, TokenState] = {}
         self._reserves: dict[RequestId, int] = {}
-        self._counters = {"prefix_queries_tokens": 0, "prefix_hits_tokens": 0, "preemptions": 0}
+        self._counters = {
+            "prefix_queries_tokens": 0,
+            "prefix_hits_tokens": 0,
+            "preemptions": 0,
+            "host_hits_tokens": 0,
+        }
         self._events_enabled = as_flag(enable_kv_events, "enable_kv_events")
         self._events: list[KVCacheEvent] = []
         self._pool._record_evictions = self._events_enabled
+        # The host-memory tier (host.py), and per token-level request its loads in flight.
+        self._host: HostTier | None = None
+        self._loading: dict[RequestId, int] = {}
+        if num_host > 0:
+            if num_host > MAX_HOST_PAGES:
+                raise ValueError(
+                    f"host_pages must be in [1, {MAX_HOST_PAGES}] for a host tier, got {num_host}"
+                )
+            self._host = HostTier(num_host, host_store)
+            self._pool._record_released = host_store == "evict"
 
     # -- properties -----------------------------------------------------------------------------
 
@@ -231,9 +256,28 @@ class Coordinator:
         Finally truncate every group to the bound. With caching off the match is empty.
         """
         hashes = as_content_hashes(content_hashes)
+        bound, pages, matched_keys = self._match(hashes, tiered=False)
+        hits = [sum(1 for page in group_pages if page != 0) for group_pages in pages]
+        return PrefixMatch(bound, pages, hits, matched_keys)
+
+    def _match(
+        self, hashes: list[str], *, tiered: bool
+    ) -> tuple[int, list[list[int]], list[list[str | None]]]:
+        """:meth:`match_prefix` on checked hashes: ``(bound, pages, keys)``. With ``tiered`` (and
+        a host tier) a key missing on the device is looked up on the host, and a host hit is
+        ``HOST_BIT | host page``."""
         count = len(self._managers)
         if not self._enable_caching:
-            return PrefixMatch(0, [[] for _ in range(count)], [0] * count)
+            return 0, [[] for _ in range(count)], [[] for _ in range(count)]
+        host = self._host if tiered else None
+
+        def lookup(key: str) -> int | None:
+            page = self._pool.lookup(key)
+            if page is None and host is not None:
+                found = host.lookup(key)
+                return None if found is None else HOST_BIT | found
+            return page
+
         keys = [self._group_keys(manager, hashes, 0) for manager in self._managers]
         results: list[list[int]] = [[] for _ in range(count)]
         bound = align_down(len(hashes) * self._base, self._lcm)
@@ -241,7 +285,7 @@ class Coordinator:
         def match_group(index: int) -> None:
             nonlocal bound
             manager = self._managers[index]
-            results[index] = manager.match(keys[index][: bound // manager.page_size])
+            results[index] = manager.match(keys[index][: bound // manager.page_size], lookup)
             extent = len(results[index]) * manager.page_size
             bound = min(bound, align_down(extent, self._lcm))
 
@@ -259,8 +303,7 @@ class Coordinator:
             [keys[group][slot] if page != 0 else None for slot, page in enumerate(group_pages)]
             for group, group_pages in enumerate(pages)
         ]
-        hits = [sum(1 for page in group_pages if page != 0) for group_pages in pages]
-        return PrefixMatch(bound, pages, hits, matched_keys)
+        return bound, pages, matched_keys
 
     def claim(self, req: RequestId, match: PrefixMatch) -> None:
         """Take a reference on every matched page; each group's table becomes the match (SPEC 7).
@@ -375,9 +418,173 @@ class Coordinator:
             plan.append((manager, table, chosen_keys, chosen_slot))
         for manager, table, chosen_keys, chosen_slot in plan:
             stored = manager.register(table, chosen_keys, chosen_slot)
+            if self._host is not None and self._host.policy == "write_through":
+                for slot, key in stored:
+                    self._store_to_host(table.pages[slot], key)
             if stored and self._events_enabled:
                 self._events.append(
                     stored_event(
                         self._pool, self._specs[manager.index], manager, table, stored, hashes, first, state
                     )
                 )
+
+    # -- the host-memory tier (host.py) ---------------------------------------------------------
+
+    def _store_to_host(self, page: int, key: str) -> None:
+        """Emit a store of device ``page`` holding ``key`` if the tier takes it; the page keeps
+        one more reference until the store is acknowledged."""
+        if self._host is None:
+            return
+        stored = self._host.store(page, key, int(key[-8:], 16))
+        evicted, self._host.evicted = self._host.evicted, []
+        if self._events_enabled:
+            for dropped in evicted:
+                hashes = [bytes.fromhex(dropped[:HASH_HEX_LEN])]
+                self._events.append(BlockRemoved(hashes, int(dropped[HASH_HEX_LEN:], 16), medium="CPU"))
+        if stored:
+            self._pool.touch(page)
+
+    def _store_released(self) -> None:
+        """Store-on-eviction: store every cached page whose count dropped to 0 since the last
+        call, in release order (a stored page leaves the free list until acknowledged)."""
+        if self._host is None or self._host.policy != "evict":
+            return
+        released, self._pool._released = self._pool._released, []
+        for page in released:
+            key = self._pool._key_held_by(page)
+            if self._pool.ref_count(page) == 0 and key is not None:
+                self._store_to_host(page, key)
+
+    def _host_hit_tokens(self, pages: list[list[int]], hit: int) -> int:
+        """Tokens of ``hit`` at or after the first slot any group loads from the host tier."""
+        first = hit
+        for manager, group_pages in zip(self._managers, pages, strict=True):
+            for slot, page in enumerate(group_pages):
+                if page & HOST_BIT:
+                    first = min(first, slot * manager.page_size)
+                    break
+        return hit - first
+
+    def _tiered_claim_cost(self, pages: list[list[int]]) -> tuple[int, int]:
+        """(distinct device pages with count 0, host hits) of a tiered match's pages."""
+        device = {p for group in pages for p in group if p != 0 and not p & HOST_BIT}
+        loads = sum(1 for group in pages for p in group if p & HOST_BIT)
+        return sum(1 for p in device if self._pool.ref_count(p) == 0), loads
+
+    def _claim_tiered(self, key: RequestId, pages: list[list[int]], state: TokenState) -> None:
+        """Claim a tiered match for the new request ``key``: a reference on each device hit,
+        then one allocation of a device page per host hit (groups in index order, slots
+        ascending), each put in the table, pinned, and loaded from the host."""
+        tables = self._requests[key]
+        wanted = []
+        for group, group_pages in enumerate(pages):
+            for slot, page in enumerate(group_pages):
+                if page & HOST_BIT:
+                    wanted.append((group, slot, page & ~HOST_BIT))
+                elif page != 0:
+                    self._pool.touch(page)
+        dest = self._pool.allocate(len(wanted)) if wanted else []
+        assert len(dest) == len(wanted), "the caller checked the free pages"
+        self._record_evictions()
+        filled = [list(group_pages) for group_pages in pages]
+        for (group, slot, host_page), page in zip(wanted, dest, strict=True):
+            filled[group][slot] = page
+            self._pool.touch(page)  # the load's pin
+            manager = self._managers[group]
+            host_key = self._host.keys[host_page] if self._host is not None else None
+            assert host_key is not None
+            event = stored_event(
+                self._pool, self._specs[group], manager, Table(), [(slot, host_key)], [], 0, state
+            )
+            assert self._host is not None
+            self._host.load(host_page, page, key, tables, event)
+        for table, group_pages in zip(tables, filled, strict=True):
+            table.pages = group_pages
+            table.tail_avail = 0
+        if wanted:
+            self._loading[key] = len(wanted)
+
+    def _check_loaded(self, method: str, key: RequestId) -> None:
+        """A request with loads in flight cannot be scheduled: its pages are not filled yet."""
+        n = self._loading.get(key, 0)
+        if n:
+            raise ValueError(
+                f"{method}: request {key!r} has {n} host page load(s) in flight; run take_transfers() "
+                "and ack_transfers() first (loads_in_flight tells when it can be scheduled)"
+            )
+
+    def take_transfers(self) -> dict[str, dict[str, tuple[Any, Any, Any]]]:
+        """The transfers emitted since the last call: ``{"store": {group_id: (ids, src, dst)},
+        "load": {...}}`` with int64 arrays, groups in index order (only those with transfers).
+        A store copies device page ``src`` to host page ``dst``; a load host ``src`` to device
+        ``dst``. The engine runs them, then calls :meth:`ack_transfers`."""
+        taken = self._host.take() if self._host is not None else []
+        out: dict[str, dict[str, tuple[Any, Any, Any]]] = {}
+        for kind in ("store", "load"):
+            per_group: dict[str, tuple[Any, Any, Any]] = {}
+            for group, group_id in enumerate(self._group_ids):
+                ops = [(op_id, op) for op_id, op in taken if op.kind == kind and op.group == group]
+                if not ops:
+                    continue
+                src = [op.device if kind == "store" else op.host for _, op in ops]
+                dst = [op.host if kind == "store" else op.device for _, op in ops]
+                per_group[group_id] = (
+                    np.array([op_id for op_id, _ in ops], dtype=np.int64),
+                    np.array(src, dtype=np.int64),
+                    np.array(dst, dtype=np.int64),
+                )
+            out[kind] = per_group
+        return out
+
+    def ack_transfers(self, ids: Sequence[int] | Any) -> None:
+        """Acknowledge finished transfers, in any order; everything is checked first.
+
+        A store makes its host page findable; a load registers its device page under the key
+        (with its ``BlockStored`` event). Either way the device page's pin goes. A load
+        acknowledged after its request ended only releases the page.
+        """
+        checked = as_counts(ids, "ids")
+        if self._host is None:
+            if checked:
+                raise ValueError(
+                    f"ack_transfers: transfer {checked[0]} is not in flight (this cache has no host tier)"
+                )
+            return
+        self._host.check_ack(checked)
+        for op_id in checked:
+            op = self._host.finish(op_id)
+            if op.kind == "store" and self._events_enabled:
+                spec = self._specs[op.group]
+                self._events.append(
+                    BlockStored(
+                        block_hashes=[bytes.fromhex(op.key[:HASH_HEX_LEN])],
+                        parent_block_hash=None,
+                        token_ids=[],
+                        block_size=spec.page_size,
+                        group_index=op.group,
+                        group_kind=spec.kind,
+                        sliding_window=spec.sliding_window,
+                        medium="CPU",
+                    )
+                )
+            if op.kind == "load":
+                if self._enable_caching and self._pool._key_held_by(op.device) is None:
+                    self._pool.cache(op.device, op.key)
+                    if self._events_enabled and op.event is not None:
+                        self._events.append(op.event)
+                if self._requests.get(op.owner_key) is op.owner:
+                    self._loading[op.owner_key] -= 1
+                    if not self._loading[op.owner_key]:
+                        del self._loading[op.owner_key]
+            self._pool.free([op.device])
+        self._store_released()
+
+    def loads_in_flight(self, req: RequestId) -> int:
+        """Host-tier loads of ``req`` not acknowledged yet (0: it can be scheduled)."""
+        key = as_request_id(req)
+        self._tables(key)
+        return self._loading.get(key, 0)
+
+    def transfers_in_flight(self) -> int:
+        """Transfers emitted and not acknowledged yet."""
+        return 0 if self._host is None else len(self._host.ops)

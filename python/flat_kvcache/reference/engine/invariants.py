@@ -39,11 +39,13 @@ class Invariants(Coordinator):
                             f"{self._group_ids[first_group]} and {self._group_ids[group]}"
                         )
                     references[page] += 1
+        if self._host is not None:
+            self._check_host(references, owner)
         for page in range(total):
             if pool.ref_count(page) != references[page]:
                 raise InvariantError(
                     f"page {page} has ref count {pool.ref_count(page)} "
-                    f"but {references[page]} table references"
+                    f"but {references[page]} table and transfer references"
                 )
         free_list = pool._free_list()
         free_set = set(free_list)
@@ -64,3 +66,40 @@ class Invariants(Coordinator):
         in_use = sum(1 for page in range(1, total) if pool.ref_count(page) > 0)
         if pool.num_free + in_use + 1 != total:
             raise InvariantError(f"accounting: free {pool.num_free} + in use {in_use} + 1 != {total} pages")
+
+    def _check_host(self, references: list[int], owner: dict[int, int]) -> None:
+        """Host tier: each transfer in flight holds one reference on its device page (of its
+        group); each request counts exactly its loads; the tier's own bookkeeping agrees."""
+        host = self._host
+        assert host is not None
+        loading: dict[object, int] = {}
+        readers = [0] * host.num_pages
+        for op in host.ops.values():
+            if owner.setdefault(op.device, op.group) != op.group:
+                raise InvariantError(f"page {op.device} is pinned by a transfer of another group")
+            references[op.device] += 1
+            if host.keys[op.host] != op.key:
+                raise InvariantError(f"host page {op.host} does not hold the key of its transfer")
+            if op.kind == "load":
+                readers[op.host] += 1
+                if self._requests.get(op.owner_key) is op.owner:
+                    loading[op.owner_key] = loading.get(op.owner_key, 0) + 1
+            elif host.ready[op.host]:
+                raise InvariantError(f"host page {op.host} is findable while its store is in flight")
+        if loading != self._loading:
+            raise InvariantError(f"requests count loads {self._loading} but {loading} are in flight")
+        for page in range(host.num_pages):
+            if readers[page] != host.readers[page]:
+                raise InvariantError(
+                    f"host page {page} counts {host.readers[page]} readers, {readers[page]} loads"
+                )
+            if readers[page] and not host.ready[page]:
+                raise InvariantError(f"host page {page} is read before its store was acknowledged")
+            on_lru = page in host.lru
+            if on_lru != (host.ready[page] and readers[page] == 0):
+                raise InvariantError(f"host page {page} is on the LRU list: {on_lru}")
+            key = host.keys[page]
+            if key is not None and host.map.get(key) != page:
+                raise InvariantError(f"the host key map does not point at host page {page}")
+        if len(host.map) != sum(1 for key in host.keys if key is not None):
+            raise InvariantError("the host key map and the host pages disagree")

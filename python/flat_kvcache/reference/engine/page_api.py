@@ -38,6 +38,7 @@ class PageApi(Rows):
         """:meth:`reclaim` on a request's tables and a checked count."""
         for manager, table in zip(self._managers, tables, strict=True):
             manager.reclaim(table, computed)
+        self._store_released()
 
     def free(self, req: RequestId) -> None:
         """Release every page of the request and forget it (SPEC 7), in the eviction order.
@@ -69,9 +70,11 @@ class PageApi(Rows):
             # BlockPool.free releases in reverse list order: reverse to release in ``ordered``.
             self._pool.free([page for _, _, page in reversed(ordered)])
         self._vacate_row(key)
+        self._store_released()
         del self._requests[key]
         self._token_states.pop(key, None)
         self._reserves.pop(key, None)
+        self._loading.pop(key, None)
 
     # -- admission helpers (SPEC 7, 9) ----------------------------------------------------------
 

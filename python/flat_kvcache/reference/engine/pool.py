@@ -47,6 +47,10 @@ class BlockPool:
         self._evictions = 0
         self._record_evictions = False
         self._evicted: list[str] = []
+        # While the owning cache has a store-on-eviction host tier: cached pages whose count
+        # dropped to 0, in release order.
+        self._record_released = False
+        self._released: list[int] = []
 
     # -- probes ---------------------------------------------------------------------------------
 
@@ -146,6 +150,8 @@ class BlockPool:
             self._ref_counts[page] -= 1
             if self._ref_counts[page] == 0:
                 self._free[page] = None  # to the back, key kept
+                if self._record_released and self._key_of[page] is not None:
+                    self._released.append(page)
                 if self._reuse_uncached_first and self._key_of[page] is None:
                     self._free.move_to_end(page, last=False)
 

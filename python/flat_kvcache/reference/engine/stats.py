@@ -25,10 +25,13 @@ class Stats(Coordinator):
     def stats(self) -> CacheStats:
         """The metrics of docs/requests-api.md, with their stable names."""
         pool = self._pool
+        host = self._host
         total = pool.num_blocks - 1
         in_use_by_group = {}
         for group, group_id in enumerate(self._group_ids):
             pages = {page for tables in self._requests.values() for page in tables[group].pages if page != 0}
+            if self._host is not None:  # pages pinned by host-tier transfers are in use too
+                pages.update(op.device for op in self._host.ops.values() if op.group == group)
             in_use_by_group[group_id] = len(pages)
         return {
             "pages_total": total,
@@ -42,4 +45,12 @@ class Stats(Coordinator):
             "evictions": pool._evictions,
             "preemptions": self._counters["preemptions"],
             "pages_in_use_by_group": in_use_by_group,
+            "host_pages_total": host.num_pages if host is not None else 0,
+            "host_pages_used": len(host.map) if host is not None else 0,
+            "host_hits_tokens": self._counters["host_hits_tokens"],
+            "host_stores": host.counters["stores"] if host is not None else 0,
+            "host_stores_skipped": host.counters["stores_skipped"] if host is not None else 0,
+            "host_loads": host.counters["loads"] if host is not None else 0,
+            "host_evictions": host.counters["evictions"] if host is not None else 0,
+            "host_transfers_in_flight": len(host.ops) if host is not None else 0,
         }

@@ -25,7 +25,6 @@ from flat_kvcache.reference.engine._args import (
     check_u64,
     extra_key_bytes,
 )
-from flat_kvcache.reference.engine.coordinator import PrefixMatch
 from flat_kvcache.reference.engine.hash import hash_page, hash_pages
 from flat_kvcache.reference.engine.page_api import PageApi
 from flat_kvcache.reference.engine.table import Table, TokenState
@@ -44,11 +43,21 @@ class TokenApi(PageApi):
             raise ValueError(f"{method}: request {key!r} is page-level (not created by add_request)")
         return tables, state
 
-    def _capped_match(self, hashes: list[str], num_tokens: int) -> PrefixMatch:
+    def _capped_match(self, hashes: list[str], num_tokens: int) -> tuple[int, list[list[int]]]:
         """The prefix match over the first ``max((len - 1) // base, 0)`` base pages (SPEC 9):
-        the last prompt token is always recomputed."""
-        cap = max(num_tokens - 1, 0) // self._base
-        return self.match_prefix(hashes[:cap])
+        the last prompt token is always recomputed. Returns ``(hit tokens, pages)``.
+
+        With a host tier the lookups answer device-or-host (a host hit is ``HOST_BIT | host
+        page``), unless the free pages do not cover the claim plus one page per load: then the
+        device-only match."""
+        capped = hashes[: max(num_tokens - 1, 0) // self._base]
+        if self._host is not None:
+            bound, pages, _ = self._match(capped, tiered=True)
+            device, loads = self._tiered_claim_cost(pages)
+            if loads == 0 or device + loads <= self._pool.num_free:
+                return bound, pages
+        bound, pages, _ = self._match(capped, tiered=False)
+        return bound, pages
 
     def _hash_prompt(
         self, prompt_token_ids: object, extra_keys: object
@@ -85,13 +94,16 @@ class TokenApi(PageApi):
             raise ValueError("prompt_token_ids must not be empty")
         hit = 0
         self._requests[key] = [Table() for _ in self._managers]
+        state = TokenState(tokens, hashes, keys)
+        self._token_states[key] = state
         if use_cache and self._enable_caching:
-            match = self._capped_match(hashes, len(tokens))
-            hit = match.num_common_tokens
-            self._claim("add_request", key, match)
+            hit, pages = self._capped_match(hashes, len(tokens))
+            self._claim_tiered(key, pages, state)
             self._counters["prefix_queries_tokens"] += len(tokens)
             self._counters["prefix_hits_tokens"] += hit
-        self._token_states[key] = TokenState(tokens, hashes, keys, computed=hit, registered=hit // self._base)
+            self._counters["host_hits_tokens"] += self._host_hit_tokens(pages, hit)
+        state.computed = hit
+        state.registered = hit // self._base
         if row_index is not None:
             self._assign_row(key, row_index)
         return hit
@@ -195,6 +207,7 @@ class TokenApi(PageApi):
         count = as_count(num_new_tokens, "num_new_tokens")
         ahead = as_count(lookahead, "lookahead")
         _, state = self._token_state("schedule", key)
+        self._check_loaded("schedule", key)
         self._check_known("schedule", key, state, count)
         check_u64(state.computed + count + ahead, "lookahead")
         return self._schedule_checked(key, count, ahead)
@@ -210,6 +223,7 @@ class TokenApi(PageApi):
         asked: dict[RequestId, int] = {}
         for key, count in zip(keys, counts, strict=True):
             _, state = self._token_state("schedule_batch", key)
+            self._check_loaded("schedule_batch", key)
             asked[key] = check_u64(asked.get(key, 0) + count, "num_new_tokens")
             self._check_known("schedule_batch", key, state, asked[key])
         results = [self._schedule_checked(key, count, 0) for key, count in zip(keys, counts, strict=True)]
@@ -230,6 +244,7 @@ class TokenApi(PageApi):
         for row, count in zip(indices, counts, strict=True):
             key = self._row_owner("schedule_rows", row)
             keys.append(key)
+            self._check_loaded("schedule_rows", key)
             state = self._token_states[key]
             asked[key] = check_u64(asked.get(key, 0) + count, "num_new_tokens")
             if state.computed + asked[key] > len(state.tokens):

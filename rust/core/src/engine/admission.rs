@@ -26,7 +26,18 @@ impl FlatCache {
         let len = u64::try_from(prompt.tokens.len()).unwrap_or(u64::MAX);
         let cap = self.coord.base_div().quotient(len.saturating_sub(1));
         let cap = usize::try_from(cap).map_or(prompt.hashes.len(), |c| c.min(prompt.hashes.len()));
-        self.coord.match_prefix(&prompt.hashes[..cap])
+        let hashes = &prompt.hashes[..cap];
+        if self.coord.host().is_none() {
+            return self.coord.match_prefix(hashes);
+        }
+        // Host tier: device-or-host hits, unless the pool lacks the free pages the claim and
+        // the loads take; then the device-only match (host.rs).
+        let m = self.coord.match_prefix_tiered(hashes)?;
+        let (device, loads) = self.coord.tiered_claim_cost(&m);
+        if loads == 0 || device.saturating_add(loads) <= self.coord.pool().num_free() {
+            return Ok(m);
+        }
+        self.coord.match_prefix(hashes)
     }
 
     /// The hit `add_request` would get for `prompt` (capped), read-only.
@@ -34,11 +45,13 @@ impl FlatCache {
         Ok(self.capped_match(prompt)?.num_common_tokens)
     }
 
-    /// Pages admitting `prompt` would take: the capped match's claim (its free cached pages)
-    /// plus the pages of `num_new_tokens + reserve_tokens` on fresh tables.
+    /// Pages admitting `prompt` would take: the capped match's claim (its free cached pages,
+    /// and with a host tier one device page per page loaded back) plus the pages of `num_new_tokens + reserve_tokens` on fresh tables.
     pub fn pages_needed_to_admit(&self, prompt: &Prompt, num_new_tokens: u64, reserve_tokens: u64) -> CoreResult<u64> {
         let m = self.capped_match(prompt)?;
-        let consumed = u64::try_from(self.coord.pages_consumed_by_claim(&m)?).unwrap_or(u64::MAX);
+        // Device pages the claim takes off the free list, plus one per host-tier load.
+        let (device, loads) = self.coord.tiered_claim_cost(&m);
+        let consumed = u64::try_from(device.saturating_add(loads)).unwrap_or(u64::MAX);
         let tokens = num_new_tokens
             .checked_add(reserve_tokens)
             .ok_or_else(|| CoreError::overflow("num_new_tokens + reserve_tokens"))?;

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use crate::engine::events::{EventLog, KvEvent};
 use crate::engine::group::{GroupKind, GroupManager, RegisterPlan, RegisterRange};
 use crate::engine::hash::{fold_run, ContentHash, GroupKey};
+use crate::engine::host::{HostStore, HostTier, LoadEvent, Op, TransferKind, HOST_BIT};
 use crate::engine::pool::{BlockPool, NULL_PAGE};
 use crate::engine::table::Table;
 use crate::error::{CoreError, CoreResult};
@@ -138,6 +139,8 @@ pub struct Coordinator {
     events: EventLog,
     /// Shared empty extra keys for page-level `BlockStored` events.
     no_extra_keys: Arc<[String]>,
+    /// The host-memory tier, if any (`host.rs`).
+    host: Option<HostTier>,
 }
 
 impl Coordinator {
@@ -188,6 +191,7 @@ impl Coordinator {
             in_use: vec![0; groups],
             events: EventLog::new(false),
             no_extra_keys: Arc::from(Vec::new()),
+            host: None,
         })
     }
 
@@ -195,6 +199,26 @@ impl Coordinator {
     pub fn set_kv_events(&mut self, on: bool) {
         self.events = EventLog::new(on);
         self.pool.set_record_evictions(on);
+        if let Some(host) = self.host.as_mut() {
+            host.record = on;
+            host.stored.clear();
+            host.evicted.clear();
+        }
+    }
+
+    /// Give the cache a host tier of `num_pages` pages with store `policy` (before any
+    /// request exists).
+    pub fn set_host(&mut self, num_pages: u64, policy: HostStore) -> CoreResult<()> {
+        let mut tier = HostTier::new(num_pages, policy)?;
+        tier.record = self.events.enabled();
+        self.host = Some(tier);
+        self.pool.set_record_released(policy == HostStore::Evict);
+        Ok(())
+    }
+
+    /// The host tier, if any.
+    pub fn host(&self) -> Option<&HostTier> {
+        self.host.as_ref()
     }
 
     /// Whether KV events are recorded.
@@ -306,16 +330,25 @@ impl Coordinator {
     }
 
     /// Match group `g` over its slots below `bound` tokens.
+    /// With `tiered`, a key missing on the device is looked up on the host tier; a host hit
+    /// is reported as `HOST_BIT | host page`.
     fn match_group(
         &self,
         g: usize,
         bound: u64,
         hashes: &[ContentHash],
         memo: &mut Vec<Option<ContentHash>>,
+        tiered: bool,
     ) -> (Vec<u32>, usize) {
         // bound <= len(hashes) * base, so bound / P_g <= len(hashes) fits usize.
         let end = usize::try_from(self.managers[g].page().quotient(bound)).unwrap_or(0);
-        self.managers[g].match_slots(end, |i| self.pool.lookup(&self.slot_key(g, i, hashes, memo)))
+        let host = if tiered { self.host.as_ref() } else { None };
+        self.managers[g].match_slots(end, |i| {
+            let key = self.slot_key(g, i, hashes, memo);
+            self.pool
+                .lookup(&key)
+                .or_else(|| host.and_then(|h| h.lookup(&key)).map(|p| p | HOST_BIT))
+        })
     }
 
     /// The hybrid prefix match of base-page content hashes (read-only).
@@ -325,6 +358,17 @@ impl Coordinator {
     /// group whose extent exceeds the bound until nothing changes. Finally truncate every
     /// group to the bound.
     pub fn match_prefix(&self, hashes: &[ContentHash]) -> CoreResult<PrefixMatch> {
+        self.match_prefix_in(hashes, false)
+    }
+
+    /// [`Self::match_prefix`] where every group's lookup answers device-or-host (device
+    /// first): a host hit is `HOST_BIT | host page` in `pages` (see `host.rs`). Without a
+    /// host tier it is the device match.
+    pub fn match_prefix_tiered(&self, hashes: &[ContentHash]) -> CoreResult<PrefixMatch> {
+        self.match_prefix_in(hashes, self.host.is_some())
+    }
+
+    fn match_prefix_in(&self, hashes: &[ContentHash], tiered: bool) -> CoreResult<PrefixMatch> {
         let groups = self.specs.len();
         if !self.pool.caching_enabled() {
             return Ok(PrefixMatch::empty(groups));
@@ -337,7 +381,7 @@ impl Coordinator {
         let mut found: Vec<Vec<u32>> = vec![Vec::new(); groups];
         let mut memo: Vec<Vec<Option<ContentHash>>> = vec![Vec::new(); groups];
         for &g in &self.match_order {
-            found[g] = self.match_group(g, bound, hashes, &mut memo[g]).0;
+            found[g] = self.match_group(g, bound, hashes, &mut memo[g], tiered).0;
             bound = bound.min(self.lcm.align_down(extent(found[g].len(), self.specs[g].page_size)));
         }
         loop {
@@ -347,7 +391,7 @@ impl Coordinator {
                 if self.specs[g].kind.is_prefix_closed() || extent(found[g].len(), page_size) <= bound {
                     continue;
                 }
-                found[g] = self.match_group(g, bound, hashes, &mut memo[g]).0;
+                found[g] = self.match_group(g, bound, hashes, &mut memo[g], tiered).0;
                 bound = bound.min(self.lcm.align_down(extent(found[g].len(), page_size)));
                 changed = true;
             }
@@ -364,7 +408,7 @@ impl Coordinator {
             let held: Vec<ContentHash> = pages
                 .iter()
                 .filter(|&&p| p != NULL_PAGE)
-                .filter_map(|&p| self.pool.key_of(p).map(|k| k.hash))
+                .filter_map(|&p| self.key_of_tiered(p).map(|k| k.hash))
                 .collect();
             num_hit_pages.push(held.len());
             keys.push(held);
@@ -597,6 +641,10 @@ impl Coordinator {
             let m = usize::try_from(self.mult[g].get()).unwrap_or(usize::MAX);
             let manager = self.managers[g];
             let recording = self.events.enabled();
+            let write_through = self
+                .host
+                .as_ref()
+                .is_some_and(|h| h.policy() == HostStore::WriteThrough);
             let mut stored: Vec<(usize, ContentHash)> = Vec::new();
             manager.register(&mut self.pool, table, plan.start, plan.count, |j| {
                 let at = plan.skip + j * m;
@@ -605,12 +653,17 @@ impl Coordinator {
                 } else {
                     fold_run(&hashes[at..at + m])
                 };
-                if recording {
+                if recording || write_through {
                     stored.push((plan.start + j, hash));
                 }
                 GroupKey::new(hash, group)
             });
-            if !stored.is_empty() {
+            if write_through {
+                for &(slot, hash) in &stored {
+                    self.store_to_host(table.pages()[slot], GroupKey::new(hash, group));
+                }
+            }
+            if recording && !stored.is_empty() {
                 let event = self.stored_event(g, table, &stored, hashes, first_slot, ctx);
                 self.events.push(event);
             }
@@ -684,6 +737,7 @@ impl Coordinator {
         for ((manager, table), in_use) in self.managers.iter().zip(tables.iter_mut()).zip(&mut self.in_use) {
             *in_use -= manager.reclaim(&mut self.pool, table, n);
         }
+        self.store_released();
     }
 
     /// Pages [`Self::reclaim`] at `n` would return to the free list.
@@ -705,6 +759,7 @@ impl Coordinator {
             }
             EvictionOrder::Hybrid => self.free_hybrid(tables),
         }
+        self.store_released();
     }
 
     /// Release all groups' real pages by the end token of their slot, descending (ties:
@@ -735,6 +790,204 @@ impl Coordinator {
         for table in tables {
             table.take_pages();
         }
+    }
+
+    // ----- host tier (host.rs) ------------------------------------------------------------
+
+    /// The key of a device page, or of a host page tagged with [`HOST_BIT`].
+    fn key_of_tiered(&self, page: u32) -> Option<&GroupKey> {
+        if page & HOST_BIT != 0 {
+            self.host.as_ref().and_then(|h| h.key_of(page & !HOST_BIT))
+        } else {
+            self.pool.key_of(page)
+        }
+    }
+
+    /// Emit a store of device page `page` (holding `key`) if the tier takes it, and pin the
+    /// page until the store is acknowledged.
+    fn store_to_host(&mut self, page: u32, key: GroupKey) {
+        let Some(host) = self.host.as_mut() else { return };
+        let stored = host.store(page, key);
+        for key in host.evicted.drain(..) {
+            self.events.push(KvEvent::HostRemoved {
+                hash: key.hash,
+                group: key.group,
+            });
+        }
+        if stored && self.pool.retain(page) {
+            self.in_use[key.group as usize] += 1;
+        }
+    }
+
+    /// Store-on-eviction policy: store every cached page that joined the free list since the
+    /// last call (in release order); a stored page leaves the free list until acknowledged.
+    pub(crate) fn store_released(&mut self) {
+        if self.host.as_ref().is_none_or(|h| h.policy() != HostStore::Evict) {
+            return;
+        }
+        for page in self.pool.take_released() {
+            if self.pool.refs_of(page) != 0 {
+                continue;
+            }
+            if let Some(&key) = self.pool.key_of(page) {
+                self.store_to_host(page, key);
+            }
+        }
+    }
+
+    /// Tokens of a `hit` served from host memory: those at or after the first slot any group
+    /// loads from the host tier (0 when the match is all device pages).
+    pub fn host_hit_tokens(&self, m: &PrefixMatch, hit: u64) -> u64 {
+        let mut first = hit;
+        for (pages, manager) in m.pages.iter().zip(&self.managers) {
+            if let Some(slot) = pages.iter().position(|&p| p != NULL_PAGE && p & HOST_BIT != 0) {
+                first = first.min(extent(slot, manager.page_size()));
+            }
+        }
+        hit - first
+    }
+
+    /// What claiming a tiered match takes: (distinct device pages with count 0, host hits).
+    pub fn tiered_claim_cost(&self, m: &PrefixMatch) -> (usize, usize) {
+        let mut device = Vec::new();
+        let mut loads = 0usize;
+        for &page in m.pages.iter().flatten() {
+            if page == NULL_PAGE {
+                continue;
+            }
+            if page & HOST_BIT != 0 {
+                loads += 1;
+            } else if self.pool.refs_of(page) == 0 {
+                device.push(page);
+            }
+        }
+        device.sort_unstable();
+        device.dedup();
+        (device.len(), loads)
+    }
+
+    /// Claim a tiered match for a new request (empty `tables`): take a reference on every
+    /// device hit, then allocate one device page per host hit in one allocation (groups in
+    /// index order, slots ascending), put it in the table, pin it and emit its load. Returns
+    /// the number of loads. The caller checked that the pages are free
+    /// ([`Self::tiered_claim_cost`]); if not, nothing changes and this is an error.
+    pub(crate) fn claim_tiered(
+        &mut self,
+        tables: &mut [Table],
+        m: &PrefixMatch,
+        owner: (usize, u64),
+        ctx: TokenContext<'_>,
+    ) -> CoreResult<usize> {
+        let (device, loads) = self.tiered_claim_cost(m);
+        if device.saturating_add(loads) > self.pool.num_free() || (loads > 0 && self.host.is_none()) {
+            return Err(CoreError::Invariant(
+                "claim: not enough free pages for the host loads of a match".to_owned(),
+            ));
+        }
+        let mut pages = m.pages.clone();
+        let mut wanted: Vec<(usize, usize, u32)> = Vec::with_capacity(loads);
+        for (g, group_pages) in pages.iter().enumerate() {
+            for (slot, &page) in group_pages.iter().enumerate() {
+                if page == NULL_PAGE {
+                    continue;
+                }
+                if page & HOST_BIT != 0 {
+                    wanted.push((g, slot, page & !HOST_BIT));
+                } else if self.pool.retain(page) {
+                    self.in_use[g] += 1;
+                }
+            }
+        }
+        let mut dest = Vec::with_capacity(loads);
+        self.pool.allocate_into(&mut dest, loads);
+        if self.pool.records_evictions() {
+            Self::record_evictions(&mut self.pool, &mut self.events);
+        }
+        for (&(g, slot, host_page), &d) in wanted.iter().zip(&dest) {
+            pages[g][slot] = d;
+            // The load's pin: the page stays allocated until acknowledged, even if the
+            // request ends first.
+            self.pool.retain(d);
+            self.in_use[g] += 1;
+            let event = self.load_event(g, slot, ctx);
+            if let Some(host) = self.host.as_mut() {
+                host.load(host_page, d, owner, event);
+            }
+        }
+        for (table, group_pages) in tables.iter_mut().zip(pages) {
+            *table = Table::from_claim(group_pages);
+        }
+        Ok(loads)
+    }
+
+    /// The `BlockStored` payload of group `g`'s slot `slot` loaded for a token-level request.
+    fn load_event(&self, g: usize, slot: usize, ctx: TokenContext<'_>) -> LoadEvent {
+        let m = usize::try_from(self.mult[g].get()).unwrap_or(usize::MAX);
+        let parent = slot.checked_sub(1).and_then(|prev| {
+            let run = ctx.hashes.get(prev.checked_mul(m)?..slot.checked_mul(m)?)?;
+            Some(if m == 1 { run[0] } else { fold_run(run) })
+        });
+        let page_size = usize::try_from(self.specs[g].page_size).unwrap_or(usize::MAX);
+        let lo = slot.saturating_mul(page_size);
+        let token_ids = ctx
+            .tokens
+            .get(lo..lo.saturating_add(page_size))
+            .map_or_else(Vec::new, <[u32]>::to_vec);
+        LoadEvent {
+            parent,
+            token_ids,
+            extra_keys: Arc::clone(ctx.extra_keys),
+        }
+    }
+
+    /// Check that transfers `ids` can be acknowledged (no host tier: only `[]` can).
+    pub fn check_ack(&self, ids: &[u64]) -> CoreResult<()> {
+        match &self.host {
+            Some(host) => host.check_ack(ids),
+            None => match ids.first() {
+                None => Ok(()),
+                Some(id) => Err(CoreError::invalid(format!(
+                    "ack_transfers: transfer {id} is not in flight (this cache has no host tier)"
+                ))),
+            },
+        }
+    }
+
+    /// Finish a checked transfer: a store's page becomes findable on the host; a load's
+    /// destination is registered under its key (a device hit from now on, with its
+    /// `BlockStored` event). Either way the device page's pin is dropped. Returns a load's
+    /// owner. Call [`Self::store_released`] after a batch of these.
+    pub(crate) fn finish_transfer(&mut self, id: u64) -> Option<(usize, u64)> {
+        let host = self.host.as_mut()?;
+        let mut op: Op = host.finish(id)?;
+        for key in host.stored.drain(..) {
+            self.events.push(KvEvent::HostStored {
+                hash: key.hash,
+                group: key.group,
+            });
+        }
+        let g = op.group as usize;
+        if op.kind == TransferKind::Load && self.pool.caching_enabled() && self.pool.key_of(op.device).is_none() {
+            self.pool.cache_unchecked(op.device, op.key);
+            if let Some(ev) = op.event.take() {
+                self.events.push(KvEvent::Stored {
+                    hashes: vec![op.key.hash],
+                    parent: ev.parent,
+                    token_ids: ev.token_ids,
+                    group: op.group,
+                    extra_keys: ev.extra_keys,
+                });
+            }
+        }
+        if self.pool.release(op.device) {
+            self.in_use[g] -= 1;
+        }
+        op.owner
+    }
+
+    /// Hand out the transfers emitted since the last call (empty without a host tier).
+    pub fn take_transfers(&mut self) -> Vec<crate::engine::host::Transfer> {
+        self.host.as_mut().map_or_else(Vec::new, HostTier::take)
     }
 }
 

@@ -36,6 +36,21 @@ pub enum KvEvent {
     },
     /// `reset_prefix_cache` dropped every key: no page holds one any more.
     Cleared,
+    /// A host-tier store was acknowledged: the key is findable in host memory (medium
+    /// `"CPU"`; no parent, tokens or extra keys are carried).
+    HostStored {
+        /// The content hash of the stored page.
+        hash: ContentHash,
+        /// The group index.
+        group: u32,
+    },
+    /// A host-tier store evicted a host page: its key left host memory (medium `"CPU"`).
+    HostRemoved {
+        /// The content hash of the evicted host page.
+        hash: ContentHash,
+        /// The group index.
+        group: u32,
+    },
 }
 
 /// The recorded events of one cache: off (nothing kept) or an ordered log.

@@ -38,12 +38,48 @@ impl FlatCache {
                 }
             }
         }
+        // Host tier: every transfer in flight holds one reference on its device page (of its
+        // group), and each request counts exactly its own loads in flight.
+        if let Some(host) = self.coord.host() {
+            host.check().map_err(CoreError::Invariant)?;
+            let mut loading = vec![0u64; self.entries.len()];
+            for (page, group, load_owner) in host.pins() {
+                let (p, g) = (page as usize, group as usize);
+                if p == 0 || p >= n || g >= specs.len() {
+                    return Err(CoreError::Invariant(format!(
+                        "a transfer pins page {page} of group {group}, out of range"
+                    )));
+                }
+                if owner[p] != 0 && owner[p] != g + 1 {
+                    return Err(CoreError::Invariant(format!(
+                        "page {page} is pinned by a transfer of group {:?} but held by group {:?}",
+                        specs[g].group_id,
+                        specs[owner[p] - 1].group_id
+                    )));
+                }
+                owner[p] = g + 1;
+                refs[p] += 1;
+                if let Some((at, serial)) = load_owner {
+                    if self.entries.get(at).is_some_and(|e| e.live && e.serial == serial) {
+                        loading[at] += 1;
+                    }
+                }
+            }
+            for (at, entry) in self.entries.iter().enumerate().filter(|(_, e)| e.live) {
+                if entry.loading != loading[at] {
+                    return Err(CoreError::Invariant(format!(
+                        "a request counts {} loads in flight but {} are",
+                        entry.loading, loading[at]
+                    )));
+                }
+            }
+        }
         for (p, &expected) in refs.iter().enumerate().skip(1) {
             let page = u32::try_from(p).unwrap_or(u32::MAX);
             let count = pool.refs_of(page);
             if u64::from(count) != expected {
                 return Err(CoreError::Invariant(format!(
-                    "page {page} has count {count} but {expected} table reference(s)"
+                    "page {page} has count {count} but {expected} table and transfer reference(s)"
                 )));
             }
         }

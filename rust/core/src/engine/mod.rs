@@ -30,6 +30,7 @@ pub mod coordinator;
 pub mod events;
 pub mod group;
 pub mod hash;
+pub mod host;
 pub mod ids;
 pub mod pool;
 pub mod table;
@@ -58,6 +59,10 @@ pub struct CacheOptions {
     /// A released page that holds no key joins the front of the free list (reused before any
     /// cached page) instead of the back; see [`pool::BlockPool::set_reuse_uncached_first`].
     pub reuse_uncached_first: bool,
+    /// Pages of the host-memory tier (0: no tier; see [`host`]).
+    pub host_pages: u64,
+    /// When pages are copied to the host tier.
+    pub host_store: host::HostStore,
 }
 
 impl Default for CacheOptions {
@@ -67,6 +72,8 @@ impl Default for CacheOptions {
             eviction_order: EvictionOrder::Hybrid,
             enable_kv_events: false,
             reuse_uncached_first: pool::DEFAULT_REUSE_UNCACHED_FIRST,
+            host_pages: 0,
+            host_store: host::HostStore::WriteThrough,
         }
     }
 }
@@ -85,6 +92,12 @@ struct Entry {
     reserve: u64,
     /// The persistent row it holds ([`rows`]), if any.
     row: Option<usize>,
+    /// Host-tier loads into this request's pages not acknowledged yet (it cannot be
+    /// scheduled before they are).
+    loading: u64,
+    /// A number no other request of this cache had, so a late load acknowledgement can tell
+    /// this request from a later one in the same slot.
+    serial: u64,
 }
 
 /// Counters behind [`stats::CacheStats`] that the pool does not keep.
@@ -93,6 +106,9 @@ struct Counters {
     prefix_queries_tokens: u64,
     prefix_hits_tokens: u64,
     preemptions: u64,
+    /// Of `prefix_hits_tokens`, those at or after the first page any group loads from the
+    /// host tier.
+    host_hits_tokens: u64,
 }
 
 /// The page engine of one model: a coordinator plus each live request.
@@ -114,6 +130,8 @@ pub struct FlatCache {
     scratch: Vec<usize>,
     /// Persistent block-table rows, once bound ([`rows`]).
     rows: Option<rows::RowBinding>,
+    /// The serial of the next request.
+    next_serial: u64,
 }
 
 impl FlatCache {
@@ -135,6 +153,9 @@ impl FlatCache {
         let mut coord = Coordinator::new(specs, num_pages, options.enable_caching)?;
         coord.set_kv_events(options.enable_kv_events);
         coord.set_reuse_uncached_first(options.reuse_uncached_first);
+        if options.host_pages > 0 {
+            coord.set_host(options.host_pages, options.host_store)?;
+        }
         Ok(Self {
             coord,
             index: HashMap::default(),
@@ -145,6 +166,7 @@ impl FlatCache {
             counters: Counters::default(),
             scratch: Vec::new(),
             rows: None,
+            next_serial: 0,
         })
     }
 
@@ -190,7 +212,11 @@ impl FlatCache {
             tokens,
             reserve: 0,
             row: None,
+            loading: 0,
+            serial: self.next_serial,
         };
+        // A u64 counter of single increments cannot overflow in practice.
+        self.next_serial = self.next_serial.saturating_add(1);
         let at = if let Some(at) = self.vacant.pop() {
             self.entries[at] = entry;
             at

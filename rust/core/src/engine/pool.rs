@@ -64,6 +64,10 @@ struct Link {
 
 /// The page pool of one cache.
 #[derive(Clone, Debug)]
+#[allow(
+    clippy::struct_excessive_bools,
+    reason = "independent switches of the pool, each read on its own hot path"
+)]
 pub struct BlockPool<K> {
     enable_caching: bool,
     /// Whether a released page that holds no key goes to the front of the free list (reused
@@ -89,6 +93,10 @@ pub struct BlockPool<K> {
     record_evictions: bool,
     /// Keys evicted since the last [`BlockPool::take_evicted`], in eviction order.
     evicted: Vec<K>,
+    /// Whether cached pages whose count drops to 0 are kept in `released` (host tier).
+    record_released: bool,
+    /// Cached pages that joined the free list since the last [`BlockPool::take_released`].
+    released: Vec<u32>,
 }
 
 /// Allocate a vector of `n` copies of `value`, reporting allocation failure as an error.
@@ -141,6 +149,8 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
             evictions: 0,
             record_evictions: false,
             evicted: Vec::new(),
+            record_released: false,
+            released: Vec::new(),
         })
     }
 
@@ -193,6 +203,18 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
     /// The keys evicted since the last call, in eviction order (empty unless recording).
     pub fn take_evicted(&mut self) -> Vec<K> {
         std::mem::take(&mut self.evicted)
+    }
+
+    /// Keep (or stop keeping) the cached pages whose count drops to 0, for
+    /// [`Self::take_released`] (the host tier's store-on-eviction policy).
+    pub fn set_record_released(&mut self, on: bool) {
+        self.record_released = on;
+        self.released.clear();
+    }
+
+    /// The cached pages that joined the free list since the last call, in release order.
+    pub fn take_released(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.released)
     }
 
     /// Where a released page that holds no key joins the free list: the front when `on` (it is
@@ -439,6 +461,9 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
             if self.keys[page as usize].is_some() {
                 self.push_back(page);
                 self.num_cached_free += 1;
+                if self.record_released {
+                    self.released.push(page);
+                }
             } else if self.reuse_uncached_first {
                 self.push_front(page);
             } else {

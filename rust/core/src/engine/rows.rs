@@ -300,12 +300,14 @@ impl FlatCache {
             .filter_map(|(at, e)| e.row.filter(|_| e.live).map(|row| (at, row)))
     }
 
-    /// The id of the live request at slab position `at` (for messages).
+    /// The id of the live request at slab position `at` (a scan: for error paths only).
+    pub(super) fn id_ref_at(&self, at: usize) -> Option<RequestIdRef<'_>> {
+        self.index.iter().find(|&(_, &i)| i == at).map(|(id, _)| id.as_ref())
+    }
+
+    /// [`Self::id_ref_at`] as messages show it.
     pub(super) fn id_at(&self, at: usize) -> String {
-        self.index
-            .iter()
-            .find(|&(_, &i)| i == at)
-            .map_or_else(|| format!("#{at}"), |(id, _)| id.to_string())
+        self.id_ref_at(at).map_or_else(|| format!("#{at}"), |id| id.to_string())
     }
 
     /// The slab position of the request holding `row` (an error for `method` if none does).

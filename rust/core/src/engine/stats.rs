@@ -44,6 +44,29 @@ pub struct CacheStats {
     pub preemptions: u64,
     /// Per group (index order), the distinct real pages its tables reference.
     pub pages_in_use_by_group: Vec<usize>,
+    /// The host tier's figures (`None` without a host tier).
+    pub host: Option<HostStats>,
+}
+
+/// The host tier's part of `stats()` (docs/requests-api.md, "Host-memory tier").
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HostStats {
+    /// Host pages.
+    pub pages_total: usize,
+    /// Host pages holding a key (findable or with a store in flight).
+    pub pages_used: usize,
+    /// Tokens of `prefix_hits_tokens` at or after the first page any group loaded from host.
+    pub hits_tokens: u64,
+    /// Stores emitted.
+    pub stores: u64,
+    /// Stores not emitted because every host page was in flight or being read.
+    pub stores_skipped: u64,
+    /// Loads emitted.
+    pub loads: u64,
+    /// Host pages whose key a store dropped (host LRU evictions).
+    pub evictions: u64,
+    /// Transfers emitted and not acknowledged yet.
+    pub transfers_in_flight: usize,
 }
 
 impl FlatCache {
@@ -75,6 +98,16 @@ impl FlatCache {
             evictions: pool.evictions(),
             preemptions: self.counters.preemptions,
             pages_in_use_by_group: self.coord.pages_in_use_by_group().to_vec(),
+            host: self.coord.host().map(|h| HostStats {
+                pages_total: h.num_pages(),
+                pages_used: h.num_used(),
+                hits_tokens: self.counters.host_hits_tokens,
+                stores: h.counters.stores,
+                stores_skipped: h.counters.stores_skipped,
+                loads: h.counters.loads,
+                evictions: h.counters.evictions,
+                transfers_in_flight: h.num_in_flight(),
+            }),
         }
     }
 

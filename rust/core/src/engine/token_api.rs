@@ -124,10 +124,20 @@ impl FlatCache {
         let at = self.insert(req, Some(state));
         if let Some(m) = m {
             // A match just made under the lock is never stale and the tables are empty.
-            self.coord.claim(&mut self.entries[at].tables, &m);
+            let mut host_hit = 0;
+            if self.coord.host().is_some() {
+                host_hit = self.coord.host_hit_tokens(&m, hit);
+                if let Err(e) = self.claim_with_loads(at, &m) {
+                    self.release(req, at);
+                    return Err(e);
+                }
+            } else {
+                self.coord.claim(&mut self.entries[at].tables, &m);
+            }
             let c = &mut self.counters;
             c.prefix_queries_tokens = c.prefix_queries_tokens.saturating_add(prompt_len);
             c.prefix_hits_tokens = c.prefix_hits_tokens.saturating_add(hit);
+            c.host_hits_tokens = c.host_hits_tokens.saturating_add(host_hit);
         }
         Ok(hit)
     }
@@ -250,6 +260,7 @@ impl FlatCache {
     /// allocated and the position stays. `n + c > num_tokens` is an error.
     pub fn schedule(&mut self, req: RequestIdRef<'_>, n: u64, lookahead: u64) -> CoreResult<bool> {
         let at = self.find_token("schedule", req)?;
+        self.check_loaded("schedule", req, at)?;
         if let Some(s) = &self.entries[at].tokens {
             check_known("schedule", req, s, n, "num_new_tokens")?;
             n.checked_add(s.computed)
@@ -319,6 +330,11 @@ impl FlatCache {
         for (&row, &n) in rows.iter().zip(ns) {
             let i = self.row_owner("schedule_rows", row)?;
             at.push(i);
+            if self.entries[i].loading > 0 {
+                if let Some(req) = self.id_ref_at(i) {
+                    self.check_loaded("schedule_rows", req, i)?;
+                }
+            }
             let Some(s) = self.entries[i].tokens.as_mut() else {
                 return Err(CoreError::invalid(format!(
                     "schedule_rows: row {row} holds a page-level request"
@@ -346,6 +362,10 @@ impl FlatCache {
         for (&req, &n) in reqs.iter().zip(ns) {
             let i = self.find(req)?;
             at.push(i);
+            if self.entries[i].tokens.is_none() {
+                return Err(page_level("schedule_batch", req));
+            }
+            self.check_loaded("schedule_batch", req, i)?;
             let Some(s) = self.entries[i].tokens.as_mut() else {
                 return Err(page_level("schedule_batch", req));
             };

@@ -7,7 +7,7 @@ in the kind's own module and override the defaults here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from flat_kvcache._types import KVCacheSpec
 from flat_kvcache.reference._checks import ceil_div
@@ -94,8 +94,11 @@ class GroupManager:
         """
         return keys, first_slot
 
-    def match(self, keys: Sequence[str]) -> list[int]:
-        """Prefix-match one group over the slots of ``keys``; 0 marks a hole."""
+    def match(self, keys: Sequence[str], lookup: Callable[[str], int | None] | None = None) -> list[int]:
+        """Prefix-match one group over the slots of ``keys``; 0 marks a hole.
+
+        ``lookup`` answers a key with a page (default: the pool's); the host tier passes one
+        that answers device-or-host."""
         raise NotImplementedError
 
     def reclaim(self, table: Table, num_computed_tokens: int) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from flat_kvcache.reference.engine.group.base import GroupManager
 
@@ -14,11 +14,12 @@ class FullAttentionManager(GroupManager):
 
     prefix_closed = True
 
-    def match(self, keys: Sequence[str]) -> list[int]:
+    def match(self, keys: Sequence[str], lookup: Callable[[str], int | None] | None = None) -> list[int]:
         """Walk the keys left to right and stop at the first miss."""
+        find = self.pool.lookup if lookup is None else lookup
         pages = []
         for key in keys:
-            page = self.pool.lookup(key)
+            page = find(key)
             if page is None:
                 break
             pages.append(page)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from flat_kvcache._types import KVCacheSpec
 from flat_kvcache.reference._checks import ceil_div
@@ -30,7 +30,7 @@ class SlidingWindowManager(GroupManager):
         assert spec.sliding_window is not None, "a sliding_window spec always has a window"
         return spec.sliding_window
 
-    def match(self, keys: Sequence[str]) -> list[int]:
+    def match(self, keys: Sequence[str], lookup: Callable[[str], int | None] | None = None) -> list[int]:
         """Right-to-left scan for the greatest boundary backed by ``ceil((W-1)/P)`` hits.
 
         Boundary ``b = end``, ``run = 0``; for ``i = end-1 .. 0``: stop once ``run`` hits are
@@ -39,13 +39,14 @@ class SlidingWindowManager(GroupManager):
         slots ``[b-run, b)`` are the hits, the slots left of them are holes (W == 1 needs no
         hits: every slot is a hole).
         """
+        find = self.pool.lookup if lookup is None else lookup
         needed = ceil_div(self.window - 1, self.page_size)
         boundary = len(keys)
         run: list[int] = []  # hit pages right to left, just behind the boundary
         for slot in range(len(keys) - 1, -1, -1):
             if len(run) >= needed:
                 break
-            page = self.pool.lookup(keys[slot])
+            page = find(keys[slot])
             if page is None:
                 boundary = slot
                 run = []
