@@ -352,6 +352,14 @@ def _add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-prefix-caching", action="store_true", help="run with prefix caching off")
     parser.add_argument("--no-block-tables", action="store_true", help="skip the per-step block_tables call")
+    parser.add_argument(
+        "--tables",
+        choices=("rows", "full"),
+        default="rows",
+        help="rows (default): persistent block-table rows updated by what changed (bind_rows, "
+        "update_rows, schedule_rows, append_tokens_rows); full: request ids and a full "
+        "block_tables(out=) rewrite every step",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument(
         "--plot",
@@ -394,6 +402,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
             max_running=args.max_running,
             enable_caching=not args.no_prefix_caching,
             block_tables=not args.no_block_tables,
+            tables=args.tables,
             host_pages=args.host_pages,
         )
         show = args.progress or sys.stderr.isatty()

@@ -11,7 +11,8 @@ One step, in order:
 1. Arrivals: requests whose ``arrival_step`` has come join the back of the waiting queue.
 2. Running requests, in admission order, each get ``n = min(known - computed, tokens left)``
    tokens: the rest of the prompt (a chunked-prefill chunk) or the one token sampled last step
-   (a decode). One ``schedule_batch`` call schedules them all; a request whose pages do not
+   (a decode). One ``schedule_rows`` call (``schedule_batch`` with ``tables="full"``)
+   schedules them all; a request whose pages do not
    fit keeps its place and gets nothing this step (SPEC 9: a later chunk or decode admits if
    its pages fit, reclaimable pages counted, which ``schedule`` checks itself).
 3. Admission, first come first served, while the token budget lasts and fewer than
@@ -19,13 +20,16 @@ One step, in order:
    ``min(prompt - hit, tokens left)`` tokens if ``pages_needed_to_admit(prompt, chunk,
    reserve)`` fits in ``budget()`` (free pages less the pages promised to other requests' next
    decode; ``reserve`` is 1 token when the chunk completes the prompt, for the first decode).
-   Then ``add_request`` claims the prefix hit and ``schedule`` takes the chunk. The first
+   Then ``add_request`` claims the prefix hit (and gives the request a free row of the
+   persistent block tables) and ``schedule`` takes the chunk. The first
    request that does not fit stops admission (no overtaking). While ``budget()`` is below one
    page per group no first chunk can fit, and the check is skipped.
-4. ``block_tables(scheduled, out=...)`` into preallocated int32 buffers.
+4. The block tables: ``update_rows()`` writes the cells that changed into the persistent
+   ``[max_running, cols]`` tables bound at the start (``tables="rows"``, the default), or
+   ``block_tables(scheduled, out=...)`` rewrites the batch's rows (``tables="full"``).
 5. Every scheduled request whose known tokens are now all computed samples a token: the last
    one it needs finishes it (``finish``), the others' tokens are appended in one
-   ``append_tokens_batch`` call (timed as ``append_tokens``). A request
+   ``append_tokens_rows`` (or ``append_tokens_batch``) call (timed as ``append_tokens``). A request
    whose next decode starts a page gets ``reserve(req, 1)`` so admissions leave it its page
    (at any other position the next token fits in the pages it has and the reserve would be 0).
 6. SPEC 9 retraction: when nothing in flight progressed for two consecutive steps, the running
@@ -168,6 +172,9 @@ class SimulationConfig:
     max_running: int = DEFAULT_MAX_RUNNING
     enable_caching: bool = True
     block_tables: bool = True
+    #: ``"rows"``: persistent rows (``bind_rows``, ``update_rows``, row-addressed calls);
+    #: ``"full"``: request ids and a full ``block_tables(out=)`` rewrite every step.
+    tables: Literal["rows", "full"] = "rows"
     #: Host-memory tier pages (0: none); its transfers are acknowledged as soon as emitted.
     host_pages: int = 0
 
@@ -182,6 +189,7 @@ class _Live:
     computed: int = 0
     known: int = 0  # tokens the cache holds: prompt + appended
     admitted_at: int = -1  # admission counter, for the preemption tie-break
+    row: int = -1  # its row of the persistent block tables while running
 
     @property
     def rid(self) -> int:
@@ -201,6 +209,8 @@ class _Loop:
     def __init__(self, trace: Sequence[TraceRequest], config: SimulationConfig) -> None:
         if config.max_scheduled_tokens < 1 or config.max_running < 1:
             raise ValueError("max_scheduled_tokens and max_running must be >= 1")
+        if config.tables not in ("rows", "full"):
+            raise ValueError(f"tables must be 'rows' or 'full', got {config.tables!r}")
         module = _engine_module(config.engine)
         self.config = config
         self.specs = engine_specs(module, config.preset, config.page_size)
@@ -234,6 +244,11 @@ class _Loop:
             gid: np.empty((config.max_running, math.ceil(longest / spec.page_size) + 2), dtype=np.int32)
             for gid, spec in zip(self.group_ids, self.specs, strict=True)
         }
+        self.by_row = config.tables == "rows"
+        if self.by_row:
+            # One row per running request; a finished or preempted request's row is reused.
+            self.cache.bind_rows(self.out)
+            self.free_rows = list(range(config.max_running - 1, -1, -1))
         self.total = len(trace)
         self.pending = deque(trace)  # not arrived yet, in arrival order
         self.waiting: deque[_Live] = deque()
@@ -284,7 +299,10 @@ class _Loop:
         batch = scheduled + admitted
         if batch and self.config.block_tables:
             start = _perf()
-            self.cache.block_tables([live.rid for live in batch], out=self.out)
+            if self.by_row:
+                self.cache.update_rows()
+            else:
+                self.cache.block_tables([live.rid for live in batch], out=self.out)
             self._charge("block_tables", start)
         self._sample(batch)
         self._ack_transfers()
@@ -331,7 +349,10 @@ class _Loop:
         if not batch:
             return scheduled, decodes, tokens_left
         start = _perf()
-        ok = self.cache.schedule_batch([live.rid for live in batch], sizes)
+        if self.by_row:
+            ok = self.cache.schedule_rows(np.array([live.row for live in batch], dtype=np.int64), sizes)
+        else:
+            ok = self.cache.schedule_batch([live.rid for live in batch], sizes)
         self._charge("schedule_batch", start)
         for live, n, success in zip(batch, sizes, ok.tolist(), strict=True):
             if success:
@@ -362,11 +383,14 @@ class _Loop:
             fits = cache.pages_needed_to_admit(prompt, chunk, reserve, extra_keys=extra) <= cache.budget()
             got = ok = 0
             if fits:
-                got = cache.add_request(rid, prompt, extra_keys=extra)
+                row = self.free_rows[-1] if self.by_row else None
+                got = cache.add_request(rid, prompt, extra_keys=extra, row=row)
                 self._ack_transfers()  # host loads land before the request is scheduled
                 ok = cache.schedule(rid, chunk)
                 if not ok:
                     cache.finish(rid)  # SPEC 8: on failure the claim stays; the caller frees it
+                elif row is not None:
+                    live.row = self.free_rows.pop()
             self._charge("admit", start)
             if not fits:
                 break
@@ -392,6 +416,7 @@ class _Loop:
         done: list[_Live] = []
         append_reqs: list[int] = []
         append_tokens: list[int] = []
+        append_rows: list[int] = []
         for live in scheduled:
             if live.computed == live.known:
                 live.generated += 1
@@ -400,18 +425,23 @@ class _Loop:
                     done.append(live)
                 else:
                     append_reqs.append(live.rid)
+                    append_rows.append(live.row)
                     append_tokens.append(int(live.request.output[live.generated - 1]))
                     live.known += 1
         cache = self.cache
         if append_reqs:
             start = _perf()
-            cache.append_tokens_batch(append_reqs, append_tokens)  # one token each, one call
+            if self.by_row:
+                cache.append_tokens_rows(np.array(append_rows, dtype=np.int64), append_tokens)
+            else:
+                cache.append_tokens_batch(append_reqs, append_tokens)  # one token each, one call
             self._charge("append_tokens", start)
         if done:
             start = _perf()
             for live in done:
                 cache.finish(live.rid)
             self._charge("finish", start)
+            self._release_rows(done)
             self.counts["finished"] += len(done)
             gone = {id(live) for live in done}
             self.running = [live for live in self.running if id(live) not in gone]
@@ -439,6 +469,7 @@ class _Loop:
             return
         victim = max(self.running, key=lambda live: (live.known, live.admitted_at))
         self.running.remove(victim)
+        self._release_rows([victim])
         start = _perf()
         if self.running:
             folded = self.cache.preempt(victim.rid)
@@ -452,6 +483,14 @@ class _Loop:
         victim.prompt = np.asarray(folded, dtype=np.uint32)
         victim.computed = victim.known = 0
         self.waiting.appendleft(victim)
+
+    def _release_rows(self, gone: list[_Live]) -> None:
+        """The rows of requests that stop running are free again (the cache clears them on the
+        next ``update_rows``)."""
+        if self.by_row:
+            for live in gone:
+                self.free_rows.append(live.row)
+                live.row = -1
 
     def _record(self, *, decode_only: bool) -> None:
         stats = self.cache.stats()  # instrumentation, not timed
