@@ -39,7 +39,7 @@ def write_trace(tmp_path: Path, lines: list[Any], name: str = "trace.jsonl") -> 
 
 
 def without_timing(summary: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in summary.items() if key not in ("timing", "engine")}
+    return {key: value for key, value in summary.items() if key not in ("timing", "engine", "tables")}
 
 
 # --- traces -----------------------------------------------------------------------------------
@@ -354,3 +354,32 @@ def test_host_tier_keeps_evicted_prefixes_and_engines_agree() -> None:
     assert 0 < summary["host_hits_tokens"] <= summary["prefix_hits_tokens"]
     assert summary["prefix_hit_rate"] >= device_only["prefix_hit_rate"]
     assert device_only["host_hits_tokens"] == 0 and device_only["host_pages"] == 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_persistent_rows_follow_every_step_and_change_nothing_else(engine: str) -> None:
+    """``tables="rows"`` (bind_rows, row-addressed calls, update_rows) runs the same loop as
+    ``tables="full"`` (request ids, a full block_tables rewrite), preemptions and row reuse
+    included, and after every step each running request's row is its block_tables row."""
+    from flat_kvcache.simulate.loop import _Loop
+
+    trace = default_trace(24, seed=2, prompt_len=(64, 256), shared_prefix_len=64, output_len=48)
+    config = {"engine": engine, "num_pages": 120, "max_scheduled_tokens": 512, "max_running": 8}
+    full = simulate(trace, SimulationConfig(tables="full", **config)).summary  # type: ignore[arg-type]
+    loop = _Loop(trace, SimulationConfig(tables="rows", **config))  # type: ignore[arg-type]
+    while loop.pending or loop.waiting or loop.running:
+        loop._one_step()
+        loop.cache.update_rows()  # rows of requests not scheduled this step may lag one update
+        owners = {live.row: live.rid for live in loop.running}
+        assert len(owners) == len(loop.running), "two running requests share a row"
+        for gid, buffer in loop.out.items():
+            for row in range(buffer.shape[0]):
+                want = np.full(buffer.shape[1], -1, np.int32)
+                if row in owners:
+                    pages = loop.cache.block_tables([owners[row]])[gid][0]
+                    want[: len(pages)] = pages
+                np.testing.assert_array_equal(buffer[row], want, err_msg=f"{gid} row {row}")
+    rows = loop._summary(0)
+    assert without_timing(rows) == without_timing(full)
+    assert (rows["tables"], full["tables"]) == ("rows", "full")
+    assert rows["preemptions"] > 0 and rows["finished"] == 24

@@ -512,6 +512,7 @@ class _Loop:
             "preset": config.preset,
             "eviction_order": config.eviction_order,
             "reuse_uncached_first": config.reuse_uncached_first,
+            "tables": config.tables,
             "groups": [
                 {
                     "group_id": gid,
