@@ -282,18 +282,11 @@ impl FlatCache {
             )));
         }
         self.with_scratch(|this, at| {
-            let checked = this.validate_batch(reqs, ns, at);
-            for &i in at.iter() {
-                if let Some(s) = this.entries[i].tokens.as_mut() {
-                    s.pending = 0;
-                }
+            if let Err(e) = this.validate_batch(reqs, ns, at) {
+                this.clear_pending(at);
+                return Err(e);
             }
-            checked?;
-            let mut out = Vec::with_capacity(at.len());
-            for (&i, &n) in at.iter().zip(ns) {
-                out.push(this.schedule_at(i, n, 0)?);
-            }
-            Ok(out)
+            this.schedule_validated(at, ns)
         })
     }
 
@@ -310,19 +303,39 @@ impl FlatCache {
             )));
         }
         self.with_scratch(|this, at| {
-            let checked = this.validate_rows(rows, ns, at);
-            for &i in at.iter() {
-                if let Some(s) = this.entries[i].tokens.as_mut() {
-                    s.pending = 0;
+            if let Err(e) = this.validate_rows(rows, ns, at) {
+                this.clear_pending(at);
+                return Err(e);
+            }
+            this.schedule_validated(at, ns)
+        })
+    }
+
+    /// Forget the asks a refused batch validation left in `pending`.
+    fn clear_pending(&mut self, at: &[usize]) {
+        for &i in at {
+            if let Some(s) = self.entries[i].tokens.as_mut() {
+                s.pending = 0;
+            }
+        }
+    }
+
+    /// Schedule a validated batch in order (each request's `pending` is cleared as it comes).
+    fn schedule_validated(&mut self, at: &[usize], ns: &[u64]) -> CoreResult<Vec<bool>> {
+        let mut out = Vec::with_capacity(at.len());
+        for (k, (&i, &n)) in at.iter().zip(ns).enumerate() {
+            if let Some(s) = self.entries[i].tokens.as_mut() {
+                s.pending = 0;
+            }
+            match self.schedule_at(i, n, 0) {
+                Ok(done) => out.push(done),
+                Err(e) => {
+                    self.clear_pending(&at[k..]);
+                    return Err(e);
                 }
             }
-            checked?;
-            let mut out = Vec::with_capacity(at.len());
-            for (&i, &n) in at.iter().zip(ns) {
-                out.push(this.schedule_at(i, n, 0)?);
-            }
-            Ok(out)
-        })
+        }
+        Ok(out)
     }
 
     /// [`Self::validate_batch`] for rows.
