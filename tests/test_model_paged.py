@@ -21,7 +21,9 @@ except ModuleNotFoundError as exc:
     missing(exc.name or "torch/transformers", exc)
 
 import flat_kvcache as fk
+from flat_kvcache._types import SLIDING_WINDOW
 from flat_kvcache.torch import CaptureBuffers, allocate_kv_buffers
+from flat_kvcache.torch.rows import DeviceRows
 from flat_kvcache.torch.runner import (
     PagedModelRunner,
     RequestRecord,
@@ -64,6 +66,8 @@ def setup(
     page_size: int,
     num_pages: int,
     capture: str | None = None,
+    rows: str | None = None,
+    step_tokens: int = 64,
     max_batch: int = 4,
     max_context: int = 256,
 ) -> PagedModelRunner:
@@ -87,7 +91,22 @@ def setup(
             max_context_len=max_context,
             sliding_offsets=capture == "windowed",
         )
-    return PagedModelRunner(model, cache, buffers, capture=buffers_for_capture, poison_new_pages=True)
+    device_rows = None
+    if rows is not None:
+        # Full-history width for every group; a windowed sliding row holds the window plus one
+        # step's scheduled tokens (at most ``step_tokens`` per request) plus one slot.
+        widths = {spec.group_id: -(-(max_context + 1) // page_size) for spec in plan.groups}
+        windowed = []
+        if rows == "windowed":
+            for spec in plan.groups:
+                window = spec.sliding_window_tokens
+                if spec.retention == SLIDING_WINDOW and window is not None:
+                    widths[spec.group_id] = -(-(window + step_tokens) // page_size) + 1
+                    windowed.append(spec.group_id)
+        device_rows = DeviceRows(cache, max_batch, widths, windowed=windowed)
+    return PagedModelRunner(
+        model, cache, buffers, capture=buffers_for_capture, rows=device_rows, poison_new_pages=True
+    )
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -161,6 +180,44 @@ def test_through_capture_buffers(mode: str) -> None:
     sliding = runner.capture.width("sliding_attention")
     assert sliding == (17 if mode == "absolute" else 4)  # ceil((64 + 1) / 4) vs ceil((8 + 1) / 4) + 1
     assert len(records["b"].tokens) // 4 > sliding or mode == "absolute"
+    assert_matches(model, records)
+
+
+@pytest.mark.parametrize("mode", ["absolute", "windowed"])
+def test_through_persistent_rows_updated_by_deltas(mode: str) -> None:
+    """The attention reads device tables kept only by applying ``update_rows()`` deltas (rows
+    reused after finish and preemption, windowed sliding rows shifting): logits unchanged."""
+    model = gpt_oss(layers=2)
+    runner = setup(model, page_size=4, num_pages=40, rows=mode, step_tokens=8, max_batch=3, max_context=128)
+    assert runner.rows is not None
+    seen_cells: list[int] = []
+    seen_offsets: list[int] = [0]
+
+    def on_step(
+        step: int, reqs: Sequence[str], ns: Sequence[int], records: Mapping[str, RequestRecord]
+    ) -> None:
+        assert runner.rows is not None
+        seen_cells.append(runner.rows.last_cells)
+        for req in reqs:  # the device row is the request's block table (from its offset)
+            if not runner.cache.has_request(req):
+                continue  # finished this step
+            row = runner.cache.row_of(req)
+            for group, table in runner.cache.block_tables([req]).items():
+                pages = torch.from_numpy(table[0])
+                offset = int(runner.rows.offsets[group][row]) if group in runner.rows.offsets else 0
+                seen_offsets.append(offset)
+                shown = runner.rows.tables[group][row]
+                assert torch.equal(shown[: len(pages) - offset], pages[offset:]), (group, req)
+                assert (shown[len(pages) - offset :] == -1).all()
+
+    prompts = {f"r{i}": prompt(7 + 5 * i, 20 + i) for i in range(5)}
+    records = run_greedy(runner, prompts, 24, chunk_size=8, max_running=3, on_step=on_step)
+    assert sum(r.preemptions for r in records.values()) >= 1 or len(prompts) > 3  # rows were reused
+    assert 0 in seen_cells and max(seen_cells) > 0  # steps with nothing to copy, and some with cells
+    if mode == "windowed":
+        width = int(runner.rows.tables["sliding_attention"].shape[1])
+        assert width == 5  # ceil((8 + 8) / 4) + 1, whatever the context length
+        assert max(seen_offsets) > 0  # windows moved
     assert_matches(model, records)
 
 

@@ -14,6 +14,10 @@ The pipeline, one call per step::
     capture.fill(cache.block_tables(reqs), batch_size=len(reqs))
     out_loc = write_locations(capture.buffer("full_attention"), positions, plan.page_size)
 
+Persistent rows instead of a full table per step: :class:`DeviceRows` binds host tables to the
+cache and applies each step's ``update_rows()`` deltas to device copies (one ``index_put_`` per
+group).
+
 Attention over the pages: :func:`paged_attention` and :func:`write_kv` are the executable
 definition of the layout a kernel must match (docs/model-runner.md); ``flat_kvcache.torch.runner``
 runs a ``transformers`` model on them (needs the ``model`` extra).
@@ -42,10 +46,12 @@ except ModuleNotFoundError as exc:
 from flat_kvcache.torch.attention import paged_attention, write_kv
 from flat_kvcache.torch.capture import CaptureBuffers, extend_locations, write_locations
 from flat_kvcache.torch.plan import KVBuffers, KVMemoryPlan, TensorSpec, allocate_kv_buffers, plan_kv_memory
+from flat_kvcache.torch.rows import DeviceRows
 from flat_kvcache.torch.shape import ModelShape
 
 __all__ = [
     "CaptureBuffers",
+    "DeviceRows",
     "KVBuffers",
     "KVMemoryPlan",
     "ModelShape",

@@ -34,6 +34,7 @@ from flat_kvcache.torch._checks import as_int
 from flat_kvcache.torch.attention import paged_attention, write_kv
 from flat_kvcache.torch.capture import CaptureBuffers, extend_locations
 from flat_kvcache.torch.plan import KVBuffers, KVMemoryPlan, plan_kv_memory
+from flat_kvcache.torch.rows import DeviceRows
 from flat_kvcache.torch.shape import ModelShape
 
 __all__ = [
@@ -275,6 +276,11 @@ class PagedModelRunner:
     capture
         Optional :class:`CaptureBuffers`: every step fills them and the attention reads their rows
         (in windowed mode, ``sliding_offsets=True``, with the row offsets applied).
+    rows
+        Optional :class:`~flat_kvcache.torch.rows.DeviceRows` bound to ``cache``: each request
+        gets a row, every step applies ``update_rows()``'s deltas to the device tables and the
+        attention reads those rows (windowed groups with their offsets applied). Not with
+        ``capture``.
     check
         Check write locations and attended slots (ValueError on a hole or padding).
     poison_new_pages
@@ -289,10 +295,17 @@ class PagedModelRunner:
         buffers: KVBuffers,
         *,
         capture: CaptureBuffers | None = None,
+        rows: DeviceRows | None = None,
         check: bool = True,
         poison_new_pages: bool = False,
     ) -> None:
         _register()
+        if capture is not None and rows is not None:
+            raise ValueError("pass capture or rows, not both: each is a source of the tables")
+        if rows is not None and rows.cache is not cache:
+            raise ValueError("rows must be bound to the runner's cache")
+        self.rows = rows
+        self._row_of: dict[str, int] = {}
         self.model = model
         self.cache = cache
         self.buffers = buffers
@@ -330,7 +343,15 @@ class PagedModelRunner:
 
     def add_request(self, req: str, tokens: Sequence[int]) -> int:
         """``cache.add_request``; returns the prefix hit in tokens (those are not recomputed)."""
-        hit = self.cache.add_request(req, list(tokens))
+        row = None if self.rows is None else self.rows.take()
+        try:
+            hit = self.cache.add_request(req, list(tokens), row=row)
+        except Exception:
+            if row is not None and self.rows is not None:
+                self.rows.give_back(row)
+            raise
+        if row is not None:
+            self._row_of[req] = row
         tables = self.cache.block_tables([req])
         self._known[req] = {g: {int(p) for p in t[0] if p > 0} for g, t in tables.items()}
         return hit
@@ -338,6 +359,9 @@ class PagedModelRunner:
     def release(self, req: str, *, preempt: bool = False) -> list[int] | None:
         """``cache.finish`` (or ``cache.preempt``, whose folded token list is returned)."""
         self._known.pop(req, None)
+        row = self._row_of.pop(req, None)
+        if row is not None and self.rows is not None:
+            self.rows.give_back(row)
         if preempt:
             return self.cache.preempt(req)
         self.cache.finish(req)
@@ -394,9 +418,17 @@ class PagedModelRunner:
         slots: dict[str, torch.Tensor] = {}
         if self.capture is not None:
             self.capture.fill(tables_np, batch_size=len(reqs))
+        row_index = None
+        if self.rows is not None:
+            self.rows.update()
+            row_index = torch.tensor([self._row_of[r] for r in reqs], dtype=torch.long, device=device)
         for group in self.layers_of_group:
             shift = torch.zeros_like(seq)
-            if self.capture is not None:
+            if self.rows is not None and row_index is not None:
+                table = self.rows.tables[group][row_index]
+                if group in self.rows.offsets:
+                    shift = self.rows.offsets[group][row_index].long() * self.page_size
+            elif self.capture is not None:
                 table = self.capture.buffer(group)[: len(reqs)].to(device)
                 with contextlib.suppress(KeyError):
                     shift = self.capture.page_offsets(group)[: len(reqs)].to(device).long() * self.page_size
