@@ -355,6 +355,14 @@ def test_host_buffers_mirror_the_device_buffers_and_check_their_arguments() -> N
         TransferExecutor(runner.cache, runner.buffers, HostKVBuffers(plan, 4))
     with pytest.raises(TypeError, match="host"):
         TransferExecutor(runner.cache, runner.buffers, runner.buffers)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="cache"):
+        TransferExecutor(object(), runner.buffers, host)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="device pages"):
+        TransferExecutor(
+            fk.FlatKVCache(fk.kv_cache_specs(plan.groups), plan.num_pages + 1, host_pages=10),
+            runner.buffers,
+            host,
+        )
     no_tier = fk.FlatKVCache(fk.kv_cache_specs(plan.groups), plan.num_pages)
     with pytest.raises(ValueError, match="host tier of 0 pages"):
         TransferExecutor(no_tier, runner.buffers, host)

@@ -20,6 +20,7 @@ except ModuleNotFoundError as exc:
 
 
 import flat_kvcache as fk
+from flat_kvcache import reference
 from flat_kvcache.torch import (
     HostKVBuffers,
     KVBuffers,
@@ -76,7 +77,7 @@ def slab_plan() -> Any:
     return plan
 
 
-def write_request(cache: fk.FlatKVCache, buffers: KVBuffers, req: str, salt: float) -> None:
+def write_request(cache: Any, buffers: KVBuffers, req: str, salt: float) -> None:
     """Fill every page of ``req``'s tables in every layer with ``salt + layer * 1000 + value``,
     value the token position (K/V rows) or the table column (state)."""
     tables = cache.block_tables([req])
@@ -95,7 +96,7 @@ def write_request(cache: fk.FlatKVCache, buffers: KVBuffers, req: str, salt: flo
                     tensor[page * PAGE : (page + 1) * PAGE] = (base + rows)[:, None, None]
 
 
-def check_request(cache: fk.FlatKVCache, buffers: KVBuffers, req: str, salt: float, hit: int) -> int:
+def check_request(cache: Any, buffers: KVBuffers, req: str, salt: float, hit: int) -> int:
     """Every page of ``req``'s tables below ``hit`` holds what :func:`write_request` wrote;
     returns how many pages were checked."""
     tables = cache.block_tables([req])
@@ -120,10 +121,12 @@ def check_request(cache: fk.FlatKVCache, buffers: KVBuffers, req: str, salt: flo
 
 @pytest.mark.parametrize("make_plan", [hybrid_plan, slab_plan], ids=["state-full-sliding", "slabs"])
 @pytest.mark.parametrize("host_store", ["write_through", "evict"])
-def test_pages_stored_and_loaded_back_hold_their_values(make_plan: Any, host_store: str) -> None:
+@pytest.mark.parametrize("engine", ["native", "reference"])
+def test_pages_stored_and_loaded_back_hold_their_values(make_plan: Any, host_store: str, engine: str) -> None:
+    """The executor runs on either engine's transfers (it only calls the cache's API)."""
     plan = make_plan()
     buffers = allocate_kv_buffers(plan, "cpu")
-    cache = fk.FlatKVCache(
+    cache = (fk.FlatKVCache if engine == "native" else reference.FlatKVCache)(
         fk.kv_cache_specs(plan.groups),
         plan.num_pages,
         host_pages=64,
@@ -180,7 +183,7 @@ def test_a_store_copies_each_group_page_in_every_buffer_of_that_group_only() -> 
             seen.append(cache.take_transfers())
             return seen[-1]
 
-    executor.cache = Recording()  # type: ignore[assignment]
+    executor.cache = Recording()
     before = {name: t.clone() for name, t in host.tensors.items()}
     cache.add_request("a", list(range(1, 18)))
     cache.schedule("a", 17)

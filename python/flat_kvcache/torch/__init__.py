@@ -49,7 +49,7 @@ except ModuleNotFoundError as exc:
 
 from flat_kvcache.torch.attention import paged_attention, write_kv
 from flat_kvcache.torch.capture import CaptureBuffers, extend_locations, write_locations
-from flat_kvcache.torch.host import HostKVBuffers, TransferCounts, TransferExecutor
+from flat_kvcache.torch.host import HostKVBuffers, TransferCache, TransferCounts, TransferExecutor
 from flat_kvcache.torch.plan import KVBuffers, KVMemoryPlan, TensorSpec, allocate_kv_buffers, plan_kv_memory
 from flat_kvcache.torch.shape import ModelShape
 
@@ -60,6 +60,7 @@ __all__ = [
     "KVMemoryPlan",
     "ModelShape",
     "TensorSpec",
+    "TransferCache",
     "TransferCounts",
     "TransferExecutor",
     "allocate_kv_buffers",

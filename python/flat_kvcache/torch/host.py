@@ -17,16 +17,32 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from flat_kvcache import FlatKVCache, layer_group_ids
+from flat_kvcache import layer_group_ids
+from flat_kvcache._types import CacheStats
 from flat_kvcache.torch._checks import as_int
 from flat_kvcache.torch.plan import KVBuffers, KVMemoryPlan, TensorSpec
 
-__all__ = ["HostKVBuffers", "TransferCounts", "TransferExecutor"]
+__all__ = ["HostKVBuffers", "TransferCache", "TransferCounts", "TransferExecutor"]
+
+
+class TransferCache(Protocol):
+    """What :class:`TransferExecutor` uses of a cache: ``flat_kvcache.FlatKVCache`` or the
+    pure-Python ``flat_kvcache.reference.FlatKVCache``."""
+
+    @property
+    def group_ids(self) -> list[str]: ...
+
+    def stats(self) -> CacheStats: ...
+
+    def take_transfers(self) -> Any: ...
+
+    def ack_transfers(self, ids: Any, /) -> None: ...
 
 
 def _pages_view(tensor: torch.Tensor, spec: TensorSpec, page_size: int) -> torch.Tensor:
@@ -146,14 +162,16 @@ class TransferExecutor:
     Parameters
     ----------
     cache
-        A ``FlatKVCache`` with a host tier over ``device.plan.groups``.
+        A ``FlatKVCache`` (native or reference) with a host tier over ``device.plan.groups``.
     device
         The device buffers (any device).
     host
         The host buffers of the same plan, as many pages as the cache's host tier.
     """
 
-    def __init__(self, cache: FlatKVCache, device: KVBuffers, host: HostKVBuffers) -> None:
+    def __init__(self, cache: TransferCache, device: KVBuffers, host: HostKVBuffers) -> None:
+        if not all(hasattr(cache, name) for name in ("take_transfers", "ack_transfers", "stats")):
+            raise TypeError(f"cache must be a FlatKVCache, not {type(cache).__name__}")
         if not isinstance(device, KVBuffers):
             raise TypeError(f"device must be KVBuffers, not {type(device).__name__}")
         if not isinstance(host, HostKVBuffers):
@@ -165,6 +183,10 @@ class TransferExecutor:
         if list(cache.group_ids) != groups:
             raise ValueError(f"cache groups {list(cache.group_ids)} differ from the plan's {groups}")
         stats = cache.stats()
+        if int(stats["pages_total"]) + 1 != plan.num_pages:  # pages_total leaves out page 0
+            raise ValueError(
+                f"the cache has {int(stats['pages_total']) + 1} device pages, the buffers {plan.num_pages}"
+            )
         if int(stats["host_pages_total"]) != host.host_pages:
             raise ValueError(
                 f"the cache has a host tier of {int(stats['host_pages_total'])} pages, "
@@ -194,7 +216,7 @@ class TransferExecutor:
         If a copy raises, nothing is acknowledged: the transfers stay in flight (their pages
         pinned) and the cache must be rebuilt or the error handled by the caller.
         """
-        transfers = self.cache.take_transfers()
+        transfers: dict[str, _Transfers] = self.cache.take_transfers()
         stores, loads = transfers["store"], transfers["load"]
         if not stores and not loads:
             return TransferCounts(0, 0, 0)
