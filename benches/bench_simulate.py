@@ -19,6 +19,7 @@ Build the extension in release mode first (``maturin develop --release``), then:
     python benches/bench_simulate.py                          # speed: native 2000, reference 200
     python benches/bench_simulate.py --reference-requests 2000  # the whole trace on both (slow)
     python benches/bench_simulate.py eviction                 # hybrid vs group hit rates
+    python benches/bench_simulate.py host                     # hit rates with a host-memory tier
     python benches/bench_simulate.py --json ...               # machine-readable
     python benches/bench_simulate.py all --smoke              # tiny sizes: does it run (CI)
 """
@@ -205,9 +206,38 @@ def eviction(args: argparse.Namespace) -> dict[str, Any]:
     return {"eviction": rows}
 
 
+def host(args: argparse.Namespace) -> dict[str, Any]:
+    """The host-memory tier on the multi-turn workload: prefix hit rate without the tier and with
+    ``--host-pages`` pages of it, on each ``--host-device-pages`` pool (native engine, write-through
+    tier whose transfers are acknowledged at once, as ``flat-kvcache simulate --host-pages``)."""
+    trace = multi_turn_trace(conversations=args.conversations, turns=4, gap=150, seed=args.seed)
+    rows = []
+    keys = ("prefix_hit_rate", "prefix_hits_tokens", "host_hits_tokens", "host_stores", "host_loads")
+    for pages in args.host_device_pages:
+        row: dict[str, Any] = {"preset": args.preset, "num_pages": pages, "runs": {}}
+        for host_pages in (0, *args.host_pages):
+            config = SimulationConfig(preset=args.preset, num_pages=pages, host_pages=host_pages)
+            summary = simulate(trace, config).summary
+            row["runs"][host_pages] = {key: summary[key] for key in keys}
+        rows.append(row)
+    if not args.json:
+        print(
+            f"host tier (native engine, {args.preset}): "
+            f"multi-turn = {args.conversations} conversations x 4 turns"
+        )
+        for row in rows:
+            cells = [
+                f"{host}: {run['prefix_hit_rate']:.2%} (host hits {run['host_hits_tokens']}, "
+                f"loads {run['host_loads']})"
+                for host, run in row["runs"].items()
+            ]
+            print(f"  device pages {row['num_pages']:>6}  host pages " + "  ".join(cells))
+    return {"host": rows}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="flat-kvcache simulate as a benchmark")
-    parser.add_argument("what", nargs="?", choices=("speed", "eviction", "all"), default="speed")
+    parser.add_argument("what", nargs="?", choices=("speed", "eviction", "host", "all"), default="speed")
     parser.add_argument("--preset", default="gpt-oss-like")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-requests", type=int, default=2000, help="native trace size (2000)")
@@ -218,6 +248,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--conversations", type=int, default=300)
     parser.add_argument(
         "--eviction-pages", type=int, nargs="+", default=[40000, 20000, 15000, 10000], metavar="N"
+    )
+    parser.add_argument(
+        "--host-device-pages",
+        type=int,
+        nargs="+",
+        default=[20000, 10000],
+        metavar="N",
+        help="device pools of the host-tier comparison",
+    )
+    parser.add_argument(
+        "--host-pages",
+        type=int,
+        nargs="+",
+        default=[10000, 20000, 40000],
+        metavar="N",
+        help="host tiers of the host-tier comparison (besides none)",
     )
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
@@ -230,11 +276,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.num_requests, args.reference_requests = 40, 10
         args.eviction_requests, args.prefixes, args.conversations = 20, 3, 4
         args.eviction_pages = [2000]
+        args.host_device_pages, args.host_pages = [2000], [2000]
     result: dict[str, Any] = {}
     if args.what in ("speed", "all"):
         result.update(speed(args))
     if args.what in ("eviction", "all"):
         result.update(eviction(args))
+    if args.what in ("host", "all"):
+        result.update(host(args))
     if args.json:
         json.dump(result, sys.stdout, indent=2)
         print()

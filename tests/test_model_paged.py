@@ -4,6 +4,9 @@ Every attention layer writes its K/V at the cache's write locations into the pla
 reads its history back through the cache's block tables (flat_kvcache.torch.runner); the logits
 of every computed position must equal the model's forward over the whole sequence. Freshly
 allocated pages are filled with NaN, so a read of an unwritten slot fails the comparison.
+
+With a host-memory tier, pages evicted from a small device pool come back from host buffers
+through flat_kvcache.torch.TransferExecutor, and the logits must still match.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ except ModuleNotFoundError as exc:
 
 import flat_kvcache as fk
 from flat_kvcache._types import SLIDING_WINDOW
-from flat_kvcache.torch import CaptureBuffers, allocate_kv_buffers
+from flat_kvcache.torch import CaptureBuffers, HostKVBuffers, TransferExecutor, allocate_kv_buffers
 from flat_kvcache.torch.rows import DeviceRows
 from flat_kvcache.torch.runner import (
     PagedModelRunner,
@@ -30,6 +33,7 @@ from flat_kvcache.torch.runner import (
     max_logit_error,
     model_shape,
     plan_for_pages,
+    reference_logits,
     run_decode_graph,
     run_greedy,
     tiny_model,
@@ -70,8 +74,11 @@ def setup(
     step_tokens: int = 64,
     max_batch: int = 4,
     max_context: int = 256,
+    host_pages: int = 0,
+    host_store: str = "write_through",
 ) -> PagedModelRunner:
-    """Buffers planned for ``num_pages`` pages, a cache over the plan's groups, and the runner."""
+    """Buffers planned for ``num_pages`` pages, a cache over the plan's groups (with a host tier
+    of ``host_pages`` pages), and the runner."""
     plan = plan_for_pages(
         model_shape(model.config),
         page_size=page_size,
@@ -82,7 +89,12 @@ def setup(
     )
     assert plan.num_pages == num_pages
     buffers = allocate_kv_buffers(plan, "cpu")
-    cache = fk.FlatKVCache(fk.kv_cache_specs(plan.groups), plan.num_pages)
+    cache = fk.FlatKVCache(
+        fk.kv_cache_specs(plan.groups),
+        plan.num_pages,
+        host_pages=host_pages,
+        host_store=host_store,  # type: ignore[arg-type]
+    )
     buffers_for_capture = None
     if capture is not None:
         buffers_for_capture = CaptureBuffers(
@@ -267,3 +279,147 @@ def test_decode_graph_path_on_fixed_tensors(mode: str) -> None:
 def llama_sliding() -> Any:
     """A Mistral-style model with sliding/full alternation (no experts: graph-capturable)."""
     return tiny_model("qwen2", window=WINDOW, seed=2)
+
+
+# -- the host-memory tier -------------------------------------------------------------------------
+
+
+def with_host_tier(
+    model: Any, *, num_pages: int, host_pages: int, host_store: str = "write_through", page_size: int = 4
+) -> tuple[PagedModelRunner, TransferExecutor]:
+    """A runner over a small device pool with a host tier, and the executor of its transfers."""
+    runner = setup(
+        model, page_size=page_size, num_pages=num_pages, host_pages=host_pages, host_store=host_store
+    )
+    host = HostKVBuffers(runner.buffers.plan, host_pages)
+    assert not host.pinned or torch.cuda.is_available()
+    return runner, TransferExecutor(runner.cache, runner.buffers, host)
+
+
+def evicting_prompts(shared: list[int], fillers: int, seed: int) -> dict[str, list[int]]:
+    """``first`` (the shared prefix and its own tokens), ``fillers`` unrelated prompts that take
+    the whole device pool one after another, then ``second`` (the same prefix, other tokens)."""
+    prompts = {"first": [*shared, *prompt(3, seed)]}
+    for i in range(fillers):
+        prompts[f"filler{i}"] = prompt(40, seed + 1 + i)
+    prompts["second"] = [*shared, *prompt(5, seed + 100)]
+    return prompts
+
+
+@pytest.mark.parametrize(
+    ("kind", "host_store"),
+    [("gpt-oss", "write_through"), ("gpt-oss", "evict"), ("llama", "write_through")],
+)
+def test_host_tier_pages_evicted_from_the_device_come_back_on_a_prefix_hit(
+    kind: str, host_store: str
+) -> None:
+    """Every request runs alone on a 24-page pool: the fillers evict the shared prefix's device
+    pages (and poison them with NaN), so ``second`` hits the prefix only through host loads."""
+    model = gpt_oss(layers=2) if kind == "gpt-oss" else llama()
+    runner, executor = with_host_tier(model, num_pages=24, host_pages=128, host_store=host_store)
+    shared = prompt(30, 11)
+    loads: list[int] = []
+
+    def on_step(
+        step: int, reqs: Sequence[str], ns: Sequence[int], records: Mapping[str, RequestRecord]
+    ) -> None:
+        loads.append(int(runner.cache.stats()["host_loads"]))
+
+    records = run_greedy(
+        runner, evicting_prompts(shared, 3, 20), 6, max_running=1, on_step=on_step, transfers=executor
+    )
+    stats = runner.cache.stats()
+    assert stats["evictions"] >= 7  # the fillers took the prefix's device pages
+    assert stats["host_stores"] >= 7
+    hit = records["second"].hits[0]
+    assert hit == 28  # 7 full pages of the 30-token prefix, as without pressure
+    assert stats["host_hits_tokens"] == hit  # all of it loaded from the host (0 without the tier)
+    assert stats["host_loads"] >= 7  # the full group's 7 pages and the sliding window's
+    assert max(loads) == stats["host_loads"]  # every load came with second's admission
+    assert computed_positions(records["second"])[0] == hit  # the prefix was not recomputed
+    assert runner.cache.transfers_in_flight() == 0  # run_greedy's last run acknowledged all
+    runner.cache.check_invariants()
+    assert_matches(model, records)
+
+
+def test_host_tier_without_the_copies_is_caught() -> None:
+    """The comparison has teeth: acknowledging the loads without copying leaves the filler's
+    K/V in the loaded pages and the logits differ."""
+
+    class AckOnly(TransferExecutor):
+        def _copy(self, stores: Any, loads: Any, ids: list[Any]) -> None:
+            super()._copy(stores, {}, ids)
+            ids.extend(group_ids for group_ids, _, _ in loads.values())
+
+    model = gpt_oss(layers=2)
+    runner, executor = with_host_tier(model, num_pages=24, host_pages=128)
+    broken = AckOnly(runner.cache, runner.buffers, executor.host)
+    records = run_greedy(runner, evicting_prompts(prompt(30, 11), 3, 20), 6, max_running=1, transfers=broken)
+    assert runner.cache.stats()["host_loads"] >= 1
+    assert max_logit_error(model, records) > TOLERANCE
+
+
+def test_a_request_with_loads_in_flight_is_not_scheduled_until_they_are_acked() -> None:
+    model = gpt_oss(layers=2)
+    runner, executor = with_host_tier(model, num_pages=24, host_pages=128)
+    cache = runner.cache
+    shared = prompt(30, 12)
+    prompts = evicting_prompts(shared, 3, 30)
+    late = prompts.pop("second")
+    run_greedy(runner, prompts, 4, max_running=1, transfers=executor)
+
+    hit = runner.add_request("late", late)
+    assert hit == 28
+    assert cache.loads_in_flight("late") >= 1
+    n = len(late) - hit
+    with pytest.raises(ValueError, match="late"):
+        cache.schedule_batch(["late"], [n])
+    with pytest.raises(ValueError, match="late"):
+        cache.schedule("late", n)
+    assert cache.num_computed_tokens("late") == hit  # the refused schedules changed nothing
+
+    done = executor.run()
+    assert done.loads == cache.stats()["host_loads"] >= 1
+    assert done.acked == done.loads + done.stores
+    assert cache.loads_in_flight("late") == 0
+    assert cache.schedule_batch(["late"], [n]).all()
+    (logits,) = runner.step(["late"], [late[hit:]])
+    error = float((logits - reference_logits(model, late)[hit:]).abs().max())
+    assert error <= TOLERANCE
+    runner.release("late")
+    executor.run()
+    cache.check_invariants()
+
+
+def test_host_buffers_mirror_the_device_buffers_and_check_their_arguments() -> None:
+    model = gpt_oss(layers=2)
+    runner, executor = with_host_tier(model, num_pages=24, host_pages=10)
+    host, plan = executor.host, runner.buffers.plan
+    assert list(host.tensors) == list(runner.buffers.tensors)  # the same slabs, by name
+    for name, device in runner.buffers.tensors.items():
+        assert host.tensors[name].shape[1:] == device.shape[1:]
+        assert host.tensors[name].shape[0] == 10 * plan.page_size
+        assert host.tensors[name].dtype == device.dtype and host.tensors[name].device.type == "cpu"
+    assert host.nbytes() == 10 * plan.bytes_per_page
+    assert executor.run().acked == 0  # nothing emitted yet
+    with pytest.raises(ValueError, match="host_pages"):
+        HostKVBuffers(plan, 0)
+    with pytest.raises(TypeError, match="plan"):
+        HostKVBuffers("plan", 4)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="pin_memory"):
+        HostKVBuffers(plan, 4, pin_memory="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="host tier of 10 pages"):
+        TransferExecutor(runner.cache, runner.buffers, HostKVBuffers(plan, 4))
+    with pytest.raises(TypeError, match="host"):
+        TransferExecutor(runner.cache, runner.buffers, runner.buffers)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="cache"):
+        TransferExecutor(object(), runner.buffers, host)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="device pages"):
+        TransferExecutor(
+            fk.FlatKVCache(fk.kv_cache_specs(plan.groups), plan.num_pages + 1, host_pages=10),
+            runner.buffers,
+            host,
+        )
+    no_tier = fk.FlatKVCache(fk.kv_cache_specs(plan.groups), plan.num_pages)
+    with pytest.raises(ValueError, match="host tier of 0 pages"):
+        TransferExecutor(no_tier, runner.buffers, host)

@@ -22,6 +22,14 @@ Attention over the pages: :func:`paged_attention` and :func:`write_kv` are the e
 definition of the layout a kernel must match (docs/model-runner.md); ``flat_kvcache.torch.runner``
 runs a ``transformers`` model on them (needs the ``model`` extra).
 
+A host-memory tier (``FlatKVCache(..., host_pages=N)``): :class:`HostKVBuffers` are its pages in
+CPU memory (pinned when CUDA is available), mirroring the device buffers, and
+:class:`TransferExecutor` runs the cache's store/load transfers on them and acknowledges them::
+
+    host = HostKVBuffers(plan, host_pages=N)
+    executor = TransferExecutor(cache, buffers, host)
+    executor.run()   # after each forward and before scheduling requests with loads in flight
+
 Every size comes from the native memory plan (``flat_kvcache.components_from_layers``,
 ``equalized_block_size``, ``plan_tensors`` / ``plan_component_tensors``), computed in Rust with
 checked arithmetic; this module turns the planned byte counts into tensor shapes and checks
@@ -45,6 +53,7 @@ except ModuleNotFoundError as exc:
 
 from flat_kvcache.torch.attention import paged_attention, write_kv
 from flat_kvcache.torch.capture import CaptureBuffers, extend_locations, write_locations
+from flat_kvcache.torch.host import HostKVBuffers, TransferCache, TransferCounts, TransferExecutor
 from flat_kvcache.torch.plan import KVBuffers, KVMemoryPlan, TensorSpec, allocate_kv_buffers, plan_kv_memory
 from flat_kvcache.torch.rows import DeviceRows
 from flat_kvcache.torch.shape import ModelShape
@@ -52,10 +61,14 @@ from flat_kvcache.torch.shape import ModelShape
 __all__ = [
     "CaptureBuffers",
     "DeviceRows",
+    "HostKVBuffers",
     "KVBuffers",
     "KVMemoryPlan",
     "ModelShape",
     "TensorSpec",
+    "TransferCache",
+    "TransferCounts",
+    "TransferExecutor",
     "allocate_kv_buffers",
     "extend_locations",
     "paged_attention",

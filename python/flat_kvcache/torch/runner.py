@@ -33,6 +33,7 @@ from flat_kvcache._types import SLIDING_WINDOW, STATE
 from flat_kvcache.torch._checks import as_int
 from flat_kvcache.torch.attention import paged_attention, write_kv
 from flat_kvcache.torch.capture import CaptureBuffers, extend_locations
+from flat_kvcache.torch.host import TransferExecutor
 from flat_kvcache.torch.plan import KVBuffers, KVMemoryPlan, plan_kv_memory
 from flat_kvcache.torch.rows import DeviceRows
 from flat_kvcache.torch.shape import ModelShape
@@ -501,6 +502,7 @@ def run_greedy(
     max_running: int = 1 << 30,
     on_step: StepHook | None = None,
     max_steps: int = 100_000,
+    transfers: TransferExecutor | None = None,
 ) -> dict[str, RequestRecord]:
     """Generate ``max_new_tokens`` greedy tokens per prompt through ``runner``.
 
@@ -509,17 +511,26 @@ def run_greedy(
     ``schedule_batch``; a request that does not fit is preempted (its folded tokens re-added later,
     a prefix hit), and if no request fits the run fails. ``on_step(step, reqs, ns, records)``
     is called after each forward.
+
+    With a host tier, ``transfers`` runs the cache's transfers: ``transfers.run()`` is called
+    before every ``schedule_batch`` (after admitting requests, so that their host loads land
+    first, and after the previous forward, which wrote the pages the previous schedule stored)
+    and once at the end (the stores of the last forward).
     """
     records = {req: RequestRecord(prompt=list(p), tokens=list(p)) for req, p in prompts.items()}
     waiting: deque[str] = deque(prompts)
     running: list[str] = []
     for step in range(max_steps):
         if not waiting and not running:
+            if transfers is not None:
+                transfers.run()
             return records
         while waiting and len(running) < max_running:
             req = waiting.popleft()
             records[req].hits.append(runner.add_request(req, records[req].tokens))
             running.append(req)
+        if transfers is not None:
+            transfers.run()
         ns = [min(chunk_size, len(records[r].tokens) - runner.cache.num_computed_tokens(r)) for r in running]
         ok = runner.cache.schedule_batch(running, ns)
         failed = [r for r, good in zip(running, ok, strict=True) if not good]
