@@ -10,8 +10,8 @@ re-binding (more rows, other widths, windowed sliding groups) and a scribble rep
 After every ``update_rows`` the two engines must return the same deltas (or raise the same
 exception class), and the deltas, applied to a shadow copy that only ever sees deltas, must
 give the bound buffers; each live request's row must be exactly its ``block_tables`` row (a
-windowed row: the table's last ``cols`` slots from ``offsets[row] = max(0, len - cols)``, with
-no real page before it) and every other row padding.
+windowed row: ``cols`` slots of it from ``offsets[row]``, with no real page before that slot and
+the table ending within the row) and every other row padding.
 """
 
 from __future__ import annotations
@@ -283,13 +283,14 @@ class RowsMachine(RuleBasedStateMachine):
                 if row in owners:
                     pages = native.block_tables([owners[row]])[group_id][0]
                     if group_id in offsets:
-                        offset = max(0, len(pages) - cols)
+                        offset = int(offsets[group_id][row])
                         assert (pages[:offset] == 0).all(), "no real page before a windowed row"
+                        assert len(pages) - offset <= cols, "the table ends within a windowed row"
                     want[: len(pages) - offset] = pages[offset:]
                     assert native.row_of(owners[row]) == row
                 np.testing.assert_array_equal(table[row], want, err_msg=f"{group_id} row {row}")
-                if group_id in offsets:
-                    assert offsets[group_id][row] == offset
+                if group_id in offsets and row not in owners:
+                    assert offsets[group_id][row] == 0, "a vacant row shows offset 0"
 
     @invariant()
     def agree(self) -> None:

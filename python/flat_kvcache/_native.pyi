@@ -626,9 +626,11 @@ class FlatKVCache:
         ``tables``: every group id -> writable C-contiguous int32 numpy array or CPU torch
         tensor ``[max_rows, cols]`` (the same ``max_rows`` for every group). ``offsets``:
         sliding-window group ids -> int32 ``[max_rows]``; those groups' rows become windowed
-        (a row holds the table's last ``cols`` slots and ``offsets[g][row]`` is the slot of
-        column 0, ``max(0, len - cols)``). The buffers are filled with -1 / 0 and kept; requests
-        keep their rows across a re-bind (each must fit the new row count).
+        (a row holds ``cols`` slots of the table from ``offsets[g][row]``, the slot of column
+        0: no real page lies before it and the table ends within the row; it stays put while
+        that holds, then moves to 0 if the table fits, else to the first real page). The
+        buffers are filled with -1 / 0 and kept; requests keep their rows across a re-bind
+        (each must fit the new row count).
         """
 
     def unbind_rows(self) -> None:

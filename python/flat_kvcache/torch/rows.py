@@ -3,8 +3,8 @@
 :class:`DeviceRows` binds host int32 tables to a :class:`~flat_kvcache.FlatKVCache`
 (``bind_rows``), keeps a device copy of each, and every step applies what ``update_rows()``
 returns with one ``index_put_`` per group: only the cells that changed cross to the device.
-Sliding-window groups can be windowed (each row holds the table's last ``width`` slots, and a
-per-row page offset says which slot column 0 is; a kernel then sees positions shifted by
+Sliding-window groups can be windowed (each row holds ``width`` slots of the table from a
+per-row page offset, the slot of column 0; a kernel then sees positions shifted by
 ``offset * page_size``, as with ``CaptureBuffers(sliding_offsets=True)``)::
 
     rows = DeviceRows(cache, max_rows=256, widths={"full_attention": 2049, "sliding_attention": 66},

@@ -452,8 +452,8 @@ impl PyFlatKVCache {
     /// maps every group id to a writable C-contiguous int32 numpy array or CPU torch tensor
     /// `[max_rows, cols]` (the same `max_rows` for all groups); `offsets` optionally maps
     /// sliding-window group ids to int32 `[max_rows]` buffers, which makes those groups'
-    /// rows windowed (a row holds the table's last `cols` slots; `offsets[g][row]` is the
-    /// slot of column 0). The buffers are filled with -1 (tables) and 0 (offsets) and kept;
+    /// rows windowed (a row holds `cols` slots of the table from `offsets[g][row]`, the slot
+    /// of column 0, which moves only when the table no longer fits after it). The buffers are filled with -1 (tables) and 0 (offsets) and kept;
     /// requests added with `row=k` own row `k` until they finish. Binding again replaces the
     /// buffers; requests keep their rows (each must fit the new row count) and are rewritten
     /// whole on the next update.

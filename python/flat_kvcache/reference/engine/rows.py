@@ -2,7 +2,9 @@
 
 A token-level request added with ``row=k`` owns row ``k`` of the bound buffers until it is
 freed. ``update_rows`` computes every bound row as :meth:`block_tables` would (a windowed
-sliding group: the last ``cols`` slots, from offset ``max(0, len - cols)``), diffs it against
+sliding group: ``cols`` slots from the row's offset, which stays while no real page is before
+it and the table ends within the row, else becomes 0 if that fits, else the first real
+page), diffs it against
 the rows it wrote last time (``full=True``: against the buffers themselves), writes the cells
 that differ and returns them. The native engine visits only the rows whose tables changed;
 doing every row here is what makes the two comparable.
@@ -224,22 +226,26 @@ class Rows(Coordinator):
                 pages = self._requests[key][group].pages
                 cols = binding.tables[group].shape[1]
                 offset = 0
-                if binding.offsets[group] is not None:
-                    offset = max(0, len(pages) - cols)
-                    real = next((slot for slot in range(offset) if pages[slot] != 0), None)
-                    if real is not None:
+                last_offsets = binding.written_offsets[group]
+                if last_offsets is not None:
+                    # Keep the offset while it fits, else 0, else the first real page.
+                    first = next((slot for slot, page in enumerate(pages) if page != 0), len(pages))
+                    candidates = (int(last_offsets[row]), 0, first)
+                    fits = [o for o in candidates if o <= first and len(pages) - o <= cols]
+                    if not fits:
                         raise ValueError(
-                            f"update_rows: row {row} (request {key!r}) of windowed group {group_id!r} shows "
-                            f"slots from {offset}, but slot {real} still holds page {pages[real]} "
-                            "(reclaim slid-out pages first, or bind wider rows)"
+                            f"update_rows: row {row} (request {key!r}) of windowed group {group_id!r} "
+                            f"shows slots from {len(pages) - cols}, but slot {first} still holds page "
+                            f"{pages[first]} (reclaim slid-out pages first, or bind wider rows)"
                         )
+                    offset = fits[0]
                 elif len(pages) > cols:
                     raise ValueError(
                         f"update_rows: tables[{group_id!r}] has {cols} columns but request {key!r} "
                         f"(row {row}) has {len(pages)} pages in that group"
                     )
-                shown = pages[offset:]
-                wanted[group][0][row, : len(shown)] = shown
+                visible = pages[offset:]
+                wanted[group][0][row, : len(visible)] = visible
                 window = wanted[group][1]
                 if window is not None:
                     window[row] = offset

@@ -5,11 +5,13 @@
 //! delta to its device copy.
 //!
 //! A row shows its request's table the way [`FlatCache::block_tables`] does (holes 0, padding
-//! -1). A *windowed* group's row shows only the table's last `cols` slots: its page offset is
-//! `max(0, len - cols)` (the slot of column 0, written to a per-row offsets buffer), as
-//! `CaptureBuffers(sliding_offsets=True)` lays it out; every real page must lie at or after
-//! it (for a sliding group, `cols >= ceil((W + tokens per step) / P) + 1` guarantees that once
-//! slid-out pages are reclaimed).
+//! -1). A *windowed* group's row shows `cols` slots of the table from a per-row page offset
+//! (the slot of column 0, written to an offsets buffer), the layout of
+//! `CaptureBuffers(sliding_offsets=True)`: every real page lies at or after the offset and the
+//! table ends within the row (for a sliding group, `cols >= ceil((W + tokens per step) / P) +
+//! 1` guarantees one exists once slid-out pages are reclaimed). The offset stays while it
+//! fits and then moves to the first real page, so rows wider than that minimum are rewritten
+//! once every few pages instead of at every page.
 //!
 //! Cost: the scheduler calls mark a bound request's row dirty only when its tables changed
 //! (pages appended, pages slid out, the request finished), so an update visits only those
@@ -36,7 +38,7 @@ const PAD: i32 = -1;
 pub struct RowLayout {
     /// Columns of the group's buffer.
     pub cols: usize,
-    /// Whether the row holds only the table's last `cols` slots, with a per-row offset.
+    /// Whether the row holds only `cols` slots of the table, from a per-row offset.
     pub windowed: bool,
 }
 
@@ -135,14 +137,33 @@ impl RowBinding {
     }
 }
 
-/// The slot shown in column 0 of a row of `layout` for a table of `len` slots.
+/// The first slot of `table` holding a real page (its length if none); slots below the hole
+/// bound are holes, so the scan starts there (and usually stops at once).
 #[inline]
-fn offset_of(layout: RowLayout, len: usize) -> usize {
-    if layout.windowed {
-        len.saturating_sub(layout.cols)
-    } else {
-        0
+fn first_real(table: &Table) -> usize {
+    let start = table.holes_below().min(table.len());
+    table.pages()[start..]
+        .iter()
+        .position(|&p| p != 0)
+        .map_or(table.len(), |i| start + i)
+}
+
+/// The slot a row of `layout` shows in column 0 for `table`, given the slot `shown` it shows
+/// now. A windowed row keeps its offset while every real page is at or after it and the table
+/// ends within the row; otherwise it shows the table from slot 0 if that fits, else from its
+/// first real page (as far right as the pages allow), so a row `k` slots wider than the live
+/// pages moves once every `k + 1` pages. `None` when no offset fits (the real pages span more
+/// than the row). Not windowed: 0 (widths are checked elsewhere).
+#[inline]
+fn choose_offset(layout: RowLayout, table: &Table, shown: usize) -> Option<usize> {
+    if !layout.windowed {
+        return Some(0);
     }
+    let len = table.len();
+    let first = first_real(table);
+    // o <= first <= len, so len - o cannot underflow.
+    let fits = |o: usize| o <= first && len - o <= layout.cols;
+    [shown, 0, first].into_iter().find(|&o| fits(o))
 }
 
 /// A page id (or hole) as a cell value: pools hold at most `i32::MAX` pages.
@@ -182,7 +203,8 @@ struct Cell<'a> {
 fn write_row(at: Cell<'_>, layout: RowLayout, table: Option<&Table>, mark: &mut Mark, full: bool) -> usize {
     let Cell { row, buf, delta } = at;
     let (len, holes_below) = table.map_or((0, 0), |t| (t.len(), t.holes_below()));
-    let offset = offset_of(layout, len);
+    // Checked by `check_rows` before anything is written.
+    let offset = table.and_then(|t| choose_offset(layout, t, mark.offset)).unwrap_or(0);
     let whole = full || table.is_none() || offset != mark.offset || len < mark.len || holes_below < mark.holes_below;
     if whole {
         // Cells that can differ: what the row showed and what it will show.
@@ -405,18 +427,18 @@ impl FlatCache {
         for row in rows {
             let Some(at) = b.rows[row].owner else { continue };
             let tables = &self.entries[at].tables;
+            let groups = tables.len();
             for (g, (table, &layout)) in tables.iter().zip(&b.layouts).enumerate() {
-                let offset = offset_of(layout, table.len());
                 if layout.windowed {
-                    let start = table.holes_below().min(offset);
-                    if let Some(i) = table.pages()[start..offset].iter().position(|&p| p != 0) {
+                    let shown = b.marks[row * groups + g].offset;
+                    if choose_offset(layout, table, shown).is_none() {
+                        let (first, last) = (first_real(table), table.len() - layout.cols);
                         return Err(CoreError::invalid(format!(
-                            "update_rows: row {row} (request {}) of windowed group '{}' shows slots from {offset}, \
-                             but slot {} still holds page {} (reclaim slid-out pages first, or bind wider rows)",
+                            "update_rows: row {row} (request {}) of windowed group '{}' shows slots from {last}, \
+                             but slot {first} still holds page {} (reclaim slid-out pages first, or bind wider rows)",
                             self.id_at(at),
                             specs[g].group_id.escape_debug(),
-                            start + i,
-                            table.pages()[start + i]
+                            table.pages()[first]
                         )));
                     }
                 } else if table.len() > layout.cols {
@@ -597,19 +619,26 @@ mod tests {
             let l = self.layouts[g];
             let table: Vec<i32> = req.map_or_else(Vec::new, |r| c.block_tables(&[r]).unwrap()[g].data.clone());
             let off = if l.windowed {
-                table.len().saturating_sub(l.cols)
+                usize::try_from(self.offs[g][row]).unwrap()
             } else {
                 0
             };
-            let mut want: Vec<i32> = table[off..].to_vec();
+            // A windowed row's offset is any slot with no real page before it and the
+            // table's end within the row.
+            assert!(
+                table[..off.min(table.len())].iter().all(|&p| p == 0),
+                "group {g} row {row}"
+            );
+            assert!(table.len() <= off + l.cols, "group {g} row {row}");
+            let mut want: Vec<i32> = table[off.min(table.len())..].to_vec();
             want.resize(l.cols, PAD);
             assert_eq!(
                 &self.bufs[g][row * l.cols..(row + 1) * l.cols],
                 &want[..],
                 "group {g} row {row}"
             );
-            if l.windowed {
-                assert_eq!(self.offs[g][row], i32::try_from(off).unwrap());
+            if req.is_none() {
+                assert_eq!(off, 0, "a vacant row shows offset 0");
             }
         }
     }
