@@ -62,7 +62,7 @@ def prompt(n: int, seed: int) -> np.ndarray:
 class Loop:
     """``requests`` token-level requests after a ``context``-token prompt, decoding."""
 
-    def __init__(self, requests: int, context: int, steps: int, *, mode: str) -> None:
+    def __init__(self, requests: int, context: int, steps: int, *, mode: str, lockstep: bool = False) -> None:
         specs = [
             KVCacheSpec("full", PAGE, group_id="full"),
             KVCacheSpec("sliding_window", PAGE, WINDOW, "swa"),
@@ -86,7 +86,10 @@ class Loop:
             self.tables = {g: np.zeros((requests, full_cols), np.int32) for g in ("full", "swa")}
         # Prompt lengths spread over one page, so about 1 request in PAGE crosses a page
         # boundary each step, as in a running server (not all of them in the same step).
-        lengths = np.array([context + r % PAGE for r in range(requests)], dtype=np.int64)
+        # ``lockstep``: every prompt is ``context`` long, so all requests cross a page in the
+        # same step and the other 15 steps of 16 change nothing (the median is such a step).
+        spread = 1 if lockstep else PAGE
+        lengths = np.array([context + r % spread for r in range(requests)], dtype=np.int64)
         for r, req in enumerate(self.reqs):
             self.cache.add_request(req, prompt(int(lengths[r]), r), row=r if incremental else None)
         assert self.cache.schedule_batch(self.reqs, lengths).all()
@@ -126,8 +129,8 @@ class Loop:
         return t1 - t0, t2 - t1, t3 - t2
 
 
-def run(requests: int, context: int, steps: int, *, mode: str) -> dict[str, Any]:
-    loop = Loop(requests, context, steps + PAGE, mode=mode)
+def run(requests: int, context: int, steps: int, *, mode: str, lockstep: bool = False) -> dict[str, Any]:
+    loop = Loop(requests, context, steps + PAGE, mode=mode, lockstep=lockstep)
     for _ in range(PAGE):  # warm-up: one page's worth of steps
         loop.step()
     loop.cells = 0
@@ -158,6 +161,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--context", type=int, nargs="*", default=[8192, 32768])
     parser.add_argument("--steps", type=int, default=0, help="timed steps per run (default: by size)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes; measures nothing")
+    parser.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="equal prompt lengths: all requests cross a page in the same step (default: spread)",
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.requests, args.context, args.steps = [8], [256], 32
@@ -169,7 +177,7 @@ def main(argv: list[str]) -> None:
             steps = args.steps or max(64, 2 * 262144 // requests)
             for mode, label in MODES.items():
                 start = time.perf_counter()
-                r = run(requests, context, steps, mode=mode)
+                r = run(requests, context, steps, mode=mode, lockstep=args.lockstep)
                 print(
                     f"| {requests} | {context} | {label} | **{r['step']:.1f} us** | {r['mean']:.1f} us | "
                     f"{r['schedule']:.1f} us | "

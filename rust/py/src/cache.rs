@@ -32,7 +32,7 @@ use crate::errors::{core, lock};
 use crate::events::events_to_py;
 use crate::host::{transfer_ids, transfers_to_py, HostStoreArg};
 use crate::prefix_match::PyPrefixMatch;
-use crate::rows::{as_outs, check_bind, copy_deltas, deltas_to_py, BoundBuffers};
+use crate::rows::{as_outs, check_bind, copy_deltas, deltas_to_py, no_deltas, BoundBuffers};
 use crate::tables::{borrow_out, table_outs};
 use flat_kvcache_core::engine::host::HostStore;
 
@@ -505,6 +505,22 @@ impl PyFlatKVCache {
                 "update_rows: no rows are bound (call bind_rows first)",
             )));
         };
+        if !full {
+            // Nothing changed since the last update: no buffer to borrow, nothing to copy.
+            let windowed = {
+                let c = lock(&self.inner)?;
+                if c.rows_pending() {
+                    None
+                } else {
+                    c.row_layouts()
+                        .map(|(_, l)| l.iter().map(|l| l.windowed).collect::<Vec<_>>())
+                }
+            };
+            if let Some(windowed) = windowed {
+                drop(bound);
+                return deltas_to_py(py, self.gids(), no_deltas(&windowed));
+            }
+        }
         let (mut tables, mut offsets) = buffers.borrow(py)?;
         let (mut outs, mut offs) = as_outs(&mut tables, &mut offsets)?;
         let copies = {

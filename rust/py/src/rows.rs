@@ -257,6 +257,17 @@ pub fn copy_deltas(deltas: &[RowDelta], windowed: impl Iterator<Item = bool>) ->
         .collect()
 }
 
+/// Empty deltas for every group (`windowed[g]`: whether group `g` reports offsets).
+pub fn no_deltas(windowed: &[bool]) -> Vec<DeltaCopy> {
+    windowed
+        .iter()
+        .map(|&w| DeltaCopy {
+            cells: Vec::new(),
+            offsets: w.then(Vec::new),
+        })
+        .collect()
+}
+
 /// The deltas as `(cells, offsets)`: `{group_id: int32 [3, n]}` for every group and
 /// `{group_id: int32 [2, m]}` for the windowed ones.
 pub fn deltas_to_py<'py, 'a>(

@@ -386,6 +386,12 @@ impl FlatCache {
         }
     }
 
+    /// Whether an update (not `full`) would visit any row: false when no bound request's
+    /// tables changed since the last update.
+    pub fn rows_pending(&self) -> bool {
+        self.rows.as_ref().is_some_and(|b| !b.dirty.is_empty())
+    }
+
     /// The changes of the last [`Self::update_rows`], per group (empty before any update).
     pub fn row_deltas(&self) -> &[RowDelta] {
         self.rows.as_ref().map_or(&[], |b| b.deltas.as_slice())

@@ -227,8 +227,9 @@ impl FlatCache {
             return Ok(());
         };
         state.tokens.extend_from_slice(tokens);
-        let full = state.tokens.len() / base;
-        while state.hashes.len() < full {
+        // Hash each base page that is now full (a multiplication per append, not a division:
+        // this runs for every request of every decode step).
+        while (state.hashes.len() + 1).saturating_mul(base) <= state.tokens.len() {
             let i = state.hashes.len();
             let page = &state.tokens[i * base..(i + 1) * base];
             let prior: &[u8] = state.hashes.last().map_or(&[], |h| h.as_slice());
