@@ -347,9 +347,10 @@ def test_host_tier_without_the_copies_is_caught() -> None:
     K/V in the loaded pages and the logits differ."""
 
     class AckOnly(TransferExecutor):
-        def _copy(self, stores: Any, loads: Any, ids: list[Any]) -> None:
-            super()._copy(stores, {}, ids)
+        def _copy(self, stores: Any, loads: Any, ids: list[Any]) -> tuple[int, int]:
+            moved = super()._copy(stores, {}, ids)
             ids.extend(group_ids for group_ids, _, _ in loads.values())
+            return moved
 
     model = gpt_oss(layers=2)
     runner, executor = with_host_tier(model, num_pages=24, host_pages=128)

@@ -142,6 +142,10 @@ def test_pages_stored_and_loaded_back_hold_their_values(make_plan: Any, host_sto
     cache.finish("a")
     done = executor.run()
     assert done.stores >= 8 and done.loads == 0 and done.acked == done.stores
+    # Bytes: a page copies at most every buffer's page (host.nbytes() / host pages).
+    page_bytes = host.nbytes() // 64
+    assert 0 < done.store_bytes <= done.stores * page_bytes and done.load_bytes == 0
+    first = done
     # the device forgets: keys dropped and every buffer overwritten
     cache.reset_prefix_cache()
     for tensor in buffers.tensors.values():
@@ -153,6 +157,8 @@ def test_pages_stored_and_loaded_back_hold_their_values(make_plan: Any, host_sto
     assert cache.loads_in_flight("b") >= 1
     done = executor.run()
     assert done.loads == cache.stats()["host_loads"] >= 1 and done.stores == 0
+    assert 0 < done.load_bytes <= done.loads * page_bytes and done.store_bytes == 0
+    assert executor.totals == first + done
     assert cache.loads_in_flight("b") == 0
     assert check_request(cache, buffers, "b", salt=0.5, hit=hit) >= 1
     cache.finish("b")

@@ -130,12 +130,24 @@ class HostKVBuffers:
 
 @dataclass(frozen=True)
 class TransferCounts:
-    """What one :meth:`TransferExecutor.run` did: page copies per direction (one per transfer,
-    each over every buffer of its group) and the transfer ids acknowledged."""
+    """What :meth:`TransferExecutor.run` did (or, as :attr:`TransferExecutor.totals`, every run
+    so far): page copies per direction (one per transfer, each over every buffer of its
+    group), the transfer ids acknowledged, and the bytes copied each way."""
 
     stores: int
     loads: int
     acked: int
+    store_bytes: int = 0
+    load_bytes: int = 0
+
+    def __add__(self, other: TransferCounts) -> TransferCounts:
+        return TransferCounts(
+            self.stores + other.stores,
+            self.loads + other.loads,
+            self.acked + other.acked,
+            self.store_bytes + other.store_bytes,
+            self.load_bytes + other.load_bytes,
+        )
 
 
 _Transfers = Mapping[str, tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]]
@@ -204,6 +216,9 @@ class TransferExecutor:
             for group in dict.fromkeys(group_of_layer[layer] for layer in spec.layers):
                 self._pairs[group].append((device_pages, host_pages))
         self._device = next(iter(device.tensors.values())).device
+        #: Everything :meth:`run` did so far (the host tier's byte counts: the cache counts
+        #: pages, the executor knows their size).
+        self.totals = TransferCounts(0, 0, 0)
         self._stream: torch.cuda.Stream | None = (
             torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
             if self._device.type == "cuda"
@@ -222,22 +237,30 @@ class TransferExecutor:
             return TransferCounts(0, 0, 0)
         ids: list[npt.NDArray[np.int64]] = []
         if self._stream is None:
-            self._copy(stores, loads, ids)
+            moved = self._copy(stores, loads, ids)
         else:
             self._stream.wait_stream(torch.cuda.current_stream(self._device))
             with torch.cuda.stream(self._stream):
-                self._copy(stores, loads, ids)
+                moved = self._copy(stores, loads, ids)
             self._stream.synchronize()
         all_ids = np.concatenate(ids)
         self.cache.ack_transfers(all_ids)
-        return TransferCounts(
+        done = TransferCounts(
             stores=sum(len(v[0]) for v in stores.values()),
             loads=sum(len(v[0]) for v in loads.values()),
             acked=len(all_ids),
+            store_bytes=moved[0],
+            load_bytes=moved[1],
         )
+        self.totals = self.totals + done
+        return done
 
-    def _copy(self, stores: _Transfers, loads: _Transfers, ids: list[npt.NDArray[np.int64]]) -> None:
+    def _copy(
+        self, stores: _Transfers, loads: _Transfers, ids: list[npt.NDArray[np.int64]]
+    ) -> tuple[int, int]:
+        """Copy every page; returns the bytes stored and loaded."""
         device = self._device
+        stored = loaded = 0
         for group, (group_ids, src, dst) in stores.items():
             ids.append(group_ids)
             src_pages = torch.from_numpy(src).to(device)
@@ -246,6 +269,7 @@ class TransferExecutor:
                 # a synchronous copy to the CPU: the host index_copy_ needs the data
                 gathered = device_pages.index_select(0, src_pages).to("cpu")
                 host_pages.index_copy_(0, dst_pages, gathered)
+                stored += gathered.numel() * gathered.element_size()
         for group, (group_ids, src, dst) in loads.items():
             ids.append(group_ids)
             src_pages = torch.from_numpy(src)
@@ -255,3 +279,5 @@ class TransferExecutor:
                 if self.host.pinned and device.type == "cuda":
                     gathered = gathered.pin_memory()  # an asynchronous copy to the device
                 device_pages.index_copy_(0, dst_pages, gathered.to(device, non_blocking=True))
+                loaded += gathered.numel() * gathered.element_size()
+        return stored, loaded
