@@ -54,6 +54,38 @@ impl<'a, 'py> FromPyObject<'a, 'py> for CountParam<'py> {
     }
 }
 
+/// A bool keyword argument with a default, kept as passed: only a real `bool` is accepted
+/// (an int, None or anything else is a `TypeError` naming the argument, as the reference's
+/// `as_flag` says), and the default applies only when the argument is left out.
+pub struct FlagParam<'py>(Option<Bound<'py, PyAny>>);
+
+impl FlagParam<'_> {
+    /// The argument left out.
+    pub const OMITTED: Self = Self(None);
+
+    /// The flag passed, or `default` when the argument was left out.
+    pub fn or(&self, default: bool, name: &str) -> PyResult<bool> {
+        match &self.0 {
+            None => Ok(default),
+            Some(obj) => match obj.cast::<PyBool>() {
+                Ok(flag) => Ok(flag.is_true()),
+                Err(_) => Err(PyTypeError::new_err(format!(
+                    "{name} must be a bool, got {}",
+                    type_name(obj)
+                ))),
+            },
+        }
+    }
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for FlagParam<'py> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        Ok(Self(Some(obj.to_owned())))
+    }
+}
+
 /// An optional non-negative int argument (`None` passes through).
 pub fn opt_count(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option<u64>> {
     match obj {

@@ -24,8 +24,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::args::{
-    content_hashes, count, counts, opt_count, tokens, CountParam, EvictionArg, ExtraKeys, GroupSpecs, RequestId,
-    RequestIds,
+    content_hashes, count, counts, opt_count, tokens, CountParam, EvictionArg, ExtraKeys, FlagParam, GroupSpecs,
+    RequestId, RequestIds,
 };
 use crate::convert::{clip, signed, IntArg};
 use crate::errors::{core, lock};
@@ -119,17 +119,17 @@ impl PyFlatKVCache {
     /// list (handed out before any cached page) instead of the back.
     #[new]
     #[pyo3(
-        signature = (specs, num_pages, *, enable_caching = true, eviction_order = EvictionArg(EvictionOrder::Hybrid), enable_kv_events = false, reuse_uncached_first = DEFAULT_REUSE_UNCACHED_FIRST, host_pages = None, host_store = HostStoreArg(HostStore::WriteThrough)),
+        signature = (specs, num_pages, *, enable_caching = FlagParam::OMITTED, eviction_order = EvictionArg(EvictionOrder::Hybrid), enable_kv_events = FlagParam::OMITTED, reuse_uncached_first = FlagParam::OMITTED, host_pages = None, host_store = HostStoreArg(HostStore::WriteThrough)),
         text_signature = "(specs, num_pages, *, enable_caching=True, eviction_order='hybrid', enable_kv_events=False, reuse_uncached_first=True, host_pages=0, host_store='write_through')"
     )]
     #[allow(clippy::too_many_arguments, reason = "the Python constructor's keyword arguments")]
     fn new(
         specs: GroupSpecs,
         num_pages: &Bound<'_, PyAny>,
-        enable_caching: bool,
+        enable_caching: FlagParam<'_>,
         eviction_order: EvictionArg,
-        enable_kv_events: bool,
-        reuse_uncached_first: bool,
+        enable_kv_events: FlagParam<'_>,
+        reuse_uncached_first: FlagParam<'_>,
         host_pages: Option<&Bound<'_, PyAny>>,
         host_store: HostStoreArg,
     ) -> PyResult<Self> {
@@ -144,10 +144,10 @@ impl PyFlatKVCache {
         };
         let host_pages = opt_count(host_pages, "host_pages")?.unwrap_or(0);
         let options = CacheOptions {
-            enable_caching,
+            enable_caching: enable_caching.or(true, "enable_caching")?,
             eviction_order: eviction_order.0,
-            enable_kv_events,
-            reuse_uncached_first,
+            enable_kv_events: enable_kv_events.or(false, "enable_kv_events")?,
+            reuse_uncached_first: reuse_uncached_first.or(DEFAULT_REUSE_UNCACHED_FIRST, "reuse_uncached_first")?,
             host_pages,
             host_store: host_store.0,
         };
@@ -292,15 +292,19 @@ impl PyFlatKVCache {
 
     /// Pages a reclaim of `req` at `num_computed_tokens` would return to the free list
     /// (only pages whose last reference is `req`; only cached ones unless `count_uncached`).
-    #[pyo3(signature = (req, num_computed_tokens, *, count_uncached = true))]
+    #[pyo3(
+        signature = (req, num_computed_tokens, *, count_uncached = FlagParam::OMITTED),
+        text_signature = "(self, req, num_computed_tokens, *, count_uncached=True)"
+    )]
     fn pages_reclaimable(
         &self,
         req: RequestId<'_>,
         num_computed_tokens: &Bound<'_, PyAny>,
-        count_uncached: bool,
+        count_uncached: FlagParam<'_>,
     ) -> PyResult<usize> {
         let id = req.id()?;
         let n = count(num_computed_tokens, "num_computed_tokens")?;
+        let count_uncached = count_uncached.or(true, "count_uncached")?;
         let result = lock(&self.inner)?.pages_reclaimable(id, n, count_uncached);
         core(result)
     }
@@ -424,7 +428,7 @@ impl PyFlatKVCache {
     /// their row count); `update_rows` keeps it current until the request is finished or
     /// preempted.
     #[pyo3(
-        signature = (req, prompt_token_ids, *, extra_keys = ExtraKeys::default(), use_prefix_cache = true, row = None),
+        signature = (req, prompt_token_ids, *, extra_keys = ExtraKeys::default(), use_prefix_cache = FlagParam::OMITTED, row = None),
         text_signature = "(self, req, prompt_token_ids, *, extra_keys=(), use_prefix_cache=True, row=None)"
     )]
     fn add_request(
@@ -433,9 +437,10 @@ impl PyFlatKVCache {
         req: RequestId<'_>,
         prompt_token_ids: &Bound<'_, PyAny>,
         extra_keys: ExtraKeys,
-        use_prefix_cache: bool,
+        use_prefix_cache: FlagParam<'_>,
         row: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<u64> {
+        let use_prefix_cache = use_prefix_cache.or(true, "use_prefix_cache")?;
         let id = req.id()?;
         let row = match row.filter(|r| !r.is_none()) {
             Some(r) => Some(usize::try_from(count(r, "row")?).unwrap_or(usize::MAX)),
@@ -494,8 +499,13 @@ impl PyFlatKVCache {
     /// someone else wrote them). A table wider than its row, or a windowed row with a real
     /// page before its first slot, is a `ValueError` naming the group, row and request, and
     /// nothing is written.
-    #[pyo3(signature = (*, full = false), text_signature = "(self, *, full=False)")]
-    fn update_rows<'py>(&self, py: Python<'py>, full: bool) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyDict>)> {
+    #[pyo3(signature = (*, full = FlagParam::OMITTED), text_signature = "(self, *, full=False)")]
+    fn update_rows<'py>(
+        &self,
+        py: Python<'py>,
+        full: FlagParam<'_>,
+    ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyDict>)> {
+        let full = full.or(false, "full")?;
         if !flat_kvcache_core::FLAT_KVCACHE {
             return core(Err(CoreError::FlatUnavailable));
         }

@@ -5,7 +5,7 @@ use std::sync::Mutex;
 use flat_kvcache_core::engine::pool::{BlockPool, DEFAULT_REUSE_UNCACHED_FIRST};
 use pyo3::prelude::*;
 
-use crate::args::{count, page};
+use crate::args::{count, page, FlagParam};
 use crate::errors::{core, lock};
 
 /// The page pool of SPEC 5 with string keys:
@@ -27,11 +27,19 @@ impl PyBlockPool {
     /// list (it is handed out before any cached page) instead of the back.
     #[new]
     #[pyo3(
-        signature = (num_blocks, *, enable_caching = true, reuse_uncached_first = DEFAULT_REUSE_UNCACHED_FIRST),
+        signature = (num_blocks, *, enable_caching = FlagParam::OMITTED, reuse_uncached_first = FlagParam::OMITTED),
         text_signature = "(num_blocks, *, enable_caching=True, reuse_uncached_first=True)"
     )]
-    fn new(num_blocks: &Bound<'_, PyAny>, enable_caching: bool, reuse_uncached_first: bool) -> PyResult<Self> {
-        let mut pool = core(BlockPool::new(count(num_blocks, "num_blocks")?, enable_caching))?;
+    #[allow(clippy::needless_pass_by_value, reason = "PyO3 extracts arguments by value")]
+    fn new(
+        num_blocks: &Bound<'_, PyAny>,
+        enable_caching: FlagParam<'_>,
+        reuse_uncached_first: FlagParam<'_>,
+    ) -> PyResult<Self> {
+        let num_blocks = count(num_blocks, "num_blocks")?;
+        let enable_caching = enable_caching.or(true, "enable_caching")?;
+        let reuse_uncached_first = reuse_uncached_first.or(DEFAULT_REUSE_UNCACHED_FIRST, "reuse_uncached_first")?;
+        let mut pool = core(BlockPool::new(num_blocks, enable_caching))?;
         pool.set_reuse_uncached_first(reuse_uncached_first);
         Ok(Self {
             num_blocks: pool.num_blocks(),

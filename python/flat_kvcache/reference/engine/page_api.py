@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from flat_kvcache.reference.engine._args import (
     RequestId,
     as_content_hashes,
+    as_flag,
     as_count,
     as_request_id,
     check_u64,
@@ -91,10 +92,12 @@ class PageApi(Rows):
         self, req: RequestId, num_computed_tokens: int, *, count_uncached: bool = True
     ) -> int:
         """Pages ``reclaim(req, num_computed_tokens)`` would put back on the free list."""
-        tables = self._tables(req)
+        key = as_request_id(req)
         computed = as_count(num_computed_tokens, "num_computed_tokens")
+        uncached = as_flag(count_uncached, "count_uncached")
+        tables = self._tables(key)
         return sum(
-            m.blocks_reclaimable_at(t, computed, bool(count_uncached))
+            m.blocks_reclaimable_at(t, computed, uncached)
             for m, t in zip(self._managers, tables, strict=True)
         )
 
