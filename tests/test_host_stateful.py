@@ -28,7 +28,7 @@ import flat_kvcache.reference
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
-from test_requests_stateful import DOCUMENTS, REQUEST_IDS, RequestsMachine, configs, replay
+from test_requests_stateful import DOCUMENTS, REQUEST_IDS, RequestsMachine, both_caches, configs, replay
 
 IN_CI = os.environ.get("HYPOTHESIS_PROFILE") == "ci"
 EXAMPLES = int(os.environ.get("HOST_EXAMPLES", "300" if IN_CI else "60"))
@@ -81,19 +81,9 @@ class HostMachine(RequestsMachine):
         self, config: dict[str, Any], host_pages: int, host_store: str, prompts: list[tuple[int, int]]
     ) -> None:
         self.config = config
-        for module in (flat_kvcache, flat_kvcache.reference):
-            specs = [module.KVCacheSpec(kind, size, window) for kind, size, window in config["groups"]]
-            self.caches.append(
-                module.FlatKVCache(
-                    specs,
-                    config["num_pages"],
-                    enable_caching=config["enable_caching"],
-                    eviction_order=config["eviction_order"],
-                    enable_kv_events=True,
-                    host_pages=host_pages,
-                    host_store=host_store,
-                )
-            )
+        self.caches.extend(
+            both_caches(config, enable_kv_events=True, host_pages=host_pages, host_store=host_store)
+        )
         for req, (doc, length) in zip(REQUEST_IDS, prompts, strict=False):
             self.both("add_request", req, DOCUMENTS[doc][:length])
             self.live.append(req)

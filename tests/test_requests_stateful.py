@@ -61,6 +61,24 @@ def configs(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
+def both_caches(config: dict[str, Any], **options: Any) -> list[Any]:
+    """The native cache and the reference one for a :func:`configs` draw (``options``: more
+    constructor keywords), native first."""
+    caches = []
+    for module in (flat_kvcache, flat_kvcache.reference):
+        specs = [module.KVCacheSpec(kind, size, window) for kind, size, window in config["groups"]]
+        caches.append(
+            module.FlatKVCache(
+                specs,
+                config["num_pages"],
+                enable_caching=config["enable_caching"],
+                eviction_order=config["eviction_order"],
+                **options,
+            )
+        )
+    return caches
+
+
 def replay(index: Counter[tuple[int, bytes]], events: list[KVCacheEvent], medium: str = "GPU") -> None:
     """Apply the ``medium`` events of ``events`` to ``index`` (cached pages per (group, content
     hash)), as a router does; ``AllBlocksCleared`` is about the device pool only."""
@@ -106,17 +124,7 @@ class RequestsMachine(RuleBasedStateMachine):
     def build(self, config: dict[str, Any], prompts: list[tuple[int, int]]) -> None:
         """Both caches, and a few requests from the start so the request rules can act."""
         self.config = config
-        for module in (flat_kvcache, flat_kvcache.reference):
-            specs = [module.KVCacheSpec(kind, size, window) for kind, size, window in config["groups"]]
-            self.caches.append(
-                module.FlatKVCache(
-                    specs,
-                    config["num_pages"],
-                    enable_caching=config["enable_caching"],
-                    eviction_order=config["eviction_order"],
-                    enable_kv_events=True,
-                )
-            )
+        self.caches.extend(both_caches(config, enable_kv_events=True))
         for req, (doc, length) in zip(REQUEST_IDS, prompts, strict=False):
             self.both("add_request", req, DOCUMENTS[doc][:length])
             self.live.append(req)

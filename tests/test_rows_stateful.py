@@ -19,14 +19,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import flat_kvcache
-import flat_kvcache.reference
 import numpy as np
 from helpers import normalize
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from test_requests_stateful import DOCUMENTS, REQUEST_IDS, configs
+from test_requests_stateful import DOCUMENTS, REQUEST_IDS, both_caches, configs
 
 IN_CI = os.environ.get("HYPOTHESIS_PROFILE") == "ci"
 EXAMPLES = int(os.environ.get("ROWS_EXAMPLES", "300" if IN_CI else "60"))
@@ -52,16 +50,7 @@ class RowsMachine(RuleBasedStateMachine):
     )
     def build(self, config: dict[str, Any], max_rows: int, cols: int, windowed: int) -> None:
         self.config = config
-        for module in (flat_kvcache, flat_kvcache.reference):
-            specs = [module.KVCacheSpec(kind, size, window) for kind, size, window in config["groups"]]
-            self.caches.append(
-                module.FlatKVCache(
-                    specs,
-                    config["num_pages"],
-                    enable_caching=config["enable_caching"],
-                    eviction_order=config["eviction_order"],
-                )
-            )
+        self.caches.extend(both_caches(config))
         self.group_ids = self.caches[0].group_ids
         self.kinds = [kind for kind, _, _ in config["groups"]]
         self.bind(max_rows, cols, windowed)

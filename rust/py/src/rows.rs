@@ -11,7 +11,7 @@ use flat_kvcache_core::engine::block_tables::TableOut;
 use flat_kvcache_core::engine::coordinator::GroupSpec;
 use flat_kvcache_core::engine::group::GroupKind;
 use flat_kvcache_core::engine::rows::{RowDelta, RowLayout};
-use numpy::ndarray::Array2;
+use numpy::ndarray::{Array2, Ix1};
 use numpy::{
     BorrowError, IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadwriteArray1, PyReadwriteArray2,
     PyUntypedArrayMethods,
@@ -21,7 +21,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyMapping};
 
 use crate::convert::{clip, type_name};
-use crate::tables::{as_ndarray, borrow_tables};
+use crate::tables::{as_ndarray, borrow_int32, borrow_tables};
 
 /// The bound buffers: one table per group, one offsets vector per windowed group.
 pub struct BoundBuffers {
@@ -89,20 +89,11 @@ fn borrow_offsets<'py>(
                 arr.shape()
             )));
         }
-        let Ok(typed) = arr.cast::<PyArray1<i32>>() else {
-            return Err(PyTypeError::new_err(format!(
-                "{label} must have dtype int32, got {}",
-                arr.dtype().str()?
-            )));
-        };
-        if !arr.is_c_contiguous() {
-            return Err(PyValueError::new_err(format!("{label} must be C-contiguous")));
-        }
-        let rw = typed.try_readwrite().map_err(|e| match e {
-            BorrowError::NotWriteable => PyValueError::new_err(format!("{label} must be writable")),
-            _ => PyValueError::new_err(format!("{label} shares its memory with another bound buffer")),
-        })?;
-        out.push(Some(rw));
+        out.push(Some(borrow_int32::<Ix1>(
+            &arr,
+            &label,
+            "shares its memory with another bound buffer",
+        )?));
     }
     Ok(out)
 }

@@ -7,7 +7,10 @@
 
 use flat_kvcache_core::engine::block_tables::TableOut;
 use flat_kvcache_core::engine::coordinator::GroupSpec;
-use numpy::{BorrowError, PyArray2, PyArrayMethods, PyReadwriteArray2, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::ndarray::{Dimension, Ix2};
+use numpy::{
+    BorrowError, PyArray, PyArrayMethods, PyReadwriteArray, PyReadwriteArray2, PyUntypedArray, PyUntypedArrayMethods,
+};
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -61,6 +64,29 @@ pub fn as_ndarray<'py>(item: &Bound<'py, PyAny>, label: &str) -> PyResult<Bound<
     })
 }
 
+/// Borrow a buffer the cache writes, of dimension `D` (checked by the caller): int32,
+/// C-contiguous and writable; a buffer some other borrow holds (another group's, or a view of
+/// it) is refused with `label` followed by `shared`.
+pub fn borrow_int32<'py, D: Dimension>(
+    arr: &Bound<'py, PyUntypedArray>,
+    label: &str,
+    shared: &str,
+) -> PyResult<PyReadwriteArray<'py, i32, D>> {
+    let Ok(typed) = arr.cast::<PyArray<i32, D>>() else {
+        return Err(PyTypeError::new_err(format!(
+            "{label} must have dtype int32, got {}",
+            arr.dtype().str()?
+        )));
+    };
+    if !arr.is_c_contiguous() {
+        return Err(PyValueError::new_err(format!("{label} must be C-contiguous")));
+    }
+    typed.try_readwrite().map_err(|e| match e {
+        BorrowError::NotWriteable => PyValueError::new_err(format!("{label} must be writable")),
+        _ => PyValueError::new_err(format!("{label} {shared}")),
+    })
+}
+
 /// Borrow every group's buffer from the mapping `out` (in the order of `groups`), writable.
 ///
 /// A missing group, a non-array, a dtype other than int32, a shape that is not 2-D, a
@@ -105,23 +131,8 @@ pub fn borrow_tables<'py>(
                 arr.ndim()
             )));
         }
-        let Ok(typed) = arr.cast::<PyArray2<i32>>() else {
-            return Err(PyTypeError::new_err(format!(
-                "{} must have dtype int32, got {}",
-                label,
-                arr.dtype().str()?
-            )));
-        };
-        if !arr.is_c_contiguous() {
-            return Err(PyValueError::new_err(format!("{label} must be C-contiguous")));
-        }
-        let rw = typed.try_readwrite().map_err(|e| match e {
-            BorrowError::NotWriteable => PyValueError::new_err(format!("{label} must be writable")),
-            _ => PyValueError::new_err(format!(
-                "{label} shares its memory with another group's table (or is borrowed elsewhere)"
-            )),
-        })?;
-        arrays.push(rw);
+        let shared = "shares its memory with another group's table (or is borrowed elsewhere)";
+        arrays.push(borrow_int32::<Ix2>(&arr, &label, shared)?);
     }
     check_out_keys(out, groups, name, method)?;
     Ok(arrays)

@@ -13,7 +13,14 @@ from flat_kvcache.reference.engine._args import RequestId, as_request_ids
 from flat_kvcache.reference.engine.coordinator import Coordinator
 from flat_kvcache.reference.engine.table import Table
 
-__all__ = ["FLAT_OFF_MESSAGE", "BlockTables", "flat_build_enabled", "out_buffers"]
+__all__ = [
+    "FLAT_OFF_MESSAGE",
+    "BlockTables",
+    "check_int32_buffer",
+    "cpu_array",
+    "flat_build_enabled",
+    "out_buffers",
+]
 
 FLAT_OFF_MESSAGE = (
     "flat per-group block tables are unavailable: this build of flat_kvcache was compiled "
@@ -84,6 +91,33 @@ class BlockTables(Coordinator):
             array[row, len(pages) :] = -1
 
 
+def cpu_array(item: Any, label: str) -> npt.NDArray[Any]:
+    """``item`` as a numpy array: an ndarray as is, a CPU torch tensor through ``.numpy()``,
+    which shares its memory (``label`` names it in errors)."""
+    if isinstance(item, np.ndarray):
+        return item
+    if not all(hasattr(item, attr) for attr in ("numpy", "device", "data_ptr")):
+        raise TypeError(
+            f"{label} must be an int32 numpy array or a CPU torch tensor, got {type(item).__name__}"
+        )
+    if getattr(item.device, "type", None) != "cpu":
+        raise ValueError(f"{label} must be a CPU tensor, got one on device {item.device}")
+    array = item.numpy()  # shares the tensor's memory
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"{label}.numpy() returned {type(array).__name__}, not a numpy array")
+    return array
+
+
+def check_int32_buffer(item: npt.NDArray[Any], label: str) -> None:
+    """A buffer the cache writes: int32, C-contiguous, writable."""
+    if item.dtype != np.int32:
+        raise TypeError(f"{label} must have dtype int32, got {item.dtype}")
+    if not item.flags.c_contiguous:
+        raise ValueError(f"{label} must be C-contiguous")
+    if not item.flags.writeable:
+        raise ValueError(f"{label} must be writable")
+
+
 def out_buffers(
     out: Any, group_ids: list[str], name: str = "out", method: str = "block_tables"
 ) -> list[npt.NDArray[np.int32]]:
@@ -101,24 +135,10 @@ def out_buffers(
             raise TypeError(
                 f"{name} must be a mapping of group id to int32 array, got {type(out).__name__}"
             ) from None
-        if not isinstance(item, np.ndarray):
-            if not all(hasattr(item, attr) for attr in ("numpy", "device", "data_ptr")):
-                raise TypeError(
-                    f"{label} must be an int32 numpy array or a CPU torch tensor, got {type(item).__name__}"
-                )
-            if getattr(item.device, "type", None) != "cpu":
-                raise ValueError(f"{label} must be a CPU tensor, got one on device {item.device}")
-            item = item.numpy()  # shares the tensor's memory
-            if not isinstance(item, np.ndarray):
-                raise TypeError(f"{label}.numpy() returned {type(item).__name__}, not a numpy array")
+        item = cpu_array(item, label)
         if item.ndim != 2:
             raise ValueError(f"{label} must be 2-D [rows, cols], got {item.ndim} dimension(s)")
-        if item.dtype != np.int32:
-            raise TypeError(f"{label} must have dtype int32, got {item.dtype}")
-        if not item.flags.c_contiguous:
-            raise ValueError(f"{label} must be C-contiguous")
-        if not item.flags.writeable:
-            raise ValueError(f"{label} must be writable")
+        check_int32_buffer(item, label)
         if any(np.shares_memory(item, other) for other in buffers):
             # The native engine's borrow check refuses a buffer some other call holds too.
             raise ValueError(

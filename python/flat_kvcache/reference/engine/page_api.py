@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from flat_kvcache.reference.engine._args import (
     RequestId,
     as_content_hashes,
-    as_flag,
     as_count,
+    as_flag,
     as_request_id,
     check_u64,
 )

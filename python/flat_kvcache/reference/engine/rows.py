@@ -20,7 +20,13 @@ import numpy.typing as npt
 
 from flat_kvcache.errors import FlatUnavailableError
 from flat_kvcache.reference.engine._args import RequestId, as_count, as_flag, as_request_id
-from flat_kvcache.reference.engine.block_tables import FLAT_OFF_MESSAGE, flat_build_enabled, out_buffers
+from flat_kvcache.reference.engine.block_tables import (
+    FLAT_OFF_MESSAGE,
+    check_int32_buffer,
+    cpu_array,
+    flat_build_enabled,
+    out_buffers,
+)
 from flat_kvcache.reference.engine.coordinator import Coordinator
 
 __all__ = ["Rows"]
@@ -110,26 +116,12 @@ class Rows(Coordinator):
                     f"{label}: only sliding-window groups have windowed rows, and {group_id!r} is a "
                     f"{spec.kind} group"
                 )
-            item = offsets[group_id]
-            if not isinstance(item, np.ndarray):
-                if not all(hasattr(item, name) for name in ("numpy", "device", "data_ptr")):
-                    raise TypeError(
-                        f"{label} must be an int32 numpy array or a CPU torch tensor, "
-                        f"got {type(item).__name__}"
-                    )
-                if getattr(item.device, "type", None) != "cpu":
-                    raise ValueError(f"{label} must be a CPU tensor, got one on device {item.device}")
-                item = item.numpy()
+            item = cpu_array(offsets[group_id], label)
             if item.ndim != 1 or item.shape[0] != max_rows:
                 raise ValueError(
                     f"{label} must be 1-D with one value per row ({max_rows}), got shape {list(item.shape)}"
                 )
-            if item.dtype != np.int32:
-                raise TypeError(f"{label} must have dtype int32, got {item.dtype}")
-            if not item.flags.c_contiguous:
-                raise ValueError(f"{label} must be C-contiguous")
-            if not item.flags.writeable:
-                raise ValueError(f"{label} must be writable")
+            check_int32_buffer(item, label)
             if any(np.shares_memory(item, other) for other in seen):
                 raise ValueError(f"{label} shares its memory with another bound buffer")
             seen.append(item)
