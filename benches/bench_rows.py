@@ -62,7 +62,16 @@ def prompt(n: int, seed: int) -> np.ndarray:
 class Loop:
     """``requests`` token-level requests after a ``context``-token prompt, decoding."""
 
-    def __init__(self, requests: int, context: int, steps: int, *, mode: str, lockstep: bool = False) -> None:
+    def __init__(
+        self,
+        requests: int,
+        context: int,
+        steps: int,
+        *,
+        mode: str,
+        lockstep: bool = False,
+        window_cols: int = WINDOW_COLS,
+    ) -> None:
         specs = [
             KVCacheSpec("full", PAGE, group_id="full"),
             KVCacheSpec("sliding_window", PAGE, WINDOW, "swa"),
@@ -78,7 +87,7 @@ class Loop:
         if incremental:
             self.tables = {
                 "full": np.zeros((requests, full_cols), np.int32),
-                "swa": np.zeros((requests, WINDOW_COLS), np.int32),
+                "swa": np.zeros((requests, window_cols), np.int32),
             }
             self.offsets = {"swa": np.zeros(requests, np.int32)}
             self.cache.bind_rows(self.tables, offsets=self.offsets)
@@ -129,8 +138,16 @@ class Loop:
         return t1 - t0, t2 - t1, t3 - t2
 
 
-def run(requests: int, context: int, steps: int, *, mode: str, lockstep: bool = False) -> dict[str, Any]:
-    loop = Loop(requests, context, steps + PAGE, mode=mode, lockstep=lockstep)
+def run(
+    requests: int,
+    context: int,
+    steps: int,
+    *,
+    mode: str,
+    lockstep: bool = False,
+    window_cols: int = WINDOW_COLS,
+) -> dict[str, Any]:
+    loop = Loop(requests, context, steps + PAGE, mode=mode, lockstep=lockstep, window_cols=window_cols)
     for _ in range(PAGE):  # warm-up: one page's worth of steps
         loop.step()
     loop.cells = 0
@@ -162,6 +179,13 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--steps", type=int, default=0, help="timed steps per run (default: by size)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes; measures nothing")
     parser.add_argument(
+        "--window-cols",
+        type=int,
+        default=WINDOW_COLS,
+        help=f"columns of a windowed sliding row (default {WINDOW_COLS}, the minimum for 1-token steps; "
+        "wider rows move their offset less often)",
+    )
+    parser.add_argument(
         "--lockstep",
         action="store_true",
         help="equal prompt lengths: all requests cross a page in the same step (default: spread)",
@@ -177,7 +201,9 @@ def main(argv: list[str]) -> None:
             steps = args.steps or max(64, 2 * 262144 // requests)
             for mode, label in MODES.items():
                 start = time.perf_counter()
-                r = run(requests, context, steps, mode=mode, lockstep=args.lockstep)
+                r = run(
+                    requests, context, steps, mode=mode, lockstep=args.lockstep, window_cols=args.window_cols
+                )
                 print(
                     f"| {requests} | {context} | {label} | **{r['step']:.1f} us** | {r['mean']:.1f} us | "
                     f"{r['schedule']:.1f} us | "

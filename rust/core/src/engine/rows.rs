@@ -172,20 +172,17 @@ fn cell(page: u32) -> i32 {
     i32::try_from(page).unwrap_or(i32::MAX)
 }
 
-/// The value a row of `layout` with offset `offset` should hold in column `col` for `table`
-/// (`None`: no table, padding).
-#[inline]
-fn wanted(table: Option<&Table>, offset: usize, col: usize) -> i32 {
-    table
-        .and_then(|t| t.pages().get(offset + col))
-        .map_or(PAD, |&p| cell(p))
-}
-
 /// Write `value` into `buf[col]` and record it, if the cell holds something else.
 #[inline]
 fn put(buf: &mut [i32], delta: &mut RowDelta, row: i32, col: usize, value: i32) {
-    if buf[col] != value {
-        buf[col] = value;
+    put_one(&mut buf[col], delta, row, col, value);
+}
+
+/// Write `value` into the cell `dst` (column `col`) and record it, if it holds something else.
+#[inline]
+fn put_one(dst: &mut i32, delta: &mut RowDelta, row: i32, col: usize, value: i32) {
+    if *dst != value {
+        *dst = value;
         delta.push(row, col, value);
     }
 }
@@ -213,8 +210,16 @@ fn write_row(at: Cell<'_>, layout: RowLayout, table: Option<&Table>, mark: &mut 
         } else {
             (mark.len - mark.offset).max(len - offset).min(layout.cols)
         };
-        for col in 0..span {
-            put(buf, delta, row, col, wanted(table, offset, col));
+        // The slots the row shows, then padding; one pass over the buffer's cells.
+        let shown: &[u32] = table.map_or(&[], |t| &t.pages()[offset.min(t.len())..]);
+        let (head, tail) = buf[..span].split_at_mut(shown.len().min(span));
+        // (The delta's vectors keep their capacity from update to update.)
+        for (col, (dst, &page)) in head.iter_mut().zip(shown).enumerate() {
+            put_one(dst, delta, row, col, cell(page));
+        }
+        let first_pad = head.len();
+        for (col, dst) in tail.iter_mut().enumerate() {
+            put_one(dst, delta, row, first_pad + col, PAD);
         }
     } else if let Some(t) = table {
         // New holes among the slots already shown, then new slots.
