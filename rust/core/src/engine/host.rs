@@ -631,16 +631,22 @@ mod tests {
         c.check_invariants().unwrap();
     }
 
-    #[test]
-    fn host_hits_load_back_and_the_request_waits_for_them() {
+    /// A write-through tier holding `A`'s 16-token prompt (stored and acknowledged) while the
+    /// device holds no cached page: a page-level request took all 8 pages, then freed them.
+    fn stored_then_evicted() -> FlatCache {
         let mut c = tiered(16, HostStore::WriteThrough);
         run_and_finish(&mut c, A, toks(0..16));
         let stores = c.take_transfers();
         c.ack_transfers(&ids(&stores)).unwrap();
-        // Evict every cached device page: a page-level request takes all 8, then frees them.
         assert!(c.acquire(B, 16).unwrap());
         c.free(B).unwrap();
         assert_eq!(c.coordinator().pool().num_cached(), 0);
+        c
+    }
+
+    #[test]
+    fn host_hits_load_back_and_the_request_waits_for_them() {
+        let mut c = stored_then_evicted();
         // 17 tokens: cap 4 pages. Full hits slots 0..3 on the host; the sliding group needs
         // its window behind 16: ceil(7 / 4) = 2 pages (slots 2, 3). 6 loads, 6 device pages.
         let p = prompt(&c, toks(0..17));
@@ -673,12 +679,7 @@ mod tests {
 
     #[test]
     fn finishing_during_a_load_loses_no_page_and_late_acks_register_it() {
-        let mut c = tiered(16, HostStore::WriteThrough);
-        run_and_finish(&mut c, A, toks(0..16));
-        let stores = c.take_transfers();
-        c.ack_transfers(&ids(&stores)).unwrap();
-        assert!(c.acquire(B, 16).unwrap());
-        c.free(B).unwrap();
+        let mut c = stored_then_evicted();
         assert_eq!(add(&mut c, C, toks(0..17)), 16);
         let loads = c.take_transfers();
         c.preempt(C).unwrap();
