@@ -515,31 +515,18 @@ impl PyFlatKVCache {
                 "update_rows: no rows are bound (call bind_rows first)",
             )));
         };
-        if !full {
-            // Nothing changed since the last update: no buffer to borrow, nothing to copy.
-            let windowed = {
-                let c = lock(&self.inner)?;
-                if c.rows_pending() {
-                    None
-                } else {
-                    c.row_layouts()
-                        .map(|(_, l)| l.iter().map(|l| l.windowed).collect::<Vec<_>>())
-                }
-            };
-            if let Some(windowed) = windowed {
-                drop(bound);
-                return deltas_to_py(py, self.gids(), no_deltas(&windowed));
-            }
+        let windowed = buffers.windowed();
+        // Nothing changed since the last update: no buffer to borrow, nothing to copy.
+        if !full && !lock(&self.inner)?.rows_pending() {
+            drop(bound);
+            return deltas_to_py(py, self.gids(), no_deltas(&windowed));
         }
         let (mut tables, mut offsets) = buffers.borrow(py)?;
         let (mut outs, mut offs) = as_outs(&mut tables, &mut offsets)?;
         let copies = {
             let mut c = lock(&self.inner)?;
             core(c.update_rows(&mut outs, &mut offs, full))?;
-            let windowed = c
-                .row_layouts()
-                .map(|(_, l)| l.iter().map(|l| l.windowed).collect::<Vec<_>>());
-            copy_deltas(c.row_deltas(), windowed.unwrap_or_default().into_iter())
+            copy_deltas(c.row_deltas(), windowed.into_iter())
         };
         drop(bound);
         deltas_to_py(py, self.gids(), copies)

@@ -149,6 +149,11 @@ fn keep1(a: &PyReadwriteArray1<'_, i32>) -> Py<PyArray1<i32>> {
 }
 
 impl BoundBuffers {
+    /// Per group, whether its rows are windowed (it has an offsets buffer).
+    pub fn windowed(&self) -> Vec<bool> {
+        self.offsets.iter().map(Option::is_some).collect()
+    }
+
     /// Fill the buffers as a fresh binding expects them: tables -1, offsets 0.
     pub fn reset(&self, py: Python<'_>) -> PyResult<()> {
         for t in &self.tables {

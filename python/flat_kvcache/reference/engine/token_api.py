@@ -189,10 +189,14 @@ class TokenApi(PageApi):
     def num_tokens(self, req: RequestId) -> int:
         return len(self._token_state("num_tokens", as_request_id(req))[1].tokens)
 
-    def _check_known(self, method: str, key: RequestId, state: TokenState, n: int) -> None:
+    def _check_known(
+        self, method: str, key: RequestId, state: TokenState, n: int, row: int | None = None
+    ) -> None:
+        """``n`` more tokens from the request's position must be known (``row``: named too)."""
         if state.computed + n > len(state.tokens):
+            shown = f"{key!r}" if row is None else f"{key!r} (row {row})"
             raise ValueError(
-                f"{method}: num_new_tokens = {n} for request {key!r} asks for more tokens than are "
+                f"{method}: num_new_tokens = {n} for request {shown} asks for more tokens than are "
                 f"known: {state.computed} computed of {len(state.tokens)}"
             )
 
@@ -247,11 +251,7 @@ class TokenApi(PageApi):
             self._check_loaded("schedule_rows", key)
             state = self._token_states[key]
             asked[key] = check_u64(asked.get(key, 0) + count, "num_new_tokens")
-            if state.computed + asked[key] > len(state.tokens):
-                raise ValueError(
-                    f"schedule_rows: num_new_tokens = {asked[key]} for request {key!r} (row {row}) asks "
-                    f"for more tokens than are known: {state.computed} computed of {len(state.tokens)}"
-                )
+            self._check_known("schedule_rows", key, state, asked[key], row)
         results = [self._schedule_checked(key, count, 0) for key, count in zip(keys, counts, strict=True)]
         return np.array(results, dtype=np.bool_)
 

@@ -309,11 +309,6 @@ impl FlatCache {
         }
     }
 
-    /// The bound layouts and row count, if rows are bound.
-    pub fn row_layouts(&self) -> Option<(usize, &[RowLayout])> {
-        self.rows.as_ref().map(|b| (b.rows.len(), b.layouts.as_slice()))
-    }
-
     /// The row `req` holds, if any.
     pub fn row_of(&self, req: RequestIdRef<'_>) -> CoreResult<Option<usize>> {
         Ok(self.entries[self.find(req)?].row)
@@ -382,12 +377,11 @@ impl FlatCache {
         }
     }
 
-    /// The tables of the request at `at` changed: visit its row on the next update (`full`:
-    /// compare every cell).
+    /// The tables of the request at `at` changed: visit its row on the next update.
     #[inline]
-    pub(super) fn touch_row(&mut self, at: usize, full: bool) {
+    pub(super) fn touch_row(&mut self, at: usize) {
         if let (Some(row), Some(binding)) = (self.entries[at].row, self.rows.as_mut()) {
-            binding.touch(row, full);
+            binding.touch(row, false);
         }
     }
 

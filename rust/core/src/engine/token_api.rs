@@ -358,14 +358,18 @@ impl FlatCache {
                 .pending
                 .checked_add(n)
                 .ok_or_else(|| CoreError::overflow("num_new_tokens"))?;
-            let known = u64::try_from(s.tokens.len()).unwrap_or(u64::MAX);
-            if s.computed.checked_add(s.pending).is_none_or(|end| end > known) {
+            if let Some(known) = exceeds_known(s, s.pending) {
                 let (computed, pending) = (s.computed, s.pending);
-                return Err(CoreError::invalid(format!(
-                    "schedule_rows: num_new_tokens = {pending} for request {} (row {row}) asks for more tokens \
-                     than are known: {computed} computed of {known}",
-                    self.id_at(i)
-                )));
+                // The id is looked up (a scan) only for the message.
+                let req = format!("{} (row {row})", self.id_at(i));
+                return Err(too_many_tokens(
+                    "schedule_rows",
+                    &req,
+                    "num_new_tokens",
+                    pending,
+                    computed,
+                    known,
+                ));
             }
         }
         Ok(())
@@ -444,7 +448,7 @@ impl FlatCache {
             self.reserved -= u128::from(std::mem::take(&mut entry.reserve));
         }
         if changed {
-            self.touch_row(at, false);
+            self.touch_row(at);
         }
         Ok(scheduled)
     }
@@ -475,15 +479,34 @@ impl FlatCache {
 
 /// `n` more tokens of `state` must be known: `computed + n <= len(tokens)`.
 fn check_known(method: &str, req: RequestIdRef<'_>, state: &TokenState, n: u64, arg: &str) -> CoreResult<()> {
+    match exceeds_known(state, n) {
+        None => Ok(()),
+        Some(known) => Err(too_many_tokens(method, &req, arg, n, state.computed, known)),
+    }
+}
+
+/// The tokens `state` knows, when `n` more from its position would be more than that.
+#[inline]
+fn exceeds_known(state: &TokenState, n: u64) -> Option<u64> {
     let known = u64::try_from(state.tokens.len()).unwrap_or(u64::MAX);
     match state.computed.checked_add(n) {
-        Some(end) if end <= known => Ok(()),
-        _ => Err(CoreError::invalid(format!(
-            "{method}: {arg} = {n} for request {req} asks for more tokens than are known: \
-             {} computed of {known}",
-            state.computed
-        ))),
+        Some(end) if end <= known => None,
+        _ => Some(known),
     }
+}
+
+/// The error of a request `req` (as shown) asked for `n` tokens past `computed` of `known`.
+fn too_many_tokens(
+    method: &str,
+    req: &dyn std::fmt::Display,
+    arg: &str,
+    n: u64,
+    computed: u64,
+    known: u64,
+) -> CoreError {
+    CoreError::invalid(format!(
+        "{method}: {arg} = {n} for request {req} asks for more tokens than are known: {computed} computed of {known}"
+    ))
 }
 
 /// Register the full base pages of a token-level request below its position that were not
