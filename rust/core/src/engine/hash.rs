@@ -116,6 +116,22 @@ impl Writer<'_> {
         self.buf[self.at..self.at + bytes.len()].copy_from_slice(bytes);
         self.at += bytes.len();
     }
+
+    #[inline]
+    fn put_hash(&mut self, hash: &ContentHash) {
+        self.buf[self.at..self.at + 32].copy_from_slice(hash);
+        self.at += 32;
+    }
+
+    /// Each token as 4 little-endian bytes, in one pass over the destination.
+    #[inline]
+    fn put_tokens(&mut self, tokens: &[u32]) {
+        let end = self.at + tokens.len() * 4;
+        for (dst, t) in self.buf[self.at..end].chunks_exact_mut(4).zip(tokens) {
+            dst.copy_from_slice(&t.to_le_bytes());
+        }
+        self.at = end;
+    }
 }
 
 /// The content hash of one page (SPEC 4 layout).
@@ -142,11 +158,14 @@ pub fn hash_page<K: AsRef<[u8]>>(tokens: &[u32], prior: &[u8], extra_keys: &[K])
         let mut buf = [0u8; 512];
         let mut w = Writer { buf: &mut buf, at: 0 };
         w.put(&prior_len);
-        w.put(prior);
-        w.put(&token_count);
-        for t in tokens {
-            w.put(&t.to_le_bytes());
+        // A chained page's prior is always a 32-byte hash: a fixed-size copy, not a memcpy call.
+        if let Ok(hash) = <&ContentHash>::try_from(prior) {
+            w.put_hash(hash);
+        } else {
+            w.put(prior);
         }
+        w.put(&token_count);
+        w.put_tokens(tokens);
         if !extra_keys.is_empty() {
             w.put(&len_field(extra_keys.len(), "extra_keys")?);
             for key in extra_keys {

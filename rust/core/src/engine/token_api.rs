@@ -226,7 +226,11 @@ impl FlatCache {
         let Some(state) = self.entries[at].tokens.as_mut() else {
             return Ok(());
         };
-        state.tokens.extend_from_slice(tokens);
+        if let [token] = tokens {
+            state.tokens.push(*token); // a decode step's one token: no memcpy call
+        } else {
+            state.tokens.extend_from_slice(tokens);
+        }
         // Hash each base page that is now full (a multiplication per append, not a division:
         // this runs for every request of every decode step).
         while (state.hashes.len() + 1).saturating_mul(base) <= state.tokens.len() {
