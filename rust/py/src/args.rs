@@ -157,10 +157,20 @@ where
     u64: TryFrom<T>,
 {
     let view = arr.readonly();
+    let bad = |i: usize, v: T| PyValueError::new_err(format!("{name}[{i}] must be >= 0, got {v}"));
+    // Contiguous: convert as a slice; strided: element by element. Either way into a
+    // vector of the exact size (collecting `Result`s would grow it by doubling).
+    if let Ok(slice) = view.as_slice() {
+        let mut out = Vec::with_capacity(slice.len());
+        for (i, &v) in slice.iter().enumerate() {
+            out.push(u64::try_from(v).map_err(|_| bad(i, v))?);
+        }
+        return Ok(out);
+    }
     let view = view.as_array();
     let mut out = Vec::with_capacity(view.len());
     for (i, &v) in view.iter().enumerate() {
-        out.push(u64::try_from(v).map_err(|_| PyValueError::new_err(format!("{name}[{i}] must be >= 0, got {v}")))?);
+        out.push(u64::try_from(v).map_err(|_| bad(i, v))?);
     }
     Ok(out)
 }
@@ -202,7 +212,11 @@ fn int_sequence<'py, E>(
         return Ok(out);
     }
     if let Ok(tuple) = obj.cast::<PyTuple>() {
-        return tuple.iter().enumerate().map(|(i, t)| convert(&t, i)).collect();
+        let mut out = Vec::with_capacity(tuple.len());
+        for (i, it) in tuple.iter().enumerate() {
+            out.push(convert(&it, i)?);
+        }
+        return Ok(out);
     }
     let arr = match obj.cast::<PyUntypedArray>() {
         Ok(arr) => Some(arr.clone()),
@@ -271,14 +285,14 @@ where
 {
     let view = arr.readonly();
     let bad = |i: usize, v: T| not_u32(&format!("{name}[{i}]"), &v);
-    // A contiguous array converts as a slice, which the compiler vectorises (a u32 array is
-    // a plain copy); a strided one element by element.
+    // A contiguous array converts as a slice (a u32 array is a plain copy); a strided one
+    // element by element. Collecting `Result`s would grow the vector by doubling, so a
+    // slice is checked first and then converted into a vector of the exact size.
     if let Ok(slice) = view.as_slice() {
-        return slice
-            .iter()
-            .enumerate()
-            .map(|(i, &v)| u32::try_from(v).map_err(|_| bad(i, v)))
-            .collect();
+        if let Some(i) = slice.iter().position(|&v| u32::try_from(v).is_err()) {
+            return Err(bad(i, slice[i]));
+        }
+        return Ok(slice.iter().map(|&v| u32::try_from(v).unwrap_or_default()).collect());
     }
     let view = view.as_array();
     let mut out = Vec::with_capacity(view.len());
