@@ -134,6 +134,14 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
             prev: last,
             next: if last == 0 { NULL_PAGE } else { 1 },
         };
+        // Each real page holds at most one key: sized for all of them up front, the key map
+        // never rehashes while serving (a rehash of a full map is a millisecond-long step).
+        let mut map = HashTable::new();
+        if enable_caching {
+            map.try_reserve(n - 1, |s: &Slot| s.fp).map_err(|_| {
+                CoreError::OutOfMemory(format!("num_blocks = {n}: the page key map does not fit in memory"))
+            })?;
+        }
         Ok(Self {
             enable_caching,
             reuse_uncached_first: DEFAULT_REUSE_UNCACHED_FIRST,
@@ -141,7 +149,7 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
             links,
             num_free: n - 1,
             keys: try_filled(n, None)?,
-            map: HashTable::new(),
+            map,
             overflow: Vec::new(),
             overflow_free: Vec::new(),
             num_cached: 0,
