@@ -181,6 +181,47 @@ class RequestsMachine(RuleBasedStateMachine):
             if outcome[1]:
                 event("prefix hit")
 
+    @rule(
+        req=st.sampled_from(REQUEST_IDS),
+        doc=st.integers(0, len(DOCUMENTS) - 1),
+        length=st.integers(0, 40),
+        extra=st.sampled_from(EXTRA_KEYS) | st.just(()),
+        limit=st.integers(0, 48),
+        use_cache=st.booleans() | st.just(True),
+    )
+    def admit(
+        self, req: Any, doc: int, length: int, extra: tuple[str, ...], limit: int, use_cache: bool
+    ) -> None:
+        """``admit`` is the SPEC 9 admission the probes describe: the hit, the first chunk and
+        its fit check, then ``add_request``; nothing changes when it does not fit."""
+        native = self.caches[0]
+        prompt = DOCUMENTS[doc][:length]
+        keys = list(extra)
+        expected: Any = None
+        if prompt and req not in self.live:
+            hit = native.prefix_hit_tokens(prompt, extra_keys=keys) if use_cache else 0
+            chunk = min(len(prompt) - hit, limit)
+            reserve = 1 if hit + chunk == len(prompt) else 0
+            need = (
+                native.pages_needed_to_admit(prompt, chunk, reserve, extra_keys=keys)
+                if use_cache
+                else native.pages_needed(chunk + reserve)
+            )
+            expected = (hit, chunk) if need <= native.budget() else None
+        before = native.stats()
+        outcome = self.both("admit", req, prompt, limit, extra_keys=keys, use_prefix_cache=use_cache)
+        if outcome[0] == "raise":
+            assert not prompt or req in self.live, f"admit refused a new request: {outcome}"
+            return
+        assert outcome[1] == normalize(expected), f"admit gave {outcome[1]}, the probes say {expected}"
+        if expected is None:
+            event("admit: does not fit")
+            assert native.stats() == before
+        else:
+            event("admit: added")
+            self.live.append(req)
+            assert native.num_computed_tokens(req) == expected[0]
+
     @precondition(lambda self: self.live)
     @rule(index=st.integers(0, 10), tokens=st.lists(st.integers(0, 2000), min_size=0, max_size=9))
     def append_tokens(self, index: int, tokens: list[int]) -> None:
@@ -281,14 +322,13 @@ class RequestsMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(index=st.integers(0, 10), op=st.sampled_from(["acquire", "reclaim", "free"]), k=st.integers(0, 9))
     def page_level_call(self, index: int, op: str, k: int) -> None:
-        """Page-level methods work on token-level requests; the token state must follow."""
+        """Page-level methods on token-level requests are refused (issue 13); both engines agree."""
         req = self.pick(index)
         if op == "acquire":
             self.both("acquire", req, k)
         elif op == "reclaim":
             self.both("reclaim", req, int(self.caches[0].num_computed_tokens(req)) + k)
-        else:
-            self.both("free", req)
+        elif self.both("free", req)[0] == "ok":
             self.live.remove(req)
 
     @rule()

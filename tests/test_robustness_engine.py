@@ -80,6 +80,8 @@ def _count_calls(v: object) -> dict[str, tuple[Any, str]]:
             lambda c: c.prefill_first_chunk("new", c.match_prefix([]), v),
             "num_tokens",
         ),
+        "admit.max_new_tokens": (lambda c: c.admit("new", [1, 2, 3], v), "max_new_tokens"),
+        "admit.row": (lambda c: c.admit("new", [1, 2, 3], 2, row=v), "row"),
         "schedule_batch[0]": (lambda c: c.schedule_batch([7], [v]), "num_new_tokens[0]"),
         "append_tokens_batch.num_tokens[0]": (
             lambda c: c.append_tokens_batch(["a"], [1], [v]),
@@ -89,9 +91,9 @@ def _count_calls(v: object) -> dict[str, tuple[Any, str]]:
 
 
 #: Count arguments for which None is not a bad value: ``end_tokens`` is optional (None means
-#: "state groups register nothing"). The ints with a default (``first_slot``, ``lookahead``,
+#: "state groups register nothing") and so is ``admit``'s ``row`` (None: no row). The ints with a default (``first_slot``, ``lookahead``,
 #: ``reserve_tokens``) take it only when left out: an explicit None is refused.
-_NONE_LEFT_OUT = frozenset({"register.end_tokens"})
+_NONE_LEFT_OUT = frozenset({"register.end_tokens", "admit.row"})
 
 COUNT_CASES = [
     pytest.param(Case(call, kind, name), id=f"{where}={label}")
@@ -105,6 +107,7 @@ def _token_calls(v: object) -> dict[str, tuple[Any, str]]:
     """Every token-list argument of the engine, with ``v`` as its second token."""
     return {
         "add_request": (lambda c: c.add_request("new", [1, v]), "prompt_token_ids[1]"),
+        "admit": (lambda c: c.admit("new", [1, v], 2), "prompt_token_ids[1]"),
         "append_tokens": (lambda c: c.append_tokens("a", [1, v]), "token_ids[1]"),
         "append_tokens_batch": (lambda c: c.append_tokens_batch(["a", 7], [1, v]), "token_ids[1]"),
         "prefix_hit_tokens": (lambda c: c.prefix_hit_tokens([1, v]), "prompt_token_ids[1]"),
@@ -451,6 +454,16 @@ ID_CASES = [
         ("add-existing-str", lambda c: c.add_request("a", [1, 2]), ValueError, "'a'"),
         ("add-existing-int", lambda c: c.add_request(7, [1, 2]), ValueError, "7"),
         ("add-existing-page-level", lambda c: c.add_request(PAGE_LEVEL, [1, 2]), ValueError, "'p'"),
+        ("admit-existing-str", lambda c: c.admit("a", [1, 2], 1), ValueError, "'a'"),
+        ("admit-existing-int", lambda c: c.admit(7, [1, 2], 1), ValueError, "7"),
+        ("admit-bytes", lambda c: c.admit(b"a", [1, 2], 1), TypeError, "request ids"),
+        ("admit-empty-prompt", lambda c: c.admit("new", [], 1), ValueError, "prompt_token_ids"),
+        (
+            "admit-use_prefix_cache-int",
+            lambda c: c.admit("new", [1], 1, use_prefix_cache=1),
+            TypeError,
+            "use_prefix_cache",
+        ),
         ("block_tables-bare-str", lambda c: c.block_tables("a"), TypeError, "reqs"),
     ]
 ]

@@ -618,6 +618,26 @@ class FlatKVCache:
         (``ValueError`` if no rows are bound, the row is out of range or held).
         """
 
+    def admit(
+        self,
+        req: _RequestId,
+        prompt_token_ids: _Tokens,
+        max_new_tokens: int,
+        *,
+        extra_keys: Sequence[str] = (),
+        use_prefix_cache: bool = True,
+        row: int | None = None,
+    ) -> tuple[int, int] | None:
+        """SPEC 9 admission in one call (one hash, one prefix match).
+
+        The first chunk is ``min(len(prompt) - hit, max_new_tokens)`` tokens after the capped
+        hit, with one token of reserve when it completes the prompt. None, with nothing
+        changed, when ``pages_needed_to_admit(prompt, chunk, reserve)`` exceeds ``budget()``;
+        otherwise the request is added as :meth:`add_request` would add it and the answer is
+        ``(hit, chunk)``. Scheduling the chunk is left to the caller. Errors as
+        :meth:`add_request`.
+        """
+
     def bind_rows(
         self, tables: Mapping[str, _TableBuffer], *, offsets: Mapping[str, _TableBuffer] | None = None
     ) -> None:

@@ -453,6 +453,40 @@ impl PyFlatKVCache {
         })?)
     }
 
+    /// SPEC 9 admission in one call (one hash, one prefix match): the first chunk is
+    /// `min(len(prompt) - hit, max_new_tokens)` tokens after the capped hit, with one token
+    /// of reserve when it completes the prompt. If `pages_needed_to_admit(prompt, chunk,
+    /// reserve)` exceeds `budget()`, nothing changes and the answer is None; otherwise the
+    /// request is added exactly as `add_request(req, prompt, ...)` would and the answer is
+    /// `(hit, chunk)`. The caller schedules the chunk (after acknowledging any host-tier
+    /// loads). Same as `prefix_hit_tokens`, `pages_needed_to_admit`, `budget` and
+    /// `add_request` in turn, in one call.
+    #[pyo3(
+        signature = (req, prompt_token_ids, max_new_tokens, *, extra_keys = ExtraKeys::default(), use_prefix_cache = FlagParam::OMITTED, row = None),
+        text_signature = "(self, req, prompt_token_ids, max_new_tokens, *, extra_keys=(), use_prefix_cache=True, row=None)"
+    )]
+    #[allow(clippy::too_many_arguments, reason = "the Python method's arguments")]
+    fn admit(
+        &self,
+        py: Python<'_>,
+        req: RequestId<'_>,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        max_new_tokens: &Bound<'_, PyAny>,
+        extra_keys: ExtraKeys,
+        use_prefix_cache: FlagParam<'_>,
+        row: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<(u64, u64)>> {
+        let use_prefix_cache = use_prefix_cache.or(true, "use_prefix_cache")?;
+        let id = req.id()?;
+        let max_new_tokens = count(max_new_tokens, "max_new_tokens")?;
+        let row = match row.filter(|r| !r.is_none()) {
+            Some(r) => Some(usize::try_from(count(r, "row")?).unwrap_or(usize::MAX)),
+            None => None,
+        };
+        let prompt = self.prompt(py, prompt_token_ids, extra_keys)?;
+        core(self.detached(py, |c| c.admit(id, prompt, max_new_tokens, use_prefix_cache, row))?)
+    }
+
     /// Bind persistent block-table rows (docs/requests-api.md "Persistent rows"): `tables`
     /// maps every group id to a writable C-contiguous int32 numpy array or CPU torch tensor
     /// `[max_rows, cols]` (the same `max_rows` for all groups); `offsets` optionally maps

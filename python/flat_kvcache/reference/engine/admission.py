@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from flat_kvcache.reference.engine._args import RequestId, TokenIds, as_count, as_request_id, check_u64
+from flat_kvcache.reference.engine._args import (
+    RequestId,
+    TokenIds,
+    as_count,
+    as_flag,
+    as_request_id,
+    check_u64,
+)
 from flat_kvcache.reference.engine.token_api import TokenApi
 
 __all__ = ["Admission"]
@@ -35,6 +42,43 @@ class Admission(TokenApi):
         total = self.pages_needed(check_u64(count + extra, "num_new_tokens + reserve_tokens"))
         device, loads = self._tiered_claim_cost(pages)
         return check_u64(total + device + loads, "num_new_tokens + reserve_tokens")
+
+    def admit(
+        self,
+        req: RequestId,
+        prompt_token_ids: TokenIds,
+        max_new_tokens: int,
+        *,
+        extra_keys: Sequence[str] = (),
+        use_prefix_cache: bool = True,
+        row: int | None = None,
+    ) -> tuple[int, int] | None:
+        """SPEC 9 admission: the first chunk is ``min(len - hit, max_new_tokens)`` tokens after
+        the capped hit, plus one token of reserve when it completes the prompt. None (nothing
+        changes) when ``pages_needed_to_admit(prompt, chunk, reserve)`` exceeds ``budget()``;
+        else ``add_request`` and ``(hit, chunk)``. The calls a scheduler would make, in turn."""
+        use_cache = as_flag(use_prefix_cache, "use_prefix_cache")
+        key = as_request_id(req)
+        limit = as_count(max_new_tokens, "max_new_tokens")
+        wanted_row = None if row is None else as_count(row, "row")
+        tokens, _, keys = self._hash_prompt(prompt_token_ids, extra_keys)
+        if wanted_row is not None:
+            self._check_row_free(wanted_row)
+        if key in self._requests:
+            raise ValueError(f"admit: request {key!r} already exists")
+        if not tokens:
+            raise ValueError("prompt_token_ids must not be empty")
+        hit = self.prefix_hit_tokens(tokens, extra_keys=keys) if use_cache else 0
+        chunk = min(len(tokens) - hit, limit)
+        reserve = 1 if hit + chunk == len(tokens) else 0
+        if use_cache:
+            need = self.pages_needed_to_admit(tokens, chunk, reserve, extra_keys=keys)
+        else:
+            need = self.pages_needed(chunk + reserve)
+        if need > self.budget():
+            return None
+        self.add_request(key, tokens, extra_keys=keys, use_prefix_cache=use_cache, row=wanted_row)
+        return hit, chunk
 
     def reserve(self, req: RequestId, tokens: int) -> None:
         """Promise ``pages_needed(tokens, req)`` pages to the request's next decode (replaces)."""

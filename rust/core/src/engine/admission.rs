@@ -120,6 +120,43 @@ mod tests {
     }
 
     #[test]
+    fn admit_counts_the_first_decode_page_only_when_the_chunk_completes_the_prompt() {
+        // 5 real pages. 8 new tokens take 2 + 2 pages, a ninth (the first decode) 3 + 3.
+        let mut c = hybrid(6);
+        let p = prompt(&c, toks(0..8));
+        let before = c.stats();
+        assert_eq!(c.admit(A, p.clone(), 8, true, None).unwrap(), None);
+        assert_eq!(c.stats(), before);
+        assert!(!c.has_request(A));
+        // A chunk that leaves a prompt token for later needs no reserve: 4 pages fit.
+        assert_eq!(c.admit(A, p, 7, true, None).unwrap(), Some((0, 7)));
+        assert_eq!(c.num_computed_tokens(A).unwrap(), 0);
+        assert!(c.schedule(A, 7, 0).unwrap());
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn admit_is_the_probes_then_add_request() {
+        let mut c = hybrid(64);
+        run_and_finish(&mut c, A, toks(0..16));
+        let p = prompt(&c, toks(0..24));
+        let hit = c.prefix_hit_tokens(&p).unwrap();
+        assert!(hit > 0);
+        let need = c.pages_needed_to_admit(&p, 3, 0).unwrap();
+        let free = c.budget(None).unwrap();
+        assert_eq!(c.admit(B, p, 3, true, None).unwrap(), Some((hit, 3)));
+        assert_eq!(c.num_computed_tokens(B).unwrap(), hit);
+        assert!(c.schedule(B, 3, 0).unwrap());
+        // Exactly the pages the probe counted left the free list.
+        assert_eq!(c.budget(None).unwrap(), free - i128::from(need));
+        // Without the prefix cache the hit is 0, and an id in use is an error.
+        let q = prompt(&c, toks(0..24));
+        assert_eq!(c.admit(C, q.clone(), 4, false, None).unwrap(), Some((0, 4)));
+        assert!(matches!(c.admit(B, q, 4, true, None), Err(CoreError::InvalidArgument(_))));
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
     fn reserve_and_budget_arithmetic() {
         let mut c = hybrid(21); // 20 real pages
         add(&mut c, A, toks(0..8));

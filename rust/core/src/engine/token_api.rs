@@ -8,7 +8,7 @@
 //! use, and "allocated tokens" is read off them (claimed plus acquired tokens, the same in
 //! every group), so page-level calls on a token-level request cannot desynchronise it.
 
-use super::coordinator::{Coordinator, TokenContext};
+use super::coordinator::{Coordinator, PrefixMatch, TokenContext};
 use super::hash::hash_page;
 use super::ids::RequestIdRef;
 use super::table::Table;
@@ -105,6 +105,18 @@ impl FlatCache {
         } else {
             None
         };
+        self.add_matched(req, prompt, m).map(|(hit, _)| hit)
+    }
+
+    /// Add the new request `req` (checked by the caller: new, non-empty prompt) claiming
+    /// `m`, a capped match made under the lock just now (`None`: no prefix cache). Returns
+    /// the hit and the request's slab position.
+    fn add_matched(
+        &mut self,
+        req: RequestIdRef<'_>,
+        prompt: Prompt,
+        m: Option<PrefixMatch>,
+    ) -> CoreResult<(u64, usize)> {
         let hit = m.as_ref().map_or(0, |m| m.num_common_tokens);
         let registered = usize::try_from(self.coord.base_div().quotient(hit)).unwrap_or(usize::MAX);
         let prompt_len = u64::try_from(prompt.tokens.len()).unwrap_or(u64::MAX);
@@ -139,7 +151,60 @@ impl FlatCache {
             c.prefix_hits_tokens = c.prefix_hits_tokens.saturating_add(hit);
             c.host_hits_tokens = c.host_hits_tokens.saturating_add(host_hit);
         }
-        Ok(hit)
+        Ok((hit, at))
+    }
+
+    /// SPEC 9 admission in one call, with one prefix match: the first chunk is
+    /// `min(len(prompt) - hit, max_new_tokens)` tokens after the capped hit, plus one token
+    /// of reserve when the chunk completes the prompt (the first decode's page). If
+    /// `pages_needed_to_admit(prompt, chunk, reserve)` exceeds `budget()` nothing changes and
+    /// the answer is `None`; otherwise the request is added exactly as `add_request` would
+    /// (in `row`, if given) and the answer is `(hit, chunk)`. Scheduling the chunk is left to
+    /// the caller (host-tier loads must be acknowledged first).
+    pub fn admit(
+        &mut self,
+        req: RequestIdRef<'_>,
+        prompt: Prompt,
+        max_new_tokens: u64,
+        use_prefix_cache: bool,
+        row: Option<usize>,
+    ) -> CoreResult<Option<(u64, u64)>> {
+        self.check_prompt(&prompt)?;
+        if let Some(row) = row {
+            self.check_row_free(row)?;
+        }
+        if self.has_request(req) {
+            return Err(CoreError::invalid(format!("admit: request {req} already exists")));
+        }
+        if prompt.tokens.is_empty() {
+            return Err(CoreError::invalid("prompt_token_ids must not be empty"));
+        }
+        let m = if use_prefix_cache && self.coord.pool().caching_enabled() {
+            Some(self.capped_match(&prompt)?)
+        } else {
+            None
+        };
+        let hit = m.as_ref().map_or(0, |m| m.num_common_tokens);
+        let len = u64::try_from(prompt.tokens.len()).unwrap_or(u64::MAX);
+        // hit < len: the capped match never covers the last prompt token.
+        let chunk = (len - hit).min(max_new_tokens);
+        let reserve = u64::from(hit + chunk == len);
+        let (device, loads) = m.as_ref().map_or((0, 0), |m| self.coord.tiered_claim_cost(m));
+        let claim = u64::try_from(device.saturating_add(loads)).unwrap_or(u64::MAX);
+        // chunk + reserve <= len <= usize::MAX, so the sum cannot overflow u64.
+        let need = self
+            .coord
+            .pages_needed(None, chunk + reserve)?
+            .checked_add(claim)
+            .ok_or_else(|| CoreError::overflow("max_new_tokens"))?;
+        if i128::from(need) > self.budget(None)? {
+            return Ok(None);
+        }
+        let (hit, at) = self.add_matched(req, prompt, m)?;
+        if let Some(row) = row {
+            self.assign_row(at, row);
+        }
+        Ok(Some((hit, chunk)))
     }
 
     /// [`Self::add_request`], giving the new request persistent row `row` of the bound
