@@ -20,8 +20,9 @@ One step, in order:
    ``min(prompt - hit, tokens left)`` tokens if ``pages_needed_to_admit(prompt, chunk,
    reserve)`` fits in ``budget()`` (free pages less the pages promised to other requests' next
    decode; ``reserve`` is 1 token when the chunk completes the prompt, for the first decode).
-   Then ``add_request`` claims the prefix hit (and gives the request a free row of the
-   persistent block tables) and ``schedule`` takes the chunk. The first
+   ``admit`` makes that check and, when it passes, ``add_request`` (which claims the prefix
+   hit and gives the request a free row of the persistent block tables) in one call; then
+   ``schedule`` takes the chunk. The first
    request that does not fit stops admission (no overtaking). While ``budget()`` is below one
    page per group no first chunk can fit, and the check is skipped.
 4. The block tables: ``update_rows()`` writes the cells that changed into the persistent
@@ -337,12 +338,14 @@ class _Loop:
         """
         batch: list[_Live] = []
         sizes: list[int] = []
+        rows: list[int] = []
         for live in self.running:
             if tokens_left == 0:
                 break
             n = min(live.known - live.computed, tokens_left)
             batch.append(live)
             sizes.append(n)
+            rows.append(live.row)
             tokens_left -= n
         scheduled: list[_Live] = []
         decodes = 0
@@ -350,7 +353,8 @@ class _Loop:
             return scheduled, decodes, tokens_left
         start = _perf()
         if self.by_row:
-            ok = self.cache.schedule_rows(np.array([live.row for live in batch], dtype=np.int64), sizes)
+            # Plain lists: converting them natively is cheaper than building numpy arrays.
+            ok = self.cache.schedule_rows(rows, sizes)
         else:
             ok = self.cache.schedule_batch([live.rid for live in batch], sizes)
         self._charge("schedule_batch", start)
@@ -374,30 +378,25 @@ class _Loop:
             start = _perf()
             if cache.budget() < self.num_groups:
                 # Any first chunk takes at least one page per group (a claim leaves no room in
-                # the last page), so the full check, which hashes the prompt twice, would fail.
+                # the last page), so the full check, which hashes the prompt, would fail.
                 self._charge("admit", start)
                 break
-            hit = cache.prefix_hit_tokens(prompt, extra_keys=extra)
-            chunk = min(len(prompt) - hit, tokens_left)
-            reserve = 1 if hit + chunk == len(prompt) else 0
-            fits = cache.pages_needed_to_admit(prompt, chunk, reserve, extra_keys=extra) <= cache.budget()
-            got = ok = 0
-            if fits:
-                row = self.free_rows[-1] if self.by_row else None
-                got = cache.add_request(rid, prompt, extra_keys=extra, row=row)
-                self._ack_transfers()  # host loads land before the request is scheduled
-                ok = cache.schedule(rid, chunk)
-                if not ok:
-                    cache.finish(rid)  # SPEC 8: on failure the claim stays; the caller frees it
-                elif row is not None:
-                    live.row = self.free_rows.pop()
-            self._charge("admit", start)
-            if not fits:
+            # One call: the capped hit, the first chunk, its fit check and add_request.
+            row = self.free_rows[-1] if self.by_row else None
+            admitted_as = cache.admit(rid, prompt, tokens_left, extra_keys=extra, row=row)
+            if admitted_as is None:
+                self._charge("admit", start)
                 break
-            if got != hit:
-                raise RuntimeError(
-                    f"request {rid}: add_request hit {got} tokens but prefix_hit_tokens said {hit}"
-                )
+            hit, chunk = admitted_as
+            self._charge("admit", start)
+            self._ack_transfers()  # host loads land before the request is scheduled (timed there)
+            start = _perf()
+            ok = cache.schedule(rid, chunk)
+            if not ok:
+                cache.finish(rid)  # SPEC 8: on failure the claim stays; the caller frees it
+            elif row is not None:
+                live.row = self.free_rows.pop()
+            self._charge("admit", start)
             if not ok:
                 self.counts["admission_failures"] += 1  # the check said it fits; retry next step
                 break
@@ -432,7 +431,7 @@ class _Loop:
         if append_reqs:
             start = _perf()
             if self.by_row:
-                cache.append_tokens_rows(np.array(append_rows, dtype=np.int64), append_tokens)
+                cache.append_tokens_rows(append_rows, append_tokens)
             else:
                 cache.append_tokens_batch(append_reqs, append_tokens)  # one token each, one call
             self._charge("append_tokens", start)
