@@ -644,7 +644,7 @@ impl PyFlatKVCache {
             )));
         }
         let scheduled = core(self.detached(py, |c| c.schedule_batch(&ids, &ns))?)?;
-        Ok(scheduled.into_pyarray(py))
+        Ok(PyArray1::from_slice(py, &scheduled))
     }
 
     /// `schedule_batch` addressed by persistent rows (`bind_rows`): the request holding
@@ -661,7 +661,7 @@ impl PyFlatKVCache {
         let rows = counts(rows, "rows")?;
         let ns = counts(num_new_tokens, "num_new_tokens")?;
         let scheduled = core(self.detached(py, |c| c.schedule_rows(&rows, &ns))?)?;
-        Ok(scheduled.into_pyarray(py))
+        Ok(PyArray1::from_slice(py, &scheduled))
     }
 
     /// `append_tokens_batch` addressed by persistent rows: the request holding `rows[i]` gets

@@ -11,10 +11,9 @@ use flat_kvcache_core::engine::block_tables::TableOut;
 use flat_kvcache_core::engine::coordinator::GroupSpec;
 use flat_kvcache_core::engine::group::GroupKind;
 use flat_kvcache_core::engine::rows::{RowDelta, RowLayout};
-use numpy::ndarray::{Array2, Ix1};
+use numpy::ndarray::{ArrayView2, Ix1};
 use numpy::{
-    BorrowError, IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadwriteArray1, PyReadwriteArray2,
-    PyUntypedArrayMethods,
+    BorrowError, PyArray1, PyArray2, PyArrayMethods, PyReadwriteArray1, PyReadwriteArray2, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -275,17 +274,15 @@ pub fn deltas_to_py<'py, 'a>(
     let offsets = PyDict::new(py);
     let shape_err = |e: numpy::ndarray::ShapeError| PyValueError::new_err(format!("update_rows: {e}"));
     for (gid, DeltaCopy { cells: c, offsets: o }) in gids.zip(copies) {
+        // Copied into numpy-owned arrays: cheaper than handing numpy the vectors (a
+        // container object per array) for the few hundred cells of a step.
         let n = c.len() / 3;
-        cells.set_item(
-            gid,
-            Array2::from_shape_vec((3, n), c).map_err(shape_err)?.into_pyarray(py),
-        )?;
+        let view = ArrayView2::from_shape((3, n), &c).map_err(shape_err)?;
+        cells.set_item(gid, PyArray2::from_array(py, &view))?;
         if let Some(o) = o {
             let m = o.len() / 2;
-            offsets.set_item(
-                gid,
-                Array2::from_shape_vec((2, m), o).map_err(shape_err)?.into_pyarray(py),
-            )?;
+            let view = ArrayView2::from_shape((2, m), &o).map_err(shape_err)?;
+            offsets.set_item(gid, PyArray2::from_array(py, &view))?;
         }
     }
     Ok((cells, offsets))

@@ -152,7 +152,10 @@ mod tests {
         // Without the prefix cache the hit is 0, and an id in use is an error.
         let q = prompt(&c, toks(0..24));
         assert_eq!(c.admit(C, q.clone(), 4, false, None).unwrap(), Some((0, 4)));
-        assert!(matches!(c.admit(B, q, 4, true, None), Err(CoreError::InvalidArgument(_))));
+        assert!(matches!(
+            c.admit(B, q, 4, true, None),
+            Err(CoreError::InvalidArgument(_))
+        ));
         c.check_invariants().unwrap();
     }
 
