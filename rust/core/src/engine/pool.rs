@@ -402,13 +402,26 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
         if n > self.num_free {
             return false;
         }
+        if n == 0 {
+            return true;
+        }
         out.reserve(n);
+        let start = out.len();
+        // Pass 1 walks the first n pages of the free list, reading only their links, and cuts
+        // them off at once. Pass 2 evicts their keys and takes their counts: each page's
+        // loads there are independent of the others', so they overlap instead of waiting
+        // behind the next link (most allocated pages are cold).
+        let mut head = self.links[0].next;
         for _ in 0..n {
-            let page = self.links[0].next;
-            self.unlink(page);
+            out.push(head);
+            head = self.links[head as usize].next;
+        }
+        self.links[0].next = head;
+        self.links[head as usize].prev = NULL_PAGE;
+        self.num_free -= n;
+        for &page in &out[start..] {
             self.evict(page);
             self.refs[page as usize] = 1;
-            out.push(page);
         }
         true
     }
