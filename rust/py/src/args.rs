@@ -200,9 +200,19 @@ fn int_sequence<'py, E>(
     array: impl Fn(&Bound<'py, PyUntypedArray>) -> Option<PyResult<Vec<E>>>,
 ) -> PyResult<Vec<E>> {
     let mut scalars = Scalars::new(obj.py());
-    let mut convert = |it: &Bound<'py, PyAny>, i: usize| match scalars.value(it).and_then(&fits) {
-        Some(v) => Ok(v),
-        None => item(it, name, i),
+    let mut convert = |it: &Bound<'py, PyAny>, i: usize| {
+        // A plain int (never a bool: that is a subclass) that fits i64 and `fits`: the common
+        // case, in one type check and one conversion.
+        if it.is_exact_instance_of::<PyInt>() {
+            if let Some(v) = it.extract::<i64>().ok().and_then(|v| fits(i128::from(v))) {
+                return Ok(v);
+            }
+            return item(it, name, i);
+        }
+        match scalars.value(it).and_then(&fits) {
+            Some(v) => Ok(v),
+            None => item(it, name, i),
+        }
     };
     if let Ok(list) = obj.cast::<PyList>() {
         let mut out = Vec::with_capacity(list.len());
