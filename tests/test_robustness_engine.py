@@ -91,8 +91,9 @@ def _count_calls(v: object) -> dict[str, tuple[Any, str]]:
 
 
 #: Count arguments for which None is not a bad value: ``end_tokens`` is optional (None means
-#: "state groups register nothing") and so is ``admit``'s ``row`` (None: no row). The ints with a default (``first_slot``, ``lookahead``,
-#: ``reserve_tokens``) take it only when left out: an explicit None is refused.
+#: "state groups register nothing") and so is ``admit``'s ``row`` (None: no row). The ints
+#: with a default (``first_slot``, ``lookahead``, ``reserve_tokens``) take it only when left
+#: out: an explicit None is refused.
 _NONE_LEFT_OUT = frozenset({"register.end_tokens", "admit.row"})
 
 COUNT_CASES = [
