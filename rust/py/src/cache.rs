@@ -107,6 +107,15 @@ impl PyFlatKVCache {
     }
 }
 
+/// The `row=` argument of `add_request` and `admit`: None, or a count (a row past `usize`
+/// becomes `usize::MAX`, which the engine refuses as out of range).
+fn optional_row(row: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {
+    match row.filter(|r| !r.is_none()) {
+        Some(r) => Ok(Some(usize::try_from(count(r, "row")?).unwrap_or(usize::MAX))),
+        None => Ok(None),
+    }
+}
+
 #[pymethods]
 #[allow(clippy::needless_pass_by_value, reason = "PyO3 extracts arguments by value")]
 impl PyFlatKVCache {
@@ -442,10 +451,7 @@ impl PyFlatKVCache {
     ) -> PyResult<u64> {
         let use_prefix_cache = use_prefix_cache.or(true, "use_prefix_cache")?;
         let id = req.id()?;
-        let row = match row.filter(|r| !r.is_none()) {
-            Some(r) => Some(usize::try_from(count(r, "row")?).unwrap_or(usize::MAX)),
-            None => None,
-        };
+        let row = optional_row(row)?;
         let prompt = self.prompt(py, prompt_token_ids, extra_keys)?;
         core(self.detached(py, |c| match row {
             Some(row) => c.add_request_in_row(id, prompt, use_prefix_cache, row),
@@ -479,10 +485,7 @@ impl PyFlatKVCache {
         let use_prefix_cache = use_prefix_cache.or(true, "use_prefix_cache")?;
         let id = req.id()?;
         let max_new_tokens = count(max_new_tokens, "max_new_tokens")?;
-        let row = match row.filter(|r| !r.is_none()) {
-            Some(r) => Some(usize::try_from(count(r, "row")?).unwrap_or(usize::MAX)),
-            None => None,
-        };
+        let row = optional_row(row)?;
         let prompt = self.prompt(py, prompt_token_ids, extra_keys)?;
         core(self.detached(py, |c| c.admit(id, prompt, max_new_tokens, use_prefix_cache, row))?)
     }
