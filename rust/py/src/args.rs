@@ -531,7 +531,11 @@ pub struct RequestIds<'py>(Vec<RequestId<'py>>);
 impl RequestIds<'_> {
     /// The borrowed core ids, in order.
     pub fn ids(&self) -> PyResult<Vec<RequestIdRef<'_>>> {
-        self.0.iter().map(RequestId::id).collect()
+        let mut out = Vec::with_capacity(self.0.len());
+        for req in &self.0 {
+            out.push(req.id()?);
+        }
+        Ok(out)
     }
 }
 
@@ -543,6 +547,22 @@ impl<'a, 'py> FromPyObject<'a, 'py> for RequestIds<'py> {
             return Err(PyTypeError::new_err(
                 "reqs must be a sequence of request ids, not a bare str",
             ));
+        }
+        // A list or tuple (what a scheduler passes) into a vector of its exact size; any
+        // other iterable through the iterator protocol.
+        if let Ok(list) = obj.cast::<PyList>() {
+            let mut ids = Vec::with_capacity(list.len());
+            for item in list.iter() {
+                ids.push(item.extract::<RequestId<'py>>()?);
+            }
+            return Ok(Self(ids));
+        }
+        if let Ok(tuple) = obj.cast::<PyTuple>() {
+            let mut ids = Vec::with_capacity(tuple.len());
+            for item in tuple.iter() {
+                ids.push(item.extract::<RequestId<'py>>()?);
+            }
+            return Ok(Self(ids));
         }
         let ids = obj
             .try_iter()?
