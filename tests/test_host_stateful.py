@@ -161,7 +161,15 @@ class HostMachine(RequestsMachine):
                 if self.both("acquire", "evictor", lcm)[1] is not True:
                     break
             self.both("free", "evictor")
-        if req not in self.live and self.both("add_request", req, prompt)[0] == "ok":
+        if req in self.live:
+            return
+        if data.draw(st.booleans()):
+            # admit sizes the claim's loads like pages_needed_to_admit, then adds as add_request.
+            status, admitted = self.both("admit", req, prompt, data.draw(st.integers(0, 48)))
+            added = status == "ok" and admitted is not None
+        else:
+            added = self.both("add_request", req, prompt)[0] == "ok"
+        if added:
             self.live.append(req)
             if self.caches[0].loads_in_flight(req):
                 event("hit loaded from the host")
