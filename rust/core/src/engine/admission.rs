@@ -49,16 +49,23 @@ impl FlatCache {
     /// and with a host tier one device page per page loaded back) plus the pages of `num_new_tokens + reserve_tokens` on fresh tables.
     pub fn pages_needed_to_admit(&self, prompt: &Prompt, num_new_tokens: u64, reserve_tokens: u64) -> CoreResult<u64> {
         let m = self.capped_match(prompt)?;
-        // Device pages the claim takes off the free list, plus one per host-tier load.
-        let (device, loads) = self.coord.tiered_claim_cost(&m);
-        let consumed = u64::try_from(device.saturating_add(loads)).unwrap_or(u64::MAX);
+        let what = "num_new_tokens + reserve_tokens";
         let tokens = num_new_tokens
             .checked_add(reserve_tokens)
-            .ok_or_else(|| CoreError::overflow("num_new_tokens + reserve_tokens"))?;
+            .ok_or_else(|| CoreError::overflow(what))?;
+        self.pages_to_admit(Some(&m), tokens, what)
+    }
+
+    /// Pages a new request claiming `m` (`None`: nothing) and then taking `tokens` on fresh
+    /// tables needs: the device pages the claim takes off the free list, one per host-tier
+    /// load, and `pages_needed(tokens)`. `what` names the tokens in an overflow error.
+    pub(super) fn pages_to_admit(&self, m: Option<&PrefixMatch>, tokens: u64, what: &str) -> CoreResult<u64> {
+        let (device, loads) = m.map_or((0, 0), |m| self.coord.tiered_claim_cost(m));
+        let consumed = u64::try_from(device.saturating_add(loads)).unwrap_or(u64::MAX);
         self.coord
             .pages_needed(None, tokens)?
             .checked_add(consumed)
-            .ok_or_else(|| CoreError::overflow("num_new_tokens + reserve_tokens"))
+            .ok_or_else(|| CoreError::overflow(what))
     }
 
     /// Promise `pages_needed(tokens, req)` pages to `req`'s next decode (replacing its

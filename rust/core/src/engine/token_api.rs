@@ -92,20 +92,32 @@ impl FlatCache {
     /// on and `use_prefix_cache`, claims the capped prefix match; sets the computed tokens to
     /// the hit and returns it. Allocates nothing else.
     pub fn add_request(&mut self, req: RequestIdRef<'_>, prompt: Prompt, use_prefix_cache: bool) -> CoreResult<u64> {
-        self.check_prompt(&prompt)?;
+        self.check_new_request("add_request", req, &prompt)?;
+        let m = self.claimable_match(&prompt, use_prefix_cache)?;
+        self.add_matched(req, prompt, m).map(|(hit, _)| hit)
+    }
+
+    /// Refuse, for `method`, a request that cannot be added: a prompt hashed for another base
+    /// page size, an id already in use, or an empty prompt.
+    fn check_new_request(&self, method: &str, req: RequestIdRef<'_>, prompt: &Prompt) -> CoreResult<()> {
+        self.check_prompt(prompt)?;
         if self.has_request(req) {
-            return Err(CoreError::invalid(format!("add_request: request {req} already exists")));
+            return Err(CoreError::invalid(format!("{method}: request {req} already exists")));
         }
         if prompt.tokens.is_empty() {
             return Err(CoreError::invalid("prompt_token_ids must not be empty"));
         }
-        let use_cache = use_prefix_cache && self.coord.pool().caching_enabled();
-        let m = if use_cache {
-            Some(self.capped_match(&prompt)?)
+        Ok(())
+    }
+
+    /// The capped match a new request for `prompt` claims; `None` without the prefix cache
+    /// (`use_prefix_cache` false, or caching off).
+    fn claimable_match(&self, prompt: &Prompt, use_prefix_cache: bool) -> CoreResult<Option<PrefixMatch>> {
+        if use_prefix_cache && self.coord.pool().caching_enabled() {
+            self.capped_match(prompt).map(Some)
         } else {
-            None
-        };
-        self.add_matched(req, prompt, m).map(|(hit, _)| hit)
+            Ok(None)
+        }
     }
 
     /// Add the new request `req` (checked by the caller: new, non-empty prompt) claiming
@@ -169,34 +181,19 @@ impl FlatCache {
         use_prefix_cache: bool,
         row: Option<usize>,
     ) -> CoreResult<Option<(u64, u64)>> {
-        self.check_prompt(&prompt)?;
+        // In add_request_in_row's order: the row, then the request.
         if let Some(row) = row {
             self.check_row_free(row)?;
         }
-        if self.has_request(req) {
-            return Err(CoreError::invalid(format!("admit: request {req} already exists")));
-        }
-        if prompt.tokens.is_empty() {
-            return Err(CoreError::invalid("prompt_token_ids must not be empty"));
-        }
-        let m = if use_prefix_cache && self.coord.pool().caching_enabled() {
-            Some(self.capped_match(&prompt)?)
-        } else {
-            None
-        };
+        self.check_new_request("admit", req, &prompt)?;
+        let m = self.claimable_match(&prompt, use_prefix_cache)?;
         let hit = m.as_ref().map_or(0, |m| m.num_common_tokens);
         let len = u64::try_from(prompt.tokens.len()).unwrap_or(u64::MAX);
         // hit < len: the capped match never covers the last prompt token.
         let chunk = (len - hit).min(max_new_tokens);
         let reserve = u64::from(hit + chunk == len);
-        let (device, loads) = m.as_ref().map_or((0, 0), |m| self.coord.tiered_claim_cost(m));
-        let claim = u64::try_from(device.saturating_add(loads)).unwrap_or(u64::MAX);
         // chunk + reserve <= len <= usize::MAX, so the sum cannot overflow u64.
-        let need = self
-            .coord
-            .pages_needed(None, chunk + reserve)?
-            .checked_add(claim)
-            .ok_or_else(|| CoreError::overflow("max_new_tokens"))?;
+        let need = self.pages_to_admit(m.as_ref(), chunk + reserve, "max_new_tokens")?;
         if i128::from(need) > self.budget(None)? {
             return Ok(None);
         }
