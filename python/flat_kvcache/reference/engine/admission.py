@@ -56,28 +56,21 @@ class Admission(TokenApi):
         """SPEC 9 admission: the first chunk is ``min(len - hit, max_new_tokens)`` tokens after
         the capped hit, plus one token of reserve when it completes the prompt. None (nothing
         changes) when ``pages_needed_to_admit(prompt, chunk, reserve)`` exceeds ``budget()``;
-        else ``add_request`` and ``(hit, chunk)``. The calls a scheduler would make, in turn."""
+        else ``add_request`` and ``(hit, chunk)``. The prompt is hashed and matched once."""
         use_cache = as_flag(use_prefix_cache, "use_prefix_cache")
         key = as_request_id(req)
         limit = as_count(max_new_tokens, "max_new_tokens")
         wanted_row = None if row is None else as_count(row, "row")
-        tokens, _, keys = self._hash_prompt(prompt_token_ids, extra_keys)
-        if wanted_row is not None:
-            self._check_row_free(wanted_row)
-        if key in self._requests:
-            raise ValueError(f"admit: request {key!r} already exists")
-        if not tokens:
-            raise ValueError("prompt_token_ids must not be empty")
-        hit = self.prefix_hit_tokens(tokens, extra_keys=keys) if use_cache else 0
+        tokens, hashes, keys = self._hash_prompt(prompt_token_ids, extra_keys)
+        row_index = self._check_new_request("admit", key, tokens, wanted_row)
+        hit, pages = self._capped_match(hashes, len(tokens)) if use_cache else (0, None)
         chunk = min(len(tokens) - hit, limit)
         reserve = 1 if hit + chunk == len(tokens) else 0
-        if use_cache:
-            need = self.pages_needed_to_admit(tokens, chunk, reserve, extra_keys=keys)
-        else:
-            need = self.pages_needed(chunk + reserve)
-        if need > self.budget():
+        # pages_needed_to_admit(prompt, chunk, reserve); without the prefix cache, no claim.
+        device, loads = (0, 0) if pages is None else self._tiered_claim_cost(pages)
+        if self.pages_needed(chunk + reserve) + device + loads > self.budget():
             return None
-        self.add_request(key, tokens, extra_keys=keys, use_prefix_cache=use_cache, row=wanted_row)
+        self._add_checked(key, tokens, hashes, keys, use_cache, row_index)
         return hit, chunk
 
     def reserve(self, req: RequestId, tokens: int) -> None:

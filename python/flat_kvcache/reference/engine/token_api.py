@@ -87,11 +87,31 @@ class TokenApi(PageApi):
         key = as_request_id(req)
         wanted_row = None if row is None else as_count(row, "row")
         tokens, hashes, keys = self._hash_prompt(prompt_token_ids, extra_keys)
-        row_index = None if wanted_row is None else self._check_row_free(wanted_row)
+        row_index = self._check_new_request("add_request", key, tokens, wanted_row)
+        return self._add_checked(key, tokens, hashes, keys, use_cache, row_index)
+
+    def _check_new_request(
+        self, method: str, key: RequestId, tokens: list[int], row: int | None
+    ) -> int | None:
+        """Refuse, for ``method``, a request that cannot be added (its row not free, its id in
+        use, an empty prompt); returns the row's index, if any."""
+        row_index = None if row is None else self._check_row_free(row)
         if key in self._requests:
-            raise ValueError(f"add_request: request {key!r} already exists")
+            raise ValueError(f"{method}: request {key!r} already exists")
         if not tokens:
             raise ValueError("prompt_token_ids must not be empty")
+        return row_index
+
+    def _add_checked(
+        self,
+        key: RequestId,
+        tokens: list[int],
+        hashes: list[str],
+        keys: list[str],
+        use_cache: bool,
+        row_index: int | None,
+    ) -> int:
+        """``add_request`` once its arguments are checked; returns the hit."""
         hit = 0
         self._requests[key] = [Table() for _ in self._managers]
         state = TokenState(tokens, hashes, keys)
