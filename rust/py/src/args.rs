@@ -156,21 +156,32 @@ where
     T: numpy::Element + Copy + std::fmt::Display,
     u64: TryFrom<T>,
 {
+    ints_from_array(arr, |i, v| {
+        PyValueError::new_err(format!("{name}[{i}] must be >= 0, got {v}"))
+    })
+}
+
+/// Copy a 1-D numpy array of integer dtype `T` into a vector of `U`; `bad(i, v)` is the
+/// error for the first element `v` (at `i`) that does not fit. A contiguous array is
+/// checked first and then converted as a slice (a plain copy when `T` is `U`), a strided one
+/// element by element; either way into a vector of the exact size (collecting `Result`s
+/// would grow it by doubling).
+fn ints_from_array<T, U>(arr: &Bound<'_, PyArray1<T>>, bad: impl Fn(usize, T) -> PyErr) -> PyResult<Vec<U>>
+where
+    T: numpy::Element + Copy,
+    U: TryFrom<T> + Default,
+{
     let view = arr.readonly();
-    let bad = |i: usize, v: T| PyValueError::new_err(format!("{name}[{i}] must be >= 0, got {v}"));
-    // Contiguous: convert as a slice; strided: element by element. Either way into a
-    // vector of the exact size (collecting `Result`s would grow it by doubling).
     if let Ok(slice) = view.as_slice() {
-        let mut out = Vec::with_capacity(slice.len());
-        for (i, &v) in slice.iter().enumerate() {
-            out.push(u64::try_from(v).map_err(|_| bad(i, v))?);
+        if let Some(i) = slice.iter().position(|&v| U::try_from(v).is_err()) {
+            return Err(bad(i, slice[i]));
         }
-        return Ok(out);
+        return Ok(slice.iter().map(|&v| U::try_from(v).unwrap_or_default()).collect());
     }
     let view = view.as_array();
     let mut out = Vec::with_capacity(view.len());
     for (i, &v) in view.iter().enumerate() {
-        out.push(u64::try_from(v).map_err(|_| bad(i, v))?);
+        out.push(U::try_from(v).map_err(|_| bad(i, v))?);
     }
     Ok(out)
 }
@@ -182,6 +193,32 @@ fn count_item(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<u64
         return Ok(v);
     }
     non_negative(item, &format!("{name}[{index}]"))
+}
+
+/// `f(item, index)` for every item of `obj` if it is a list or a tuple, into a vector of its
+/// exact size (no iterator protocol); None for any other object.
+fn list_or_tuple<'py, T>(
+    obj: &Bound<'py, PyAny>,
+    mut f: impl FnMut(&Bound<'py, PyAny>, usize) -> PyResult<T>,
+) -> Option<PyResult<Vec<T>>> {
+    fn collect<'py, T>(
+        len: usize,
+        items: impl Iterator<Item = Bound<'py, PyAny>>,
+        f: &mut impl FnMut(&Bound<'py, PyAny>, usize) -> PyResult<T>,
+    ) -> PyResult<Vec<T>> {
+        let mut out = Vec::with_capacity(len);
+        for (i, item) in items.enumerate() {
+            out.push(f(&item, i)?);
+        }
+        Ok(out)
+    }
+    if let Ok(list) = obj.cast::<PyList>() {
+        return Some(collect(list.len(), list.iter(), &mut f));
+    }
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        return Some(collect(tuple.len(), tuple.iter(), &mut f));
+    }
+    None
 }
 
 /// A sequence of ints, a 1-D numpy integer array (any integer dtype, any strides) or a CPU
@@ -214,19 +251,8 @@ fn int_sequence<'py, E>(
             None => item(it, name, i),
         }
     };
-    if let Ok(list) = obj.cast::<PyList>() {
-        let mut out = Vec::with_capacity(list.len());
-        for (i, it) in list.iter().enumerate() {
-            out.push(convert(&it, i)?);
-        }
-        return Ok(out);
-    }
-    if let Ok(tuple) = obj.cast::<PyTuple>() {
-        let mut out = Vec::with_capacity(tuple.len());
-        for (i, it) in tuple.iter().enumerate() {
-            out.push(convert(&it, i)?);
-        }
-        return Ok(out);
+    if let Some(out) = list_or_tuple(obj, &mut convert) {
+        return out;
     }
     let arr = match obj.cast::<PyUntypedArray>() {
         Ok(arr) => Some(arr.clone()),
@@ -293,23 +319,7 @@ where
     T: numpy::Element + Copy + std::fmt::Display,
     u32: TryFrom<T>,
 {
-    let view = arr.readonly();
-    let bad = |i: usize, v: T| not_u32(&format!("{name}[{i}]"), &v);
-    // A contiguous array converts as a slice (a u32 array is a plain copy); a strided one
-    // element by element. Collecting `Result`s would grow the vector by doubling, so a
-    // slice is checked first and then converted into a vector of the exact size.
-    if let Ok(slice) = view.as_slice() {
-        if let Some(i) = slice.iter().position(|&v| u32::try_from(v).is_err()) {
-            return Err(bad(i, slice[i]));
-        }
-        return Ok(slice.iter().map(|&v| u32::try_from(v).unwrap_or_default()).collect());
-    }
-    let view = view.as_array();
-    let mut out = Vec::with_capacity(view.len());
-    for (i, &v) in view.iter().enumerate() {
-        out.push(u32::try_from(v).map_err(|_| bad(i, v))?);
-    }
-    Ok(out)
+    ints_from_array(arr, |i, v| not_u32(&format!("{name}[{i}]"), &v))
 }
 
 /// Tokens from any integer form `int_sequence` accepts; each value must fit `u32`
@@ -548,21 +558,10 @@ impl<'a, 'py> FromPyObject<'a, 'py> for RequestIds<'py> {
                 "reqs must be a sequence of request ids, not a bare str",
             ));
         }
-        // A list or tuple (what a scheduler passes) into a vector of its exact size; any
-        // other iterable through the iterator protocol.
-        if let Ok(list) = obj.cast::<PyList>() {
-            let mut ids = Vec::with_capacity(list.len());
-            for item in list.iter() {
-                ids.push(item.extract::<RequestId<'py>>()?);
-            }
-            return Ok(Self(ids));
-        }
-        if let Ok(tuple) = obj.cast::<PyTuple>() {
-            let mut ids = Vec::with_capacity(tuple.len());
-            for item in tuple.iter() {
-                ids.push(item.extract::<RequestId<'py>>()?);
-            }
-            return Ok(Self(ids));
+        // A list or tuple (what a scheduler passes) directly; any other iterable through the
+        // iterator protocol.
+        if let Some(ids) = list_or_tuple(&obj, |item, _| item.extract::<RequestId<'py>>()) {
+            return ids.map(Self);
         }
         let ids = obj
             .try_iter()?
