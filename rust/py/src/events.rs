@@ -29,6 +29,14 @@ pub fn events_to_py<'py>(py: Python<'py>, events: Vec<KvEvent>, groups: &[GroupS
     let stored = BLOCK_STORED.import(py, EVENTS_MODULE, "BlockStored")?;
     let removed = BLOCK_REMOVED.import(py, EVENTS_MODULE, "BlockRemoved")?;
     let cleared = ALL_BLOCKS_CLEARED.import(py, EVENTS_MODULE, "AllBlocksCleared")?;
+    // The spec of a stored event's group (page size, kind and window go into the event).
+    let spec_of = |group: u32| {
+        usize::try_from(group).ok().and_then(|g| groups.get(g)).ok_or_else(|| {
+            PyRuntimeError::new_err(format!(
+                "flat_kvcache: a stored event names group {group}, which the cache does not have"
+            ))
+        })
+    };
     for event in events {
         let obj = match event {
             KvEvent::Stored {
@@ -38,11 +46,7 @@ pub fn events_to_py<'py>(py: Python<'py>, events: Vec<KvEvent>, groups: &[GroupS
                 group,
                 extra_keys,
             } => {
-                let Some(spec) = usize::try_from(group).ok().and_then(|g| groups.get(g)) else {
-                    return Err(PyRuntimeError::new_err(format!(
-                        "flat_kvcache: a stored event names group {group}, which the cache does not have"
-                    )));
-                };
+                let spec = spec_of(group)?;
                 let hashes = PyList::new(py, hashes.iter().map(|h| PyBytes::new(py, h)))?;
                 let parent = parent.map(|p| PyBytes::new(py, &p));
                 let keys = PyList::new(py, extra_keys.iter().map(String::as_str))?;
@@ -63,11 +67,7 @@ pub fn events_to_py<'py>(py: Python<'py>, events: Vec<KvEvent>, groups: &[GroupS
             }
             KvEvent::Cleared => cleared.call0()?,
             KvEvent::HostStored { hash, group } => {
-                let Some(spec) = usize::try_from(group).ok().and_then(|g| groups.get(g)) else {
-                    return Err(PyRuntimeError::new_err(format!(
-                        "flat_kvcache: a stored event names group {group}, which the cache does not have"
-                    )));
-                };
+                let spec = spec_of(group)?;
                 let hashes = PyList::new(py, [PyBytes::new(py, &hash)])?;
                 let no_tokens: Vec<u32> = Vec::new();
                 let no_keys: Vec<String> = Vec::new();
