@@ -661,9 +661,8 @@ class FlatKVCache:
 
     def schedule_rows(self, rows: _Counts, num_new_tokens: _Counts) -> npt.NDArray[np.bool_]:
         """``schedule_batch`` addressed by persistent rows: the request holding ``rows[i]``
-        schedules ``num_new_tokens[i]`` tokens. No request id is parsed or looked up (most of a
-        batch call's cost). A row that holds no request is a ``ValueError``; everything is
-        validated first."""
+        schedules ``num_new_tokens[i]`` tokens. No request id is parsed or looked up. A row that
+        holds no request is a ``ValueError``; everything is validated first."""
 
     def append_tokens_rows(
         self, rows: _Counts, token_ids: _Tokens, num_tokens: _Counts | None = None
@@ -721,6 +720,9 @@ class FlatKVCache:
         Everything is validated first (``UnknownRequestError``; ``ValueError`` for a page-level
         request, too many tokens or a length mismatch; nothing changes then); each request is
         then scheduled in order like ``schedule(req, n)``. Returns a bool array.
+
+        An id object passed at the same position of the last batch (a list or tuple), still
+        naming the same request, is not parsed or looked up again.
         """
 
     def finish(self, req: _RequestId) -> None:

@@ -6,7 +6,9 @@
 //! re-entrant call nor a GIL hand-off can deadlock. Long calls (hashing, matching, a batch
 //! step, writing block tables) take the lock with the GIL released (`py.detach`); the
 //! per-request calls stay attached because their work is shorter than a detach/attach round
-//! trip.
+//! trip, and so do the id-addressed batch calls given a list or tuple, which check the ids
+//! remembered from the last batch ([`IdMemo`]) and run the step under one lock (their ids
+//! are parsed before it is taken, so no Python code runs under it).
 
 use std::sync::Mutex;
 
@@ -15,7 +17,7 @@ use flat_kvcache_core::engine::coordinator::{EvictionOrder, GroupSpec};
 use flat_kvcache_core::engine::ids::RequestIdRef;
 use flat_kvcache_core::engine::pool::DEFAULT_REUSE_UNCACHED_FIRST;
 use flat_kvcache_core::engine::tokens::Prompt;
-use flat_kvcache_core::engine::{CacheOptions, FlatCache};
+use flat_kvcache_core::engine::{CacheOptions, FlatCache, Lookup};
 use flat_kvcache_core::CoreError;
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods};
@@ -31,6 +33,7 @@ use crate::convert::{clip, signed, IntArg};
 use crate::errors::{core, lock};
 use crate::events::events_to_py;
 use crate::host::{transfer_ids, transfers_to_py, HostStoreArg};
+use crate::idmemo::IdMemo;
 use crate::prefix_match::PyPrefixMatch;
 use crate::rows::{as_outs, check_bind, copy_deltas, deltas_to_py, no_deltas, BoundBuffers};
 use crate::tables::{borrow_out, table_outs};
@@ -59,6 +62,8 @@ pub struct PyFlatKVCache {
     last_prompt: Mutex<Option<Prompt>>,
     /// The buffers bound by `bind_rows` (kept alive and re-borrowed by each update).
     rows: Mutex<Option<BoundBuffers>>,
+    /// The id objects of the last id-addressed batch and their handles ([`IdMemo`]).
+    ids: Mutex<IdMemo>,
 }
 
 impl PyFlatKVCache {
@@ -81,6 +86,40 @@ impl PyFlatKVCache {
         let id = req.id()?;
         let result = f(&mut *lock(&self.inner)?, id);
         core(result)
+    }
+
+    /// Run `f` on the engine with the batch `reqs` resolved, after `args` parsed the call's
+    /// other arguments (so errors come in argument order). A list or tuple goes through the
+    /// id memo ([`IdMemo`]): the engine stays locked from the handle checks to the end of `f`,
+    /// with the GIL held and no Python code running. Any other iterable is parsed id by id and
+    /// `f` runs with the GIL released.
+    fn with_batch<'py, A, R: Send>(
+        &self,
+        py: Python<'py>,
+        reqs: &Bound<'py, PyAny>,
+        args: impl FnOnce(usize) -> PyResult<A>,
+        f: impl for<'a> FnOnce(&mut FlatCache, &[Lookup<'a>], A) -> flat_kvcache_core::CoreResult<R> + Send,
+    ) -> PyResult<R>
+    where
+        A: Send,
+    {
+        // Taken out while in use: a re-entrant call from an `__index__` finds it empty.
+        let mut memo = std::mem::take(&mut *lock(&self.ids)?);
+        let Some(items) = memo.items(reqs) else {
+            let ids = reqs.extract::<RequestIds<'py>>()?;
+            let ids = ids.ids()?;
+            let a = args(ids.len())?;
+            let lookups: Vec<Lookup<'_>> = ids.iter().map(|&id| Lookup::Id(id)).collect();
+            return core(self.detached(py, |c| f(c, &lookups, a))?);
+        };
+        let result = items.and_then(|mut items| {
+            let a = args(items.len())?;
+            let mut c = lock(&self.inner)?;
+            let lookups = memo.lookups(py, &c, &mut items)?;
+            core(f(&mut c, &lookups, a))
+        });
+        *lock(&self.ids)? = memo;
+        result
     }
 
     /// Hash a prompt into base pages with the GIL released and no lock held.
@@ -169,6 +208,7 @@ impl PyFlatKVCache {
             inner: Mutex::new(cache),
             last_prompt: Mutex::new(None),
             rows: Mutex::new(None),
+            ids: Mutex::new(IdMemo::default()),
         })
     }
 
@@ -583,25 +623,29 @@ impl PyFlatKVCache {
     /// `token_ids`, or exactly one each when `num_tokens` is None. Same result as calling
     /// `append_tokens` per request in order; everything is validated first (unknown id:
     /// `UnknownRequestError`; page-level request or lengths that do not add up:
-    /// `ValueError`; nothing changes then). The GIL is released while appending.
+    /// `ValueError`; nothing changes then). Ids are resolved as in `schedule_batch`.
     #[pyo3(
         signature = (reqs, token_ids, num_tokens = None),
         text_signature = "(self, reqs, token_ids, num_tokens=None)"
     )]
-    fn append_tokens_batch(
+    fn append_tokens_batch<'py>(
         &self,
-        py: Python<'_>,
-        reqs: RequestIds<'_>,
-        token_ids: &Bound<'_, PyAny>,
-        num_tokens: Option<&Bound<'_, PyAny>>,
+        py: Python<'py>,
+        reqs: &Bound<'py, PyAny>,
+        token_ids: &Bound<'py, PyAny>,
+        num_tokens: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<()> {
-        let ids = reqs.ids()?;
-        let toks = tokens(token_ids, "token_ids")?;
-        let ns = match num_tokens {
-            Some(obj) if !obj.is_none() => Some(counts(obj, "num_tokens")?),
-            _ => None,
+        let args = |_| {
+            let toks = tokens(token_ids, "token_ids")?;
+            let ns = match num_tokens {
+                Some(obj) if !obj.is_none() => Some(counts(obj, "num_tokens")?),
+                _ => None,
+            };
+            Ok((toks, ns))
         };
-        core(self.detached(py, |c| c.append_tokens_batch(&ids, &toks, ns.as_deref()))?)
+        self.with_batch(py, reqs, args, |c, reqs, (toks, ns)| {
+            c.append_tokens_batch(reqs, &toks, ns.as_deref())
+        })
     }
 
     /// Schedule the next `num_new_tokens` known tokens of a token-level request: register
@@ -630,29 +674,32 @@ impl PyFlatKVCache {
     /// sequence or a 1-D integer array). Everything is validated first (unknown id:
     /// `UnknownRequestError`; page-level request or too many tokens: `ValueError`; nothing
     /// changes then); each request is then scheduled in order exactly like `schedule(req, n)`.
-    /// Returns a numpy bool array. The GIL is released while scheduling.
+    /// Returns a numpy bool array. An id object at the same position of the last batch (a
+    /// list or tuple), still naming the same request, is not parsed or looked up again
+    /// ([`IdMemo`]); other iterables are parsed id by id and scheduled with the GIL released.
     fn schedule_batch<'py>(
         &self,
         py: Python<'py>,
-        reqs: RequestIds<'py>,
+        reqs: &Bound<'py, PyAny>,
         num_new_tokens: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<bool>>> {
-        let ids = reqs.ids()?;
-        let ns = counts(num_new_tokens, "num_new_tokens")?;
-        if ns.len() != ids.len() {
-            return Err(PyValueError::new_err(format!(
-                "num_new_tokens has {} entries but reqs has {}",
-                ns.len(),
-                ids.len()
-            )));
-        }
-        let scheduled = core(self.detached(py, |c| c.schedule_batch(&ids, &ns))?)?;
+        let args = |len: usize| {
+            let ns = counts(num_new_tokens, "num_new_tokens")?;
+            if ns.len() != len {
+                return Err(PyValueError::new_err(format!(
+                    "num_new_tokens has {} entries but reqs has {len}",
+                    ns.len()
+                )));
+            }
+            Ok(ns)
+        };
+        let scheduled = self.with_batch(py, reqs, args, |c, reqs, ns| c.schedule_batch(reqs, &ns))?;
         Ok(PyArray1::from_slice(py, &scheduled))
     }
 
     /// `schedule_batch` addressed by persistent rows (`bind_rows`): the request holding
     /// `rows[i]` schedules `num_new_tokens[i]` tokens (both sequences or 1-D integer arrays).
-    /// No request id is parsed or looked up, which is most of a batch call's cost. A row that
+    /// No request id is parsed or looked up. A row that
     /// holds no request is a `ValueError`; everything is validated first, as `schedule_batch`.
     #[pyo3(text_signature = "(self, rows, num_new_tokens)")]
     fn schedule_rows<'py>(

@@ -10,6 +10,7 @@ pub mod errors;
 pub mod events;
 pub mod hashing;
 pub mod host;
+pub mod idmemo;
 mod npscalar;
 pub mod plan;
 pub mod pool;

@@ -100,6 +100,32 @@ struct Entry {
     serial: u64,
 }
 
+/// A live request's place in its cache, for a caller that resolves the same ids step after
+/// step (the Python bindings keep the handle of each id object of the last batch). A handle
+/// may outlive its request: [`FlatCache::is_current`] tells whether it still names the
+/// request it was taken for (a later request in the same slot has another serial).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RequestHandle {
+    at: usize,
+    serial: u64,
+}
+
+/// One request of a batch call: its id, or a handle taken from the same cache (a stale handle
+/// is an error; callers check [`FlatCache::is_current`] first).
+#[derive(Clone, Copy, Debug)]
+pub enum Lookup<'a> {
+    /// Looked up by id (an unknown id is `UnknownRequest`).
+    Id(RequestIdRef<'a>),
+    /// Resolved earlier.
+    Handle(RequestHandle),
+}
+
+impl<'a> From<RequestIdRef<'a>> for Lookup<'a> {
+    fn from(req: RequestIdRef<'a>) -> Self {
+        Self::Id(req)
+    }
+}
+
 /// Counters behind [`stats::CacheStats`] that the pool does not keep.
 #[derive(Clone, Copy, Debug, Default)]
 struct Counters {
@@ -197,6 +223,44 @@ impl FlatCache {
             .get(&req)
             .copied()
             .ok_or_else(|| CoreError::UnknownRequest(req.to_string()))
+    }
+
+    /// The handle of live request `req`, if it is one.
+    pub fn handle(&self, req: RequestIdRef<'_>) -> Option<RequestHandle> {
+        let at = *self.index.get(&req)?;
+        Some(RequestHandle {
+            at,
+            serial: self.entries[at].serial,
+        })
+    }
+
+    /// Whether `handle` still names the live request it was taken for.
+    #[inline]
+    pub fn is_current(&self, handle: RequestHandle) -> bool {
+        self.entries
+            .get(handle.at)
+            .is_some_and(|e| e.live && e.serial == handle.serial)
+    }
+
+    /// The slab position of a batch entry: an id's (or `UnknownRequest`), or a current
+    /// handle's.
+    #[inline]
+    fn locate(&self, req: Lookup<'_>) -> CoreResult<usize> {
+        match req {
+            Lookup::Id(id) => self.find(id),
+            Lookup::Handle(h) if self.is_current(h) => Ok(h.at),
+            Lookup::Handle(_) => Err(CoreError::invalid(
+                "a request handle outlived its request (check is_current before using it)",
+            )),
+        }
+    }
+
+    /// The id of a located batch entry, for messages (a handle's is found by a scan).
+    fn lookup_id<'a>(&'a self, req: Lookup<'a>, at: usize) -> RequestIdRef<'a> {
+        match req {
+            Lookup::Id(id) => id,
+            Lookup::Handle(_) => self.id_ref_at(at).unwrap_or(RequestIdRef::Str("?")),
+        }
     }
 
     /// The tables of `req` (one per group), or `UnknownRequest`.

@@ -13,7 +13,7 @@ use super::hash::hash_page;
 use super::ids::RequestIdRef;
 use super::table::Table;
 use super::tokens::{Prompt, TokenState};
-use super::FlatCache;
+use super::{FlatCache, Lookup};
 use crate::error::{CoreError, CoreResult};
 
 /// Tokens of spare capacity a new request's token vector gets for its appends.
@@ -232,16 +232,25 @@ impl FlatCache {
     /// the next `counts[i]` tokens of `tokens` (one each when `counts` is `None`), exactly as
     /// [`Self::append_tokens`] would, in order. Everything is validated first (unknown id,
     /// page-level request, lengths that do not add up): on error nothing has changed.
-    pub fn append_tokens_batch(
+    ///
+    /// `reqs` holds ids ([`RequestIdRef`]) or [`Lookup`]s (ids or handles, which skip the
+    /// lookup).
+    pub fn append_tokens_batch<'r, L: Into<Lookup<'r>> + Copy>(
         &mut self,
-        reqs: &[RequestIdRef<'_>],
+        reqs: &[L],
         tokens: &[u32],
         counts: Option<&[u64]>,
     ) -> CoreResult<()> {
+        const METHOD: &str = "append_tokens_batch";
         check_append_lengths(reqs.len(), "reqs", tokens, counts)?;
         self.with_scratch(|this, at| {
             for &req in reqs {
-                at.push(this.find_token("append_tokens_batch", req)?);
+                let req = req.into();
+                let i = this.locate(req)?;
+                if this.entries[i].tokens.is_none() {
+                    return Err(page_level(METHOD, this.lookup_id(req, i)));
+                }
+                at.push(i);
             }
             this.append_positions(at, tokens, counts)
         })
@@ -340,7 +349,10 @@ impl FlatCache {
     /// Schedule every request of a batch like [`Self::schedule`] (no lookahead), in order.
     /// Everything is validated first (unknown id, page-level request, more tokens than known
     /// counting repeats of a request): on error nothing has changed.
-    pub fn schedule_batch(&mut self, reqs: &[RequestIdRef<'_>], ns: &[u64]) -> CoreResult<Vec<bool>> {
+    ///
+    /// `reqs` holds ids ([`RequestIdRef`]) or [`Lookup`]s (ids or handles, which skip the
+    /// lookup).
+    pub fn schedule_batch<'r, L: Into<Lookup<'r>> + Copy>(&mut self, reqs: &[L], ns: &[u64]) -> CoreResult<Vec<bool>> {
         if reqs.len() != ns.len() {
             return Err(CoreError::invalid(format!(
                 "num_new_tokens has {} entries but reqs has {}",
@@ -358,9 +370,8 @@ impl FlatCache {
     }
 
     /// [`Self::schedule_batch`] addressed by persistent rows ([`super::rows`]): the request
-    /// holding `rows[i]` schedules `ns[i]` tokens. No id is parsed or looked up, which is most
-    /// of a batch call's cost. A row that holds no request is an error; on error nothing has
-    /// changed.
+    /// holding `rows[i]` schedules `ns[i]` tokens. No id is looked up. A row that holds no
+    /// request is an error; on error nothing has changed.
     pub fn schedule_rows(&mut self, rows: &[u64], ns: &[u64]) -> CoreResult<Vec<bool>> {
         if rows.len() != ns.len() {
             return Err(CoreError::invalid(format!(
@@ -442,22 +453,42 @@ impl FlatCache {
     }
 
     /// Resolve and check a batch, leaving each request's cumulative ask in `pending`.
-    fn validate_batch(&mut self, reqs: &[RequestIdRef<'_>], ns: &[u64], at: &mut Vec<usize>) -> CoreResult<()> {
+    fn validate_batch<'r, L: Into<Lookup<'r>> + Copy>(
+        &mut self,
+        reqs: &[L],
+        ns: &[u64],
+        at: &mut Vec<usize>,
+    ) -> CoreResult<()> {
+        const METHOD: &str = "schedule_batch";
         for (&req, &n) in reqs.iter().zip(ns) {
-            let i = self.find(req)?;
+            let req = req.into();
+            let i = self.locate(req)?;
             at.push(i);
             if self.entries[i].tokens.is_none() {
-                return Err(page_level("schedule_batch", req));
+                return Err(page_level(METHOD, self.lookup_id(req, i)));
             }
-            self.check_loaded("schedule_batch", req, i)?;
+            if self.entries[i].loading > 0 {
+                self.check_loaded(METHOD, self.lookup_id(req, i), i)?;
+            }
             let Some(s) = self.entries[i].tokens.as_mut() else {
-                return Err(page_level("schedule_batch", req));
+                continue; // checked above
             };
             s.pending = s
                 .pending
                 .checked_add(n)
                 .ok_or_else(|| CoreError::overflow("num_new_tokens"))?;
-            check_known("schedule_batch", req, s, s.pending, "num_new_tokens")?;
+            if let Some(known) = exceeds_known(s, s.pending) {
+                let (computed, pending) = (s.computed, s.pending);
+                let req = self.lookup_id(req, i);
+                return Err(too_many_tokens(
+                    METHOD,
+                    &req,
+                    "num_new_tokens",
+                    pending,
+                    computed,
+                    known,
+                ));
+            }
         }
         Ok(())
     }
@@ -732,8 +763,49 @@ mod tests {
             Err(CoreError::UnknownRequest(_))
         ));
         assert_eq!((tokens_of(&batch, A), tokens_of(&batch, B)), before);
-        batch.append_tokens_batch(&[], &[], None).unwrap();
+        batch.append_tokens_batch::<RequestIdRef<'_>>(&[], &[], None).unwrap();
         batch.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn handles_name_their_request_until_it_is_gone() {
+        use crate::engine::Lookup;
+        let mut c = cache(vec![spec("full", GroupKind::Full, 4)], 32, CacheOptions::default());
+        add(&mut c, A, toks(0..20));
+        add(&mut c, B, toks(100..120));
+        let (ha, hb) = (c.handle(A).unwrap(), c.handle(B).unwrap());
+        assert!(c.handle(RequestIdRef::Str("zz")).is_none());
+        // A batch by handles acts like one by ids, repeats and order included.
+        let by_handle = [Lookup::Handle(hb), Lookup::Handle(ha), Lookup::Handle(hb)];
+        assert_eq!(c.schedule_batch(&by_handle, &[1, 2, 3]).unwrap(), vec![true; 3]);
+        assert_eq!(
+            (c.num_computed_tokens(A).unwrap(), c.num_computed_tokens(B).unwrap()),
+            (2, 4)
+        );
+        c.append_tokens_batch(&[Lookup::Handle(ha), Lookup::Id(B)], &[7, 8], None)
+            .unwrap();
+        assert_eq!((c.num_tokens(A).unwrap(), c.num_tokens(B).unwrap()), (21, 21));
+        // Finished, then added again (possibly in the same slot): the old handle is stale and
+        // refused, nothing moves; the new request has a new handle.
+        c.finish(A).unwrap();
+        assert!(!c.is_current(ha) && c.is_current(hb));
+        add(&mut c, A, toks(300..305));
+        assert!(!c.is_current(ha));
+        assert_ne!(c.handle(A), Some(ha));
+        assert!(c
+            .schedule_batch(&[Lookup::Handle(hb), Lookup::Handle(ha)], &[1, 1])
+            .is_err());
+        assert!(c.append_tokens_batch(&[Lookup::Handle(ha)], &[1], None).is_err());
+        assert_eq!(
+            (c.num_computed_tokens(A).unwrap(), c.num_computed_tokens(B).unwrap()),
+            (0, 4)
+        );
+        assert_eq!(c.num_tokens(A).unwrap(), 5);
+        // Errors name the request a handle stands for, as its id would.
+        let by_id = c.schedule_batch(&[B], &[100]).unwrap_err().to_string();
+        let by_handle = c.schedule_batch(&[Lookup::Handle(hb)], &[100]).unwrap_err().to_string();
+        assert_eq!(by_id, by_handle);
+        c.check_invariants().unwrap();
     }
 
     #[test]
