@@ -11,6 +11,7 @@ batch act on another request than the one its id names. Each runs on both implem
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -196,3 +197,54 @@ def test_a_bad_id_in_a_batch_is_refused_and_changes_nothing(api: ModuleType) -> 
         cache.schedule_batch("a", [1])
     assert computed(cache, ["a"]) == [1]
     assert cache.num_tokens("a") == 10
+
+
+@pytest.mark.parametrize(
+    "req",
+    [
+        "r" * 200,
+        "it's " + "x" * 100,
+        "both ' and \" quotes" * 10,
+        "é" * 81,
+        "e" * 80,
+        2**300,
+        -(2**300),
+        -(2**63),
+    ],
+    ids=["long", "quote", "both-quotes", "non-ascii", "exactly-80", "huge", "huge-negative", "i64-min"],
+)
+def test_long_ids_are_shown_alike_by_both_engines(req: Any) -> None:
+    """Messages show a request id as ``repr`` of its first 80 characters (or digits), then
+    ``...`` when cut: the same text from the native engine and the reference."""
+    import flat_kvcache
+    import flat_kvcache.reference
+
+    def messages(api: ModuleType) -> list[str]:
+        cache = cache_of(api)
+        out: list[str] = []
+        unknown_calls: list[Callable[[], object]] = [
+            lambda: cache.schedule_batch([req], [1]),
+            lambda: cache.num_tokens(req),
+        ]
+        for call in unknown_calls:
+            with pytest.raises(KeyError) as unknown:
+                call()
+            out.append(unknown.value.args[0])
+        cache.add_request(req, [1, 2, 3])
+        invalid_calls: list[Callable[[], object]] = [
+            lambda: cache.add_request(req, [1]),
+            lambda: cache.schedule_batch([req], [4]),
+            lambda: cache.acquire(req, 4),
+        ]
+        for call in invalid_calls:
+            with pytest.raises(ValueError) as invalid:
+                call()
+            out.append(str(invalid.value))
+        return out
+
+    native, reference = messages(flat_kvcache), messages(flat_kvcache.reference)
+    assert native == reference
+    text = req if isinstance(req, str) else str(req)
+    cut = len(text) > 80
+    shown = (repr(text[:80]) if isinstance(req, str) else text[:80]) + ("..." if cut else "")
+    assert all(shown in m for m in native), (shown, native)

@@ -155,6 +155,19 @@ def as_content_hashes(content_hashes: object) -> list[str]:
     return hashes
 
 
+#: Characters (or digits) of a request id that messages show, as the native engine does.
+SHOWN_ID_LIMIT = 80
+
+
+def shown_id(key: RequestId) -> str:
+    """A request id as messages show it: ``repr`` of its first 80 characters (a str) or
+    digits (an int, sign included), then ``...`` when it was cut."""
+    text = key if isinstance(key, str) else str(key)
+    cut = text[:SHOWN_ID_LIMIT]
+    more = "..." if len(text) > SHOWN_ID_LIMIT else ""
+    return (repr(cut) if isinstance(key, str) else cut) + more
+
+
 def as_page_ids(values: object, name: str) -> list[int]:
     """Page ids of a hand-built match: ints in ``[0, 2**31 - 1)`` (ValueError naming ``name[i]``)."""
     if isinstance(values, np.ndarray):

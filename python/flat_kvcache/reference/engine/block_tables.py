@@ -9,7 +9,7 @@ import numpy as np
 import numpy.typing as npt
 
 from flat_kvcache.errors import FlatUnavailableError
-from flat_kvcache.reference.engine._args import RequestId, as_request_ids
+from flat_kvcache.reference.engine._args import RequestId, as_request_ids, shown_id
 from flat_kvcache.reference.engine.coordinator import Coordinator
 from flat_kvcache.reference.engine.table import Table
 
@@ -76,7 +76,7 @@ class BlockTables(Coordinator):
                 if len(tables[group].pages) > array.shape[1]:
                     raise ValueError(
                         f"block_tables: out[{group_id!r}] has {array.shape[1]} columns but request "
-                        f"{key!r} has {len(tables[group].pages)} pages in that group"
+                        f"{shown_id(key)} has {len(tables[group].pages)} pages in that group"
                     )
         for group, array in enumerate(buffers):
             self._fill_rows(array, rows, group)

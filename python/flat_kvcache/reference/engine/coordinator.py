@@ -32,6 +32,7 @@ from flat_kvcache.reference.engine._args import (
     as_pool_size,
     as_request_id,
     check_u64,
+    shown_id,
 )
 from flat_kvcache.reference.engine.events import removed_events, stored_event
 from flat_kvcache.reference.engine.group import GroupManager, new_manager
@@ -209,13 +210,13 @@ class Coordinator:
         try:
             return self._requests[key]
         except KeyError:
-            raise UnknownRequestError(f"unknown request id {key!r}") from None
+            raise UnknownRequestError(f"unknown request id {shown_id(key)}") from None
 
     def _check_page_level(self, method: str, key: RequestId) -> None:
         """ValueError naming ``method`` if ``key`` is a live token-level request: its tables
         follow its tokens, which only the token-level calls move (docs/requests-api.md)."""
         if key in self._token_states:
-            raise ValueError(f"{method}: request {key!r} is token-level (created by add_request)")
+            raise ValueError(f"{method}: request {shown_id(key)} is token-level (created by add_request)")
 
     def _tables_or_new(self, req: RequestId) -> list[Table]:
         """The request's tables, created empty on first use (claim, acquire, first chunk)."""
@@ -325,7 +326,7 @@ class Coordinator:
         self._check_page_level(method, key)
         existing = self._requests.get(key)
         if existing is not None and any(table.pages for table in existing):
-            raise ValueError(f"{method}: request {key!r} already holds pages")
+            raise ValueError(f"{method}: request {shown_id(key)} already holds pages")
         if len(checked.pages) != len(self._managers):
             raise ValueError(
                 f"claim: the match has {len(checked.pages)} groups, this cache has {len(self._managers)}"
@@ -509,8 +510,8 @@ class Coordinator:
         n = self._loading.get(key, 0)
         if n:
             raise ValueError(
-                f"{method}: request {key!r} has {n} host page load(s) in flight; run take_transfers() "
-                "and ack_transfers() first (loads_in_flight tells when it can be scheduled)"
+                f"{method}: request {shown_id(key)} has {n} host page load(s) in flight; run "
+                "take_transfers() and ack_transfers() first (loads_in_flight tells when it can be scheduled)"
             )
 
     def take_transfers(self) -> dict[str, dict[str, tuple[Any, Any, Any]]]:

@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from flat_kvcache.errors import FlatUnavailableError
-from flat_kvcache.reference.engine._args import RequestId, as_count, as_flag, as_request_id
+from flat_kvcache.reference.engine._args import RequestId, as_count, as_flag, as_request_id, shown_id
 from flat_kvcache.reference.engine.block_tables import (
     FLAT_OFF_MESSAGE,
     check_int32_buffer,
@@ -72,7 +72,8 @@ class Rows(Coordinator):
         for row, key in sorted(owners.items()):
             if row >= max_rows:
                 raise ValueError(
-                    f"bind_rows: request {key!r} holds row {row}, but the new tables have {max_rows} rows"
+                    f"bind_rows: request {shown_id(key)} holds row {row}, but the new tables have "
+                    f"{max_rows} rows"
                 )
         for array in buffers:
             array.fill(-1)
@@ -158,7 +159,7 @@ class Rows(Coordinator):
         if index >= max_rows:
             raise ValueError(f"row must be < {max_rows} (the bound tables' rows), got {index}")
         if index in self._binding.owners:
-            raise ValueError(f"row {index} is held by request {self._binding.owners[index]!r}")
+            raise ValueError(f"row {index} is held by request {shown_id(self._binding.owners[index])}")
         return index
 
     def _assign_row(self, key: RequestId, row: int) -> None:
@@ -226,14 +227,14 @@ class Rows(Coordinator):
                     fits = [o for o in candidates if o <= first and len(pages) - o <= cols]
                     if not fits:
                         raise ValueError(
-                            f"update_rows: row {row} (request {key!r}) of windowed group {group_id!r} "
-                            f"shows slots from {len(pages) - cols}, but slot {first} still holds page "
-                            f"{pages[first]} (reclaim slid-out pages first, or bind wider rows)"
+                            f"update_rows: row {row} (request {shown_id(key)}) of windowed group "
+                            f"{group_id!r} shows slots from {len(pages) - cols}, but slot {first} still "
+                            f"holds page {pages[first]} (reclaim slid-out pages first, or bind wider rows)"
                         )
                     offset = fits[0]
                 elif len(pages) > cols:
                     raise ValueError(
-                        f"update_rows: tables[{group_id!r}] has {cols} columns but request {key!r} "
+                        f"update_rows: tables[{group_id!r}] has {cols} columns but request {shown_id(key)} "
                         f"(row {row}) has {len(pages)} pages in that group"
                     )
                 visible = pages[offset:]

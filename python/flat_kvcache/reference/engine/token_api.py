@@ -24,6 +24,7 @@ from flat_kvcache.reference.engine._args import (
     as_token_ids,
     check_u64,
     extra_key_bytes,
+    shown_id,
 )
 from flat_kvcache.reference.engine.hash import hash_page, hash_pages
 from flat_kvcache.reference.engine.page_api import PageApi
@@ -40,7 +41,7 @@ class TokenApi(PageApi):
         tables = self._tables(key)
         state = self._token_states.get(key)
         if state is None:
-            raise ValueError(f"{method}: request {key!r} is page-level (not created by add_request)")
+            raise ValueError(f"{method}: request {shown_id(key)} is page-level (not created by add_request)")
         return tables, state
 
     def _capped_match(self, hashes: list[str], num_tokens: int) -> tuple[int, list[list[int]]]:
@@ -97,7 +98,7 @@ class TokenApi(PageApi):
         use, an empty prompt); returns the row's index, if any."""
         row_index = None if row is None else self._check_row_free(row)
         if key in self._requests:
-            raise ValueError(f"{method}: request {key!r} already exists")
+            raise ValueError(f"{method}: request {shown_id(key)} already exists")
         if not tokens:
             raise ValueError("prompt_token_ids must not be empty")
         return row_index
@@ -214,7 +215,7 @@ class TokenApi(PageApi):
     ) -> None:
         """``n`` more tokens from the request's position must be known (``row``: named too)."""
         if state.computed + n > len(state.tokens):
-            shown = f"{key!r}" if row is None else f"{key!r} (row {row})"
+            shown = shown_id(key) if row is None else f"{shown_id(key)} (row {row})"
             raise ValueError(
                 f"{method}: num_new_tokens = {n} for request {shown} asks for more tokens than are "
                 f"known: {state.computed} computed of {len(state.tokens)}"
