@@ -20,6 +20,7 @@ Run with a release build (``maturin develop --release`` or ``pip install .``)::
 
     python benches/bench_rows.py                 # R in 256, 1024, 4096 x C in 8k, 32k
     python benches/bench_rows.py --requests 256 --context 8192 --steps 2048
+    python benches/bench_rows.py --calls --requests 256 --context 8192   # each batch call alone
     python benches/bench_rows.py --smoke         # tiny sizes: does it run (CI), measures nothing
 
 Targets (2-core machine): median step for 256 decoding requests (schedule_batch + incremental
@@ -172,6 +173,32 @@ def run(
     }
 
 
+def batch_calls(requests: int, context: int, repeats: int) -> dict[str, tuple[float, float]]:
+    """Each batch call alone, ``repeats`` times on ``requests`` decoding requests (a list of
+    id strings vs an int64 row array): min and median in us. No token is scheduled, so only
+    the per-call and per-request overhead is timed (no page is taken or written)."""
+    loop = Loop(requests, context, 4 * repeats + PAGE, mode="rows")
+    cache, reqs, rows = loop.cache, loop.reqs, loop.rows
+    zeros = np.zeros(requests, np.int64)
+    tokens = np.zeros(requests, np.uint32)
+    calls = {
+        "schedule_batch(ids, zeros)": lambda: cache.schedule_batch(reqs, zeros),
+        "schedule_rows(rows, zeros)": lambda: cache.schedule_rows(rows, zeros),
+        "append_tokens_batch(ids, tokens)": lambda: cache.append_tokens_batch(reqs, tokens),
+        "append_tokens_rows(rows, tokens)": lambda: cache.append_tokens_rows(rows, tokens),
+    }
+    out = {}
+    for name, call in calls.items():
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter_ns()
+            call()
+            times.append(time.perf_counter_ns() - t0)
+        out[name] = (min(times) / 1e3, statistics.median(times) / 1e3)
+    loop.cache.check_invariants()
+    return out
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, nargs="*", default=[256, 1024, 4096])
@@ -190,10 +217,25 @@ def main(argv: list[str]) -> None:
         action="store_true",
         help="equal prompt lengths: all requests cross a page in the same step (default: spread)",
     )
+    parser.add_argument(
+        "--calls",
+        action="store_true",
+        help="time each batch call alone instead (ids vs rows, no token scheduled): min and median",
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.requests, args.context, args.steps = [8], [256], 32
     print(f"cpu cores: {os.cpu_count()}, python {sys.version.split()[0]}; page {PAGE}, window {WINDOW}")
+    if args.calls or args.smoke:
+        print("| requests | context | call | min | median |")
+        print("|---|---|---|---|---|")
+        for requests in args.requests:
+            for context in args.context:
+                repeats = args.steps or 1000
+                for name, (low, mid) in batch_calls(requests, context, repeats).items():
+                    print(f"| {requests} | {context} | `{name}` | {low:.2f} us | {mid:.2f} us |", flush=True)
+        if args.calls:
+            return
     print("| requests | context | calls | step median | mean | schedule | tables | append | cells/step |")
     print("|---|---|---|---|---|---|---|---|---|")
     for requests in args.requests:
