@@ -248,3 +248,33 @@ def test_long_ids_are_shown_alike_by_both_engines(req: Any) -> None:
     cut = len(text) > 80
     shown = (repr(text[:80]) if isinstance(req, str) else text[:80]) + ("..." if cut else "")
     assert all(shown in m for m in native), (shown, native)
+
+
+def test_an_id_utf8_cannot_encode_is_refused_alike() -> None:
+    """A str id holding a lone surrogate is a ``UnicodeEncodeError`` (a ``ValueError``) from
+    every call, before anything else of a batch is checked, with the same message from both
+    engines; nothing is added or moved."""
+    import flat_kvcache
+    import flat_kvcache.reference
+
+    def outcomes(api: ModuleType) -> list[tuple[str, str]]:
+        cache = cache_of(api, 16)
+        cache.add_request("x", [1, 2, 3])
+        calls: list[Callable[[], object]] = [
+            lambda: cache.add_request("a\ud800", [1]),
+            lambda: cache.admit("\udc80", [1, 2], 2),
+            lambda: cache.schedule_batch(["nope", "\udc80"], [1, 1]),
+            lambda: cache.append_tokens_batch(["x", "\ud800b"], [1, 1]),
+            lambda: cache.num_tokens("\ud800"),
+            lambda: cache.finish("\ud800"),
+        ]
+        out = []
+        for call in calls:
+            with pytest.raises(UnicodeEncodeError) as info:
+                call()
+            out.append((type(info.value).__name__, str(info.value)))
+        assert cache.num_tokens("x") == 3 and cache.num_computed_tokens("x") == 0
+        assert cache.num_requests == 1
+        return out
+
+    assert outcomes(flat_kvcache) == outcomes(flat_kvcache.reference)

@@ -203,8 +203,11 @@ def as_counts(values: object, name: str) -> list[int]:
 
 
 def as_request_id(req: object) -> RequestId:
-    """A request id: a str, or an int of any size (``5`` and ``"5"`` differ); else TypeError."""
+    """A request id: a str, or an int of any size (``5`` and ``"5"`` differ); else TypeError.
+    A str that UTF-8 cannot encode (a lone surrogate) raises ``UnicodeEncodeError``, as the
+    native engine does."""
     if isinstance(req, str):
+        req.encode("utf-8")
         return req
     if isinstance(req, bool):
         raise TypeError("request ids must be str or int, got bool")
