@@ -362,8 +362,8 @@ fn page_id_item(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<u
 }
 
 /// Page ids from a sequence of ints, a 1-D integer array or a CPU torch integer tensor (see
-/// [`page_id_item`]). Arrays go
-/// through `tolist()`, so both give the same messages; this is not a hot path.
+/// `page_id_item`). Arrays go through `tolist()`, so both give the same messages; this is not
+/// a hot path.
 pub fn page_ids(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
     let arr = match obj.cast::<PyUntypedArray>() {
         Ok(arr) => Some(arr.clone()),

@@ -19,7 +19,7 @@
 //! windowed row is rewritten when its offset moves (once per page). Nothing is proportional to
 //! context length or to the number of bound rows.
 //!
-//! What a row's cells hold is recorded per row and group as a [`Mark`] (`len`, `holes_below`,
+//! What a row's cells hold is recorded per row and group as a `Mark` (`len`, `holes_below`,
 //! `offset`), so the next update knows which cells can differ; a row bound anew is compared
 //! cell by cell. Only token-level requests hold rows, and page-level calls refuse them, so
 //! their tables change only through `schedule` (appends and slid-out holes) and release.
