@@ -384,14 +384,22 @@ def test_thread_hammer_on_one_shared_cache() -> None:
                     cache.schedule_batch(reqs, left)
                     if flat_kvcache.FLAT_KVCACHE:
                         cache.block_tables(reqs, out=out)
-                    for r in reqs:
-                        cache.append_tokens(r, [round_])
+                    if round_ % 2:
+                        # The batch calls share one memo of the last batch's ids across
+                        # threads: each thread's lists keep replacing the others'.
+                        cache.append_tokens_batch(reqs, [round_] * len(reqs))
+                    else:
+                        for r in reqs:
+                            cache.append_tokens(r, [round_])
                     cache.stats()
                     cache.take_events()
                 for r in reqs[:2]:
                     cache.finish(r)
-                for r in reqs[2:]:
-                    cache.add_request(f"{r}-again", cache.preempt(r))
+                for i, r in enumerate(reqs[2:], start=2):
+                    # Each request got exactly its own prompt and this thread's 6 tokens.
+                    tokens = cache.preempt(r)
+                    assert tokens == [t, i, round_ % 3] * 5 + [round_] * 6, (r, tokens)
+                    cache.add_request(f"{r}-again", tokens)
                     cache.finish(f"{r}-again")
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
