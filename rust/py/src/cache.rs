@@ -33,7 +33,7 @@ use crate::convert::{clip, signed, IntArg};
 use crate::errors::{core, lock};
 use crate::events::events_to_py;
 use crate::host::{transfer_ids, transfers_to_py, HostStoreArg};
-use crate::idmemo::IdMemo;
+use crate::idmemo::{Batch, IdMemo};
 use crate::prefix_match::PyPrefixMatch;
 use crate::rows::{as_outs, check_bind, copy_deltas, deltas_to_py, no_deltas, BoundBuffers};
 use crate::tables::{borrow_out, table_outs};
@@ -98,7 +98,7 @@ impl PyFlatKVCache {
         py: Python<'py>,
         reqs: &Bound<'py, PyAny>,
         args: impl FnOnce(usize) -> PyResult<A>,
-        f: impl for<'a> FnOnce(&mut FlatCache, &[Lookup<'a>], A) -> flat_kvcache_core::CoreResult<R> + Send,
+        f: impl for<'a, 'b> FnOnce(&mut FlatCache, Batch<'a, 'b>, A) -> flat_kvcache_core::CoreResult<R> + Send,
     ) -> PyResult<R>
     where
         A: Send,
@@ -110,13 +110,12 @@ impl PyFlatKVCache {
             let ids = ids.ids()?;
             let a = args(ids.len())?;
             let lookups: Vec<Lookup<'_>> = ids.iter().map(|&id| Lookup::Id(id)).collect();
-            return core(self.detached(py, |c| f(c, &lookups, a))?);
+            return core(self.detached(py, |c| f(c, Batch::Lookups(&lookups), a))?);
         };
-        let result = items.and_then(|mut items| {
+        let result = items.and_then(|items| {
             let a = args(items.len())?;
             let mut c = lock(&self.inner)?;
-            let lookups = memo.lookups(py, &c, &mut items)?;
-            core(f(&mut c, &lookups, a))
+            core(memo.resolve(py, &mut c, items, |c, batch| f(c, batch, a))?)
         });
         *lock(&self.ids)? = memo;
         result
@@ -643,8 +642,9 @@ impl PyFlatKVCache {
             };
             Ok((toks, ns))
         };
-        self.with_batch(py, reqs, args, |c, reqs, (toks, ns)| {
-            c.append_tokens_batch(reqs, &toks, ns.as_deref())
+        self.with_batch(py, reqs, args, |c, batch, (toks, ns)| match batch {
+            Batch::Handles(reqs) => c.append_tokens_batch(reqs, &toks, ns.as_deref()),
+            Batch::Lookups(reqs) => c.append_tokens_batch(reqs, &toks, ns.as_deref()),
         })
     }
 
@@ -693,7 +693,10 @@ impl PyFlatKVCache {
             }
             Ok(ns)
         };
-        let scheduled = self.with_batch(py, reqs, args, |c, reqs, ns| c.schedule_batch(reqs, &ns))?;
+        let scheduled = self.with_batch(py, reqs, args, |c, batch, ns| match batch {
+            Batch::Handles(reqs) => c.schedule_batch(reqs, &ns),
+            Batch::Lookups(reqs) => c.schedule_batch(reqs, &ns),
+        })?;
         Ok(PyArray1::from_slice(py, &scheduled))
     }
 

@@ -26,21 +26,30 @@ pub struct IdMemo {
 
 /// The items of a batch before the engine is locked.
 pub struct Items<'py> {
-    /// Per item: the handle the memo's object at its position resolved to last time, or None.
-    known: Vec<Option<RequestHandle>>,
-    /// The other items, parsed, with their positions (in order).
+    /// The handles the memo's objects at the other positions resolved to last time, in order.
+    known: Vec<RequestHandle>,
+    /// The items that were not the memo's object at their position, parsed, with their
+    /// positions (in order).
     parsed: Vec<(usize, Bound<'py, PyAny>, RequestId<'py>)>,
+}
+
+/// A batch resolved for the core: all by handle (the steady state), or item by item.
+pub enum Batch<'a, 'b> {
+    /// Every item is the memo's object at its position, with a current handle.
+    Handles(&'a [RequestHandle]),
+    /// Anything else.
+    Lookups(&'a [Lookup<'b>]),
 }
 
 impl Items<'_> {
     /// Number of items.
     pub fn len(&self) -> usize {
-        self.known.len()
+        self.known.len() + self.parsed.len()
     }
 
     /// Whether the batch is empty.
     pub fn is_empty(&self) -> bool {
-        self.known.is_empty()
+        self.len() == 0
     }
 }
 
@@ -65,68 +74,75 @@ impl IdMemo {
         for (k, obj) in objs.enumerate() {
             if let Some(Some((remembered, handle))) = self.entries.get(k) {
                 if remembered.as_ptr() == obj.as_ptr() {
-                    known.push(Some(*handle));
+                    known.push(*handle);
                     continue;
                 }
             }
             let id = obj.extract::<RequestId<'py>>()?;
             id.id()?; // a str that is not valid UTF-8 fails here, in batch order
-            known.push(None);
             parsed.push((k, obj, id));
         }
         Ok(Items { known, parsed })
     }
 
-    /// The core lookups of `items` for the locked engine `cache`: a known item whose handle is
-    /// current by handle, any other by the handle its id has now (remembered) or, for an id
-    /// that names no live request, by id (the core reports it in batch order).
-    pub fn lookups<'a, 'py>(
+    /// Resolve `items` for the locked engine `cache` and run `f` on the result: all by handle
+    /// when every item is a remembered object whose handle is current; else item by item (a
+    /// known item whose handle is current by handle, any other by the handle its id has now,
+    /// remembered, or, for an id that names no live request, by id: the core reports it in
+    /// batch order).
+    pub fn resolve<'py, R>(
         &mut self,
         py: Python<'py>,
-        cache: &FlatCache,
-        items: &'a mut Items<'py>,
-    ) -> PyResult<Vec<Lookup<'a>>> {
+        cache: &mut FlatCache,
+        mut items: Items<'py>,
+        f: impl for<'a, 'b> FnOnce(&mut FlatCache, Batch<'a, 'b>) -> R,
+    ) -> PyResult<R> {
+        if items.parsed.is_empty() && items.known.iter().all(|&h| cache.is_current(h)) {
+            return Ok(f(cache, Batch::Handles(&items.known)));
+        }
+        let len = items.len();
+        // Positions held by known items, in order (the complement of the parsed positions).
+        let mut known_at = Vec::with_capacity(items.known.len());
+        let mut next_parsed = items.parsed.iter().map(|p| p.0).peekable();
+        for k in 0..len {
+            if next_parsed.next_if_eq(&k).is_none() {
+                known_at.push(k);
+            }
+        }
         // A handle whose request is gone: parse its object again (an exact str or int, so no
-        // Python code runs) and look it up like the others.
-        let mut stale = false;
-        for (k, (known, entry)) in items.known.iter_mut().zip(&self.entries).enumerate() {
-            if let (Some(handle), Some((obj, _))) = (*known, entry) {
-                if !cache.is_current(handle) {
-                    let obj = obj.bind(py).clone();
-                    let id = obj.extract::<RequestId<'py>>()?;
-                    items.parsed.push((k, obj, id));
-                    *known = None;
-                    stale = true;
-                }
+        // Python code runs) and resolve it like the others.
+        let mut handles = Vec::with_capacity(items.known.len());
+        for (&k, &handle) in known_at.iter().zip(&items.known) {
+            if cache.is_current(handle) {
+                handles.push((k, handle));
+            } else if let Some(Some((obj, _))) = self.entries.get(k) {
+                let obj = obj.bind(py).clone();
+                let id = obj.extract::<RequestId<'py>>()?;
+                items.parsed.push((k, obj, id));
             }
         }
-        if stale {
-            items.parsed.sort_by_key(|p| p.0);
+        items.parsed.sort_by_key(|p| p.0);
+        self.entries.resize_with(len, || None);
+        let mut out = vec![None; len];
+        for &(k, handle) in &handles {
+            out[k] = Some(Lookup::Handle(handle));
         }
-        self.entries.resize_with(items.known.len(), || None);
-        let mut out = Vec::with_capacity(items.known.len());
-        let mut parsed = items.parsed.iter();
-        for known in &items.known {
-            if let Some(handle) = *known {
-                out.push(Lookup::Handle(handle));
-                continue;
-            }
-            // One parsed item per unknown position, in order.
-            let Some((k, obj, id)) = parsed.next() else {
-                return Err(PyRuntimeError::new_err(
-                    "flat_kvcache: internal error: a batch item was lost",
-                ));
-            };
+        for (k, obj, id) in &items.parsed {
             let id = id.id()?;
-            if let Some(handle) = cache.handle(id) {
+            out[*k] = Some(if let Some(handle) = cache.handle(id) {
                 let plain = obj.is_exact_instance_of::<PyString>() || obj.is_exact_instance_of::<PyInt>();
                 self.entries[*k] = plain.then(|| (obj.clone().unbind(), handle));
-                out.push(Lookup::Handle(handle));
+                Lookup::Handle(handle)
             } else {
                 self.entries[*k] = None;
-                out.push(Lookup::Id(id));
-            }
+                Lookup::Id(id)
+            });
         }
-        Ok(out)
+        let Some(lookups) = out.into_iter().collect::<Option<Vec<_>>>() else {
+            return Err(PyRuntimeError::new_err(
+                "flat_kvcache: internal error: a batch item was lost",
+            ));
+        };
+        Ok(f(cache, Batch::Lookups(&lookups)))
     }
 }

@@ -126,6 +126,12 @@ impl<'a> From<RequestIdRef<'a>> for Lookup<'a> {
     }
 }
 
+impl From<RequestHandle> for Lookup<'_> {
+    fn from(handle: RequestHandle) -> Self {
+        Self::Handle(handle)
+    }
+}
+
 /// Counters behind [`stats::CacheStats`] that the pool does not keep.
 #[derive(Clone, Copy, Debug, Default)]
 struct Counters {
