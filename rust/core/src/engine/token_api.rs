@@ -78,12 +78,14 @@ fn allocated(coord: &Coordinator, tables: &[Table]) -> u64 {
 }
 
 impl FlatCache {
-    /// The slab position of a token-level request (`KeyError` if unknown, `ValueError` if
-    /// page-level).
-    fn find_token(&self, method: &str, req: RequestIdRef<'_>) -> CoreResult<usize> {
-        let at = self.find(req)?;
+    /// The slab position of a token-level request, by id or handle (`KeyError` if unknown,
+    /// `ValueError` if page-level).
+    #[inline]
+    fn find_token<'r>(&self, method: &str, req: impl Into<Lookup<'r>>) -> CoreResult<usize> {
+        let req = req.into();
+        let at = self.locate(req)?;
         if self.entries[at].tokens.is_none() {
-            return Err(page_level(method, req));
+            return Err(page_level(method, self.lookup_id(req, at)));
         }
         Ok(at)
     }
@@ -245,12 +247,7 @@ impl FlatCache {
         check_append_lengths(reqs.len(), "reqs", tokens, counts)?;
         self.with_scratch(|this, at| {
             for &req in reqs {
-                let req = req.into();
-                let i = this.locate(req)?;
-                if this.entries[i].tokens.is_none() {
-                    return Err(page_level(METHOD, this.lookup_id(req, i)));
-                }
-                at.push(i);
+                at.push(this.find_token(METHOD, req)?);
             }
             this.append_positions(at, tokens, counts)
         })
@@ -462,16 +459,13 @@ impl FlatCache {
         const METHOD: &str = "schedule_batch";
         for (&req, &n) in reqs.iter().zip(ns) {
             let req = req.into();
-            let i = self.locate(req)?;
+            let i = self.find_token(METHOD, req)?;
             at.push(i);
-            if self.entries[i].tokens.is_none() {
-                return Err(page_level(METHOD, self.lookup_id(req, i)));
-            }
             if self.entries[i].loading > 0 {
                 self.check_loaded(METHOD, self.lookup_id(req, i), i)?;
             }
             let Some(s) = self.entries[i].tokens.as_mut() else {
-                continue; // checked above
+                continue; // find_token checked it
             };
             s.pending = s
                 .pending
