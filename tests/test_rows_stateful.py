@@ -4,8 +4,9 @@ One hypothesis state machine drives the native ``FlatKVCache`` and the pure-Pyth
 with the same scheduler-loop operations on requests that own rows of bound buffers: add with a
 row (free, held, or out of range), decode steps (``schedule_batch`` + ``append_tokens_batch``),
 prefill chunks, finish, preempt and re-add in another row, page-level calls, ``reset_prefix_cache``,
-re-binding (more rows, other widths, windowed sliding groups) and a scribble repaired by
-``update_rows(full=True)``.
+re-binding (more rows, other widths, windowed sliding groups), a scribble repaired by
+``update_rows(full=True)``, and bound buffers changed in place (read-only, another dtype,
+another shape), which both engines must refuse without writing or losing anything.
 
 After every ``update_rows`` the two engines must return the same deltas (or raise the same
 exception class), and the deltas, applied to a shadow copy that only ever sees deltas, must
@@ -211,6 +212,40 @@ class RowsMachine(RuleBasedStateMachine):
             tables[self.group_ids[0]][row, col] = value
         self.shadow[self.group_ids[0]][row, col] = value
         self.update(full=True)
+
+    @rule(group=st.integers(0, 5), how=st.sampled_from(["read-only", "dtype", "shape", "offsets read-only"]))
+    def tamper(self, group: int, how: str) -> None:
+        """Someone changes a bound buffer in place (numpy allows it): both engines must refuse
+        the update the same way and write nothing; once the buffer is restored, the next
+        update must bring the shadow copy (kept only by deltas) level with the buffers."""
+        group_id = self.group_ids[group % len(self.group_ids)]
+        if how == "offsets read-only":
+            if group_id not in self.offsets[0]:
+                return
+            arrays = [offs[group_id] for offs in self.offsets]
+        else:
+            arrays = [tables[group_id] for tables in self.buffers]
+        before = [a.copy() for a in arrays]
+        for array in arrays:
+            if how in ("read-only", "offsets read-only"):
+                array.flags.writeable = False
+            elif how == "dtype":
+                array.dtype = np.dtype(np.uint32)
+            else:
+                array.shape = (-1,)
+        refused = [self._update(cache, False) for cache in self.caches]
+        assert refused[0] == refused[1], refused
+        assert refused[0][0] == "raise", f"update_rows accepted a buffer changed in place ({how})"
+        event(f"tampered: {how}")
+        for array, old in zip(arrays, before, strict=True):
+            if how in ("read-only", "offsets read-only"):
+                array.flags.writeable = True
+            elif how == "dtype":
+                array.dtype = np.dtype(np.int32)
+            else:
+                array.shape = old.shape
+            np.testing.assert_array_equal(array, old, err_msg="a refused update wrote a buffer")
+        self.update()
 
     @rule()
     def update_rule(self) -> None:

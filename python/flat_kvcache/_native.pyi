@@ -679,9 +679,11 @@ class FlatKVCache:
         sorted by row then column (apply with ``index_put_`` to a device copy);
         ``offsets[g]`` (windowed groups only): int32 ``[2, m]`` (row, offset) of every row
         whose page offset changed. Only rows whose tables changed are visited; ``full=True``
-        compares every cell with the buffers (a repair). A table wider than its row, or a
-        windowed row with a real page before its first slot, is a ``ValueError`` naming the
-        group, row and request, and nothing is written.
+        compares every cell with the buffers (a repair). A table wider than its row, a
+        windowed row with a real page before its first slot, or a bound buffer changed in
+        place since ``bind_rows`` (dtype, shape, strides, read-only) is a ``ValueError``
+        naming it; a refused update writes nothing and loses nothing: the next update that
+        succeeds returns every cell changed since the last one that succeeded.
         """
 
     def append_tokens(self, req: _RequestId, token_ids: _Tokens) -> None:

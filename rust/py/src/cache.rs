@@ -547,7 +547,11 @@ impl PyFlatKVCache {
         let mut bound = lock(&self.rows)?;
         core(lock(&self.inner)?.bind_rows(max_rows, layouts))?;
         buffers.reset(py)?;
-        *bound = Some(buffers);
+        let previous = bound.replace(buffers);
+        // Released only once no lock is held: dropping the last reference to a buffer can
+        // run Python code (a finalizer, `__del__`) that calls back into this cache.
+        drop(bound);
+        drop(previous);
         Ok(())
     }
 
@@ -555,7 +559,10 @@ impl PyFlatKVCache {
     fn unbind_rows(&self) -> PyResult<()> {
         let mut bound = lock(&self.rows)?;
         lock(&self.inner)?.unbind_rows();
-        *bound = None;
+        let previous = bound.take();
+        // As in `bind_rows`: the buffers are released after the locks.
+        drop(bound);
+        drop(previous);
         Ok(())
     }
 
@@ -572,9 +579,11 @@ impl PyFlatKVCache {
     /// `offsets[g]` (windowed groups only) is an int32 `[2, m]` array of (row, offset) for
     /// every row whose page offset changed. Only rows whose tables changed are visited.
     /// `full=True` compares every cell of every row with the buffers (a repair after
-    /// someone else wrote them). A table wider than its row, or a windowed row with a real
-    /// page before its first slot, is a `ValueError` naming the group, row and request, and
-    /// nothing is written.
+    /// someone else wrote them). A table wider than its row, a windowed row with a real
+    /// page before its first slot, or a bound buffer changed in place since `bind_rows`
+    /// (dtype, shape, strides, read-only) is a `ValueError` naming it; a refused update
+    /// writes nothing and loses nothing: the next update that succeeds returns every cell
+    /// changed since the last one that succeeded.
     #[pyo3(signature = (*, full = FlagParam::OMITTED), text_signature = "(self, *, full=False)")]
     fn update_rows<'py>(
         &self,
@@ -592,12 +601,14 @@ impl PyFlatKVCache {
             )));
         };
         let windowed = buffers.windowed();
-        // Nothing changed since the last update: no buffer to borrow, nothing to copy.
+        // Checked (and borrowed) even when nothing changed, so a buffer changed in place is
+        // refused at the first update after the change, whatever the engine did meanwhile.
+        let (mut tables, mut offsets) = buffers.borrow(py)?;
         if !full && !lock(&self.inner)?.rows_pending() {
+            drop((tables, offsets));
             drop(bound);
             return deltas_to_py(py, self.gids(), no_deltas(&windowed));
         }
-        let (mut tables, mut offsets) = buffers.borrow(py)?;
         let (mut outs, mut offs) = as_outs(&mut tables, &mut offsets)?;
         let copies = {
             let mut c = lock(&self.inner)?;

@@ -13,7 +13,8 @@ use flat_kvcache_core::engine::group::GroupKind;
 use flat_kvcache_core::engine::rows::{RowDelta, RowLayout};
 use numpy::ndarray::{ArrayView2, Ix1};
 use numpy::{
-    BorrowError, PyArray1, PyArray2, PyArrayMethods, PyReadwriteArray1, PyReadwriteArray2, PyUntypedArrayMethods,
+    BorrowError, PyArray, PyArray1, PyArray2, PyArrayMethods, PyReadwriteArray, PyReadwriteArray1, PyReadwriteArray2,
+    PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -22,10 +23,15 @@ use pyo3::types::{PyDict, PyMapping};
 use crate::convert::{clip, type_name};
 use crate::tables::{as_ndarray, borrow_int32, borrow_tables};
 
-/// The bound buffers: one table per group, one offsets vector per windowed group.
+/// The bound buffers: one table per group, one offsets vector per windowed group, with the
+/// group ids that name them in messages.
 pub struct BoundBuffers {
     tables: Vec<Py<PyArray2<i32>>>,
     offsets: Vec<Option<Py<PyArray1<i32>>>>,
+    gids: Vec<String>,
+    /// The bound shape: rows, and each table's columns.
+    max_rows: usize,
+    cols: Vec<usize>,
 }
 
 /// `offsets['<group id>']`, as messages name an offsets buffer.
@@ -131,6 +137,9 @@ pub fn check_bind(
     let buffers = BoundBuffers {
         tables: arrays.iter().map(|a| keep2(a)).collect(),
         offsets: offs.iter().map(|o| o.as_ref().map(keep1)).collect(),
+        gids: groups.iter().map(|g| g.group_id.clone()).collect(),
+        max_rows,
+        cols: arrays.iter().map(|a| a.shape()[1]).collect(),
     };
     Ok((max_rows, layouts, buffers))
 }
@@ -155,16 +164,24 @@ impl BoundBuffers {
 
     /// Fill the buffers as a fresh binding expects them: tables -1, offsets 0.
     pub fn reset(&self, py: Python<'_>) -> PyResult<()> {
+        // Checked writable by `check_bind` just before; only another thread could hold them.
+        let busy = |e: BorrowError| PyValueError::new_err(format!("bind_rows: a buffer cannot be written now ({e})"));
         for t in &self.tables {
-            t.bind(py).try_readwrite().map_err(borrowed)?.as_array_mut().fill(-1);
+            t.bind(py).try_readwrite().map_err(busy)?.as_array_mut().fill(-1);
         }
         for o in self.offsets.iter().flatten() {
-            o.bind(py).try_readwrite().map_err(borrowed)?.as_array_mut().fill(0);
+            o.bind(py).try_readwrite().map_err(busy)?.as_array_mut().fill(0);
         }
         Ok(())
     }
 
-    /// Borrow every buffer writable for one update.
+    /// Borrow every buffer writable for one update, tables then offsets, each in group order.
+    ///
+    /// The bound objects are checked again: numpy lets a caller change an array's dtype,
+    /// shape, strides or writability in place after `bind_rows`, and a buffer that is no
+    /// longer a writable C-contiguous int32 array of its bound shape is refused (nothing is
+    /// written, and the next update that succeeds still returns every change). The checks read
+    /// the array structs only: no Python code runs (the rows lock is held).
     #[allow(clippy::type_complexity, reason = "one borrow per group, tables then offsets")]
     pub fn borrow<'py>(
         &self,
@@ -173,28 +190,45 @@ impl BoundBuffers {
         Vec<PyReadwriteArray2<'py, i32>>,
         Vec<Option<PyReadwriteArray1<'py, i32>>>,
     )> {
-        let tables = self
-            .tables
-            .iter()
-            .map(|t| t.bind(py).try_readwrite().map_err(borrowed))
-            .collect::<PyResult<_>>()?;
-        let offsets = self
-            .offsets
-            .iter()
-            .map(|o| {
-                o.as_ref()
-                    .map(|a| a.bind(py).try_readwrite().map_err(borrowed))
-                    .transpose()
-            })
-            .collect::<PyResult<_>>()?;
+        let mut tables = Vec::with_capacity(self.tables.len());
+        let max_rows = self.max_rows;
+        for ((t, gid), &cols) in self.tables.iter().zip(&self.gids).zip(&self.cols) {
+            let label = format!("tables['{}']", clip(gid).escape_debug());
+            tables.push(borrow_again(t.bind(py).as_any(), &label, &[max_rows, cols])?);
+        }
+        let mut offsets = Vec::with_capacity(self.offsets.len());
+        for (o, gid) in self.offsets.iter().zip(&self.gids) {
+            offsets.push(match o {
+                Some(a) => Some(borrow_again(a.bind(py).as_any(), &offsets_label(gid), &[max_rows])?),
+                None => None,
+            });
+        }
         Ok((tables, offsets))
     }
 }
 
-/// A bound buffer that cannot be borrowed writable right now.
-#[allow(clippy::needless_pass_by_value, reason = "used as a map_err callback")]
-fn borrowed(e: BorrowError) -> PyErr {
-    PyValueError::new_err(format!("update_rows: a bound buffer cannot be written now ({e})"))
+/// Borrow a bound buffer writable again after checking it is still what `bind_rows` bound.
+fn borrow_again<'py, D: numpy::ndarray::Dimension>(
+    item: &Bound<'py, PyAny>,
+    label: &str,
+    shape: &[usize],
+) -> PyResult<PyReadwriteArray<'py, i32, D>> {
+    let changed = || {
+        PyValueError::new_err(format!(
+            "update_rows: {label} was changed after bind_rows: it must stay a C-contiguous int32 array of shape \
+             {shape:?} (bind it again)"
+        ))
+    };
+    let typed = item.cast::<PyArray<i32, D>>().map_err(|_| changed())?;
+    if typed.shape() != shape || !typed.is_c_contiguous() {
+        return Err(changed());
+    }
+    typed.try_readwrite().map_err(|e| match e {
+        BorrowError::NotWriteable => PyValueError::new_err(format!(
+            "update_rows: {label} is read-only now (bound buffers must stay writable)"
+        )),
+        _ => PyValueError::new_err(format!("update_rows: {label} is borrowed elsewhere")),
+    })
 }
 
 /// The borrowed buffers as the core's outputs.

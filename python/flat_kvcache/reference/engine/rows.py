@@ -184,6 +184,7 @@ class Rows(Coordinator):
         binding = self._binding
         if binding is None:
             raise ValueError("update_rows: no rows are bound (call bind_rows first)")
+        self._check_bound_buffers(binding)
         wanted = self._wanted_rows(binding)
         cells: dict[str, Int32Array] = {}
         offsets: dict[str, Int32Array] = {}
@@ -203,6 +204,32 @@ class Rows(Coordinator):
                 binding.written_offsets[group] = want_offsets
                 offsets[group_id] = np.stack([changed, want_offsets[changed]]).astype(np.int32).reshape(2, -1)
         return cells, offsets
+
+    def _check_bound_buffers(self, binding: _Binding) -> None:
+        """Refuse the update before anything is written if a bound buffer changed in place.
+
+        numpy lets a caller change an array's dtype, shape, strides or writability after
+        ``bind_rows``; each buffer (tables, then offsets, in group order) must still be a
+        writable C-contiguous int32 array of its bound shape.
+        """
+        max_rows = binding.written[0].shape[0]
+        named: list[tuple[str, Int32Array, tuple[int, ...]]] = [
+            (f"tables[{group_id!r}]", table, written.shape)
+            for group_id, table, written in zip(self._group_ids, binding.tables, binding.written, strict=True)
+        ]
+        named += [
+            (f"offsets[{group_id!r}]", window, (max_rows,))
+            for group_id, window in zip(self._group_ids, binding.offsets, strict=True)
+            if window is not None
+        ]
+        for label, array, shape in named:
+            if array.dtype != np.int32 or array.shape != shape or not array.flags.c_contiguous:
+                raise ValueError(
+                    f"update_rows: {label} was changed after bind_rows: it must stay a C-contiguous int32 "
+                    f"array of shape {list(shape)} (bind it again)"
+                )
+            if not array.flags.writeable:
+                raise ValueError(f"update_rows: {label} is read-only now (bound buffers must stay writable)")
 
     def _wanted_rows(self, binding: _Binding) -> list[tuple[Int32Array, Int32Array | None]]:
         """Every group's rows (and offsets) as they should be; errors before anything is written."""
