@@ -223,7 +223,7 @@ def test_argument_errors_change_nothing() -> None:
         cache.acquire("a", -1)
     with pytest.raises(TypeError, match="num_tokens"):
         cache.acquire("a", 1.5)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="past the end"):
+    with pytest.raises(ValueError, match="run past its table"):
         cache.register("a", hash_pages(list(range(12)), 4))
     assert not cache.acquire("a", 64)  # not enough pages: all or nothing
     with pytest.raises(ValueError, match="already hold"):

@@ -584,11 +584,11 @@ impl Coordinator {
             return Ok(None);
         };
         if plan.start.checked_add(plan.count).is_none_or(|end| end > table.len()) {
+            // The end in u128: the start may be near u64::MAX.
+            let end = plan.start as u128 + plan.count as u128;
             return Err(CoreError::invalid(format!(
-                "register: {} key(s) from slot {} of group {:?} run past the end of the request's table ({} slots)",
-                plan.count,
+                "register: slots [{}, {end}) of group {g} run past its table of {} pages",
                 plan.start,
-                self.specs[g].group_id,
                 table.len()
             )));
         }
