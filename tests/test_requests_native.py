@@ -266,7 +266,7 @@ def test_argument_errors_name_the_argument() -> None:
         cache.add_request("e", [])
     with pytest.raises(ValueError, match=r"prompt_token_ids\[1\] = -1 does not fit in u32"):
         cache.add_request("e", [1, -1])
-    with pytest.raises(TypeError, match="extra_keys must be a sequence of str, not a bare str"):
+    with pytest.raises(TypeError, match="extra_keys must be a sequence of str, got str"):
         cache.add_request("e", [1], extra_keys="lora")
     with pytest.raises(TypeError, match="request ids must be str or int"):
         cache.add_request(1.5, [1])  # type: ignore[arg-type]
@@ -318,7 +318,7 @@ def test_schedule_batch_validates_everything_first() -> None:
         cache.schedule_batch(["a", "b"], [1, 9])
     with pytest.raises(ValueError, match="asks for more tokens"):
         cache.schedule_batch(["a", "a"], [5, 4])  # repeats count together
-    with pytest.raises(TypeError, match="not a bare str"):
+    with pytest.raises(TypeError, match="reqs must be a sequence of request ids, got str"):
         cache.schedule_batch("ab", [1, 1])
     assert (cache.stats(), cache.page_ids("a"), cache.page_ids("b")) == before
     assert cache.num_computed_tokens("a") == 0
@@ -349,7 +349,7 @@ def test_append_tokens_batch_validates_everything_first() -> None:
         cache.append_tokens_batch(["a", "b"], [1, 2], np.array([-1, 3]))
     with pytest.raises(KeyError):
         cache.append_tokens_batch(["a", "zz"], [1, 2])
-    with pytest.raises(TypeError, match="not a bare str"):
+    with pytest.raises(TypeError, match="reqs must be a sequence of request ids, got str"):
         cache.append_tokens_batch("ab", [1, 2])
     assert (cache.num_tokens("a"), cache.num_tokens("b")) == before
     # Arrays of any integer dtype; None is one token each.

@@ -23,6 +23,7 @@ from robustness_cases import (
     PAGE_LEVEL,
     TOKEN_LEVEL,
     Case,
+    Refusal,
     busy_cache,
     check_agree,
     check_case,
@@ -423,6 +424,72 @@ def test_disjoint_row_blocks_of_one_array_are_fine(api: ModuleType) -> None:
     for group, table in expected.items():
         np.testing.assert_array_equal(out[group][:, : table.shape[1]], table)
         assert (out[group][:, table.shape[1] :] == -1).all()
+
+
+# --- text, bytes and masked arrays are never batches (docs/engine-api.md, "Odd inputs") --------
+
+#: One batch argument per kind: (call given the value, argument name, what its items are).
+_BATCHES: dict[str, tuple[Any, str, str]] = {
+    "schedule_batch.reqs": (lambda c, v: c.schedule_batch(v, [1]), "reqs", "request ids"),
+    "block_tables.reqs": (lambda c, v: c.block_tables(v), "reqs", "request ids"),
+    "append_tokens_batch.reqs": (lambda c, v: c.append_tokens_batch(v, [1]), "reqs", "request ids"),
+    "schedule_batch.num_new_tokens": (
+        lambda c, v: c.schedule_batch(["a"], v),
+        "num_new_tokens",
+        "ints or a 1-D integer array",
+    ),
+    "add_request.prompt_token_ids": (
+        lambda c, v: c.add_request("n", v),
+        "prompt_token_ids",
+        "ints or a 1-D integer array",
+    ),
+    "schedule_rows.rows": (lambda c, v: c.schedule_rows(v, [1]), "rows", "ints or a 1-D integer array"),
+    "ack_transfers.ids": (lambda c, v: c.ack_transfers(v), "ids", "ints or a 1-D integer array"),
+    "match_prefix.content_hashes": (lambda c, v: c.match_prefix(v), "content_hashes", "str"),
+    "add_request.extra_keys": (lambda c, v: c.add_request("n", [1], extra_keys=v), "extra_keys", "str"),
+}
+
+#: Text and bytes that would iterate as characters or byte values (b"a" as the id or token 97).
+_TEXT_OR_BYTES = {
+    "str": "ab",
+    "bytes": b"a",
+    "bytearray": bytearray(b"\x01"),
+    "memoryview": memoryview(b"\x01"),
+}
+
+
+@pytest.mark.parametrize("value", list(_TEXT_OR_BYTES))
+@pytest.mark.parametrize("where", list(_BATCHES))
+def test_text_or_bytes_is_never_a_batch(api: ModuleType, where: str, value: str) -> None:
+    call, name, what = _BATCHES[where]
+    got = check_case(api, Case(lambda c: call(c, _TEXT_OR_BYTES[value]), TypeError, name))
+    assert got == Refusal(TypeError, f"{name} must be a sequence of {what}, got {value}")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: np.ma.array([1, 2], mask=[False, True]), id="one-masked"),
+        pytest.param(lambda: np.ma.array(np.arange(5, dtype=np.uint32)), id="nothing-masked-u32"),
+        pytest.param(lambda: np.ma.zeros((2, 2), np.int64), id="2-D"),
+    ],
+)
+@pytest.mark.parametrize("where", [w for w, (_, _, what) in _BATCHES.items() if what != "str"])
+def test_a_masked_array_is_refused(api: ModuleType, where: str, make: Any) -> None:
+    """The mask would be ignored (native read the data, the masked values included)."""
+    call, name, _ = _BATCHES[where]
+    got = check_case(api, Case(lambda c: call(c, make()), TypeError, name))
+    assert got == Refusal(TypeError, f"{name} must not be a masked array (its mask would be ignored)")
+
+
+def test_a_masked_prompt_is_refused_after_the_same_prompt_unmasked(api: ModuleType) -> None:
+    """A masked u32 prompt equal to the prompt just hashed is refused too (not recalled)."""
+    cache = busy_cache(api)
+    prompt = np.arange(20, dtype=np.uint32)
+    cache.prefix_hit_tokens(prompt)  # hashed and remembered
+    with pytest.raises(TypeError, match="prompt_token_ids must not be a masked array"):
+        cache.add_request("n", np.ma.array(prompt, mask=[False] * 19 + [True]))
+    assert not cache.has_request("n")
 
 
 # --- request ids --------------------------------------------------------------------------------

@@ -11,9 +11,11 @@ use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUnt
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyInt, PyList, PyString, PyTuple};
 
-use crate::convert::{clip, cpu_tensor_numpy, non_negative, signed, type_name, IntArg};
+use crate::convert::{
+    batch_iter, clip, cpu_tensor_numpy, is_masked, masked_error, non_negative, signed, type_name, IntArg,
+};
 use crate::npscalar::Scalars;
 
 // ----- counts, tokens and page ids ------------------------------------------------------------
@@ -86,6 +88,23 @@ impl<'a, 'py> FromPyObject<'a, 'py> for FlagParam<'py> {
     }
 }
 
+/// An argument with a default written in Rust, kept as passed (an explicit `None` is a value
+/// like any other): the method body checks it, after the arguments before it.
+pub struct Passed<'py>(pub Option<Bound<'py, PyAny>>);
+
+impl Passed<'_> {
+    /// The argument left out.
+    pub const OMITTED: Self = Self(None);
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Passed<'py> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        Ok(Self(Some(obj.to_owned())))
+    }
+}
+
 /// An optional non-negative int argument (`None` passes through).
 pub fn opt_count(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option<u64>> {
     match obj {
@@ -94,13 +113,19 @@ pub fn opt_count(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option<
     }
 }
 
-/// A positive int argument as `usize` (0 is a `ValueError` naming `name`).
+/// A positive int argument as `u64` (0 or a negative value is a `ValueError` naming `name`:
+/// `"<name> must be > 0, got <v>"`, as the reference's `positive` says).
 pub fn positive(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
-    match count(obj, name)? {
-        0 => Err(PyValueError::new_err(format!("{name} must be > 0, got 0"))),
-        v => Ok(v),
+    let not_positive = |v: &dyn std::fmt::Display| PyValueError::new_err(format!("{name} must be > 0, got {v}"));
+    match signed(obj, name)? {
+        IntArg::Small(v) if v <= 0 => Err(not_positive(&v)),
+        IntArg::HugeNegative => Err(not_positive(obj)),
+        IntArg::Small(_) | IntArg::HugePositive => count(obj, name),
     }
 }
+
+/// What an int sequence holds, as messages say it (`<name> must be a sequence of ...`).
+pub const INTS: &str = "ints or a 1-D integer array";
 
 /// A page id argument: an int, or the `ValueError` for a value no pool holds.
 #[inline]
@@ -228,7 +253,8 @@ fn list_or_tuple<'py, T>(
 ///
 /// In a list or tuple, a numpy integer scalar is read in place ([`Scalars`]) and kept when
 /// `fits` accepts its value; any other item, or a value `fits` refuses, goes through `item`,
-/// which raises the precise error.
+/// which raises the precise error. Text and bytes (`b"a"` is not the token 97), masked arrays
+/// and non-iterables are a `TypeError` naming `name` ([`batch_iter`]).
 fn int_sequence<'py, E>(
     obj: &Bound<'py, PyAny>,
     name: &str,
@@ -254,6 +280,9 @@ fn int_sequence<'py, E>(
     if let Some(out) = list_or_tuple(obj, &mut convert) {
         return out;
     }
+    if is_masked(obj) {
+        return Err(masked_error(name));
+    }
     let arr = match obj.cast::<PyUntypedArray>() {
         Ok(arr) => Some(arr.clone()),
         Err(_) => cpu_tensor_numpy(obj)?,
@@ -277,19 +306,10 @@ fn int_sequence<'py, E>(
             arr.dtype()
         )));
     }
-    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
-        return Err(PyTypeError::new_err(format!(
-            "{name} must be a sequence of ints, got {}",
-            type_name(obj)
-        )));
-    }
-    let Ok(iter) = obj.try_iter() else {
-        return Err(PyTypeError::new_err(format!(
-            "{name} must be a sequence of ints or a 1-D integer array, got {}",
-            type_name(obj)
-        )));
-    };
-    iter.enumerate().map(|(i, t)| convert(&t?, i)).collect()
+    batch_iter(obj, name, INTS)?
+        .enumerate()
+        .map(|(i, t)| convert(&t?, i))
+        .collect()
 }
 
 /// Counts (ints >= 0) from any integer form `int_sequence` accepts.
@@ -365,6 +385,9 @@ fn page_id_item(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<u
 /// `page_id_item`). Arrays go through `tolist()`, so both give the same messages; this is not
 /// a hot path.
 pub fn page_ids(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
+    if is_masked(obj) {
+        return Err(masked_error(name));
+    }
     let arr = match obj.cast::<PyUntypedArray>() {
         Ok(arr) => Some(arr.clone()),
         Err(_) => cpu_tensor_numpy(obj)?,
@@ -385,17 +408,47 @@ pub fn page_ids(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
 
 // ----- hashes and extra keys ------------------------------------------------------------------
 
-/// The raw bytes of a `prior` hash: `""` or hex text of even length (either case).
-pub fn prior(text: &str) -> PyResult<Vec<u8>> {
-    parse_hex(text.as_bytes()).ok_or_else(|| {
-        PyValueError::new_err(format!(
-            "prior must be \"\" or a hex string of even length, got {:?}",
-            clip(text)
-        ))
+/// The raw bytes of a `prior` hash: a `str`, `""` (also when left out) or hex text of even
+/// length (either case). Anything else is a `ValueError` showing the text as Python's `repr`
+/// of its first 80 characters (a `TypeError` for a non-str).
+pub fn prior(param: &Passed<'_>) -> PyResult<Vec<u8>> {
+    let Some(obj) = &param.0 else {
+        return Ok(Vec::new());
+    };
+    let Ok(text) = obj.cast::<PyString>() else {
+        return Err(not_a_str(obj, "prior"));
+    };
+    // Text UTF-8 cannot encode (a lone surrogate) is not hex either.
+    let parsed = text.to_str().ok().and_then(|t| parse_hex(t.as_bytes()));
+    parsed.ok_or_else(|| match shown_text(text) {
+        Ok(shown) => PyValueError::new_err(format!("prior must be '' or a hex string of even length, got {shown}")),
+        Err(err) => err,
     })
 }
 
-/// Extra keys: a sequence of `str` (a bare `str` is a `TypeError`), kept as UTF-8 strings.
+/// The `TypeError` for a non-str given as the str argument `name`.
+pub fn not_a_str(obj: &Bound<'_, PyAny>, name: &str) -> PyErr {
+    PyTypeError::new_err(format!("{name} must be a str, got {}", type_name(obj)))
+}
+
+/// A str argument as UTF-8 text: a non-str is a `TypeError` naming `name`; text UTF-8 cannot
+/// encode (a lone surrogate) is Python's `UnicodeEncodeError`.
+pub fn text_arg<'a>(obj: &'a Bound<'_, PyAny>, name: &str) -> PyResult<&'a str> {
+    match obj.cast::<PyString>() {
+        Ok(text) => text.to_str(),
+        Err(_) => Err(not_a_str(obj, name)),
+    }
+}
+
+/// Python's `repr` of the first 80 characters of `text` (surrogates escaped, as Python shows
+/// them), for messages about a value.
+fn shown_text(text: &Bound<'_, PyString>) -> PyResult<String> {
+    let cut = text.get_item(pyo3::types::PySlice::new(text.py(), 0, 80, 1))?;
+    Ok(cut.repr()?.to_string_lossy().into_owned())
+}
+
+/// Extra keys: a sequence of `str` (text, bytes or a non-iterable is a `TypeError`), kept as
+/// UTF-8 strings.
 #[derive(Debug, Default)]
 pub struct ExtraKeys(pub Vec<String>);
 
@@ -403,19 +456,8 @@ impl<'a, 'py> FromPyObject<'a, 'py> for ExtraKeys {
     type Error = PyErr;
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        if obj.is_instance_of::<PyString>() {
-            return Err(PyTypeError::new_err(
-                "extra_keys must be a sequence of str, not a bare str",
-            ));
-        }
-        let Ok(iter) = obj.try_iter() else {
-            return Err(PyTypeError::new_err(format!(
-                "extra_keys must be a sequence of str, got {}",
-                type_name(&obj)
-            )));
-        };
         let mut keys = Vec::new();
-        for (i, item) in iter.enumerate() {
+        for (i, item) in batch_iter(&obj, "extra_keys", "str")?.enumerate() {
             let item = item?;
             let Ok(s) = item.cast::<PyString>() else {
                 return Err(PyTypeError::new_err(format!(
@@ -432,20 +474,18 @@ impl<'a, 'py> FromPyObject<'a, 'py> for ExtraKeys {
 /// One 64-digit lowercase hex content hash at `name[index]`.
 #[inline]
 fn content_hash(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<ContentHash> {
-    let parsed = match item.cast::<PyString>() {
-        Ok(s) => parse_hash_lower(s.to_str()?.as_bytes()),
-        Err(_) => {
-            return Err(PyTypeError::new_err(format!(
-                "{name}[{index}] must be a str, got {}",
-                type_name(item)
-            )))
-        }
+    let Ok(text) = item.cast::<PyString>() else {
+        return Err(PyTypeError::new_err(format!(
+            "{name}[{index}] must be a str, got {}",
+            type_name(item)
+        )));
     };
-    if let Some(hash) = parsed {
+    // Text UTF-8 cannot encode (a lone surrogate) is not a hash either: the same ValueError.
+    if let Some(hash) = text.to_str().ok().and_then(|t| parse_hash_lower(t.as_bytes())) {
         return Ok(hash);
     }
     // The value as Python's repr shows it, cut to 80 characters first (as the reference).
-    let shown = PyString::new(item.py(), clip(&item.to_string())).repr()?;
+    let shown = shown_text(text)?;
     Err(PyValueError::new_err(format!(
         "{name}[{index}] must be a 64-character lowercase hex string, got {shown}"
     )))
@@ -468,18 +508,10 @@ pub fn content_hashes(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<Conten
             .map(|(i, h)| content_hash(&h, name, i))
             .collect();
     }
-    if obj.is_instance_of::<PyString>() {
-        return Err(PyTypeError::new_err(format!(
-            "{name} must be a sequence of str, not a bare str"
-        )));
-    }
-    let Ok(iter) = obj.try_iter() else {
-        return Err(PyTypeError::new_err(format!(
-            "{name} must be a sequence of str, got {}",
-            type_name(obj)
-        )));
-    };
-    iter.enumerate().map(|(i, h)| content_hash(&h?, name, i)).collect()
+    batch_iter(obj, name, "str")?
+        .enumerate()
+        .map(|(i, h)| content_hash(&h?, name, i))
+        .collect()
 }
 
 // ----- request ids ----------------------------------------------------------------------------
@@ -525,9 +557,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for RequestId<'py> {
         if obj.is_instance_of::<PyBool>() {
             return Err(not_an_id());
         }
-        let Ok(index) = obj.call_method0("__index__") else {
-            return Err(not_an_id());
-        };
+        let index = crate::convert::index_of(&obj).map_err(|err| err.unwrap_or_else(not_an_id))?;
         match index.extract::<i64>() {
             Ok(v) => Ok(Self::Int(v)),
             Err(_) => Ok(Self::Big(index.str()?.to_str()?.to_owned())),
@@ -535,7 +565,8 @@ impl<'a, 'py> FromPyObject<'a, 'py> for RequestId<'py> {
     }
 }
 
-/// The request ids of a batch: a sequence of [`RequestId`] (a bare `str` is a `TypeError`).
+/// The request ids of a batch: a sequence of [`RequestId`] (text, bytes, a masked array or a
+/// non-iterable is a `TypeError` naming `reqs`: `b"a"` is not the id 97).
 pub struct RequestIds<'py>(Vec<RequestId<'py>>);
 
 impl RequestIds<'_> {
@@ -553,18 +584,12 @@ impl<'a, 'py> FromPyObject<'a, 'py> for RequestIds<'py> {
     type Error = PyErr;
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        if obj.is_instance_of::<PyString>() {
-            return Err(PyTypeError::new_err(
-                "reqs must be a sequence of request ids, not a bare str",
-            ));
-        }
         // A list or tuple (what a scheduler passes) directly; any other iterable through the
         // iterator protocol.
         if let Some(ids) = list_or_tuple(&obj, |item, _| item.extract::<RequestId<'py>>()) {
             return ids.map(Self);
         }
-        let ids = obj
-            .try_iter()?
+        let ids = batch_iter(&obj, "reqs", "request ids")?
             .map(|r| r?.extract::<RequestId<'py>>())
             .collect::<PyResult<_>>()?;
         Ok(Self(ids))
@@ -574,21 +599,16 @@ impl<'a, 'py> FromPyObject<'a, 'py> for RequestIds<'py> {
 // ----- engine configuration -------------------------------------------------------------------
 
 /// The `specs` argument of `FlatKVCache`: a sequence of spec objects (anything with `kind`,
-/// `page_size`, `sliding_window` and `group_id`, such as `KVCacheSpec`); a bare `str` is a
-/// `TypeError`.
+/// `page_size`, `sliding_window` and `group_id`, such as `KVCacheSpec`); text, bytes or a
+/// non-iterable is a `TypeError`.
 pub struct GroupSpecs(pub Vec<GroupSpec>);
 
 impl<'a, 'py> FromPyObject<'a, 'py> for GroupSpecs {
     type Error = PyErr;
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        if obj.is_instance_of::<PyString>() {
-            return Err(PyTypeError::new_err(
-                "specs must be a sequence of KVCacheSpec, not a bare str",
-            ));
-        }
         let mut groups = Vec::new();
-        for (i, spec) in obj.try_iter()?.enumerate() {
+        for (i, spec) in batch_iter(&obj, "specs", "KVCacheSpec")?.enumerate() {
             groups.push(group_spec(i, &spec?)?);
         }
         Ok(Self(groups))
@@ -598,12 +618,8 @@ impl<'a, 'py> FromPyObject<'a, 'py> for GroupSpecs {
 /// Read `specs[i]`; the kind and its window are validated by [`GroupKind::from_name`].
 fn group_spec(i: usize, spec: &Bound<'_, PyAny>) -> PyResult<GroupSpec> {
     let field = |name: &str| {
-        spec.getattr(name).map_err(|_| {
-            PyTypeError::new_err(format!(
-                "specs[{i}] must be a KVCacheSpec, got {} (no attribute {name:?})",
-                type_name(spec)
-            ))
-        })
+        spec.getattr(name)
+            .map_err(|_| PyTypeError::new_err(format!("specs[{i}] must be a KVCacheSpec, got {}", type_name(spec))))
     };
     let kind_obj = field("kind")?;
     let Ok(kind_str) = kind_obj.cast::<PyString>() else {

@@ -15,7 +15,7 @@ use std::sync::Mutex;
 use flat_kvcache_core::engine::block_tables::FlatTable;
 use flat_kvcache_core::engine::coordinator::{EvictionOrder, GroupSpec};
 use flat_kvcache_core::engine::ids::RequestIdRef;
-use flat_kvcache_core::engine::pool::DEFAULT_REUSE_UNCACHED_FIRST;
+use flat_kvcache_core::engine::pool::{DEFAULT_REUSE_UNCACHED_FIRST, MAX_BLOCKS};
 use flat_kvcache_core::engine::tokens::Prompt;
 use flat_kvcache_core::engine::{CacheOptions, FlatCache, Lookup};
 use flat_kvcache_core::CoreError;
@@ -29,12 +29,12 @@ use crate::args::{
     content_hashes, count, counts, opt_count, tokens, CountParam, EvictionArg, ExtraKeys, FlagParam, GroupSpecs,
     RequestId, RequestIds,
 };
-use crate::convert::{clip, signed, IntArg};
+use crate::convert::{clip, is_masked, signed, IntArg};
 use crate::errors::{core, lock};
 use crate::events::events_to_py;
 use crate::host::{transfer_ids, transfers_to_py, HostStoreArg};
 use crate::idmemo::{Batch, IdMemo};
-use crate::prefix_match::PyPrefixMatch;
+use crate::prefix_match::{MatchArg, PyPrefixMatch};
 use crate::rows::{as_outs, check_bind, copy_deltas, deltas_to_py, no_deltas, BoundBuffers};
 use crate::tables::{borrow_out, table_outs};
 use flat_kvcache_core::engine::host::HostStore;
@@ -124,9 +124,10 @@ impl PyFlatKVCache {
     /// Hash a prompt into base pages with the GIL released and no lock held.
     ///
     /// A contiguous `uint32` array (what a scheduler keeps prompts in) is first compared with
-    /// the memo in place, so probing, sizing and adding one prompt copy its tokens at most once.
+    /// the memo in place, so probing, sizing and adding one prompt copy its tokens at most once
+    /// (a masked array never: `tokens` refuses it).
     fn prompt(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>, extra_keys: ExtraKeys) -> PyResult<Prompt> {
-        if let Ok(arr) = tokens.cast::<PyArray1<u32>>() {
+        if let Some(arr) = tokens.cast::<PyArray1<u32>>().ok().filter(|_| !is_masked(tokens)) {
             if let Ok(view) = arr.try_readonly() {
                 if let Ok(slice) = view.as_slice() {
                     let memo = lock(&self.last_prompt)?;
@@ -189,6 +190,12 @@ impl PyFlatKVCache {
             IntArg::HugeNegative => return Err(too_small(num_pages)),
             IntArg::Small(_) | IntArg::HugePositive => count(num_pages, "num_pages")?,
         };
+        // The pool refuses a size past MAX_BLOCKS too, but names its own argument.
+        if num_pages > MAX_BLOCKS {
+            return Err(PyValueError::new_err(format!(
+                "num_pages must be <= {MAX_BLOCKS} (page ids are int32), got {num_pages}"
+            )));
+        }
         let host_pages = opt_count(host_pages, "host_pages")?.unwrap_or(0);
         let options = CacheOptions {
             enable_caching: enable_caching.or(true, "enable_caching")?,
@@ -277,9 +284,9 @@ impl PyFlatKVCache {
     /// `ValueError` (and no change) if the tables already hold pages, the match has the wrong
     /// number of groups, or a matched page no longer holds the key it was matched under.
     #[pyo3(signature = (req, r#match))]
-    fn claim(&self, req: RequestId<'_>, r#match: &Bound<'_, PyPrefixMatch>) -> PyResult<()> {
+    fn claim(&self, req: RequestId<'_>, r#match: MatchArg<'_>) -> PyResult<()> {
         let id = req.id()?;
-        let result = lock(&self.inner)?.claim(id, &r#match.get().inner);
+        let result = lock(&self.inner)?.claim(id, &r#match.0.get().inner);
         core(result)
     }
 
@@ -359,8 +366,8 @@ impl PyFlatKVCache {
 
     /// Distinct real pages of `match` with count 0 (what a claim takes off the free list).
     #[pyo3(signature = (r#match))]
-    fn pages_consumed_by_claim(&self, r#match: &Bound<'_, PyPrefixMatch>) -> PyResult<usize> {
-        let result = lock(&self.inner)?.pages_consumed_by_claim(&r#match.get().inner);
+    fn pages_consumed_by_claim(&self, r#match: MatchArg<'_>) -> PyResult<usize> {
+        let result = lock(&self.inner)?.pages_consumed_by_claim(&r#match.0.get().inner);
         core(result)
     }
 
@@ -380,12 +387,12 @@ impl PyFlatKVCache {
     fn prefill_first_chunk(
         &self,
         req: RequestId<'_>,
-        r#match: &Bound<'_, PyPrefixMatch>,
+        r#match: MatchArg<'_>,
         num_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<bool> {
         let id = req.id()?;
         let n = count(num_tokens, "num_tokens")?;
-        let result = lock(&self.inner)?.prefill_first_chunk(id, &r#match.get().inner, n);
+        let result = lock(&self.inner)?.prefill_first_chunk(id, &r#match.0.get().inner, n);
         core(result)
     }
 

@@ -9,7 +9,8 @@ use numpy::PyUntypedArray;
 use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyMapping, PyString};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBool, PyByteArray, PyBytes, PyIterator, PyMapping, PyMemoryView, PyString, PyType};
 
 /// Extract a non-negative Python int of any size as `u64` (a direct check, for bindings whose
 /// core takes plain `u64`).
@@ -40,12 +41,9 @@ pub fn signed(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<IntArg> {
     if obj.is_instance_of::<PyBool>() {
         return Err(PyTypeError::new_err(format!("{name} must be an int, not bool")));
     }
-    let Ok(index) = obj.call_method0("__index__") else {
-        return Err(PyTypeError::new_err(format!(
-            "{name} must be an int, got {}",
-            type_name(obj)
-        )));
-    };
+    let index = index_of(obj).map_err(|err| {
+        err.unwrap_or_else(|| PyTypeError::new_err(format!("{name} must be an int, got {}", type_name(obj))))
+    })?;
     if let Ok(v) = index.extract::<i128>() {
         return Ok(IntArg::Small(v));
     }
@@ -53,6 +51,19 @@ pub fn signed(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<IntArg> {
         Ok(IntArg::HugeNegative)
     } else {
         Ok(IntArg::HugePositive)
+    }
+}
+
+/// `operator.index(obj)`, where `Err(None)` is the `TypeError` of an object that is not an
+/// int (the caller words it, naming its argument) and `Err(Some(err))` any other exception a
+/// custom `__index__` raised, which propagates (as the reference's `as_int` lets it).
+pub fn index_of<'py>(obj: &Bound<'py, PyAny>) -> Result<Bound<'py, PyAny>, Option<PyErr>> {
+    match obj.call_method0(intern!(obj.py(), "__index__")) {
+        Ok(index) => Ok(index),
+        Err(err) if err.is_instance_of::<PyTypeError>(obj.py()) => Err(None),
+        // No `__index__` on the type at all: not an int.
+        Err(_) if !type_has(obj, "__index__").unwrap_or(false) => Err(None),
+        Err(err) => Err(Some(err)),
     }
 }
 
@@ -152,6 +163,68 @@ impl<'a, 'py> FromPyObject<'a, 'py> for IntParam {
 /// True for a `str` (or subclass).
 pub fn is_str(obj: &Bound<'_, PyAny>) -> bool {
     obj.is_instance_of::<PyString>()
+}
+
+/// True for text or bytes (`str`, `bytes`, `bytearray`, `memoryview`, subclasses included):
+/// iterable, but never a batch of ids, ints or keys (a `bytes` would otherwise be read as
+/// its byte values, `b"a"` as the id or token 97).
+pub fn is_text_or_bytes(obj: &Bound<'_, PyAny>) -> bool {
+    obj.is_instance_of::<PyString>()
+        || obj.is_instance_of::<PyBytes>()
+        || obj.is_instance_of::<PyByteArray>()
+        || obj.is_instance_of::<PyMemoryView>()
+}
+
+/// `numpy.ma.MaskedArray`, looked up the first time an ndarray subclass is seen (None if
+/// numpy cannot be imported).
+static MASKED_ARRAY: PyOnceLock<Option<Py<PyType>>> = PyOnceLock::new();
+
+/// True for a numpy masked array (`numpy.ma.MaskedArray` or a subclass): its data would be
+/// read with the mask ignored, so no argument accepts one. A plain ndarray answers with one
+/// type comparison and never imports `numpy.ma`.
+pub fn is_masked(obj: &Bound<'_, PyAny>) -> bool {
+    if obj.is_exact_instance_of::<PyUntypedArray>() || !obj.is_instance_of::<PyUntypedArray>() {
+        return false;
+    }
+    let py = obj.py();
+    let masked = MASKED_ARRAY.get_or_init(py, || {
+        py.import("numpy.ma")
+            .and_then(|ma| ma.getattr("MaskedArray"))
+            .and_then(|ty| Ok(ty.cast_into::<PyType>()?.unbind()))
+            .ok()
+    });
+    masked
+        .as_ref()
+        .is_some_and(|ty| obj.is_instance(ty.bind(py)).unwrap_or(false))
+}
+
+/// The `TypeError` for a masked array given as `name` (see [`is_masked`]).
+pub fn masked_error(name: &str) -> PyErr {
+    PyTypeError::new_err(format!("{name} must not be a masked array (its mask would be ignored)"))
+}
+
+/// The `TypeError` for `obj` given as the batch argument `name`, a sequence of `what`.
+pub fn not_a_sequence(obj: &Bound<'_, PyAny>, name: &str, what: &str) -> PyErr {
+    PyTypeError::new_err(format!("{name} must be a sequence of {what}, got {}", type_name(obj)))
+}
+
+/// The items of the batch argument `name` (a sequence of `what`) through the iterator
+/// protocol: text or bytes ([`is_text_or_bytes`]), a masked array ([`is_masked`]) or anything
+/// that is not iterable (`iter()` raises `TypeError`) is a `TypeError` naming `name`.
+pub fn batch_iter<'py>(obj: &Bound<'py, PyAny>, name: &str, what: &str) -> PyResult<Bound<'py, PyIterator>> {
+    if is_masked(obj) {
+        return Err(masked_error(name));
+    }
+    if is_text_or_bytes(obj) {
+        return Err(not_a_sequence(obj, name, what));
+    }
+    obj.try_iter().map_err(|err| {
+        if err.is_instance_of::<PyTypeError>(obj.py()) {
+            not_a_sequence(obj, name, what)
+        } else {
+            err
+        }
+    })
 }
 
 /// `type(obj).__name__`, for messages.

@@ -5,7 +5,8 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyString};
 
-use crate::args::{count, positive, prior as parse_prior, tokens, ExtraKeys};
+use crate::args::{count, positive, prior as parse_prior, text_arg, tokens, ExtraKeys, Passed};
+use crate::convert::batch_iter;
 use crate::convert::{signed, type_name, IntArg};
 use crate::errors::core;
 
@@ -18,16 +19,16 @@ use crate::errors::core;
 #[pyfunction]
 #[allow(clippy::needless_pass_by_value, reason = "PyO3 extracts arguments by value")]
 #[pyo3(
-    signature = (tokens, prior = "", extra_keys = ExtraKeys::default()),
+    signature = (tokens, prior = Passed::OMITTED, extra_keys = ExtraKeys::default()),
     text_signature = "(tokens, prior='', extra_keys=())"
 )]
 pub fn hash_page<'py>(
     tokens: &Bound<'py, PyAny>,
-    prior: &str,
+    prior: Passed<'py>,
     extra_keys: ExtraKeys,
 ) -> PyResult<Bound<'py, PyString>> {
+    let prior = parse_prior(&prior)?;
     let toks = self::tokens(tokens, "tokens")?;
-    let prior = parse_prior(prior)?;
     Ok(hex_str(
         tokens.py(),
         &core(hash::hash_page(&toks, &prior, &extra_keys.0))?,
@@ -40,19 +41,19 @@ pub fn hash_page<'py>(
 #[pyfunction]
 #[allow(clippy::needless_pass_by_value, reason = "PyO3 extracts arguments by value")]
 #[pyo3(
-    signature = (token_ids, page_size, *, prior = "", extra_keys = ExtraKeys::default()),
+    signature = (token_ids, page_size, *, prior = Passed::OMITTED, extra_keys = ExtraKeys::default()),
     text_signature = "(token_ids, page_size, *, prior='', extra_keys=())"
 )]
 pub fn hash_pages<'py>(
     py: Python<'py>,
     token_ids: &Bound<'py, PyAny>,
     page_size: &Bound<'py, PyAny>,
-    prior: &str,
+    prior: Passed<'py>,
     extra_keys: ExtraKeys,
 ) -> PyResult<Bound<'py, PyList>> {
     let page_size = usize::try_from(positive(page_size, "page_size")?).unwrap_or(usize::MAX);
+    let prior = parse_prior(&prior)?;
     let toks = tokens(token_ids, "token_ids")?;
-    let prior = parse_prior(prior)?;
     let hashes = core(py.detach(|| hash::hash_pages(&toks, page_size, &prior, &extra_keys.0)))?;
     PyList::new(py, hashes.iter().map(|h| hex_str(py, h)))
 }
@@ -66,11 +67,12 @@ pub fn hex_str<'py>(py: Python<'py>, hash: &ContentHash) -> Bound<'py, PyString>
 }
 
 /// The key of a content hash in group `group_index`: the hash text followed by the group as
-/// 8 hex digits (big-endian u32). `group_index` must fit u32.
+/// 8 hex digits (big-endian u32). `content_hash` is any str UTF-8 can encode; `group_index`
+/// must fit u32 (`ValueError("group_index = <v> does not fit in u32")`).
 #[pyfunction]
-pub fn group_key(content_hash: &str, group_index: &Bound<'_, PyAny>) -> PyResult<String> {
-    let bad =
-        |v: &dyn std::fmt::Display| PyValueError::new_err(format!("group_index must be an int in [0, 2**32), got {v}"));
+pub fn group_key(content_hash: &Bound<'_, PyAny>, group_index: &Bound<'_, PyAny>) -> PyResult<String> {
+    let content_hash = text_arg(content_hash, "content_hash")?;
+    let bad = |v: &dyn std::fmt::Display| PyValueError::new_err(format!("group_index = {v} does not fit in u32"));
     let group = match signed(group_index, "group_index")? {
         IntArg::Small(v) => u32::try_from(v).map_err(|_| bad(&v))?,
         IntArg::HugeNegative | IntArg::HugePositive => return Err(bad(group_index)),
@@ -94,7 +96,7 @@ pub fn fold_hashes<'py>(
     let m = positive(m, "m")?;
     let first_base = count(first_base, "first_base")?;
     let mut items: Vec<Bound<'py, PyString>> = Vec::new();
-    for (i, item) in base_hashes.try_iter()?.enumerate() {
+    for (i, item) in batch_iter(base_hashes, "base_hashes", "str")?.enumerate() {
         let item = item?;
         match item.cast_into::<PyString>() {
             Ok(s) => items.push(s),
@@ -106,10 +108,12 @@ pub fn fold_hashes<'py>(
             }
         }
     }
-    if m == 1 {
-        return PyList::new(py, items);
-    }
+    // Every hash must be text UTF-8 can encode (a lone surrogate is `UnicodeEncodeError`),
+    // also when `m == 1` returns them unchanged.
     let texts: Vec<&str> = items.iter().map(|s| s.to_str()).collect::<PyResult<_>>()?;
+    if m == 1 {
+        return PyList::new(py, items.iter());
+    }
     let folded = py.detach(|| -> flat_kvcache_core::CoreResult<Vec<String>> {
         let (skip, runs) = hash::fold_layout(texts.len(), first_base, m)?;
         // runs > 0 implies m <= len, so m fits usize.

@@ -3,9 +3,11 @@
 use std::sync::Mutex;
 
 use flat_kvcache_core::engine::pool::{BlockPool, DEFAULT_REUSE_UNCACHED_FIRST};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::args::{count, page, FlagParam};
+use crate::args::{count, page, text_arg, FlagParam, INTS};
+use crate::convert::{batch_iter, signed, IntArg};
 use crate::errors::{core, lock};
 
 /// The page pool of SPEC 5 with string keys:
@@ -36,7 +38,13 @@ impl PyBlockPool {
         enable_caching: FlagParam<'_>,
         reuse_uncached_first: FlagParam<'_>,
     ) -> PyResult<Self> {
-        let num_blocks = count(num_blocks, "num_blocks")?;
+        // The pool holds page 0, so its size is >= 1 (a negative size says so too).
+        let too_small = |v: &dyn std::fmt::Display| PyValueError::new_err(format!("num_blocks must be >= 1, got {v}"));
+        let num_blocks = match signed(num_blocks, "num_blocks")? {
+            IntArg::Small(v) if v < 1 => return Err(too_small(&v)),
+            IntArg::HugeNegative => return Err(too_small(num_blocks)),
+            IntArg::Small(_) | IntArg::HugePositive => count(num_blocks, "num_blocks")?,
+        };
         let enable_caching = enable_caching.or(true, "enable_caching")?;
         let reuse_uncached_first = reuse_uncached_first.or(DEFAULT_REUSE_UNCACHED_FIRST, "reuse_uncached_first")?;
         let mut pool = core(BlockPool::new(num_blocks, enable_caching))?;
@@ -96,7 +104,7 @@ impl PyBlockPool {
     /// back of the free list with its key intact. Validated first: nothing changes on error.
     fn free(&self, pages: &Bound<'_, PyAny>) -> PyResult<()> {
         let mut ids = Vec::new();
-        for item in pages.try_iter()? {
+        for item in batch_iter(pages, "pages", INTS)? {
             ids.push(page(&item?, self.num_blocks)?);
         }
         let result = lock(&self.inner)?.free(&ids);
@@ -105,14 +113,16 @@ impl PyBlockPool {
 
     /// Register `key` for `page` (no-op with caching off or for page 0); a page that
     /// already holds a key is a `ValueError`.
-    fn cache(&self, page: &Bound<'_, PyAny>, key: &str) -> PyResult<()> {
+    fn cache(&self, page: &Bound<'_, PyAny>, key: &Bound<'_, PyAny>) -> PyResult<()> {
         let p = self::page(page, self.num_blocks)?;
+        let key = text_arg(key, "key")?;
         let result = lock(&self.inner)?.cache(p, key.into());
         core(result)
     }
 
     /// The earliest-registered page still holding `key`, or None.
-    fn lookup(&self, key: &str) -> PyResult<Option<u32>> {
+    fn lookup(&self, key: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
+        let key = text_arg(key, "key")?;
         Ok(lock(&self.inner)?.lookup(key))
     }
 

@@ -3,10 +3,9 @@
 use flat_kvcache_core::engine::coordinator::PrefixMatch;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::PyString;
 
 use crate::args::{count, counts, page_ids};
-use crate::convert::{overflow, type_name};
+use crate::convert::{batch_iter, overflow, type_name};
 
 /// The result of `FlatKVCache.match_prefix`: per-group matched pages (0 = hole), the number
 /// of real pages per group, and the token count every group can resume from.
@@ -41,19 +40,8 @@ impl PyPrefixMatch {
         num_hit_pages: &Bound<'_, PyAny>,
     ) -> PyResult<Self> {
         let common = count(num_common_tokens, "num_common_tokens")?;
-        if pages.is_instance_of::<PyString>() {
-            return Err(PyTypeError::new_err(
-                "pages must be a sequence of page-id sequences, not a str",
-            ));
-        }
-        let Ok(groups) = pages.try_iter() else {
-            return Err(PyTypeError::new_err(format!(
-                "pages must be a sequence of page-id sequences, got {}",
-                type_name(pages)
-            )));
-        };
         let mut table = Vec::new();
-        for (g, group) in groups.enumerate() {
+        for (g, group) in batch_iter(pages, "pages", "page-id sequences")?.enumerate() {
             table.push(page_ids(&group?, &format!("pages[{g}]"))?);
         }
         let hits = counts(num_hit_pages, "num_hit_pages")?
@@ -93,5 +81,23 @@ impl PyPrefixMatch {
             self.inner.num_common_tokens,
             shown.join(", ")
         )
+    }
+}
+
+/// A `match` argument: a `PrefixMatch` (anything else is a `TypeError` naming `match`, as the
+/// reference says it).
+pub struct MatchArg<'py>(pub Bound<'py, PyPrefixMatch>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for MatchArg<'py> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        match obj.cast::<PyPrefixMatch>() {
+            Ok(m) => Ok(Self(m.to_owned())),
+            Err(_) => Err(PyTypeError::new_err(format!(
+                "match must be a PrefixMatch, got {}",
+                type_name(&obj)
+            ))),
+        }
     }
 }

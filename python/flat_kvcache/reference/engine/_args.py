@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 import string
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,6 +22,7 @@ __all__ = [
     "EVICTION_ORDERS",
     "HASH_HEX_LEN",
     "HEX_DIGITS",
+    "INTS",
     "MAX_PAGES",
     "U32_MAX",
     "U64_MAX",
@@ -31,13 +32,17 @@ __all__ = [
     "as_content_hashes",
     "as_count",
     "as_counts",
+    "as_extra_keys",
     "as_flag",
     "as_page_ids",
     "as_pool_size",
     "as_request_id",
     "as_request_ids",
     "as_token_ids",
+    "batch_items",
     "check_u64",
+    "check_u64_total",
+    "clipped_repr",
     "extra_key_bytes",
 ]
 
@@ -66,6 +71,14 @@ def check_u64(value: int, name: str) -> int:
     """Token counts and sizes are u64 in the native engine: larger is an OverflowError naming it."""
     if value > U64_MAX:
         raise OverflowError(f"{name}: value does not fit in an unsigned 64-bit integer")
+    return value
+
+
+def check_u64_total(value: int, what: str) -> int:
+    """A sum or size the native engine computes in u64 (``what`` names it, e.g. ``"num_new_tokens +
+    reserve_tokens"``): larger is its OverflowError, worded as the native core words it."""
+    if value > U64_MAX:
+        raise OverflowError(f"{what} does not fit in an unsigned 64-bit integer")
     return value
 
 
@@ -99,22 +112,68 @@ def align_down(value: int, multiple: int) -> int:
     return value - value % multiple
 
 
+#: What an int sequence holds, as messages say it (``<name> must be a sequence of ...``).
+INTS = "ints or a 1-D integer array"
+#: Text and bytes: iterable, but never a batch (``b"a"`` is not the id or token 97).
+_TEXT_OR_BYTES = (str, bytes, bytearray, memoryview)
+
+
+def batch_items(values: object, name: str, what: str) -> Iterator[object]:
+    """The items of the batch argument ``name`` (a sequence of ``what``).
+
+    A str, bytes, bytearray or memoryview, a numpy masked array (its mask would be ignored) or
+    anything ``iter()`` refuses is a TypeError naming ``name``, as the native engine says it.
+    """
+    if isinstance(values, np.ma.MaskedArray):
+        raise TypeError(f"{name} must not be a masked array (its mask would be ignored)")
+    if isinstance(values, _TEXT_OR_BYTES):
+        raise TypeError(f"{name} must be a sequence of {what}, got {type(values).__name__}")
+    try:
+        return iter(values)  # type: ignore[call-overload,no-any-return]
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence of {what}, got {type(values).__name__}") from None
+
+
+def _cpu_tensor_numpy(values: object) -> npt.NDArray[Any] | None:
+    """The numpy view of a CPU torch tensor (anything with a ``device`` whose ``type`` is
+    ``"cpu"`` and a ``numpy()`` method), or None: for anything else, and for a tensor whose
+    ``numpy()`` fails (its items are then read one by one), as the native engine does."""
+    device = getattr(values, "device", None)
+    if device is None or not hasattr(values, "numpy") or getattr(device, "type", None) != "cpu":
+        return None
+    try:
+        view = values.numpy()
+    except Exception:  # whatever numpy() raises, the tensor is read item by item
+        return None
+    return view if isinstance(view, np.ndarray) else None
+
+
+def _int_items(values: object, name: str) -> Iterable[object]:
+    """The items of an int sequence: a 1-D integer array's values (a numpy array or a CPU
+    torch tensor; TypeError for another dtype or shape), or :func:`batch_items`."""
+    if not isinstance(values, np.ndarray):
+        view = _cpu_tensor_numpy(values)
+        if view is not None:
+            values = view
+    if isinstance(values, np.ndarray) and not isinstance(values, np.ma.MaskedArray):
+        if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer):
+            raise TypeError(
+                f"{name} must be a 1-D integer array, got a {values.ndim}-D array of dtype {values.dtype}"
+            )
+        items: list[object] = values.tolist()
+        return items
+    return batch_items(values, name, INTS)
+
+
+def clipped_repr(value: object) -> str:
+    """``repr(value)`` cut to its first 80 characters, as messages show a bad value."""
+    return repr(value)[:80]
+
+
 def as_token_ids(tokens: object, name: str) -> list[int]:
     """Token ids as Python ints, each checked to fit u32 (ValueError names ``name[i]``)."""
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise TypeError(
-                f"{name} must be a 1-D integer array, got a {tokens.ndim}-D array of dtype {tokens.dtype}"
-            )
-        items: list[object] = tokens.tolist()
-    elif isinstance(tokens, (str, bytes)):
-        raise TypeError(f"{name} must be a sequence of ints, got {type(tokens).__name__}")
-    elif isinstance(tokens, Iterable):
-        items = list(tokens)
-    else:
-        raise TypeError(f"{name} must be a sequence of ints, got {type(tokens).__name__}")
     values = []
-    for index, item in enumerate(items):
+    for index, item in enumerate(_int_items(tokens, name)):
         value = as_int(item, f"{name}[{index}]")
         if not 0 <= value <= U32_MAX:
             raise ValueError(f"{name}[{index}] = {value} does not fit in u32")
@@ -122,29 +181,28 @@ def as_token_ids(tokens: object, name: str) -> list[int]:
     return values
 
 
-def extra_key_bytes(extra_keys: object) -> list[bytes]:
-    """The UTF-8 bytes of each extra key; a bare str is refused (it is not a sequence of keys)."""
-    if isinstance(extra_keys, str):
-        raise TypeError("extra_keys must be a sequence of str, not a bare str")
-    if not isinstance(extra_keys, Iterable):
-        raise TypeError(f"extra_keys must be a sequence of str, got {type(extra_keys).__name__}")
-    encoded = []
-    for index, key in enumerate(extra_keys):
+def as_extra_keys(extra_keys: object) -> list[str]:
+    """Extra keys: a sequence of str (see :func:`batch_items`), each one UTF-8 can encode
+    (a lone surrogate is a UnicodeEncodeError)."""
+    keys: list[str] = []
+    for index, key in enumerate(batch_items(extra_keys, "extra_keys", "str")):
         if not isinstance(key, str):
             raise TypeError(f"extra_keys[{index}] must be a str, got {type(key).__name__}")
-        encoded.append(key.encode("utf-8"))
-    return encoded
+        key.encode("utf-8")
+        keys.append(key)
+    return keys
+
+
+def extra_key_bytes(extra_keys: object) -> list[bytes]:
+    """The UTF-8 bytes of each extra key (:func:`as_extra_keys`)."""
+    return [key.encode("utf-8") for key in as_extra_keys(extra_keys)]
 
 
 def as_content_hashes(content_hashes: object) -> list[str]:
     """Base-page content hashes: 64-character lowercase hex strings (ValueError naming
     ``content_hashes[i]``; uppercase is refused because folding hashes the text)."""
-    if isinstance(content_hashes, str):
-        raise TypeError("content_hashes must be a sequence of str, not a bare str")
-    if not isinstance(content_hashes, Iterable):
-        raise TypeError(f"content_hashes must be a sequence of str, got {type(content_hashes).__name__}")
-    hashes = list(content_hashes)
-    for index, value in enumerate(hashes):
+    hashes: list[str] = []
+    for index, value in enumerate(batch_items(content_hashes, "content_hashes", "str")):
         if not isinstance(value, str):
             raise TypeError(f"content_hashes[{index}] must be a str, got {type(value).__name__}")
         if len(value) != HASH_HEX_LEN or not set(value) <= _LOWER_HEX_DIGITS:
@@ -152,6 +210,7 @@ def as_content_hashes(content_hashes: object) -> list[str]:
                 f"content_hashes[{index}] must be a {HASH_HEX_LEN}-character lowercase hex string, "
                 f"got {value[:80]!r}"
             )
+        hashes.append(value)
     return hashes
 
 
@@ -170,16 +229,8 @@ def shown_id(key: RequestId) -> str:
 
 def as_page_ids(values: object, name: str) -> list[int]:
     """Page ids of a hand-built match: ints in ``[0, 2**31 - 1)`` (ValueError naming ``name[i]``)."""
-    if isinstance(values, np.ndarray):
-        if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer):
-            raise TypeError(
-                f"{name} must be a 1-D integer array, got a {values.ndim}-D array of dtype {values.dtype}"
-            )
-        values = values.tolist()
-    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
     ids = []
-    for index, item in enumerate(values):
+    for index, item in enumerate(_int_items(values, name)):
         value = as_int(item, f"{name}[{index}]")
         if not 0 <= value < MAX_PAGES:
             raise ValueError(f"{name}[{index}] = {value} is not a page id (0 <= id < {MAX_PAGES})")
@@ -189,17 +240,7 @@ def as_page_ids(values: object, name: str) -> list[int]:
 
 def as_counts(values: object, name: str) -> list[int]:
     """One count per entry: a sequence of ints or a 1-D integer numpy array."""
-    if isinstance(values, np.ndarray):
-        if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer):
-            raise TypeError(
-                f"{name} must be a 1-D integer array, got a {values.ndim}-D array of dtype {values.dtype}"
-            )
-        items: list[object] = values.tolist()
-    elif isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
-    else:
-        items = list(values)
-    return [as_count(item, f"{name}[{index}]") for index, item in enumerate(items)]
+    return [as_count(item, f"{name}[{index}]") for index, item in enumerate(_int_items(values, name))]
 
 
 def as_request_id(req: object) -> RequestId:
@@ -217,8 +258,7 @@ def as_request_id(req: object) -> RequestId:
         raise TypeError(f"request ids must be str or int, got {type(req).__name__}") from None
 
 
-def as_request_ids(reqs: Iterable[object]) -> list[RequestId]:
-    """The ids of a batch call: a sequence of request ids (a bare str is refused, not split)."""
-    if isinstance(reqs, (str, bytes)):
-        raise TypeError("reqs must be a sequence of request ids, not a bare str")
-    return [as_request_id(req) for req in reqs]
+def as_request_ids(reqs: object) -> list[RequestId]:
+    """The ids of a batch call: a sequence of request ids (see :func:`batch_items`: text and
+    bytes are refused, never split into characters or byte values)."""
+    return [as_request_id(req) for req in batch_items(reqs, "reqs", "request ids")]

@@ -10,7 +10,7 @@ from flat_kvcache.reference.engine._args import (
     as_count,
     as_flag,
     as_request_id,
-    check_u64,
+    check_u64_total,
 )
 from flat_kvcache.reference.engine.token_api import TokenApi
 
@@ -39,9 +39,9 @@ class Admission(TokenApi):
         extra = as_count(reserve_tokens, "reserve_tokens")
         tokens, hashes, _ = self._hash_prompt(prompt_token_ids, extra_keys)
         _, pages = self._capped_match(hashes, len(tokens))
-        total = self.pages_needed(check_u64(count + extra, "num_new_tokens + reserve_tokens"))
+        total = self.pages_needed(check_u64_total(count + extra, "num_new_tokens + reserve_tokens"))
         device, loads = self._tiered_claim_cost(pages)
-        return check_u64(total + device + loads, "num_new_tokens + reserve_tokens")
+        return check_u64_total(total + device + loads, "num_new_tokens + reserve_tokens")
 
     def admit(
         self,

@@ -8,7 +8,7 @@ modules of this package add calls on top of it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +31,9 @@ from flat_kvcache.reference.engine._args import (
     as_page_ids,
     as_pool_size,
     as_request_id,
+    batch_items,
     check_u64,
+    clipped_repr,
     shown_id,
 )
 from flat_kvcache.reference.engine.events import removed_events, stored_event
@@ -65,11 +67,8 @@ class PrefixMatch:
     def __post_init__(self) -> None:
         """Check a hand-built match the way the native one does, and keep plain lists."""
         common = as_count(self.num_common_tokens, "num_common_tokens")
-        pages = self.pages
-        if isinstance(pages, str) or not isinstance(pages, Iterable):
-            kind = "a str" if isinstance(pages, str) else type(pages).__name__
-            raise TypeError(f"pages must be a sequence of page-id sequences, not {kind}")
-        checked = [as_page_ids(group, f"pages[{g}]") for g, group in enumerate(pages)]
+        groups = batch_items(self.pages, "pages", "page-id sequences")
+        checked = [as_page_ids(group, f"pages[{g}]") for g, group in enumerate(groups)]
         object.__setattr__(self, "num_common_tokens", common)
         object.__setattr__(self, "pages", checked)
         object.__setattr__(self, "num_hit_pages", as_counts(self.num_hit_pages, "num_hit_pages"))
@@ -97,18 +96,20 @@ class Coordinator:
         host_store: str = "write_through",
     ) -> None:
         if not isinstance(eviction_order, str) or eviction_order not in EVICTION_ORDERS:
-            raise ValueError(f"eviction_order must be 'hybrid' or 'group', got {eviction_order!r}")
-        if isinstance(specs, str):
-            raise TypeError("specs must be a sequence of KVCacheSpec, not a bare str")
+            shown = clipped_repr(eviction_order)
+            raise ValueError(f"eviction_order must be 'hybrid' or 'group', got {shown}")
+        spec_items = batch_items(specs, "specs", "KVCacheSpec")
         if not isinstance(host_store, str) or host_store not in HOST_STORES:
-            raise ValueError(f"host_store must be 'write_through' or 'evict', got {host_store!r}")
+            shown = clipped_repr(host_store)
+            raise ValueError(f"host_store must be 'write_through' or 'evict', got {shown}")
         num_host = 0 if host_pages is None else as_count(host_pages, "host_pages")
-        spec_list = list(specs)
-        if not spec_list:
-            raise ValueError("specs must hold at least one KVCacheSpec")
-        for index, spec in enumerate(spec_list):
+        spec_list: list[KVCacheSpec] = []
+        for index, spec in enumerate(spec_items):
             if not isinstance(spec, KVCacheSpec):
                 raise TypeError(f"specs[{index}] must be a KVCacheSpec, got {type(spec).__name__}")
+            spec_list.append(spec)
+        if not spec_list:
+            raise ValueError("specs must hold at least one group")
         for index, spec in enumerate(spec_list):
             check_u64(spec.page_size, f"specs[{index}].page_size")
             if spec.sliding_window is not None:

@@ -19,6 +19,7 @@ from flat_kvcache.reference.engine._args import (
     TokenIds,
     as_count,
     as_token_ids,
+    batch_items,
     check_u64,
     extra_key_bytes,
 )
@@ -36,7 +37,7 @@ def _prior_bytes(prior: object) -> bytes:
     if not isinstance(prior, str):
         raise TypeError(f"prior must be a str, got {type(prior).__name__}")
     if len(prior) % 2 != 0 or not set(prior) <= HEX_DIGITS:
-        raise ValueError(f"prior must be '' or a hex string of even length, got {prior!r}")
+        raise ValueError(f"prior must be '' or a hex string of even length, got {prior[:80]!r}")
     return bytes.fromhex(prior)
 
 
@@ -92,6 +93,7 @@ def group_key(content_hash: str, group_index: int) -> str:
     """
     if not isinstance(content_hash, str):
         raise TypeError(f"content_hash must be a str, got {type(content_hash).__name__}")
+    content_hash.encode("utf-8")  # a lone surrogate is a UnicodeEncodeError, as natively
     index = as_int(group_index, "group_index")
     if not 0 <= index <= U32_MAX:
         raise ValueError(f"group_index = {index} does not fit in u32")
@@ -108,10 +110,13 @@ def fold_hashes(base_hashes: Sequence[str], first_base: int, m: int) -> list[str
     """
     size = check_u64(positive(m, "m"), "m")
     first = as_count(first_base, "first_base")
-    hashes = list(base_hashes)
-    for index, value in enumerate(hashes):
+    hashes: list[str] = []
+    for index, value in enumerate(batch_items(base_hashes, "base_hashes", "str")):
         if not isinstance(value, str):
             raise TypeError(f"base_hashes[{index}] must be a str, got {type(value).__name__}")
+        hashes.append(value)
+    for value in hashes:
+        value.encode("utf-8")  # a lone surrogate is a UnicodeEncodeError, also when m == 1
     if size == 1:
         return hashes
     # The first aligned base page is ceil(first / m) * m; skip the hashes before it.

@@ -14,7 +14,7 @@ from flat_kvcache.reference.engine._args import (
     as_count,
     as_flag,
     as_request_id,
-    check_u64,
+    check_u64_total,
 )
 from flat_kvcache.reference.engine.coordinator import PrefixMatch
 from flat_kvcache.reference.engine.rows import Rows
@@ -86,7 +86,7 @@ class PageApi(Rows):
         if tables is None:
             tables = [Table() for _ in self._managers]
         needed = sum(m.blocks_needed_for(t, count) for m, t in zip(self._managers, tables, strict=True))
-        return check_u64(needed, "num_tokens")  # the native sum is a checked u64
+        return check_u64_total(needed, "num_tokens")  # the native sum is a checked u64
 
     def pages_reclaimable(
         self, req: RequestId, num_computed_tokens: int, *, count_uncached: bool = True

@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 from flat_kvcache.reference._checks import as_int
-from flat_kvcache.reference.engine._args import as_count, as_flag, as_pool_size
+from flat_kvcache.reference.engine._args import INTS, as_count, as_flag, as_pool_size, batch_items
 
 __all__ = ["DEFAULT_REUSE_UNCACHED_FIRST", "BlockPool"]
 
@@ -91,6 +91,7 @@ class BlockPool:
         """The earliest registered page still holding ``key``, or None; counts never change."""
         if not isinstance(key, str):
             raise TypeError(f"key must be a str, got {type(key).__name__}")
+        key.encode("utf-8")  # keys are UTF-8 text: a lone surrogate is a UnicodeEncodeError
         if not self._enable_caching:
             return None
         pages = self._pages_by_key.get(key)
@@ -133,17 +134,14 @@ class BlockPool:
         skipped. Everything is validated first: a page out of range, or one released more
         times than it is referenced (repeats counted), raises ValueError and changes nothing.
         """
-        checked = [self._page(page) for page in pages]
+        checked = [self._page(page) for page in batch_items(pages, "pages", INTS)]
         releases: dict[int, int] = {}
         for page in checked:
             if page == 0:
                 continue
             releases[page] = releases.get(page, 0) + 1
             if releases[page] > self._ref_counts[page]:
-                raise ValueError(
-                    f"page {page} released {releases[page]} time(s) but its ref count is "
-                    f"{self._ref_counts[page]}"
-                )
+                raise ValueError(f"page {page} is freed more times than it is referenced")
         for page in reversed(checked):
             if page == 0:
                 continue
@@ -164,6 +162,7 @@ class BlockPool:
         index = self._page(page)
         if not isinstance(key, str):
             raise TypeError(f"key must be a str, got {type(key).__name__}")
+        key.encode("utf-8")  # keys are UTF-8 text: a lone surrogate is a UnicodeEncodeError
         if not self._enable_caching or index == 0:
             return
         if self._key_of[index] is not None:

@@ -18,12 +18,12 @@ from flat_kvcache.reference.engine._args import (
     TokenIds,
     as_count,
     as_counts,
+    as_extra_keys,
     as_flag,
     as_request_id,
     as_request_ids,
     as_token_ids,
-    check_u64,
-    extra_key_bytes,
+    check_u64_total,
     shown_id,
 )
 from flat_kvcache.reference.engine.hash import hash_page, hash_pages
@@ -65,8 +65,7 @@ class TokenApi(PageApi):
     ) -> tuple[list[int], list[str], list[str]]:
         """Tokens, chained base-page hashes and extra keys of a prompt (checked)."""
         tokens = as_token_ids(prompt_token_ids, "prompt_token_ids")
-        extra_key_bytes(extra_keys)
-        keys = list(extra_keys)  # type: ignore[call-overload]
+        keys = as_extra_keys(extra_keys)
         return tokens, hash_pages(tokens, self._base, extra_keys=keys), keys
 
     def add_request(
@@ -193,7 +192,7 @@ class TokenApi(PageApi):
         counts = as_counts(num_tokens, "num_tokens")
         if len(counts) != length:
             raise ValueError(f"num_tokens has {len(counts)} entries but {what} has {length}")
-        total = check_u64(sum(counts), "num_tokens")
+        total = check_u64_total(sum(counts), "num_tokens")
         if total != len(tokens):
             raise ValueError(f"num_tokens adds up to {total} but token_ids has {len(tokens)} entries")
         return counts
@@ -234,7 +233,7 @@ class TokenApi(PageApi):
         _, state = self._token_state("schedule", key)
         self._check_loaded("schedule", key)
         self._check_known("schedule", key, state, count)
-        check_u64(state.computed + count + ahead, "lookahead")
+        check_u64_total(state.computed + count + ahead, "lookahead")
         return self._schedule_checked(key, count, ahead)
 
     def schedule_batch(
@@ -249,7 +248,7 @@ class TokenApi(PageApi):
         for key, count in zip(keys, counts, strict=True):
             _, state = self._token_state("schedule_batch", key)
             self._check_loaded("schedule_batch", key)
-            asked[key] = check_u64(asked.get(key, 0) + count, "num_new_tokens")
+            asked[key] = check_u64_total(asked.get(key, 0) + count, "num_new_tokens")
             self._check_known("schedule_batch", key, state, asked[key])
         results = [self._schedule_checked(key, count, 0) for key, count in zip(keys, counts, strict=True)]
         return np.array(results, dtype=np.bool_)
@@ -271,7 +270,7 @@ class TokenApi(PageApi):
             keys.append(key)
             self._check_loaded("schedule_rows", key)
             state = self._token_states[key]
-            asked[key] = check_u64(asked.get(key, 0) + count, "num_new_tokens")
+            asked[key] = check_u64_total(asked.get(key, 0) + count, "num_new_tokens")
             self._check_known("schedule_rows", key, state, asked[key], row)
         results = [self._schedule_checked(key, count, 0) for key, count in zip(keys, counts, strict=True)]
         return np.array(results, dtype=np.bool_)
