@@ -105,6 +105,24 @@ CASES = {
     ),
     "bind-offsets-not-a-mapping": Case(lambda c: c.bind_rows(_tables(), offsets=[1]), TypeError, "offsets"),
     "bind-fewer-rows-than-held": bound(lambda c: c.bind_rows(_tables(rows=1)), ValueError, "holds row 1"),
+    # A masked buffer: the cache would write its data and ignore the mask.
+    "bind-masked": Case(
+        lambda c: c.bind_rows({**_tables(), "swa": np.ma.masked_array(np.zeros((4, 3), np.int32))}),
+        TypeError,
+        "tables['swa'] must not be a masked array",
+    ),
+    "bind-offsets-masked": Case(
+        lambda c: c.bind_rows(_tables(), offsets={"swa": np.ma.masked_array(np.zeros(4, np.int32))}),
+        TypeError,
+        "offsets['swa'] must not be a masked array",
+    ),
+    "block-tables-out-masked": bound(
+        lambda c: c.block_tables(
+            ["r"], out={**_tables(rows=1), "full": np.ma.masked_array(np.zeros((1, 8), np.int32))}
+        ),
+        TypeError,
+        "out['full'] must not be a masked array",
+    ),
     # bool arguments: only a real bool
     "use_prefix_cache-int": Case(
         lambda c: c.add_request("n", [1, 2], use_prefix_cache=1), TypeError, "use_prefix_cache must be a bool"

@@ -230,7 +230,7 @@ class RowsMachine(RuleBasedStateMachine):
             if how in ("read-only", "offsets read-only"):
                 array.flags.writeable = False
             elif how == "dtype":
-                array.dtype = np.dtype(np.uint32)
+                array.dtype = np.dtype(np.uint32)  # type: ignore[misc]  # numpy re-types it in place
             else:
                 array.shape = (-1,)
         refused = [self._update(cache, False) for cache in self.caches]
@@ -241,7 +241,7 @@ class RowsMachine(RuleBasedStateMachine):
             if how in ("read-only", "offsets read-only"):
                 array.flags.writeable = True
             elif how == "dtype":
-                array.dtype = np.dtype(np.int32)
+                array.dtype = np.dtype(np.int32)  # type: ignore[misc]
             else:
                 array.shape = old.shape
             np.testing.assert_array_equal(array, old, err_msg="a refused update wrote a buffer")

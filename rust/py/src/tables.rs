@@ -15,7 +15,7 @@ use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 
-use crate::convert::{clip, is_cpu, tensor_device, type_name};
+use crate::convert::{clip, is_cpu, is_masked, masked_error, tensor_device, type_name};
 
 /// A group id quoted the Python way (`'full'`), for messages.
 fn quoted(gid: &str) -> String {
@@ -29,8 +29,11 @@ fn label(name: &str, gid: &str) -> String {
 
 /// View one group's buffer as a numpy array: an ndarray as is, a torch tensor (anything with
 /// a `device` and a `numpy()` method) through `.numpy()` after checking that it lives on the
-/// CPU.
+/// CPU. A masked array is refused (the cache would write its data and ignore the mask).
 pub fn as_ndarray<'py>(item: &Bound<'py, PyAny>, label: &str) -> PyResult<Bound<'py, PyUntypedArray>> {
+    if is_masked(item) {
+        return Err(masked_error(label));
+    }
     if let Ok(arr) = item.cast::<PyUntypedArray>() {
         return Ok(arr.clone());
     }

@@ -93,7 +93,10 @@ class BlockTables(Coordinator):
 
 def cpu_array(item: Any, label: str) -> npt.NDArray[Any]:
     """``item`` as a numpy array: an ndarray as is, a CPU torch tensor through ``.numpy()``,
-    which shares its memory (``label`` names it in errors)."""
+    which shares its memory (``label`` names it in errors). A masked array is refused: the cache
+    would write its data and ignore the mask."""
+    if isinstance(item, np.ma.MaskedArray):
+        raise TypeError(f"{label} must not be a masked array (its mask would be ignored)")
     if isinstance(item, np.ndarray):
         return item
     if not all(hasattr(item, attr) for attr in ("numpy", "device", "data_ptr")):
