@@ -7,10 +7,13 @@ independent pure-Python implementation of the same behaviour.
 
 Public names come from the submodules, one concern each: :mod:`flat_kvcache.sizing`
 (SPEC 2), :mod:`flat_kvcache.memory` (SPEC 3), :mod:`flat_kvcache.engine` (SPEC 4-8), and the
-exception classes both engines raise, :mod:`flat_kvcache.errors`.
+exception classes both engines raise, :mod:`flat_kvcache.errors`. From a model config (a preset
+name, a ``config.json`` path or a dict) to the engine in one call: :func:`cache_from_config`
+(:mod:`flat_kvcache.config`).
 """
 
 from flat_kvcache import _native
+from flat_kvcache.config import cache_from_config
 from flat_kvcache.engine import *  # noqa: F403
 from flat_kvcache.engine import __all__ as _engine_all
 from flat_kvcache.errors import *  # noqa: F403
@@ -24,4 +27,12 @@ __version__: str = _native.__version__
 #: True when the native module was built with the ``flat`` cargo feature (the default).
 FLAT_KVCACHE: bool = bool(_native.FLAT_KVCACHE)
 
-__all__ = ["FLAT_KVCACHE", "__version__", *_sizing_all, *_memory_all, *_engine_all, *_errors_all]
+__all__ = [
+    "FLAT_KVCACHE",
+    "__version__",
+    "cache_from_config",
+    *_sizing_all,
+    *_memory_all,
+    *_engine_all,
+    *_errors_all,
+]

@@ -1,4 +1,6 @@
-"""Model configs: load a Hugging Face style ``config.json`` (or a preset) and read what sizing needs.
+"""Model configs: load a Hugging Face style ``config.json`` (or a preset), read what sizing needs,
+and build the page engine of a model (:func:`cache_from_config`, exported as
+``flat_kvcache.cache_from_config``).
 
 Only the keys the sizing API uses are interpreted here (``layer_types``, ``sliding_window``,
 ``num_hidden_layers``, ``full_attention_interval``, ``max_position_embeddings``); everything
@@ -10,15 +12,24 @@ keys are copied over the top level.
 from __future__ import annotations
 
 import json
+import operator
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol, SupportsIndex, TypedDict, Unpack
 
+from flat_kvcache._types import PagedCacheGroupSpec, kv_cache_specs
+from flat_kvcache.engine import FlatKVCache
 from flat_kvcache.presets import PRESETS, get_preset, preset_names
+from flat_kvcache.sizing import group_specs_from_layer_types
 
 __all__ = [
     "DEFAULT_MAX_CONTEXT_LEN",
+    "DEFAULT_PAGE_SIZE",
+    "CacheOptions",
+    "MemoryPlanLike",
+    "cache_from_config",
+    "group_specs_from_config",
     "layer_types_from_config",
     "load_model_config",
     "max_context_len_from_config",
@@ -27,6 +38,8 @@ __all__ = [
 
 #: Context length assumed when a config has no ``max_position_embeddings``.
 DEFAULT_MAX_CONTEXT_LEN = 131072
+#: Tokens per page of :func:`cache_from_config` when none is given (also the command line's).
+DEFAULT_PAGE_SIZE = 16
 
 
 def load_model_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, Any]:
@@ -138,3 +151,121 @@ def max_context_len_from_config(cfg: Mapping[str, Any]) -> int:
     if cfg.get("max_position_embeddings") is None:
         return DEFAULT_MAX_CONTEXT_LEN
     return _int_field(cfg, "max_position_embeddings", minimum=0)
+
+
+# --- from a config to the page engine ---------------------------------------------------------
+
+
+def group_specs_from_config(cfg: Mapping[str, Any], *, page_size: int) -> list[PagedCacheGroupSpec]:
+    """The paged-cache groups of a loaded model config (:func:`load_model_config`), SPEC 2.
+
+    ``group_specs_from_layer_types`` over the config's layer labels and sliding window(s).
+    Raises ``ValueError`` for a config without layers or one the grouping rejects (unknown
+    label, missing window), and for ``page_size <= 0``.
+    """
+    layer_types = layer_types_from_config(cfg)
+    if not layer_types:
+        raise ValueError("the model config has no layers")
+    return group_specs_from_layer_types(layer_types, sliding_window_from_config(cfg), page_size=page_size)
+
+
+class MemoryPlanLike(Protocol):
+    """What :func:`cache_from_config` reads from a memory plan: the groups and the page count
+    (``flat_kvcache.torch.KVMemoryPlan`` has both)."""
+
+    @property
+    def groups(self) -> Sequence[PagedCacheGroupSpec]: ...
+
+    @property
+    def num_pages(self) -> int: ...
+
+
+class CacheOptions(TypedDict, total=False):
+    """The engine options :func:`cache_from_config` hands to ``FlatKVCache`` unchanged (its
+    defaults apply to those left out; docs/engine-api.md)."""
+
+    enable_caching: bool
+    eviction_order: Literal["hybrid", "group"]
+    enable_kv_events: bool
+    reuse_uncached_first: bool
+    host_pages: int | None
+    host_store: Literal["write_through", "evict"]
+
+
+def cache_from_config(
+    model: str | os.PathLike[str] | Mapping[str, Any] | MemoryPlanLike,
+    *,
+    num_pages: int | None = None,
+    page_size: int | None = None,
+    **options: Unpack[CacheOptions],
+) -> FlatKVCache:
+    """The page engine (``FlatKVCache``) of a model: one group per distinct layer kind and window,
+    all drawing on one pool of ``num_pages`` pages.
+
+    Parameters
+    ----------
+    model : str, os.PathLike, mapping, or memory plan
+        A preset name (``flat-kvcache plan --list-presets``), a path to a Hugging Face style
+        ``config.json`` or its folder, a config dict, or a memory plan from
+        ``flat_kvcache.torch.plan_kv_memory`` (its groups and page count, so that the engine's
+        pages are the plan's buffers' pages).
+    num_pages : int
+        Pages in the pool, page 0 (the null page) included; required with a model config, left
+        out with a plan (the plan's ``num_pages``).
+    page_size : int, default 16
+        Tokens per page of every group, with a model config; left out with a plan (its groups
+        carry their page size, raised where a state layer needed it).
+    **options
+        ``enable_caching``, ``eviction_order``, ``enable_kv_events``, ``reuse_uncached_first``,
+        ``host_pages``, ``host_store``: passed to ``FlatKVCache`` as given (:class:`CacheOptions`).
+
+    Returns
+    -------
+    FlatKVCache
+        Its ``group_ids`` are the config's group ids in layer order (``sliding_attention``,
+        ``full_attention``, ``linear_attention``, or ``sliding_attention_<W>`` with several windows).
+
+    Raises
+    ------
+    TypeError
+        ``model`` of another type; ``num_pages`` missing with a config or given with a plan;
+        a non-int size or a bad option type (the engine's message, naming it).
+    ValueError
+        A model config that cannot be loaded or grouped (the message starts ``model: ``), or a
+        bad size or option (``num_pages``, ``page_size``, ``eviction_order``...).
+    FileNotFoundError
+        ``model`` names a ``config.json`` (or a folder) that does not exist.
+    """
+    if isinstance(model, Mapping | str | os.PathLike):
+        if num_pages is None:
+            raise TypeError(
+                "cache_from_config() needs num_pages= with a model config: the pages in the pool, "
+                "page 0 included"
+            )
+        size = _page_size(DEFAULT_PAGE_SIZE if page_size is None else page_size)
+        try:
+            groups = group_specs_from_config(load_model_config(model), page_size=size)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"model: {exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"model: {exc}") from None
+        return FlatKVCache(kv_cache_specs(groups), num_pages, **options)
+    if not (hasattr(model, "groups") and hasattr(model, "num_pages")):
+        raise TypeError(
+            "model must be a preset name, a config.json path, a config mapping or a memory plan, "
+            f"not {type(model).__name__}"
+        )
+    for name, value in (("num_pages", num_pages), ("page_size", page_size)):
+        if value is not None:
+            raise TypeError(f"cache_from_config() takes no {name}= with a memory plan: the plan sets it")
+    return FlatKVCache(kv_cache_specs(model.groups), model.num_pages, **options)
+
+
+def _page_size(value: object) -> int:
+    """``page_size`` checked here, so that a config's own errors can be told apart (``model: ``)."""
+    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
+        raise TypeError(f"page_size must be an int, not {type(value).__name__}")
+    size = operator.index(value)
+    if size <= 0:
+        raise ValueError(f"page_size must be > 0, got {size}")
+    return size
