@@ -1,6 +1,7 @@
 """Generate a few tokens with a tiny random model through the whole stack, and show what the cache did.
 
-``python -m flat_kvcache.demo`` (needs torch and transformers: ``pip install 'flat-kvcache[model]'``).
+``flat-kvcache demo`` or ``python -m flat_kvcache.demo`` (needs torch and transformers, the ``model``
+extra: ``pip install '.[model]'`` in the source tree).
 A GPT-OSS-style model with alternating sliding-window and full-attention layers runs on the CPU
 with paged attention over ``FlatKVCache``'s block tables and hybrid-slab K/V buffers. Two
 requests share a prefix; per step the demo prints the scheduled tokens, each request's prefix
@@ -11,28 +12,103 @@ logit difference to the model's own forward.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Mapping, Sequence
+
+#: Each request's prompt: a prefix of four pages that both share, then these tokens of its own.
+OWN_TOKENS = {"A": [5, 6, 7], "B": [9]}
+#: The longest request the demo plans for (prompt and generated tokens).
+MAX_CONTEXT_LEN = 1024
+#: The largest pool and the most memory its K/V buffers may take.
+MAX_NUM_PAGES = 1 << 20
+MAX_BUFFER_BYTES = 1 << 30
+
+
+def longest_prompt(page_size: int) -> int:
+    """Tokens in the longer prompt (A's)."""
+    return 4 * page_size + max(len(own) for own in OWN_TOKENS.values())
+
+
+def min_num_pages(*, page_size: int, window: int, steps: int) -> int:
+    """The smallest pool (page 0 included) that runs the demo.
+
+    Requests run one at a time, so the pool must hold the longest one (A) at its peak. Its prompt
+    is one chunk (nothing has slid out yet: ``ceil(prompt / P)`` pages in both groups); each later
+    step computes one token at ``computed`` tokens: the sliding group first reclaims its pages
+    ``[0, (computed - W + 1) // P)`` (SPEC 6 and 8), then both groups cover ``computed + 1``
+    tokens. The last generated token is never computed.
+    """
+    prompt = longest_prompt(page_size)
+    peak = 2 * math.ceil(prompt / page_size)
+    for computed in range(prompt, prompt + steps - 1):
+        pages = math.ceil((computed + 1) / page_size)
+        slid = max(0, (computed - window + 1) // page_size)
+        peak = max(peak, pages + pages - slid)
+    return 1 + peak
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flat-kvcache demo",
+        description=__doc__.splitlines()[0],
+        epilog=f"Request A's prompt is 4 pages + 3 tokens; with its steps it must stay within "
+        f"{MAX_CONTEXT_LEN} tokens. Arguments the run could not finish with are refused before it starts.",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=12, metavar="N", help="tokens to generate per request (12)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, metavar="S", help="seed of the random weights and prompts (0)"
+    )
+    parser.add_argument("--page-size", type=int, default=4, metavar="P", help="tokens per page (4)")
+    parser.add_argument("--window", type=int, default=8, metavar="W", help="sliding window in tokens (8)")
+    parser.add_argument(
+        "--num-pages",
+        type=int,
+        default=48,
+        metavar="N",
+        help="pages in the pool, page 0 included (48); at least what the longer request needs alone",
+    )
+    return parser
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before any work, arguments the run could not finish with (``parser.error``: one
+    line naming the option, exit status 2)."""
+    for name in ("steps", "page_size", "window", "num_pages"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.num_pages > MAX_NUM_PAGES:
+        parser.error(f"--num-pages must be <= {MAX_NUM_PAGES}, got {args.num_pages}")
+    longest = longest_prompt(args.page_size) + args.steps
+    if longest > MAX_CONTEXT_LEN:
+        parser.error(
+            f"--page-size {args.page_size} and --steps {args.steps}: the longer request would hold "
+            f"{longest} tokens (a prompt of 4 pages + 3 tokens, then the steps); the demo plans for "
+            f"at most {MAX_CONTEXT_LEN}"
+        )
+    need = min_num_pages(page_size=args.page_size, window=args.window, steps=args.steps)
+    if args.num_pages < need:
+        parser.error(
+            f"--num-pages {args.num_pages} is too small: request A (a {longest - args.steps}-token "
+            f"prompt, {args.steps} steps, {args.page_size} tokens per page, window {args.window}) "
+            f"holds {need - 1} pages at its peak besides the null page 0, so --num-pages must be >= {need}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns the exit status (0 on success)."""
-    parser = argparse.ArgumentParser(prog="flat-kvcache demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12, help="tokens to generate per request (default 12)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
-    parser.add_argument("--page-size", type=int, default=4, help="tokens per page (default 4)")
-    parser.add_argument("--window", type=int, default=8, help="sliding window in tokens (default 8)")
-    parser.add_argument("--num-pages", type=int, default=48, help="pages in the pool (default 48)")
+    parser = _parser()
     args = parser.parse_args(argv)
-    for name in ("steps", "page_size", "window", "num_pages"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    _check(parser, args)
     try:
         import torch
         import transformers  # noqa: F401  (the runner's models need it)
     except ModuleNotFoundError as exc:
         print(
-            f"demo needs torch and transformers (pip install 'flat-kvcache[model]'): {exc}", file=sys.stderr
+            f"demo needs torch and transformers, the model extra (pip install '.[model]'): {exc}",
+            file=sys.stderr,
         )
         return 1
 
@@ -56,21 +132,31 @@ def main(argv: list[str] | None = None) -> int:
         num_pages=args.num_pages,
         max_live_requests=2,
         max_scheduled_tokens=64,
-        max_context_len=1024,
+        max_context_len=MAX_CONTEXT_LEN,
     )
+    if plan.total_bytes > MAX_BUFFER_BYTES:
+        parser.error(
+            f"--num-pages {args.num_pages}: the K/V buffers would take {plan.total_bytes} bytes "
+            f"({plan.bytes_per_page} per page), more than the demo allows ({MAX_BUFFER_BYTES})"
+        )
     buffers = allocate_kv_buffers(plan, "cpu")
-    cache = fk.FlatKVCache(fk.kv_cache_specs(plan.groups), plan.num_pages)
+    cache = fk.cache_from_config(plan)  # the plan's groups over the plan's pages
     runner = PagedModelRunner(model, cache, buffers, poison_new_pages=True)
     groups = list(cache.group_ids)
-    print(f"model: {shape.layer_types}, window {args.window}, page size {plan.page_size}")
-    print(
-        f"pool: {plan.num_pages} pages, groups {groups}, "
-        f"K/V slabs: {plan.slab_group_size} (None: per-layer buffers)"
+    layout = (
+        f"K/V slabs: {plan.slab_group_size} (layer i of every label shares slab i)"
+        if plan.slab_group_size
+        else "one K and one V buffer per layer"
     )
+    print(
+        f"model: a tiny random GPT-OSS-style model, {shape.num_layers} layers "
+        f"({', '.join(shape.layer_types)}), window {args.window}"
+    )
+    print(f"pool: {plan.num_pages} pages of {plan.page_size} tokens, groups {', '.join(groups)}; {layout}")
 
     generator = torch.Generator().manual_seed(args.seed)
     shared = [int(t) for t in torch.randint(1, 64, (4 * plan.page_size,), generator=generator)]
-    prompts = {"A": [*shared, 5, 6, 7], "B": [*shared, 9]}
+    prompts = {req: [*shared, *own] for req, own in OWN_TOKENS.items()}
     held: dict[str, dict[str, set[int]]] = {}
 
     def on_step(
