@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from flat_kvcache.presets import PRESETS
 from flat_kvcache.simulate import VOCAB, SimulationConfig, TraceRequest, default_trace, load_trace, simulate
 
 
@@ -57,7 +58,7 @@ def _timing_row(label: str, summary: dict[str, Any]) -> str:
 def speed(args: argparse.Namespace) -> dict[str, Any]:
     full = default_trace(args.num_requests, seed=args.seed)
     subset = full[: args.reference_requests]
-    config = {"preset": args.preset, "num_pages": args.num_pages}
+    config = {"model": args.model, "num_pages": args.num_pages}
     runs: dict[str, Any] = {}
     # Warm the native path once (imports, first allocations) on a tiny trace.
     simulate(default_trace(4, seed=args.seed), SimulationConfig(**config))
@@ -73,7 +74,7 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     runs["speedup_same_trace"] = round(ratio, 1)
     runs["identical_decisions"] = same
     if not args.json:
-        print(f"cores: {os.cpu_count()}, preset {args.preset}, seed {args.seed}")
+        print(f"cores: {os.cpu_count()}, model {args.model}, seed {args.seed}")
         print(_timing_row(f"reference ({len(subset)} requests)", ref))
         print(_timing_row(f"native ({len(subset)} requests)", nat))
         if "native_full_trace" in runs:
@@ -162,13 +163,16 @@ def eviction(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         gemma = Path(folder) / "gemma2_like.json"
         gemma.write_text(json.dumps(GEMMA2_LIKE), encoding="utf-8")
-        models = {"gpt-oss-like (W=128)": "gpt-oss-like", "gemma2-like (W=4096)": str(gemma)}
-        for model, preset in models.items():
+        models: dict[str, str | Path] = {
+            "gpt-oss-like (W=128)": "gpt-oss-like",
+            "gemma2-like (W=4096)": gemma,
+        }
+        for model, source in models.items():
             for workload, trace in traces.items():
                 for pages in args.eviction_pages:
                     row: dict[str, Any] = {"model": model, "workload": workload, "num_pages": pages}
                     for order in ("hybrid", "group"):
-                        config = SimulationConfig(preset=preset, eviction_order=order, num_pages=pages)
+                        config = SimulationConfig(model=source, eviction_order=order, num_pages=pages)
                         summary = simulate(trace, config).summary
                         keys = ("prefix_hit_rate", "prefix_hits_tokens", "preemptions", "evictions", "steps")
                         row[order] = {key: summary[key] for key in keys}
@@ -214,15 +218,15 @@ def host(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     keys = ("prefix_hit_rate", "prefix_hits_tokens", "host_hits_tokens", "host_stores", "host_loads")
     for pages in args.host_device_pages:
-        row: dict[str, Any] = {"preset": args.preset, "num_pages": pages, "runs": {}}
+        row: dict[str, Any] = {"model": str(args.model), "num_pages": pages, "runs": {}}
         for host_pages in (0, *args.host_pages):
-            config = SimulationConfig(preset=args.preset, num_pages=pages, host_pages=host_pages)
+            config = SimulationConfig(model=args.model, num_pages=pages, host_pages=host_pages)
             summary = simulate(trace, config).summary
             row["runs"][host_pages] = {key: summary[key] for key in keys}
         rows.append(row)
     if not args.json:
         print(
-            f"host tier (native engine, {args.preset}): "
+            f"host tier (native engine, {args.model}): "
             f"multi-turn = {args.conversations} conversations x 4 turns"
         )
         for row in rows:
@@ -238,7 +242,9 @@ def host(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="flat-kvcache simulate as a benchmark")
     parser.add_argument("what", nargs="?", choices=("speed", "eviction", "host", "all"), default="speed")
-    parser.add_argument("--preset", default="gpt-oss-like")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--preset", default="gpt-oss-like", metavar="NAME", help="a built-in model preset")
+    model.add_argument("--config", metavar="PATH", help="a config.json (or its folder) instead of a preset")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-requests", type=int, default=2000, help="native trace size (2000)")
     parser.add_argument("--reference-requests", type=int, default=200, help="reference trace size (200)")
@@ -272,6 +278,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="tiny traces and one pool size: checks that the benchmark runs (CI), measures nothing",
     )
     args = parser.parse_args(argv)
+    if args.preset not in PRESETS:
+        parser.error(f"--preset {args.preset}: not a built-in preset (a config.json goes with --config)")
+    args.model = args.preset if args.config is None else Path(args.config)
     if args.smoke:
         args.num_requests, args.reference_requests = 40, 10
         args.eviction_requests, args.prefixes, args.conversations = 20, 3, 4

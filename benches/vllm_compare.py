@@ -36,10 +36,12 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from importlib import import_module
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+from flat_kvcache.presets import PRESETS
 from flat_kvcache.simulate import (
     DEFAULT_MAX_RUNNING,
     DEFAULT_MAX_SCHEDULED_TOKENS,
@@ -310,17 +312,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=2000)
     parser.add_argument("--trace", help="a JSONL trace (default: the built-in one)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--preset", default="gpt-oss-like")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--preset", default="gpt-oss-like", metavar="NAME", help="a built-in model preset")
+    model.add_argument("--config", metavar="PATH", help="a config.json (or its folder) instead of a preset")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--num-pages", type=int, help="default: as flat-kvcache simulate")
     parser.add_argument("--max-scheduled-tokens", type=int, default=DEFAULT_MAX_SCHEDULED_TOKENS)
     parser.add_argument("--max-running", type=int, default=DEFAULT_MAX_RUNNING)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
+    if args.preset not in PRESETS:
+        parser.error(f"--preset {args.preset}: not a built-in preset (a config.json goes with --config)")
     _import_vllm()  # fail early with the install hint
     import flat_kvcache
 
-    specs = engine_specs(flat_kvcache, args.preset, args.page_size)
+    specs = engine_specs(
+        flat_kvcache, args.preset if args.config is None else Path(args.config), args.page_size
+    )
     trace = (
         load_trace(args.trace, seed=args.seed)
         if args.trace

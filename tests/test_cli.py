@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import flat_kvcache
+import numpy as np
 import pytest
 from flat_kvcache.config import (
     layer_types_from_config,
@@ -49,7 +50,9 @@ def write_config(tmp_path: Path, cfg: Any, name: str = "config.json") -> Path:
 # gpt-oss-like with the defaults: P=16, B=256, S=8192, T=max(262144, C)=262144, C=131072, N=1, D=0
 #   sliding W=128: 256*ceil(127/16)=256*8=2048 + ceil(8192/16)=512 + 256 + 0 + 1 = 2817
 #   full:          ceil(262144/16)=16384 + 256 + 0 + 1                        = 16641
-#   capture: sliding ceil((128 + 1)/16) + 1 = 10; full ceil((131072 + 1)/16) = 8193
+#   both at once, sharing the null page: 1 + 2816 + 16640                     = 19457
+#   table width (absolute tables, any group): ceil((131072 + 1)/16) = 8193;
+#   windowed (SPEC 2's sliding capture width): ceil((128 + 1)/16) + 1 = 10
 #   slab: 12 sliding and 12 full layers, one window -> 12 (None without the flat feature)
 
 
@@ -57,8 +60,17 @@ def test_no_arguments_prints_the_default_preset_as_a_table(capsys: pytest.Captur
     status, out, err = run_cli(capsys)
     assert (status, err) == (0, "")
     assert DEFAULT_PRESET in out
-    assert table_row(out, SLIDING) == [SLIDING, "sliding_window", "128", "history", "12", "2817", "10"]
-    assert table_row(out, FULL) == [FULL, "full_history", "-", "history", "12", "16641", "8193"]
+    assert table_row(out, SLIDING) == [
+        SLIDING,
+        "sliding_window",
+        "128",
+        "history",
+        "12",
+        "2817",
+        "8193",
+        "10",
+    ]
+    assert table_row(out, FULL) == [FULL, "full_history", "-", "history", "12", "16641", "8193", "-"]
     if flat_kvcache.FLAT_KVCACHE:
         assert "hybrid slab group size: 12" in out
     else:
@@ -71,8 +83,9 @@ def test_table_columns_are_aligned(capsys: pytest.CaptureFixture[str]) -> None:
     header = next(i for i, line in enumerate(lines) if line.startswith("group "))
     rows = lines[header : header + 4]
     # right-aligned numbers end in the same column as their header
-    end = rows[0].index("pages") + len("pages")
-    assert all(row[end - 1].isdigit() and row[end : end + 1] in ("", " ") for row in rows[1:])
+    for column in ("max pages", "table width"):
+        end = rows[0].index(column) + len(column)
+        assert all(row[end - 1].isdigit() and row[end : end + 1] in ("", " ") for row in rows[1:])
 
 
 def test_default_plan_as_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -101,8 +114,9 @@ def test_default_plan_as_json(capsys: pytest.CaptureFixture[str]) -> None:
             "rows_per_page": 16,
             "entry_stride_tokens": 1,
             "num_layers": 12,
-            "pages": 2817,
-            "capture_width": 10,
+            "max_pages": 2817,
+            "table_width": 8193,
+            "windowed_width": 10,
         },
         {
             "group_id": FULL,
@@ -113,10 +127,17 @@ def test_default_plan_as_json(capsys: pytest.CaptureFixture[str]) -> None:
             "rows_per_page": 16,
             "entry_stride_tokens": 1,
             "num_layers": 12,
-            "pages": 16641,
-            "capture_width": 8193,
+            "max_pages": 16641,
+            "table_width": 8193,
+            "windowed_width": None,
         },
     ]
+    assert plan["pool"] == {
+        "pages_for_all_worst_cases": 19457,
+        "num_pages": None,
+        "fits": None,
+        "max_total_tokens_that_fit": None,
+    }
     assert plan["hybrid_slab_group_size"] == (12 if flat_kvcache.FLAT_KVCACHE else None)
 
 
@@ -154,10 +175,14 @@ def test_each_preset_matches_the_api(capsys: pytest.CaptureFixture[str], name: s
         assert group["sliding_window_tokens"] == spec.sliding_window_tokens
         assert group["family"] == spec.family
         assert group["state"] is (spec.family == "state")
-        assert group["pages"] == counts[spec.group_id]
-        assert group["capture_width"] == flat_kvcache.compute_max_logical_pages_for_capture(
-            spec, max_context_len=context
-        )
+        assert group["max_pages"] == counts[spec.group_id]
+        windowed = flat_kvcache.compute_max_logical_pages_for_capture(spec, max_context_len=context)
+        if spec.retention == "sliding_window":
+            assert group["windowed_width"] == windowed
+            assert group["table_width"] == -(-(context + 1) // 16)  # an absolute table: full width
+        else:
+            assert (group["table_width"], group["windowed_width"]) == (windowed, None)
+    assert plan["pool"]["pages_for_all_worst_cases"] == 1 + sum(count - 1 for count in counts.values())
     assert sum(group["num_layers"] for group in plan["groups"]) == cfg["num_hidden_layers"]
     assert plan["hybrid_slab_group_size"] == flat_kvcache.hybrid_slab_group_size(
         layer_types, sliding_window_tokens=window
@@ -168,9 +193,9 @@ def test_state_groups_are_marked(capsys: pytest.CaptureFixture[str]) -> None:
     status, out, _ = run_cli(capsys, "--preset", "qwen3.5-like")
     assert status == 0
     # 36 linear + 12 full layers; T = max(262144, C=262144): full 16384 + 256 + 1 = 16641,
-    # state min(2*256 + 16384 + 1, 16641) = 16641; capture ceil((262144 + 1)/16) = 16385
-    assert table_row(out, LINEAR) == [LINEAR, "full_history", "-", "state", "36", "16641", "16385", "*"]
-    assert table_row(out, FULL) == [FULL, "full_history", "-", "history", "12", "16641", "16385"]
+    # state min(2*256 + 16384 + 1, 16641) = 16641; table width ceil((262144 + 1)/16) = 16385
+    assert table_row(out, LINEAR) == [LINEAR, "full_history", "-", "state", "36", "16641", "16385", "-", "*"]
+    assert table_row(out, FULL) == [FULL, "full_history", "-", "history", "12", "16641", "16385", "-"]
     assert "* state group" in out
     assert "hybrid slab group size: none" in out
 
@@ -179,8 +204,9 @@ def test_multi_window_preset_shows_one_group_per_window(capsys: pytest.CaptureFi
     plan = plan_json(capsys, "--preset", "multi-window-demo")
     groups = by_id(plan)
     # C = 32768, T = 262144: W=512: 256*ceil(511/16)=256*32=8192 + 512 + 256 + 1 = 8961
-    assert groups["sliding_attention_512"]["pages"] == 8961
-    assert groups["sliding_attention_512"]["capture_width"] == 34  # ceil((512 + 1)/16) + 1
+    assert groups["sliding_attention_512"]["max_pages"] == 8961
+    assert groups["sliding_attention_512"]["windowed_width"] == 34  # ceil((512 + 1)/16) + 1
+    assert groups["sliding_attention_512"]["table_width"] == 2049  # ceil((32768 + 1)/16)
     assert groups["sliding_attention_4096"]["sliding_window_tokens"] == 4096
     assert plan["hybrid_slab_group_size"] is None  # two windows
 
@@ -199,9 +225,9 @@ def test_options_reach_the_formulas(capsys: pytest.CaptureFixture[str]) -> None:
         "--safety-margin", "3",
     )  # fmt: skip
     # raw 32, protected = 4*ceil(1*2/32) = 4; full = ceil(1000/32)=32 + 4 + 4 + 1 + 3 = 44
-    # capture: ceil((500 + (1+1)*2)/32) = ceil(504/32) = 16
+    # table width: ceil((500 + (1+1)*2)/32) = ceil(504/32) = 16
     [group] = plan["groups"]
-    assert (group["rows_per_page"], group["pages"], group["capture_width"]) == (32, 44, 16)
+    assert (group["rows_per_page"], group["max_pages"], group["table_width"]) == (32, 44, 16)
     assert plan["settings"]["overlap_schedule_depth"] == 1
 
 
@@ -254,7 +280,7 @@ def test_config_with_layer_types(capsys: pytest.CaptureFixture[str], tmp_path: P
         "layer_types": {SLIDING: 2, FULL: 2},
     }
     assert plan["settings"]["max_context_len"] == 4096
-    assert {gid: g["pages"] for gid, g in by_id(plan).items()} == {SLIDING: 13, FULL: 16387}
+    assert {gid: g["max_pages"] for gid, g in by_id(plan).items()} == {SLIDING: 13, FULL: 16387}
     assert plan["hybrid_slab_group_size"] == (2 if flat_kvcache.FLAT_KVCACHE else None)
 
 
@@ -324,9 +350,144 @@ def test_bad_config_files(capsys: pytest.CaptureFixture[str], tmp_path: Path, cf
 
 
 def test_bad_model_sources(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    assert_one_line_error(capsys, ["--config", str(tmp_path / "missing.json")], 1, "config file not found")
-    assert_one_line_error(capsys, ["--config", str(tmp_path)], 1, "config file not found")  # no config.json
-    assert_one_line_error(capsys, ["--preset", "nope"], 1, "unknown preset 'nope'")
+    missing = tmp_path / "missing.json"
+    assert_one_line_error(capsys, ["--config", str(missing)], 1, f"--config {missing}: no such file")
+    assert_one_line_error(capsys, ["--config", str(tmp_path)], 1, "the folder has no config.json")
+    assert_one_line_error(capsys, ["--preset", "nope"], 1, "--preset nope: unknown preset; known presets: ")
+
+
+# --- one way to name a model: --config PATH for files, --preset NAME for built-ins (issue 19.7) ---
+
+
+def test_preset_takes_only_built_in_names(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = write_config(tmp_path, get_preset("llama3-8b-like"))
+    assert_one_line_error(capsys, ["--preset", str(path)], 1, "a config.json goes with --config")
+    assert_one_line_error(capsys, ["--config", "llama3-8b-like"], 1, "a built-in preset goes with --preset")
+    # The same file through --config plans what the preset plans, under the path's name.
+    by_path, by_name = (
+        plan_json(capsys, "--config", str(path)),
+        plan_json(capsys, "--preset", "llama3-8b-like"),
+    )
+    assert by_path["groups"] == by_name["groups"] and by_path["model"]["source"] == str(path)
+
+
+def test_config_named_like_a_preset_is_a_path(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--config NAME`` reads the file ``NAME`` even where a preset of that name exists."""
+    folder = tmp_path / "gpt-oss-like"
+    folder.mkdir()
+    write_config(folder, {"num_hidden_layers": 3})
+    monkeypatch.chdir(tmp_path)
+    plan = plan_json(capsys, "--config", "gpt-oss-like")
+    assert [(g["group_id"], g["num_layers"]) for g in plan["groups"]] == [(FULL, 3)]
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate"])
+def test_every_command_names_a_model_the_same_way(capsys: pytest.CaptureFixture[str], command: str) -> None:
+    status, out, _ = run_cli(capsys, command, "--help")
+    assert status == 0
+    assert "--config PATH" in out and "--preset NAME" in out
+    assert "config.json, or the folder that holds it" in " ".join(out.split())
+    assert_one_line_error(
+        capsys, [command, "--config", "x.json", "--preset", DEFAULT_PRESET], 2, "not allowed"
+    )
+
+
+# --- errors name the option once, JSON where asked (issue 19.9) --------------------------------
+
+
+def test_errors_name_the_path_once(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text("{not json", encoding="utf-8")
+    for argv in (
+        ["--config", str(path)],
+        ["--config", str(tmp_path)],
+        ["--config", str(tmp_path / "x.json")],
+    ):
+        _, _, err = run_cli(capsys, *argv)
+        assert err.count(str(tmp_path)) == 1, err
+    _, _, err = run_cli(capsys, "--config", str(path))
+    assert err == f"flat-kvcache: error: --config {path}: invalid JSON: " + err.split("invalid JSON: ")[1]
+
+
+def test_list_presets_as_json(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run_cli(capsys, "plan", "--list-presets", "--json")
+    assert (status, err) == (0, "")
+    presets = json.loads(out)
+    assert [p["name"] for p in presets] == preset_names()
+    assert [p["name"] for p in presets if p["default"]] == [DEFAULT_PRESET]
+    gpt_oss = get_preset("gpt-oss-like")["layer_types"]
+    assert presets[0]["layer_types"] == {SLIDING: gpt_oss.count(SLIDING), FULL: gpt_oss.count(FULL)}
+
+
+def test_extra_hints_install_as_the_readme_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README installs extras from the source tree (``pip install '.[torch]'``): the hints too."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    status, out, _ = run_cli(capsys, "plan", "--help")
+    assert status == 0 and "pip install '.[torch]'" in out and "pip install '.[torch]'" in readme
+    status, out, _ = run_cli(capsys, "simulate", "--help")
+    assert status == 0 and "pip install '.[plot]'" in out and "pip install '.[plot]'" in readme
+    assert "flat-kvcache[" not in out
+
+
+# --- what the page counts are, and what fits together (issue 19.10) -----------------------------
+
+# A Gemma-2-like config: 21 sliding (W=4096) + 21 full layers, C=8192; defaults B=256, S=8192,
+# T=max(262144, 8192)=262144, P=16:
+#   sliding: 256*ceil(min(4095, 8192)/16)=256*256=65536 + ceil(8192/16)=512 + 256 + 1 = 66305
+#   full:    ceil(262144/16)=16384 + 256 + 1                                           = 16641
+#   every group's worst case at once, the null page counted once: 1 + 66304 + 16640     = 82945
+GEMMA2_LIKE = {
+    "model_type": "gemma2",
+    "num_hidden_layers": 42,
+    "layer_types": [SLIDING, FULL] * 21,
+    "sliding_window": 4096,
+    "max_position_embeddings": 8192,
+}
+
+
+def test_page_counts_are_per_group_bounds_on_one_pool(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = write_config(tmp_path, GEMMA2_LIKE)
+    plan = plan_json(capsys, "--config", str(path))
+    assert {gid: g["max_pages"] for gid, g in by_id(plan).items()} == {SLIDING: 66305, FULL: 16641}
+    assert plan["pool"]["pages_for_all_worst_cases"] == 82945
+    assert "one shared pool" in plan["notes"]["max_pages"] and "do not add up" in plan["notes"]["max_pages"]
+    status, out, _ = run_cli(capsys, "--config", str(path))
+    text = " ".join(out.split())
+    header = next(line for line in out.splitlines() if line.startswith("group "))
+    assert status == 0 and "max pages" in header
+    assert "one shared pool" in text and "do not add up" in text
+    assert "a pool of 82945 pages holds every group's worst case at once" in text
+
+
+# --- block-table widths: absolute tables vs windowed sliding tables (issue 19.11) ------------------
+
+
+def test_table_width_is_what_block_tables_out_needs(capsys: pytest.CaptureFixture[str]) -> None:
+    """A request at max context fills ``table_width`` columns in every group, the sliding one
+    included (an absolute table keeps its slid-out slots as holes); ``windowed_width`` is too
+    narrow for ``block_tables(out=)``."""
+    plan = plan_json(capsys, "--max-context-len", "1000")
+    groups = by_id(plan)
+    # ceil((1000 + 1)/16) = 63 for both; windowed ceil((128 + 1)/16) + 1 = 10
+    assert [(g["table_width"], g["windowed_width"]) for g in plan["groups"]] == [(63, 10), (63, None)]
+    cache = flat_kvcache.cache_from_config(DEFAULT_PRESET, num_pages=1024)
+    cache.add_request("r", list(range(999)))
+    assert cache.schedule_batch(["r"], [999]).all()
+    cache.append_tokens_batch(["r"], [5])
+    assert cache.schedule_batch(["r"], [1]).all()  # token 1000; reclaim at 999 first
+    out = {gid: np.full((1, g["table_width"]), -7, np.int32) for gid, g in groups.items()}
+    cache.block_tables(["r"], out=out)
+    # Every column holds a slot of a 1000-token table; the sliding group's first
+    # (999 - 128 + 1) // 16 = 54 slots have slid out and are holes (0).
+    assert (out[FULL][0] > 0).all()
+    assert (out[SLIDING][0, :54] == 0).all() and (out[SLIDING][0, 54:] > 0).all()
+    narrow = {**out, SLIDING: np.empty((1, groups[SLIDING]["windowed_width"]), np.int32)}
+    with pytest.raises(ValueError, match="columns"):
+        cache.block_tables(["r"], out=narrow)
 
 
 def test_sizes_beyond_the_native_range(capsys: pytest.CaptureFixture[str]) -> None:

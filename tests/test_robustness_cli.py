@@ -63,6 +63,8 @@ def test_bad_config_file_names_the_option(
 def test_bad_demo_option_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     status, _, err = run_cli(capsys, "demo", "--bogus")
     _check_one_line(status, err, "--bogus", 2)
+    status, _, err = run_cli(capsys, "demo", "--num-pages", "3")
+    _check_one_line(status, err, "--num-pages", 2)
 
 
 def _qwen3_next_config(tmp_path: Path) -> Path:
@@ -121,24 +123,31 @@ def test_shape_from_config_without_dtype_takes_kv_dtype(tmp_path: Path) -> None:
         ModelShape.from_config(path)
 
 
-#: Bad ``simulate`` inputs: (arguments, the option the message must name).
+#: Bad ``simulate`` inputs: (arguments, the option the message must name, exit status).
 BAD_SIMULATE = [
-    (["--trace", "/nonexistent/trace.jsonl"], "--trace"),
-    (["--preset", "nope"], "--preset"),
-    (["--preset", "/nonexistent/config.json"], "--preset"),
-    # A pool that cannot hold one token of a request (a page per group besides page 0).
-    (["--num-pages", "2", "--num-requests", "3"], "--num-pages"),
+    (["--trace", "/nonexistent/trace.jsonl"], "--trace", 1),
+    (["--preset", "nope"], "--preset", 1),
+    (["--preset", "/nonexistent/config.json"], "--preset", 1),
+    (["--config", "/nonexistent/config.json"], "--config", 1),
+    # A pool that cannot hold one token of a request (a page per group besides page 0): refused
+    # before the run, as a usage error.
+    (["--num-pages", "2", "--num-requests", "3"], "--num-pages", 2),
     # One that holds a token but never a whole prompt: every request aborted, nothing measured.
-    (["--num-pages", "60", "--num-requests", "3"], "--num-pages"),
+    (["--num-pages", "60", "--num-requests", "3"], "--num-pages", 1),
+    (["--plot", "/nonexistent/folder/run.png", "--num-requests", "3"], "--plot", 2),
 ]
 
 
-@pytest.mark.parametrize(("argv", "option"), BAD_SIMULATE, ids=[" ".join(a) for a, _ in BAD_SIMULATE])
+@pytest.mark.parametrize(
+    ("argv", "option", "expected"), BAD_SIMULATE, ids=[" ".join(a) for a, _, _ in BAD_SIMULATE]
+)
 def test_bad_simulate_input_is_one_line(
-    capsys: pytest.CaptureFixture[str], argv: list[str], option: str
+    capsys: pytest.CaptureFixture[str], argv: list[str], option: str, expected: int
 ) -> None:
+    if "--plot" in argv:
+        need("matplotlib")
     status, out, err = run_cli(capsys, "simulate", *argv)
-    _check_one_line(status, err, option, 1)
+    _check_one_line(status, err, option, expected)
     assert out == ""
 
 
@@ -160,7 +169,7 @@ def test_bad_trace_file_names_the_option_and_the_line(
 def test_too_small_pool_states_the_minimum(capsys: pytest.CaptureFixture[str]) -> None:
     """gpt-oss-like has two groups: one token needs a page in each, plus the null page."""
     status, _, err = run_cli(capsys, "simulate", "--num-pages", "2", "--num-requests", "3")
-    _check_one_line(status, err, "--num-pages must be >= 3", 1)
+    _check_one_line(status, err, "--num-pages must be >= 3", 2)
     status, out, err = run_cli(capsys, "simulate", "--num-pages", "3", "--num-requests", "0")
     assert (status, err) == (0, ""), err
     assert "requests             0" in out

@@ -292,9 +292,10 @@ def test_cli_plot_without_matplotlib_names_the_extra(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.backend_bases", None)
     status, out, err = run_cli(capsys, "simulate", "--num-requests", "2", "--plot", str(tmp_path / "x.png"))
     assert (status, out) == (1, "")
-    assert "pip install 'flat-kvcache[plot]'" in err and err.count("\n") == 1
+    assert "pip install '.[plot]'" in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize(
@@ -304,7 +305,8 @@ def test_cli_plot_without_matplotlib_names_the_extra(
         (["--max-scheduled-tokens", "x"], 2, "expected an int"),
         (["--engine", "gpu"], 2, "invalid choice"),
         (["--eviction-order", "lru"], 2, "invalid choice"),
-        (["--preset", "nope"], 1, "unknown preset 'nope'"),
+        (["--preset", "nope"], 1, "--preset nope: unknown preset"),
+        (["--num-pages", "2"], 2, "--num-pages 2 is too small"),
         (["--trace", "/does/not/exist.jsonl"], 1, "No such file"),
     ],
 )
@@ -314,6 +316,79 @@ def test_cli_bad_input_is_one_error_line(
     got, out, err = run_cli(capsys, "simulate", *argv)
     assert (got, out) == (status, "")
     assert err.startswith("flat-kvcache: error: ") and message in err and err.count("\n") == 1
+
+
+def test_cli_model_from_a_config_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """``--config PATH`` for a config.json, ``--preset NAME`` for built-ins only (issue 19.7)."""
+    import flat_kvcache.presets
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(flat_kvcache.presets.get_preset("llama3-8b-like")), encoding="utf-8")
+    status, out, err = run_cli(capsys, "simulate", "--config", str(tmp_path), "--num-requests", "3", "--json")
+    assert (status, err) == (0, "")
+    summary = json.loads(out)
+    assert summary["model"] == str(tmp_path) and [g["group_id"] for g in summary["groups"]] == [
+        "full_attention"
+    ]
+    status, out, err = run_cli(capsys, "simulate", "--preset", str(path))
+    assert (status, out) == (1, "") and "a config.json goes with --config" in err
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("no/such/folder/run.png", "no such folder: {tmp}/no/such/folder"),
+        (".", "is a folder"),
+        ("run.xyz", "must end in an image format matplotlib writes"),
+        ("run", "must end in an image format matplotlib writes"),
+    ],
+)
+def test_cli_plot_target_is_checked_before_the_run(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    message: str,
+) -> None:
+    """A ``--plot`` file that cannot be written is a usage error (2) found before the run."""
+    need("matplotlib")
+    import flat_kvcache.simulate
+
+    def no_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(flat_kvcache.simulate, "simulate", no_run)
+    target = tmp_path / name
+    status, out, err = run_cli(capsys, "simulate", "--plot", str(target))
+    assert (status, out) == (2, "")
+    assert err.startswith(f"flat-kvcache: error: --plot {target}: ") and message.format(tmp=tmp_path) in err
+    assert err.count("\n") == 1
+
+
+def test_native_runs_build_the_cache_with_cache_from_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulator builds the native engine the documented way (issue 19.12)."""
+    import flat_kvcache.simulate.loop as loop
+    from flat_kvcache import cache_from_config as real
+
+    calls: list[tuple[object, dict[str, object]]] = []
+
+    def spy(model: Any, **kwargs: Any) -> Any:
+        calls.append((model, kwargs))
+        return real(model, **kwargs)
+
+    monkeypatch.setattr(loop, "cache_from_config", spy)
+    summary = simulate(default_trace(2, seed=0), SimulationConfig(num_pages=500, host_pages=7)).summary
+    assert summary["finished"] == 2 and summary["host_pages"] == 7
+    [(model, kwargs)] = calls
+    assert isinstance(model, dict) and model["model_type"] == "gpt_oss"
+    assert kwargs == {
+        "num_pages": 500,
+        "page_size": 16,
+        "enable_caching": True,
+        "eviction_order": "hybrid",
+        "reuse_uncached_first": True,
+        "host_pages": 7,
+    }
 
 
 def test_cli_bad_trace_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -46,8 +46,10 @@ def test_memory_in_the_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert memory["kv_dtype"] == "bfloat16" and memory["device"] is None
     assert memory["requested_page_size"] == 16 and memory["allocator_slack_bytes"] == 0
     assert (memory["slab_saving_bytes"] > 0) is flat_kvcache.FLAT_KVCACHE  # slabs need the flat feature
-    # The tokens that fit bound the page counts unless --max-total-tokens is given.
-    assert got["settings"]["max_total_tokens"] == memory["tokens_that_fit"]
+    # The tokens that fit with every group at its worst case bound the page counts unless
+    # --max-total-tokens is given (tests/test_cli_memory.py derives the number).
+    assert got["settings"]["max_total_tokens"] == got["pool"]["max_total_tokens_that_fit"]
+    assert got["pool"]["fits"] is True and got["pool"]["num_pages"] == memory["num_pages"]
     assert (
         run_json(capsys, "--memory", "80GiB", "--max-total-tokens", "1000")["settings"]["max_total_tokens"]
         == 1000
@@ -62,12 +64,12 @@ def test_memory_in_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     for label, value in [
         ("bytes per page", want["bytes_per_page"]),
         ("pages", want["num_pages"]),
-        ("tokens that fit", want["tokens_that_fit"]),
-        ("slab saving", want["slab_saving_bytes"]),
     ]:
         assert f"  {label}" in memory and str(value) in memory.split(f"  {label}")[1].splitlines()[0]
+    # The pool's token slots, on the line under "tokens that fit".
+    assert f"{want['tokens_that_fit']} token slots" in memory.split("  tokens that fit")[1].splitlines()[1]
     assert "budget           85899345920 bytes (80.00 GiB)" in memory
-    assert "group" in out and "capture width" in out  # the group table is still there
+    assert "group" in out and "table width" in out  # the group table is still there
 
 
 def test_state_model_plans_with_the_raised_page_size(capsys: pytest.CaptureFixture[str]) -> None:
@@ -150,4 +152,4 @@ def test_torch_is_only_needed_for_memory() -> None:
     memory = without_torch("--memory", "80GiB")
     assert memory.returncode == 1
     assert "flat-kvcache: error: --memory/--device:" in memory.stderr
-    assert "pip install 'flat-kvcache[torch]'" in memory.stderr
+    assert "pip install '.[torch]'" in memory.stderr

@@ -1,44 +1,54 @@
 """The ``flat-kvcache`` command line.
 
+Every command that takes a model takes it the same way: ``--config PATH`` for a Hugging Face
+style ``config.json`` (or the folder that holds it), ``--preset NAME`` for a built-in preset
+(``flat-kvcache plan --list-presets``); with neither, the default preset.
+
+``flat-kvcache plan`` sizes the paged KV cache of a model: its page groups, the most pages each
+group can hold (its worst case: these are per-group upper bounds on one shared pool, so they do
+not add up; the plan also says what the pool needs for all of them at once), the block-table
+widths and the hybrid slab pairing. With no arguments it plans the default preset. ``--json``
+prints the same plan as JSON. ``--memory 80GiB`` (or ``--device cuda``, whose free memory sets
+the budget) adds the memory plan: bytes per page, pages, tokens that fit and the K/V slabs; it
+needs the ``torch`` extra, imported only then.
+
 ``flat-kvcache simulate`` runs a reference scheduler loop over a request trace (see
-:mod:`flat_kvcache.simulate`).
+:mod:`flat_kvcache.simulate`). ``flat-kvcache demo`` runs a tiny model on the cache
+(:mod:`flat_kvcache.demo`).
 
-``flat-kvcache plan`` sizes the paged KV cache of a model (a preset or a Hugging Face style
-``config.json``): its page groups, the pages each group needs, the CUDA-graph capture width of
-each group's block table and the hybrid slab pairing. With no arguments it plans the default
-preset. ``--json`` prints the same plan as JSON. ``--memory 80GiB`` (or ``--device cuda``, whose
-free memory sets the budget) adds the memory plan: bytes per page, pages, tokens that fit and
-the slab saving; it needs the ``torch`` extra, imported only then.
-
-Bad input is one line on stderr, ``flat-kvcache: error: ...``, and a non-zero exit status:
-2 for a usage error (unknown option, negative size), 1 for a model the API rejects (missing or
-invalid config, unknown preset or layer label), a ``--trace`` that cannot be read, or a
-``simulate`` pool too small for any request (every request aborted). The message names the
-option (``--preset``, ``--trace``, ``--num-pages``, ...).
+Bad input is one line on stderr, ``flat-kvcache: error: ...``, naming the option, and a non-zero
+exit status: 2 for an argument refused before any work starts (unknown option, negative size,
+a ``--plot`` file that cannot be written, a pool too small for one token), 1 for a model the API
+rejects (missing or invalid config, unknown preset or layer label), a ``--trace`` that cannot be
+read, or a ``simulate`` run in which no request fits (every request aborted).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import os
 import re
 import sys
+import textwrap
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 import flat_kvcache
 from flat_kvcache import simulate
 from flat_kvcache.config import (
+    group_specs_from_config,
     layer_types_from_config,
     load_model_config,
     max_context_len_from_config,
     sliding_window_from_config,
 )
-from flat_kvcache.presets import DEFAULT_PRESET, get_preset, preset_names
+from flat_kvcache.presets import DEFAULT_PRESET, PRESETS, get_preset, preset_names
 
 __all__ = ["build_plan", "format_plan", "main"]
 
@@ -71,6 +81,53 @@ class _Parser(argparse.ArgumentParser):
 def _print_error(message: str) -> None:
     """Print ``message`` as one ``flat-kvcache: error:`` line on stderr."""
     print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+
+
+def _extra(name: str) -> str:
+    """How to install optional extra ``name``, as the README does (from the source tree)."""
+    return f"the `{name}` extra: pip install '.[{name}]' in the flat-kvcache source tree"
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    """``--config PATH`` or ``--preset NAME`` (one of them), the same on every command."""
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument(
+        "--config", metavar="PATH", help="a Hugging Face style config.json, or the folder that holds it"
+    )
+    model.add_argument(
+        "--preset",
+        metavar="NAME",
+        help=f"a built-in model preset (default {DEFAULT_PRESET}; presets: {', '.join(preset_names())})",
+    )
+
+
+def _load_model(args: argparse.Namespace) -> tuple[dict[str, Any], str, str]:
+    """The model config of ``--config`` / ``--preset``, what it is called in the output
+    (``preset NAME`` or the path) and the option that gave it (for messages).
+
+    Raises ValueError, naming the option, for a missing file, invalid JSON or an unknown preset.
+    """
+    if args.config is not None:
+        option = f"--config {args.config}"
+        path = Path(args.config)
+        file = path / "config.json" if path.is_dir() else path
+        if not file.is_file():
+            what = "the folder has no config.json" if path.is_dir() else "no such file"
+            hint = "; a built-in preset goes with --preset" if args.config in PRESETS else ""
+            raise ValueError(f"{option}: {what}{hint}")
+        try:
+            return load_model_config(file), args.config, option
+        except OSError as exc:
+            raise ValueError(f"{option}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            # The message starts with the path the option already names.
+            raise ValueError(f"{option}: {str(exc).removeprefix(f'{file}: ')}") from None
+    name = DEFAULT_PRESET if args.preset is None else args.preset
+    option = f"--preset {name}"
+    if name not in PRESETS:
+        hint = "; a config.json goes with --config" if name.endswith(".json") or os.sep in name else ""
+        raise ValueError(f"{option}: unknown preset; known presets: {', '.join(preset_names())}{hint}")
+    return get_preset(name), f"preset {name}", option
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
@@ -122,16 +179,19 @@ def _parser() -> _Parser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     plan = commands.add_parser(
         "plan",
-        help="page groups, page counts, capture widths and slab pairing of a model",
+        help="page groups, page counts, block-table widths and slab pairing of a model",
         description=(
-            "Print the page groups of a model (id, retention, window, family), the pages each needs, "
-            "the CUDA-graph capture width of each group's block table and the hybrid slab group size."
+            "Print the page groups of a model (id, retention, window, family); the most pages each "
+            "group can hold (its worst case under the sizes below: per-group upper bounds on one "
+            "shared pool, which do not add up) and the pool that holds every group's worst case at "
+            "once; the columns of each group's block table (and of a windowed sliding table); and "
+            "the hybrid slab group size."
         ),
     )
-    model = plan.add_mutually_exclusive_group()
-    model.add_argument("--config", metavar="PATH", help="a Hugging Face style config.json (or its folder)")
-    model.add_argument("--preset", metavar="NAME", help=f"a built-in model preset (default {DEFAULT_PRESET})")
-    plan.add_argument("--list-presets", action="store_true", help="list the presets and exit")
+    _add_model_options(plan)
+    plan.add_argument(
+        "--list-presets", action="store_true", help="list the presets (with --json: as JSON) and exit"
+    )
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     sizes = plan.add_argument_group("sizes")
     non_negative, positive = _int_at_least(0), _int_at_least(1)
@@ -150,7 +210,8 @@ def _parser() -> _Parser:
         "--max-total-tokens",
         type=non_negative,
         metavar="T",
-        help=f"max tokens held by all requests (default: max({DEFAULT_MAX_TOTAL_TOKENS}, max context))",
+        help=f"max tokens held by all requests (default: max({DEFAULT_MAX_TOTAL_TOKENS}, max context); "
+        "with --memory, the most for which every group's worst case fits in the pool at once)",
     )
     sizes.add_argument(
         "--max-context-len",
@@ -176,13 +237,13 @@ def _parser() -> _Parser:
     sizes.add_argument(
         "--safety-margin", type=non_negative, default=0, metavar="M", help="extra pages per group (0)"
     )
-    memory = plan.add_argument_group("memory (needs the torch extra: pip install 'flat-kvcache[torch]')")
+    memory = plan.add_argument_group(f"memory (needs {_extra('torch')})")
     memory.add_argument(
         "--memory",
         type=_byte_size,
         metavar="SIZE",
-        help="KV-cache memory budget, e.g. 80GiB: adds bytes per page, pages, tokens that fit and "
-        "the slab saving (tokens that fit become the default T)",
+        help="KV-cache memory budget, e.g. 80GiB: adds bytes per page, the pool's pages, the tokens "
+        "that fit with every group at its worst case (the default T) and the K/V slab layout",
     )
     memory.add_argument(
         "--device",
@@ -274,13 +335,7 @@ def _add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
             "to 4096 tokens, half sharing a 1024-token prefix, 128 generated tokens each."
         ),
     )
-    parser.add_argument(
-        "--preset",
-        default=DEFAULT_PRESET,
-        metavar="NAME",
-        help=f"model preset or config.json path (default {DEFAULT_PRESET}; "
-        f"presets: {', '.join(preset_names())})",
-    )
+    _add_model_options(parser)
     parser.add_argument("--trace", metavar="FILE.jsonl", help="a JSONL trace (default: the built-in one)")
     parser.add_argument(
         "--num-requests",
@@ -364,7 +419,8 @@ def _add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--plot",
         metavar="FILE.png",
-        help="draw pages in use per group and running requests per step (needs the plot extra)",
+        help="draw pages in use per group and running requests per step into FILE (png, pdf, svg...; "
+        f"its folder must exist; needs {_extra('plot')})",
     )
     parser.add_argument(
         "--progress",
@@ -379,20 +435,34 @@ def _run_simulate(args: argparse.Namespace) -> int:
     """Run ``flat-kvcache simulate`` from parsed arguments; returns the exit status."""
     if args.plot is not None:
         try:
-            import matplotlib  # noqa: F401
+            from matplotlib.backend_bases import FigureCanvasBase
         except ImportError:
-            _print_error(
-                "--plot needs matplotlib, the optional `plot` extra: pip install 'flat-kvcache[plot]'"
-            )
+            _print_error(f"--plot needs matplotlib, {_extra('plot')}")
             return 1
+        problem = _plot_problem(args.plot, FigureCanvasBase.get_supported_filetypes())
+        if problem is not None:
+            _print_error(f"--plot {args.plot}: {problem}")
+            return 2
+    try:
+        cfg, _, option = _load_model(args)
+        try:
+            groups = group_specs_from_config(cfg, page_size=args.page_size)
+        except ValueError as exc:
+            raise ValueError(f"{option}: {exc}") from None
+    except ValueError as exc:
+        _print_error(str(exc))
+        return 1
+    if args.num_pages is not None and args.num_pages < len(groups) + 1:
+        _print_error(
+            f"--num-pages {args.num_pages} is too small: one token of a request needs a page in each "
+            f"of the model's {len(groups)} groups besides the null page 0, so --num-pages must be "
+            f">= {len(groups) + 1}"
+        )
+        return 2
     try:
         trace = _simulate_trace(args)
-        try:
-            load_model_config(args.preset)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"--preset {args.preset}: {exc}") from None
         config = simulate.SimulationConfig(
-            preset=args.preset,
+            model=args.preset or DEFAULT_PRESET if args.config is None else Path(args.config),
             engine=args.engine,
             eviction_order=args.eviction_order,
             reuse_uncached_first=args.reuse_uncached_first,
@@ -409,8 +479,6 @@ def _run_simulate(args: argparse.Namespace) -> int:
         result = simulate.simulate(
             trace, config, progress=simulate.ProgressBar(sys.stderr) if show and trace else None
         )
-        if args.plot is not None:
-            simulate.plot_result(result, args.plot)
     except (OSError, ValueError, OverflowError) as exc:
         _print_error(_option_names(str(exc), _SIMULATE_OPTIONS))
         return 1
@@ -424,8 +492,30 @@ def _run_simulate(args: argparse.Namespace) -> int:
             "largest request)"
         )
         return 1
+    if args.plot is not None:
+        try:
+            simulate.plot_result(result, args.plot)
+        except OSError as exc:  # the folder was checked; the disk may still fill up
+            _print_error(f"--plot {args.plot}: {exc.strerror or exc}")
+            return 1
     print(simulate.summary_json(summary) if args.json else simulate.format_summary(summary))
     return 0
+
+
+def _plot_problem(path: str, formats: Mapping[str, str]) -> str | None:
+    """Why ``--plot path`` cannot be written, or None: checked before the run. ``formats`` are the
+    file name extensions matplotlib writes."""
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        return "is a folder; give a file name such as pages.png"
+    if not folder.is_dir():
+        return f"no such folder: {folder}"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"cannot write to the folder {folder}"
+    if target.suffix.lower().removeprefix(".") not in formats:
+        return "the file name must end in an image format matplotlib writes, such as .png, .pdf or .svg"
+    return None
 
 
 #: The option of each :class:`~flat_kvcache.simulate.SimulationConfig` field a message may name.
@@ -455,39 +545,29 @@ def _simulate_trace(args: argparse.Namespace) -> list[simulate.TraceRequest]:
 
 def _run_plan(args: argparse.Namespace) -> int:
     if args.list_presets:
-        _print_presets()
+        _print_presets(as_json=args.json)
         return 0
     with_memory = args.memory is not None or args.device is not None
     if args.kv_dtype is not None and not with_memory:
         _print_error("--kv-dtype needs --memory or --device")
         return 2
+    option = ""
     try:
-        if args.config is not None:
-            source, option = args.config, f"--config {args.config}"
-        else:
-            name = args.preset or DEFAULT_PRESET
-            source, option = f"preset {name}", f"--preset {name}"
-        try:
-            cfg = load_model_config(args.config if args.config is not None else name)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{option}: {exc}") from None
+        cfg, source, option = _load_model(args)
         memory = _memory_plan(cfg, args) if with_memory else None
         plan = build_plan(
             cfg,
             source=source,
-            # A state layer may raise the page size; the memory plan's tokens bound T.
+            # A state layer may raise the page size.
             page_size=args.page_size if memory is None else memory["page_size"],
             max_live_requests=args.max_live_requests,
             max_scheduled_tokens=args.max_scheduled_tokens,
-            max_total_tokens=(
-                memory["tokens_that_fit"]
-                if memory is not None and args.max_total_tokens is None
-                else args.max_total_tokens
-            ),
+            max_total_tokens=args.max_total_tokens,
             max_context_len=args.max_context_len,
             decode_input_tokens=args.decode_input_tokens,
             overlap_schedule_depth=args.overlap_schedule_depth,
             safety_margin=args.safety_margin,
+            num_pages=None if memory is None else memory["num_pages"],
         )
     except (OSError, ValueError, OverflowError) as exc:
         message = _option_names(str(exc))
@@ -532,8 +612,8 @@ def _memory_plan(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
     """
     try:
         from flat_kvcache.torch import ModelShape, plan_kv_memory
-    except ImportError as exc:
-        raise ValueError(f"--memory/--device: {exc}") from None
+    except ImportError:
+        raise ValueError(f"--memory/--device: the memory plan needs PyTorch, {_extra('torch')}") from None
     context = max_context_len_from_config(cfg) if args.max_context_len is None else args.max_context_len
     if args.memory is None and not str(args.device).startswith("cuda"):
         raise ValueError(f"--device {args.device}: only CUDA devices report free memory; pass --memory")
@@ -554,8 +634,11 @@ def _memory_plan(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         )
     except RuntimeError as exc:  # torch rejects a device name
         raise ValueError(f"--device {args.device}: {exc}") from None
+    # Per-layer K/V takes the slab saving more per page; the native plan divides the same budget.
+    per_layer_bytes_per_page = plan.bytes_per_page + plan.slab_saving_bytes // plan.num_pages
     return {
         **plan.summary(),
+        "per_layer_num_pages": (plan.budget_bytes - plan.allocator_slack_bytes) // per_layer_bytes_per_page,
         "requested_page_size": plan.requested_page_size,
         "allocator_slack_bytes": plan.allocator_slack_bytes,
         "kv_dtype": str(shape.kv_dtype).removeprefix("torch."),
@@ -563,15 +646,52 @@ def _memory_plan(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
     }
 
 
-def _print_presets() -> None:
-    rows = []
-    for name in preset_names():
-        labels = Counter(layer_types_from_config(get_preset(name)))
-        summary = ", ".join(f"{count} {label}" for label, count in labels.items())
-        rows.append((name + (" (default)" if name == DEFAULT_PRESET else ""), summary))
+def _print_presets(*, as_json: bool) -> None:
+    """``plan --list-presets``: each preset's name and layer mix, as a table or as JSON."""
+    mixes = {name: dict(Counter(layer_types_from_config(get_preset(name)))) for name in preset_names()}
+    if as_json:
+        presets = [
+            {"name": name, "default": name == DEFAULT_PRESET, "layer_types": mix}
+            for name, mix in mixes.items()
+        ]
+        print(json.dumps(presets, indent=2))
+        return
+    rows = [
+        (
+            name + (" (default)" if name == DEFAULT_PRESET else ""),
+            ", ".join(f"{count} {label}" for label, count in mix.items()),
+        )
+        for name, mix in mixes.items()
+    ]
     width = max(len(name) for name, _ in rows)
     for name, summary in rows:
         print(f"{name:<{width}}  {summary}")
+
+
+#: What the plan's numbers are; the JSON carries these under ``notes``, the table says the same.
+NOTES = {
+    "max_pages": (
+        "each group's worst case under the settings (SPEC 2). All groups draw on one shared pool, "
+        "so these are per-group upper bounds, not shares of the pool, and they do not add up"
+    ),
+    "pages_for_all_worst_cases": (
+        "the pool, page 0 included, that holds every group's worst case at once: "
+        "1 + the sum of (max_pages - 1), each group's count holding page 0 once"
+    ),
+    "max_total_tokens_that_fit": (
+        "with a memory plan: the largest max_total_tokens for which every group's worst case fits "
+        "in the pool at once (the default max_total_tokens then)"
+    ),
+    "table_width": (
+        "the columns of a request's block table at max_context_len (absolute tables: the width of "
+        "block_tables(out=) buffers, bind_rows tables and CaptureBuffers)"
+    ),
+    "windowed_width": (
+        "sliding groups: the columns of a windowed table, whose rows show the last slots from a "
+        "per-row offset (bind_rows(offsets=), CaptureBuffers(sliding_offsets=True)); SPEC 2's "
+        "capture width of the group"
+    ),
+}
 
 
 def build_plan(
@@ -586,51 +706,79 @@ def build_plan(
     decode_input_tokens: int = 1,
     overlap_schedule_depth: int = 0,
     safety_margin: int = 0,
+    num_pages: int | None = None,
 ) -> dict[str, Any]:
     """The plan of a model config as a JSON-ready dict, computed with the public (native) API.
 
-    ``max_context_len`` None takes the config's; ``max_total_tokens`` None takes
-    ``max(DEFAULT_MAX_TOTAL_TOKENS, max_context_len)``.
+    ``max_context_len`` None takes the config's. ``num_pages`` is the pool of a memory plan (page
+    0 included), or None. ``max_total_tokens`` None takes, with ``num_pages``, the most tokens for
+    which every group's worst case fits in the pool at once (the pool's whole ``(num_pages - 1) *
+    page_size`` if not even 0 does), else ``max(DEFAULT_MAX_TOTAL_TOKENS, max_context_len)``.
+    :data:`NOTES` says what the numbers are.
     """
     layer_types = layer_types_from_config(cfg)
-    if not layer_types:
-        raise ValueError("the model config has no layers")
     window = sliding_window_from_config(cfg)
     context = max_context_len_from_config(cfg) if max_context_len is None else max_context_len
-    total = max(DEFAULT_MAX_TOTAL_TOKENS, context) if max_total_tokens is None else max_total_tokens
+    specs = group_specs_from_config(cfg, page_size=page_size)
 
-    specs = flat_kvcache.group_specs_from_layer_types(layer_types, window, page_size=page_size)
-    counts = flat_kvcache.compute_paged_cache_group_page_counts(
-        specs,
-        max_live_requests=max_live_requests,
-        max_scheduled_tokens=max_scheduled_tokens,
-        max_total_tokens=total,
-        max_context_len=context,
-        decode_input_tokens=decode_input_tokens,
-        overlap_schedule_depth=overlap_schedule_depth,
-        safety_margin=safety_margin,
-    )
-    layers_per_group: Counter[str] = Counter(flat_kvcache.layer_group_ids(layer_types, window))
-    groups = [
-        {
-            "group_id": spec.group_id,
-            "retention": spec.retention,
-            "sliding_window_tokens": spec.sliding_window_tokens,
-            "family": spec.family,
-            "state": spec.family == "state",
-            "rows_per_page": spec.rows_per_page,
-            "entry_stride_tokens": spec.entry_stride_tokens,
-            "num_layers": layers_per_group[spec.group_id],
-            "pages": counts[spec.group_id],
-            "capture_width": flat_kvcache.compute_max_logical_pages_for_capture(
-                spec,
+    def page_counts(total: int) -> dict[str, int]:
+        return flat_kvcache.compute_paged_cache_group_page_counts(
+            specs,
+            max_live_requests=max_live_requests,
+            max_scheduled_tokens=max_scheduled_tokens,
+            max_total_tokens=total,
+            max_context_len=context,
+            decode_input_tokens=decode_input_tokens,
+            overlap_schedule_depth=overlap_schedule_depth,
+            safety_margin=safety_margin,
+        )
+
+    fit = None if num_pages is None else _tokens_that_fit(page_counts, num_pages, page_size)
+    if max_total_tokens is not None:
+        total = max_total_tokens
+    elif num_pages is not None:
+        total = (num_pages - 1) * page_size if fit is None else fit
+    else:
+        total = max(DEFAULT_MAX_TOTAL_TOKENS, context)
+    counts = page_counts(total)
+    together = _pages_for_all(counts)
+
+    def widths(spec: flat_kvcache.PagedCacheGroupSpec) -> tuple[int, int | None]:
+        """The absolute table width and, for a sliding group, the windowed one."""
+
+        def width(of: flat_kvcache.PagedCacheGroupSpec) -> int:
+            return flat_kvcache.compute_max_logical_pages_for_capture(
+                of,
                 max_context_len=context,
                 max_tokens_per_req=decode_input_tokens,
                 overlap_schedule_depth=overlap_schedule_depth,
-            ),
-        }
-        for spec in specs
-    ]
+            )
+
+        if spec.retention != "sliding_window":
+            return width(spec), None
+        # An absolute sliding table keeps growing (holes in front): a full-history width.
+        as_full = dataclasses.replace(spec, retention="full_history", sliding_window_tokens=None)
+        return width(as_full), width(spec)
+
+    layers_per_group: Counter[str] = Counter(flat_kvcache.layer_group_ids(layer_types, window))
+    groups = []
+    for spec in specs:
+        table_width, windowed_width = widths(spec)
+        groups.append(
+            {
+                "group_id": spec.group_id,
+                "retention": spec.retention,
+                "sliding_window_tokens": spec.sliding_window_tokens,
+                "family": spec.family,
+                "state": spec.family == "state",
+                "rows_per_page": spec.rows_per_page,
+                "entry_stride_tokens": spec.entry_stride_tokens,
+                "num_layers": layers_per_group[spec.group_id],
+                "max_pages": counts[spec.group_id],
+                "table_width": table_width,
+                "windowed_width": windowed_width,
+            }
+        )
     return {
         "model": {
             "source": source,
@@ -650,15 +798,45 @@ def build_plan(
             "safety_margin": safety_margin,
         },
         "groups": groups,
+        "pool": {
+            "pages_for_all_worst_cases": together,
+            "num_pages": num_pages,
+            "fits": None if num_pages is None else together <= num_pages,
+            "max_total_tokens_that_fit": fit,
+        },
         "hybrid_slab_group_size": flat_kvcache.hybrid_slab_group_size(
             layer_types, sliding_window_tokens=window
         ),
+        "notes": dict(NOTES),
     }
 
 
+def _pages_for_all(counts: Mapping[str, int]) -> int:
+    """The pool (page 0 included) that holds every group's worst case at once: each count
+    includes the null page, which the groups share."""
+    return 1 + sum(count - 1 for count in counts.values())
+
+
+def _tokens_that_fit(
+    page_counts: Callable[[int], dict[str, int]], num_pages: int, page_size: int
+) -> int | None:
+    """The largest ``max_total_tokens`` whose worst cases all fit in ``num_pages`` pages at once,
+    or None if not even 0 does. Every count grows with it, so a bisection finds it."""
+    if _pages_for_all(page_counts(0)) > num_pages:
+        return None
+    low, high = 0, (num_pages - 1) * page_size  # no group holds more tokens than the pool
+    while low < high:
+        middle = (low + high + 1) // 2
+        if _pages_for_all(page_counts(middle)) <= num_pages:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
 def format_plan(plan: dict[str, Any]) -> str:
-    """A plan from :func:`build_plan` as a readable, aligned table."""
-    model, settings = plan["model"], plan["settings"]
+    """A plan from :func:`build_plan` as a readable, aligned table with what its numbers are."""
+    model, settings, pool = plan["model"], plan["settings"], plan["pool"]
     mix = ", ".join(f"{count} {label}" for label, count in model["layer_types"].items())
     lines = [
         f"model: {model['source']} ({model['model_type'] or 'unknown type'}), "
@@ -666,22 +844,23 @@ def format_plan(plan: dict[str, Any]) -> str:
         "settings: " + ", ".join(f"{key}={value}" for key, value in settings.items()),
         "",
     ]
-    header = ("group", "retention", "window", "family", "layers", "pages", "capture width", "")
+    header = ("group", "retention", "window", "family", "layers", "max pages", "table width", "windowed", "")
     rows = [
         (
             group["group_id"],
             group["retention"],
-            "-" if group["sliding_window_tokens"] is None else str(group["sliding_window_tokens"]),
+            _cell(group["sliding_window_tokens"]),
             group["family"],
             str(group["num_layers"]),
-            str(group["pages"]),
-            str(group["capture_width"]),
+            str(group["max_pages"]),
+            str(group["table_width"]),
+            _cell(group["windowed_width"]),
             "*" if group["state"] else "",
         )
         for group in plan["groups"]
     ]
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
-    numeric = {2, 4, 5, 6}  # right-aligned columns
+    numeric = {2, 4, 5, 6, 7}  # right-aligned columns
 
     def line(row: Sequence[str]) -> str:
         cells = [
@@ -691,11 +870,30 @@ def format_plan(plan: dict[str, Any]) -> str:
         return "  ".join(cells).rstrip()
 
     lines += [line(header), *(line(row) for row in rows), ""]
+    together = (
+        f"a pool of {pool['pages_for_all_worst_cases']} pages holds every group's worst case at once "
+        "(each count includes the null page 0, which the pool has once)"
+    )
+    if pool["num_pages"] is not None:
+        together += f"; this pool has {pool['num_pages']}"
+        if not pool["fits"]:
+            over = [g["group_id"] for g in plan["groups"] if g["max_pages"] > pool["num_pages"] - 1]
+            together += ", so at worst requests wait or are preempted (SPEC 9)"
+            if over:
+                each = "each " if len(over) > 1 else ""
+                together += f", and {' and '.join(over)} {each}alone can want more than all of it"
+    notes = [
+        f"max pages: {NOTES['max_pages']}: {together}.",
+        "table width: the columns of a request's block table at max context (block_tables(out=), "
+        "bind_rows, CaptureBuffers); windowed: a sliding group's columns when each row shows only "
+        "its last slots from a per-row offset (bind_rows(offsets=), CaptureBuffers(sliding_offsets=True)).",
+    ]
     if any(group["state"] for group in plan["groups"]):
-        lines.append(
-            "* state group: pages hold recurrent-state snapshots; CUDA-graph capture buffers "
-            "are allocated for the other groups only"
+        notes.append(
+            "* state group: pages hold recurrent-state snapshots; CUDA-graph capture buffers are "
+            "allocated for the other groups only."
         )
+    lines += [textwrap.fill(note, width=100, subsequent_indent="  ") for note in notes]
     slab = plan["hybrid_slab_group_size"]
     if slab is not None:
         lines.append(f"hybrid slab group size: {slab} (layer i of every label shares K/V slab i)")
@@ -704,11 +902,15 @@ def format_plan(plan: dict[str, Any]) -> str:
     else:
         lines.append("hybrid slab group size: none (per-layer K/V buffers)")
     if "memory" in plan:
-        lines += ["", *_format_memory(plan["memory"])]
+        lines += ["", *_format_memory(plan["memory"], pool, settings)]
     return "\n".join(lines)
 
 
-def _format_memory(memory: dict[str, Any]) -> list[str]:
+def _cell(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _format_memory(memory: dict[str, Any], pool: dict[str, Any], settings: dict[str, Any]) -> list[str]:
     """The memory plan's lines for :func:`format_plan`."""
 
     def size(nbytes: int) -> str:
@@ -719,15 +921,34 @@ def _format_memory(memory: dict[str, Any]) -> list[str]:
     page = f"{memory['page_size']} tokens"
     if memory["page_size"] != memory["requested_page_size"]:
         page += f" (raised from {memory['requested_page_size']} so a page holds a state snapshot)"
+    fit = pool["max_total_tokens_that_fit"]
+    if fit is None:
+        together = (
+            f"none with every group at its worst case: that of {settings['max_live_requests']} "
+            "requests holding no tokens is more than the pool; lower --max-live-requests"
+        )
+    else:
+        together = f"{fit} with every group at its worst case at once"
+        if settings["max_total_tokens"] == fit:
+            together += " (the max_total_tokens above)"
+    slots = f"{memory['tokens_that_fit']} token slots in the pool in all ((pages - 1) x page size)"
+    if memory["slab_group_size"]:
+        layout = (
+            f"{memory['slab_group_size']} slabs (layer i of every label shares slab i): "
+            f"{memory['per_layer_num_pages']} pages with per-layer K/V buffers instead"
+        )
+    else:
+        layout = "one K and one V buffer per attention layer (no slab pairing)"
     rows = [
         ("budget", budget + (f" on {memory['device']}" if memory["device"] else "")),
         ("kv dtype", memory["kv_dtype"]),
         ("page size", page),
         ("bytes per page", str(memory["bytes_per_page"])),
-        ("pages", f"{memory['num_pages']} (page 0 is the null page)"),
-        ("tokens that fit", str(memory["tokens_that_fit"])),
+        ("pages", f"{memory['num_pages']} in one pool shared by all groups (page 0 is the null page)"),
+        ("tokens that fit", together),
+        ("", slots),
         ("buffers", size(memory["total_bytes"])),
-        ("slab saving", size(memory["slab_saving_bytes"]) + " versus per-layer K/V"),
+        ("K/V layout", layout),
     ]
     width = max(len(name) for name, _ in rows)
     return ["memory:", *(f"  {name:<{width}}  {value}" for name, value in rows)]

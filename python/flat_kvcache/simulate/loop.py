@@ -50,7 +50,7 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import import_module
 from types import ModuleType
@@ -59,7 +59,12 @@ from typing import Any, Literal
 import numpy as np
 
 from flat_kvcache._types import SLIDING
-from flat_kvcache.config import layer_types_from_config, load_model_config, sliding_window_from_config
+from flat_kvcache.config import (
+    cache_from_config,
+    layer_types_from_config,
+    load_model_config,
+    sliding_window_from_config,
+)
 from flat_kvcache.presets import DEFAULT_PRESET
 from flat_kvcache.simulate.report import SimulationResult, percentiles
 from flat_kvcache.simulate.trace import TokenArray, TraceRequest
@@ -104,9 +109,14 @@ def _engine_module(engine: Engine) -> ModuleType:
     raise ValueError(f"engine must be 'native' or 'reference', got {engine!r}")
 
 
-def engine_specs(module: ModuleType, preset: str | os.PathLike[str], page_size: int) -> list[Any]:
-    """The engine specs (``module.kv_cache_specs``) of a preset name or ``config.json`` path."""
-    cfg = load_model_config(preset)
+#: A model: a preset name, a ``config.json`` path (or its folder) or a config dict.
+Model = str | os.PathLike[str] | Mapping[str, Any]
+
+
+def engine_specs(module: ModuleType, model: Model, page_size: int) -> list[Any]:
+    """The engine specs (``module.kv_cache_specs``) of a model (a preset name, a ``config.json``
+    path or a config dict), computed with ``module``'s own sizing (native or reference)."""
+    cfg = load_model_config(model)
     layer_types = layer_types_from_config(cfg)
     if not layer_types:
         raise ValueError("the model config has no layers")
@@ -159,11 +169,11 @@ def default_num_pages(
 
 @dataclass(frozen=True)
 class SimulationConfig:
-    """Settings of one run. ``num_pages`` None means :func:`default_num_pages`;
-    ``reuse_uncached_first`` is the engine option of that name (where released pages that hold
-    no key join the free list)."""
+    """Settings of one run. ``model`` is a preset name, a ``config.json`` path (or its folder) or
+    a config dict; ``num_pages`` None means :func:`default_num_pages`; ``reuse_uncached_first`` is
+    the engine option of that name (where released pages that hold no key join the free list)."""
 
-    preset: str = DEFAULT_PRESET
+    model: Model = DEFAULT_PRESET
     engine: Engine = "native"
     eviction_order: EvictionOrder = "hybrid"
     reuse_uncached_first: bool = DEFAULT_REUSE_UNCACHED_FIRST
@@ -214,19 +224,24 @@ class _Loop:
             raise ValueError(f"tables must be 'rows' or 'full', got {config.tables!r}")
         module = _engine_module(config.engine)
         self.config = config
-        self.specs = engine_specs(module, config.preset, config.page_size)
+        cfg = load_model_config(config.model)
+        self.specs = engine_specs(module, cfg, config.page_size)
         self.num_pages = (
             default_num_pages(trace, self.specs, config.max_running)
             if config.num_pages is None
             else config.num_pages
         )
-        self.cache: Any = module.FlatKVCache(
-            self.specs,
-            self.num_pages,
-            enable_caching=config.enable_caching,
-            eviction_order=config.eviction_order,
-            reuse_uncached_first=config.reuse_uncached_first,
-            host_pages=config.host_pages,
+        options: dict[str, Any] = {
+            "enable_caching": config.enable_caching,
+            "eviction_order": config.eviction_order,
+            "reuse_uncached_first": config.reuse_uncached_first,
+            "host_pages": config.host_pages,
+        }
+        # The native engine is built as a user builds it; the reference from its own sizing.
+        self.cache: Any = (
+            cache_from_config(cfg, num_pages=self.num_pages, page_size=config.page_size, **options)
+            if config.engine == "native"
+            else module.FlatKVCache(self.specs, self.num_pages, **options)
         )
         # The pool must hold one token of a request (a page in every group) besides the null
         # page, or no request is ever scheduled and every one is aborted.
@@ -508,7 +523,7 @@ class _Loop:
         config = self.config
         return {
             "engine": config.engine,
-            "preset": config.preset,
+            "model": _model_name(config.model),
             "eviction_order": config.eviction_order,
             "reuse_uncached_first": config.reuse_uncached_first,
             "tables": config.tables,
@@ -554,6 +569,13 @@ class _Loop:
                 "wall_s": round(wall_ns / 1e9, 3),
             },
         }
+
+
+def _model_name(model: Model) -> str:
+    """How the summary names a model: the preset name or path, or a config dict's model type."""
+    if isinstance(model, Mapping):
+        return f"a config dict ({model.get('model_type') or 'no model_type'})"
+    return os.fspath(model)
 
 
 def simulate(

@@ -55,7 +55,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{summary['engine']} (eviction order {summary['eviction_order']}, freed uncached pages "
             + ("reused first)" if summary["reuse_uncached_first"] else "appended)"),
         ),
-        ("model", f"{summary['preset']}: {groups}"),
+        ("model", f"{summary['model']}: {groups}"),
         ("pool", f"{summary['num_pages']} pages (page 0 is the null page)"),
         ("limits", f"{summary['max_scheduled_tokens']} tokens per step, {summary['max_running']} running"),
         ("requests", f"{summary['requests']}: {summary['finished']} finished, {summary['aborted']} aborted"),
@@ -108,7 +108,8 @@ def plot_result(result: SimulationResult, path: str | os.PathLike[str]) -> None:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise ImportError(
-            "--plot needs matplotlib, the optional `plot` extra: pip install 'flat-kvcache[plot]'"
+            "plot_result needs matplotlib, the `plot` extra: pip install '.[plot]' in the "
+            "flat-kvcache source tree"
         ) from exc
     summary = result.summary
     steps = np.arange(len(result.running))
@@ -119,7 +120,7 @@ def plot_result(result: SimulationResult, path: str | os.PathLike[str]) -> None:
     pages_axis.set_ylabel("pages in use")
     pages_axis.legend(loc="center right")
     pages_axis.set_title(
-        f"{summary['preset']}, {summary['engine']} engine, eviction order {summary['eviction_order']}: "
+        f"{summary['model']}, {summary['engine']} engine, eviction order {summary['eviction_order']}: "
         f"{summary['requests']} requests, {summary['preemptions']} preemptions, "
         f"prefix hit rate {summary['prefix_hit_rate']:.1%}"
     )

@@ -1,0 +1,110 @@
+"""``flat-kvcache plan --memory``: what fits together in the one pool, the K/V slab layout, and
+block-table widths against the buffers ``flat_kvcache.torch`` builds (issue 19.9 to 19.11).
+
+Expected numbers are derived here from the model's shape and SPEC 2 / 3, not read off the code.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import flat_kvcache
+import pytest
+from helpers import missing, run_cli
+
+try:
+    import torch  # noqa: F401
+except ModuleNotFoundError as exc:
+    missing("torch", exc)
+
+from flat_kvcache.presets import get_preset
+from flat_kvcache.torch import CaptureBuffers
+
+pytestmark = pytest.mark.skipif(not flat_kvcache.FLAT_KVCACHE, reason="slabs need the flat build")
+
+GiB = 1 << 30
+# gpt-oss-like: 24 layers (12 sliding W=128, 12 full), 8 K/V heads of 64, bf16, 16-token pages.
+# One page id covers 16 tokens of one layer of each label in a slab pair (K and V):
+#   slab bytes per page = 12 slabs x 2 (K, V) x 16 tokens x 8 heads x 64 x 2 bytes = 393216
+#   per-layer K/V bytes per page (every layer its own rows) = 2 x 393216 = 786432
+#   80 GiB = 85899345920 bytes: 85899345920 // 393216 = 218453 pages; per-layer // 786432 = 109226
+NUM_PAGES, PER_LAYER_PAGES = 218453, 109226
+# SPEC 2 with B=256, S=8192, C=131072, P=16: sliding = 256*8 + 512 + 256 + 1 = 2817 (T >= S);
+# full = ceil(T/16) + 256 + 1. Every worst case at once, the null page counted once:
+#   1 + 2816 + (ceil(T/16) + 256) <= 218453  <=>  ceil(T/16) <= 215380  <=>  T <= 215380 * 16
+TOKENS_THAT_FIT = 215380 * 16  # 3446080
+
+
+def plan_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    status, out, err = run_cli(capsys, "plan", "--json", *argv)
+    assert status == 0, err
+    plan: dict[str, Any] = json.loads(out)
+    return plan
+
+
+def test_pool_and_what_fits_together(capsys: pytest.CaptureFixture[str]) -> None:
+    plan = plan_json(capsys, "--memory", "80GiB")
+    assert plan["memory"]["num_pages"] == NUM_PAGES
+    assert plan["settings"]["max_total_tokens"] == TOKENS_THAT_FIT
+    assert {g["group_id"]: g["max_pages"] for g in plan["groups"]} == {
+        "sliding_attention": 2817,
+        "full_attention": 215380 + 256 + 1,
+    }
+    assert plan["pool"] == {
+        "pages_for_all_worst_cases": NUM_PAGES,
+        "num_pages": NUM_PAGES,
+        "fits": True,
+        "max_total_tokens_that_fit": TOKENS_THAT_FIT,
+    }
+    # One token more and the worst cases need one page more than the pool.
+    over = plan_json(capsys, "--memory", "80GiB", "--max-total-tokens", str(TOKENS_THAT_FIT + 1))
+    assert over["pool"]["pages_for_all_worst_cases"] == NUM_PAGES + 1 and over["pool"]["fits"] is False
+
+
+def test_the_table_says_what_the_numbers_are(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run_cli(capsys, "plan", "--memory", "80GiB")
+    text = " ".join(out.split())
+    assert status == 0
+    assert "one shared pool" in text and "do not add up" in text
+    assert f"a pool of {NUM_PAGES} pages holds every group's worst case at once" in text
+    assert f"tokens that fit {TOKENS_THAT_FIT} with every group at its worst case at once" in text
+    # A max_total_tokens the pool cannot hold: the full group alone wants more than the pool.
+    status, out, _ = run_cli(capsys, "plan", "--memory", "80GiB", "--max-total-tokens", "3495232")
+    text = " ".join(out.split())
+    assert status == 0 and "requests wait or are preempted" in text
+    assert "full_attention alone can want more than all of it" in text
+
+
+def test_slab_layout_says_what_per_layer_buffers_would_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    """No "slab saving" of the whole budget: the same budget, two layouts, two page counts."""
+    plan = plan_json(capsys, "--memory", "80GiB")
+    assert plan["memory"]["per_layer_num_pages"] == PER_LAYER_PAGES
+    status, out, _ = run_cli(capsys, "plan", "--memory", "80GiB")
+    assert status == 0 and "saving" not in out
+    [layout] = [line for line in out.splitlines() if line.strip().startswith("K/V layout")]
+    assert "12 slabs" in layout and f"{PER_LAYER_PAGES} pages with per-layer K/V buffers" in layout
+    # Without slab pairing (one label) the layout says so and both layouts have the same pages.
+    llama = plan_json(capsys, "--preset", "llama3-8b-like", "--memory", "8GiB")
+    assert llama["memory"]["per_layer_num_pages"] == llama["memory"]["num_pages"]
+    status, out, _ = run_cli(capsys, "plan", "--preset", "llama3-8b-like", "--memory", "8GiB")
+    assert status == 0 and "one K and one V buffer per attention layer (no slab pairing)" in out
+
+
+@pytest.mark.parametrize("context", [1000, 4096])
+def test_widths_are_the_capture_buffers(capsys: pytest.CaptureFixture[str], context: int) -> None:
+    """``table width`` is what ``CaptureBuffers`` (absolute tables) allocates for every group,
+    ``windowed`` what it allocates for a sliding group with ``sliding_offsets=True``."""
+    plan = plan_json(capsys, "--max-context-len", str(context))
+    from flat_kvcache.config import group_specs_from_config
+
+    groups = group_specs_from_config(get_preset("gpt-oss-like"), page_size=16)
+    absolute = CaptureBuffers(groups, max_batch_size=2, max_context_len=context)
+    windowed = CaptureBuffers(groups, max_batch_size=2, max_context_len=context, sliding_offsets=True)
+    for group in plan["groups"]:
+        gid = group["group_id"]
+        assert group["table_width"] == absolute.width(gid) == -(-(context + 1) // 16)
+        if gid == "sliding_attention":
+            assert group["windowed_width"] == windowed.width(gid) == -(-(128 + 1) // 16) + 1
+        else:
+            assert group["windowed_width"] is None and windowed.width(gid) == group["table_width"]
