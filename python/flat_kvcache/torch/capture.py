@@ -26,21 +26,27 @@ class CaptureBuffers:
     """Fixed int32 block-table buffers for CUDA-graph capture, one per non-state group.
 
     Each buffer is ``[max_batch_size, width]``; :meth:`fill` copies a step's tables into the same
-    storage every step, so a captured graph can read them. Two modes:
+    storage every step, so a captured graph can read them. Two modes, two widths:
 
-    * Absolute tables (the default). Rows are the cache's tables as they are: slot ``i`` covers
-      tokens ``[i * P, (i + 1) * P)`` in every group, holes included. A sliding-window table keeps
-      growing (with holes in front) as a request runs past its window, so every non-state group's
-      buffer is as wide as the full-history capture width ``ceil((C + (D + 1) * N) / P)`` (SPEC 2
-      and 12.1: the reservation horizon, not ``ceil(C / P)``). Any kernel that reads absolute
-      tables works unchanged.
+    * Absolute tables (the default). Rows are the cache's tables as they are, as
+      ``block_tables(out=)`` writes them: slot ``i`` covers tokens ``[i * P, (i + 1) * P)`` in
+      every group, holes included. A sliding-window table keeps growing (with holes in front) as
+      a request runs past its window, so every non-state group's buffer, the sliding ones
+      included, is as wide as the full-history capture width ``ceil((C + (D + 1) * N) / P)``
+      (SPEC 2 and 12.1: the reservation horizon, not ``ceil(C / P)``), the width
+      ``block_tables(out=)`` buffers and ``bind_rows`` tables need too. Any kernel that reads
+      absolute tables works unchanged.
     * Windowed tables (``sliding_offsets=True``). A sliding group's buffer has the narrow sliding
       capture width of SPEC 2 (``compute_max_logical_pages_for_capture`` for the sliding spec,
       ``ceil((min(W, C) + horizon) / P) + 1``) and holds each row's last ``width`` slots;
       :meth:`page_offsets` gives, per row, the logical page of column 0. A kernel then sees
       positions shifted by ``offset * P``: pass it ``seq_lens - offset * P`` (the window mask is
       relative, so the attention is the same) and write at ``positions - offset * P`` with
-      :func:`write_locations`. Full-history groups keep the full width.
+      :func:`write_locations`. Full-history groups keep the full width. This narrow width is not
+      a ``block_tables(out=)`` width: ``out=`` rows are absolute (``bind_rows(offsets=)`` is the
+      windowed layout for persistent rows).
+
+    ``flat-kvcache plan`` prints both widths of every group (``table width`` and ``windowed``).
     """
 
     def __init__(
