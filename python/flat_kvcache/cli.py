@@ -462,7 +462,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     try:
         trace = _simulate_trace(args)
         config = simulate.SimulationConfig(
-            model=args.preset or DEFAULT_PRESET if args.config is None else Path(args.config),
+            model=(args.preset or DEFAULT_PRESET) if args.config is None else Path(args.config),
             engine=args.engine,
             eviction_order=args.eviction_order,
             reuse_uncached_first=args.reuse_uncached_first,
