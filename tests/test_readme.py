@@ -25,5 +25,5 @@ def test_readme_example_runs(index: int) -> None:
         except ImportError:
             if os.environ.get("CI"):
                 raise
-            pytest.skip("torch is not installed (pip install 'flat-kvcache[torch]')")
+            pytest.skip("torch is not installed (pip install '.[torch]')")
     exec(compile(code, f"README.md python block {index}", "exec"), {"__name__": "readme_example"})

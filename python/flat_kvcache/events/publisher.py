@@ -55,7 +55,8 @@ def _import_zmq() -> Any:
         import zmq
     except ImportError as exc:
         raise ImportError(
-            "ZmqEventPublisher needs pyzmq, the optional `zmq` extra: pip install 'flat-kvcache[zmq]'"
+            "ZmqEventPublisher needs pyzmq, the optional `zmq` extra: pip install '.[zmq]' in the "
+            "flat-kvcache source tree"
         ) from exc
     return zmq
 
@@ -134,7 +135,7 @@ class ZmqEventPublisher:
     message. Like any PUB socket, batches sent before a subscriber has joined are dropped;
     :meth:`wait_for_subscriber` blocks until one has subscribed. Use as a context manager or
     call :meth:`close`. ``data_parallel_rank``, ``layout`` and ``int_block_hashes`` go to
-    :func:`encode_event_batch`. Needs pyzmq (``pip install 'flat-kvcache[zmq]'``).
+    :func:`encode_event_batch`. Needs pyzmq (``pip install '.[zmq]'``).
 
     ``replay_endpoint`` (an address to bind, port ``*`` allowed; :attr:`replay_endpoint` tells
     the bound one) turns on vLLM's replay socket, which answers for the last ``buffer_steps``

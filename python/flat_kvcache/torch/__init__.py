@@ -35,7 +35,7 @@ Every size comes from the native memory plan (``flat_kvcache.components_from_lay
 checked arithmetic; this module turns the planned byte counts into tensor shapes and checks
 that the two agree.
 
-PyTorch is an optional extra (``pip install 'flat-kvcache[torch]'``); no other public module
+PyTorch is an optional extra (``pip install '.[torch]'``); no other public module
 of the package imports it.
 """
 
@@ -48,7 +48,7 @@ except ModuleNotFoundError as exc:
         raise
     raise ImportError(
         "flat_kvcache.torch needs PyTorch, an optional extra of flat-kvcache: "
-        "install it with `pip install 'flat-kvcache[torch]'`"
+        "install it with `pip install '.[torch]'` in the flat-kvcache source tree"
     ) from exc
 
 from flat_kvcache.torch.attention import paged_attention, write_kv

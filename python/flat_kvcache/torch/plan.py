@@ -66,8 +66,13 @@ class KVMemoryPlan:
     ``max_total_tokens = (num_pages - 1) * page_size``, the tokens the non-null pages hold: what
     ``publish_paged_cache_groups`` publishes, computed with ``group_specs_from_layer_types`` and
     ``compute_paged_cache_group_page_counts`` so that they exist in a build without the ``flat``
-    feature too. They are per-group bounds; a group needing more pages than ``num_pages`` means
-    the budget is too small for ``max_live_requests`` at this page size.
+    feature too. They are each group's worst case, drawn from the one shared pool, so they do not
+    add up and are not a split of ``num_pages``. With ``max_total_tokens`` equal to every usable
+    page's tokens, the full-history count is ``num_pages + max_live_requests`` (SPEC 2 adds a
+    partly filled page per live request), so it always exceeds ``num_pages``: that says the
+    worst case cannot all be live at once, not that the budget is too small.
+    ``flat-kvcache plan --memory`` instead picks the largest ``max_total_tokens`` whose worst
+    cases fit the pool together.
     ``slab_saving_bytes`` is the memory per-layer tensors would take for the same pages minus what
     the shared slabs take (0 without slabs).
     """
