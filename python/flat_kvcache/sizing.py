@@ -234,10 +234,14 @@ def compute_max_logical_pages_for_capture(
     max_tokens_per_req: int = 1,
     overlap_schedule_depth: int = 0,
 ) -> int:
-    """The block-table width of one group's CUDA-graph capture buffer (SPEC 2, 12.1).
+    """The logical pages one request of a group can touch at once (SPEC 2, 12.1).
 
     With ``horizon = (D+1) * N``: sliding ``ceil((min(W, C) + horizon) / raw) + 1``, full
-    history ``ceil((C + horizon) / raw)``.
+    history ``ceil((C + horizon) / raw)``. For a full-history group this is the width of its
+    block tables. For a sliding group it is the width of a *windowed* row (a row that starts at
+    an offset, as ``bind_rows(offsets=)`` and ``CaptureBuffers(sliding_offsets=True)`` keep
+    them); absolute tables (``block_tables(out=)``, rows without offsets) keep slid-out slots
+    as holes and need the full-history width of the same context.
 
     Parameters
     ----------
