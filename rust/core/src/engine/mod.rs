@@ -32,6 +32,7 @@ pub mod group;
 pub mod hash;
 pub mod host;
 pub mod ids;
+pub mod lru;
 pub mod pool;
 pub mod table;
 pub mod tokens;

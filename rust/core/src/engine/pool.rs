@@ -1,13 +1,13 @@
 //! The block pool (SPEC 5): one page-id space, reference counts, an LRU free list and the
 //! prefix-cache key map.
 //!
-//! The free list is an intrusive doubly-linked list over page indices stored in two flat
-//! vectors, with the null page 0 as its sentinel (page 0 is never free, so its link slot is
-//! free to serve as the list head). Every list operation is O(1) and allocates nothing.
-//! Free-list order is eviction order: allocation pops the front, a released page that holds a
-//! key is pushed to the back, and a prefix hit on a free page unlinks it from the middle. A
-//! released page that holds no key goes to the front when the pool reuses uncached pages first
-//! (the default, [`BlockPool::set_reuse_uncached_first`]), else to the back (SPEC 5's order).
+//! The free list is an [`LruList`] whose nodes are the page ids themselves: the null page 0
+//! is never free, so its link slot serves as the list's sentinel. Every list operation is
+//! O(1) and allocates nothing. Free-list order is eviction order: allocation pops the front,
+//! a released page that holds a key is pushed to the back, and a prefix hit on a free page
+//! unlinks it from the middle. A released page that holds no key goes to the front when the
+//! pool reuses uncached pages first (the default, [`BlockPool::set_reuse_uncached_first`]),
+//! else to the back (SPEC 5's order).
 //!
 //! The pool is generic over the key type: the coordinator uses [`crate::engine::hash::GroupKey`]
 //! (fixed-size bytes), the Python `BlockPool` uses strings.
@@ -18,6 +18,7 @@ use hashbrown::hash_table::Entry;
 use hashbrown::{Equivalent, HashTable};
 use rustc_hash::FxBuildHasher;
 
+use crate::engine::lru::{self, LruList};
 use crate::error::{CoreError, CoreResult};
 
 /// The null page: never free, never cached, never counted.
@@ -55,13 +56,6 @@ fn fingerprint<Q: Hash + ?Sized>(key: &Q) -> u64 {
     FxBuildHasher.hash_one(key)
 }
 
-/// Doubly-linked list links of one page.
-#[derive(Clone, Copy, Debug, Default)]
-struct Link {
-    prev: u32,
-    next: u32,
-}
-
 /// The page pool of one cache.
 #[derive(Clone, Debug)]
 #[allow(
@@ -75,9 +69,8 @@ pub struct BlockPool<K> {
     reuse_uncached_first: bool,
     /// Reference count per page (page 0 always 0).
     refs: Vec<u32>,
-    /// Free-list links per page; `links[0]` is the sentinel (`next` = front, `prev` = back).
-    links: Vec<Link>,
-    num_free: usize,
+    /// The free list (pages of count 0), front = next to hand out; page 0 is its sentinel.
+    free: LruList,
     /// The key each page holds, if any.
     keys: Vec<Option<K>>,
     /// Fingerprint -> pages holding keys with it, in registration order (see [`Slot`]).
@@ -102,10 +95,14 @@ pub struct BlockPool<K> {
 /// Allocate a vector of `n` copies of `value`, reporting allocation failure as an error.
 fn try_filled<T: Clone>(n: usize, value: T) -> CoreResult<Vec<T>> {
     let mut v = Vec::new();
-    v.try_reserve_exact(n)
-        .map_err(|_| CoreError::OutOfMemory(format!("num_blocks = {n}: the page pool does not fit in memory")))?;
+    v.try_reserve_exact(n).map_err(|_| out_of_memory(n))?;
     v.resize(n, value);
     Ok(v)
+}
+
+/// The error of a pool of `n` pages whose vectors cannot be allocated.
+fn out_of_memory(n: usize) -> CoreError {
+    CoreError::OutOfMemory(format!("num_blocks = {n}: the page pool does not fit in memory"))
 }
 
 impl<K: Clone + Eq + Hash> BlockPool<K> {
@@ -122,18 +119,7 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
         // Both conversions hold: num_blocks <= i32::MAX.
         let n = usize::try_from(num_blocks).map_err(|_| CoreError::overflow("num_blocks"))?;
         let last = u32::try_from(num_blocks - 1).map_err(|_| CoreError::overflow("num_blocks"))?;
-        let mut links = try_filled(n, Link::default())?;
-        for page in 1..=last {
-            let i = page as usize;
-            links[i] = Link {
-                prev: page - 1,
-                next: if page == last { NULL_PAGE } else { page + 1 },
-            };
-        }
-        links[0] = Link {
-            prev: last,
-            next: if last == 0 { NULL_PAGE } else { 1 },
-        };
+        let free = LruList::filled(last).map_err(|_| out_of_memory(n))?;
         // Each real page holds at most one key: sized for all of them up front, the key map
         // never rehashes while serving (a rehash of a full map is a millisecond-long step).
         let mut map = HashTable::new();
@@ -146,8 +132,7 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
             enable_caching,
             reuse_uncached_first: DEFAULT_REUSE_UNCACHED_FIRST,
             refs: try_filled(n, 0)?,
-            links,
-            num_free: n - 1,
+            free,
             keys: try_filled(n, None)?,
             map,
             overflow: Vec::new(),
@@ -171,7 +156,7 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
 
     /// Pages on the free list.
     pub fn num_free(&self) -> usize {
-        self.num_free
+        self.free.len()
     }
 
     /// Pages holding a key.
@@ -302,40 +287,8 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
     }
 
     /// Pages on the free list, front (next to evict) first.
-    pub fn free_list(&self) -> FreeIter<'_, K> {
-        FreeIter {
-            pool: self,
-            at: self.links[0].next,
-            left: self.num_free,
-        }
-    }
-
-    // ----- free-list primitives -----------------------------------------------------------
-
-    #[inline]
-    fn unlink(&mut self, page: u32) {
-        let Link { prev, next } = self.links[page as usize];
-        self.links[prev as usize].next = next;
-        self.links[next as usize].prev = prev;
-        self.num_free -= 1;
-    }
-
-    #[inline]
-    fn push_back(&mut self, page: u32) {
-        let tail = self.links[0].prev;
-        self.links[page as usize] = Link { prev: tail, next: 0 };
-        self.links[tail as usize].next = page;
-        self.links[0].prev = page;
-        self.num_free += 1;
-    }
-
-    #[inline]
-    fn push_front(&mut self, page: u32) {
-        let head = self.links[0].next;
-        self.links[page as usize] = Link { prev: 0, next: head };
-        self.links[head as usize].prev = page;
-        self.links[0].next = page;
-        self.num_free += 1;
+    pub fn free_list(&self) -> lru::Iter<'_> {
+        self.free.iter()
     }
 
     /// Drop the key of a free `page`; returns the key it held, if any.
@@ -385,10 +338,13 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
     /// the dropped keys in free-list order. Not counted as evictions.
     pub fn clear_cached_free(&mut self) -> Vec<K> {
         let mut dropped = Vec::with_capacity(self.num_cached_free);
-        let mut at = self.links[0].next;
-        while at != NULL_PAGE && self.num_cached_free > 0 {
-            dropped.extend(self.drop_key(at));
-            at = self.links[at as usize].next;
+        let mut at = self.free.front();
+        while let Some(page) = at {
+            if self.num_cached_free == 0 {
+                break;
+            }
+            dropped.extend(self.drop_key(page));
+            at = self.free.next(page);
         }
         dropped
     }
@@ -399,26 +355,18 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
     /// nothing: with fewer than `n` free pages nothing changes and `false` is returned.
     /// Taking a cached page evicts its key; new pages have count 1.
     pub fn allocate_into(&mut self, out: &mut Vec<u32>, n: usize) -> bool {
-        if n > self.num_free {
+        if n > self.free.len() {
             return false;
         }
         if n == 0 {
             return true;
         }
-        out.reserve(n);
         let start = out.len();
-        // Pass 1 walks the first n pages of the free list, reading only their links, and cuts
-        // them off at once. Pass 2 evicts their keys and takes their counts: each page's
-        // loads there are independent of the others', so they overlap instead of waiting
-        // behind the next link (most allocated pages are cold).
-        let mut head = self.links[0].next;
-        for _ in 0..n {
-            out.push(head);
-            head = self.links[head as usize].next;
-        }
-        self.links[0].next = head;
-        self.links[head as usize].prev = NULL_PAGE;
-        self.num_free -= n;
+        // Pass 1 cuts the first n pages off the free list, reading only their links. Pass 2
+        // evicts their keys and takes their counts: each page's loads there are independent
+        // of the others', so they overlap instead of waiting behind the next link (most
+        // allocated pages are cold).
+        self.free.pop_front_into(out, n);
         for &page in &out[start..] {
             self.evict(page);
             self.refs[page as usize] = 1;
@@ -452,7 +400,7 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
     #[inline]
     fn touch_unchecked(&mut self, page: u32, next: u32) {
         if self.refs[page as usize] == 0 {
-            self.unlink(page);
+            self.free.unlink(page);
             if self.keys[page as usize].is_some() {
                 self.num_cached_free -= 1;
             }
@@ -480,15 +428,15 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
         *count = count.saturating_sub(1);
         if *count == 0 {
             if self.keys[page as usize].is_some() {
-                self.push_back(page);
+                self.free.push_back(page);
                 self.num_cached_free += 1;
                 if self.record_released {
                     self.released.push(page);
                 }
             } else if self.reuse_uncached_first {
-                self.push_front(page);
+                self.free.push_front(page);
             } else {
-                self.push_back(page);
+                self.free.push_back(page);
             }
             true
         } else {
@@ -586,24 +534,9 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
     /// Check the pool's own invariants: free-list links and membership, counters and the
     /// key map. Returns a description of the first violation.
     pub fn check(&self) -> Result<(), String> {
-        let mut seen = 0usize;
-        let mut prev = 0u32;
-        let mut at = self.links[0].next;
-        let mut on_list = vec![false; self.refs.len()];
-        while at != 0 {
-            if seen >= self.num_free || on_list[at as usize] {
-                return Err(format!("free list is longer than num_free = {}", self.num_free));
-            }
-            on_list[at as usize] = true;
-            if self.links[at as usize].prev != prev {
-                return Err(format!("free list link of page {at} is broken"));
-            }
-            prev = at;
-            at = self.links[at as usize].next;
-            seen += 1;
-        }
-        if seen != self.num_free || self.links[0].prev != prev {
-            return Err(format!("free list holds {seen} pages but num_free = {}", self.num_free));
+        let on_list = self.free.check("free list")?;
+        if on_list.len() != self.refs.len() {
+            return Err("free list and reference counts cover different page ranges".to_owned());
         }
         for (page, (&count, &listed)) in self.refs.iter().zip(&on_list).enumerate().skip(1) {
             if count == 0 && !listed {
@@ -657,10 +590,10 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
             ));
         }
         let in_use = self.refs.iter().filter(|&&c| c > 0).count();
-        if self.num_free + in_use + 1 != self.refs.len() {
+        if self.free.len() + in_use + 1 != self.refs.len() {
             return Err(format!(
                 "free ({}) + in use ({in_use}) + 1 != num_pages ({})",
-                self.num_free,
+                self.free.len(),
                 self.refs.len()
             ));
         }
@@ -686,27 +619,6 @@ fn page_u32(i: usize) -> u32 {
 )]
 fn checked_index(page: u64) -> usize {
     page as usize
-}
-
-/// Iterator over the free list, front first.
-pub struct FreeIter<'a, K> {
-    pool: &'a BlockPool<K>,
-    at: u32,
-    left: usize,
-}
-
-impl<K> Iterator for FreeIter<'_, K> {
-    type Item = u32;
-
-    fn next(&mut self) -> Option<u32> {
-        if self.at == 0 || self.left == 0 {
-            return None;
-        }
-        let page = self.at;
-        self.at = self.pool.links[page as usize].next;
-        self.left -= 1;
-        Some(page)
-    }
 }
 
 #[cfg(test)]
