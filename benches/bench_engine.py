@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from flat_kvcache.engine import BlockPool, FlatKVCache, KVCacheSpec, hash_pages
+from flat_kvcache.engine import BlockPool, KVCacheSpec, PageCache, hash_pages
 
 PAGE = 16
 REQUESTS = 256
@@ -31,14 +31,22 @@ WINDOW = 1024
 STEPS = 256
 
 
-def decode_cache() -> FlatKVCache:
-    """The decode scenario's cache: full attention plus a ``WINDOW``-token sliding window, with
-    pages for every request's whole run in both groups (page 0 is the null page)."""
-    specs = [
+#: The decode scenario's pool: pages for every request's whole run in both groups (page 0 is
+#: the null page).
+DECODE_PAGES = REQUESTS * (PROMPT + STEPS + PAGE) // PAGE * 2 + 1
+
+
+def decode_specs() -> list[KVCacheSpec]:
+    """The decode scenario's groups: full attention plus a ``WINDOW``-token sliding window."""
+    return [
         KVCacheSpec("full", PAGE, group_id="full"),
         KVCacheSpec("sliding_window", PAGE, WINDOW, "swa"),
     ]
-    return FlatKVCache(specs, REQUESTS * (PROMPT + STEPS + PAGE) // PAGE * 2 + 1)
+
+
+def decode_cache() -> PageCache:
+    """The decode scenario's page-level cache (:func:`decode_specs`, ``DECODE_PAGES``)."""
+    return PageCache(decode_specs(), DECODE_PAGES)
 
 
 def _median_ns(fn: Callable[[], object], repeats: int) -> float:
@@ -67,7 +75,7 @@ def prompt_tokens(n: int, seed: int = 0) -> np.ndarray:
 def cached_full_cache(pages: int) -> tuple[Any, list[str]]:
     """A full-attention cache whose pool holds a freed (still cached) ``pages``-page prompt."""
     hashes = hash_pages(prompt_tokens(pages * PAGE), PAGE)
-    cache = FlatKVCache([KVCacheSpec("full", PAGE)], 4 * pages)
+    cache = PageCache([KVCacheSpec("full", PAGE)], 4 * pages)
     assert cache.acquire("warm", pages * PAGE)
     cache.register("warm", hashes)
     cache.free("warm")

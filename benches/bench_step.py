@@ -37,7 +37,8 @@ import time
 from typing import Any
 
 import numpy as np
-from bench_engine import PAGE, PROMPT, REQUESTS, STEPS, decode_cache  # the same decode scenario
+from bench_engine import DECODE_PAGES, PAGE, PROMPT, REQUESTS, STEPS, decode_specs  # the same decode scenario
+from flat_kvcache import FlatKVCache
 
 #: Capture width of the longest context in the run (SPEC 2: ceil((C + 1) / P)).
 COLS = -(-(PROMPT + STEPS + 1) // PAGE)
@@ -52,7 +53,7 @@ class StepLoop:
     """256 token-level requests decoding one token per step."""
 
     def __init__(self, *, use_torch: bool = False) -> None:
-        self.cache = decode_cache()
+        self.cache = FlatKVCache(decode_specs(), DECODE_PAGES)
         self.reqs = [f"req-{r}" for r in range(REQUESTS)]
         self.ones = np.ones(REQUESTS, dtype=np.int64)
         self.out: dict[str, Any]

@@ -156,8 +156,8 @@ def check_layout(plan: KVMemoryPlan, buffers: KVBuffers, report: Report) -> None
 
 def flat_tables(plan: KVMemoryPlan, num_reqs: int, rng: random.Random) -> tuple[dict[str, Any], list[int]]:
     """Block tables of requests decoding at random lengths ``n`` (the token at ``n - 1`` is new)."""
-    engine: Any = flat_kvcache if hasattr(flat_kvcache, "FlatKVCache") else reference
-    cache = engine.FlatKVCache(engine.kv_cache_specs(list(plan.groups)), plan.num_pages)
+    engine: Any = flat_kvcache if hasattr(flat_kvcache, "PageCache") else reference
+    cache = engine.PageCache(engine.kv_cache_specs(list(plan.groups)), plan.num_pages)
     lengths: list[int] = []
     for req in range(num_reqs):
         n = rng.randint(1, max(1, plan.max_context_len // 4))

@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 import pytest
-from flat_kvcache import FlatKVCache, KVCacheSpec
+from flat_kvcache import FlatKVCache, KVCacheSpec, PageCache
 from flat_kvcache.cli import main
 from hypothesis import strategies as st
 
@@ -91,10 +91,18 @@ def normalize(value: Any) -> Any:
     return value
 
 
+HYBRID_SPECS = [KVCacheSpec("full", 4, group_id="full"), KVCacheSpec("sliding_window", 4, 8, "swa")]
+
+
 def native_hybrid(num_pages: int = 64, **options: Any) -> FlatKVCache:
-    """A native cache with full P = 4 and sliding P = 4, W = 8 (the docs' running example)."""
-    specs = [KVCacheSpec("full", 4, group_id="full"), KVCacheSpec("sliding_window", 4, 8, "swa")]
-    return FlatKVCache(specs, num_pages, **options)
+    """A native token-level cache with full P = 4 and sliding P = 4, W = 8 (the docs' running
+    example)."""
+    return FlatKVCache(HYBRID_SPECS, num_pages, **options)
+
+
+def native_page_hybrid(num_pages: int = 64, **options: Any) -> PageCache:
+    """:func:`native_hybrid` as a page-level cache."""
+    return PageCache(HYBRID_SPECS, num_pages, **options)
 
 
 # --- native-vs-reference cross-checks ---------------------------------------------------------

@@ -1,10 +1,12 @@
 """The harness of the robustness sweep (tests/test_robustness_*.py).
 
-Every case is a call on a small, busy cache (:func:`busy_cache`) that must be refused. The
-harness runs it on one engine, checks that the exception is the expected kind and names the
-argument, and that nothing observable changed: ``stats()``, ``budget()``, ``pool_stats()``, the
-block tables, page ids and tail slots of the live requests, the token positions of the token-level
-ones, the recorded KV events and ``check_invariants()``. The tests then compare the native
+Every case is a call on a small, busy cache that must be refused: a token-level
+``FlatKVCache`` (:func:`busy_cache`) or, for a page-level call, a ``PageCache``
+(:func:`busy_page_cache`). The harness runs it on one engine, checks that the exception is the
+expected kind and names the argument, and that nothing observable changed: ``stats()``,
+``budget()`` (token-level), ``pool_stats()``, the block tables, page ids and tail slots of the
+live requests, the token positions of the token-level ones, the recorded KV events and
+``check_invariants()``. The tests then compare the native
 engine's exception type and message with the pure-Python reference's.
 """
 
@@ -22,10 +24,10 @@ import flat_kvcache.reference
 HASH = "0" * 64
 #: Token-level requests of :func:`busy_cache` (``"a"`` scheduled, ``7`` admitted only).
 TOKEN_LEVEL: tuple[str | int, ...] = ("a", 7)
-#: Page-level request of :func:`busy_cache`.
+#: The page-level request of :func:`busy_page_cache`.
 PAGE_LEVEL = "p"
 #: Every live request of :func:`busy_cache`.
-LIVE: tuple[str | int, ...] = (*TOKEN_LEVEL, PAGE_LEVEL)
+LIVE: tuple[str | int, ...] = TOKEN_LEVEL
 
 #: Both engines, native first.
 ENGINES: tuple[ModuleType, ModuleType] = (flat_kvcache, flat_kvcache.reference)
@@ -33,35 +35,48 @@ ENGINES: tuple[ModuleType, ModuleType] = (flat_kvcache, flat_kvcache.reference)
 Call = Callable[[Any], object]
 
 
+def _specs(api: ModuleType) -> list[Any]:
+    """Full P = 4 and sliding P = 4, W = 8."""
+    return [api.KVCacheSpec("full", 4, group_id="full"), api.KVCacheSpec("sliding_window", 4, 8, "swa")]
+
+
 def busy_cache(api: ModuleType) -> Any:
-    """Full P = 4 and sliding P = 4, W = 8 over 64 pages, with events on and three live requests:
-    ``"a"`` (10-token prompt scheduled, one token appended), ``7`` (6-token prompt, nothing
-    scheduled) and page-level ``"p"`` (room for 5 tokens). Events so far are taken."""
-    specs = [api.KVCacheSpec("full", 4, group_id="full"), api.KVCacheSpec("sliding_window", 4, 8, "swa")]
-    cache = api.FlatKVCache(specs, 64, enable_kv_events=True)
+    """A token-level cache of :func:`_specs` over 64 pages, with events on and two live
+    requests: ``"a"`` (10-token prompt scheduled, one token appended, 2 tokens reserved) and
+    ``7`` (6-token prompt, nothing scheduled). Events so far are taken."""
+    cache = api.FlatKVCache(_specs(api), 64, enable_kv_events=True)
     cache.add_request("a", list(range(10)))
     assert cache.schedule("a", 10)
     cache.append_tokens("a", [3])
     cache.add_request(7, list(range(100, 106)))
-    assert cache.acquire(PAGE_LEVEL, 5)
     cache.reserve("a", 2)
+    cache.take_events()
+    return cache
+
+
+def busy_page_cache(api: ModuleType) -> Any:
+    """A page-level cache of :func:`_specs` over 64 pages, with events on and the live request
+    ``"p"`` (room for 5 tokens)."""
+    cache = api.PageCache(_specs(api), 64, enable_kv_events=True)
+    assert cache.acquire(PAGE_LEVEL, 5)
     cache.take_events()
     return cache
 
 
 def snapshot(cache: Any) -> dict[str, object]:
     """Everything observable about the live requests and the pool, as plain data."""
-    live = [req for req in LIVE if cache.has_request(req)]
+    token_level = hasattr(cache, "schedule")
+    live = [req for req in (LIVE if token_level else (PAGE_LEVEL,)) if cache.has_request(req)]
     return {
         "stats": cache.stats(),
-        "budget": [cache.budget(), *(cache.budget(req) for req in live)],
+        "budget": [cache.budget(), *(cache.budget(req) for req in live)] if token_level else None,
         "pool": cache.pool_stats(),
         "tables": {group: table.tolist() for group, table in cache.block_tables(live).items()},
         "pages": [cache.page_ids(req) for req in live],
         "tails": [cache.tail_available(req) for req in live],
-        "tokens": [
-            (cache.num_tokens(req), cache.num_computed_tokens(req)) for req in live if req != PAGE_LEVEL
-        ],
+        "tokens": [(cache.num_tokens(req), cache.num_computed_tokens(req)) for req in live]
+        if token_level
+        else None,
         "requests": cache.num_requests,
     }
 
@@ -74,10 +89,10 @@ class Refusal:
     message: str
 
 
-def refusal(api: ModuleType, call: Call, setup: Call | None = None) -> Refusal:
-    """Run ``call`` on a fresh :func:`busy_cache` of ``api`` (after ``setup``, when given); it
-    must raise, and change nothing."""
-    cache = busy_cache(api)
+def refusal(api: ModuleType, call: Call, setup: Call | None = None, *, page_level: bool = False) -> Refusal:
+    """Run ``call`` on a fresh :func:`busy_cache` of ``api`` (:func:`busy_page_cache` when
+    ``page_level``), after ``setup`` when given; it must raise, and change nothing."""
+    cache = busy_page_cache(api) if page_level else busy_cache(api)
     if setup is not None:
         setup(cache)
         cache.take_events()
@@ -102,11 +117,13 @@ class Case:
     kind: type[BaseException]
     names: str
     setup: Call | None = None
+    #: Run on :func:`busy_page_cache` (a page-level call) instead of :func:`busy_cache`.
+    page_level: bool = False
 
 
 def check_case(api: ModuleType, case: Case) -> Refusal:
     """:func:`refusal`, plus the expected kind and the argument's name in the message."""
-    got = refusal(api, case.call, case.setup)
+    got = refusal(api, case.call, case.setup, page_level=case.page_level)
     assert issubclass(got.kind, case.kind), f"{api.__name__}: {got}"
     assert case.names in got.message, f"{api.__name__}: message does not name {case.names!r}: {got}"
     return got

@@ -127,31 +127,28 @@ def test_errors_come_in_batch_order_with_the_same_messages(api: ModuleType) -> N
     a, b = "first", "second"
     cache.add_request(a, list(range(8)))
     cache.add_request(b, list(range(8)))
-    assert cache.acquire("paged", 4)  # a page-level request
     assert cache.schedule_batch([a, b], [1, 1]).all()
     messages = []
     for reqs, ns in [
         ([a, b], [1, 8]),  # too many tokens for b
-        ([a, "paged", "nope"], [1, 1, 1]),  # page-level before unknown
-        ([a, "nope", "paged"], [1, 1, 1]),  # unknown before page-level
+        ([a, "nope"], [1, 1]),  # unknown after a known one
         ([b, a], [7, 8]),  # too many for a, counted after b's
     ]:
         with pytest.raises((ValueError, KeyError)) as info:
             cache.schedule_batch(reqs, ns)
         messages.append((type(info.value).__name__, str(info.value)))
-    with pytest.raises(ValueError) as append_info:
-        cache.append_tokens_batch([a, "paged"], [1, 1])
+    with pytest.raises(KeyError) as append_info:
+        cache.append_tokens_batch([a, "nope"], [1, 1])
     messages.append((type(append_info.value).__name__, str(append_info.value)))
     assert computed(cache, [a, b]) == [1, 1]
     kinds = [kind for kind, _ in messages]
-    assert kinds == ["ValueError", "ValueError", "UnknownRequestError", "ValueError", "ValueError"]
-    assert "'second'" in messages[0][1] and "'paged'" in messages[1][1] and "'nope'" in messages[2][1]
-    assert "'first'" in messages[3][1] and "'paged'" in messages[4][1]
+    assert kinds == ["ValueError", "UnknownRequestError", "ValueError", "UnknownRequestError"]
+    assert "'second'" in messages[0][1] and "'nope'" in messages[1][1]
+    assert "'first'" in messages[2][1] and "'nope'" in messages[3][1]
     # The same messages from a cache that never saw these objects in a batch before.
     other = cache_of(api)
     for req in ("".join(["fir", "st"]), "".join(["sec", "ond"])):
         other.add_request(req, list(range(8)))
-    assert other.acquire("paged", 4)
     assert other.schedule_batch(["".join(["fir", "st"]), "".join(["sec", "ond"])], [1, 1]).all()
     with pytest.raises(ValueError) as fresh:
         other.schedule_batch(["".join(["fir", "st"]), "".join(["sec", "ond"])], [1, 8])
@@ -234,12 +231,20 @@ def test_long_ids_are_shown_alike_by_both_engines(req: Any) -> None:
         invalid_calls: list[Callable[[], object]] = [
             lambda: cache.add_request(req, [1]),
             lambda: cache.schedule_batch([req], [4]),
-            lambda: cache.acquire(req, 4),
         ]
         for call in invalid_calls:
             with pytest.raises(ValueError) as invalid:
                 call()
             out.append(str(invalid.value))
+        # The page-level protocol: unknown, then a claim on tables that already hold pages.
+        page = api.PageCache([api.KVCacheSpec("full", 4)], 64)
+        with pytest.raises(KeyError) as unknown:
+            page.free(req)
+        out.append(unknown.value.args[0])
+        assert page.acquire(req, 4)
+        with pytest.raises(ValueError) as invalid:
+            page.claim(req, page.match_prefix([]))
+        out.append(str(invalid.value))
         return out
 
     native, reference = messages(flat_kvcache), messages(flat_kvcache.reference)

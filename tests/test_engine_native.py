@@ -19,15 +19,15 @@ import pytest
 from flat_kvcache import _native
 from flat_kvcache.engine import (
     BlockPool,
-    FlatKVCache,
     KVCacheSpec,
+    PageCache,
     PrefixMatch,
     fold_hashes,
     group_key,
     hash_page,
     hash_pages,
 )
-from helpers import native_hybrid
+from helpers import native_page_hybrid
 
 
 def manual_hash(tokens: list[int], prior: str = "", extra: tuple[str, ...] = ()) -> str:
@@ -47,9 +47,10 @@ def manual_hash(tokens: list[int], prior: str = "", extra: tuple[str, ...] = ())
 
 
 def test_public_names_are_the_native_objects() -> None:
+    assert flat_kvcache.PageCache is _native.PageCache
     assert flat_kvcache.FlatKVCache is _native.FlatKVCache
     assert flat_kvcache.hash_pages is _native.hash_pages
-    for name in ("BlockPool", "FlatKVCache", "KVCacheSpec", "PrefixMatch", "kv_cache_specs"):
+    for name in ("BlockPool", "FlatKVCache", "PageCache", "KVCacheSpec", "PrefixMatch", "kv_cache_specs"):
         assert name in flat_kvcache.engine.__all__
 
 
@@ -167,11 +168,11 @@ def test_block_pool_basics_and_misuse() -> None:
     assert repr(pool) == "BlockPool(num_blocks=6, num_free=4, num_cached=1)"
 
 
-# ----- FlatKVCache --------------------------------------------------------------------------------
+# ----- PageCache --------------------------------------------------------------------------------
 
 
 def test_prefill_decode_free_and_prefix_reuse() -> None:
-    cache = native_hybrid()
+    cache = native_page_hybrid()
     assert (cache.base_page_size, cache.lcm_page_size, cache.group_ids) == (4, 4, ["full", "swa"])
     hashes = hash_pages(list(range(16)), 4)
     empty = cache.match_prefix(hashes)
@@ -192,11 +193,11 @@ def test_prefill_decode_free_and_prefix_reuse() -> None:
     assert cache.page_ids(7)[0][:4] == match.pages[0]
     cache.check_invariants()
     assert cache.pool_stats()["num_cached_pinned"] == 6
-    assert "FlatKVCache(group_ids=['full', 'swa']" in repr(cache)
+    assert "PageCache(group_ids=['full', 'swa']" in repr(cache)
 
 
 def test_request_ids_str_int_and_big_int_are_distinct() -> None:
-    cache = native_hybrid()
+    cache = native_page_hybrid()
     big = 10**40
     ids: tuple[object, ...] = (5, "5", big, -big, np.int64(6))
     for req in ids:
@@ -214,7 +215,7 @@ def test_request_ids_str_int_and_big_int_are_distinct() -> None:
 
 
 def test_argument_errors_change_nothing() -> None:
-    cache = native_hybrid(8)
+    cache = native_page_hybrid(8)
     assert cache.acquire("a", 8)
     before = (cache.page_ids("a"), cache.pool_stats())
     with pytest.raises(ValueError, match=r"content_hashes\[0\]"):
@@ -230,19 +231,19 @@ def test_argument_errors_change_nothing() -> None:
         cache.claim("a", cache.match_prefix([]))
     assert (cache.page_ids("a"), cache.pool_stats()) == before
     with pytest.raises(ValueError):
-        FlatKVCache([], 8)
+        PageCache([], 8)
     with pytest.raises(TypeError, match="KVCacheSpec"):
-        FlatKVCache([object()], 8)  # type: ignore[list-item]
+        PageCache([object()], 8)  # type: ignore[list-item]
     with pytest.raises(ValueError, match=r"distinct|more than once"):
-        FlatKVCache([KVCacheSpec("full", 4, group_id="x"), KVCacheSpec("state", 4, group_id="x")], 8)
+        PageCache([KVCacheSpec("full", 4, group_id="x"), KVCacheSpec("state", 4, group_id="x")], 8)
     with pytest.raises(OverflowError, match="specs"):
-        FlatKVCache([KVCacheSpec("full", 2**63 - 25), KVCacheSpec("full", 2**63 - 49)], 8)
+        PageCache([KVCacheSpec("full", 2**63 - 25), KVCacheSpec("full", 2**63 - 49)], 8)
     with pytest.raises(ValueError, match="sliding_window"):
         KVCacheSpec("sliding_window", 4)
 
 
 def test_caching_off_matches_and_registers_nothing() -> None:
-    cache = native_hybrid(enable_caching=False)
+    cache = native_page_hybrid(enable_caching=False)
     hashes = hash_pages(list(range(16)), 4)
     assert cache.acquire("a", 16)
     cache.register("a", hashes, end_tokens=16)
@@ -256,7 +257,7 @@ def test_caching_off_matches_and_registers_nothing() -> None:
 
 @pytest.mark.flag
 def test_block_tables_dtype_shape_holes_and_padding() -> None:
-    cache = native_hybrid()
+    cache = native_page_hybrid()
     assert cache.acquire("long", 20)
     assert cache.acquire("short", 4)
     cache.reclaim("long", 20)  # (20 - 7) // 4 = 3 slots slid out
@@ -284,7 +285,7 @@ def test_block_tables_dtype_shape_holes_and_padding() -> None:
 
 def test_threads_share_one_cache_safely() -> None:
     """Many threads drive their own requests through one cache; accounting must balance."""
-    cache = native_hybrid(num_pages=512)
+    cache = native_page_hybrid(num_pages=512)
     prompt = hash_pages(list(range(64)), 4)
 
     def worker(t: int) -> int:

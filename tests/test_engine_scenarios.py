@@ -62,7 +62,7 @@ def make_cache(
     *,
     appending: bool = False,
 ) -> Any:
-    """A FlatKVCache from ``(kind, page_size[, window])`` tuples; ``order`` is an eviction order
+    """A PageCache from ``(kind, page_size[, window])`` tuples; ``order`` is an eviction order
     (empty: the default, ``"hybrid"``); ``appending`` puts every released page at the back of
     the free list (``reuse_uncached_first=False``, SPEC 5's original order), so the free list
     shows the release order of pages that were never registered."""
@@ -72,7 +72,7 @@ def make_cache(
         options["eviction_order"] = order
     if appending:
         options["reuse_uncached_first"] = False
-    return api.FlatKVCache(specs, num_pages, **options)
+    return api.PageCache(specs, num_pages, **options)
 
 
 def stats(cache: Any) -> dict[str, int]:
@@ -400,12 +400,12 @@ def test_cache_construction(api: ModuleType) -> None:
     assert list(cache.group_ids) == ["g0", "g1", "g2"]
     assert cache.num_free_pages == 9 and cache.num_requests == 0
     with pytest.raises(ValueError):
-        api.FlatKVCache([], 10)
+        api.PageCache([], 10)
     with pytest.raises(ValueError):
-        api.FlatKVCache([api.KVCacheSpec("full", 16, None, "a"), api.KVCacheSpec("full", 16, None, "a")], 10)
+        api.PageCache([api.KVCacheSpec("full", 16, None, "a"), api.KVCacheSpec("full", 16, None, "a")], 10)
     with pytest.raises(OverflowError, match="specs"):
         # lcm of three large coprimes is about 2**180: no native integer holds it.
-        api.FlatKVCache([api.KVCacheSpec("full", p) for p in (2**61 - 1, 2**59 - 1, 2**60 - 1)], 10)
+        api.PageCache([api.KVCacheSpec("full", p) for p in (2**61 - 1, 2**59 - 1, 2**60 - 1)], 10)
 
 
 def test_argument_edges_the_contract_leaves_open(api: ModuleType) -> None:
@@ -428,8 +428,8 @@ def test_argument_edges_the_contract_leaves_open(api: ModuleType) -> None:
         lambda: cache.pages_needed(2**64),
         lambda: api.BlockPool(3).allocate(2**64),
         lambda: api.hash_pages([1, 2], 2**64),
-        lambda: api.FlatKVCache([api.KVCacheSpec("full", 2**64)], 4),
-        lambda: api.FlatKVCache([api.KVCacheSpec("sliding_window", 4, 2**64)], 4),
+        lambda: api.PageCache([api.KVCacheSpec("full", 2**64)], 4),
+        lambda: api.PageCache([api.KVCacheSpec("sliding_window", 4, 2**64)], 4),
     ]
     for call in overflow_errors:
         with pytest.raises(OverflowError):
@@ -438,7 +438,7 @@ def test_argument_edges_the_contract_leaves_open(api: ModuleType) -> None:
     with pytest.raises(ValueError, match="int32"):
         api.BlockPool(2**31)
     with pytest.raises(ValueError, match="int32"):
-        api.FlatKVCache([api.KVCacheSpec("full", 4)], 2**31)
+        api.PageCache([api.KVCacheSpec("full", 4)], 2**31)
     assert cache.num_requests == 0
 
 
@@ -1040,7 +1040,7 @@ def test_no_group_stands_for_the_request(api: ModuleType) -> None:
 def test_block_tables_pad_holes_and_dtype(api: ModuleType) -> None:
     if not flat_kvcache.FLAT_KVCACHE:
         pytest.skip("the `flat` feature is off in this build (see test_block_tables_follow_the_build_flag)")
-    cache = api.FlatKVCache(
+    cache = api.PageCache(
         [api.KVCacheSpec("sliding_window", 4, 5, "swa"), api.KVCacheSpec("full", 8, None, "full")], 20
     )
     assert cache.acquire("a", 16)  # swa [1, 2, 3, 4], full [5, 6]
@@ -1072,7 +1072,7 @@ def test_block_tables_follow_the_build_flag(api: ModuleType) -> None:
 @pytest.mark.flag
 def test_reference_reads_the_build_flag_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
     ref = flat_kvcache.reference
-    cache = ref.FlatKVCache([ref.KVCacheSpec("full", 4)], 4)
+    cache = ref.PageCache([ref.KVCacheSpec("full", 4)], 4)
     assert cache.acquire("a", 4)
     monkeypatch.setattr(_native, "FLAT_KVCACHE", False)
     with pytest.raises(RuntimeError, match="compiled without the `flat` cargo feature"):
@@ -1084,7 +1084,7 @@ def test_reference_reads_the_build_flag_at_call_time(monkeypatch: pytest.MonkeyP
 def test_check_invariants_detects_a_broken_pool() -> None:
     # Reference only: break the bookkeeping on purpose through a private attribute.
     ref = flat_kvcache.reference
-    cache = ref.FlatKVCache([ref.KVCacheSpec("full", 4)], 4)
+    cache = ref.PageCache([ref.KVCacheSpec("full", 4)], 4)
     assert cache.acquire("a", 4)
     cache.check_invariants()
     cache._pool._ref_counts[1] = 2

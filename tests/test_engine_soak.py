@@ -69,7 +69,7 @@ def run_soak(
     """Drive ``num_requests`` random requests through one cache; return counters of what happened."""
     rng = random.Random(seed)
     specs = [module.KVCacheSpec(kind, size, window) for kind, size, window in groups]
-    cache: Any = module.FlatKVCache(specs, num_pages, enable_caching=caching)
+    cache: Any = module.PageCache(specs, num_pages, enable_caching=caching)
     base = cache.base_page_size
     system_prompts = [[rng.randrange(100) for _ in range(rng.randrange(0, 240))] for _ in range(6)]
     counters = {"admitted": 0, "refused": 0, "preempted": 0, "finished": 0, "dropped": 0, "hit_tokens": 0}

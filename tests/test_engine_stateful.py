@@ -4,7 +4,7 @@ Hypothesis state machines apply the same random operations to a *subject* and a 
 implementation and require identical results (return values, raised exception classes, page
 ids, tail slots, pool probes) and ``check_invariants()`` on both after every step.
 
-- ``engine_machine(subject, reference)`` drives ``FlatKVCache`` over random hybrid spec mixes
+- ``engine_machine(subject, reference)`` drives ``PageCache`` over random hybrid spec mixes
   (page sizes that are multiples of one base, windows from 1 up, full / sliding / state groups,
   small pools so acquires fail, caching on and off, documents sharing prefixes so matches hit).
 - ``pool_machine(subject, reference)`` drives ``BlockPool`` alone, misuse included.
@@ -136,7 +136,7 @@ class Request:
 
 
 class EngineMachine(RuleBasedStateMachine):
-    """Drives a subject FlatKVCache and a reference FlatKVCache with identical operations."""
+    """Drives a subject PageCache and a reference PageCache with identical operations."""
 
     subject_module: ModuleType = REFERENCE
     reference_module: ModuleType = REFERENCE
@@ -201,7 +201,7 @@ class EngineMachine(RuleBasedStateMachine):
     def setup(self, config: dict[str, Any], data: st.DataObject) -> None:
         def build(module: ModuleType) -> Any:
             specs = [module.KVCacheSpec(kind, size, window) for kind, size, window in config["groups"]]
-            return module.FlatKVCache(
+            return module.PageCache(
                 specs,
                 config["num_pages"],
                 enable_caching=config["caching"],

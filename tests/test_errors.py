@@ -30,6 +30,12 @@ def hybrid_cache() -> _native.FlatKVCache:
     return _native.FlatKVCache(specs, 32)
 
 
+def hybrid_page_cache() -> _native.PageCache:
+    """:func:`hybrid_cache` as a page-level cache."""
+    specs = [KVCacheSpec("full", 4, group_id="full"), KVCacheSpec("sliding_window", 4, 8, "swa")]
+    return _native.PageCache(specs, 32)
+
+
 class PagedOnly:
     """A backend that reads paged cache groups but not flat per-group tables (SPEC 2, check 1)."""
 
@@ -75,7 +81,7 @@ def test_unknown_request_on_a_token_level_call(req: str | int) -> None:
 
 
 def test_unknown_request_on_a_page_level_call() -> None:
-    cache = hybrid_cache()
+    cache = hybrid_page_cache()
     assert cache.acquire("known", 4)  # page-level calls create ids, so one live id is not enough
     for call in (lambda: cache.page_ids("other"), lambda: cache.reclaim("other", 0), lambda: cache.free(3)):
         with pytest.raises(UnknownRequestError) as caught:
@@ -115,7 +121,7 @@ def test_argument_errors_stay_plain_builtins() -> None:
         cache.num_tokens(1.5)  # type: ignore[arg-type]
     assert not isinstance(type_error.value, FlatKVCacheError)
     with pytest.raises(ValueError) as value_error:
-        cache.acquire("a", -1)
+        cache.pages_needed(-1)
     assert not isinstance(value_error.value, FlatKVCacheError)
 
 
@@ -123,7 +129,7 @@ def test_argument_errors_stay_plain_builtins() -> None:
 def test_block_tables_without_the_flag_is_a_flat_unavailable_error() -> None:
     if flat_kvcache.FLAT_KVCACHE:
         pytest.skip("the `flat` feature is on in this build")
-    cache = hybrid_cache()
+    cache = hybrid_page_cache()
     assert cache.acquire("a", 4)
     with pytest.raises(FlatUnavailableError) as caught:
         cache.block_tables(["a"])

@@ -6,6 +6,9 @@ handlers (``except RuntimeError``, ``except KeyError``) keep catching it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import flat_kvcache
 import flat_kvcache.reference as ref
 import pytest
@@ -27,7 +30,16 @@ class _Backend:
 
 
 def _cache() -> ref.FlatKVCache:
+    """A token-level cache whose request "a" holds page 1."""
     cache = ref.FlatKVCache([ref.KVCacheSpec("full", 4)], 8)
+    assert cache.add_request("a", [1, 2, 3, 4]) == 0
+    assert cache.schedule("a", 4)
+    return cache
+
+
+def _page_cache() -> ref.PageCache:
+    """A page-level cache whose request "a" holds page 1."""
+    cache = ref.PageCache([ref.KVCacheSpec("full", 4)], 8)
     assert cache.acquire("a", 4)
     return cache
 
@@ -83,18 +95,19 @@ def test_broken_bookkeeping_is_an_invariant_error() -> None:
 
 
 @pytest.mark.parametrize(
-    "call",
+    ("make", "call"),
     [
-        lambda cache: cache.free("missing"),
-        lambda cache: cache.page_ids("missing"),
-        lambda cache: cache.reclaim("missing", 4),
-        lambda cache: cache.budget("missing"),
-        lambda cache: cache.schedule("missing", 1),
-        lambda cache: cache.finish(7),
+        (_page_cache, lambda cache: cache.free("missing")),
+        (_page_cache, lambda cache: cache.page_ids("missing")),
+        (_page_cache, lambda cache: cache.reclaim("missing", 4)),
+        (_cache, lambda cache: cache.page_ids("missing")),
+        (_cache, lambda cache: cache.budget("missing")),
+        (_cache, lambda cache: cache.schedule("missing", 1)),
+        (_cache, lambda cache: cache.finish(7)),
     ],
 )
-def test_an_unknown_request_is_an_unknown_request_error(call: object) -> None:
-    cache = _cache()
+def test_an_unknown_request_is_an_unknown_request_error(make: Callable[[], Any], call: object) -> None:
+    cache = make()
     with pytest.raises(UnknownRequestError, match="unknown request") as caught:
         call(cache)  # type: ignore[operator]
     assert isinstance(caught.value, KeyError)
@@ -104,7 +117,7 @@ def test_an_unknown_request_is_an_unknown_request_error(call: object) -> None:
 
 
 def test_except_key_error_still_catches_an_unknown_id() -> None:
-    cache = _cache()
+    cache = _page_cache()
     try:
         cache.free("missing")
     except KeyError as exc:

@@ -136,7 +136,7 @@ class HostMachine(RequestsMachine):
     @rule(doc=st.integers(0, len(DOCUMENTS) - 1), length=st.integers(2, 40), data=st.data())
     def round_trip(self, doc: int, length: int, data: st.DataObject) -> None:
         """Compute and finish a prompt, acknowledge what is handed out, push its pages off the
-        device (a page-level request takes every free page, then frees it), and re-add the
+        device (a request takes every free page by lookahead, then finishes), and re-add the
         prompt: the hit now comes from the host (loads), if the host kept the pages."""
         free_ids = [r for r in REQUEST_IDS if r not in self.live]
         if not free_ids:
@@ -156,11 +156,13 @@ class HostMachine(RequestsMachine):
         if data.draw(st.booleans()):
             self.both("reset_prefix_cache")
         else:
+            # The evictor computes nothing (so registers nothing): its lookahead takes the pages.
             lcm = self.caches[1].lcm_page_size
-            for _ in range(64):
-                if self.both("acquire", "evictor", lcm)[1] is not True:
+            self.both("add_request", "evictor", [0], use_prefix_cache=False)
+            for k in range(1, 65):
+                if self.both("schedule", "evictor", 0, lookahead=k * lcm)[1] is not True:
                     break
-            self.both("free", "evictor")
+            self.both("finish", "evictor")
         if req in self.live:
             return
         if data.draw(st.booleans()):
@@ -223,9 +225,11 @@ def test_cpu_medium_events_and_host_stats() -> None:
         # Acknowledged in reverse order: the events follow the acknowledgements.
         assert [e.block_hashes[0] for e in cpu] == [gpu[0].block_hashes[1], gpu[0].block_hashes[0]]
         assert all(e.parent_block_hash is None and e.token_ids == [] for e in cpu)
-        # Take every device page (evicting the 3 cached ones), then give them back.
-        assert c.acquire("evictor", 16)
-        c.free("evictor")
+        # Take every device page (evicting the 3 cached ones), then give them back: a request
+        # whose lookahead holds 16 tokens' pages and computes none, so it registers nothing.
+        assert c.add_request("evictor", [0], use_prefix_cache=False) == 0
+        assert c.schedule("evictor", 0, lookahead=16)
+        c.finish("evictor")
         assert [(type(e), e.medium) for e in c.take_events()] == [(BlockRemoved, "GPU")]
         # The first 2 pages come back from the host: 8 tokens, all of them host hits.
         assert c.add_request("b", list(range(13))) == 8

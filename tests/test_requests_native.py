@@ -18,7 +18,7 @@ import pytest
 from flat_kvcache._types import CacheStats
 from flat_kvcache.engine import FlatKVCache, hash_pages
 from flat_kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from helpers import native_hybrid
+from helpers import native_hybrid, native_page_hybrid
 
 needs_flat = pytest.mark.skipif(not flat_kvcache.FLAT_KVCACHE, reason="built without the `flat` feature")
 
@@ -192,7 +192,6 @@ def test_add_schedule_append_preempt_round_trip() -> None:
 def test_stats_have_the_documented_names() -> None:
     cache = native_hybrid()
     running(cache, "a", list(range(9)))
-    assert cache.acquire("page-level", 4)
     stats = cache.stats()
     assert set(stats) == {
         "pages_total",
@@ -218,8 +217,8 @@ def test_stats_have_the_documented_names() -> None:
     assert set(stats) == set(CacheStats.__annotations__)
     # Without a host tier every host figure is 0.
     assert all(value == 0 for name, value in stats.items() if name.startswith("host_"))
-    assert stats["pages_total"] == 63 and stats["requests"] == 2
-    assert stats["pages_in_use_by_group"] == {"full": 4, "swa": 4}
+    assert stats["pages_total"] == 63 and stats["requests"] == 1
+    assert stats["pages_in_use_by_group"] == {"full": 3, "swa": 3}  # ceil(9 / 4) each
     assert stats["pages_free"] + stats["pages_in_use"] == stats["pages_total"]
 
 
@@ -235,7 +234,7 @@ def test_events_are_the_shared_dataclasses() -> None:
         BlockStored(hashes, None, list(range(8)), 4, 1, "sliding_window", 8, []),
     ]
     assert all(len(h) == 32 for event in stored for h in event.block_hashes)
-    assert cache.acquire("b", 4)  # evicts the two oldest free pages (hybrid order)
+    running(cache, "b", [100, 101, 102, 103])  # evicts the two oldest free pages (hybrid order)
     removed = cache.take_events()
     assert all(isinstance(e, BlockRemoved) for e in removed) and removed
     assert cache.reset_prefix_cache() == 2
@@ -257,11 +256,8 @@ def test_admission_accounting() -> None:
 def test_argument_errors_name_the_argument() -> None:
     cache = native_hybrid()
     running(cache, "a", list(range(8)))
-    assert cache.acquire("p", 4)  # page-level
     with pytest.raises(ValueError, match="already exists"):
         cache.add_request("a", [1])
-    with pytest.raises(ValueError, match="already exists"):
-        cache.add_request("p", [1])
     with pytest.raises(ValueError, match="must not be empty"):
         cache.add_request("e", [])
     with pytest.raises(ValueError, match=r"prompt_token_ids\[1\] = -1 does not fit in u32"):
@@ -277,24 +273,12 @@ def test_argument_errors_name_the_argument() -> None:
         cache.schedule("a", 0, lookahead=-1)
     with pytest.raises(KeyError):
         cache.schedule("nope", 0)
-    for call in (
-        lambda: cache.schedule("p", 0),
-        lambda: cache.num_tokens("p"),
-        lambda: cache.num_computed_tokens("p"),
-        lambda: cache.append_tokens("p", [1]),
-        lambda: cache.finish("p"),
-        lambda: cache.preempt("p"),
-        lambda: cache.schedule_batch(["p"], [0]),
-        lambda: cache.append_tokens_batch(["p"], [1]),
-    ):
-        with pytest.raises(ValueError, match="is page-level"):
-            call()
     with pytest.raises(ValueError, match="eviction_order must be 'hybrid' or 'group', got 'lru'"):
         native_hybrid(eviction_order="lru")
     with pytest.raises(ValueError, match="eviction_order must be 'hybrid' or 'group', got None"):
         native_hybrid(eviction_order=None)
     with pytest.raises(ValueError, match=r"content_hashes\[0\] must be a 64-character lowercase hex"):
-        cache.match_prefix([hash_pages([1, 2, 3, 4], 4)[0].upper()])
+        native_page_hybrid().match_prefix([hash_pages([1, 2, 3, 4], 4)[0].upper()])
 
 
 def test_schedule_batch_validates_everything_first() -> None:

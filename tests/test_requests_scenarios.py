@@ -24,6 +24,88 @@ def full_cache(api: ModuleType, num_pages: int = 64, **options: Any) -> Any:
     return api.FlatKVCache([api.KVCacheSpec("full", 4)], num_pages, **options)
 
 
+#: The page-level protocol (docs/engine-api.md "PageCache"): only ``PageCache`` has these.
+PAGE_LEVEL = (
+    "match_prefix",
+    "claim",
+    "acquire",
+    "register",
+    "reclaim",
+    "free",
+    "pages_reclaimable",
+    "pages_consumed_by_claim",
+    "prefill_first_chunk",
+    "prefill_chunk",
+    "decode_step",
+)
+#: The token-level protocol (docs/requests-api.md): only ``FlatKVCache`` has these.
+TOKEN_LEVEL = (
+    "add_request",
+    "admit",
+    "append_tokens",
+    "append_tokens_batch",
+    "append_tokens_rows",
+    "schedule",
+    "schedule_batch",
+    "schedule_rows",
+    "finish",
+    "preempt",
+    "num_computed_tokens",
+    "num_tokens",
+    "bind_rows",
+    "update_rows",
+    "unbind_rows",
+    "row_of",
+    "prefix_hit_tokens",
+    "pages_needed_to_admit",
+    "reserve",
+    "budget",
+)
+#: What both classes answer (docs/requests-api.md, the shared calls).
+SHARED = (
+    "base_page_size",
+    "lcm_page_size",
+    "num_groups",
+    "group_ids",
+    "num_free_pages",
+    "num_requests",
+    "has_request",
+    "pool_stats",
+    "stats",
+    "page_ids",
+    "tail_available",
+    "pages_needed",
+    "block_tables",
+    "take_events",
+    "reset_prefix_cache",
+    "check_invariants",
+    "take_transfers",
+    "ack_transfers",
+    "loads_in_flight",
+    "transfers_in_flight",
+)
+
+
+def test_each_class_has_its_own_protocol_only(api: ModuleType) -> None:
+    """A method of one protocol is absent from the other class (AttributeError), so a cache's
+    requests are all of one kind; the shared calls are on both."""
+    specs = [api.KVCacheSpec("full", 4)]
+    token, page = api.FlatKVCache(specs, 8), api.PageCache(specs, 8)
+    for name in SHARED:
+        assert hasattr(token, name) and hasattr(page, name), name
+    for name in PAGE_LEVEL:
+        assert hasattr(page, name), name
+        with pytest.raises(AttributeError, match=name):
+            getattr(token, name)
+    for name in TOKEN_LEVEL:
+        assert hasattr(token, name), name
+        with pytest.raises(AttributeError, match=name):
+            getattr(page, name)
+    assert not issubclass(api.PageCache, api.FlatKVCache)
+    assert not issubclass(api.FlatKVCache, api.PageCache)
+    assert repr(page).startswith("PageCache(") and repr(token).startswith("FlatKVCache(")
+
+
 def test_capped_match_leaves_the_last_prompt_token(api: ModuleType) -> None:
     cache = full_cache(api)
     assert cache.add_request("a", list(range(16))) == 0
@@ -124,9 +206,6 @@ def test_reserve_budget_and_schedule_release(api: ModuleType) -> None:
     assert not cache.schedule("a", 30)
     assert cache.budget() == 5 - 1 - 2
     cache.finish("b")  # releases b's reserve
-    assert cache.budget() == 5 - 1
-    with pytest.raises(ValueError, match="free: request 'a' is token-level"):
-        cache.free("a")  # a token-level request ends with finish or preempt, not free
     assert cache.budget() == 5 - 1
     cache.preempt("a")  # releases a's reserve too
     assert cache.budget() == 8
@@ -241,10 +320,13 @@ def test_reuse_uncached_first_keeps_cached_pages_longer(
     cache.add_request("a", list(range(8)))
     assert cache.schedule("a", 8)
     cache.finish("a")  # a's pages [1, 2] cached; released by slot end: 2, then 1
-    assert cache.acquire("x", 8)  # page-level, never registered
+    # x takes 8 tokens' pages by lookahead and computes none: they are never registered.
+    assert cache.add_request("x", [900], use_prefix_cache=False) == 0
+    assert cache.schedule("x", 0, lookahead=8)
     assert cache.page_ids("x") == [[3, 4]]
-    cache.free("x")
-    assert cache.acquire("c", 20)
+    cache.finish("x")  # released by slot end, as a's: 4, then 3
+    assert cache.add_request("c", [800], use_prefix_cache=False) == 0
+    assert cache.schedule("c", 0, lookahead=20)
     assert cache.page_ids("c") == [expected]
     assert cache.prefix_hit_tokens(list(range(9))) == hit
     assert cache.stats()["evictions"] == 2 - hit // 4
@@ -263,10 +345,6 @@ def test_schedule_more_than_known_is_value_error(api: ModuleType) -> None:
     assert cache.schedule("a", 0)  # n == 0 is allowed
     with pytest.raises(KeyError):
         cache.schedule("nope", 1)
-    # Token-level methods refuse a page-level request.
-    assert cache.acquire("page-level", 4)
-    with pytest.raises(ValueError):
-        cache.schedule("page-level", 0)
     cache.check_invariants()
 
 

@@ -1,6 +1,6 @@
 """Differential sweep of odd inputs: every argument of every public engine call, given each
 value of :data:`ODD`, on the native engine and the pure-Python reference, each on its own
-identically prepared cache (``busy_cache``).
+identically prepared cache (``busy_cache``, or ``busy_page_cache`` for the page-level calls).
 
 The expectation is agreement between the two implementations: the same result and the same
 cache afterwards, or the same exception type and exactly the same message with nothing
@@ -15,14 +15,14 @@ from __future__ import annotations
 import array
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import pytest
 from helpers import normalize
-from robustness_cases import ENGINES, HASH, PAGE_LEVEL, busy_cache, snapshot
+from robustness_cases import ENGINES, HASH, PAGE_LEVEL, busy_cache, busy_page_cache, snapshot
 
 # --- the odd values -----------------------------------------------------------------------------
 
@@ -110,6 +110,8 @@ class Slot:
     call: Call
     #: The argument takes None (left out or "no value").
     optional: bool = False
+    #: A call of ``PageCache`` (docs/engine-api.md), run on ``busy_page_cache``.
+    page_level: bool = False
 
 
 def _pool(api: ModuleType) -> Any:
@@ -332,6 +334,27 @@ SLOTS: dict[str, Slot] = {
     "bind_rows.tables": Slot("out", "tables", lambda _, c, v: c.bind_rows(v)),
 }
 
+#: The page-level protocol's methods (docs/engine-api.md): their slots run on a ``PageCache``.
+PAGE_LEVEL_METHODS = frozenset(
+    {
+        "match_prefix",
+        "claim",
+        "acquire",
+        "register",
+        "reclaim",
+        "free",
+        "pages_reclaimable",
+        "pages_consumed_by_claim",
+        "prefill_first_chunk",
+        "prefill_chunk",
+        "decode_step",
+    }
+)
+SLOTS = {
+    where: replace(slot, page_level=where.split(".")[0] in PAGE_LEVEL_METHODS)
+    for where, slot in SLOTS.items()
+}
+
 #: Kinds whose argument is a sequence (a batch): text, bytes and non-iterables are refused.
 BATCH_KINDS = frozenset({"ids", "counts", "strs", "specs", "groups"})
 
@@ -384,7 +407,7 @@ class Outcome:
 def _plain(result: object) -> object:
     """A result as comparable data (engines and pools are shown by their state)."""
     if hasattr(result, "pool_stats"):
-        return ("FlatKVCache", result.pool_stats(), result.group_ids)  # type: ignore[attr-defined]
+        return (type(result).__name__, result.pool_stats(), result.group_ids)  # type: ignore[attr-defined]
     if hasattr(result, "num_blocks") and hasattr(result, "ref_count"):
         return ("BlockPool", result.num_blocks, result.num_free, result.num_cached)  # type: ignore[attr-defined]
     return normalize(result)
@@ -393,7 +416,7 @@ def _plain(result: object) -> object:
 def run(api: ModuleType, slot: Slot, label: str) -> Outcome:
     """``slot`` given ``ODD[label]`` on a fresh busy cache of ``api``. A refused call must
     leave the cache unchanged and record no event."""
-    cache = busy_cache(api)
+    cache = busy_page_cache(api) if slot.page_level else busy_cache(api)
     before = snapshot(cache)
     try:
         result = slot.call(api, cache, ODD[label]())

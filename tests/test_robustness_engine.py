@@ -25,8 +25,10 @@ from robustness_cases import (
     Case,
     Refusal,
     busy_cache,
+    busy_page_cache,
     check_agree,
     check_case,
+    snapshot,
 )
 
 # --- int arguments ------------------------------------------------------------------------------
@@ -97,8 +99,24 @@ def _count_calls(v: object) -> dict[str, tuple[Any, str]]:
 #: out: an explicit None is refused.
 _NONE_LEFT_OUT = frozenset({"register.end_tokens", "admit.row"})
 
+#: The calls of :func:`_count_calls` that are page-level (run on a ``PageCache``).
+_PAGE_LEVEL_COUNTS = frozenset(
+    {
+        "acquire",
+        "reclaim",
+        "pages_needed(req)",
+        "pages_reclaimable",
+        "register",
+        "decode_step",
+        "prefill_chunk",
+    }
+    | {"prefill_first_chunk"}
+)
+
 COUNT_CASES = [
-    pytest.param(Case(call, kind, name), id=f"{where}={label}")
+    pytest.param(
+        Case(call, kind, name, page_level=where.split(".")[0] in _PAGE_LEVEL_COUNTS), id=f"{where}={label}"
+    )
     for label, value, kind, _ in BAD_INTS
     for where, (call, name) in _count_calls(value).items()
     if not (value is None and where in _NONE_LEFT_OUT)
@@ -305,7 +323,7 @@ def _shared(make: Any) -> Any:
 
 OUT_CASES = [
     pytest.param(
-        Case(_tables({"full": _buffer(2), "swa": _buffer(2)}), ValueError, "out['full']"), id="too-few-rows"
+        Case(_tables({"full": _buffer(1), "swa": _buffer(1)}), ValueError, "out['full']"), id="too-few-rows"
     ),
     pytest.param(
         Case(_tables({"full": _buffer(3, 2), "swa": _buffer()}), ValueError, "out['full']"), id="too-few-cols"
@@ -421,9 +439,11 @@ def test_disjoint_row_blocks_of_one_array_are_fine(api: ModuleType) -> None:
     buffer = _buffer(6)
     out = cache.block_tables(list(LIVE), out={"full": buffer[:3], "swa": buffer[3:]})
     expected = cache.block_tables(list(LIVE))
+    rows = len(LIVE)
     for group, table in expected.items():
-        np.testing.assert_array_equal(out[group][:, : table.shape[1]], table)
-        assert (out[group][:, table.shape[1] :] == -1).all()
+        np.testing.assert_array_equal(out[group][:rows, : table.shape[1]], table)
+        assert (out[group][:rows, table.shape[1] :] == -1).all()
+        assert (out[group][rows:] == 0).all()  # rows past len(reqs) are untouched
 
 
 # --- text, bytes and masked arrays are never batches (docs/engine-api.md, "Odd inputs") --------
@@ -462,7 +482,10 @@ _TEXT_OR_BYTES = {
 @pytest.mark.parametrize("where", list(_BATCHES))
 def test_text_or_bytes_is_never_a_batch(api: ModuleType, where: str, value: str) -> None:
     call, name, what = _BATCHES[where]
-    got = check_case(api, Case(lambda c: call(c, _TEXT_OR_BYTES[value]), TypeError, name))
+    page_level = where.startswith("match_prefix")
+    got = check_case(
+        api, Case(lambda c: call(c, _TEXT_OR_BYTES[value]), TypeError, name, page_level=page_level)
+    )
     assert got == Refusal(TypeError, f"{name} must be a sequence of {what}, got {value}")
 
 
@@ -521,7 +544,6 @@ ID_CASES = [
         ("finish-both-quotes", lambda c: c.finish("'\""), UnknownRequestError, "unknown request id '\\'\"'"),
         ("add-existing-str", lambda c: c.add_request("a", [1, 2]), ValueError, "'a'"),
         ("add-existing-int", lambda c: c.add_request(7, [1, 2]), ValueError, "7"),
-        ("add-existing-page-level", lambda c: c.add_request(PAGE_LEVEL, [1, 2]), ValueError, "'p'"),
         ("admit-existing-str", lambda c: c.admit("a", [1, 2], 1), ValueError, "'a'"),
         ("admit-existing-int", lambda c: c.admit(7, [1, 2], 1), ValueError, "7"),
         ("admit-bytes", lambda c: c.admit(b"a", [1, 2], 1), TypeError, "request ids"),
@@ -579,8 +601,23 @@ def test_int_and_str_ids_are_distinct(api: ModuleType) -> None:
 
 # --- calls out of order --------------------------------------------------------------------------
 
+#: The calls of ``ORDER_CASES`` that are page-level (run on a ``PageCache``).
+_PAGE_LEVEL_ORDER = frozenset(
+    {
+        "free-twice",
+        "register-unknown",
+        "reclaim-unknown",
+        "free-unknown",
+        "decode_step-unknown",
+        "prefill_chunk-unknown",
+        "register-bad-hash",
+        "claim-holding-pages",
+        "prefill_first_chunk-holding-pages",
+    }
+)
+
 ORDER_CASES = [
-    pytest.param(Case(call, kind, name, setup), id=label)
+    pytest.param(Case(call, kind, name, setup, page_level=label in _PAGE_LEVEL_ORDER), id=label)
     for label, setup, call, kind, name in [
         ("schedule-before-add", None, lambda c: c.schedule("new", 1), UnknownRequestError, "'new'"),
         (
@@ -612,26 +649,6 @@ ORDER_CASES = [
             "'p'",
         ),
         ("schedule-more-than-known", None, lambda c: c.schedule(7, 7), ValueError, "num_new_tokens"),
-        ("schedule-page-level", None, lambda c: c.schedule(PAGE_LEVEL, 1), ValueError, "'p'"),
-        (
-            "schedule_batch-page-level",
-            None,
-            lambda c: c.schedule_batch([7, PAGE_LEVEL], [1, 1]),
-            ValueError,
-            "'p'",
-        ),
-        ("finish-page-level", None, lambda c: c.finish(PAGE_LEVEL), ValueError, "'p'"),
-        ("preempt-page-level", None, lambda c: c.preempt(PAGE_LEVEL), ValueError, "'p'"),
-        ("append-page-level", None, lambda c: c.append_tokens(PAGE_LEVEL, [1]), ValueError, "'p'"),
-        (
-            "append_batch-page-level",
-            None,
-            lambda c: c.append_tokens_batch(["a", PAGE_LEVEL], [1, 2]),
-            ValueError,
-            "'p'",
-        ),
-        ("num_tokens-page-level", None, lambda c: c.num_tokens(PAGE_LEVEL), ValueError, "'p'"),
-        ("num_computed-page-level", None, lambda c: c.num_computed_tokens(PAGE_LEVEL), ValueError, "'p'"),
         ("register-unknown", None, lambda c: c.register("new", [HASH]), UnknownRequestError, "'new'"),
         ("reclaim-unknown", None, lambda c: c.reclaim("new", 1), UnknownRequestError, "'new'"),
         ("free-unknown", None, lambda c: c.free("new"), UnknownRequestError, "'new'"),
@@ -721,33 +738,67 @@ def _page_level_calls(req: object) -> dict[str, Any]:
     }
 
 
-#: Page-level calls on the token-level requests: ``"a"`` (scheduled, holding pages) and ``7``
-#: (admitted, no pages yet). The message names the method and the request.
-TOKEN_LEVEL_CASES = [
-    pytest.param(Case(call, ValueError, f"{method}: request {req!r} is token-level"), id=f"{method}-{req!r}")
-    for req in TOKEN_LEVEL
-    for method, call in _page_level_calls(req).items()
-]
+def _token_level_calls(req: object) -> dict[str, Any]:
+    """Every token-level call on ``req`` (or, for the probes, on a prompt)."""
+    return {
+        "add_request": lambda c: c.add_request(req, [1, 2]),
+        "admit": lambda c: c.admit(req, [1, 2], 1),
+        "append_tokens": lambda c: c.append_tokens(req, [1]),
+        "append_tokens_batch": lambda c: c.append_tokens_batch([req], [1]),
+        "append_tokens_rows": lambda c: c.append_tokens_rows([0], [1]),
+        "schedule": lambda c: c.schedule(req, 1),
+        "schedule_batch": lambda c: c.schedule_batch([req], [1]),
+        "schedule_rows": lambda c: c.schedule_rows([0], [1]),
+        "finish": lambda c: c.finish(req),
+        "preempt": lambda c: c.preempt(req),
+        "num_tokens": lambda c: c.num_tokens(req),
+        "num_computed_tokens": lambda c: c.num_computed_tokens(req),
+        "reserve": lambda c: c.reserve(req, 1),
+        "budget": lambda c: c.budget(req),
+        "prefix_hit_tokens": lambda c: c.prefix_hit_tokens([1, 2]),
+        "pages_needed_to_admit": lambda c: c.pages_needed_to_admit([1, 2], 1),
+        "row_of": lambda c: c.row_of(req),
+        "bind_rows": lambda c: c.bind_rows({}),
+        "update_rows": lambda c: c.update_rows(),
+        "unbind_rows": lambda c: c.unbind_rows(),
+    }
 
 
-@pytest.mark.parametrize("case", TOKEN_LEVEL_CASES)
-def test_page_level_call_on_token_level_request_is_refused(api: ModuleType, case: Case) -> None:
-    check_case(api, case)
+@pytest.mark.parametrize("method", list(_page_level_calls("a")))
+@pytest.mark.parametrize("req", TOKEN_LEVEL)
+def test_page_level_calls_are_absent_from_the_token_level_cache(
+    api: ModuleType, method: str, req: object
+) -> None:
+    """``FlatKVCache`` speaks the token-level protocol only: a page-level call is an
+    AttributeError naming the method, and nothing changes (docs/requests-api.md)."""
+    cache = busy_cache(api)
+    before = snapshot(cache)
+    with pytest.raises(AttributeError, match=method):
+        _page_level_calls(req)[method](cache)
+    assert snapshot(cache) == before
+    cache.check_invariants()
 
 
-@pytest.mark.parametrize("case", TOKEN_LEVEL_CASES)
-def test_page_level_call_on_token_level_request_same_error_on_both_engines(case: Case) -> None:
-    check_agree(case)
+@pytest.mark.parametrize("method", list(_token_level_calls(PAGE_LEVEL)))
+def test_token_level_calls_are_absent_from_the_page_level_cache(api: ModuleType, method: str) -> None:
+    """``PageCache`` speaks the page-level protocol only: a token-level call is an
+    AttributeError naming the method, and nothing changes (docs/engine-api.md)."""
+    cache = busy_page_cache(api)
+    before = snapshot(cache)
+    with pytest.raises(AttributeError, match=method):
+        _token_level_calls(PAGE_LEVEL)[method](cache)
+    assert snapshot(cache) == before
+    cache.check_invariants()
 
 
-def test_read_only_page_level_calls_answer_for_token_level_requests(api: ModuleType) -> None:
-    """Reading a token-level request's tables stays open to the page-level readers."""
+def test_shared_readers_answer_for_token_level_requests(api: ModuleType) -> None:
+    """The readers both classes share (``page_ids``, ``tail_available``, ``pages_needed``,
+    ``block_tables``) answer for token-level requests."""
     cache = busy_cache(api)
     assert cache.page_ids("a") == [[1, 2, 3], [4, 5, 6]]
     # 10 tokens computed in 4-token pages: 2 free slots in the last page of each group.
     assert cache.tail_available("a") == [2, 2]
     assert cache.pages_needed(2, "a") == 0 and cache.pages_needed(3, "a") == 2
-    assert cache.pages_reclaimable("a", 10) == 0
     assert cache.page_ids(7) == [[], []]
     assert cache.block_tables(["a", 7])["full"].tolist() == [[1, 2, 3], [-1, -1, -1]]
 

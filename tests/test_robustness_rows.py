@@ -133,7 +133,10 @@ CASES = {
         "use_prefix_cache must be a bool",
     ),
     "count_uncached-int": Case(
-        lambda c: c.pages_reclaimable("p", 1, count_uncached=0), TypeError, "count_uncached must be a bool"
+        lambda c: c.pages_reclaimable("p", 1, count_uncached=0),
+        TypeError,
+        "count_uncached must be a bool",
+        page_level=True,
     ),
 }
 # A read-only buffer: built outside the lambda so the flag is really off.

@@ -3,7 +3,7 @@
 One hypothesis state machine drives the native ``FlatKVCache`` and the pure-Python reference
 with the same scheduler-loop operations on requests that own rows of bound buffers: add with a
 row (free, held, or out of range), decode steps (``schedule_batch`` + ``append_tokens_batch``),
-prefill chunks, finish, preempt and re-add in another row, page-level calls, ``reset_prefix_cache``,
+prefill chunks, finish, preempt and re-add in another row, ``reset_prefix_cache``,
 re-binding (more rows, other widths, windowed sliding groups), a scribble repaired by
 ``update_rows(full=True)``, and bound buffers changed in place (read-only, another dtype,
 another shape), which both engines must refuse without writing or losing anything.
@@ -184,11 +184,6 @@ class RowsMachine(RuleBasedStateMachine):
         del self.live[req]
         if self.both("add_request", req, tokens, row=row)[0] == "ok":
             self.live[req] = row
-
-    @precondition(lambda self: self.live)
-    @rule(index=st.integers(0, 10), op=st.sampled_from(["acquire", "reclaim"]), k=st.integers(0, 9))
-    def page_level_call(self, index: int, op: str, k: int) -> None:
-        self.both(op, self.pick(index), k)
 
     @rule()
     def reset_prefix_cache(self) -> None:

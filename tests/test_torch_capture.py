@@ -105,7 +105,7 @@ needs_flat = pytest.mark.skipif(not flat_kvcache.FLAT_KVCACHE, reason="built wit
 def flat_step(*reqs: str) -> dict[str, np.ndarray]:
     """Block tables from a flat cache: "a" holds 40 tokens, "b" ran past the 64-token window
     and reclaimed its first two sliding pages."""
-    cache = ref.FlatKVCache(ref.kv_cache_specs(GROUPS), 64)
+    cache = ref.PageCache(ref.kv_cache_specs(GROUPS), 64)
     assert cache.acquire("a", 40) and cache.acquire("b", 100)
     cache.reclaim("b", 100)
     return cache.block_tables(list(reqs or ("a", "b")))
@@ -138,7 +138,7 @@ def test_default_buffers_hold_a_request_at_the_context_limit() -> None:
     # A request of C = 4096 tokens on a 64-token window, page 16: its sliding table has 256
     # columns (252 of them holes after reclaim), far wider than the window's 6 columns.
     groups = ref.group_specs_from_layer_types(["sliding_attention", "full_attention"], 64, page_size=PAGE)
-    cache = ref.FlatKVCache(ref.kv_cache_specs(groups), 600)
+    cache = ref.PageCache(ref.kv_cache_specs(groups), 600)
     assert cache.acquire("long", 4096)
     cache.reclaim("long", 4096)
     assert cache.acquire("short", 100)
@@ -182,7 +182,7 @@ def test_sliding_offsets_capture_each_rows_tail() -> None:
 
 @needs_flat
 def test_sliding_offsets_refuse_to_drop_a_live_page() -> None:
-    cache = ref.FlatKVCache(ref.kv_cache_specs(GROUPS), 64)
+    cache = ref.PageCache(ref.kv_cache_specs(GROUPS), 64)
     assert cache.acquire("b", 100)  # not reclaimed: slot 0 still holds a page
     step = cache.block_tables(["b"])
     with pytest.raises(

@@ -12,6 +12,7 @@ from typing import Any, Literal, Protocol, SupportsIndex, final, overload
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import disjoint_base
 
 from flat_kvcache._types import CacheStats, PoolStats
 
@@ -24,7 +25,9 @@ __all__ = [
     "FLAT_KVCACHE",
     "BlockPool",
     "FlatKVCache",
+    "PageCache",
     "PrefixMatch",
+    "_PagedCacheBase",
     "__version__",
     "components_from_layers",
     "compute_max_logical_pages_for_capture",
@@ -405,50 +408,18 @@ class PrefixMatch:
     def __eq__(self, other: object, /) -> bool:
         """Equal when ``num_common_tokens``, ``pages`` and ``num_hit_pages`` are."""
 
-@final
-class FlatKVCache:
-    """The page engine of one model (SPEC 6 to 9, docs/engine-api.md, docs/requests-api.md).
+@disjoint_base
+class _PagedCacheBase:
+    """The state and calls ``FlatKVCache`` (token-level, docs/requests-api.md) and ``PageCache``
+    (page-level, docs/engine-api.md) share: the geometry, counters, reading a request's tables,
+    block tables, KV events, the host tier's transfers and the invariant check. Not
+    constructible itself.
 
     Request ids are ``str`` or ``int`` (``5`` and ``"5"`` differ; another type is a
-    ``TypeError``). An unknown id is an ``UnknownRequestError`` (a ``KeyError``) except for
-    ``claim``, ``acquire`` and ``prefill_first_chunk``, which create it. Requests created by
-    ``add_request`` own their tokens (token-level); the others are page-level. Token-level
-    methods refuse page-level requests, and the page-level methods that move pages (``claim``,
-    ``acquire``, ``register``, ``reclaim``, ``free`` and the step calls) refuse token-level ones,
-    with a ``ValueError`` naming the method and the request; the read-only ones (``page_ids``,
-    ``tail_available``, ``pages_needed``, ...) answer for both. Running out of pages is not an
-    error: the calls that need pages return False and change nothing. Safe to share between
-    threads.
+    ``TypeError``); an unknown id is an ``UnknownRequestError`` (a ``KeyError``). Running out
+    of pages is not an error: the calls that need pages return False and change nothing. Safe
+    to share between threads.
     """
-
-    def __new__(
-        cls,
-        specs: Iterable[_GroupSpec],
-        num_pages: int,
-        *,
-        enable_caching: bool = True,
-        eviction_order: _EvictionOrder = "hybrid",
-        enable_kv_events: bool = False,
-        reuse_uncached_first: bool = True,
-        host_pages: int | None = 0,
-        host_store: _HostStore = "write_through",
-    ) -> FlatKVCache:
-        """The engine over ``specs`` (non-empty) with a pool of ``num_pages >= 1`` pages.
-
-        ``eviction_order`` ``"hybrid"`` frees a request's pages by slot end token, descending,
-        across all groups (SPEC 12.3); ``"group"`` frees group 0's table tail first, then group
-        1's, and so on. ``enable_kv_events`` records KV events for ``take_events``.
-        ``reuse_uncached_first``: a released page that holds no key joins the front of the free
-        list (handed out before any cached page) instead of the back. Raises
-        ``TypeError`` / ``ValueError`` naming a malformed spec (``specs[i].kind`` ...) or option.
-
-        ``host_pages > 0`` adds a host-memory tier of that many pages of the same geometry
-        (host page ids ``[0, host_pages)``): pages are copied there and loaded back on a prefix
-        hit, through transfers the engine runs (``take_transfers`` / ``ack_transfers``).
-        ``host_store``: ``"write_through"`` copies each page as it is registered;
-        ``"evict"`` copies a cached page when its last reference goes (it joins the free list
-        once the copy is acknowledged). 0 (default): no tier, nothing changes.
-        """
 
     @property
     def base_page_size(self) -> int:
@@ -480,104 +451,14 @@ class FlatKVCache:
     def has_request(self, req: _RequestId) -> bool:
         """Whether ``req`` has tables."""
 
-    def match_prefix(self, content_hashes: Sequence[str]) -> PrefixMatch:
-        """The hybrid prefix match of base-page content hashes (64-char lowercase hex); read-only.
-
-        Releases the GIL while matching. Raises ``TypeError`` / ``ValueError`` naming a
-        malformed hash.
-        """
-
-    def claim(self, req: _RequestId, match: PrefixMatch) -> None:
-        """Take references on ``match``'s pages and make them ``req``'s tables (created if new).
-
-        ``ValueError`` (and no change) if the tables already hold pages, the match has the
-        wrong number of groups, or a matched page no longer holds the key it was matched under.
-        """
-
-    def acquire(self, req: _RequestId, num_tokens: int) -> bool:
-        """Make room for ``num_tokens`` more tokens in every group of ``req`` (created if new).
-
-        Check-then-act: False (and no change) when the pool has too few free pages.
-        """
-
-    def register(
-        self,
-        req: _RequestId,
-        content_hashes: Sequence[str],
-        *,
-        first_slot: int = 0,
-        end_tokens: int | None = None,
-    ) -> None:
-        """Register base-page hashes in every group (a no-op with caching off).
-
-        ``content_hashes[j]`` is base page ``first_slot + j``; state groups register only the
-        last key, when the range ends at ``end_tokens`` on their page boundary. Raises
-        ``UnknownRequestError`` for an unknown ``req``.
-        """
-
-    def reclaim(self, req: _RequestId, num_computed_tokens: int) -> None:
-        """Free the pages of ``req`` that slid out of every window at ``num_computed_tokens``.
-
-        Raises ``UnknownRequestError`` for an unknown ``req``, ``ValueError`` for a token-level one.
-        """
-
-    def free(self, req: _RequestId) -> None:
-        """Release all of ``req``'s pages (in the eviction order), drop its reserve and forget it.
-
-        Raises ``UnknownRequestError`` for an unknown ``req``, ``ValueError`` for a token-level
-        one (``finish`` or ``preempt`` end those).
-        """
-
     def pages_needed(self, num_tokens: int, req: _RequestId | None = None) -> int:
         """Pages ``acquire(req, num_tokens)`` would allocate (fresh tables when ``req`` is None)."""
-
-    def pages_reclaimable(
-        self, req: _RequestId, num_computed_tokens: int, *, count_uncached: bool = True
-    ) -> int:
-        """Pages ``reclaim(req, num_computed_tokens)`` would put back on the free list.
-
-        Only pages whose last reference is ``req`` count, and only cached ones unless
-        ``count_uncached``.
-        """
-
-    def pages_consumed_by_claim(self, match: PrefixMatch) -> int:
-        """Distinct real pages of ``match`` with count 0 (what a claim takes off the free list)."""
 
     def page_ids(self, req: _RequestId) -> list[list[int]]:
         """``req``'s page ids per group (holes 0); ``UnknownRequestError`` for an unknown id."""
 
     def tail_available(self, req: _RequestId) -> list[int]:
         """``req``'s free token slots in its last page, per group."""
-
-    def prefill_first_chunk(self, req: _RequestId, match: PrefixMatch, num_tokens: int) -> bool:
-        """First prefill chunk: ``claim(req, match)`` then ``acquire(req, num_tokens)``.
-
-        On False the claim stays. Raises like ``claim``.
-        """
-
-    def prefill_chunk(
-        self, req: _RequestId, content_hashes: Sequence[str], num_tokens: int, num_computed_tokens: int
-    ) -> bool:
-        """A later prefill chunk: register, reclaim, then acquire ``num_tokens``.
-
-        ``content_hashes`` start at base page 0 and are cut to ``num_computed_tokens // base``.
-        Returns whether the acquire succeeded.
-        """
-
-    def decode_step(
-        self,
-        req: _RequestId,
-        content_hashes: Sequence[str],
-        first_page_slot: int,
-        num_tokens: int,
-        num_computed_tokens: int,
-    ) -> bool:
-        """A decode step: register, reclaim, then acquire ``num_tokens``.
-
-        ``content_hashes`` start at base page ``first_page_slot`` and are cut so that
-        ``first_page_slot + len <= num_computed_tokens // base``. Returns whether the acquire
-        succeeded.
-        """
 
     @overload
     def block_tables(self, reqs: Sequence[_RequestId], out: None = None) -> dict[str, npt.NDArray[np.int32]]:
@@ -598,6 +479,90 @@ class FlatKVCache:
     def check_invariants(self) -> None:
         """Check every engine invariant; ``InvariantError`` (a ``RuntimeError``) names the first
         violation."""
+
+    def stats(self) -> CacheStats:
+        """Metrics with stable names (see :class:`flat_kvcache._types.CacheStats`)."""
+
+    def take_transfers(
+        self,
+    ) -> dict[str, dict[str, tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]]]:
+        """The host-tier transfers emitted since the last call, now handed out.
+
+        ``{"store": {group_id: (ids, src, dst)}, "load": {group_id: (ids, src, dst)}}``, int64
+        arrays, groups in index order (only groups with transfers), transfers in emission
+        order. A store copies device page ``src[i]`` to host page ``dst[i]`` in the layers of
+        that group; a load copies host page ``src[i]`` to device page ``dst[i]``. A device page
+        being stored is never handed out again until the store is acknowledged; a load's
+        destination is already in its request's block tables, and that request cannot be
+        scheduled until every load into it is acknowledged. ``{"store": {}, "load": {}}``
+        without a tier.
+        """
+
+    def ack_transfers(self, ids: _Counts) -> None:
+        """Acknowledge finished transfers by id, in any order and any grouping.
+
+        A store makes its host page a hit for later requests; a load registers its device page
+        (a device hit from now on, with a ``BlockStored`` event) and unblocks its request once
+        its last load is in. A load acknowledged after its request finished, was preempted or
+        aborted just releases the page. ``ValueError`` (nothing changes) for an id not in
+        flight, not handed out by ``take_transfers`` yet, or listed twice.
+        """
+
+    def loads_in_flight(self, req: _RequestId) -> int:
+        """Host-tier loads into ``req``'s pages not acknowledged yet; ``schedule`` /
+        ``schedule_batch`` refuse the request (``ValueError``) until this is 0."""
+
+    def transfers_in_flight(self) -> int:
+        """Transfers emitted and not acknowledged yet (handed out or not)."""
+
+    def take_events(self) -> list[_KVEvent]:
+        """The KV events recorded since the last call, oldest first (``[]`` with events off)."""
+
+    def reset_prefix_cache(self) -> int:
+        """Drop the key of every cached page with count 0; returns how many keys were dropped.
+
+        The pages stay free; pages held by requests keep their keys. Events: ``AllBlocksCleared``
+        when no request held a cached page (no key is left), else one ``BlockRemoved`` per group
+        of the dropped keys.
+        """
+
+@final
+class FlatKVCache(_PagedCacheBase):
+    """The token-level protocol (docs/requests-api.md): requests that own their tokens.
+
+    Requests are created by ``add_request`` / ``admit`` and moved by ``schedule*``,
+    ``append_tokens*``, ``finish`` and ``preempt``; the page-level calls are ``PageCache``'s
+    (absent here). The shared calls are :class:`_PagedCacheBase`'s.
+    """
+
+    def __new__(
+        cls,
+        specs: Iterable[_GroupSpec],
+        num_pages: int,
+        *,
+        enable_caching: bool = True,
+        eviction_order: _EvictionOrder = "hybrid",
+        enable_kv_events: bool = False,
+        reuse_uncached_first: bool = True,
+        host_pages: int | None = 0,
+        host_store: _HostStore = "write_through",
+    ) -> FlatKVCache:
+        """The token-level engine over ``specs`` (non-empty) with a pool of ``num_pages >= 1`` pages.
+
+        ``eviction_order`` ``"hybrid"`` frees a request's pages by slot end token, descending,
+        across all groups (SPEC 12.3); ``"group"`` frees group 0's table tail first, then group
+        1's, and so on. ``enable_kv_events`` records KV events for ``take_events``.
+        ``reuse_uncached_first``: a released page that holds no key joins the front of the free
+        list (handed out before any cached page) instead of the back. Raises
+        ``TypeError`` / ``ValueError`` naming a malformed spec (``specs[i].kind`` ...) or option.
+
+        ``host_pages > 0`` adds a host-memory tier of that many pages of the same geometry
+        (host page ids ``[0, host_pages)``): pages are copied there and loaded back on a prefix
+        hit, through transfers the engine runs (``take_transfers`` / ``ack_transfers``).
+        ``host_store``: ``"write_through"`` copies each page as it is registered;
+        ``"evict"`` copies a cached page when its last reference goes (it joins the free list
+        once the copy is acknowledged). 0 (default): no tier, nothing changes.
+        """
 
     def add_request(
         self,
@@ -690,7 +655,7 @@ class FlatKVCache:
         """Append newly known tokens to a token-level request.
 
         Each base page that fills is hashed once, chained to the previous one.
-        ``UnknownRequestError`` for an unknown id, ``ValueError`` for a page-level request.
+        ``UnknownRequestError`` for an unknown id.
         """
 
     def append_tokens_batch(
@@ -703,8 +668,8 @@ class FlatKVCache:
 
         Request ``i`` gets the next ``num_tokens[i]`` entries of the flat ``token_ids``, or
         exactly one each when ``num_tokens`` is None; the same as ``append_tokens`` per request
-        in order. Everything is validated first (``UnknownRequestError``; ``ValueError`` for a
-        page-level request or lengths that do not add up) and nothing changes on error.
+        in order. Everything is validated first (``UnknownRequestError``; ``ValueError`` for
+        lengths that do not add up) and nothing changes on error.
         """
 
     def schedule(self, req: _RequestId, num_new_tokens: int, *, lookahead: int = 0) -> bool:
@@ -719,8 +684,8 @@ class FlatKVCache:
     def schedule_batch(self, reqs: Sequence[_RequestId], num_new_tokens: _Counts) -> npt.NDArray[np.bool_]:
         """Schedule a whole step: ``num_new_tokens`` holds one count per request.
 
-        Everything is validated first (``UnknownRequestError``; ``ValueError`` for a page-level
-        request, too many tokens or a length mismatch; nothing changes then); each request is
+        Everything is validated first (``UnknownRequestError``; ``ValueError`` for too many
+        tokens or a length mismatch; nothing changes then); each request is
         then scheduled in order like ``schedule(req, n)``. Returns a bool array.
 
         An id object passed at the same position of the last batch (a list or tuple), still
@@ -762,55 +727,137 @@ class FlatKVCache:
     def reserve(self, req: _RequestId, tokens: int) -> None:
         """Promise ``pages_needed(tokens, req)`` pages to ``req``'s next decode (0 clears it).
 
-        Replaces the previous reserve; released by a successful ``schedule``, ``finish``,
-        ``preempt`` and ``free``.
+        Replaces the previous reserve; released by a successful ``schedule``, ``finish`` and
+        ``preempt``.
         """
 
     def budget(self, req: _RequestId | None = None) -> int:
         """Free pages minus the reserves of every request other than ``req`` (may be negative)."""
 
-    def stats(self) -> CacheStats:
-        """Metrics with stable names (see :class:`flat_kvcache._types.CacheStats`)."""
+@final
+class PageCache(_PagedCacheBase):
+    """The page-level protocol (docs/engine-api.md, SPEC 6 to 8) for engines that keep their own
+    request state and bring the content hashes.
 
-    def take_transfers(
+    An unknown id is an ``UnknownRequestError`` except for ``claim``, ``acquire`` and
+    ``prefill_first_chunk``, which create the request. The token-level calls are
+    ``FlatKVCache``'s (absent here); the shared calls are :class:`_PagedCacheBase`'s.
+    """
+
+    def __new__(
+        cls,
+        specs: Iterable[_GroupSpec],
+        num_pages: int,
+        *,
+        enable_caching: bool = True,
+        eviction_order: _EvictionOrder = "hybrid",
+        enable_kv_events: bool = False,
+        reuse_uncached_first: bool = True,
+        host_pages: int | None = 0,
+        host_store: _HostStore = "write_through",
+    ) -> PageCache:
+        """The page-level engine over ``specs`` (non-empty) with a pool of ``num_pages >= 1`` pages.
+
+        ``eviction_order`` ``"hybrid"`` frees a request's pages by slot end token, descending,
+        across all groups (SPEC 12.3); ``"group"`` frees group 0's table tail first, then group
+        1's, and so on. ``enable_kv_events`` records KV events for ``take_events``.
+        ``reuse_uncached_first``: a released page that holds no key joins the front of the free
+        list (handed out before any cached page) instead of the back. Raises
+        ``TypeError`` / ``ValueError`` naming a malformed spec (``specs[i].kind`` ...) or option.
+
+        ``host_pages > 0`` adds a host-memory tier of that many pages of the same geometry
+        (host page ids ``[0, host_pages)``): pages are copied there and loaded back on a prefix
+        hit, through transfers the engine runs (``take_transfers`` / ``ack_transfers``).
+        ``host_store``: ``"write_through"`` copies each page as it is registered;
+        ``"evict"`` copies a cached page when its last reference goes (it joins the free list
+        once the copy is acknowledged). 0 (default): no tier, nothing changes.
+        """
+
+    def match_prefix(self, content_hashes: Sequence[str]) -> PrefixMatch:
+        """The hybrid prefix match of base-page content hashes (64-char lowercase hex); read-only.
+
+        Releases the GIL while matching. Raises ``TypeError`` / ``ValueError`` naming a
+        malformed hash.
+        """
+
+    def claim(self, req: _RequestId, match: PrefixMatch) -> None:
+        """Take references on ``match``'s pages and make them ``req``'s tables (created if new).
+
+        ``ValueError`` (and no change) if the tables already hold pages, the match has the
+        wrong number of groups, or a matched page no longer holds the key it was matched under.
+        """
+
+    def acquire(self, req: _RequestId, num_tokens: int) -> bool:
+        """Make room for ``num_tokens`` more tokens in every group of ``req`` (created if new).
+
+        Check-then-act: False (and no change) when the pool has too few free pages.
+        """
+
+    def register(
         self,
-    ) -> dict[str, dict[str, tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]]]:
-        """The host-tier transfers emitted since the last call, now handed out.
+        req: _RequestId,
+        content_hashes: Sequence[str],
+        *,
+        first_slot: int = 0,
+        end_tokens: int | None = None,
+    ) -> None:
+        """Register base-page hashes in every group (a no-op with caching off).
 
-        ``{"store": {group_id: (ids, src, dst)}, "load": {group_id: (ids, src, dst)}}``, int64
-        arrays, groups in index order (only groups with transfers), transfers in emission
-        order. A store copies device page ``src[i]`` to host page ``dst[i]`` in the layers of
-        that group; a load copies host page ``src[i]`` to device page ``dst[i]``. A device page
-        being stored is never handed out again until the store is acknowledged; a load's
-        destination is already in its request's block tables, and that request cannot be
-        scheduled until every load into it is acknowledged. ``{"store": {}, "load": {}}``
-        without a tier.
+        ``content_hashes[j]`` is base page ``first_slot + j``; state groups register only the
+        last key, when the range ends at ``end_tokens`` on their page boundary. Raises
+        ``UnknownRequestError`` for an unknown ``req``.
         """
 
-    def ack_transfers(self, ids: _Counts) -> None:
-        """Acknowledge finished transfers by id, in any order and any grouping.
+    def reclaim(self, req: _RequestId, num_computed_tokens: int) -> None:
+        """Free the pages of ``req`` that slid out of every window at ``num_computed_tokens``.
 
-        A store makes its host page a hit for later requests; a load registers its device page
-        (a device hit from now on, with a ``BlockStored`` event) and unblocks its request once
-        its last load is in. A load acknowledged after its request finished, was preempted or
-        aborted just releases the page. ``ValueError`` (nothing changes) for an id not in
-        flight, not handed out by ``take_transfers`` yet, or listed twice.
+        Raises ``UnknownRequestError`` for an unknown ``req``.
         """
 
-    def loads_in_flight(self, req: _RequestId) -> int:
-        """Host-tier loads into ``req``'s pages not acknowledged yet; ``schedule`` /
-        ``schedule_batch`` refuse the request (``ValueError``) until this is 0."""
+    def free(self, req: _RequestId) -> None:
+        """Release all of ``req``'s pages (in the eviction order), drop its reserve and forget it.
 
-    def transfers_in_flight(self) -> int:
-        """Transfers emitted and not acknowledged yet (handed out or not)."""
+        Raises ``UnknownRequestError`` for an unknown ``req``.
+        """
 
-    def take_events(self) -> list[_KVEvent]:
-        """The KV events recorded since the last call, oldest first (``[]`` with events off)."""
+    def pages_reclaimable(
+        self, req: _RequestId, num_computed_tokens: int, *, count_uncached: bool = True
+    ) -> int:
+        """Pages ``reclaim(req, num_computed_tokens)`` would put back on the free list.
 
-    def reset_prefix_cache(self) -> int:
-        """Drop the key of every cached page with count 0; returns how many keys were dropped.
+        Only pages whose last reference is ``req`` count, and only cached ones unless
+        ``count_uncached``.
+        """
 
-        The pages stay free; pages held by requests keep their keys. Events: ``AllBlocksCleared``
-        when no request held a cached page (no key is left), else one ``BlockRemoved`` per group
-        of the dropped keys.
+    def pages_consumed_by_claim(self, match: PrefixMatch) -> int:
+        """Distinct real pages of ``match`` with count 0 (what a claim takes off the free list)."""
+
+    def prefill_first_chunk(self, req: _RequestId, match: PrefixMatch, num_tokens: int) -> bool:
+        """First prefill chunk: ``claim(req, match)`` then ``acquire(req, num_tokens)``.
+
+        On False the claim stays. Raises like ``claim``.
+        """
+
+    def prefill_chunk(
+        self, req: _RequestId, content_hashes: Sequence[str], num_tokens: int, num_computed_tokens: int
+    ) -> bool:
+        """A later prefill chunk: register, reclaim, then acquire ``num_tokens``.
+
+        ``content_hashes`` start at base page 0 and are cut to ``num_computed_tokens // base``.
+        Returns whether the acquire succeeded.
+        """
+
+    def decode_step(
+        self,
+        req: _RequestId,
+        content_hashes: Sequence[str],
+        first_page_slot: int,
+        num_tokens: int,
+        num_computed_tokens: int,
+    ) -> bool:
+        """A decode step: register, reclaim, then acquire ``num_tokens``.
+
+        ``content_hashes`` start at base page ``first_page_slot`` and are cut so that
+        ``first_page_slot + len <= num_computed_tokens // base``. Returns whether the acquire
+        succeeded.
         """

@@ -8,12 +8,16 @@ validates every argument. :class:`KVCacheSpec` and :func:`kv_cache_specs` are pl
 shared with the reference (they live in :mod:`flat_kvcache._types`); ``FlatKVCache`` reads the
 spec's four fields.
 
-The exact contract (shared with :mod:`flat_kvcache.reference`) is ``docs/engine-api.md`` for the
-page-level calls and ``docs/requests-api.md`` for the scheduler-loop API on the same
-``FlatKVCache``: requests that own their tokens (``add_request``, ``append_tokens``,
-``schedule`` / ``schedule_batch``, ``finish``, ``preempt``), ``block_tables(reqs, out=...)``
-writing into caller buffers, admission accounting, ``stats()`` and KV events
-(:mod:`flat_kvcache.events`).
+Two engine classes speak the two protocols, sharing their constructor, state and read-only
+calls (``page_ids``, ``pages_needed``, ``block_tables``, ``stats()``, KV events, the host
+tier's transfers); a method of one protocol is absent from the other class. The exact
+contracts (shared with :mod:`flat_kvcache.reference`): ``docs/requests-api.md`` for
+``FlatKVCache``, the scheduler-loop API of requests that own their tokens (``add_request``,
+``append_tokens``, ``schedule`` / ``schedule_batch``, ``finish``, ``preempt``, persistent rows,
+admission accounting), and ``docs/engine-api.md`` for ``PageCache``, the page-level API of
+engines that keep their own request state (``match_prefix``, ``claim``, ``acquire``,
+``register``, ``reclaim``, ``free``, ``prefill_first_chunk``, ``prefill_chunk``,
+``decode_step``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ __all__ = [
     "BlockPool",
     "FlatKVCache",
     "KVCacheSpec",
+    "PageCache",
     "PrefixMatch",
     "fold_hashes",
     "group_key",
@@ -39,4 +44,5 @@ group_key = _native.group_key
 fold_hashes = _native.fold_hashes
 BlockPool = _native.BlockPool
 FlatKVCache = _native.FlatKVCache
+PageCache = _native.PageCache
 PrefixMatch = _native.PrefixMatch

@@ -1,7 +1,12 @@
-//! `FlatKVCache`: the page engine of one model (SPEC 6 to 9), as a Python class.
+//! The page engine of one model (SPEC 6 to 9) as Python classes: `_PagedCacheBase`, the
+//! state and the calls both protocols share, and its subclass `FlatKVCache`, the token-level
+//! protocol (docs/requests-api.md). The page-level subclass, `PageCache`, is in
+//! `page_cache.rs` (docs/engine-api.md). A method of one protocol is absent from the other
+//! class, so a cache's requests are all of one kind.
 //!
-//! The class is frozen and keeps its mutable state behind a `Mutex`, so Python threads can
-//! share one object. Locking discipline: a lock is never held while Python code can run
+//! The classes are frozen and keep their mutable state behind `Mutex`es, so Python threads can
+//! share one object; a subclass method reaches the shared state through `as_super()`, a
+//! pointer cast. Locking discipline: a lock is never held while Python code can run
 //! (arguments are extracted before locking, results converted after unlocking), so neither a
 //! re-entrant call nor a GIL hand-off can deadlock. Long calls (hashing, matching, a batch
 //! step, writing block tables) take the lock with the GIL released (`py.detach`); the
@@ -26,59 +31,43 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::args::{
-    content_hashes, count, counts, opt_count, tokens, CountParam, EvictionArg, ExtraKeys, FlagParam, GroupSpecs,
-    RequestId, RequestIds,
+    count, counts, opt_count, tokens, CountParam, EvictionArg, ExtraKeys, FlagParam, GroupSpecs, RequestId, RequestIds,
 };
 use crate::convert::{clip, is_masked, signed, IntArg};
 use crate::errors::{core, lock};
 use crate::events::events_to_py;
 use crate::host::{transfer_ids, transfers_to_py, HostStoreArg};
 use crate::idmemo::{Batch, IdMemo};
-use crate::prefix_match::{MatchArg, PyPrefixMatch};
 use crate::rows::{as_outs, check_bind, copy_deltas, deltas_to_py, no_deltas, BoundBuffers};
 use crate::tables::{borrow_out, table_outs};
 use flat_kvcache_core::engine::host::HostStore;
 
-/// The page engine of one model (SPEC 6 to 9, docs/engine-api.md and docs/requests-api.md):
-/// `FlatKVCache(specs, num_pages, *, enable_caching=True, eviction_order="hybrid",
-/// enable_kv_events=False, reuse_uncached_first=True)`.
-///
-/// `specs` is a non-empty sequence of `KVCacheSpec`; `num_pages` the pool size (page 0
-/// included). Request ids are `str` or `int` (`5` and `"5"` differ); an unknown id is an
-/// `UnknownRequestError` (a `KeyError`) except for `claim`, `acquire` and
-/// `prefill_first_chunk`, which create it. Requests created by `add_request` own their
-/// tokens (token-level); the others are page-level. Token-level methods refuse page-level
-/// requests, and the page-level methods that move pages (`claim`, `acquire`, `register`,
-/// `reclaim`, `free` and the step calls) refuse token-level ones, with `ValueError`; the
-/// read-only ones (`page_ids`, `tail_available`, `pages_needed`, ...) answer for both.
-#[pyclass(frozen, module = "flat_kvcache._native", name = "FlatKVCache")]
-pub struct PyFlatKVCache {
+/// The state and the calls shared by `FlatKVCache` (token-level) and `PageCache`
+/// (page-level): the constructor's checks, the geometry, counters, reading tables, block
+/// tables, events, the host tier's transfers and the invariant check. Not constructible
+/// itself (no `#[new]`): Python builds one of the two subclasses.
+#[pyclass(subclass, frozen, module = "flat_kvcache._native", name = "_PagedCacheBase")]
+pub struct PyPagedCache {
     /// The groups as the core normalised them (ids filled in), in group order.
-    specs: Vec<GroupSpec>,
-    base: u64,
-    lcm: u64,
-    inner: Mutex<FlatCache>,
-    /// The last prompt hashed, so probing, sizing and adding one prompt hash it once.
-    last_prompt: Mutex<Option<Prompt>>,
-    /// The buffers bound by `bind_rows` (kept alive and re-borrowed by each update).
-    rows: Mutex<Option<BoundBuffers>>,
-    /// The id objects of the last id-addressed batch and their handles ([`IdMemo`]).
-    ids: Mutex<IdMemo>,
+    pub(crate) specs: Vec<GroupSpec>,
+    pub(crate) base: u64,
+    pub(crate) lcm: u64,
+    pub(crate) inner: Mutex<FlatCache>,
 }
 
-impl PyFlatKVCache {
+impl PyPagedCache {
     /// The group ids, in group order.
-    fn gids(&self) -> impl Iterator<Item = &str> {
+    pub(crate) fn gids(&self) -> impl Iterator<Item = &str> {
         self.specs.iter().map(|s| s.group_id.as_str())
     }
 
     /// Run `f` on the engine with the GIL released (for calls whose work can be long).
-    fn detached<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut FlatCache) -> R + Send) -> PyResult<R> {
+    pub(crate) fn detached<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut FlatCache) -> R + Send) -> PyResult<R> {
         py.detach(|| lock(&self.inner).map(|mut c| f(&mut c)))
     }
 
     /// Run `f` on the engine for the request id `req` (parsed before the lock is taken).
-    fn on_request<R>(
+    pub(crate) fn on_request<R>(
         &self,
         req: &RequestId<'_>,
         f: impl FnOnce(&mut FlatCache, RequestIdRef<'_>) -> flat_kvcache_core::CoreResult<R>,
@@ -88,90 +77,17 @@ impl PyFlatKVCache {
         core(result)
     }
 
-    /// Run `f` on the engine with the batch `reqs` resolved, after `args` parsed the call's
-    /// other arguments (so errors come in argument order). A list or tuple goes through the
-    /// id memo ([`IdMemo`]): the engine stays locked from the handle checks to the end of `f`,
-    /// with the GIL held and no Python code running. Any other iterable is parsed id by id and
-    /// `f` runs with the GIL released.
-    fn with_batch<'py, A, R: Send>(
-        &self,
-        py: Python<'py>,
-        reqs: &Bound<'py, PyAny>,
-        args: impl FnOnce(usize) -> PyResult<A>,
-        f: impl for<'a, 'b> FnOnce(&mut FlatCache, Batch<'a, 'b>, A) -> flat_kvcache_core::CoreResult<R> + Send,
-    ) -> PyResult<R>
-    where
-        A: Send,
-    {
-        // Taken out while in use: a re-entrant call from an `__index__` finds it empty.
-        let mut memo = std::mem::take(&mut *lock(&self.ids)?);
-        let Some(items) = memo.items(reqs) else {
-            let ids = reqs.extract::<RequestIds<'py>>()?;
-            let ids = ids.ids()?;
-            let a = args(ids.len())?;
-            let lookups: Vec<Lookup<'_>> = ids.iter().map(|&id| Lookup::Id(id)).collect();
-            return core(self.detached(py, |c| f(c, Batch::Lookups(&lookups), a))?);
-        };
-        let result = items.and_then(|items| {
-            let a = args(items.len())?;
-            let mut c = lock(&self.inner)?;
-            core(memo.resolve(py, &mut c, items, |c, batch| f(c, batch, a))?)
-        });
-        *lock(&self.ids)? = memo;
-        result
-    }
-
-    /// Hash a prompt into base pages with the GIL released and no lock held.
-    ///
-    /// A contiguous `uint32` array (what a scheduler keeps prompts in) is first compared with
-    /// the memo in place, so probing, sizing and adding one prompt copy its tokens at most once
-    /// (a masked array never: `tokens` refuses it).
-    fn prompt(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>, extra_keys: ExtraKeys) -> PyResult<Prompt> {
-        if let Some(arr) = tokens.cast::<PyArray1<u32>>().ok().filter(|_| !is_masked(tokens)) {
-            if let Ok(view) = arr.try_readonly() {
-                if let Ok(slice) = view.as_slice() {
-                    let memo = lock(&self.last_prompt)?;
-                    if let Some(known) = Prompt::recall(memo.as_ref(), slice, &extra_keys.0, self.base) {
-                        return Ok(known);
-                    }
-                }
-            }
-        }
-        let toks = self::tokens(tokens, "prompt_token_ids")?;
-        let base = self.base;
-        py.detach(|| {
-            let mut memo = lock(&self.last_prompt)?;
-            core(Prompt::new_memoized(toks, extra_keys.0, base, &mut memo))
-        })
-    }
-}
-
-/// The `row=` argument of `add_request` and `admit`: None, or a count (a row past `usize`
-/// becomes `usize::MAX`, which the engine refuses as out of range).
-fn optional_row(row: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {
-    match row.filter(|r| !r.is_none()) {
-        Some(r) => Ok(Some(usize::try_from(count(r, "row")?).unwrap_or(usize::MAX))),
-        None => Ok(None),
-    }
-}
-
-#[pymethods]
-#[allow(clippy::needless_pass_by_value, reason = "PyO3 extracts arguments by value")]
-impl PyFlatKVCache {
-    /// Create the engine over `specs` with a pool of `num_pages >= 1` pages.
+    /// The constructor both subclasses share: `specs` (a non-empty sequence of `KVCacheSpec`),
+    /// a pool of `num_pages >= 1` pages (page 0 included) and the keyword options.
     ///
     /// `eviction_order` is `"hybrid"` (free a request's pages by slot end token, descending,
     /// across all groups; SPEC 12.3) or `"group"` (group 0's table tail first, then group
     /// 1's, ...). `enable_kv_events` records KV events for `take_events`.
     /// `reuse_uncached_first`: a released page that holds no key joins the front of the free
     /// list (handed out before any cached page) instead of the back.
-    #[new]
-    #[pyo3(
-        signature = (specs, num_pages, *, enable_caching = FlagParam::OMITTED, eviction_order = EvictionArg(EvictionOrder::Hybrid), enable_kv_events = FlagParam::OMITTED, reuse_uncached_first = FlagParam::OMITTED, host_pages = None, host_store = HostStoreArg(HostStore::WriteThrough)),
-        text_signature = "(specs, num_pages, *, enable_caching=True, eviction_order='hybrid', enable_kv_events=False, reuse_uncached_first=True, host_pages=0, host_store='write_through')"
-    )]
     #[allow(clippy::too_many_arguments, reason = "the Python constructor's keyword arguments")]
-    fn new(
+    #[allow(clippy::needless_pass_by_value, reason = "handed on as PyO3 extracted them")]
+    pub(crate) fn build(
         specs: GroupSpecs,
         num_pages: &Bound<'_, PyAny>,
         enable_caching: FlagParam<'_>,
@@ -212,12 +128,13 @@ impl PyFlatKVCache {
             base: coord.base_page_size(),
             lcm: coord.lcm_page_size(),
             inner: Mutex::new(cache),
-            last_prompt: Mutex::new(None),
-            rows: Mutex::new(None),
-            ids: Mutex::new(IdMemo::default()),
         })
     }
+}
 
+#[pymethods]
+#[allow(clippy::needless_pass_by_value, reason = "PyO3 extracts arguments by value")]
+impl PyPagedCache {
     /// The base page size (gcd of the groups' page sizes).
     #[getter]
     fn base_page_size(&self) -> u64 {
@@ -272,102 +189,12 @@ impl PyFlatKVCache {
         Ok(lock(&self.inner)?.has_request(id))
     }
 
-    /// The hybrid prefix match of base-page content hashes (64-char hex); read-only.
-    /// Releases the GIL while matching.
-    fn match_prefix(&self, py: Python<'_>, content_hashes: &Bound<'_, PyAny>) -> PyResult<PyPrefixMatch> {
-        let hashes = self::content_hashes(content_hashes, "content_hashes")?;
-        let result = self.detached(py, |c| c.match_prefix(&hashes))?;
-        Ok(PyPrefixMatch { inner: core(result)? })
-    }
-
-    /// Take references on `match`'s pages and make them `req`'s tables (created if new).
-    /// `ValueError` (and no change) if the tables already hold pages, the match has the wrong
-    /// number of groups, or a matched page no longer holds the key it was matched under.
-    #[pyo3(signature = (req, r#match))]
-    fn claim(&self, req: RequestId<'_>, r#match: MatchArg<'_>) -> PyResult<()> {
-        let id = req.id()?;
-        let result = lock(&self.inner)?.claim(id, &r#match.0.get().inner);
-        core(result)
-    }
-
-    /// Make room for `num_tokens` more tokens in every group of `req` (created if new),
-    /// check-then-act: False (and no change) when the pool has too few free pages.
-    fn acquire(&self, req: RequestId<'_>, num_tokens: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let id = req.id()?;
-        let n = count(num_tokens, "num_tokens")?;
-        let result = lock(&self.inner)?.acquire(id, n);
-        core(result)
-    }
-
-    /// Register base-page hashes (`content_hashes[j]` is base page `first_slot + j`) in every
-    /// group; state groups register only the last key when the range ends at `end_tokens`
-    /// on their page boundary. Does nothing with caching off.
-    #[pyo3(
-        signature = (req, content_hashes, *, first_slot = CountParam::OMITTED, end_tokens = None),
-        text_signature = "(self, req, content_hashes, *, first_slot=0, end_tokens=None)"
-    )]
-    fn register(
-        &self,
-        py: Python<'_>,
-        req: RequestId<'_>,
-        content_hashes: &Bound<'_, PyAny>,
-        first_slot: CountParam<'_>,
-        end_tokens: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
-        let id = req.id()?;
-        let hashes = self::content_hashes(content_hashes, "content_hashes")?;
-        let first = first_slot.or(0, "first_slot")?;
-        let end = opt_count(end_tokens, "end_tokens")?;
-        let result = self.detached(py, |c| c.register(id, &hashes, first, end))?;
-        core(result)
-    }
-
-    /// Free the pages of `req` that slid out of every window at `num_computed_tokens`.
-    fn reclaim(&self, req: RequestId<'_>, num_computed_tokens: &Bound<'_, PyAny>) -> PyResult<()> {
-        let id = req.id()?;
-        let n = count(num_computed_tokens, "num_computed_tokens")?;
-        let result = lock(&self.inner)?.reclaim(id, n);
-        core(result)
-    }
-
-    /// Release all of `req`'s pages (in the cache's eviction order), drop its reserve and
-    /// forget it.
-    fn free(&self, req: RequestId<'_>) -> PyResult<()> {
-        self.on_request(&req, FlatCache::free)
-    }
-
     /// Pages an acquire of `num_tokens` would allocate for `req` (a fresh request if None).
     #[pyo3(signature = (num_tokens, req = None))]
     fn pages_needed(&self, num_tokens: &Bound<'_, PyAny>, req: Option<RequestId<'_>>) -> PyResult<u64> {
         let n = count(num_tokens, "num_tokens")?;
         let id = req.as_ref().map(RequestId::id).transpose()?;
         let result = lock(&self.inner)?.pages_needed(n, id);
-        core(result)
-    }
-
-    /// Pages a reclaim of `req` at `num_computed_tokens` would return to the free list
-    /// (only pages whose last reference is `req`; only cached ones unless `count_uncached`).
-    #[pyo3(
-        signature = (req, num_computed_tokens, *, count_uncached = FlagParam::OMITTED),
-        text_signature = "(self, req, num_computed_tokens, *, count_uncached=True)"
-    )]
-    fn pages_reclaimable(
-        &self,
-        req: RequestId<'_>,
-        num_computed_tokens: &Bound<'_, PyAny>,
-        count_uncached: FlagParam<'_>,
-    ) -> PyResult<usize> {
-        let id = req.id()?;
-        let n = count(num_computed_tokens, "num_computed_tokens")?;
-        let count_uncached = count_uncached.or(true, "count_uncached")?;
-        let result = lock(&self.inner)?.pages_reclaimable(id, n, count_uncached);
-        core(result)
-    }
-
-    /// Distinct real pages of `match` with count 0 (what a claim takes off the free list).
-    #[pyo3(signature = (r#match))]
-    fn pages_consumed_by_claim(&self, r#match: MatchArg<'_>) -> PyResult<usize> {
-        let result = lock(&self.inner)?.pages_consumed_by_claim(&r#match.0.get().inner);
         core(result)
     }
 
@@ -379,59 +206,6 @@ impl PyFlatKVCache {
     /// `req`'s free token slots in the last page, per group.
     fn tail_available(&self, req: RequestId<'_>) -> PyResult<Vec<u64>> {
         self.on_request(&req, |c, id| c.tail_available(id))
-    }
-
-    /// First chunk: `claim(req, match)` then `acquire(req, num_tokens)` (on False the claim
-    /// stays).
-    #[pyo3(signature = (req, r#match, num_tokens))]
-    fn prefill_first_chunk(
-        &self,
-        req: RequestId<'_>,
-        r#match: MatchArg<'_>,
-        num_tokens: &Bound<'_, PyAny>,
-    ) -> PyResult<bool> {
-        let id = req.id()?;
-        let n = count(num_tokens, "num_tokens")?;
-        let result = lock(&self.inner)?.prefill_first_chunk(id, &r#match.0.get().inner, n);
-        core(result)
-    }
-
-    /// Later chunk: register the full pages so far (`content_hashes` from base page 0, cut
-    /// to `num_computed_tokens // base`), then reclaim, then acquire `num_tokens`.
-    fn prefill_chunk(
-        &self,
-        py: Python<'_>,
-        req: RequestId<'_>,
-        content_hashes: &Bound<'_, PyAny>,
-        num_tokens: &Bound<'_, PyAny>,
-        num_computed_tokens: &Bound<'_, PyAny>,
-    ) -> PyResult<bool> {
-        let id = req.id()?;
-        let hashes = self::content_hashes(content_hashes, "content_hashes")?;
-        let n = count(num_tokens, "num_tokens")?;
-        let computed = count(num_computed_tokens, "num_computed_tokens")?;
-        let result = self.detached(py, |c| c.prefill_chunk(id, &hashes, n, computed))?;
-        core(result)
-    }
-
-    /// Decode step: register (`content_hashes` start at base page `first_page_slot`, cut so
-    /// that `first_page_slot + len <= num_computed_tokens // base`), reclaim, then acquire
-    /// `num_tokens`. Returns whether the acquire succeeded.
-    fn decode_step(
-        &self,
-        req: RequestId<'_>,
-        content_hashes: &Bound<'_, PyAny>,
-        first_page_slot: &Bound<'_, PyAny>,
-        num_tokens: &Bound<'_, PyAny>,
-        num_computed_tokens: &Bound<'_, PyAny>,
-    ) -> PyResult<bool> {
-        let id = req.id()?;
-        let hashes = self::content_hashes(content_hashes, "content_hashes")?;
-        let first = count(first_page_slot, "first_page_slot")?;
-        let n = count(num_tokens, "num_tokens")?;
-        let computed = count(num_computed_tokens, "num_computed_tokens")?;
-        let result = lock(&self.inner)?.decode_step(id, &hashes, first, n, computed);
-        core(result)
     }
 
     /// Flat per-group block tables of a batch, rows in the order given (repeats allowed).
@@ -470,373 +244,6 @@ impl PyFlatKVCache {
         }
         Ok(dict.into_any())
     }
-
-    // ----- token-level requests (docs/requests-api.md) --------------------------------------
-
-    /// Add a token-level request for `prompt_token_ids` (a non-empty list or 1-D integer
-    /// array of u32) under a new id. Every full base page is hashed (chained, `extra_keys` on
-    /// every page) with the GIL released; with caching on and `use_prefix_cache`, the prefix
-    /// match over all but the last prompt token is claimed. Returns the hit in tokens (the
-    /// request's computed tokens); allocates nothing else.
-    ///
-    /// `row`: give the request that row of the tables bound by `bind_rows` (free, and below
-    /// their row count); `update_rows` keeps it current until the request is finished or
-    /// preempted.
-    #[pyo3(
-        signature = (req, prompt_token_ids, *, extra_keys = ExtraKeys::default(), use_prefix_cache = FlagParam::OMITTED, row = None),
-        text_signature = "(self, req, prompt_token_ids, *, extra_keys=(), use_prefix_cache=True, row=None)"
-    )]
-    fn add_request(
-        &self,
-        py: Python<'_>,
-        req: RequestId<'_>,
-        prompt_token_ids: &Bound<'_, PyAny>,
-        extra_keys: ExtraKeys,
-        use_prefix_cache: FlagParam<'_>,
-        row: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<u64> {
-        let use_prefix_cache = use_prefix_cache.or(true, "use_prefix_cache")?;
-        let id = req.id()?;
-        let row = optional_row(row)?;
-        let prompt = self.prompt(py, prompt_token_ids, extra_keys)?;
-        core(self.detached(py, |c| match row {
-            Some(row) => c.add_request_in_row(id, prompt, use_prefix_cache, row),
-            None => c.add_request(id, prompt, use_prefix_cache),
-        })?)
-    }
-
-    /// SPEC 9 admission in one call (one hash, one prefix match): the first chunk is
-    /// `min(len(prompt) - hit, max_new_tokens)` tokens after the capped hit, with one token
-    /// of reserve when it completes the prompt. If `pages_needed_to_admit(prompt, chunk,
-    /// reserve)` exceeds `budget()`, nothing changes and the answer is None; otherwise the
-    /// request is added exactly as `add_request(req, prompt, ...)` would and the answer is
-    /// `(hit, chunk)`. The caller schedules the chunk (after acknowledging any host-tier
-    /// loads). Same as `prefix_hit_tokens`, `pages_needed_to_admit`, `budget` and
-    /// `add_request` in turn, in one call.
-    #[pyo3(
-        signature = (req, prompt_token_ids, max_new_tokens, *, extra_keys = ExtraKeys::default(), use_prefix_cache = FlagParam::OMITTED, row = None),
-        text_signature = "(self, req, prompt_token_ids, max_new_tokens, *, extra_keys=(), use_prefix_cache=True, row=None)"
-    )]
-    #[allow(clippy::too_many_arguments, reason = "the Python method's arguments")]
-    fn admit(
-        &self,
-        py: Python<'_>,
-        req: RequestId<'_>,
-        prompt_token_ids: &Bound<'_, PyAny>,
-        max_new_tokens: &Bound<'_, PyAny>,
-        extra_keys: ExtraKeys,
-        use_prefix_cache: FlagParam<'_>,
-        row: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Option<(u64, u64)>> {
-        let use_prefix_cache = use_prefix_cache.or(true, "use_prefix_cache")?;
-        let id = req.id()?;
-        let max_new_tokens = count(max_new_tokens, "max_new_tokens")?;
-        let row = optional_row(row)?;
-        let prompt = self.prompt(py, prompt_token_ids, extra_keys)?;
-        core(self.detached(py, |c| c.admit(id, prompt, max_new_tokens, use_prefix_cache, row))?)
-    }
-
-    /// Bind persistent block-table rows (docs/requests-api.md "Persistent rows"): `tables`
-    /// maps every group id to a writable C-contiguous int32 numpy array or CPU torch tensor
-    /// `[max_rows, cols]` (the same `max_rows` for all groups); `offsets` optionally maps
-    /// sliding-window group ids to int32 `[max_rows]` buffers, which makes those groups'
-    /// rows windowed (a row holds `cols` slots of the table from `offsets[g][row]`, the slot
-    /// of column 0, which moves only when the table no longer fits after it). The buffers are filled with -1 (tables) and 0 (offsets) and kept;
-    /// requests added with `row=k` own row `k` until they finish. Binding again replaces the
-    /// buffers; requests keep their rows (each must fit the new row count) and are rewritten
-    /// whole on the next update.
-    #[pyo3(signature = (tables, *, offsets = None), text_signature = "(self, tables, *, offsets=None)")]
-    fn bind_rows(&self, py: Python<'_>, tables: &Bound<'_, PyAny>, offsets: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
-        if !flat_kvcache_core::FLAT_KVCACHE {
-            return core(Err(CoreError::FlatUnavailable));
-        }
-        let (max_rows, layouts, buffers) = check_bind(tables, offsets, &self.specs)?;
-        let mut bound = lock(&self.rows)?;
-        core(lock(&self.inner)?.bind_rows(max_rows, layouts))?;
-        buffers.reset(py)?;
-        let previous = bound.replace(buffers);
-        // Released only once no lock is held: dropping the last reference to a buffer can
-        // run Python code (a finalizer, `__del__`) that calls back into this cache.
-        drop(bound);
-        drop(previous);
-        Ok(())
-    }
-
-    /// Forget the bound rows: requests keep no rows and the buffers are released.
-    fn unbind_rows(&self) -> PyResult<()> {
-        let mut bound = lock(&self.rows)?;
-        lock(&self.inner)?.unbind_rows();
-        let previous = bound.take();
-        // As in `bind_rows`: the buffers are released after the locks.
-        drop(bound);
-        drop(previous);
-        Ok(())
-    }
-
-    /// The row `req` holds in the bound tables, or None.
-    fn row_of(&self, req: RequestId<'_>) -> PyResult<Option<usize>> {
-        self.on_request(&req, |c, id| c.row_of(id))
-    }
-
-    /// Bring the bound tables up to date and return what changed, as
-    /// `(cells, offsets)`: `cells[g]` is an int32 `[3, n]` array of (row, col, value) for
-    /// every cell written in group `g` since the last update (sorted by row, then column),
-    /// so `device_table[g].index_put_((rows, cols), values)` with `rows, cols, values =
-    /// torch.from_numpy(cells[g])` (moved to the device) makes a device copy equal;
-    /// `offsets[g]` (windowed groups only) is an int32 `[2, m]` array of (row, offset) for
-    /// every row whose page offset changed. Only rows whose tables changed are visited.
-    /// `full=True` compares every cell of every row with the buffers (a repair after
-    /// someone else wrote them). A table wider than its row, a windowed row with a real
-    /// page before its first slot, or a bound buffer changed in place since `bind_rows`
-    /// (dtype, shape, strides, read-only) is a `ValueError` naming it; a refused update
-    /// writes nothing and loses nothing: the next update that succeeds returns every cell
-    /// changed since the last one that succeeded.
-    #[pyo3(signature = (*, full = FlagParam::OMITTED), text_signature = "(self, *, full=False)")]
-    fn update_rows<'py>(
-        &self,
-        py: Python<'py>,
-        full: FlagParam<'_>,
-    ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyDict>)> {
-        let full = full.or(false, "full")?;
-        if !flat_kvcache_core::FLAT_KVCACHE {
-            return core(Err(CoreError::FlatUnavailable));
-        }
-        let bound = lock(&self.rows)?;
-        let Some(buffers) = bound.as_ref() else {
-            return core(Err(CoreError::invalid(
-                "update_rows: no rows are bound (call bind_rows first)",
-            )));
-        };
-        let windowed = buffers.windowed();
-        // Checked (and borrowed) even when nothing changed, so a buffer changed in place is
-        // refused at the first update after the change, whatever the engine did meanwhile.
-        let (mut tables, mut offsets) = buffers.borrow(py)?;
-        if !full && !lock(&self.inner)?.rows_pending() {
-            drop((tables, offsets));
-            drop(bound);
-            return deltas_to_py(py, self.gids(), no_deltas(&windowed));
-        }
-        let (mut outs, mut offs) = as_outs(&mut tables, &mut offsets)?;
-        let copies = {
-            let mut c = lock(&self.inner)?;
-            core(c.update_rows(&mut outs, &mut offs, full))?;
-            copy_deltas(c.row_deltas(), windowed.into_iter())
-        };
-        drop(bound);
-        deltas_to_py(py, self.gids(), copies)
-    }
-
-    /// Append newly known tokens (a list or 1-D integer array of u32) to a token-level
-    /// request; each base page that fills is hashed once, chained to the previous one.
-    fn append_tokens(&self, req: RequestId<'_>, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
-        let id = req.id()?;
-        let toks = tokens(token_ids, "token_ids")?;
-        let result = lock(&self.inner)?.append_tokens(id, &toks);
-        core(result)
-    }
-
-    /// Append newly known tokens to many token-level requests in one call (a decode step's
-    /// sampled tokens): request `i` gets the next `num_tokens[i]` entries of the flat
-    /// `token_ids`, or exactly one each when `num_tokens` is None. Same result as calling
-    /// `append_tokens` per request in order; everything is validated first (unknown id:
-    /// `UnknownRequestError`; page-level request or lengths that do not add up:
-    /// `ValueError`; nothing changes then). Ids are resolved as in `schedule_batch`.
-    #[pyo3(
-        signature = (reqs, token_ids, num_tokens = None),
-        text_signature = "(self, reqs, token_ids, num_tokens=None)"
-    )]
-    fn append_tokens_batch<'py>(
-        &self,
-        py: Python<'py>,
-        reqs: &Bound<'py, PyAny>,
-        token_ids: &Bound<'py, PyAny>,
-        num_tokens: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<()> {
-        let args = |_| {
-            let toks = tokens(token_ids, "token_ids")?;
-            let ns = match num_tokens {
-                Some(obj) if !obj.is_none() => Some(counts(obj, "num_tokens")?),
-                _ => None,
-            };
-            Ok((toks, ns))
-        };
-        self.with_batch(py, reqs, args, |c, batch, (toks, ns)| match batch {
-            Batch::Handles(reqs) => c.append_tokens_batch(reqs, &toks, ns.as_deref()),
-            Batch::Lookups(reqs) => c.append_tokens_batch(reqs, &toks, ns.as_deref()),
-        })
-    }
-
-    /// Schedule the next `num_new_tokens` known tokens of a token-level request: register
-    /// its completed full pages, reclaim slid-out pages, then acquire room for them plus
-    /// `lookahead` slots, all or nothing. True: the position moved and the reserve was
-    /// released; False: nothing was allocated and the position stays. Asking for more
-    /// tokens than are known and not computed is a `ValueError`.
-    #[pyo3(
-        signature = (req, num_new_tokens, *, lookahead = CountParam::OMITTED),
-        text_signature = "(self, req, num_new_tokens, *, lookahead=0)"
-    )]
-    fn schedule(
-        &self,
-        req: RequestId<'_>,
-        num_new_tokens: &Bound<'_, PyAny>,
-        lookahead: CountParam<'_>,
-    ) -> PyResult<bool> {
-        let id = req.id()?;
-        let n = count(num_new_tokens, "num_new_tokens")?;
-        let ahead = lookahead.or(0, "lookahead")?;
-        let result = lock(&self.inner)?.schedule(id, n, ahead);
-        core(result)
-    }
-
-    /// Schedule a whole step in one call: `num_new_tokens` holds one int per request (a
-    /// sequence or a 1-D integer array). Everything is validated first (unknown id:
-    /// `UnknownRequestError`; page-level request or too many tokens: `ValueError`; nothing
-    /// changes then); each request is then scheduled in order exactly like `schedule(req, n)`.
-    /// Returns a numpy bool array. An id object at the same position of the last batch (a
-    /// list or tuple), still naming the same request, is not parsed or looked up again
-    /// ([`IdMemo`]); other iterables are parsed id by id and scheduled with the GIL released.
-    fn schedule_batch<'py>(
-        &self,
-        py: Python<'py>,
-        reqs: &Bound<'py, PyAny>,
-        num_new_tokens: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyArray1<bool>>> {
-        let args = |len: usize| {
-            let ns = counts(num_new_tokens, "num_new_tokens")?;
-            if ns.len() != len {
-                return Err(PyValueError::new_err(format!(
-                    "num_new_tokens has {} entries but reqs has {len}",
-                    ns.len()
-                )));
-            }
-            Ok(ns)
-        };
-        let scheduled = self.with_batch(py, reqs, args, |c, batch, ns| match batch {
-            Batch::Handles(reqs) => c.schedule_batch(reqs, &ns),
-            Batch::Lookups(reqs) => c.schedule_batch(reqs, &ns),
-        })?;
-        Ok(PyArray1::from_slice(py, &scheduled))
-    }
-
-    /// `schedule_batch` addressed by persistent rows (`bind_rows`): the request holding
-    /// `rows[i]` schedules `num_new_tokens[i]` tokens (both sequences or 1-D integer arrays).
-    /// No request id is parsed or looked up. A row that
-    /// holds no request is a `ValueError`; everything is validated first, as `schedule_batch`.
-    #[pyo3(text_signature = "(self, rows, num_new_tokens)")]
-    fn schedule_rows<'py>(
-        &self,
-        py: Python<'py>,
-        rows: &Bound<'py, PyAny>,
-        num_new_tokens: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyArray1<bool>>> {
-        let rows = counts(rows, "rows")?;
-        let ns = counts(num_new_tokens, "num_new_tokens")?;
-        let scheduled = core(self.detached(py, |c| c.schedule_rows(&rows, &ns))?)?;
-        Ok(PyArray1::from_slice(py, &scheduled))
-    }
-
-    /// `append_tokens_batch` addressed by persistent rows: the request holding `rows[i]` gets
-    /// the next `num_tokens[i]` entries of `token_ids` (exactly one each when `num_tokens` is
-    /// None). A row that holds no request is a `ValueError`; nothing changes on error.
-    #[pyo3(
-        signature = (rows, token_ids, num_tokens = None),
-        text_signature = "(self, rows, token_ids, num_tokens=None)"
-    )]
-    fn append_tokens_rows(
-        &self,
-        py: Python<'_>,
-        rows: &Bound<'_, PyAny>,
-        token_ids: &Bound<'_, PyAny>,
-        num_tokens: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
-        let rows = counts(rows, "rows")?;
-        let toks = tokens(token_ids, "token_ids")?;
-        let ns = match num_tokens {
-            Some(obj) if !obj.is_none() => Some(counts(obj, "num_tokens")?),
-            _ => None,
-        };
-        core(self.detached(py, |c| c.append_tokens_rows(&rows, &toks, ns.as_deref()))?)
-    }
-
-    /// Register a token-level request's completed full pages, free all its pages (in the
-    /// eviction order), release its reserve and forget the id (it may be used again).
-    fn finish(&self, req: RequestId<'_>) -> PyResult<()> {
-        self.on_request(&req, FlatCache::finish)
-    }
-
-    /// `finish`, counted as a preemption; returns the request's whole token list (prompt
-    /// plus generated), the folded prompt to re-add with `add_request` for recompute.
-    fn preempt(&self, req: RequestId<'_>) -> PyResult<Vec<u32>> {
-        self.on_request(&req, FlatCache::preempt)
-    }
-
-    /// Tokens a token-level request has computed (its position).
-    fn num_computed_tokens(&self, req: RequestId<'_>) -> PyResult<u64> {
-        self.on_request(&req, |c, id| c.num_computed_tokens(id))
-    }
-
-    /// Tokens a token-level request knows (prompt plus appended).
-    fn num_tokens(&self, req: RequestId<'_>) -> PyResult<u64> {
-        self.on_request(&req, |c, id| c.num_tokens(id))
-    }
-
-    // ----- admission accounting (SPEC 9) ----------------------------------------------------
-
-    /// The prefix hit `add_request` would get for this prompt (capped so the last token is
-    /// recomputed), read-only.
-    #[pyo3(
-        signature = (prompt_token_ids, *, extra_keys = ExtraKeys::default()),
-        text_signature = "(self, prompt_token_ids, *, extra_keys=())"
-    )]
-    fn prefix_hit_tokens(
-        &self,
-        py: Python<'_>,
-        prompt_token_ids: &Bound<'_, PyAny>,
-        extra_keys: ExtraKeys,
-    ) -> PyResult<u64> {
-        let prompt = self.prompt(py, prompt_token_ids, extra_keys)?;
-        core(self.detached(py, |c| c.prefix_hit_tokens(&prompt))?)
-    }
-
-    /// Pages admitting this prompt would take: the capped match's claim (its free cached
-    /// pages) plus `pages_needed(num_new_tokens + reserve_tokens)` on fresh tables.
-    #[pyo3(
-        signature = (prompt_token_ids, num_new_tokens, reserve_tokens = CountParam::OMITTED, *, extra_keys = ExtraKeys::default()),
-        text_signature = "(self, prompt_token_ids, num_new_tokens, reserve_tokens=0, *, extra_keys=())"
-    )]
-    fn pages_needed_to_admit(
-        &self,
-        py: Python<'_>,
-        prompt_token_ids: &Bound<'_, PyAny>,
-        num_new_tokens: &Bound<'_, PyAny>,
-        reserve_tokens: CountParam<'_>,
-        extra_keys: ExtraKeys,
-    ) -> PyResult<u64> {
-        let n = count(num_new_tokens, "num_new_tokens")?;
-        let reserve = reserve_tokens.or(0, "reserve_tokens")?;
-        let prompt = self.prompt(py, prompt_token_ids, extra_keys)?;
-        core(self.detached(py, |c| c.pages_needed_to_admit(&prompt, n, reserve))?)
-    }
-
-    /// Promise `pages_needed(tokens, req)` pages to `req`'s next decode (replacing its
-    /// previous reserve; 0 clears it). Released by a successful `schedule`, `finish`,
-    /// `preempt` and `free`.
-    fn reserve(&self, req: RequestId<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
-        let id = req.id()?;
-        let n = count(tokens, "tokens")?;
-        let result = lock(&self.inner)?.reserve(id, n);
-        core(result)
-    }
-
-    /// Free pages minus the reserves of every request other than `req` (may be negative).
-    #[pyo3(signature = (req = None))]
-    fn budget(&self, req: Option<RequestId<'_>>) -> PyResult<i128> {
-        let id = req.as_ref().map(RequestId::id).transpose()?;
-        let result = lock(&self.inner)?.budget(id);
-        core(result)
-    }
-
-    // ----- metrics and events ---------------------------------------------------------------
 
     /// Metrics with stable names: `pages_total pages_free pages_in_use pages_cached
     /// pages_cached_free requests prefix_queries_tokens prefix_hits_tokens evictions
@@ -914,23 +321,551 @@ impl PyFlatKVCache {
         core(self.detached(py, |c| c.check_invariants())?)
     }
 
-    /// `FlatKVCache(group_ids=[…], num_pages=…, num_free_pages=…, num_requests=…)`.
-    fn __repr__(&self) -> PyResult<String> {
+    /// `FlatKVCache(group_ids=[…], num_pages=…, num_free_pages=…, num_requests=…)` (or
+    /// `PageCache(...)`: the class's name).
+    fn __repr__(slf: &Bound<'_, Self>) -> PyResult<String> {
+        let name = slf.get_type().name()?;
+        let this = slf.get();
         let (stats, reqs) = {
-            let c = lock(&self.inner)?;
+            let c = lock(&this.inner)?;
             (c.pool_stats(), c.num_requests())
         };
-        let shown: Vec<String> = self
+        let shown: Vec<String> = this
             .gids()
             .take(8)
             .map(|g| format!("'{}'", clip(g).escape_debug()))
             .collect();
-        let more = if self.specs.len() > 8 { ", ..." } else { "" };
+        let more = if this.specs.len() > 8 { ", ..." } else { "" };
         Ok(format!(
-            "FlatKVCache(group_ids=[{}{more}], num_pages={}, num_free_pages={}, num_requests={reqs})",
+            "{name}(group_ids=[{}{more}], num_pages={}, num_free_pages={}, num_requests={reqs})",
             shown.join(", "),
             stats.num_blocks,
             stats.num_free
         ))
+    }
+}
+
+/// The token-level protocol (docs/requests-api.md): requests that own their tokens,
+/// `FlatKVCache(specs, num_pages, *, enable_caching=True, eviction_order="hybrid",
+/// enable_kv_events=False, reuse_uncached_first=True, host_pages=0, host_store="write_through")`.
+///
+/// `specs` is a non-empty sequence of `KVCacheSpec`; `num_pages` the pool size (page 0
+/// included). Request ids are `str` or `int` (`5` and `"5"` differ); an unknown id is an
+/// `UnknownRequestError` (a `KeyError`). Requests are created by `add_request` / `admit` and
+/// moved by `schedule*`, `append_tokens*`, `finish` and `preempt`; the page-level calls are
+/// `PageCache`'s. The shared calls are `_PagedCacheBase`'s.
+#[pyclass(extends = PyPagedCache, frozen, module = "flat_kvcache._native", name = "FlatKVCache")]
+pub struct PyFlatKVCache {
+    /// The last prompt hashed, so probing, sizing and adding one prompt hash it once.
+    last_prompt: Mutex<Option<Prompt>>,
+    /// The buffers bound by `bind_rows` (kept alive and re-borrowed by each update).
+    rows: Mutex<Option<BoundBuffers>>,
+    /// The id objects of the last id-addressed batch and their handles ([`IdMemo`]).
+    ids: Mutex<IdMemo>,
+}
+
+impl PyFlatKVCache {
+    /// Run `f` on the engine with the batch `reqs` resolved, after `args` parsed the call's
+    /// other arguments (so errors come in argument order). A list or tuple goes through the
+    /// id memo ([`IdMemo`]): the engine stays locked from the handle checks to the end of `f`,
+    /// with the GIL held and no Python code running. Any other iterable is parsed id by id and
+    /// `f` runs with the GIL released.
+    fn with_batch<'py, A, R: Send>(
+        &self,
+        cache: &PyPagedCache,
+        py: Python<'py>,
+        reqs: &Bound<'py, PyAny>,
+        args: impl FnOnce(usize) -> PyResult<A>,
+        f: impl for<'a, 'b> FnOnce(&mut FlatCache, Batch<'a, 'b>, A) -> flat_kvcache_core::CoreResult<R> + Send,
+    ) -> PyResult<R>
+    where
+        A: Send,
+    {
+        // Taken out while in use: a re-entrant call from an `__index__` finds it empty.
+        let mut memo = std::mem::take(&mut *lock(&self.ids)?);
+        let Some(items) = memo.items(reqs) else {
+            let ids = reqs.extract::<RequestIds<'py>>()?;
+            let ids = ids.ids()?;
+            let a = args(ids.len())?;
+            let lookups: Vec<Lookup<'_>> = ids.iter().map(|&id| Lookup::Id(id)).collect();
+            return core(cache.detached(py, |c| f(c, Batch::Lookups(&lookups), a))?);
+        };
+        let result = items.and_then(|items| {
+            let a = args(items.len())?;
+            let mut c = lock(&cache.inner)?;
+            core(memo.resolve(py, &mut c, items, |c, batch| f(c, batch, a))?)
+        });
+        *lock(&self.ids)? = memo;
+        result
+    }
+
+    /// Hash a prompt into base pages with the GIL released and no lock held.
+    ///
+    /// A contiguous `uint32` array (what a scheduler keeps prompts in) is first compared with
+    /// the memo in place, so probing, sizing and adding one prompt copy its tokens at most once
+    /// (a masked array never: `tokens` refuses it).
+    fn prompt(
+        &self,
+        cache: &PyPagedCache,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        extra_keys: ExtraKeys,
+    ) -> PyResult<Prompt> {
+        if let Some(arr) = tokens.cast::<PyArray1<u32>>().ok().filter(|_| !is_masked(tokens)) {
+            if let Ok(view) = arr.try_readonly() {
+                if let Ok(slice) = view.as_slice() {
+                    let memo = lock(&self.last_prompt)?;
+                    if let Some(known) = Prompt::recall(memo.as_ref(), slice, &extra_keys.0, cache.base) {
+                        return Ok(known);
+                    }
+                }
+            }
+        }
+        let toks = self::tokens(tokens, "prompt_token_ids")?;
+        let base = cache.base;
+        py.detach(|| {
+            let mut memo = lock(&self.last_prompt)?;
+            core(Prompt::new_memoized(toks, extra_keys.0, base, &mut memo))
+        })
+    }
+}
+
+/// The `row=` argument of `add_request` and `admit`: None, or a count (a row past `usize`
+/// becomes `usize::MAX`, which the engine refuses as out of range).
+fn optional_row(row: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {
+    match row.filter(|r| !r.is_none()) {
+        Some(r) => Ok(Some(usize::try_from(count(r, "row")?).unwrap_or(usize::MAX))),
+        None => Ok(None),
+    }
+}
+
+#[pymethods]
+#[allow(clippy::needless_pass_by_value, reason = "PyO3 extracts arguments by value")]
+impl PyFlatKVCache {
+    /// Create the token-level engine over `specs` with a pool of `num_pages >= 1` pages.
+    ///
+    /// `eviction_order` is `"hybrid"` (free a request's pages by slot end token, descending,
+    /// across all groups; SPEC 12.3) or `"group"` (group 0's table tail first, then group
+    /// 1's, ...). `enable_kv_events` records KV events for `take_events`.
+    /// `reuse_uncached_first`: a released page that holds no key joins the front of the free
+    /// list (handed out before any cached page) instead of the back.
+    #[new]
+    #[pyo3(
+        signature = (specs, num_pages, *, enable_caching = FlagParam::OMITTED, eviction_order = EvictionArg(EvictionOrder::Hybrid), enable_kv_events = FlagParam::OMITTED, reuse_uncached_first = FlagParam::OMITTED, host_pages = None, host_store = HostStoreArg(HostStore::WriteThrough)),
+        text_signature = "(specs, num_pages, *, enable_caching=True, eviction_order='hybrid', enable_kv_events=False, reuse_uncached_first=True, host_pages=0, host_store='write_through')"
+    )]
+    #[allow(clippy::too_many_arguments, reason = "the Python constructor's keyword arguments")]
+    fn new(
+        specs: GroupSpecs,
+        num_pages: &Bound<'_, PyAny>,
+        enable_caching: FlagParam<'_>,
+        eviction_order: EvictionArg,
+        enable_kv_events: FlagParam<'_>,
+        reuse_uncached_first: FlagParam<'_>,
+        host_pages: Option<&Bound<'_, PyAny>>,
+        host_store: HostStoreArg,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let cache = PyPagedCache::build(
+            specs,
+            num_pages,
+            enable_caching,
+            eviction_order,
+            enable_kv_events,
+            reuse_uncached_first,
+            host_pages,
+            host_store,
+        )?;
+        let own = Self {
+            last_prompt: Mutex::new(None),
+            rows: Mutex::new(None),
+            ids: Mutex::new(IdMemo::default()),
+        };
+        Ok(PyClassInitializer::from(cache).add_subclass(own))
+    }
+
+    /// Add a token-level request for `prompt_token_ids` (a non-empty list or 1-D integer
+    /// array of u32) under a new id. Every full base page is hashed (chained, `extra_keys` on
+    /// every page) with the GIL released; with caching on and `use_prefix_cache`, the prefix
+    /// match over all but the last prompt token is claimed. Returns the hit in tokens (the
+    /// request's computed tokens); allocates nothing else.
+    ///
+    /// `row`: give the request that row of the tables bound by `bind_rows` (free, and below
+    /// their row count); `update_rows` keeps it current until the request is finished or
+    /// preempted.
+    #[pyo3(
+        signature = (req, prompt_token_ids, *, extra_keys = ExtraKeys::default(), use_prefix_cache = FlagParam::OMITTED, row = None),
+        text_signature = "(self, req, prompt_token_ids, *, extra_keys=(), use_prefix_cache=True, row=None)"
+    )]
+    fn add_request(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        req: RequestId<'_>,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        extra_keys: ExtraKeys,
+        use_prefix_cache: FlagParam<'_>,
+        row: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<u64> {
+        let (this, cache) = (slf.get(), slf.as_super().get());
+        let use_prefix_cache = use_prefix_cache.or(true, "use_prefix_cache")?;
+        let id = req.id()?;
+        let row = optional_row(row)?;
+        let prompt = this.prompt(cache, py, prompt_token_ids, extra_keys)?;
+        core(cache.detached(py, |c| match row {
+            Some(row) => c.add_request_in_row(id, prompt, use_prefix_cache, row),
+            None => c.add_request(id, prompt, use_prefix_cache),
+        })?)
+    }
+
+    /// SPEC 9 admission in one call (one hash, one prefix match): the first chunk is
+    /// `min(len(prompt) - hit, max_new_tokens)` tokens after the capped hit, with one token
+    /// of reserve when it completes the prompt. If `pages_needed_to_admit(prompt, chunk,
+    /// reserve)` exceeds `budget()`, nothing changes and the answer is None; otherwise the
+    /// request is added exactly as `add_request(req, prompt, ...)` would and the answer is
+    /// `(hit, chunk)`. The caller schedules the chunk (after acknowledging any host-tier
+    /// loads). Same as `prefix_hit_tokens`, `pages_needed_to_admit`, `budget` and
+    /// `add_request` in turn, in one call.
+    #[pyo3(
+        signature = (req, prompt_token_ids, max_new_tokens, *, extra_keys = ExtraKeys::default(), use_prefix_cache = FlagParam::OMITTED, row = None),
+        text_signature = "(self, req, prompt_token_ids, max_new_tokens, *, extra_keys=(), use_prefix_cache=True, row=None)"
+    )]
+    #[allow(clippy::too_many_arguments, reason = "the Python method's arguments")]
+    fn admit(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        req: RequestId<'_>,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        max_new_tokens: &Bound<'_, PyAny>,
+        extra_keys: ExtraKeys,
+        use_prefix_cache: FlagParam<'_>,
+        row: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<(u64, u64)>> {
+        let (this, cache) = (slf.get(), slf.as_super().get());
+        let use_prefix_cache = use_prefix_cache.or(true, "use_prefix_cache")?;
+        let id = req.id()?;
+        let max_new_tokens = count(max_new_tokens, "max_new_tokens")?;
+        let row = optional_row(row)?;
+        let prompt = this.prompt(cache, py, prompt_token_ids, extra_keys)?;
+        core(cache.detached(py, |c| c.admit(id, prompt, max_new_tokens, use_prefix_cache, row))?)
+    }
+
+    /// Bind persistent block-table rows (docs/requests-api.md "Persistent rows"): `tables`
+    /// maps every group id to a writable C-contiguous int32 numpy array or CPU torch tensor
+    /// `[max_rows, cols]` (the same `max_rows` for all groups); `offsets` optionally maps
+    /// sliding-window group ids to int32 `[max_rows]` buffers, which makes those groups'
+    /// rows windowed (a row holds `cols` slots of the table from `offsets[g][row]`, the slot
+    /// of column 0, which moves only when the table no longer fits after it). The buffers are filled with -1 (tables) and 0 (offsets) and kept;
+    /// requests added with `row=k` own row `k` until they finish. Binding again replaces the
+    /// buffers; requests keep their rows (each must fit the new row count) and are rewritten
+    /// whole on the next update.
+    #[pyo3(signature = (tables, *, offsets = None), text_signature = "(self, tables, *, offsets=None)")]
+    fn bind_rows(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        tables: &Bound<'_, PyAny>,
+        offsets: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let (this, cache) = (slf.get(), slf.as_super().get());
+        if !flat_kvcache_core::FLAT_KVCACHE {
+            return core(Err(CoreError::FlatUnavailable));
+        }
+        let (max_rows, layouts, buffers) = check_bind(tables, offsets, &cache.specs)?;
+        let mut bound = lock(&this.rows)?;
+        core(lock(&cache.inner)?.bind_rows(max_rows, layouts))?;
+        buffers.reset(py)?;
+        let previous = bound.replace(buffers);
+        // Released only once no lock is held: dropping the last reference to a buffer can
+        // run Python code (a finalizer, `__del__`) that calls back into this cache.
+        drop(bound);
+        drop(previous);
+        Ok(())
+    }
+
+    /// Forget the bound rows: requests keep no rows and the buffers are released.
+    fn unbind_rows(slf: &Bound<'_, Self>) -> PyResult<()> {
+        let (this, cache) = (slf.get(), slf.as_super().get());
+        let mut bound = lock(&this.rows)?;
+        lock(&cache.inner)?.unbind_rows();
+        let previous = bound.take();
+        // As in `bind_rows`: the buffers are released after the locks.
+        drop(bound);
+        drop(previous);
+        Ok(())
+    }
+
+    /// The row `req` holds in the bound tables, or None.
+    fn row_of(slf: &Bound<'_, Self>, req: RequestId<'_>) -> PyResult<Option<usize>> {
+        let cache = slf.as_super().get();
+        cache.on_request(&req, |c, id| c.row_of(id))
+    }
+
+    /// Bring the bound tables up to date and return what changed, as
+    /// `(cells, offsets)`: `cells[g]` is an int32 `[3, n]` array of (row, col, value) for
+    /// every cell written in group `g` since the last update (sorted by row, then column),
+    /// so `device_table[g].index_put_((rows, cols), values)` with `rows, cols, values =
+    /// torch.from_numpy(cells[g])` (moved to the device) makes a device copy equal;
+    /// `offsets[g]` (windowed groups only) is an int32 `[2, m]` array of (row, offset) for
+    /// every row whose page offset changed. Only rows whose tables changed are visited.
+    /// `full=True` compares every cell of every row with the buffers (a repair after
+    /// someone else wrote them). A table wider than its row, a windowed row with a real
+    /// page before its first slot, or a bound buffer changed in place since `bind_rows`
+    /// (dtype, shape, strides, read-only) is a `ValueError` naming it; a refused update
+    /// writes nothing and loses nothing: the next update that succeeds returns every cell
+    /// changed since the last one that succeeded.
+    #[pyo3(signature = (*, full = FlagParam::OMITTED), text_signature = "(self, *, full=False)")]
+    fn update_rows<'py>(
+        slf: &Bound<'_, Self>,
+        py: Python<'py>,
+        full: FlagParam<'_>,
+    ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyDict>)> {
+        let (this, cache) = (slf.get(), slf.as_super().get());
+        let full = full.or(false, "full")?;
+        if !flat_kvcache_core::FLAT_KVCACHE {
+            return core(Err(CoreError::FlatUnavailable));
+        }
+        let bound = lock(&this.rows)?;
+        let Some(buffers) = bound.as_ref() else {
+            return core(Err(CoreError::invalid(
+                "update_rows: no rows are bound (call bind_rows first)",
+            )));
+        };
+        let windowed = buffers.windowed();
+        // Checked (and borrowed) even when nothing changed, so a buffer changed in place is
+        // refused at the first update after the change, whatever the engine did meanwhile.
+        let (mut tables, mut offsets) = buffers.borrow(py)?;
+        if !full && !lock(&cache.inner)?.rows_pending() {
+            drop((tables, offsets));
+            drop(bound);
+            return deltas_to_py(py, cache.gids(), no_deltas(&windowed));
+        }
+        let (mut outs, mut offs) = as_outs(&mut tables, &mut offsets)?;
+        let copies = {
+            let mut c = lock(&cache.inner)?;
+            core(c.update_rows(&mut outs, &mut offs, full))?;
+            copy_deltas(c.row_deltas(), windowed.into_iter())
+        };
+        drop(bound);
+        deltas_to_py(py, cache.gids(), copies)
+    }
+
+    /// Append newly known tokens (a list or 1-D integer array of u32) to a token-level
+    /// request; each base page that fills is hashed once, chained to the previous one.
+    fn append_tokens(slf: &Bound<'_, Self>, req: RequestId<'_>, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let cache = slf.as_super().get();
+        let id = req.id()?;
+        let toks = tokens(token_ids, "token_ids")?;
+        let result = lock(&cache.inner)?.append_tokens(id, &toks);
+        core(result)
+    }
+
+    /// Append newly known tokens to many token-level requests in one call (a decode step's
+    /// sampled tokens): request `i` gets the next `num_tokens[i]` entries of the flat
+    /// `token_ids`, or exactly one each when `num_tokens` is None. Same result as calling
+    /// `append_tokens` per request in order; everything is validated first (unknown id:
+    /// `UnknownRequestError`; page-level request or lengths that do not add up:
+    /// `ValueError`; nothing changes then). Ids are resolved as in `schedule_batch`.
+    #[pyo3(
+        signature = (reqs, token_ids, num_tokens = None),
+        text_signature = "(self, reqs, token_ids, num_tokens=None)"
+    )]
+    fn append_tokens_batch<'py>(
+        slf: &Bound<'_, Self>,
+        py: Python<'py>,
+        reqs: &Bound<'py, PyAny>,
+        token_ids: &Bound<'py, PyAny>,
+        num_tokens: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<()> {
+        let (this, cache) = (slf.get(), slf.as_super().get());
+        let args = |_| {
+            let toks = tokens(token_ids, "token_ids")?;
+            let ns = match num_tokens {
+                Some(obj) if !obj.is_none() => Some(counts(obj, "num_tokens")?),
+                _ => None,
+            };
+            Ok((toks, ns))
+        };
+        this.with_batch(cache, py, reqs, args, |c, batch, (toks, ns)| match batch {
+            Batch::Handles(reqs) => c.append_tokens_batch(reqs, &toks, ns.as_deref()),
+            Batch::Lookups(reqs) => c.append_tokens_batch(reqs, &toks, ns.as_deref()),
+        })
+    }
+
+    /// Schedule the next `num_new_tokens` known tokens of a token-level request: register
+    /// its completed full pages, reclaim slid-out pages, then acquire room for them plus
+    /// `lookahead` slots, all or nothing. True: the position moved and the reserve was
+    /// released; False: nothing was allocated and the position stays. Asking for more
+    /// tokens than are known and not computed is a `ValueError`.
+    #[pyo3(
+        signature = (req, num_new_tokens, *, lookahead = CountParam::OMITTED),
+        text_signature = "(self, req, num_new_tokens, *, lookahead=0)"
+    )]
+    fn schedule(
+        slf: &Bound<'_, Self>,
+        req: RequestId<'_>,
+        num_new_tokens: &Bound<'_, PyAny>,
+        lookahead: CountParam<'_>,
+    ) -> PyResult<bool> {
+        let cache = slf.as_super().get();
+        let id = req.id()?;
+        let n = count(num_new_tokens, "num_new_tokens")?;
+        let ahead = lookahead.or(0, "lookahead")?;
+        let result = lock(&cache.inner)?.schedule(id, n, ahead);
+        core(result)
+    }
+
+    /// Schedule a whole step in one call: `num_new_tokens` holds one int per request (a
+    /// sequence or a 1-D integer array). Everything is validated first (unknown id:
+    /// `UnknownRequestError`; page-level request or too many tokens: `ValueError`; nothing
+    /// changes then); each request is then scheduled in order exactly like `schedule(req, n)`.
+    /// Returns a numpy bool array. An id object at the same position of the last batch (a
+    /// list or tuple), still naming the same request, is not parsed or looked up again
+    /// ([`IdMemo`]); other iterables are parsed id by id and scheduled with the GIL released.
+    fn schedule_batch<'py>(
+        slf: &Bound<'_, Self>,
+        py: Python<'py>,
+        reqs: &Bound<'py, PyAny>,
+        num_new_tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<bool>>> {
+        let (this, cache) = (slf.get(), slf.as_super().get());
+        let args = |len: usize| {
+            let ns = counts(num_new_tokens, "num_new_tokens")?;
+            if ns.len() != len {
+                return Err(PyValueError::new_err(format!(
+                    "num_new_tokens has {} entries but reqs has {len}",
+                    ns.len()
+                )));
+            }
+            Ok(ns)
+        };
+        let scheduled = this.with_batch(cache, py, reqs, args, |c, batch, ns| match batch {
+            Batch::Handles(reqs) => c.schedule_batch(reqs, &ns),
+            Batch::Lookups(reqs) => c.schedule_batch(reqs, &ns),
+        })?;
+        Ok(PyArray1::from_slice(py, &scheduled))
+    }
+
+    /// `schedule_batch` addressed by persistent rows (`bind_rows`): the request holding
+    /// `rows[i]` schedules `num_new_tokens[i]` tokens (both sequences or 1-D integer arrays).
+    /// No request id is parsed or looked up. A row that
+    /// holds no request is a `ValueError`; everything is validated first, as `schedule_batch`.
+    #[pyo3(text_signature = "(self, rows, num_new_tokens)")]
+    fn schedule_rows<'py>(
+        slf: &Bound<'_, Self>,
+        py: Python<'py>,
+        rows: &Bound<'py, PyAny>,
+        num_new_tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<bool>>> {
+        let cache = slf.as_super().get();
+        let rows = counts(rows, "rows")?;
+        let ns = counts(num_new_tokens, "num_new_tokens")?;
+        let scheduled = core(cache.detached(py, |c| c.schedule_rows(&rows, &ns))?)?;
+        Ok(PyArray1::from_slice(py, &scheduled))
+    }
+
+    /// `append_tokens_batch` addressed by persistent rows: the request holding `rows[i]` gets
+    /// the next `num_tokens[i]` entries of `token_ids` (exactly one each when `num_tokens` is
+    /// None). A row that holds no request is a `ValueError`; nothing changes on error.
+    #[pyo3(
+        signature = (rows, token_ids, num_tokens = None),
+        text_signature = "(self, rows, token_ids, num_tokens=None)"
+    )]
+    fn append_tokens_rows(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        rows: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+        num_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let cache = slf.as_super().get();
+        let rows = counts(rows, "rows")?;
+        let toks = tokens(token_ids, "token_ids")?;
+        let ns = match num_tokens {
+            Some(obj) if !obj.is_none() => Some(counts(obj, "num_tokens")?),
+            _ => None,
+        };
+        core(cache.detached(py, |c| c.append_tokens_rows(&rows, &toks, ns.as_deref()))?)
+    }
+
+    /// Register a token-level request's completed full pages, free all its pages (in the
+    /// eviction order), release its reserve and forget the id (it may be used again).
+    fn finish(slf: &Bound<'_, Self>, req: RequestId<'_>) -> PyResult<()> {
+        let cache = slf.as_super().get();
+        cache.on_request(&req, FlatCache::finish)
+    }
+
+    /// `finish`, counted as a preemption; returns the request's whole token list (prompt
+    /// plus generated), the folded prompt to re-add with `add_request` for recompute.
+    fn preempt(slf: &Bound<'_, Self>, req: RequestId<'_>) -> PyResult<Vec<u32>> {
+        let cache = slf.as_super().get();
+        cache.on_request(&req, FlatCache::preempt)
+    }
+
+    /// Tokens a token-level request has computed (its position).
+    fn num_computed_tokens(slf: &Bound<'_, Self>, req: RequestId<'_>) -> PyResult<u64> {
+        let cache = slf.as_super().get();
+        cache.on_request(&req, |c, id| c.num_computed_tokens(id))
+    }
+
+    /// Tokens a token-level request knows (prompt plus appended).
+    fn num_tokens(slf: &Bound<'_, Self>, req: RequestId<'_>) -> PyResult<u64> {
+        let cache = slf.as_super().get();
+        cache.on_request(&req, |c, id| c.num_tokens(id))
+    }
+
+    /// The prefix hit `add_request` would get for this prompt (capped so the last token is
+    /// recomputed), read-only.
+    #[pyo3(
+        signature = (prompt_token_ids, *, extra_keys = ExtraKeys::default()),
+        text_signature = "(self, prompt_token_ids, *, extra_keys=())"
+    )]
+    fn prefix_hit_tokens(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        extra_keys: ExtraKeys,
+    ) -> PyResult<u64> {
+        let (this, cache) = (slf.get(), slf.as_super().get());
+        let prompt = this.prompt(cache, py, prompt_token_ids, extra_keys)?;
+        core(cache.detached(py, |c| c.prefix_hit_tokens(&prompt))?)
+    }
+
+    /// Pages admitting this prompt would take: the capped match's claim (its free cached
+    /// pages) plus `pages_needed(num_new_tokens + reserve_tokens)` on fresh tables.
+    #[pyo3(
+        signature = (prompt_token_ids, num_new_tokens, reserve_tokens = CountParam::OMITTED, *, extra_keys = ExtraKeys::default()),
+        text_signature = "(self, prompt_token_ids, num_new_tokens, reserve_tokens=0, *, extra_keys=())"
+    )]
+    fn pages_needed_to_admit(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        num_new_tokens: &Bound<'_, PyAny>,
+        reserve_tokens: CountParam<'_>,
+        extra_keys: ExtraKeys,
+    ) -> PyResult<u64> {
+        let (this, cache) = (slf.get(), slf.as_super().get());
+        let n = count(num_new_tokens, "num_new_tokens")?;
+        let reserve = reserve_tokens.or(0, "reserve_tokens")?;
+        let prompt = this.prompt(cache, py, prompt_token_ids, extra_keys)?;
+        core(cache.detached(py, |c| c.pages_needed_to_admit(&prompt, n, reserve))?)
+    }
+
+    /// Promise `pages_needed(tokens, req)` pages to `req`'s next decode (replacing its
+    /// previous reserve; 0 clears it). Released by a successful `schedule`, `finish` and
+    /// `preempt`.
+    fn reserve(slf: &Bound<'_, Self>, req: RequestId<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
+        let cache = slf.as_super().get();
+        let id = req.id()?;
+        let n = count(tokens, "tokens")?;
+        let result = lock(&cache.inner)?.reserve(id, n);
+        core(result)
+    }
+
+    /// Free pages minus the reserves of every request other than `req` (may be negative).
+    #[pyo3(signature = (req = None))]
+    fn budget(slf: &Bound<'_, Self>, req: Option<RequestId<'_>>) -> PyResult<i128> {
+        let cache = slf.as_super().get();
+        let id = req.as_ref().map(RequestId::id).transpose()?;
+        let result = lock(&cache.inner)?.budget(id);
+        core(result)
     }
 }

@@ -12,6 +12,7 @@ pub mod hashing;
 pub mod host;
 pub mod idmemo;
 mod npscalar;
+pub mod page_cache;
 pub mod plan;
 pub mod pool;
 pub mod prefix_match;
@@ -47,9 +48,11 @@ mod _native {
 
     // Page engine (SPEC 4-8).
     #[pymodule_export]
-    use crate::cache::PyFlatKVCache;
+    use crate::cache::{PyFlatKVCache, PyPagedCache};
     #[pymodule_export]
     use crate::hashing::{fold_hashes, group_key, hash_page, hash_pages};
+    #[pymodule_export]
+    use crate::page_cache::PyPageCache;
     #[pymodule_export]
     use crate::pool::PyBlockPool;
     #[pymodule_export]

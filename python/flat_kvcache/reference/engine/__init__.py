@@ -12,20 +12,27 @@ build on each other (no module imports one listed after it):
 - ``events``: the KV events the cache records, and the calls that hand them out;
 - ``coordinator``: the cache's state, and match / claim / acquire / register across groups
   (SPEC 7);
-- ``page_api``: reclaim, free, the dry runs and the step operations (SPEC 6 to 8);
+- ``page_api``: what both protocols share (releasing, reclaiming and reading a request's
+  pages) and the page-level protocol: match, claim, acquire, register, reclaim, free, the dry
+  runs and the step operations (SPEC 6 to 8);
+- ``rows``: persistent block-table rows;
 - ``token_api``: requests that own their tokens (docs/requests-api.md);
 - ``admission``: admission accounting and reserves (SPEC 9);
 - ``block_tables``: flat per-group block tables (SPEC 8, 10);
 - ``stats`` and ``invariants``: metrics and the SPEC 1 checks.
 
-:class:`FlatKVCache` is assembled from mixins, one per module, rather than by composition:
-each module adds methods to the one object that holds the state, so a call such as
-``decode_step`` or ``schedule`` runs exactly the code it ran as a single class (method lookup
-through the MRO is cached by the interpreter), with no forwarding layer on the hot path, and
-``self._pool`` stays the attribute the tests and the invariant checks read. The mixins form a
-chain where one needs another's calls (``Admission`` -> ``TokenApi`` -> ``PageApi`` ->
-``Coordinator``); the independent ones (``BlockTables``, ``Stats``, ``Invariants``) sit
-directly on ``Coordinator``, and ``KVEvents`` only declares the attributes it reads.
+Two classes speak the two protocols, as the native ones do: :class:`FlatKVCache`, the
+token-level one (docs/requests-api.md), and :class:`PageCache`, the page-level one
+(docs/engine-api.md); a method of one is absent from the other. Both are assembled from
+mixins, one per module, rather than by composition: each module adds methods to the one object
+that holds the state, so a call such as ``decode_step`` or ``schedule`` runs exactly the code it
+ran as a single class (method lookup through the MRO is cached by the interpreter), with no
+forwarding layer on the hot path, and ``self._pool`` stays the attribute the tests and the
+invariant checks read. The mixins form chains where one needs another's calls
+(``Admission`` -> ``TokenApi`` -> ``PageTables`` + ``Rows`` -> ``Coordinator`` for
+``FlatKVCache``; ``PageApi`` -> ``PageTables`` -> ``Coordinator`` for ``PageCache``); the
+independent ones (``BlockTables``, ``Stats``, ``Invariants``) sit directly on ``Coordinator``,
+and ``KVEvents`` only declares the attributes it reads.
 
 The only native thing the reference reads is the build flag ``flat_kvcache._native.FLAT_KVCACHE``,
 looked up at call time (see ``block_tables``) so tests can switch it.
@@ -40,6 +47,7 @@ from flat_kvcache.reference.engine.coordinator import PrefixMatch
 from flat_kvcache.reference.engine.events import KVEvents
 from flat_kvcache.reference.engine.hash import fold_hashes, group_key, hash_page, hash_pages
 from flat_kvcache.reference.engine.invariants import Invariants
+from flat_kvcache.reference.engine.page_api import PageApi
 from flat_kvcache.reference.engine.pool import BlockPool
 from flat_kvcache.reference.engine.stats import Stats
 
@@ -47,6 +55,7 @@ __all__ = [
     "BlockPool",
     "FlatKVCache",
     "KVCacheSpec",
+    "PageCache",
     "PrefixMatch",
     "fold_hashes",
     "group_key",
@@ -57,7 +66,8 @@ __all__ = [
 
 
 class FlatKVCache(Admission, BlockTables, KVEvents, Stats, Invariants):
-    """Every attention group of one model over one shared page pool (SPEC 6 to 8).
+    """Every attention group of one model over one shared page pool (SPEC 6 to 9), with
+    requests that own their tokens: the token-level protocol (docs/requests-api.md).
 
     ``base`` (gcd) and ``lcm`` of the page sizes tie the groups together: content hashes are
     per base page, a group of page size ``P_g`` folds ``m_g = P_g / base`` of them per key, and
@@ -66,4 +76,15 @@ class FlatKVCache(Admission, BlockTables, KVEvents, Stats, Invariants):
 
     The calls come from the mixins listed in the module docstring; the constructor is
     :class:`~flat_kvcache.reference.engine.coordinator.Coordinator`'s.
+    """
+
+
+class PageCache(PageApi, BlockTables, KVEvents, Stats, Invariants):
+    """Every attention group of one model over one shared page pool (SPEC 6 to 8), for engines
+    that keep their own request state: the page-level protocol (docs/engine-api.md).
+
+    The caller hashes the tokens and says where each request stands (``claim``, ``acquire``,
+    ``register``, ``reclaim``, ``free`` and the step operations). The constructor is
+    :class:`~flat_kvcache.reference.engine.coordinator.Coordinator`'s, as for
+    :class:`FlatKVCache`.
     """

@@ -1,5 +1,9 @@
 """The coordinator (SPEC 7): the cache's state, and match / claim / acquire / register across groups.
 
+The public page-level calls built on these (``match_prefix``, ``claim``, ``acquire``,
+``register``) are :class:`~flat_kvcache.reference.engine.page_api.PageApi`'s; the token-level
+calls use the same private steps.
+
 :class:`Coordinator` owns everything a cache holds (the pool, one manager per group, the
 request tables, the token-level states, reserves, counters and the event list); the other
 modules of this package add calls on top of it.
@@ -24,7 +28,6 @@ from flat_kvcache.reference.engine._args import (
     U64_MAX,
     RequestId,
     align_down,
-    as_content_hashes,
     as_count,
     as_counts,
     as_flag,
@@ -199,7 +202,7 @@ class Coordinator:
 
     def __repr__(self) -> str:
         return (
-            f"FlatKVCache(group_ids={self._group_ids}, num_pages={self._pool.num_blocks}, "
+            f"{type(self).__name__}(group_ids={self._group_ids}, num_pages={self._pool.num_blocks}, "
             f"num_free_pages={self._pool.num_free}, num_requests={len(self._requests)})"
         )
 
@@ -218,6 +221,9 @@ class Coordinator:
         follow its tokens, which only the token-level calls move (docs/requests-api.md)."""
         if key in self._token_states:
             raise ValueError(f"{method}: request {shown_id(key)} is token-level (created by add_request)")
+
+    def _vacate_row(self, key: RequestId) -> None:
+        """A request is gone: nothing to do without persistent rows (``Rows`` frees its row)."""
 
     def _tables_or_new(self, req: RequestId) -> list[Table]:
         """The request's tables, created empty on first use (claim, acquire, first chunk)."""
@@ -247,20 +253,6 @@ class Coordinator:
         return match
 
     # -- SPEC 7: across groups ------------------------------------------------------------------
-
-    def match_prefix(self, content_hashes: Sequence[str]) -> PrefixMatch:
-        """Hybrid prefix match (SPEC 7), read-only: no count, order or key changes.
-
-        ``bound = align_down(len * base, lcm)``. Sweep: match each group in match order up to
-        the bound, then lower the bound to that group's extent (aligned down to lcm). Converge:
-        re-match every non-closed group whose extent exceeds the bound until none does (a
-        sliding group's answer at a lower bound is not a prefix of its answer at a higher one).
-        Finally truncate every group to the bound. With caching off the match is empty.
-        """
-        hashes = as_content_hashes(content_hashes)
-        bound, pages, matched_keys = self._match(hashes, tiered=False)
-        hits = [sum(1 for page in group_pages if page != 0) for group_pages in pages]
-        return PrefixMatch(bound, pages, hits, matched_keys)
 
     def _match(
         self, hashes: list[str], *, tiered: bool
@@ -307,20 +299,6 @@ class Coordinator:
         ]
         return bound, pages, matched_keys
 
-    def claim(self, req: RequestId, match: PrefixMatch) -> None:
-        """Take a reference on every matched page; each group's table becomes the match (SPEC 7).
-
-        Holes stay holes; ``tail_avail`` is 0 (the match ends on whole pages). ValueError, with
-        nothing changed (the request is not created either), if the request's tables already
-        hold pages, if the match has the wrong number of groups, or if the match is stale: a
-        matched page no longer holds the very key it was matched under (it was evicted, and
-        maybe re-cached under another key or for another group; taking it would put one page
-        in two groups). A match built by hand remembers no keys: each real page must then hold
-        a key of the group it is claimed for.
-        """
-        key = as_request_id(req)
-        self._claim("claim", key, self._check_match(match))
-
     def _claim(self, method: str, key: RequestId, checked: PrefixMatch) -> None:
         """:meth:`claim` of a checked match, errors naming ``method`` (token-level requests
         are refused)."""
@@ -346,18 +324,6 @@ class Coordinator:
             for page in pages:
                 self._pool.touch(page)
 
-    def acquire(self, req: RequestId, num_tokens: int) -> bool:
-        """Room for ``num_tokens`` more tokens in every group, all or nothing (SPEC 7).
-
-        Check-then-act: if the pages needed over all groups exceed the free pages, return
-        False and allocate nothing anywhere. Otherwise groups allocate in index order, so page
-        ids are deterministic. A token-level request is a ValueError.
-        """
-        key = as_request_id(req)
-        count = as_count(num_tokens, "num_tokens")
-        self._check_page_level("acquire", key)
-        return self._acquire(self._tables_or_new(key), count)
-
     def _acquire(self, tables: list[Table], count: int) -> bool:
         """:meth:`acquire` on a request's tables and a checked count."""
         needed = sum(m.blocks_needed_for(t, count) for m, t in zip(self._managers, tables, strict=True))
@@ -372,29 +338,6 @@ class Coordinator:
     def _record_evictions(self) -> None:
         """Record the ``BlockRemoved`` events of the keys the last allocation evicted."""
         self._events.extend(removed_events(self._pool._take_evicted()))
-
-    def register(
-        self,
-        req: RequestId,
-        content_hashes: Sequence[str],
-        *,
-        first_slot: int = 0,
-        end_tokens: int | None = None,
-    ) -> None:
-        """Give the request's full pages their cache keys (SPEC 7; nothing when caching is off).
-
-        ``content_hashes[j]`` is base page ``first_slot + j``. Each group folds them into keys
-        for its slots from ``ceil(first_slot / m_g)``. History groups register every key; state
-        groups only the last, and only when ``end_tokens`` is a multiple of their page size and
-        the hashes end exactly there (SPEC 6). Ranges are checked for every group first. A
-        token-level request is a ValueError (its pages are registered as it is scheduled).
-        """
-        tables = self._tables(req)
-        hashes = as_content_hashes(content_hashes)
-        first = as_count(first_slot, "first_slot")
-        end = None if end_tokens is None else as_count(end_tokens, "end_tokens")
-        self._check_page_level("register", as_request_id(req))
-        self._register(tables, hashes, first, end, None)
 
     def _register(
         self,

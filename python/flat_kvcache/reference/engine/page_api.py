@@ -1,7 +1,10 @@
 """Page-level calls (docs/engine-api.md, SPEC 6 to 8): the caller brings the content hashes.
 
-Reclaim and free, the dry runs an admission check needs, reading tables, and the three step
-operations (first prefill chunk, later chunk, decode step) built on the coordinator.
+:class:`PageTables` holds what both protocols share: releasing and reclaiming a request's
+pages, ``pages_needed`` and reading tables. :class:`PageApi` adds the page-level protocol of
+``PageCache``: match, claim, acquire, register, reclaim, free, the dry runs an admission check
+needs, and the three step operations (first prefill chunk, later chunk, decode step) built on
+the coordinator.
 """
 
 from __future__ import annotations
@@ -16,44 +19,21 @@ from flat_kvcache.reference.engine._args import (
     as_request_id,
     check_u64_total,
 )
-from flat_kvcache.reference.engine.coordinator import PrefixMatch
-from flat_kvcache.reference.engine.rows import Rows
+from flat_kvcache.reference.engine.coordinator import Coordinator, PrefixMatch
 from flat_kvcache.reference.engine.table import Table
 
-__all__ = ["PageApi"]
+__all__ = ["PageApi", "PageTables"]
 
 
-class PageApi(Rows):
-    """The page-level calls on top of the coordinator (and the persistent rows a request may hold)."""
-
-    def reclaim(self, req: RequestId, num_computed_tokens: int) -> None:
-        """Free every page that slid out of its group's window, per group in index order (SPEC 6).
-
-        A token-level request is a ValueError (``schedule`` reclaims its pages)."""
-        tables = self._tables(req)
-        computed = as_count(num_computed_tokens, "num_computed_tokens")
-        self._check_page_level("reclaim", as_request_id(req))
-        self._reclaim(tables, computed)
+class PageTables(Coordinator):
+    """What both protocols share on top of the coordinator: releasing and reclaiming a
+    request's pages, ``pages_needed`` and reading tables."""
 
     def _reclaim(self, tables: list[Table], computed: int) -> None:
         """:meth:`reclaim` on a request's tables and a checked count."""
         for manager, table in zip(self._managers, tables, strict=True):
             manager.reclaim(table, computed)
         self._store_released()
-
-    def free(self, req: RequestId) -> None:
-        """Release every page of the request and forget it (SPEC 7), in the eviction order.
-
-        ``"hybrid"`` (the default, SPEC 12.3): all groups' real pages by the end token of their
-        slot, descending (ties: lower group index first), so the chain's tail is evicted first
-        in every group together and a hybrid prefix keeps all its groups equally long.
-        ``"group"`` (the reference design): each group's table tail first, group 0 first.
-        The first page released is the first evicted. A token-level request is a ValueError
-        (``finish`` or ``preempt`` end it).
-        """
-        self._tables(req)
-        self._check_page_level("free", as_request_id(req))
-        self._release(as_request_id(req))
 
     def _release(self, key: RequestId) -> None:
         """:meth:`free` of a live request of either kind."""
@@ -88,6 +68,111 @@ class PageApi(Rows):
         needed = sum(m.blocks_needed_for(t, count) for m, t in zip(self._managers, tables, strict=True))
         return check_u64_total(needed, "num_tokens")  # the native sum is a checked u64
 
+    # -- reading tables -------------------------------------------------------------------------
+
+    def page_ids(self, req: RequestId) -> list[list[int]]:
+        """Each group's table of the request (0 = hole)."""
+        return [list(table.pages) for table in self._tables(req)]
+
+    def tail_available(self, req: RequestId) -> list[int]:
+        """Each group's free token slots in the request's last page."""
+        return [table.tail_avail for table in self._tables(req)]
+
+
+class PageApi(PageTables):
+    """The page-level protocol (``PageCache``, docs/engine-api.md): the caller keeps each
+    request's state and brings the content hashes."""
+
+    # -- SPEC 7: across groups ------------------------------------------------------------------
+
+    def match_prefix(self, content_hashes: Sequence[str]) -> PrefixMatch:
+        """Hybrid prefix match (SPEC 7), read-only: no count, order or key changes.
+
+        ``bound = align_down(len * base, lcm)``. Sweep: match each group in match order up to
+        the bound, then lower the bound to that group's extent (aligned down to lcm). Converge:
+        re-match every non-closed group whose extent exceeds the bound until none does (a
+        sliding group's answer at a lower bound is not a prefix of its answer at a higher one).
+        Finally truncate every group to the bound. With caching off the match is empty.
+        """
+        hashes = as_content_hashes(content_hashes)
+        bound, pages, matched_keys = self._match(hashes, tiered=False)
+        hits = [sum(1 for page in group_pages if page != 0) for group_pages in pages]
+        return PrefixMatch(bound, pages, hits, matched_keys)
+
+    def claim(self, req: RequestId, match: PrefixMatch) -> None:
+        """Take a reference on every matched page; each group's table becomes the match (SPEC 7).
+
+        Holes stay holes; ``tail_avail`` is 0 (the match ends on whole pages). ValueError, with
+        nothing changed (the request is not created either), if the request's tables already
+        hold pages, if the match has the wrong number of groups, or if the match is stale: a
+        matched page no longer holds the very key it was matched under (it was evicted, and
+        maybe re-cached under another key or for another group; taking it would put one page
+        in two groups). A match built by hand remembers no keys: each real page must then hold
+        a key of the group it is claimed for.
+        """
+        key = as_request_id(req)
+        self._claim("claim", key, self._check_match(match))
+
+    def acquire(self, req: RequestId, num_tokens: int) -> bool:
+        """Room for ``num_tokens`` more tokens in every group, all or nothing (SPEC 7).
+
+        Check-then-act: if the pages needed over all groups exceed the free pages, return
+        False and allocate nothing anywhere. Otherwise groups allocate in index order, so page
+        ids are deterministic. A token-level request is a ValueError.
+        """
+        key = as_request_id(req)
+        count = as_count(num_tokens, "num_tokens")
+        self._check_page_level("acquire", key)
+        return self._acquire(self._tables_or_new(key), count)
+
+    def register(
+        self,
+        req: RequestId,
+        content_hashes: Sequence[str],
+        *,
+        first_slot: int = 0,
+        end_tokens: int | None = None,
+    ) -> None:
+        """Give the request's full pages their cache keys (SPEC 7; nothing when caching is off).
+
+        ``content_hashes[j]`` is base page ``first_slot + j``. Each group folds them into keys
+        for its slots from ``ceil(first_slot / m_g)``. History groups register every key; state
+        groups only the last, and only when ``end_tokens`` is a multiple of their page size and
+        the hashes end exactly there (SPEC 6). Ranges are checked for every group first. A
+        token-level request is a ValueError (its pages are registered as it is scheduled).
+        """
+        tables = self._tables(req)
+        hashes = as_content_hashes(content_hashes)
+        first = as_count(first_slot, "first_slot")
+        end = None if end_tokens is None else as_count(end_tokens, "end_tokens")
+        self._check_page_level("register", as_request_id(req))
+        self._register(tables, hashes, first, end, None)
+
+    def reclaim(self, req: RequestId, num_computed_tokens: int) -> None:
+        """Free every page that slid out of its group's window, per group in index order (SPEC 6).
+
+        A token-level request is a ValueError (``schedule`` reclaims its pages)."""
+        tables = self._tables(req)
+        computed = as_count(num_computed_tokens, "num_computed_tokens")
+        self._check_page_level("reclaim", as_request_id(req))
+        self._reclaim(tables, computed)
+
+    def free(self, req: RequestId) -> None:
+        """Release every page of the request and forget it (SPEC 7), in the eviction order.
+
+        ``"hybrid"`` (the default, SPEC 12.3): all groups' real pages by the end token of their
+        slot, descending (ties: lower group index first), so the chain's tail is evicted first
+        in every group together and a hybrid prefix keeps all its groups equally long.
+        ``"group"`` (the reference design): each group's table tail first, group 0 first.
+        The first page released is the first evicted. A token-level request is a ValueError
+        (``finish`` or ``preempt`` end it).
+        """
+        self._tables(req)
+        self._check_page_level("free", as_request_id(req))
+        self._release(as_request_id(req))
+
+    # -- admission helpers (SPEC 7, 9) ----------------------------------------------------------
+
     def pages_reclaimable(
         self, req: RequestId, num_computed_tokens: int, *, count_uncached: bool = True
     ) -> int:
@@ -106,16 +191,6 @@ class PageApi(Rows):
         checked = self._check_match(match)
         distinct = {page for pages in checked.pages for page in pages if page != 0}
         return sum(1 for page in distinct if self._pool.ref_count(page) == 0)
-
-    # -- reading tables -------------------------------------------------------------------------
-
-    def page_ids(self, req: RequestId) -> list[list[int]]:
-        """Each group's table of the request (0 = hole)."""
-        return [list(table.pages) for table in self._tables(req)]
-
-    def tail_available(self, req: RequestId) -> list[int]:
-        """Each group's free token slots in the request's last page."""
-        return [table.tail_avail for table in self._tables(req)]
 
     # -- SPEC 8: step operations ----------------------------------------------------------------
 

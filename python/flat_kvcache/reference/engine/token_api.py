@@ -27,14 +27,16 @@ from flat_kvcache.reference.engine._args import (
     shown_id,
 )
 from flat_kvcache.reference.engine.hash import hash_page, hash_pages
-from flat_kvcache.reference.engine.page_api import PageApi
+from flat_kvcache.reference.engine.page_api import PageTables
+from flat_kvcache.reference.engine.rows import Rows
 from flat_kvcache.reference.engine.table import Table, TokenState
 
 __all__ = ["TokenApi"]
 
 
-class TokenApi(PageApi):
-    """Requests that own their tokens, on top of the page-level calls."""
+class TokenApi(PageTables, Rows):
+    """Requests that own their tokens (``FlatKVCache``), on the shared page steps and the
+    persistent rows a request may hold."""
 
     def _token_state(self, method: str, key: RequestId) -> tuple[list[Table], TokenState]:
         """A token-level request's tables and state: KeyError if unknown, ValueError if page-level."""
