@@ -1,5 +1,5 @@
 """``flat_kvcache.cache_from_config``: from a model config (or a memory plan) to a ``FlatKVCache``
-in one call (issue 19.12).
+in one call.
 
 The engine it builds must be the one a user would build by hand from the sizing API
 (``group_specs_from_layer_types`` -> ``kv_cache_specs`` -> ``FlatKVCache``): the tests drive both

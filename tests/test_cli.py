@@ -356,7 +356,7 @@ def test_bad_model_sources(capsys: pytest.CaptureFixture[str], tmp_path: Path) -
     assert_one_line_error(capsys, ["--preset", "nope"], 1, "--preset nope: unknown preset; known presets: ")
 
 
-# --- one way to name a model: --config PATH for files, --preset NAME for built-ins (issue 19.7) ---
+# --- one way to name a model: --config PATH for files, --preset NAME for built-ins ---
 
 
 def test_preset_takes_only_built_in_names(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -394,7 +394,7 @@ def test_every_command_names_a_model_the_same_way(capsys: pytest.CaptureFixture[
     )
 
 
-# --- errors name the option once, JSON where asked (issue 19.9) --------------------------------
+# --- errors name the option once, JSON where asked --------------------------------
 
 
 def test_errors_name_the_path_once(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -431,7 +431,7 @@ def test_extra_hints_install_as_the_readme_does(capsys: pytest.CaptureFixture[st
     assert "flat-kvcache[" not in out
 
 
-# --- what the page counts are, and what fits together (issue 19.10) -----------------------------
+# --- what the page counts are, and what fits together -----------------------------
 
 # A Gemma-2-like config: 21 sliding (W=4096) + 21 full layers, C=8192; defaults B=256, S=8192,
 # T=max(262144, 8192)=262144, P=16:
@@ -463,7 +463,7 @@ def test_page_counts_are_per_group_bounds_on_one_pool(
     assert "a pool of 82945 pages holds every group's worst case at once" in text
 
 
-# --- block-table widths: absolute tables vs windowed sliding tables (issue 19.11) ------------------
+# --- block-table widths: absolute tables vs windowed sliding tables ------------------
 
 
 def test_table_width_is_what_block_tables_out_needs(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,5 +1,5 @@
 """``flat-kvcache plan --memory``: what fits together in the one pool, the K/V slab layout, and
-block-table widths against the buffers ``flat_kvcache.torch`` builds (issue 19.9 to 19.11).
+block-table widths against the buffers ``flat_kvcache.torch`` builds.
 
 Expected numbers are derived here from the model's shape and SPEC 2 / 3, not read off the code.
 """

@@ -1,6 +1,5 @@
 """``flat-kvcache demo``: arguments the run could not finish with are refused before any work,
-as one line naming the option with exit status 2 (issue 19.8), and the output reads as text
-(issue 19.9).
+as one line naming the option with exit status 2, and the output reads as text.
 """
 
 from __future__ import annotations

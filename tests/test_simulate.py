@@ -319,7 +319,7 @@ def test_cli_bad_input_is_one_error_line(
 
 
 def test_cli_model_from_a_config_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    """``--config PATH`` for a config.json, ``--preset NAME`` for built-ins only (issue 19.7)."""
+    """``--config PATH`` for a config.json, ``--preset NAME`` for built-ins only."""
     import flat_kvcache.presets
 
     path = tmp_path / "config.json"
@@ -366,7 +366,7 @@ def test_cli_plot_target_is_checked_before_the_run(
 
 
 def test_native_runs_build_the_cache_with_cache_from_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The simulator builds the native engine the documented way (issue 19.12)."""
+    """The simulator builds the native engine the documented way."""
     import flat_kvcache.simulate.loop as loop
     from flat_kvcache import cache_from_config as real
 
