@@ -18,7 +18,7 @@ Plans the KV buffers of a model for a memory budget, allocates them, and checks 
 Usage::
 
     python benches/gpu_check.py                                  # default preset, 90% of the GPU
-    python benches/gpu_check.py --model qwen3.5-like --memory 8GiB
+    python benches/gpu_check.py --preset qwen3.5-like --memory 8GiB
     python benches/gpu_check.py --device cpu --memory 256MiB     # the same flow, no memory checks
 
 Exit status: 0 when every check passes (or, with the default --device cuda, when there is no
@@ -30,18 +30,22 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import itertools
+import os
 import random
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
 try:
     import torch
 except ModuleNotFoundError:
-    sys.exit("gpu_check needs PyTorch: pip install 'flat-kvcache[torch]'")
+    sys.exit("gpu_check needs PyTorch: pip install '.[torch]' in the flat-kvcache source tree")
 
 import flat_kvcache
 from flat_kvcache import reference
+from flat_kvcache.config import load_model_config
+from flat_kvcache.presets import get_preset, preset_names
 from flat_kvcache.torch import (
     CaptureBuffers,
     KVBuffers,
@@ -347,7 +351,9 @@ def check_flashinfer(device: torch.device, report: Report) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt-oss-like", help="preset name or config.json path")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--config", metavar="PATH", help="a Hugging Face style config.json (or its folder)")
+    model.add_argument("--preset", metavar="NAME", help="a built-in model preset (default gpt-oss-like)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--memory", type=parse_bytes, help="budget (e.g. 8GiB); default: from the device")
     parser.add_argument("--utilization", type=float, default=0.9)
@@ -370,10 +376,19 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # streams and graphs below use the current device
 
+    if args.preset is not None and args.preset not in preset_names():
+        parser.error(f"--preset {args.preset}: unknown preset; known presets: {', '.join(preset_names())}")
+    if args.config is not None and not os.path.exists(args.config):
+        parser.error(f"--config {args.config}: no such file or folder")
+    model = args.config if args.config is not None else (args.preset or "gpt-oss-like")
+
     report = Report()
     try:
-        shape = ModelShape.from_config(args.model, kv_dtype=args.kv_dtype)
-        report.value("model", f"{args.model}: {shape.num_layers} layers, kv {shape.kv_dtype}")
+        shape = ModelShape.from_config(
+            load_model_config(Path(model)) if args.config is not None else get_preset(model),
+            kv_dtype=args.kv_dtype,
+        )
+        report.value("model", f"{model}: {shape.num_layers} layers, kv {shape.kv_dtype}")
         plan, buffers = check_memory(args, shape, device, report)
     except (OSError, ValueError) as exc:
         print(f"gpu_check: cannot plan: {exc}", file=sys.stderr)

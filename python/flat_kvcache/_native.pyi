@@ -127,9 +127,10 @@ def compute_max_logical_pages_for_capture(
     max_tokens_per_req: SupportsIndex = 1,
     overlap_schedule_depth: SupportsIndex = 0,
 ) -> int:
-    """The block-table width of one group's CUDA-graph capture buffer (SPEC 2, 12.1).
+    """The logical pages one request of a group touches at once (SPEC 2, 12.1).
 
-    ``spec`` is a ``PagedCacheGroupSpec``-like object. Raises ``TypeError`` / ``ValueError``
+    A full-history group's table width; a sliding group's *windowed* row width (absolute
+    sliding tables keep slid-out holes and need the full-history width). ``spec`` is a ``PagedCacheGroupSpec``-like object. Raises ``TypeError`` / ``ValueError``
     naming a malformed argument.
     """
 

@@ -714,11 +714,11 @@ impl PyFlatKVCache {
 
     /// Schedule a whole step in one call: `num_new_tokens` holds one int per request (a
     /// sequence or a 1-D integer array). Everything is validated first (unknown id:
-    /// `UnknownRequestError`; page-level request or too many tokens: `ValueError`; nothing
-    /// changes then); each request is then scheduled in order exactly like `schedule(req, n)`.
-    /// Returns a numpy bool array. An id object at the same position of the last batch (a
-    /// list or tuple), still naming the same request, is not parsed or looked up again
-    /// ([`IdMemo`]); other iterables are parsed id by id and scheduled with the GIL released.
+    /// `UnknownRequestError`; too many tokens: `ValueError`; nothing changes then); each
+    /// request is then scheduled in order exactly like `schedule(req, n)`. Returns a numpy
+    /// bool array. An id object at the same position of the last batch (a list or tuple),
+    /// still naming the same request, is not parsed or looked up again; other iterables are
+    /// parsed id by id and scheduled with the GIL released.
     fn schedule_batch<'py>(
         slf: &Bound<'_, Self>,
         py: Python<'py>,
