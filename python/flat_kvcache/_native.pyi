@@ -130,8 +130,9 @@ def compute_max_logical_pages_for_capture(
     """The logical pages one request of a group touches at once (SPEC 2, 12.1).
 
     A full-history group's table width; a sliding group's *windowed* row width (absolute
-    sliding tables keep slid-out holes and need the full-history width). ``spec`` is a ``PagedCacheGroupSpec``-like object. Raises ``TypeError`` / ``ValueError``
-    naming a malformed argument.
+    sliding tables keep slid-out holes and need the full-history width). ``spec`` is a
+    ``PagedCacheGroupSpec``-like object. Raises ``TypeError`` / ``ValueError`` naming a
+    malformed argument.
     """
 
 def hybrid_slab_group_size(layer_types: object, *, sliding_window_tokens: object = None) -> int | None:
