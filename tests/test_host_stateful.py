@@ -1,4 +1,4 @@
-"""Stateful cross-check of the host-memory tier (issue 12): native vs reference.
+"""Stateful cross-check of the host-memory tier: native vs reference.
 
 The token-level state machine of ``test_requests_stateful.py`` runs with a host tier (a few
 to a few dozen host pages, ``host_store`` write-through or store-on-eviction) and gains three

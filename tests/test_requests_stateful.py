@@ -319,18 +319,6 @@ class RequestsMachine(RuleBasedStateMachine):
                 self.live.append(req)
                 event(f"re-added after preempt, hit > 0: {bool(outcome[1])}")
 
-    @precondition(lambda self: self.live)
-    @rule(index=st.integers(0, 10), op=st.sampled_from(["acquire", "reclaim", "free"]), k=st.integers(0, 9))
-    def page_level_call(self, index: int, op: str, k: int) -> None:
-        """Page-level methods on token-level requests are refused (issue 13); both engines agree."""
-        req = self.pick(index)
-        if op == "acquire":
-            self.both("acquire", req, k)
-        elif op == "reclaim":
-            self.both("reclaim", req, int(self.caches[0].num_computed_tokens(req)) + k)
-        elif self.both("free", req)[0] == "ok":
-            self.live.remove(req)
-
     @rule()
     def reset_prefix_cache(self) -> None:
         stats = self.caches[1].stats() if self.caches else None

@@ -1,4 +1,4 @@
-"""The host-memory tier (issue 12), plainly: host pages, their keys, an LRU, and transfers.
+"""The host-memory tier, plainly: host pages, their keys, an LRU, and transfers.
 
 The cache never copies memory. It emits transfers that the engine runs and acknowledges in
 any order:
