@@ -2,13 +2,20 @@
 //!
 //! It works on a request's tables (one [`Table`] per group, in group order) and knows nothing
 //! of request ids; [`crate::engine::FlatCache`] maps ids to tables.
+//!
+//! It may own a host-memory tier ([`HostTier`], `host.rs`), which depends only on the pool,
+//! the keys and the event log, never on this module. A tiered prefix match looks a key up on
+//! the device first, then on the tier; its device pages stay in [`PrefixMatch::pages`] and
+//! its host hits are listed apart in [`PrefixMatch::host_hits`]. Registering and releasing
+//! pages hand the tier the pages its store policy wants, and claiming a tiered match
+//! allocates the loads' destinations (`claim_tiered`).
 
 use std::sync::Arc;
 
 use crate::engine::events::{EventLog, KvEvent};
 use crate::engine::group::{GroupKind, GroupManager, RegisterPlan, RegisterRange};
 use crate::engine::hash::{fold_run, ContentHash, GroupKey};
-use crate::engine::host::{HostStore, HostTier, LoadEvent, Op, TransferKind, HOST_BIT};
+use crate::engine::host::{Device, HostStore, HostTier, LoadEvent, Transfer};
 use crate::engine::pool::{BlockPool, NULL_PAGE};
 use crate::engine::table::Table;
 use crate::error::{CoreError, CoreResult};
@@ -25,19 +32,34 @@ pub struct GroupSpec {
     pub page_size: u64,
 }
 
+/// A slot of a tiered prefix match served by the host tier: its page there is loaded into a
+/// new device page when the match is claimed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostHit {
+    /// The group index.
+    pub group: usize,
+    /// The slot in the group's table.
+    pub slot: usize,
+    /// The host page holding the slot's key.
+    pub page: u32,
+}
+
 /// The result of a prefix match: per-group pages (holes as 0) and the common token count.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PrefixMatch {
     /// Tokens every group can resume from (a multiple of the lcm page size).
     pub num_common_tokens: u64,
-    /// Per group, the matched page per slot (0 = hole).
+    /// Per group, the matched device page per slot (0 = hole, or a slot in `host_hits`).
     pub pages: Vec<Vec<u32>>,
-    /// Per group, the number of real (non-hole) pages.
+    /// Per group, the number of slots served (device pages plus host hits).
     pub num_hit_pages: Vec<usize>,
-    /// Per group, the (folded) content hash each real page was matched under, in slot order;
-    /// a claim refuses the match if a page no longer holds exactly that key. `None` for a
-    /// match built by hand, whose pages must then each hold some key of their own group.
+    /// Per group, the (folded) content hash each real device page was matched under, in slot
+    /// order; a claim refuses the match if a page no longer holds exactly that key. `None`
+    /// for a match built by hand, whose pages must then each hold some key of their own group.
     pub keys: Option<Vec<Vec<ContentHash>>>,
+    /// The slots served by the host tier (a tiered match only), groups in index order, slots
+    /// ascending; `pages` holds 0 at each of them.
+    pub host_hits: Vec<HostHit>,
 }
 
 impl PrefixMatch {
@@ -48,6 +70,7 @@ impl PrefixMatch {
             pages: vec![Vec::new(); groups],
             num_hit_pages: vec![0; groups],
             keys: Some(vec![Vec::new(); groups]),
+            host_hits: Vec::new(),
         }
     }
 
@@ -58,6 +81,7 @@ impl PrefixMatch {
             pages,
             num_hit_pages,
             keys: None,
+            host_hits: Vec::new(),
         }
     }
 }
@@ -104,6 +128,19 @@ pub struct TokenContext<'a> {
     /// Its extra keys.
     pub extra_keys: &'a Arc<[String]>,
 }
+
+/// Where a tiered match found the key of a slot.
+#[derive(Clone, Copy, Debug)]
+enum Served {
+    /// A device page holds it.
+    Device(u32),
+    /// A findable host page holds it.
+    Host(u32),
+}
+
+/// What a tiered match hands a group's match rule for a slot it found: only hit (any
+/// non-zero value) or hole (0) matters there, the slot's page is read back from the lookup.
+const KEPT: u32 = u32::MAX;
 
 /// Greatest common divisor (Euclid).
 fn gcd(a: u64, b: u64) -> u64 {
@@ -199,20 +236,14 @@ impl Coordinator {
     pub fn set_kv_events(&mut self, on: bool) {
         self.events = EventLog::new(on);
         self.pool.set_record_evictions(on);
-        if let Some(host) = self.host.as_mut() {
-            host.record = on;
-            host.stored.clear();
-            host.evicted.clear();
-        }
     }
 
     /// Give the cache a host tier of `num_pages` pages with store `policy` (before any
     /// request exists).
     pub fn set_host(&mut self, num_pages: u64, policy: HostStore) -> CoreResult<()> {
-        let mut tier = HostTier::new(num_pages, policy)?;
-        tier.record = self.events.enabled();
+        let tier = HostTier::new(num_pages, policy)?;
+        self.pool.set_record_released(tier.stores_on_release());
         self.host = Some(tier);
-        self.pool.set_record_released(policy == HostStore::Evict);
         Ok(())
     }
 
@@ -329,26 +360,54 @@ impl Coordinator {
         GroupKey::new(hash, group)
     }
 
-    /// Match group `g` over its slots below `bound` tokens.
-    /// With `tiered`, a key missing on the device is looked up on the host tier; a host hit
-    /// is reported as `HOST_BIT | host page`.
+    /// Match group `g` over its slots below `bound` tokens: the matched device pages (holes
+    /// as 0). With a host tier (`tiered`), a key missing on the device is looked up on the
+    /// tier, and the slots the match keeps from there replace `hits` as `(slot, host page)`,
+    /// slots ascending (their entries in the pages are 0).
     fn match_group(
         &self,
         g: usize,
         bound: u64,
         hashes: &[ContentHash],
         memo: &mut Vec<Option<ContentHash>>,
-        tiered: bool,
-    ) -> (Vec<u32>, usize) {
+        tiered: Option<(&HostTier, &mut Vec<(usize, u32)>)>,
+    ) -> Vec<u32> {
         // bound <= len(hashes) * base, so bound / P_g <= len(hashes) fits usize.
         let end = usize::try_from(self.managers[g].page().quotient(bound)).unwrap_or(0);
-        let host = if tiered { self.host.as_ref() } else { None };
-        self.managers[g].match_slots(end, |i| {
+        let Some((host, hits)) = tiered else {
+            return self.managers[g]
+                .match_slots(end, |i| self.pool.lookup(&self.slot_key(g, i, hashes, memo)))
+                .0;
+        };
+        // The group's rule decides which slots the match keeps (it copies the lookup's answer
+        // into each kept slot and 0 into holes); where each looked-up key lives is recorded
+        // per slot, so the rule is handed only a non-hole mark.
+        let mut found: Vec<Option<Served>> = vec![None; end];
+        let (mut pages, _) = self.managers[g].match_slots(end, |i| {
             let key = self.slot_key(g, i, hashes, memo);
-            self.pool
+            let at = self
+                .pool
                 .lookup(&key)
-                .or_else(|| host.and_then(|h| h.lookup(&key)).map(|p| p | HOST_BIT))
-        })
+                .map(Served::Device)
+                .or_else(|| host.lookup(&key).map(Served::Host))?;
+            found[i] = Some(at);
+            Some(KEPT)
+        });
+        hits.clear();
+        for (slot, page) in pages.iter_mut().enumerate() {
+            if *page == NULL_PAGE {
+                continue;
+            }
+            *page = match found[slot] {
+                Some(Served::Device(p)) => p,
+                Some(Served::Host(h)) => {
+                    hits.push((slot, h));
+                    NULL_PAGE
+                }
+                None => unreachable!("a kept slot was looked up"),
+            };
+        }
+        pages
     }
 
     /// The hybrid prefix match of base-page content hashes (read-only).
@@ -358,17 +417,17 @@ impl Coordinator {
     /// group whose extent exceeds the bound until nothing changes. Finally truncate every
     /// group to the bound.
     pub fn match_prefix(&self, hashes: &[ContentHash]) -> CoreResult<PrefixMatch> {
-        self.match_prefix_in(hashes, false)
+        self.match_prefix_in(hashes, None)
     }
 
     /// [`Self::match_prefix`] where every group's lookup answers device-or-host (device
-    /// first): a host hit is `HOST_BIT | host page` in `pages` (see `host.rs`). Without a
+    /// first): the slots served by the host tier are [`PrefixMatch::host_hits`]. Without a
     /// host tier it is the device match.
     pub fn match_prefix_tiered(&self, hashes: &[ContentHash]) -> CoreResult<PrefixMatch> {
-        self.match_prefix_in(hashes, self.host.is_some())
+        self.match_prefix_in(hashes, self.host.as_ref())
     }
 
-    fn match_prefix_in(&self, hashes: &[ContentHash], tiered: bool) -> CoreResult<PrefixMatch> {
+    fn match_prefix_in(&self, hashes: &[ContentHash], host: Option<&HostTier>) -> CoreResult<PrefixMatch> {
         let groups = self.specs.len();
         if !self.pool.caching_enabled() {
             return Ok(PrefixMatch::empty(groups));
@@ -380,8 +439,13 @@ impl Coordinator {
         let mut bound = self.lcm.align_down(total);
         let mut found: Vec<Vec<u32>> = vec![Vec::new(); groups];
         let mut memo: Vec<Vec<Option<ContentHash>>> = vec![Vec::new(); groups];
+        // Per group, the slots served by the host tier (empty without one).
+        let mut on_host: Vec<Vec<(usize, u32)>> = Vec::new();
+        if host.is_some() {
+            on_host.resize(groups, Vec::new());
+        }
         for &g in &self.match_order {
-            found[g] = self.match_group(g, bound, hashes, &mut memo[g], tiered).0;
+            found[g] = self.match_group(g, bound, hashes, &mut memo[g], host.zip(on_host.get_mut(g)));
             bound = bound.min(self.lcm.align_down(extent(found[g].len(), self.specs[g].page_size)));
         }
         loop {
@@ -391,7 +455,7 @@ impl Coordinator {
                 if self.specs[g].kind.is_prefix_closed() || extent(found[g].len(), page_size) <= bound {
                     continue;
                 }
-                found[g] = self.match_group(g, bound, hashes, &mut memo[g], tiered).0;
+                found[g] = self.match_group(g, bound, hashes, &mut memo[g], host.zip(on_host.get_mut(g)));
                 bound = bound.min(self.lcm.align_down(extent(found[g].len(), page_size)));
                 changed = true;
             }
@@ -401,6 +465,7 @@ impl Coordinator {
         }
         let mut num_hit_pages = Vec::with_capacity(groups);
         let mut keys = Vec::with_capacity(groups);
+        let mut host_hits = Vec::new();
         for (g, pages) in found.iter_mut().enumerate() {
             let slots = usize::try_from(self.managers[g].page().quotient(bound)).unwrap_or(usize::MAX);
             pages.truncate(slots);
@@ -408,9 +473,15 @@ impl Coordinator {
             let held: Vec<ContentHash> = pages
                 .iter()
                 .filter(|&&p| p != NULL_PAGE)
-                .filter_map(|&p| self.key_of_tiered(p).map(|k| k.hash))
+                .filter_map(|&p| self.pool.key_of(p).map(|k| k.hash))
                 .collect();
-            num_hit_pages.push(held.len());
+            // The group's host hits inside the bound.
+            let before = host_hits.len();
+            if let Some(hits) = on_host.get(g) {
+                let kept = hits.iter().filter(|&&(slot, _)| slot < slots);
+                host_hits.extend(kept.map(|&(slot, page)| HostHit { group: g, slot, page }));
+            }
+            num_hit_pages.push(held.len() + host_hits.len() - before);
             keys.push(held);
         }
         Ok(PrefixMatch {
@@ -418,6 +489,7 @@ impl Coordinator {
             pages: found,
             num_hit_pages,
             keys: Some(keys),
+            host_hits,
         })
     }
 
@@ -641,10 +713,7 @@ impl Coordinator {
             let m = usize::try_from(self.mult[g].get()).unwrap_or(usize::MAX);
             let manager = self.managers[g];
             let recording = self.events.enabled();
-            let write_through = self
-                .host
-                .as_ref()
-                .is_some_and(|h| h.policy() == HostStore::WriteThrough);
+            let write_through = self.host.as_ref().is_some_and(HostTier::stores_on_register);
             let mut stored: Vec<(usize, ContentHash)> = Vec::new();
             manager.register(&mut self.pool, table, plan.start, plan.count, |j| {
                 let at = plan.skip + j * m;
@@ -658,9 +727,9 @@ impl Coordinator {
                 }
                 GroupKey::new(hash, group)
             });
-            if write_through {
+            if let Some((host, mut dev)) = self.tier().filter(|_| write_through) {
                 for &(slot, hash) in &stored {
-                    self.store_to_host(table.pages()[slot], GroupKey::new(hash, group));
+                    host.store(&mut dev, table.pages()[slot], GroupKey::new(hash, group));
                 }
             }
             if recording && !stored.is_empty() {
@@ -794,82 +863,54 @@ impl Coordinator {
 
     // ----- host tier (host.rs) ------------------------------------------------------------
 
-    /// The key of a device page, or of a host page tagged with [`HOST_BIT`].
-    fn key_of_tiered(&self, page: u32) -> Option<&GroupKey> {
-        if page & HOST_BIT != 0 {
-            self.host.as_ref().and_then(|h| h.key_of(page & !HOST_BIT))
-        } else {
-            self.pool.key_of(page)
-        }
+    /// The host tier with the device side its operations change, if there is a tier.
+    fn tier(&mut self) -> Option<(&mut HostTier, Device<'_>)> {
+        let host = self.host.as_mut()?;
+        let dev = Device {
+            pool: &mut self.pool,
+            in_use: &mut self.in_use,
+            events: &mut self.events,
+        };
+        Some((host, dev))
     }
 
-    /// Emit a store of device page `page` (holding `key`) if the tier takes it, and pin the
-    /// page until the store is acknowledged.
-    fn store_to_host(&mut self, page: u32, key: GroupKey) {
-        let Some(host) = self.host.as_mut() else { return };
-        let stored = host.store(page, key);
-        for key in host.evicted.drain(..) {
-            self.events.push(KvEvent::HostRemoved {
-                hash: key.hash,
-                group: key.group,
-            });
-        }
-        if stored && self.pool.retain(page) {
-            self.in_use[key.group as usize] += 1;
-        }
-    }
-
-    /// Store-on-eviction policy: store every cached page that joined the free list since the
-    /// last call (in release order); a stored page leaves the free list until acknowledged.
+    /// Hand the tier the cached pages released since the last call (its evict policy stores
+    /// them; see [`HostTier::store_released`]).
     pub(crate) fn store_released(&mut self) {
-        if self.host.as_ref().is_none_or(|h| h.policy() != HostStore::Evict) {
-            return;
-        }
-        for page in self.pool.take_released() {
-            if self.pool.refs_of(page) != 0 {
-                continue;
-            }
-            if let Some(&key) = self.pool.key_of(page) {
-                self.store_to_host(page, key);
-            }
+        if let Some((host, mut dev)) = self.tier() {
+            host.store_released(&mut dev);
         }
     }
 
     /// Tokens of a `hit` served from host memory: those at or after the first slot any group
     /// loads from the host tier (0 when the match is all device pages).
     pub fn host_hit_tokens(&self, m: &PrefixMatch, hit: u64) -> u64 {
-        let mut first = hit;
-        for (pages, manager) in m.pages.iter().zip(&self.managers) {
-            if let Some(slot) = pages.iter().position(|&p| p != NULL_PAGE && p & HOST_BIT != 0) {
-                first = first.min(extent(slot, manager.page_size()));
-            }
-        }
+        let first = m
+            .host_hits
+            .iter()
+            .map(|h| extent(h.slot, self.specs[h.group].page_size))
+            .fold(hit, u64::min);
         hit - first
     }
 
     /// What claiming a tiered match takes: (distinct device pages with count 0, host hits).
     pub fn tiered_claim_cost(&self, m: &PrefixMatch) -> (usize, usize) {
-        let mut device = Vec::new();
-        let mut loads = 0usize;
-        for &page in m.pages.iter().flatten() {
-            if page == NULL_PAGE {
-                continue;
-            }
-            if page & HOST_BIT != 0 {
-                loads += 1;
-            } else if self.pool.refs_of(page) == 0 {
-                device.push(page);
-            }
-        }
+        let mut device: Vec<u32> = m
+            .pages
+            .iter()
+            .flatten()
+            .copied()
+            .filter(|&page| page != NULL_PAGE && self.pool.refs_of(page) == 0)
+            .collect();
         device.sort_unstable();
         device.dedup();
-        (device.len(), loads)
+        (device.len(), m.host_hits.len())
     }
 
     /// Claim a tiered match for a new request (empty `tables`): take a reference on every
-    /// device hit, then allocate one device page per host hit in one allocation (groups in
-    /// index order, slots ascending), put it in the table, pin it and emit its load. Returns
-    /// the number of loads. The caller checked that the pages are free
+    /// device hit, then allocate one device page per host hit in one allocation (in the
+    /// order of [`PrefixMatch::host_hits`]), put it in the table, pin it and emit its load.
+    /// Returns the number of loads. The caller checked that the pages are free
     /// ([`Self::tiered_claim_cost`]); if not, nothing changes and this is an error.
     pub(crate) fn claim_tiered(
         &mut self,
@@ -885,15 +926,9 @@ impl Coordinator {
             ));
         }
         let mut pages = m.pages.clone();
-        let mut wanted: Vec<(usize, usize, u32)> = Vec::with_capacity(loads);
         for (g, group_pages) in pages.iter().enumerate() {
-            for (slot, &page) in group_pages.iter().enumerate() {
-                if page == NULL_PAGE {
-                    continue;
-                }
-                if page & HOST_BIT != 0 {
-                    wanted.push((g, slot, page & !HOST_BIT));
-                } else if self.pool.retain(page) {
+            for &page in group_pages {
+                if page != NULL_PAGE && self.pool.retain(page) {
                     self.in_use[g] += 1;
                 }
             }
@@ -903,15 +938,15 @@ impl Coordinator {
         if self.pool.records_evictions() {
             Self::record_evictions(&mut self.pool, &mut self.events);
         }
-        for (&(g, slot, host_page), &d) in wanted.iter().zip(&dest) {
-            pages[g][slot] = d;
+        for (hit, &d) in m.host_hits.iter().zip(&dest) {
+            pages[hit.group][hit.slot] = d;
             // The load's pin: the page stays allocated until acknowledged, even if the
             // request ends first.
             self.pool.retain(d);
-            self.in_use[g] += 1;
-            let event = self.load_event(g, slot, ctx);
+            self.in_use[hit.group] += 1;
+            let event = self.load_event(hit.group, hit.slot, ctx);
             if let Some(host) = self.host.as_mut() {
-                host.load(host_page, d, owner, event);
+                host.load(hit.page, d, owner, event);
             }
         }
         for (table, group_pages) in tables.iter_mut().zip(pages) {
@@ -953,40 +988,15 @@ impl Coordinator {
         }
     }
 
-    /// Finish a checked transfer: a store's page becomes findable on the host; a load's
-    /// destination is registered under its key (a device hit from now on, with its
-    /// `BlockStored` event). Either way the device page's pin is dropped. Returns a load's
-    /// owner. Call [`Self::store_released`] after a batch of these.
+    /// Finish a checked transfer ([`HostTier::finish`]); returns a load's owner. Call
+    /// [`Self::store_released`] after a batch of these.
     pub(crate) fn finish_transfer(&mut self, id: u64) -> Option<(usize, u64)> {
-        let host = self.host.as_mut()?;
-        let mut op: Op = host.finish(id)?;
-        for key in host.stored.drain(..) {
-            self.events.push(KvEvent::HostStored {
-                hash: key.hash,
-                group: key.group,
-            });
-        }
-        let g = op.group as usize;
-        if op.kind == TransferKind::Load && self.pool.caching_enabled() && self.pool.key_of(op.device).is_none() {
-            self.pool.cache_unchecked(op.device, op.key);
-            if let Some(ev) = op.event.take() {
-                self.events.push(KvEvent::Stored {
-                    hashes: vec![op.key.hash],
-                    parent: ev.parent,
-                    token_ids: ev.token_ids,
-                    group: op.group,
-                    extra_keys: ev.extra_keys,
-                });
-            }
-        }
-        if self.pool.release(op.device) {
-            self.in_use[g] -= 1;
-        }
-        op.owner
+        let (host, mut dev) = self.tier()?;
+        host.finish(&mut dev, id)
     }
 
     /// Hand out the transfers emitted since the last call (empty without a host tier).
-    pub fn take_transfers(&mut self) -> Vec<crate::engine::host::Transfer> {
+    pub fn take_transfers(&mut self) -> Vec<Transfer> {
         self.host.as_mut().map_or_else(Vec::new, HostTier::take)
     }
 }

@@ -1,5 +1,14 @@
-//! The host-memory tier (issue 12): evicted or registered device pages kept in host memory
-//! and loaded back on a prefix hit, for every group kind.
+//! The host-memory tier: evicted or registered device pages kept in host memory and loaded
+//! back on a prefix hit, for every group kind.
+//!
+//! Layering: this module knows the device only as the pool, its keys and the event log
+//! (`Device`); it knows nothing of the coordinator or of requests. The coordinator owns an
+//! optional [`HostTier`] and calls it at four points: a tiered prefix match asks
+//! [`HostTier::lookup`] for keys the device misses (a host hit is a separate entry of the
+//! match, see [`crate::engine::coordinator::HostHit`]), a claim emits loads
+//! (`HostTier::load`), registering and releasing pages emit stores by the policy, and an
+//! acknowledgement finishes a transfer (`HostTier::finish`). The cache's public calls
+//! (`take_transfers`, `ack_transfers`, ...) are in `engine/host_api.rs`.
 //!
 //! The tier holds `num_pages` host pages of the device pages' geometry; host page ids are
 //! their own space `[0, num_pages)` (no null page). Each host page holds at most one group key
@@ -28,20 +37,21 @@
 //! Host eviction: a store takes a never-used host page first, else the least recently used
 //! findable host page that no load is reading (its key is dropped); with neither, the store
 //! is skipped (counted). Storing a key the host already holds (findable or in flight) is
-//! skipped silently.
+//! skipped silently. The LRU list is the same [`LruList`] as the device free list: host page
+//! `h` is its node `h + 1`, and it holds exactly the findable pages no load reads.
 
 use hashbrown::HashMap;
 use rustc_hash::FxBuildHasher;
 use std::sync::Arc;
 
+use crate::engine::events::{EventLog, KvEvent};
 use crate::engine::hash::{ContentHash, GroupKey};
+use crate::engine::lru::LruList;
+use crate::engine::pool::{BlockPool, MAX_BLOCKS};
 use crate::error::{CoreError, CoreResult};
 
-/// Tag of a host page id inside a tiered prefix match (device page ids are < 2**31).
-pub const HOST_BIT: u32 = 1 << 31;
-
-/// Largest host tier: host page ids must stay below [`HOST_BIT`].
-pub const MAX_HOST_PAGES: u64 = (HOST_BIT - 1) as u64;
+/// Largest host tier: host page ids stay in the device pool's range (below `2**31`).
+pub const MAX_HOST_PAGES: u64 = MAX_BLOCKS;
 
 /// When registered device pages are copied to the host tier.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -106,19 +116,43 @@ pub(crate) struct LoadEvent {
 
 /// A transfer in flight.
 #[derive(Clone, Debug)]
-pub(crate) struct Op {
-    pub kind: TransferKind,
-    pub group: u32,
-    pub device: u32,
-    pub host: u32,
-    pub key: GroupKey,
+struct Op {
+    kind: TransferKind,
+    group: u32,
+    device: u32,
+    host: u32,
+    key: GroupKey,
     /// Handed out by `take_transfers` (only those can be acknowledged).
-    pub taken: bool,
+    taken: bool,
     /// A load's request: (slab position, serial) so a late acknowledgement after the request
     /// ended (or its slot was reused) is recognised.
-    pub owner: Option<(usize, u64)>,
+    owner: Option<(usize, u64)>,
     /// A load's event payload.
-    pub event: Option<LoadEvent>,
+    event: Option<LoadEvent>,
+}
+
+/// The device side a tier's operations change: the pool (pins, registrations of loaded
+/// pages), the coordinator's count of pages in use per group, and the event log.
+pub(crate) struct Device<'a> {
+    pub pool: &'a mut BlockPool<GroupKey>,
+    pub in_use: &'a mut [usize],
+    pub events: &'a mut EventLog,
+}
+
+impl Device<'_> {
+    /// Take one more reference on `page` of `group` (a transfer's pin).
+    fn pin(&mut self, page: u32, group: u32) {
+        if self.pool.retain(page) {
+            self.in_use[group as usize] += 1;
+        }
+    }
+
+    /// Drop a transfer's pin on `page` of `group`.
+    fn unpin(&mut self, page: u32, group: u32) {
+        if self.pool.release(page) {
+            self.in_use[group as usize] -= 1;
+        }
+    }
 }
 
 /// Counters of the tier (exposed through `stats()`).
@@ -138,13 +172,6 @@ pub struct HostCounters {
     pub evictions: u64,
 }
 
-/// Link of the host LRU list (sentinel at index `num_pages`).
-#[derive(Clone, Copy, Debug, Default)]
-struct Link {
-    prev: u32,
-    next: u32,
-}
-
 /// The host tier: host pages, their keys, an LRU of findable pages, and the transfers in
 /// flight.
 #[derive(Clone, Debug)]
@@ -158,9 +185,8 @@ pub struct HostTier {
     readers: Vec<u32>,
     /// Key -> host page.
     map: HashMap<GroupKey, u32, FxBuildHasher>,
-    /// LRU of findable pages no load reads: front = next to evict. Sentinel = `num_pages`.
-    links: Vec<Link>,
-    in_lru: Vec<bool>,
+    /// Findable pages no load reads, front = next to evict; page `h` is node `h + 1`.
+    lru: LruList,
     /// Host pages never used yet are `[next_unused, num_pages)`.
     next_unused: u32,
     ops: HashMap<u64, Op, FxBuildHasher>,
@@ -168,12 +194,12 @@ pub struct HostTier {
     untaken: Vec<u64>,
     next_id: u64,
     pub(crate) counters: HostCounters,
-    /// Keys dropped from the host since the last take (for `BlockRemoved` events).
-    pub(crate) evicted: Vec<GroupKey>,
-    /// Keys made findable since the last take (for `BlockStored` events on the CPU medium).
-    pub(crate) stored: Vec<GroupKey>,
-    /// Whether `evicted` and `stored` are kept (KV events on).
-    pub(crate) record: bool,
+}
+
+/// The LRU node of host page `page` (< `MAX_HOST_PAGES`, so it fits).
+#[inline]
+fn node(page: u32) -> u32 {
+    page + 1
 }
 
 impl HostTier {
@@ -186,34 +212,21 @@ impl HostTier {
         }
         // num_pages < 2**31: both conversions hold.
         let n = usize::try_from(num_pages).map_err(|_| CoreError::overflow("host_pages"))?;
-        let sentinel = u32::try_from(num_pages).map_err(|_| CoreError::overflow("host_pages"))?;
-        let mut links = Vec::new();
-        links
-            .try_reserve_exact(n + 1)
+        let capacity = u32::try_from(num_pages).map_err(|_| CoreError::overflow("host_pages"))?;
+        let lru = LruList::empty(capacity)
             .map_err(|_| CoreError::OutOfMemory(format!("host_pages = {n}: the host tier does not fit in memory")))?;
-        links.resize(
-            n + 1,
-            Link {
-                prev: sentinel,
-                next: sentinel,
-            },
-        );
         Ok(Self {
             policy,
             keys: vec![None; n],
             ready: vec![false; n],
             readers: vec![0; n],
             map: HashMap::default(),
-            links,
-            in_lru: vec![false; n],
+            lru,
             next_unused: 0,
             ops: HashMap::default(),
             untaken: Vec::new(),
             next_id: 1,
             counters: HostCounters::default(),
-            evicted: Vec::new(),
-            stored: Vec::new(),
-            record: false,
         })
     }
 
@@ -232,19 +245,19 @@ impl HostTier {
         self.map.len()
     }
 
-    /// Findable host pages.
-    pub fn num_ready(&self) -> usize {
-        self.ready.iter().filter(|&&r| r).count()
-    }
-
     /// Transfers in flight (taken or not).
     pub fn num_in_flight(&self) -> usize {
         self.ops.len()
     }
 
-    fn sentinel(&self) -> u32 {
-        // keys.len() < 2**31 (checked in new).
-        u32::try_from(self.keys.len()).unwrap_or(u32::MAX)
+    /// Whether newly registered device pages are stored at once (write-through).
+    pub fn stores_on_register(&self) -> bool {
+        self.policy == HostStore::WriteThrough
+    }
+
+    /// Whether cached device pages are stored when their last reference goes (evict).
+    pub fn stores_on_release(&self) -> bool {
+        self.policy == HostStore::Evict
     }
 
     /// The findable host page holding `key`, if any (read-only).
@@ -254,64 +267,26 @@ impl HostTier {
         self.ready[page as usize].then_some(page)
     }
 
-    /// Whether the host holds `key` (findable or being stored).
-    #[inline]
-    pub fn holds(&self, key: &GroupKey) -> bool {
-        self.map.contains_key(key)
-    }
-
-    /// The key of host page `page` (in range).
-    pub(crate) fn key_of(&self, page: u32) -> Option<&GroupKey> {
-        self.keys.get(page as usize).and_then(Option::as_ref)
-    }
-
-    fn lru_unlink(&mut self, page: u32) {
-        let Link { prev, next } = self.links[page as usize];
-        self.links[prev as usize].next = next;
-        self.links[next as usize].prev = prev;
-        self.in_lru[page as usize] = false;
-    }
-
-    fn lru_push_back(&mut self, page: u32) {
-        let s = self.sentinel();
-        let tail = self.links[s as usize].prev;
-        self.links[page as usize] = Link { prev: tail, next: s };
-        self.links[tail as usize].next = page;
-        self.links[s as usize].prev = page;
-        self.in_lru[page as usize] = true;
-    }
-
     /// The LRU list, front (next to evict) first.
     pub fn lru_order(&self) -> Vec<u32> {
-        let s = self.sentinel();
-        let mut out = Vec::new();
-        let mut at = self.links[s as usize].next;
-        while at != s && out.len() < self.keys.len() {
-            out.push(at);
-            at = self.links[at as usize].next;
-        }
-        out
+        self.lru.iter().map(|n| n - 1).collect()
     }
 
-    /// A host page for a new store: a never-used one, else the LRU front (its key dropped and
-    /// recorded); `None` when every page is in flight or being read.
-    fn take_page(&mut self) -> Option<u32> {
+    /// A host page for a new store: a never-used one, else the LRU front (its key dropped,
+    /// with a `HostRemoved` event); `None` when every page is in flight or being read.
+    fn take_page(&mut self, events: &mut EventLog) -> Option<u32> {
         if (self.next_unused as usize) < self.keys.len() {
             let page = self.next_unused;
             self.next_unused += 1;
             return Some(page);
         }
-        let s = self.sentinel();
-        let page = self.links[s as usize].next;
-        if page == s {
-            return None;
-        }
-        self.lru_unlink(page);
+        let page = self.lru.pop_front()? - 1;
         if let Some(key) = self.keys[page as usize].take() {
             self.map.remove(&key);
-            if self.record {
-                self.evicted.push(key);
-            }
+            events.push(KvEvent::HostRemoved {
+                hash: key.hash,
+                group: key.group,
+            });
             self.counters.evictions = self.counters.evictions.saturating_add(1);
         }
         self.ready[page as usize] = false;
@@ -328,15 +303,14 @@ impl HostTier {
     }
 
     /// Emit a store of device page `device` (holding `key`) unless the host holds the key or
-    /// has no page for it; returns whether a store was emitted (the caller then takes one
-    /// more reference on `device`).
-    pub(crate) fn store(&mut self, device: u32, key: GroupKey) -> bool {
+    /// has no page for it; an emitted store pins `device` until it is acknowledged.
+    pub(crate) fn store(&mut self, dev: &mut Device<'_>, device: u32, key: GroupKey) {
         if self.map.contains_key(&key) {
-            return false;
+            return;
         }
-        let Some(host) = self.take_page() else {
+        let Some(host) = self.take_page(dev.events) else {
             self.counters.stores_skipped = self.counters.stores_skipped.saturating_add(1);
-            return false;
+            return;
         };
         self.keys[host as usize] = Some(key);
         self.map.insert(key, host);
@@ -351,15 +325,33 @@ impl HostTier {
             owner: None,
             event: None,
         });
-        true
+        dev.pin(device, key.group);
+    }
+
+    /// The evict policy: store every cached device page that joined the free list since the
+    /// last call (in release order); a stored page leaves the free list until acknowledged.
+    /// Does nothing under write-through.
+    pub(crate) fn store_released(&mut self, dev: &mut Device<'_>) {
+        if !self.stores_on_release() {
+            return;
+        }
+        for page in dev.pool.take_released() {
+            if dev.pool.refs_of(page) != 0 {
+                continue;
+            }
+            if let Some(&key) = dev.pool.key_of(page) {
+                self.store(dev, page, key);
+            }
+        }
     }
 
     /// Emit a load of findable host page `host` into device page `device` (already allocated
     /// and pinned by the caller); pins `host` until acknowledged.
     pub(crate) fn load(&mut self, host: u32, device: u32, owner: (usize, u64), event: LoadEvent) {
         let key = self.keys[host as usize].unwrap_or_else(|| unreachable!("a findable host page holds a key"));
-        if self.in_lru[host as usize] {
-            self.lru_unlink(host);
+        // A findable page is on the LRU list exactly while no load reads it.
+        if self.readers[host as usize] == 0 {
+            self.lru.unlink(node(host));
         }
         self.readers[host as usize] += 1;
         self.counters.loads = self.counters.loads.saturating_add(1);
@@ -420,17 +412,22 @@ impl HostTier {
         Ok(())
     }
 
-    /// Finish transfer `id` on the host side (checked by [`Self::check_ack`]) and return it:
-    /// a store makes its page findable (most recently used); a load unpins its source.
-    pub(crate) fn finish(&mut self, id: u64) -> Option<Op> {
-        let op = self.ops.remove(&id)?;
+    /// Finish transfer `id` (checked by [`Self::check_ack`]; an unknown id does nothing and
+    /// returns `None`). A store makes its host page findable (most recently used, with a
+    /// `HostStored` event); a load unpins its source and registers its destination under
+    /// the key (a device hit from now on, with its `BlockStored` event) unless caching is
+    /// off or the page holds a key already. Either way the device page's pin is dropped.
+    /// Returns a load's owner. Call [`Self::store_released`] after a batch of these.
+    pub(crate) fn finish(&mut self, dev: &mut Device<'_>, id: u64) -> Option<(usize, u64)> {
+        let mut op = self.ops.remove(&id)?;
         let h = op.host as usize;
         match op.kind {
             TransferKind::Store => {
                 self.ready[h] = true;
-                if self.record {
-                    self.stored.push(op.key);
-                }
+                dev.events.push(KvEvent::HostStored {
+                    hash: op.key.hash,
+                    group: op.key.group,
+                });
                 self.counters.stores_done = self.counters.stores_done.saturating_add(1);
             }
             TransferKind::Load => {
@@ -438,10 +435,24 @@ impl HostTier {
                 self.counters.loads_done = self.counters.loads_done.saturating_add(1);
             }
         }
-        if self.ready[h] && self.readers[h] == 0 && !self.in_lru[h] {
-            self.lru_push_back(op.host);
+        // A store's page was not findable, a load's was read: neither is on the LRU list.
+        if self.ready[h] && self.readers[h] == 0 {
+            self.lru.push_back(node(op.host));
         }
-        Some(op)
+        if op.kind == TransferKind::Load && dev.pool.caching_enabled() && dev.pool.key_of(op.device).is_none() {
+            dev.pool.cache_unchecked(op.device, op.key);
+            if let Some(ev) = op.event.take() {
+                dev.events.push(KvEvent::Stored {
+                    hashes: vec![op.key.hash],
+                    parent: ev.parent,
+                    token_ids: ev.token_ids,
+                    group: op.group,
+                    extra_keys: ev.extra_keys,
+                });
+            }
+        }
+        dev.unpin(op.device, op.group);
+        op.owner
     }
 
     /// Per transfer in flight: the device page it holds a reference on, its group, and a
@@ -468,11 +479,8 @@ impl HostTier {
                 return Err(format!("host page {h} does not hold the key of its transfer"));
             }
         }
-        let lru = self.lru_order();
-        let mut on_lru = vec![false; n];
-        for &p in &lru {
-            on_lru[p as usize] = true;
-        }
+        // Membership per node: host page p is node p + 1.
+        let on_lru = self.lru.check("host LRU list")?;
         for p in 0..n {
             if readers[p] != self.readers[p] {
                 return Err(format!(
@@ -487,10 +495,10 @@ impl HostTier {
                 return Err(format!("host page {p} is read before its store was acknowledged"));
             }
             let want = self.ready[p] && readers[p] == 0;
-            if on_lru[p] != want || self.in_lru[p] != want {
+            if on_lru[p + 1] != want {
                 return Err(format!(
                     "host page {p} is on the LRU list: {}, expected {want}",
-                    on_lru[p]
+                    on_lru[p + 1]
                 ));
             }
             if let Some(k) = &self.keys[p] {
@@ -508,244 +516,194 @@ impl HostTier {
     }
 }
 
-// ----- the cache's calls -------------------------------------------------------------------
-
-use super::coordinator::{PrefixMatch, TokenContext};
-use super::ids::RequestIdRef;
-use super::FlatCache;
-
-impl FlatCache {
-    /// Claim a (tiered) match for the new token-level request at slab position `at`: device
-    /// hits are claimed, host hits get device destinations and load transfers.
-    pub(super) fn claim_with_loads(&mut self, at: usize, m: &PrefixMatch) -> CoreResult<()> {
-        let entry = &mut self.entries[at];
-        let Some(state) = entry.tokens.as_ref() else {
-            return Ok(());
-        };
-        let ctx = TokenContext {
-            tokens: &state.tokens,
-            hashes: &state.hashes,
-            extra_keys: &state.extra_keys,
-        };
-        let loads = self.coord.claim_tiered(&mut entry.tables, m, (at, entry.serial), ctx)?;
-        entry.loading = u64::try_from(loads).unwrap_or(u64::MAX);
-        Ok(())
-    }
-
-    /// A request with loads in flight cannot be scheduled: its pages are not filled yet.
-    pub(super) fn check_loaded(&self, method: &str, req: RequestIdRef<'_>, at: usize) -> CoreResult<()> {
-        match self.entries[at].loading {
-            0 => Ok(()),
-            n => Err(CoreError::invalid(format!(
-                "{method}: request {req} has {n} host page load(s) in flight; run take_transfers() \
-                 and ack_transfers() first (loads_in_flight tells when it can be scheduled)"
-            ))),
-        }
-    }
-
-    /// The transfers emitted since the last call, in emission order (empty without a host
-    /// tier). The engine runs them, then acknowledges them with [`Self::ack_transfers`].
-    pub fn take_transfers(&mut self) -> Vec<Transfer> {
-        self.coord.take_transfers()
-    }
-
-    /// Acknowledge finished transfers, in any order. Everything is checked first (each id in
-    /// flight, handed out by `take_transfers`, listed once): on error nothing changes. A load
-    /// acknowledged after its request ended only releases the page (registered under its key).
-    pub fn ack_transfers(&mut self, ids: &[u64]) -> CoreResult<()> {
-        self.coord.check_ack(ids)?;
-        for &id in ids {
-            if let Some((at, serial)) = self.coord.finish_transfer(id) {
-                if let Some(entry) = self.entries.get_mut(at) {
-                    if entry.live && entry.serial == serial {
-                        entry.loading = entry.loading.saturating_sub(1);
-                    }
-                }
-            }
-        }
-        self.coord.store_released();
-        Ok(())
-    }
-
-    /// Host-tier loads of `req` not acknowledged yet (0: it can be scheduled).
-    pub fn loads_in_flight(&self, req: RequestIdRef<'_>) -> CoreResult<u64> {
-        Ok(self.entries[self.find(req)?].loading)
-    }
-
-    /// Transfers in flight (taken or not).
-    pub fn transfers_in_flight(&self) -> usize {
-        self.coord.host().map_or(0, HostTier::num_in_flight)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::testing::*;
-    use crate::engine::CacheOptions;
 
-    /// Full P = 4 and sliding P = 4, W = 8 over 8 real device pages and `host` host pages.
-    fn tiered(host: u64, policy: HostStore) -> FlatCache {
-        cache(
-            vec![
-                spec("full", crate::engine::group::GroupKind::Full, 4),
-                spec("swa", sw(8), 4),
-            ],
-            9,
-            CacheOptions {
-                host_pages: host,
-                host_store: policy,
-                ..CacheOptions::default()
-            },
-        )
+    fn key(n: u8, group: u32) -> GroupKey {
+        GroupKey::new([n; 32], group)
     }
 
-    fn ids(ts: &[Transfer]) -> Vec<u64> {
-        ts.iter().map(|t| t.id).collect()
+    /// The device side of a tier under test: a pool, two groups' in-use counts, an event log.
+    struct Rig {
+        pool: BlockPool<GroupKey>,
+        in_use: Vec<usize>,
+        events: EventLog,
     }
 
-    #[test]
-    fn write_through_stores_registered_pages_and_pins_them_until_acknowledged() {
-        let mut c = tiered(16, HostStore::WriteThrough);
-        add(&mut c, A, toks(0..16));
-        assert!(c.schedule(A, 16, 0).unwrap());
-        c.finish(A).unwrap(); // registers 4 pages per group, then frees them
-        let t = c.take_transfers();
-        // One store per registered page: group 0 slots 0..3, then group 1; host pages in order.
-        assert_eq!(t.len(), 8);
-        assert!(t.iter().all(|x| x.kind == TransferKind::Store));
-        assert_eq!(t.iter().map(|x| x.host).collect::<Vec<_>>(), (0..8).collect::<Vec<_>>());
-        assert_eq!(
-            t.iter().map(|x| x.group).collect::<Vec<_>>(),
-            vec![0, 0, 0, 0, 1, 1, 1, 1]
-        );
-        // Every stored page is still held by its store: nothing can be allocated.
-        assert_eq!(c.coordinator().pool().num_free(), 0);
-        assert!(!c.acquire(B, 1).unwrap());
-        c.check_invariants().unwrap();
-        let mut order = ids(&t);
-        order.reverse();
-        c.ack_transfers(&order).unwrap();
-        assert_eq!(c.coordinator().pool().num_free(), 8);
-        assert_eq!(c.transfers_in_flight(), 0);
-        c.check_invariants().unwrap();
-    }
-
-    /// A write-through tier holding `A`'s 16-token prompt (stored and acknowledged) while the
-    /// device holds no cached page: a page-level request took all 8 pages, then freed them.
-    fn stored_then_evicted() -> FlatCache {
-        let mut c = tiered(16, HostStore::WriteThrough);
-        run_and_finish(&mut c, A, toks(0..16));
-        let stores = c.take_transfers();
-        c.ack_transfers(&ids(&stores)).unwrap();
-        assert!(c.acquire(B, 16).unwrap());
-        c.free(B).unwrap();
-        assert_eq!(c.coordinator().pool().num_cached(), 0);
-        c
-    }
-
-    #[test]
-    fn host_hits_load_back_and_the_request_waits_for_them() {
-        let mut c = stored_then_evicted();
-        // 17 tokens: cap 4 pages. Full hits slots 0..3 on the host; the sliding group needs
-        // its window behind 16: ceil(7 / 4) = 2 pages (slots 2, 3). 6 loads, 6 device pages.
-        let p = prompt(&c, toks(0..17));
-        assert_eq!(c.prefix_hit_tokens(&p).unwrap(), 16);
-        assert_eq!(c.pages_needed_to_admit(&p, 1, 0).unwrap(), 6 + 2);
-        assert_eq!(add(&mut c, C, toks(0..17)), 16);
-        assert_eq!(c.loads_in_flight(C).unwrap(), 6);
-        assert!(matches!(c.schedule(C, 1, 0), Err(CoreError::InvalidArgument(_))));
-        assert!(c.schedule_batch(&[C], &[1]).is_err());
-        let loads = c.take_transfers();
-        assert_eq!(loads.len(), 6);
-        assert!(loads.iter().all(|x| x.kind == TransferKind::Load));
-        let ids_ = c.page_ids(C).unwrap();
-        assert_eq!(ids_[0].len(), 4);
-        assert_eq!(ids_[1][..2], [0, 0]);
-        // Destinations are the request's pages, and the sources the host pages of the keys.
-        let dest: Vec<u32> = ids_[0].iter().chain(&ids_[1][2..]).copied().collect();
-        assert_eq!(loads.iter().map(|x| x.device).collect::<Vec<_>>(), dest);
-        assert_eq!(loads.iter().map(|x| x.host).collect::<Vec<_>>(), vec![0, 1, 2, 3, 6, 7]);
-        c.check_invariants().unwrap();
-        // Acknowledged in any order; then the pages are device hits and C can run.
-        c.ack_transfers(&[loads[3].id, loads[0].id]).unwrap();
-        assert_eq!(c.loads_in_flight(C).unwrap(), 4);
-        c.check_invariants().unwrap();
-        let rest: Vec<u64> = loads[4..].iter().chain(&loads[1..3]).map(|x| x.id).collect();
-        c.ack_transfers(&rest).unwrap();
-        assert!(c.schedule(C, 1, 0).unwrap());
-        c.check_invariants().unwrap();
-    }
-
-    #[test]
-    fn finishing_during_a_load_loses_no_page_and_late_acks_register_it() {
-        let mut c = stored_then_evicted();
-        assert_eq!(add(&mut c, C, toks(0..17)), 16);
-        let loads = c.take_transfers();
-        c.preempt(C).unwrap();
-        // The 6 destinations stay pinned by their loads.
-        assert_eq!(c.coordinator().pool().num_free(), 2);
-        c.check_invariants().unwrap();
-        // The same id can be re-added meanwhile; a late ack must not count for it.
-        assert_eq!(add(&mut c, C, toks(100..110)), 0);
-        let mut late = ids(&loads);
-        late.reverse();
-        c.ack_transfers(&late).unwrap();
-        assert_eq!(c.loads_in_flight(C).unwrap(), 0);
-        c.finish(C).unwrap();
-        assert_eq!(c.coordinator().pool().num_free(), 8);
-        c.check_invariants().unwrap();
-        // The loaded pages were registered: a device hit now, no loads.
-        assert_eq!(add(&mut c, A, toks(0..17)), 16);
-        assert_eq!(c.loads_in_flight(A).unwrap(), 0);
-        assert!(c.take_transfers().is_empty());
-    }
-
-    #[test]
-    fn evict_policy_stores_a_page_when_it_becomes_evictable() {
-        let mut c = tiered(16, HostStore::Evict);
-        add(&mut c, A, toks(0..12));
-        assert!(c.schedule(A, 12, 0).unwrap());
-        c.append_tokens(A, &[12]).unwrap();
-        // At c = 12: registers 3 + 3 pages (no store: all held), then reclaims sliding slot
-        // 0 ((12 - 7) // 4 = 1): that cached page's last reference goes, so it is stored.
-        assert!(c.schedule(A, 1, 0).unwrap());
-        let first = c.take_transfers();
-        assert_eq!(first.len(), 1);
-        assert_eq!(
-            (first[0].kind, first[0].group, first[0].host),
-            (TransferKind::Store, 1, 0)
-        );
-        c.finish(A).unwrap();
-        // The 5 other cached pages are stored as they are released; the partial 4th pages
-        // hold no key and are freed at once.
-        let rest = c.take_transfers();
-        assert_eq!(rest.len(), 5);
-        assert_eq!(c.coordinator().pool().num_free(), 2);
-        c.check_invariants().unwrap();
-        c.ack_transfers(&ids(&rest)).unwrap();
-        c.ack_transfers(&ids(&first)).unwrap();
-        assert_eq!(c.coordinator().pool().num_free(), 8);
-        c.check_invariants().unwrap();
-    }
-
-    #[test]
-    fn acknowledgements_are_checked_before_anything_changes() {
-        let mut c = tiered(4, HostStore::WriteThrough);
-        run_and_finish(&mut c, A, toks(0..16));
-        // 8 pages registered, 4 host pages: the first 4 stored, the rest skipped.
-        assert_eq!(c.coordinator().host().unwrap().counters.stores_skipped, 4);
-        let t = c.take_transfers();
-        assert_eq!(t.len(), 4);
-        for bad in [vec![t[0].id, 999], vec![t[0].id, t[0].id]] {
-            assert!(matches!(c.ack_transfers(&bad), Err(CoreError::InvalidArgument(_))));
+    impl Rig {
+        fn new(pages: u64) -> Self {
+            Self {
+                pool: BlockPool::new(pages, true).unwrap(),
+                in_use: vec![0; 2],
+                events: EventLog::new(true),
+            }
         }
-        assert_eq!(c.transfers_in_flight(), 4);
-        c.ack_transfers(&ids(&t)).unwrap();
-        assert!(c.ack_transfers(&[t[0].id]).is_err());
-        let no_tier = &mut hybrid(8);
-        assert!(no_tier.ack_transfers(&[1]).is_err());
-        no_tier.ack_transfers(&[]).unwrap();
-        c.check_invariants().unwrap();
+
+        fn dev(&mut self) -> Device<'_> {
+            Device {
+                pool: &mut self.pool,
+                in_use: &mut self.in_use,
+                events: &mut self.events,
+            }
+        }
+
+        /// Allocate a page and register `key` on it (count 1).
+        fn cached(&mut self, key: GroupKey) -> u32 {
+            let page = self.pool.allocate(1)[0];
+            self.pool.cache_unchecked(page, key);
+            page
+        }
+    }
+
+    fn load_event() -> LoadEvent {
+        LoadEvent {
+            parent: None,
+            token_ids: vec![7],
+            extra_keys: Arc::from(Vec::new()),
+        }
+    }
+
+    #[test]
+    fn stores_take_unused_pages_then_become_findable_most_recent_last() {
+        let mut rig = Rig::new(8);
+        let mut tier = HostTier::new(2, HostStore::WriteThrough).unwrap();
+        let (k1, k2, k3) = (key(1, 0), key(2, 0), key(3, 1));
+        let (d1, d2, d3) = (rig.cached(k1), rig.cached(k2), rig.cached(k3));
+        tier.store(&mut rig.dev(), d1, k1);
+        tier.store(&mut rig.dev(), d2, k2);
+        // The key is held (in flight): skipped silently. No page left: skipped and counted.
+        tier.store(&mut rig.dev(), d3, k1);
+        tier.store(&mut rig.dev(), d3, k3);
+        assert_eq!((tier.counters.stores, tier.counters.stores_skipped), (2, 1));
+        assert_eq!(
+            (rig.pool.refs_of(d1), rig.pool.refs_of(d2), rig.pool.refs_of(d3)),
+            (2, 2, 1)
+        );
+        assert_eq!((tier.lookup(&k1), tier.num_used(), tier.num_in_flight()), (None, 2, 2));
+        let t = tier.take();
+        assert_eq!(
+            t.iter().map(|x| (x.id, x.kind, x.device, x.host)).collect::<Vec<_>>(),
+            vec![(1, TransferKind::Store, d1, 0), (2, TransferKind::Store, d2, 1)]
+        );
+        assert!(tier.take().is_empty());
+        assert!(tier.check_ack(&[1, 1]).is_err() && tier.check_ack(&[9]).is_err());
+        tier.check_ack(&[2, 1]).unwrap();
+        assert_eq!(tier.finish(&mut rig.dev(), 2), None);
+        assert_eq!(tier.finish(&mut rig.dev(), 1), None);
+        assert_eq!(tier.finish(&mut rig.dev(), 1), None, "an unknown id does nothing");
+        assert_eq!((tier.lookup(&k1), tier.lookup(&k2)), (Some(0), Some(1)));
+        assert_eq!(tier.lru_order(), vec![1, 0]);
+        assert_eq!((rig.pool.refs_of(d1), rig.pool.refs_of(d2)), (1, 1));
+        assert_eq!(
+            rig.events.take(),
+            vec![
+                KvEvent::HostStored {
+                    hash: k2.hash,
+                    group: 0
+                },
+                KvEvent::HostStored {
+                    hash: k1.hash,
+                    group: 0
+                },
+            ]
+        );
+        tier.check().unwrap();
+        rig.pool.check().unwrap();
+    }
+
+    #[test]
+    fn loads_pin_their_source_and_evictions_take_the_lru_front() {
+        let mut rig = Rig::new(8);
+        let mut tier = HostTier::new(2, HostStore::WriteThrough).unwrap();
+        let (k1, k2, k3, k4) = (key(1, 0), key(2, 0), key(3, 1), key(4, 1));
+        for k in [k1, k2] {
+            let d = rig.cached(k);
+            tier.store(&mut rig.dev(), d, k);
+        }
+        let ids: Vec<u64> = tier.take().iter().map(|t| t.id).collect();
+        for id in ids {
+            tier.finish(&mut rig.dev(), id);
+        }
+        rig.events.take();
+        // Load k1's host page into a fresh device page (the caller's table reference and pin).
+        let dest = rig.pool.allocate(1)[0];
+        rig.pool.retain(dest);
+        tier.load(0, dest, (5, 6), load_event());
+        assert_eq!(tier.lru_order(), vec![1]);
+        // A store evicts the LRU front (k2), never the page being read; then nothing is left.
+        let d3 = rig.cached(k3);
+        tier.store(&mut rig.dev(), d3, k3);
+        let d4 = rig.cached(k4);
+        tier.store(&mut rig.dev(), d4, k4);
+        assert_eq!(
+            (tier.counters.evictions, tier.counters.stores_skipped, tier.lookup(&k2)),
+            (1, 1, None)
+        );
+        assert_eq!(
+            rig.events.take(),
+            vec![KvEvent::HostRemoved {
+                hash: k2.hash,
+                group: 0
+            }]
+        );
+        tier.check().unwrap();
+        let t = tier.take();
+        assert_eq!(
+            t.iter()
+                .map(|x| (x.kind, x.group, x.device, x.host))
+                .collect::<Vec<_>>(),
+            vec![(TransferKind::Load, 0, dest, 0), (TransferKind::Store, 1, d3, 1)]
+        );
+        // The load's acknowledgement registers its destination and unpins both sides.
+        assert_eq!(tier.finish(&mut rig.dev(), t[0].id), Some((5, 6)));
+        assert_eq!((rig.pool.key_of(dest), rig.pool.refs_of(dest)), (Some(&k1), 1));
+        assert_eq!(tier.lru_order(), vec![0]);
+        assert_eq!(
+            rig.events.take(),
+            vec![KvEvent::Stored {
+                hashes: vec![k1.hash],
+                parent: None,
+                token_ids: vec![7],
+                group: 0,
+                extra_keys: Arc::from(Vec::new()),
+            }]
+        );
+        tier.check().unwrap();
+        rig.pool.check().unwrap();
+    }
+
+    #[test]
+    fn the_evict_policy_stores_released_cached_pages() {
+        for policy in [HostStore::WriteThrough, HostStore::Evict] {
+            let mut rig = Rig::new(4);
+            rig.pool.set_record_released(true);
+            let mut tier = HostTier::new(4, policy).unwrap();
+            let k = key(1, 1);
+            let cached = rig.cached(k);
+            let plain = rig.pool.allocate(1)[0];
+            rig.pool.free(&[u64::from(cached), u64::from(plain)]).unwrap();
+            tier.store_released(&mut rig.dev());
+            let evict = policy == HostStore::Evict;
+            assert_eq!(tier.stores_on_release(), evict);
+            assert_eq!(tier.stores_on_register(), !evict);
+            // Only the cached page is stored: it leaves the free list, pinned for group 1.
+            assert_eq!(tier.num_in_flight(), usize::from(evict));
+            assert_eq!(rig.pool.refs_of(cached), u32::from(evict));
+            assert_eq!(rig.in_use, vec![0, usize::from(evict)]);
+            assert_eq!(rig.pool.refs_of(plain), 0);
+            tier.check().unwrap();
+        }
+    }
+
+    #[test]
+    fn tier_size_is_checked() {
+        assert!(HostTier::new(0, HostStore::Evict).is_err());
+        assert!(HostTier::new(MAX_HOST_PAGES + 1, HostStore::Evict).is_err());
+        let tier = HostTier::new(3, HostStore::Evict).unwrap();
+        assert_eq!(
+            (tier.num_pages(), tier.policy(), tier.lru_order()),
+            (3, HostStore::Evict, vec![])
+        );
     }
 }

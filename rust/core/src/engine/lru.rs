@@ -1,12 +1,13 @@
-//! An intrusive O(1) LRU list over a fixed range of node ids, the device pool's free list
-//! ([`crate::engine::pool`]).
+//! An intrusive O(1) LRU list over a fixed range of node ids, shared by the device pool's free
+//! list ([`crate::engine::pool`]) and the host tier's eviction list ([`crate::engine::host`]).
 //!
 //! The list can hold the nodes `1..=capacity`; node 0 is its sentinel (`next` is the front,
 //! `prev` the back), never a member. The links live in one flat vector indexed by node, so
 //! every operation is a few array writes and none allocates. The list keeps its length but
-//! not its membership: callers know which nodes are on it (the pool: the pages of count 0)
-//! and only unlink members and push non-members. The pool's page ids are nodes as they are
-//! (page 0 is the null page, never free).
+//! not its membership: callers know which nodes are on it (the pool: the pages of count 0;
+//! the host tier: the findable pages no load reads) and only unlink members and push
+//! non-members. The pool's page ids are nodes as they are (page 0 is the null page, never
+//! free); the host tier's page `h` is node `h + 1`.
 
 use std::collections::TryReserveError;
 

@@ -39,6 +39,7 @@ pub mod tokens;
 
 mod admission;
 pub mod block_tables;
+mod host_api;
 mod invariants;
 mod page_api;
 pub mod rows;

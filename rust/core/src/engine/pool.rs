@@ -1,13 +1,13 @@
 //! The block pool (SPEC 5): one page-id space, reference counts, an LRU free list and the
 //! prefix-cache key map.
 //!
-//! The free list is an [`LruList`] whose nodes are the page ids themselves: the null page 0
-//! is never free, so its link slot serves as the list's sentinel. Every list operation is
-//! O(1) and allocates nothing. Free-list order is eviction order: allocation pops the front,
-//! a released page that holds a key is pushed to the back, and a prefix hit on a free page
-//! unlinks it from the middle. A released page that holds no key goes to the front when the
-//! pool reuses uncached pages first (the default, [`BlockPool::set_reuse_uncached_first`]),
-//! else to the back (SPEC 5's order).
+//! The free list is an [`LruList`] (the same list type as the host tier's) whose nodes are the
+//! page ids themselves: the null page 0 is never free, so its link slot serves as the list's
+//! sentinel. Every list operation is O(1) and allocates nothing. Free-list order is eviction
+//! order: allocation pops the front, a released page that holds a key is pushed to the back,
+//! and a prefix hit on a free page unlinks it from the middle. A released page that holds no
+//! key goes to the front when the pool reuses uncached pages first (the default,
+//! [`BlockPool::set_reuse_uncached_first`]), else to the back (SPEC 5's order).
 //!
 //! The pool is generic over the key type: the coordinator uses [`crate::engine::hash::GroupKey`]
 //! (fixed-size bytes), the Python `BlockPool` uses strings.

@@ -1,0 +1,247 @@
+//! The cache's host-tier calls: claiming a tiered match with its loads, the check that keeps
+//! a request with loads in flight from being scheduled, and `take_transfers` /
+//! `ack_transfers` and their probes. The tier itself is [`crate::engine::host`]; this layer
+//! ties its transfers to requests (a load's owner is a slab position and serial).
+
+use super::coordinator::{PrefixMatch, TokenContext};
+use super::host::{HostTier, Transfer};
+use super::ids::RequestIdRef;
+use super::FlatCache;
+use crate::error::{CoreError, CoreResult};
+
+impl FlatCache {
+    /// Claim a (tiered) match for the new token-level request at slab position `at`: device
+    /// hits are claimed, host hits get device destinations and load transfers.
+    pub(super) fn claim_with_loads(&mut self, at: usize, m: &PrefixMatch) -> CoreResult<()> {
+        let entry = &mut self.entries[at];
+        let Some(state) = entry.tokens.as_ref() else {
+            return Ok(());
+        };
+        let ctx = TokenContext {
+            tokens: &state.tokens,
+            hashes: &state.hashes,
+            extra_keys: &state.extra_keys,
+        };
+        let loads = self.coord.claim_tiered(&mut entry.tables, m, (at, entry.serial), ctx)?;
+        entry.loading = u64::try_from(loads).unwrap_or(u64::MAX);
+        Ok(())
+    }
+
+    /// A request with loads in flight cannot be scheduled: its pages are not filled yet.
+    pub(super) fn check_loaded(&self, method: &str, req: RequestIdRef<'_>, at: usize) -> CoreResult<()> {
+        match self.entries[at].loading {
+            0 => Ok(()),
+            n => Err(CoreError::invalid(format!(
+                "{method}: request {req} has {n} host page load(s) in flight; run take_transfers() \
+                 and ack_transfers() first (loads_in_flight tells when it can be scheduled)"
+            ))),
+        }
+    }
+
+    /// The transfers emitted since the last call, in emission order (empty without a host
+    /// tier). The engine runs them, then acknowledges them with [`Self::ack_transfers`].
+    pub fn take_transfers(&mut self) -> Vec<Transfer> {
+        self.coord.take_transfers()
+    }
+
+    /// Acknowledge finished transfers, in any order. Everything is checked first (each id in
+    /// flight, handed out by `take_transfers`, listed once): on error nothing changes. A load
+    /// acknowledged after its request ended only releases the page (registered under its key).
+    pub fn ack_transfers(&mut self, ids: &[u64]) -> CoreResult<()> {
+        self.coord.check_ack(ids)?;
+        for &id in ids {
+            if let Some((at, serial)) = self.coord.finish_transfer(id) {
+                if let Some(entry) = self.entries.get_mut(at) {
+                    if entry.live && entry.serial == serial {
+                        entry.loading = entry.loading.saturating_sub(1);
+                    }
+                }
+            }
+        }
+        self.coord.store_released();
+        Ok(())
+    }
+
+    /// Host-tier loads of `req` not acknowledged yet (0: it can be scheduled).
+    pub fn loads_in_flight(&self, req: RequestIdRef<'_>) -> CoreResult<u64> {
+        Ok(self.entries[self.find(req)?].loading)
+    }
+
+    /// Transfers in flight (taken or not).
+    pub fn transfers_in_flight(&self) -> usize {
+        self.coord.host().map_or(0, HostTier::num_in_flight)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::host::{HostStore, TransferKind};
+    use crate::engine::testing::*;
+    use crate::engine::CacheOptions;
+
+    /// Full P = 4 and sliding P = 4, W = 8 over 8 real device pages and `host` host pages.
+    fn tiered(host: u64, policy: HostStore) -> FlatCache {
+        cache(
+            vec![
+                spec("full", crate::engine::group::GroupKind::Full, 4),
+                spec("swa", sw(8), 4),
+            ],
+            9,
+            CacheOptions {
+                host_pages: host,
+                host_store: policy,
+                ..CacheOptions::default()
+            },
+        )
+    }
+
+    fn ids(ts: &[Transfer]) -> Vec<u64> {
+        ts.iter().map(|t| t.id).collect()
+    }
+
+    #[test]
+    fn write_through_stores_registered_pages_and_pins_them_until_acknowledged() {
+        let mut c = tiered(16, HostStore::WriteThrough);
+        add(&mut c, A, toks(0..16));
+        assert!(c.schedule(A, 16, 0).unwrap());
+        c.finish(A).unwrap(); // registers 4 pages per group, then frees them
+        let t = c.take_transfers();
+        // One store per registered page: group 0 slots 0..3, then group 1; host pages in order.
+        assert_eq!(t.len(), 8);
+        assert!(t.iter().all(|x| x.kind == TransferKind::Store));
+        assert_eq!(t.iter().map(|x| x.host).collect::<Vec<_>>(), (0..8).collect::<Vec<_>>());
+        assert_eq!(
+            t.iter().map(|x| x.group).collect::<Vec<_>>(),
+            vec![0, 0, 0, 0, 1, 1, 1, 1]
+        );
+        // Every stored page is still held by its store: nothing can be allocated.
+        assert_eq!(c.coordinator().pool().num_free(), 0);
+        assert!(!c.acquire(B, 1).unwrap());
+        c.check_invariants().unwrap();
+        let mut order = ids(&t);
+        order.reverse();
+        c.ack_transfers(&order).unwrap();
+        assert_eq!(c.coordinator().pool().num_free(), 8);
+        assert_eq!(c.transfers_in_flight(), 0);
+        c.check_invariants().unwrap();
+    }
+
+    /// A write-through tier holding `A`'s 16-token prompt (stored and acknowledged) while the
+    /// device holds no cached page: a page-level request took all 8 pages, then freed them.
+    fn stored_then_evicted() -> FlatCache {
+        let mut c = tiered(16, HostStore::WriteThrough);
+        run_and_finish(&mut c, A, toks(0..16));
+        let stores = c.take_transfers();
+        c.ack_transfers(&ids(&stores)).unwrap();
+        assert!(c.acquire(B, 16).unwrap());
+        c.free(B).unwrap();
+        assert_eq!(c.coordinator().pool().num_cached(), 0);
+        c
+    }
+
+    #[test]
+    fn host_hits_load_back_and_the_request_waits_for_them() {
+        let mut c = stored_then_evicted();
+        // 17 tokens: cap 4 pages. Full hits slots 0..3 on the host; the sliding group needs
+        // its window behind 16: ceil(7 / 4) = 2 pages (slots 2, 3). 6 loads, 6 device pages.
+        let p = prompt(&c, toks(0..17));
+        assert_eq!(c.prefix_hit_tokens(&p).unwrap(), 16);
+        assert_eq!(c.pages_needed_to_admit(&p, 1, 0).unwrap(), 6 + 2);
+        assert_eq!(add(&mut c, C, toks(0..17)), 16);
+        assert_eq!(c.loads_in_flight(C).unwrap(), 6);
+        assert!(matches!(c.schedule(C, 1, 0), Err(CoreError::InvalidArgument(_))));
+        assert!(c.schedule_batch(&[C], &[1]).is_err());
+        let loads = c.take_transfers();
+        assert_eq!(loads.len(), 6);
+        assert!(loads.iter().all(|x| x.kind == TransferKind::Load));
+        let ids_ = c.page_ids(C).unwrap();
+        assert_eq!(ids_[0].len(), 4);
+        assert_eq!(ids_[1][..2], [0, 0]);
+        // Destinations are the request's pages, and the sources the host pages of the keys.
+        let dest: Vec<u32> = ids_[0].iter().chain(&ids_[1][2..]).copied().collect();
+        assert_eq!(loads.iter().map(|x| x.device).collect::<Vec<_>>(), dest);
+        assert_eq!(loads.iter().map(|x| x.host).collect::<Vec<_>>(), vec![0, 1, 2, 3, 6, 7]);
+        c.check_invariants().unwrap();
+        // Acknowledged in any order; then the pages are device hits and C can run.
+        c.ack_transfers(&[loads[3].id, loads[0].id]).unwrap();
+        assert_eq!(c.loads_in_flight(C).unwrap(), 4);
+        c.check_invariants().unwrap();
+        let rest: Vec<u64> = loads[4..].iter().chain(&loads[1..3]).map(|x| x.id).collect();
+        c.ack_transfers(&rest).unwrap();
+        assert!(c.schedule(C, 1, 0).unwrap());
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn finishing_during_a_load_loses_no_page_and_late_acks_register_it() {
+        let mut c = stored_then_evicted();
+        assert_eq!(add(&mut c, C, toks(0..17)), 16);
+        let loads = c.take_transfers();
+        c.preempt(C).unwrap();
+        // The 6 destinations stay pinned by their loads.
+        assert_eq!(c.coordinator().pool().num_free(), 2);
+        c.check_invariants().unwrap();
+        // The same id can be re-added meanwhile; a late ack must not count for it.
+        assert_eq!(add(&mut c, C, toks(100..110)), 0);
+        let mut late = ids(&loads);
+        late.reverse();
+        c.ack_transfers(&late).unwrap();
+        assert_eq!(c.loads_in_flight(C).unwrap(), 0);
+        c.finish(C).unwrap();
+        assert_eq!(c.coordinator().pool().num_free(), 8);
+        c.check_invariants().unwrap();
+        // The loaded pages were registered: a device hit now, no loads.
+        assert_eq!(add(&mut c, A, toks(0..17)), 16);
+        assert_eq!(c.loads_in_flight(A).unwrap(), 0);
+        assert!(c.take_transfers().is_empty());
+    }
+
+    #[test]
+    fn evict_policy_stores_a_page_when_it_becomes_evictable() {
+        let mut c = tiered(16, HostStore::Evict);
+        add(&mut c, A, toks(0..12));
+        assert!(c.schedule(A, 12, 0).unwrap());
+        c.append_tokens(A, &[12]).unwrap();
+        // At c = 12: registers 3 + 3 pages (no store: all held), then reclaims sliding slot
+        // 0 ((12 - 7) // 4 = 1): that cached page's last reference goes, so it is stored.
+        assert!(c.schedule(A, 1, 0).unwrap());
+        let first = c.take_transfers();
+        assert_eq!(first.len(), 1);
+        assert_eq!(
+            (first[0].kind, first[0].group, first[0].host),
+            (TransferKind::Store, 1, 0)
+        );
+        c.finish(A).unwrap();
+        // The 5 other cached pages are stored as they are released; the partial 4th pages
+        // hold no key and are freed at once.
+        let rest = c.take_transfers();
+        assert_eq!(rest.len(), 5);
+        assert_eq!(c.coordinator().pool().num_free(), 2);
+        c.check_invariants().unwrap();
+        c.ack_transfers(&ids(&rest)).unwrap();
+        c.ack_transfers(&ids(&first)).unwrap();
+        assert_eq!(c.coordinator().pool().num_free(), 8);
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn acknowledgements_are_checked_before_anything_changes() {
+        let mut c = tiered(4, HostStore::WriteThrough);
+        run_and_finish(&mut c, A, toks(0..16));
+        // 8 pages registered, 4 host pages: the first 4 stored, the rest skipped.
+        assert_eq!(c.coordinator().host().unwrap().counters.stores_skipped, 4);
+        let t = c.take_transfers();
+        assert_eq!(t.len(), 4);
+        for bad in [vec![t[0].id, 999], vec![t[0].id, t[0].id]] {
+            assert!(matches!(c.ack_transfers(&bad), Err(CoreError::InvalidArgument(_))));
+        }
+        assert_eq!(c.transfers_in_flight(), 4);
+        c.ack_transfers(&ids(&t)).unwrap();
+        assert!(c.ack_transfers(&[t[0].id]).is_err());
+        let no_tier = &mut hybrid(8);
+        assert!(no_tier.ack_transfers(&[1]).is_err());
+        no_tier.ack_transfers(&[]).unwrap();
+        c.check_invariants().unwrap();
+    }
+}
