@@ -5,17 +5,22 @@
 //! Components, bottom up:
 //! - [`ids`]: request ids.
 //! - [`hash`]: content hashes and group keys (SPEC 4).
+//! - [`lru`]: the intrusive O(1) LRU list the pool's free list and the host tier share.
 //! - [`pool`]: the block pool (SPEC 5).
 //! - [`table`]: one request's pages in one group.
 //! - [`group`]: group kinds and their rules, one file per kind (SPEC 6).
-//! - [`coordinator`]: all groups of a model over one pool (SPEC 7).
+//! - [`host`]: the host-memory tier, below the coordinator: host pages, their keys and LRU,
+//!   transfers; it sees the device only through a narrow view of the pool.
+//! - [`coordinator`]: all groups of a model over one pool (SPEC 7), with the host tier when
+//!   one is configured.
 //! - [`events`]: KV-cache events recorded by the engine.
 //! - [`tokens`]: hashed prompts and the token state of token-level requests.
 //!
 //! [`FlatCache`] is defined here with private fields; its calls are `impl` blocks in child
 //! modules, one concern each: `page_api` (page-level calls), `token_api` (token-level
 //! requests), `admission` (prefix hits, admission cost, reserves and budget),
-//! [`block_tables`] (flat tables), [`stats`] (metrics and events) and `invariants`.
+//! [`block_tables`] (flat tables), [`rows`] (persistent rows), `host_api` (host-tier
+//! transfers and their acknowledgements), [`stats`] (metrics and events) and `invariants`.
 
 use hashbrown::HashMap;
 use rustc_hash::FxBuildHasher;
