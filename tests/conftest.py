@@ -1,5 +1,10 @@
 """Shared test setup: hypothesis profiles and the two implementations under test.
 
+The tests are in folders by concern (sizing, engine, requests, rows, host, events, torch,
+model, cli, api, robustness); the modules they share are in ``support/`` (helpers, strategies,
+machines, robustness_cases), which pyproject.toml puts on ``sys.path``. A test file imports
+only those, never another test file.
+
 ``HYPOTHESIS_PROFILE`` selects the profile: ``dev`` (default, 100 examples) or ``ci``
 (1000 examples). Native calls have no deadline in either (a debug build is slow to warm up).
 """

@@ -17,7 +17,6 @@ the table ending within the row) and every other row padding.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -25,10 +24,9 @@ from helpers import normalize
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from test_requests_stateful import DOCUMENTS, REQUEST_IDS, both_caches, configs
+from strategies import DOCUMENTS, REQUEST_IDS, both_caches, configs, examples
 
-IN_CI = os.environ.get("HYPOTHESIS_PROFILE") == "ci"
-EXAMPLES = int(os.environ.get("ROWS_EXAMPLES", "300" if IN_CI else "60"))
+EXAMPLES = examples(dev=60, ci=300, variable="ROWS_EXAMPLES")
 
 
 class RowsMachine(RuleBasedStateMachine):

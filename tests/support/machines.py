@@ -1,82 +1,24 @@
-"""Stateful cross-check of the token-level request API (docs/requests-api.md).
+"""The token-level state machine shared by the stateful cross-checks (requests, host tier).
 
-One hypothesis state machine drives the native ``FlatKVCache`` and the pure-Python reference
-with the same random scheduler-loop operations: ``add_request`` (prompts drawn from a few shared
-documents so prefix hits happen, extra keys sometimes, the prefix cache on or off),
-``append_tokens`` and ``append_tokens_batch``, ``schedule`` with a lookahead,
-``schedule_batch``, ``reserve``, ``finish``, ``preempt`` then re-adding the returned tokens,
-``reset_prefix_cache`` and ``block_tables`` with and without ``out=``, over random hybrid
-spec mixes (full / sliding / state groups, page sizes multiples of one base, small pools so
-shortfalls happen, caching on and off, both eviction orders, KV events on).
-
-After every step both must agree on return values (or the exception class raised), page ids
-and positions of every live request, ``stats()``, ``budget()`` and ``take_events()``, and both
-must pass ``check_invariants()``. The events are also replayed into an index, as a router
-would: it must hold exactly the (group, content hash) of every cached page, counted per page.
-
-``HYPOTHESIS_PROFILE=ci`` runs 500 examples (about a minute on 2 cores).
+:class:`RequestsMachine` drives the native ``FlatKVCache`` and the pure-Python reference side by
+side with the same random scheduler-loop operations and compares them after every step
+(tests/requests/test_requests_stateful.py says what it covers and runs it;
+tests/host/test_host_stateful.py extends it with a host tier). :func:`replay` applies KV
+events to an index as a router would.
 """
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from typing import Any
 
-import flat_kvcache
-import flat_kvcache.reference
 import numpy as np
 from flat_kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from helpers import normalize
-from hypothesis import HealthCheck, event, settings
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
-IN_CI = os.environ.get("HYPOTHESIS_PROFILE") == "ci"
-EXAMPLES = int(os.environ.get("REQUESTS_EXAMPLES", "500" if IN_CI else "100"))
-STEPS = 50
-
-#: Request ids: ints and strs (``5`` and ``"5"`` are different requests).
-REQUEST_IDS = [0, 1, 2, 3, "a", "b"]
-#: Documents prompts are cut from: equal prefixes of one document hash alike.
-DOCUMENTS = [[1000 * d + i for i in range(96)] for d in range(3)]
-EXTRA_KEYS = [(), ("lora-1",), ("salt", "mm:7")]
-
-
-@st.composite
-def configs(draw: st.DrawFn) -> dict[str, Any]:
-    """A hybrid spec mix over one base page size, a small pool and the cache options."""
-    base = draw(st.sampled_from([1, 2, 4]))
-    groups = []
-    for _ in range(draw(st.integers(1, 3))):
-        kind = draw(st.sampled_from(["full", "sliding_window", "state"]))
-        size = base * draw(st.sampled_from([1, 1, 2, 4]))
-        window = draw(st.integers(1, 3 * size)) if kind == "sliding_window" else None
-        groups.append((kind, size, window))
-    return {
-        "groups": groups,
-        "num_pages": draw(st.integers(2, 28)),
-        "enable_caching": draw(st.booleans().map(lambda off: not off) | st.just(True)),
-        "eviction_order": draw(st.sampled_from(["hybrid", "group"])),
-    }
-
-
-def both_caches(config: dict[str, Any], **options: Any) -> list[Any]:
-    """The native cache and the reference one for a :func:`configs` draw (``options``: more
-    constructor keywords), native first."""
-    caches = []
-    for module in (flat_kvcache, flat_kvcache.reference):
-        specs = [module.KVCacheSpec(kind, size, window) for kind, size, window in config["groups"]]
-        caches.append(
-            module.FlatKVCache(
-                specs,
-                config["num_pages"],
-                enable_caching=config["enable_caching"],
-                eviction_order=config["eviction_order"],
-                **options,
-            )
-        )
-    return caches
+from strategies import DOCUMENTS, EXTRA_KEYS, REQUEST_IDS, both_caches, configs
 
 
 def replay(index: Counter[tuple[int, bytes]], events: list[KVCacheEvent], medium: str = "GPU") -> None:
@@ -399,13 +341,3 @@ class RequestsMachine(RuleBasedStateMachine):
 
     def check_more_events(self, taken: list[KVCacheEvent]) -> None:
         """Hook for subclasses: more checks on the events of one step (none here)."""
-
-
-RequestsMachine.TestCase.settings = settings(
-    max_examples=EXAMPLES,
-    stateful_step_count=STEPS,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
-
-TestRequestsCrossCheck = RequestsMachine.TestCase

@@ -17,7 +17,7 @@ OPS = 50_000 if os.environ.get("CI") else 4_000
 
 
 def _load_driver() -> ModuleType:
-    path = Path(__file__).resolve().parent.parent / "benches" / "soak.py"
+    path = Path(__file__).resolve().parents[2] / "benches" / "soak.py"
     spec = importlib.util.spec_from_file_location("flat_kvcache_soak_driver", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -2,7 +2,7 @@
 with the documented exception, which names the argument, leaves the cache unchanged, and is the
 same (type and message) on the native engine and the pure-Python reference.
 
-The harness is in ``robustness_cases.py``; what "unchanged" covers is listed there.
+The harness is in ``tests/support/robustness_cases.py``; what "unchanged" covers is listed there.
 """
 
 from __future__ import annotations

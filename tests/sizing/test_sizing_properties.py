@@ -9,25 +9,16 @@ result only hands back (a spec's page size or window) are returned exactly (see 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
 from typing import Any
 
 import flat_kvcache
 import flat_kvcache.reference as reference
 import pytest
 from flat_kvcache._types import PagedCacheGroupSpec
-from helpers import (
-    U64_MAX,
-    Outcome,
-    fits_i32,
-    i32,
-    ints_in,
-    outcome,
-    signed_sizes,
-    sizes,
-)
+from helpers import Outcome, assert_exact, fits_i32, ints_in, outcome
 from hypothesis import example, given
 from hypothesis import strategies as st
+from strategies import U64_MAX, i32, mostly_valid, signed_sizes, wide_signed_sizes
 
 pytestmark = pytest.mark.properties
 
@@ -128,46 +119,7 @@ def count_args_of(ints: st.SearchStrategy[int]) -> st.SearchStrategy[dict[str, i
     )
 
 
-#: Ints near and far beyond the ``u64`` limit.
-WIDE_INTS = [2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**64 + 1, 2**100, 2**200]
-
-
-@functools.cache
-def wide_sizes() -> st.SearchStrategy[int]:
-    """Non-negative ints: small ones mixed with values around and far beyond ``u64``."""
-    return st.one_of(sizes(), st.sampled_from(WIDE_INTS), st.integers(2**63, 2**201))
-
-
-@functools.cache
-def wide_signed_sizes() -> st.SearchStrategy[int]:
-    """``wide_sizes`` of either sign, mostly non-negative."""
-    return st.one_of(wide_sizes(), wide_sizes(), wide_sizes().map(lambda v: -v))
-
-
-mostly_valid = st.one_of(sizes(), wide_sizes(), signed_sizes())
 i32_sizes = i32(low=-4)  # 32-bit ints, mostly non-negative
-
-
-# --- the native u64 limit ----------------------------------------------------------------------
-
-
-def assert_exact(native: Outcome, ref: Outcome, *, computed: Iterable[int], names: Iterable[str]) -> None:
-    """Native agrees with the reference exactly, up to the ``u64`` limit of what it computes.
-
-    ``computed`` holds the values of the reference's result that are computed (counts, widths,
-    bytes), as opposed to values it hands back unchanged. If the reference raised, native raised
-    the same; if a computed value exceeds ``u64``, native raised ``OverflowError`` naming one of
-    ``names``; otherwise native returned the reference's result (no overflow for any input size).
-    """
-    context = f"native {native}, reference {ref}"
-    if ref.error is None:
-        too_big = [v for v in computed if v > U64_MAX]
-        if too_big:
-            assert native.error is OverflowError, f"native must overflow for {too_big[0]}: {context}"
-            names = list(names)
-            assert any(name in native.message for name in names), f"names none of {names}: {context}"
-            return
-    assert native == ref, context
 
 
 # --- properties ------------------------------------------------------------------------------------

@@ -4,18 +4,17 @@
 - Running the program: :func:`run_cli` in-process, :func:`run_python` in a fresh interpreter.
 - Engines: :func:`normalize` turns results into comparable plain data; :func:`native_hybrid`
   builds the docs' running example on the native engine.
-- Native-vs-reference cross-checks (sizing and memory properties): strategies for edge-case
-  ints, :class:`Outcome` / :func:`outcome` and :func:`assert_agree`. The contract
-  (docs/sizing-api.md): both implementations give the same result, or the same exception class
-  and message. The one allowed difference is size: where a value, an intermediate or the result
-  does not fit ``u64`` the native side raises ``OverflowError`` (naming the argument) and the
-  reference returns the exact Python int.
+- Native-vs-reference cross-checks (sizing and memory properties): :class:`Outcome` /
+  :func:`outcome`, :func:`assert_agree` and :func:`assert_exact` (their strategies are in
+  strategies.py). The contract (docs/sizing-api.md): both implementations give the same
+  result, or the same exception class and message. The one allowed difference is size: where a
+  value, an intermediate or the result does not fit ``u64`` the native side raises
+  ``OverflowError`` (naming the argument) and the reference returns the exact Python int.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 import os
 import subprocess
@@ -30,7 +29,7 @@ import numpy as np
 import pytest
 from flat_kvcache import FlatKVCache, KVCacheSpec, PageCache
 from flat_kvcache.cli import main
-from hypothesis import strategies as st
+from strategies import I32_MAX, I32_MIN, U64_MAX
 
 # --- optional dependencies --------------------------------------------------------------------
 
@@ -53,6 +52,9 @@ def need(name: str) -> ModuleType:
 
 
 # --- running the program ----------------------------------------------------------------------
+
+#: The repository root (README.md, benches/).
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -106,54 +108,6 @@ def native_page_hybrid(num_pages: int = 64, **options: Any) -> PageCache:
 
 
 # --- native-vs-reference cross-checks ---------------------------------------------------------
-
-U64_MAX = 2**64 - 1
-I32_MIN, I32_MAX = -(2**31), 2**31 - 1
-
-#: Integers at the edges of the native types, plus some far beyond them.
-EDGE_INTS = [
-    0,
-    1,
-    2,
-    3,
-    7,
-    2**31 - 1,
-    2**31,
-    2**32 - 1,
-    2**32,
-    2**63 - 1,
-    2**63,
-    2**64 - 1,
-    2**64,
-    2**64 + 1,
-    2**128,
-    2**200,
-]
-
-
-@functools.cache
-def sizes(*, small: int = 300) -> st.SearchStrategy[int]:
-    """Non-negative ints: mostly small, some around 32 and 64 bits, some huge."""
-    return st.one_of(
-        st.integers(0, small),
-        st.integers(0, 2**32),
-        st.sampled_from(EDGE_INTS),
-        st.integers(0, 2**70),
-    )
-
-
-@functools.cache
-def signed_sizes(*, small: int = 300) -> st.SearchStrategy[int]:
-    """Ints of either sign, mostly non-negative."""
-    return st.one_of(sizes(small=small), sizes(small=small).map(lambda v: -v))
-
-
-@functools.cache
-def i32(*, low: int = I32_MIN) -> st.SearchStrategy[int]:
-    """Ints that fit in 32 bits (signed), biased to the ends of the range."""
-    return st.one_of(
-        st.integers(max(low, -5), 64), st.integers(low, I32_MAX), st.sampled_from([low, I32_MAX])
-    )
 
 
 @dataclass(frozen=True)
@@ -222,6 +176,25 @@ def assert_agree(native: Outcome, reference: Outcome, *, peak: int, names: Itera
         too_big = [v for v in ints_in(reference.value) if v > U64_MAX]
         assert not too_big, f"native must raise OverflowError for {too_big[0]}: {context}"
     assert native == reference, context
+
+
+def assert_exact(native: Outcome, ref: Outcome, *, computed: Iterable[int], names: Iterable[str]) -> None:
+    """Native agrees with the reference exactly, up to the ``u64`` limit of what it computes.
+
+    ``computed`` holds the values of the reference's result that are computed (counts, widths,
+    bytes), as opposed to values it hands back unchanged. If the reference raised, native raised
+    the same; if a computed value exceeds ``u64``, native raised ``OverflowError`` naming one of
+    ``names``; otherwise native returned the reference's result (no overflow for any input size).
+    """
+    context = f"native {native}, reference {ref}"
+    if ref.error is None:
+        too_big = [v for v in computed if v > U64_MAX]
+        if too_big:
+            assert native.error is OverflowError, f"native must overflow for {too_big[0]}: {context}"
+            names = list(names)
+            assert any(name in native.message for name in names), f"names none of {names}: {context}"
+            return
+    assert native == ref, context
 
 
 def publish(api: ModuleType, **kwargs: Any) -> Any:

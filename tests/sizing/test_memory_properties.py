@@ -14,10 +14,10 @@ import flat_kvcache
 import flat_kvcache.reference as reference
 import pytest
 from flat_kvcache._types import BlockGeometry, ComponentSpec, FlatMemoryPlan
-from helpers import U64_MAX, Outcome, i32, ints_in, outcome, signed_sizes, sizes
+from helpers import Outcome, assert_exact, ints_in, outcome
 from hypothesis import example, given
 from hypothesis import strategies as st
-from test_sizing_properties import assert_exact, wide_signed_sizes, wide_sizes
+from strategies import U64_MAX, i32, mostly_valid, signed_sizes, sizes, wide_signed_sizes, wide_sizes
 
 pytestmark = pytest.mark.properties
 
@@ -31,7 +31,6 @@ FIELDS = [
     "reserved_bytes_per_block",
 ]
 
-mostly_valid = st.one_of(sizes(), wide_sizes(), signed_sizes())
 block_sizes = st.one_of(st.integers(1, 64), mostly_valid)
 budgets = st.one_of(st.integers(0, 10**9), mostly_valid)
 FIELD_SIZES = st.one_of(sizes(small=512), wide_sizes())

@@ -17,7 +17,6 @@ themselves; native-vs-reference is the real check (skipped until the native engi
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -29,15 +28,15 @@ from helpers import normalize
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from strategies import examples
 
 REFERENCE: ModuleType = flat_kvcache.reference
 NATIVE: ModuleType = flat_kvcache
 
 #: Examples per machine: 500 under the CI profile (a few minutes on 2 cores), fewer locally.
-IN_CI = os.environ.get("HYPOTHESIS_PROFILE") == "ci"
-NATIVE_EXAMPLES = 500 if IN_CI else 100
+NATIVE_EXAMPLES = examples(dev=100, ci=500)
 #: Reference-vs-reference only checks the machine itself; keep it short.
-SANITY_EXAMPLES = int(os.environ.get("ENGINE_SANITY_EXAMPLES", "30"))
+SANITY_EXAMPLES = examples(dev=30, ci=30, variable="ENGINE_SANITY_EXAMPLES")
 
 
 def machine_settings(max_examples: int, steps: int) -> settings:

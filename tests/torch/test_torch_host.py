@@ -3,7 +3,7 @@
 Every buffer of every group (K/V rows, state components) is filled with values that name the
 token positions (or the state snapshot) they belong to; after the pages went to the host, the
 device was cleared and a later request loaded them back, the request's pages must hold the same
-values at the same positions. The model-level check is tests/test_model_paged.py.
+values at the same positions. The model-level check is tests/model/test_model_paged.py.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from flat_kvcache.config import (
     sliding_window_from_config,
 )
 from flat_kvcache.presets import DEFAULT_PRESET, get_preset, preset_names
-from helpers import run_cli, run_python
+from helpers import REPO_ROOT, run_cli, run_python
 
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
 
@@ -423,7 +423,7 @@ def test_list_presets_as_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_extra_hints_install_as_the_readme_does(capsys: pytest.CaptureFixture[str]) -> None:
     """The README installs extras from the source tree (``pip install '.[torch]'``): the hints too."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
     status, out, _ = run_cli(capsys, "plan", "--help")
     assert status == 0 and "pip install '.[torch]'" in out and "pip install '.[torch]'" in readme
     status, out, _ = run_cli(capsys, "simulate", "--help")

@@ -47,7 +47,7 @@ def test_memory_in_the_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert memory["requested_page_size"] == 16 and memory["allocator_slack_bytes"] == 0
     assert (memory["slab_saving_bytes"] > 0) is flat_kvcache.FLAT_KVCACHE  # slabs need the flat feature
     # The tokens that fit with every group at its worst case bound the page counts unless
-    # --max-total-tokens is given (tests/test_cli_memory.py derives the number).
+    # --max-total-tokens is given (tests/cli/test_cli_memory.py derives the number).
     assert got["settings"]["max_total_tokens"] == got["pool"]["max_total_tokens_that_fit"]
     assert got["pool"]["fits"] is True and got["pool"]["num_pages"] == memory["num_pages"]
     assert (

@@ -1,4 +1,4 @@
-"""The harness of the robustness sweep (tests/test_robustness_*.py).
+"""The harness of the robustness sweep (tests/robustness/, tests/rows/test_robustness_rows.py).
 
 Every case is a call on a small, busy cache that must be refused: a token-level
 ``FlatKVCache`` (:func:`busy_cache`) or, for a page-level call, a ``PageCache``

@@ -1,8 +1,9 @@
 """Stateful cross-check of the host-memory tier: native vs reference.
 
-The token-level state machine of ``test_requests_stateful.py`` runs with a host tier (a few
-to a few dozen host pages, ``host_store`` write-through or store-on-eviction) and gains three
-rules: ``take_transfers`` (both must hand out the same stores and loads), acknowledging a
+The token-level state machine (``RequestsMachine`` of tests/support/machines.py, run alone by
+tests/requests/test_requests_stateful.py) runs with a host tier (a few to a few dozen host
+pages, ``host_store`` write-through or store-on-eviction) and gains three rules:
+``take_transfers`` (both must hand out the same stores and loads), acknowledging a
 random subset of the transfers handed out in a random order (so loads and stores finish late,
 after their request finished, was preempted or aborted, and in any order), and bad
 acknowledgements (unknown, not yet handed out, repeated ids), which must be refused by both
@@ -19,7 +20,6 @@ fail the same way on both.
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from typing import Any
 
@@ -28,10 +28,10 @@ import flat_kvcache.reference
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
-from test_requests_stateful import DOCUMENTS, REQUEST_IDS, RequestsMachine, both_caches, configs, replay
+from machines import RequestsMachine, replay
+from strategies import DOCUMENTS, REQUEST_IDS, both_caches, configs, examples
 
-IN_CI = os.environ.get("HYPOTHESIS_PROFILE") == "ci"
-EXAMPLES = int(os.environ.get("HOST_EXAMPLES", "300" if IN_CI else "60"))
+EXAMPLES = examples(dev=60, ci=300, variable="HOST_EXAMPLES")
 
 
 def transfer_ids(taken: Any) -> list[int]:

@@ -1,0 +1,152 @@
+"""Hypothesis strategies and example counts shared by the tests (one module, so no test file
+imports another and no strategy is defined twice).
+
+- Example counts: :func:`examples` (``HYPOTHESIS_PROFILE=ci`` runs more; conftest.py registers
+  the profiles).
+- Ints for the native-vs-reference cross-checks (sizing and memory properties): :func:`sizes`,
+  :func:`signed_sizes`, :func:`i32`, :func:`wide_sizes`, :func:`wide_signed_sizes`,
+  :data:`mostly_valid`, at and far past the edges of the native types.
+- Token-level caches for the state machines (requests, host tier, rows): :func:`configs` draws a
+  hybrid spec mix and :func:`both_caches` builds the native and the reference cache from it;
+  prompts are cut from :data:`DOCUMENTS`, requests are named from :data:`REQUEST_IDS`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import flat_kvcache
+import flat_kvcache.reference
+from hypothesis import strategies as st
+
+# --- example counts ---------------------------------------------------------------------------
+
+#: True under ``HYPOTHESIS_PROFILE=ci`` (what ``.ci/run`` sets).
+CI_PROFILE = os.environ.get("HYPOTHESIS_PROFILE") == "ci"
+
+
+def examples(*, dev: int, ci: int, variable: str | None = None) -> int:
+    """How many examples a state machine runs: ``ci`` under the ci profile, else ``dev``;
+    the environment ``variable``, when named and set, overrides both."""
+    default = ci if CI_PROFILE else dev
+    if variable is None:
+        return default
+    return int(os.environ.get(variable, str(default)))
+
+
+# --- ints at the edges of the native types ----------------------------------------------------
+
+U64_MAX = 2**64 - 1
+I32_MIN, I32_MAX = -(2**31), 2**31 - 1
+
+#: Integers at the edges of the native types, plus some far beyond them.
+EDGE_INTS = [
+    0,
+    1,
+    2,
+    3,
+    7,
+    2**31 - 1,
+    2**31,
+    2**32 - 1,
+    2**32,
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+    2**64,
+    2**64 + 1,
+    2**128,
+    2**200,
+]
+
+#: Ints near and far beyond the ``u64`` limit.
+WIDE_INTS = [2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**64 + 1, 2**100, 2**200]
+
+
+@functools.cache
+def sizes(*, small: int = 300) -> st.SearchStrategy[int]:
+    """Non-negative ints: mostly small, some around 32 and 64 bits, some huge."""
+    return st.one_of(
+        st.integers(0, small),
+        st.integers(0, 2**32),
+        st.sampled_from(EDGE_INTS),
+        st.integers(0, 2**70),
+    )
+
+
+@functools.cache
+def signed_sizes(*, small: int = 300) -> st.SearchStrategy[int]:
+    """Ints of either sign, mostly non-negative."""
+    return st.one_of(sizes(small=small), sizes(small=small).map(lambda v: -v))
+
+
+@functools.cache
+def i32(*, low: int = I32_MIN) -> st.SearchStrategy[int]:
+    """Ints that fit in 32 bits (signed), biased to the ends of the range."""
+    return st.one_of(
+        st.integers(max(low, -5), 64), st.integers(low, I32_MAX), st.sampled_from([low, I32_MAX])
+    )
+
+
+@functools.cache
+def wide_sizes() -> st.SearchStrategy[int]:
+    """Non-negative ints: small ones mixed with values around and far beyond ``u64``."""
+    return st.one_of(sizes(), st.sampled_from(WIDE_INTS), st.integers(2**63, 2**201))
+
+
+@functools.cache
+def wide_signed_sizes() -> st.SearchStrategy[int]:
+    """``wide_sizes`` of either sign, mostly non-negative."""
+    return st.one_of(wide_sizes(), wide_sizes(), wide_sizes().map(lambda v: -v))
+
+
+#: Counts and sizes of every kind: small, around and past ``u64``, now and then negative.
+mostly_valid = st.one_of(sizes(), wide_sizes(), signed_sizes())
+
+
+# --- token-level caches for the state machines ------------------------------------------------
+
+#: Request ids: ints and strs (``5`` and ``"5"`` are different requests).
+REQUEST_IDS = [0, 1, 2, 3, "a", "b"]
+#: Documents prompts are cut from: equal prefixes of one document hash alike.
+DOCUMENTS = [[1000 * d + i for i in range(96)] for d in range(3)]
+#: Extra keys of a request (none, a LoRA name, a salt and a multimodal hash).
+EXTRA_KEYS = [(), ("lora-1",), ("salt", "mm:7")]
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> dict[str, Any]:
+    """A hybrid spec mix over one base page size, a small pool and the cache options."""
+    base = draw(st.sampled_from([1, 2, 4]))
+    groups = []
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(["full", "sliding_window", "state"]))
+        size = base * draw(st.sampled_from([1, 1, 2, 4]))
+        window = draw(st.integers(1, 3 * size)) if kind == "sliding_window" else None
+        groups.append((kind, size, window))
+    return {
+        "groups": groups,
+        "num_pages": draw(st.integers(2, 28)),
+        "enable_caching": draw(st.booleans().map(lambda off: not off) | st.just(True)),
+        "eviction_order": draw(st.sampled_from(["hybrid", "group"])),
+    }
+
+
+def both_caches(config: dict[str, Any], **options: Any) -> list[Any]:
+    """The native cache and the reference one for a :func:`configs` draw (``options``: more
+    constructor keywords), native first."""
+    caches = []
+    for module in (flat_kvcache, flat_kvcache.reference):
+        specs = [module.KVCacheSpec(kind, size, window) for kind, size, window in config["groups"]]
+        caches.append(
+            module.FlatKVCache(
+                specs,
+                config["num_pages"],
+                enable_caching=config["enable_caching"],
+                eviction_order=config["eviction_order"],
+                **options,
+            )
+        )
+    return caches
