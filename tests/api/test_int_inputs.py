@@ -11,11 +11,19 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
+from helpers import missing
+
+try:
+    import torch
+except ImportError as exc:
+    missing("torch", exc)
+
 from flat_kvcache import _native
 from flat_kvcache.engine import KVCacheSpec
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+pytestmark = pytest.mark.torch
 
 TOKENS = [5, 0, 70000, 3, 1, 2**31 + 7, 9, 4, 11, 8, 12, 6, 40000, 255]
 SMALL = [5, 0, 100, 3, 1, 127, 9, 4, 11, 8, 12, 6, 40, 2]  # fits every integer dtype

@@ -104,6 +104,7 @@ def test_options_are_the_engines() -> None:
     assert set(CacheOptions.__annotations__) == engine
 
 
+@pytest.mark.torch
 def test_from_a_memory_plan() -> None:
     """A plan carries its groups (with the page size a state layer raised) and its page count."""
     need("torch")

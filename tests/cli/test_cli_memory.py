@@ -15,13 +15,16 @@ from helpers import missing, run_cli
 
 try:
     import torch  # noqa: F401
-except ModuleNotFoundError as exc:
+except ImportError as exc:
     missing("torch", exc)
 
 from flat_kvcache.presets import get_preset
 from flat_kvcache.torch import CaptureBuffers
 
-pytestmark = pytest.mark.skipif(not flat_kvcache.FLAT_KVCACHE, reason="slabs need the flat build")
+pytestmark = [
+    pytest.mark.torch,
+    pytest.mark.skipif(not flat_kvcache.FLAT_KVCACHE, reason="slabs need the flat build"),
+]
 
 GiB = 1 << 30
 # gpt-oss-like: 24 layers (12 sliding W=128, 12 full), 8 K/V heads of 64, bf16, 16-token pages.

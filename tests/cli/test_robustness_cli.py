@@ -29,6 +29,17 @@ BAD_PLAN = [
 ]
 
 
+#: The cases that build a memory plan need torch (the ``torch`` marker).
+BAD_PLAN_CASES = [
+    pytest.param(
+        *case,
+        marks=[pytest.mark.torch] if {"--memory", "--kv-dtype"} & set(case[0]) else [],
+        id=" ".join(case[0]),
+    )
+    for case in BAD_PLAN
+]
+
+
 def _check_one_line(status: int, err: str, option: str, expected_status: int) -> None:
     assert status == expected_status, err
     assert "Traceback" not in err
@@ -37,7 +48,7 @@ def _check_one_line(status: int, err: str, option: str, expected_status: int) ->
     assert option in lines[0], f"the message does not name {option}: {err}"
 
 
-@pytest.mark.parametrize(("argv", "option", "expected"), BAD_PLAN, ids=[" ".join(a) for a, _, _ in BAD_PLAN])
+@pytest.mark.parametrize(("argv", "option", "expected"), BAD_PLAN_CASES)
 def test_bad_plan_option_is_one_line(
     capsys: pytest.CaptureFixture[str], argv: list[str], option: str, expected: int
 ) -> None:
@@ -77,6 +88,7 @@ def _qwen3_next_config(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.torch
 def test_kv_dtype_option_serves_a_config_without_dtype(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -92,6 +104,7 @@ def test_kv_dtype_option_serves_a_config_without_dtype(
     assert memory["bytes_per_page"] > 0 and memory["num_pages"] > 1
 
 
+@pytest.mark.torch
 def test_config_without_dtype_needs_the_option(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     need("torch")
     path = _qwen3_next_config(tmp_path)
@@ -100,6 +113,7 @@ def test_config_without_dtype_needs_the_option(capsys: pytest.CaptureFixture[str
     assert "kv_dtype=" not in err
 
 
+@pytest.mark.torch
 def test_fp8_cannot_hold_the_conv_state(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """A one-byte K/V dtype is not a state dtype: the message says what to add."""
     need("torch")
@@ -109,6 +123,7 @@ def test_fp8_cannot_hold_the_conv_state(capsys: pytest.CaptureFixture[str], tmp_
     assert "torch_dtype" in err
 
 
+@pytest.mark.torch
 def test_shape_from_config_without_dtype_takes_kv_dtype(tmp_path: Path) -> None:
     """The library call behind the option: conv state in the K/V dtype, ssm state in float32."""
     torch = need("torch")

@@ -12,12 +12,14 @@ from helpers import missing, run_cli, run_python
 
 try:
     import torch
-except ModuleNotFoundError as exc:
+except ImportError as exc:
     missing("torch", exc)
 
 import flat_kvcache
 from flat_kvcache.presets import get_preset
 from flat_kvcache.torch import ModelShape, plan_kv_memory
+
+pytestmark = pytest.mark.torch
 
 GiB = 1 << 30
 

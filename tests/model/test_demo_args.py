@@ -77,6 +77,7 @@ def run_demo(*argv: str) -> str:
     return out.getvalue()
 
 
+@pytest.mark.torch
 @pytest.mark.skipif(not flat_kvcache.FLAT_KVCACHE, reason="needs the flat build")
 def test_the_minimum_is_tight(monkeypatch: pytest.MonkeyPatch) -> None:
     """At the minimum the demo runs; one page less, unchecked, and the run itself fails."""
@@ -87,6 +88,7 @@ def test_the_minimum_is_tight(monkeypatch: pytest.MonkeyPatch) -> None:
         run_demo("--num-pages", str(DEFAULT_MINIMUM - 1))
 
 
+@pytest.mark.torch
 @pytest.mark.skipif(not flat_kvcache.FLAT_KVCACHE, reason="needs the flat build")
 def test_the_output_reads_as_text() -> None:
     lines = run_demo("--steps", "2").splitlines()

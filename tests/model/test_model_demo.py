@@ -8,13 +8,16 @@ from helpers import missing
 try:
     import torch  # noqa: F401
     import transformers  # noqa: F401
-except ModuleNotFoundError as exc:
+except ImportError as exc:
     missing(exc.name or "torch/transformers", exc)
 
 import flat_kvcache
 from flat_kvcache.demo import main
 
-pytestmark = pytest.mark.skipif(not flat_kvcache.FLAT_KVCACHE, reason="needs the flat build")
+pytestmark = [
+    pytest.mark.torch,
+    pytest.mark.skipif(not flat_kvcache.FLAT_KVCACHE, reason="needs the flat build"),
+]
 
 
 def test_demo_runs_and_reports_the_cache(capsys: pytest.CaptureFixture[str]) -> None:

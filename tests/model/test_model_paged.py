@@ -20,7 +20,7 @@ from helpers import missing
 try:
     import torch
     import transformers  # noqa: F401  (tiny_model builds its models)
-except ModuleNotFoundError as exc:
+except ImportError as exc:
     missing(exc.name or "torch/transformers", exc)
 
 import flat_kvcache as fk

@@ -18,7 +18,7 @@ import pytest
 from flat_kvcache._types import CacheStats
 from flat_kvcache.engine import FlatKVCache, hash_pages
 from flat_kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from helpers import native_hybrid, native_page_hybrid
+from helpers import native_hybrid, native_page_hybrid, need
 
 needs_flat = pytest.mark.skipif(not flat_kvcache.FLAT_KVCACHE, reason="built without the `flat` feature")
 
@@ -62,8 +62,9 @@ def test_out_numpy_is_written_in_place() -> None:
 
 
 @needs_flat
+@pytest.mark.torch
 def test_out_torch_cpu_tensor_is_written_in_place() -> None:
-    torch = pytest.importorskip("torch")
+    torch = need("torch")
     cache = native_hybrid()
     running(cache, "a", list(range(13)))
     out = {g: torch.full((2, 6), 7, dtype=torch.int32) for g in GROUPS}

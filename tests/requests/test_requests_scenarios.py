@@ -13,6 +13,7 @@ import flat_kvcache
 import numpy as np
 import pytest
 from flat_kvcache.events import AllBlocksCleared, BlockRemoved
+from helpers import need
 
 needs_flat = pytest.mark.skipif(
     not getattr(flat_kvcache, "FLAT_KVCACHE", False), reason="built without the `flat` feature"
@@ -410,8 +411,9 @@ def test_block_tables_out_writes_the_callers_buffer(api: ModuleType) -> None:
 
 
 @needs_flat
+@pytest.mark.torch
 def test_block_tables_out_torch_tensor_in_place(api: ModuleType) -> None:
-    torch = pytest.importorskip("torch")
+    torch = need("torch")
     cache = full_cache(api)
     cache.add_request("a", list(range(8)))
     assert cache.schedule("a", 8)

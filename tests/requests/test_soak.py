@@ -5,19 +5,18 @@ runs the long version and the RSS check)."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
+from helpers import IN_CI, REPO_ROOT
 
 #: Operations per seed: more in CI, where the profile is thorough.
-OPS = 50_000 if os.environ.get("CI") else 4_000
+OPS = 50_000 if IN_CI else 4_000
 
 
 def _load_driver() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "benches" / "soak.py"
+    path = REPO_ROOT / "benches" / "soak.py"
     spec = importlib.util.spec_from_file_location("flat_kvcache_soak_driver", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

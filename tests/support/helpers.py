@@ -1,6 +1,7 @@
 """Helpers shared by the tests (fixtures live in conftest.py).
 
-- Optional dependencies: :func:`need` imports one or skips, except in CI where it fails.
+- Optional dependencies: :func:`missing` (after a failed import) and :func:`need` (import one)
+  skip the test outside CI and fail it in CI, the one rule for every optional dependency.
 - Running the program: :func:`run_cli` in-process, :func:`run_python` in a fresh interpreter.
 - Engines: :func:`normalize` turns results into comparable plain data; :func:`native_hybrid`
   builds the docs' running example on the native engine.
@@ -34,12 +35,28 @@ from strategies import I32_MAX, I32_MIN, U64_MAX
 # --- optional dependencies --------------------------------------------------------------------
 
 
+#: True where CI runs the tests (``.ci/run`` exports ``CI=true``, as CI services do): CI installs
+#: every test dependency, so a missing one is an error there, never a skip.
+IN_CI = os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
+
+
 def missing(name: str, exc: ImportError) -> NoReturn:
-    """Skip the test (or the module, at module level) that needs ``name``; fail in CI instead,
-    which installs every test dependency and must run these tests."""
+    """The one rule for an absent optional test dependency (torch, transformers, matplotlib,
+    msgpack, msgspec, pyzmq): skip the test (or the module, at module level) that needs
+    ``name``, except in CI (:data:`IN_CI`), where the test fails instead.
+
+    At module level, for a typed import::
+
+        try:
+            import torch
+        except ImportError as exc:
+            missing("torch", exc)
+
+    Inside a test, :func:`need` does the same in one call.
+    """
     message = f"{name} is not installed (pip install -r requirements/test.txt): {exc}"
-    if os.environ.get("CI"):
-        pytest.fail(message)
+    if IN_CI:
+        pytest.fail(f"{message}; CI must run every test", pytrace=False)
     pytest.skip(message, allow_module_level=True)
 
 

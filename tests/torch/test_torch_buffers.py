@@ -9,10 +9,12 @@ from helpers import missing
 
 try:
     import torch
-except ModuleNotFoundError as exc:
+except ImportError as exc:
     missing("torch", exc)
 
 from flat_kvcache.torch import KVBuffers, KVMemoryPlan, ModelShape, allocate_kv_buffers, plan_kv_memory
+
+pytestmark = pytest.mark.torch
 
 MiB = 1 << 20
 LIMITS = {"max_live_requests": 4, "max_scheduled_tokens": 64, "max_context_len": 1024}

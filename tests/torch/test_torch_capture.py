@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers import missing
 
 try:
     import torch
-except ModuleNotFoundError:
-    if os.environ.get("CI"):
-        raise RuntimeError("torch is missing: the flat_kvcache.torch tests must run in CI") from None
-    pytest.importorskip("torch")
+except ImportError as exc:
+    missing("torch", exc)
 
 import flat_kvcache
 from flat_kvcache import reference as ref
 from flat_kvcache.torch import CaptureBuffers, write_locations
+
+pytestmark = pytest.mark.torch
 
 PAGE = 16
 LAYERS = ("linear_attention", "sliding_attention", "full_attention")

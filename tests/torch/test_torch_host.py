@@ -15,7 +15,7 @@ from helpers import missing
 
 try:
     import torch
-except ModuleNotFoundError as exc:
+except ImportError as exc:
     missing(exc.name or "torch", exc)
 
 

@@ -12,10 +12,12 @@ from hypothesis import strategies as st
 
 try:
     import torch
-except ModuleNotFoundError as exc:
+except ImportError as exc:
     missing("torch", exc)
 
 from flat_kvcache.torch import extend_locations, write_locations
+
+pytestmark = pytest.mark.torch
 
 #: The same functions, typed for what these tests pass them besides tensors: the lists and numpy
 #: arrays they accept, and the wrong types the error tests need.

@@ -12,12 +12,14 @@ from hypothesis import strategies as st
 
 try:
     import torch
-except ModuleNotFoundError as exc:
+except ImportError as exc:
     missing("torch", exc)
 
 import flat_kvcache
 from flat_kvcache import reference as ref
 from flat_kvcache.torch import KVMemoryPlan, ModelShape, plan_kv_memory
+
+pytestmark = pytest.mark.torch
 
 GiB = 1 << 30
 LIMITS = {"max_live_requests": 8, "max_scheduled_tokens": 256, "max_context_len": 4096}

@@ -12,13 +12,15 @@ from helpers import missing, run_python
 
 try:
     import torch
-except ModuleNotFoundError as exc:
+except ImportError as exc:
     missing("torch", exc)
 
 import flat_kvcache
 from flat_kvcache import reference as ref
 from flat_kvcache.presets import PRESETS, get_preset
 from flat_kvcache.torch import ModelShape
+
+pytestmark = pytest.mark.torch
 
 ALTERNATING = ("sliding_attention", "full_attention") * 3
 
