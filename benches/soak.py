@@ -10,7 +10,7 @@ calls.
     python benches/soak.py                          # 100,000 calls, native vs reference
     python benches/soak.py --ops 1000000 --native-only --rss-every 100000
 
-The test suite runs the same driver at CI size (tests/test_soak.py).
+The test suite runs the same driver at CI size (tests/requests/test_soak.py).
 """
 
 from __future__ import annotations

@@ -16,9 +16,10 @@ import array
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
+import flat_kvcache
 import numpy as np
 import pytest
 from helpers import normalize
@@ -457,3 +458,20 @@ def test_odd_inputs_same_outcome_on_both_engines(where: str) -> None:
         if problem is not None:
             problems.append(f"{label}: {problem}")
     assert not problems, f"{where}: {len(problems)} value(s)\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("cls", ["FlatKVCache", "PageCache"])
+def test_specs_must_be_kv_cache_specs_on_both_engines(cls: str) -> None:
+    """Only a real ``KVCacheSpec`` is a spec: an object with the same four fields and valid
+    values (which native once accepted and the reference refused), or a sizing
+    ``PagedCacheGroupSpec`` (an easy mix-up), is a TypeError naming ``specs[i]``."""
+    real = flat_kvcache.KVCacheSpec("full", 16, None)
+    look_alike = SimpleNamespace(kind="full", page_size=16, sliding_window=None, group_id=None)
+    sizing_spec = flat_kvcache.group_specs_from_layer_types(["full_attention"], 8, page_size=16)[0]
+    for module in ENGINES:
+        assert getattr(module, cls)([real], 8).group_ids == ["g0"]
+        for index, bad in ((0, look_alike), (1, sizing_spec)):
+            specs = [bad] if index == 0 else [real, bad]
+            with pytest.raises(TypeError) as caught:
+                getattr(module, cls)(specs, 8)
+            assert str(caught.value) == f"specs[{index}] must be a KVCacheSpec, got {type(bad).__name__}"

@@ -11,7 +11,8 @@ use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUnt
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyInt, PyList, PyString, PyTuple};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBool, PyInt, PyList, PyString, PyTuple, PyType};
 
 use crate::convert::{
     batch_iter, clip, cpu_tensor_numpy, is_masked, masked_error, non_negative, signed, type_name, IntArg,
@@ -598,9 +599,9 @@ impl<'a, 'py> FromPyObject<'a, 'py> for RequestIds<'py> {
 
 // ----- engine configuration -------------------------------------------------------------------
 
-/// The `specs` argument of `FlatKVCache`: a sequence of spec objects (anything with `kind`,
-/// `page_size`, `sliding_window` and `group_id`, such as `KVCacheSpec`); text, bytes or a
-/// non-iterable is a `TypeError`.
+/// The `specs` argument of `FlatKVCache` / `PageCache`: a sequence of `KVCacheSpec`s (any
+/// other object, even one with the same fields, is a `TypeError`, as in the reference);
+/// text, bytes or a non-iterable is a `TypeError`.
 pub struct GroupSpecs(pub Vec<GroupSpec>);
 
 impl<'a, 'py> FromPyObject<'a, 'py> for GroupSpecs {
@@ -615,8 +616,26 @@ impl<'a, 'py> FromPyObject<'a, 'py> for GroupSpecs {
     }
 }
 
-/// Read `specs[i]`; the kind and its window are validated by [`GroupKind::from_name`].
+/// `flat_kvcache.KVCacheSpec`, imported on first use.
+static KV_CACHE_SPEC: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// Read `specs[i]`; the kind and its window are validated again by [`GroupKind::from_name`]
+/// (a frozen dataclass can still be changed with `object.__setattr__`).
 fn group_spec(i: usize, spec: &Bound<'_, PyAny>) -> PyResult<GroupSpec> {
+    let py = spec.py();
+    let class = KV_CACHE_SPEC.get_or_try_init(py, || -> PyResult<Py<PyType>> {
+        Ok(py
+            .import("flat_kvcache._types")?
+            .getattr("KVCacheSpec")?
+            .cast_into::<PyType>()?
+            .unbind())
+    })?;
+    if !spec.is_instance(class.bind(py))? {
+        return Err(PyTypeError::new_err(format!(
+            "specs[{i}] must be a KVCacheSpec, got {}",
+            type_name(spec)
+        )));
+    }
     let field = |name: &str| {
         spec.getattr(name)
             .map_err(|_| PyTypeError::new_err(format!("specs[{i}] must be a KVCacheSpec, got {}", type_name(spec))))
