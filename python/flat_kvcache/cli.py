@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import math
 import os
 import re
 import sys
@@ -144,6 +145,17 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
 
     parse.__name__ = f"int >= {minimum}"
     return parse
+
+
+def _positive_float(text: str) -> float:
+    """An argparse ``type`` that accepts a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
 
 
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -336,7 +348,24 @@ def _add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
         ),
     )
     _add_model_options(parser)
-    parser.add_argument("--trace", metavar="FILE.jsonl", help="a JSONL trace (default: the built-in one)")
+    parser.add_argument(
+        "--trace",
+        metavar="FILE.jsonl",
+        help="a JSONL or Mooncake trace, told apart by the first line's keys (default: the built-in one)",
+    )
+    parser.add_argument(
+        "--max-requests",
+        type=positive,
+        metavar="N",
+        help="run only the first N requests of the trace (default: all)",
+    )
+    parser.add_argument(
+        "--ms-per-step",
+        type=_positive_float,
+        default=simulate.DEFAULT_MS_PER_STEP,
+        metavar="MS",
+        help=f"a Mooncake trace's request arrives at step timestamp / MS ({simulate.DEFAULT_MS_PER_STEP:g})",
+    )
     parser.add_argument(
         "--num-requests",
         type=non_negative,
@@ -531,9 +560,12 @@ def _simulate_trace(args: argparse.Namespace) -> list[simulate.TraceRequest]:
     """The trace of ``flat-kvcache simulate``: ``--trace`` read (errors naming the option) or
     the built-in one."""
     if args.trace is None:
-        return simulate.default_trace(args.num_requests, seed=args.seed)
+        trace = simulate.default_trace(args.num_requests, seed=args.seed)
+        return trace if args.max_requests is None else trace[: args.max_requests]
     try:
-        return simulate.load_trace(args.trace, seed=args.seed)
+        return simulate.load_trace(
+            args.trace, seed=args.seed, max_requests=args.max_requests, ms_per_step=args.ms_per_step
+        )
     except OSError as exc:
         raise ValueError(f"--trace {args.trace}: {exc.strerror or exc}") from None
     except ValueError as exc:

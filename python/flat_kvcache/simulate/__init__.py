@@ -2,7 +2,7 @@
 
 Three parts, one concern each:
 
-- :mod:`flat_kvcache.simulate.trace`: the requests to run, built in or read from a JSONL file;
+- :mod:`flat_kvcache.simulate.trace`: the requests to run, built in or read from a JSONL or Mooncake file;
 - :mod:`flat_kvcache.simulate.loop`: the scheduler loop that drives the cache step by step
   (its docstring describes one step) and times the cache calls;
 - :mod:`flat_kvcache.simulate.report`: the run's result, its summary as a table or JSON, the
@@ -34,22 +34,27 @@ from flat_kvcache.simulate.report import (
     summary_json,
 )
 from flat_kvcache.simulate.trace import (
+    DEFAULT_MS_PER_STEP,
     DEFAULT_NUM_REQUESTS,
+    MOONCAKE_BLOCK_TOKENS,
     VOCAB,
     TokenArray,
     TraceRequest,
     default_trace,
     load_trace,
+    mooncake_block,
 )
 
 __all__ = [
     "CALL_KINDS",
     "DEFAULT_MAX_RUNNING",
     "DEFAULT_MAX_SCHEDULED_TOKENS",
+    "DEFAULT_MS_PER_STEP",
     "DEFAULT_NUM_REQUESTS",
     "DEFAULT_PAGE_SIZE",
     "DEFAULT_POOL_FRACTION",
     "DEFAULT_REUSE_UNCACHED_FIRST",
+    "MOONCAKE_BLOCK_TOKENS",
     "VOCAB",
     "Engine",
     "EvictionOrder",
@@ -63,6 +68,7 @@ __all__ = [
     "engine_specs",
     "format_summary",
     "load_trace",
+    "mooncake_block",
     "plot_result",
     "simulate",
     "summary_json",

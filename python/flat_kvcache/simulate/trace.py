@@ -1,6 +1,9 @@
-"""Request traces for the simulator: the built-in one and JSONL trace files.
+"""Request traces for the simulator: the built-in one, JSONL trace files and Mooncake traces.
 
-Trace files: one JSON object per line (blank lines and lines starting with ``#`` are
+:func:`load_trace` reads either format, told apart by the first request line: a line with a
+``hash_ids`` key is a Mooncake trace, anything else the JSONL format below.
+
+JSONL trace files: one JSON object per line (blank lines and lines starting with ``#`` are
 skipped):
 
 - ``prompt`` (list of token ids, each in ``[0, 2**32)``) or ``prompt_len`` (int >= 1): the
@@ -15,25 +18,54 @@ skipped):
 
 Requests keep file order within an arrival step. Generated tokens are pseudo-random ids drawn
 from the seed when the trace is built, so a run over a trace is deterministic.
+
+Mooncake traces (the FAST'25 trace release of kvcache-ai/Mooncake): one JSON object per line
+with exactly ``timestamp`` (ms since the first request, >= 0), ``input_length`` (prompt
+tokens), ``output_length`` (tokens to generate, >= 1) and ``hash_ids`` (a non-empty list of ints
+>= 0). Each hash id stands for one :data:`MOONCAKE_BLOCK_TOKENS`-token block of the prompt; the
+last block may be partial, so ``input_length - 512 * (len(hash_ids) - 1)`` must be 1 to 512
+(anything else is an error naming the line). A block's tokens are drawn from a generator seeded
+by ``(seed, hash_id)``, so equal ids give equal tokens and different ids (almost surely)
+different ones; a partial last block is the first tokens of its id's block. Token ids are in
+``[0, VOCAB)``, like every other trace's. Arrival: the simulator counts steps, not time, so a
+request arrives at step ``floor(timestamp / ms_per_step)`` (``--ms-per-step``, default
+:data:`DEFAULT_MS_PER_STEP` ms, about one decode step of a busy engine); requests keep file order
+within a step. ``max_requests`` reads only the first requests of the file (of either format).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["DEFAULT_NUM_REQUESTS", "VOCAB", "TokenArray", "TraceRequest", "default_trace", "load_trace"]
+__all__ = [
+    "DEFAULT_MS_PER_STEP",
+    "DEFAULT_NUM_REQUESTS",
+    "MOONCAKE_BLOCK_TOKENS",
+    "VOCAB",
+    "TokenArray",
+    "TraceRequest",
+    "default_trace",
+    "load_trace",
+    "mooncake_block",
+]
 
 DEFAULT_NUM_REQUESTS = 2000
 #: Token ids are drawn from ``[0, VOCAB)``.
 VOCAB = 50_000
+#: Tokens per hash id of a Mooncake trace (the format's block size).
+MOONCAKE_BLOCK_TOKENS = 512
+#: Milliseconds of a Mooncake ``timestamp`` per simulator step.
+DEFAULT_MS_PER_STEP = 50.0
 
 TokenArray = npt.NDArray[np.uint32]
 
@@ -116,14 +148,15 @@ _TRACE_KEYS = frozenset(
 )
 
 
-def _parse_trace_lines(lines: Iterable[str], source: str, seed: int) -> list[TraceRequest]:
+def _parse_trace_lines(
+    lines: Iterable[tuple[int, str]], source: str, seed: int, max_requests: int | None
+) -> list[TraceRequest]:
     rng = np.random.default_rng(seed)
     prefixes: dict[str | int, TokenArray] = {}
     parsed: list[TraceRequest] = []
-    for number, line in enumerate(lines, start=1):
-        text = line.strip()
-        if not text or text.startswith("#"):
-            continue
+    for number, text in lines:
+        if max_requests is not None and len(parsed) >= max_requests:
+            break
         where = f"{source}:{number}"
         try:
             record = json.loads(text)
@@ -172,13 +205,122 @@ def _parse_trace_lines(lines: Iterable[str], source: str, seed: int) -> list[Tra
             else:
                 prompt = _tokens(rng, length)
         parsed.append(TraceRequest(len(parsed), prompt, _tokens(rng, output_len), arrival, tuple(extra)))
+    return _finish_trace(parsed, source)
+
+
+def _finish_trace(parsed: list[TraceRequest], source: str) -> list[TraceRequest]:
     if not parsed:
         raise ValueError(f"{source}: the trace has no requests")
     parsed.sort(key=lambda request: request.arrival_step)  # stable: file order within a step
     return parsed
 
 
-def load_trace(path: str | os.PathLike[str], *, seed: int = 0) -> list[TraceRequest]:
-    """Read a JSONL trace (format in the module docstring); ``ValueError`` naming ``FILE:LINE``."""
-    with open(path, encoding="utf-8") as lines:
-        return _parse_trace_lines(lines, str(path), seed)
+def mooncake_block(seed: int, hash_id: int, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> TokenArray:
+    """The ``block_tokens`` token ids a Mooncake ``hash_id`` stands for under ``seed``."""
+    return _tokens(np.random.default_rng([seed, hash_id]), block_tokens)
+
+
+_MOONCAKE_KEYS = frozenset({"timestamp", "input_length", "output_length", "hash_ids"})
+
+
+def _parse_mooncake_lines(
+    lines: Iterable[tuple[int, str]],
+    source: str,
+    seed: int,
+    max_requests: int | None,
+    ms_per_step: float,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+) -> list[TraceRequest]:
+    rng = np.random.default_rng(seed)
+    blocks: dict[int, TokenArray] = {}
+    parsed: list[TraceRequest] = []
+    for number, text in lines:
+        if max_requests is not None and len(parsed) >= max_requests:
+            break
+        where = f"{source}:{number}"
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not valid JSON: {exc.msg}") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        unknown = sorted(set(record) - _MOONCAKE_KEYS)
+        if unknown:
+            raise ValueError(
+                f"{where}: unknown field(s) {', '.join(unknown)} in a Mooncake trace; known: "
+                f"{', '.join(sorted(_MOONCAKE_KEYS))}"
+            )
+        timestamp = record.get("timestamp")
+        if timestamp is None:
+            raise ValueError(f"{where}: timestamp is required")
+        is_number = isinstance(timestamp, int | float) and not isinstance(timestamp, bool)
+        if not is_number or not 0 <= timestamp < math.inf:
+            raise ValueError(f"{where}: timestamp must be a finite number of ms >= 0, got {timestamp!r}")
+        input_length = _field_int(record, "input_length", where, minimum=1)
+        output_length = _field_int(record, "output_length", where, minimum=1)
+        hash_ids = record.get("hash_ids")
+        if hash_ids is None:
+            raise ValueError(f"{where}: hash_ids is required")
+        if not isinstance(hash_ids, list) or not hash_ids:
+            raise ValueError(f"{where}: hash_ids must be a non-empty list of ints >= 0")
+        for i, hash_id in enumerate(hash_ids):
+            if isinstance(hash_id, bool) or not isinstance(hash_id, int) or hash_id < 0:
+                raise ValueError(f"{where}: hash_ids[{i}] = {hash_id!r} is not an int >= 0")
+        last = input_length - block_tokens * (len(hash_ids) - 1)
+        if not 1 <= last <= block_tokens:
+            raise ValueError(
+                f"{where}: input_length {input_length} does not match {len(hash_ids)} hash_ids of "
+                f"{block_tokens} tokens (must be {block_tokens * (len(hash_ids) - 1) + 1} to "
+                f"{block_tokens * len(hash_ids)})"
+            )
+        parts = []
+        for hash_id in hash_ids:
+            block = blocks.get(hash_id)
+            if block is None:
+                block = blocks[hash_id] = mooncake_block(seed, hash_id, block_tokens)
+            parts.append(block)
+        prompt = np.concatenate(parts)[:input_length]
+        arrival = math.floor(timestamp / ms_per_step)
+        parsed.append(TraceRequest(len(parsed), prompt, _tokens(rng, output_length), arrival))
+    return _finish_trace(parsed, source)
+
+
+def _request_lines(lines: Iterable[str]) -> Iterator[tuple[int, str]]:
+    """``(line number, stripped text)`` of each line that is not blank or a ``#`` comment."""
+    for number, line in enumerate(lines, start=1):
+        text = line.strip()
+        if text and not text.startswith("#"):
+            yield number, text
+
+
+def _is_mooncake(text: str) -> bool:
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(record, dict) and "hash_ids" in record
+
+
+def load_trace(
+    path: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    max_requests: int | None = None,
+    ms_per_step: float = DEFAULT_MS_PER_STEP,
+) -> list[TraceRequest]:
+    """Read a JSONL or Mooncake trace (formats in the module docstring, told apart by the first
+    request line); ``ValueError`` naming ``FILE:LINE``. ``max_requests``: read only the file's
+    first requests. ``ms_per_step``: Mooncake timestamps per simulator step."""
+    if max_requests is not None and max_requests < 1:
+        raise ValueError(f"max_requests must be >= 1, got {max_requests}")
+    if not ms_per_step > 0:
+        raise ValueError(f"ms_per_step must be > 0, got {ms_per_step}")
+    with open(path, encoding="utf-8") as file:
+        lines = _request_lines(file)
+        first = next(lines, None)
+        if first is None:
+            raise ValueError(f"{path}: the trace has no requests")
+        stream = itertools.chain([first], lines)
+        if _is_mooncake(first[1]):
+            return _parse_mooncake_lines(stream, str(path), seed, max_requests, ms_per_step)
+        return _parse_trace_lines(stream, str(path), seed, max_requests)
