@@ -24,7 +24,7 @@ from flat_kvcache.simulate import (
     mooncake_block,
     simulate,
 )
-from helpers import run_cli
+from helpers import IN_CI, run_cli
 
 B = MOONCAKE_BLOCK_TOKENS
 
@@ -153,7 +153,8 @@ def test_cli_refuses_a_bad_ms_per_step(capsys: pytest.CaptureFixture[str]) -> No
 
 def real_trace() -> Path:
     """The Mooncake conversation trace: ``FLAT_KVCACHE_MOONCAKE_TRACE``, or ``shared/traces/`` in or
-    beside the checkout. It is data kept outside the repository, so the test skips without it."""
+    beside the checkout. It is data kept outside the repository, so the test skips without it,
+    except in CI."""
     name = "mooncake_conversation.jsonl"
     root = Path(__file__).resolve().parents[2]
     candidates = [root / "shared" / "traces" / name, root.parent / "shared" / "traces" / name]
@@ -162,6 +163,8 @@ def real_trace() -> Path:
     for path in candidates:
         if path.is_file():
             return path
+    if IN_CI:  # CI runs with shared/ beside the checkout: a missing trace is a broken setup
+        pytest.fail(f"{name} not found beside the checkout (CI must run every test)")
     pytest.skip(f"{name} not found (set FLAT_KVCACHE_MOONCAKE_TRACE)")
 
 
