@@ -13,7 +13,7 @@ import flat_kvcache
 import numpy as np
 import pytest
 from flat_kvcache.events import AllBlocksCleared, BlockRemoved
-from helpers import need
+from helpers import PAGE_LEVEL_METHODS, need
 
 needs_flat = pytest.mark.skipif(
     not getattr(flat_kvcache, "FLAT_KVCACHE", False), reason="built without the `flat` feature"
@@ -25,20 +25,6 @@ def full_cache(api: ModuleType, num_pages: int = 64, **options: Any) -> Any:
     return api.FlatKVCache([api.KVCacheSpec("full", 4)], num_pages, **options)
 
 
-#: The page-level protocol (docs/engine-api.md "PageCache"): only ``PageCache`` has these.
-PAGE_LEVEL = (
-    "match_prefix",
-    "claim",
-    "acquire",
-    "register",
-    "reclaim",
-    "free",
-    "pages_reclaimable",
-    "pages_consumed_by_claim",
-    "prefill_first_chunk",
-    "prefill_chunk",
-    "decode_step",
-)
 #: The token-level protocol (docs/requests-api.md): only ``FlatKVCache`` has these.
 TOKEN_LEVEL = (
     "add_request",
@@ -94,7 +80,7 @@ def test_each_class_has_its_own_protocol_only(api: ModuleType) -> None:
     token, page = api.FlatKVCache(specs, 8), api.PageCache(specs, 8)
     for name in SHARED:
         assert hasattr(token, name) and hasattr(page, name), name
-    for name in PAGE_LEVEL:
+    for name in PAGE_LEVEL_METHODS:
         assert hasattr(page, name), name
         with pytest.raises(AttributeError, match=name):
             getattr(token, name)

@@ -22,7 +22,7 @@ from typing import Any
 import flat_kvcache
 import numpy as np
 import pytest
-from helpers import normalize
+from helpers import PAGE_LEVEL_METHODS, normalize
 from robustness_cases import ENGINES, HASH, PAGE_LEVEL, busy_cache, busy_page_cache, snapshot
 
 # --- the odd values -----------------------------------------------------------------------------
@@ -335,22 +335,7 @@ SLOTS: dict[str, Slot] = {
     "bind_rows.tables": Slot("out", "tables", lambda _, c, v: c.bind_rows(v)),
 }
 
-#: The page-level protocol's methods (docs/engine-api.md): their slots run on a ``PageCache``.
-PAGE_LEVEL_METHODS = frozenset(
-    {
-        "match_prefix",
-        "claim",
-        "acquire",
-        "register",
-        "reclaim",
-        "free",
-        "pages_reclaimable",
-        "pages_consumed_by_claim",
-        "prefill_first_chunk",
-        "prefill_chunk",
-        "decode_step",
-    }
-)
+# The page-level protocol's methods (PAGE_LEVEL_METHODS) have their slots run on a ``PageCache``.
 SLOTS = {
     where: replace(slot, page_level=where.split(".")[0] in PAGE_LEVEL_METHODS)
     for where, slot in SLOTS.items()

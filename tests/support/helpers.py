@@ -110,6 +110,21 @@ def normalize(value: Any) -> Any:
     return value
 
 
+#: The page-level protocol (docs/engine-api.md "PageCache"): the methods only ``PageCache`` has.
+PAGE_LEVEL_METHODS = (
+    "match_prefix",
+    "claim",
+    "acquire",
+    "register",
+    "reclaim",
+    "free",
+    "pages_reclaimable",
+    "pages_consumed_by_claim",
+    "prefill_first_chunk",
+    "prefill_chunk",
+    "decode_step",
+)
+
 HYBRID_SPECS = [KVCacheSpec("full", 4, group_id="full"), KVCacheSpec("sliding_window", 4, 8, "swa")]
 
 
