@@ -143,6 +143,30 @@ def _field_int(
     return value
 
 
+def _records(
+    lines: Iterable[tuple[int, str]], source: str, max_requests: int | None, known: frozenset[str], kind: str
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(FILE:LINE, record)`` of the first ``max_requests`` request lines (all without a limit):
+    each must be a JSON object with only ``known`` fields (``kind`` completes the message that
+    names the others, e.g. ``" in a Mooncake trace"``)."""
+    for count, (number, text) in enumerate(lines):
+        if max_requests is not None and count >= max_requests:
+            return
+        where = f"{source}:{number}"
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not valid JSON: {exc.msg}") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        unknown = sorted(set(record) - known)
+        if unknown:
+            raise ValueError(
+                f"{where}: unknown field(s) {', '.join(unknown)}{kind}; known: {', '.join(sorted(known))}"
+            )
+        yield where, record
+
+
 _TRACE_KEYS = frozenset(
     {"prompt", "prompt_len", "output_len", "prefix_id", "prefix_len", "arrival_step", "extra_keys"}
 )
@@ -154,21 +178,7 @@ def _parse_trace_lines(
     rng = np.random.default_rng(seed)
     prefixes: dict[str | int, TokenArray] = {}
     parsed: list[TraceRequest] = []
-    for number, text in lines:
-        if max_requests is not None and len(parsed) >= max_requests:
-            break
-        where = f"{source}:{number}"
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}: not valid JSON: {exc.msg}") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        unknown = sorted(set(record) - _TRACE_KEYS)
-        if unknown:
-            raise ValueError(
-                f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(_TRACE_KEYS))}"
-            )
+    for where, record in _records(lines, source, max_requests, _TRACE_KEYS, ""):
         if ("prompt" in record) == ("prompt_len" in record):
             raise ValueError(f"{where}: give exactly one of prompt (token ids) and prompt_len")
         output_len = _field_int(record, "output_len", where, minimum=1)
@@ -234,22 +244,7 @@ def _parse_mooncake_lines(
     rng = np.random.default_rng(seed)
     blocks: dict[int, TokenArray] = {}
     parsed: list[TraceRequest] = []
-    for number, text in lines:
-        if max_requests is not None and len(parsed) >= max_requests:
-            break
-        where = f"{source}:{number}"
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}: not valid JSON: {exc.msg}") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        unknown = sorted(set(record) - _MOONCAKE_KEYS)
-        if unknown:
-            raise ValueError(
-                f"{where}: unknown field(s) {', '.join(unknown)} in a Mooncake trace; known: "
-                f"{', '.join(sorted(_MOONCAKE_KEYS))}"
-            )
+    for where, record in _records(lines, source, max_requests, _MOONCAKE_KEYS, " in a Mooncake trace"):
         timestamp = record.get("timestamp")
         if timestamp is None:
             raise ValueError(f"{where}: timestamp is required")
