@@ -413,14 +413,12 @@ class PrefixMatch:
 @disjoint_base
 class _PagedCacheBase:
     """The state and calls ``FlatKVCache`` (token-level, docs/requests-api.md) and ``PageCache``
-    (page-level, docs/engine-api.md) share: the geometry, counters, reading a request's tables,
-    block tables, KV events, the host tier's transfers and the invariant check. Not
-    constructible itself.
+    (page-level, docs/engine-api.md) share: the geometry, counters, KV events, the host tier's
+    transfers and the invariant check. Calls that name a request are each class's own
+    (``FlatKVCache`` names requests by slot, ``PageCache`` by id). Not constructible itself.
 
-    Request ids are ``str`` or ``int`` (``5`` and ``"5"`` differ; another type is a
-    ``TypeError``); an unknown id is an ``UnknownRequestError`` (a ``KeyError``). Running out
-    of pages is not an error: the calls that need pages return False and change nothing. Safe
-    to share between threads.
+    Running out of pages is not an error: the calls that need pages return False and change
+    nothing. Safe to share between threads.
     """
 
     @property
@@ -450,34 +448,6 @@ class _PagedCacheBase:
     def pool_stats(self) -> PoolStats:
         """The pool counters: ``num_blocks num_free num_cached num_cached_free num_cached_pinned``."""
 
-    def has_request(self, req: _RequestId) -> bool:
-        """Whether ``req`` has tables."""
-
-    def pages_needed(self, num_tokens: int, req: _RequestId | None = None) -> int:
-        """Pages ``acquire(req, num_tokens)`` would allocate (fresh tables when ``req`` is None)."""
-
-    def page_ids(self, req: _RequestId) -> list[list[int]]:
-        """``req``'s page ids per group (holes 0); ``UnknownRequestError`` for an unknown id."""
-
-    def tail_available(self, req: _RequestId) -> list[int]:
-        """``req``'s free token slots in its last page, per group."""
-
-    @overload
-    def block_tables(self, reqs: Sequence[_RequestId], out: None = None) -> dict[str, npt.NDArray[np.int32]]:
-        """Flat per-group block tables of a batch, rows in the order given (repeats allowed).
-
-        Without ``out``: ``{group_id: int32 array [len(reqs), max_cols]}`` in group order,
-        holes 0, padding -1. With ``out`` (``group_id`` -> writable C-contiguous int32 numpy
-        array or CPU torch tensor of shape ``[>= len(reqs), cols]`` for every group): row r of
-        each buffer gets the request's page ids then -1 up to ``cols``, written in place with
-        the GIL released, and ``out`` is returned; a table wider than ``cols`` is a
-        ``ValueError`` naming the group and nothing is written. Raises
-        ``FlatUnavailableError`` (a ``RuntimeError``) in a build without the ``flat`` feature.
-        """
-    @overload
-    def block_tables(
-        self, reqs: Sequence[_RequestId], out: Mapping[str, _TableBuffer]
-    ) -> Mapping[str, _TableBuffer]: ...
     def check_invariants(self) -> None:
         """Check every engine invariant; ``InvariantError`` (a ``RuntimeError``) names the first
         violation."""
@@ -510,10 +480,6 @@ class _PagedCacheBase:
         flight, not handed out by ``take_transfers`` yet, or listed twice.
         """
 
-    def loads_in_flight(self, req: _RequestId) -> int:
-        """Host-tier loads into ``req``'s pages not acknowledged yet; ``schedule`` /
-        ``schedule_batch`` refuse the request (``ValueError``) until this is 0."""
-
     def transfers_in_flight(self) -> int:
         """Transfers emitted and not acknowledged yet (handed out or not)."""
 
@@ -532,9 +498,14 @@ class _PagedCacheBase:
 class FlatKVCache(_PagedCacheBase):
     """The token-level protocol (docs/requests-api.md): requests that own their tokens.
 
-    Requests are created by ``add_request`` / ``admit`` and moved by ``schedule*``,
-    ``append_tokens*``, ``finish`` and ``preempt``; the page-level calls are ``PageCache``'s
-    (absent here). The shared calls are :class:`_PagedCacheBase`'s.
+    A request enters with ``add_request`` / ``admit`` under an id (``str`` or ``int``; ``5``
+    and ``"5"`` differ) and gets a *slot*, the small int every later call names it by: the
+    lowest slot no live request holds, which is also its row in the tables bound by
+    :meth:`bind_rows`. ``finish`` / ``preempt`` free the slot. A slot that holds no request is
+    an ``UnknownRequestError`` (a ``KeyError``). The per-step calls take slot arrays (a
+    sequence of ints or a 1-D integer array) and validate everything before changing anything.
+    The page-level calls are ``PageCache``'s (absent here); the shared calls are
+    :class:`_PagedCacheBase`'s.
     """
 
     def __new__(
@@ -573,16 +544,14 @@ class FlatKVCache(_PagedCacheBase):
         *,
         extra_keys: Sequence[str] = (),
         use_prefix_cache: bool = True,
-        row: int | None = None,
-    ) -> int:
+    ) -> tuple[int, int]:
         """Add a token-level request for a non-empty prompt (each token must fit u32).
 
         Every full base page is hashed (chained, ``extra_keys`` on every page) with the GIL
         released; with caching on and ``use_prefix_cache``, the prefix match over all but the
-        last prompt token is claimed. Returns the hit in tokens (the request's computed tokens).
-        ``ValueError`` for an id already in use or an empty prompt. ``row``: the request owns
-        that row of the tables bound by :meth:`bind_rows` until it is finished or preempted
-        (``ValueError`` if no rows are bound, the row is out of range or held).
+        last prompt token is claimed. Returns ``(slot, hit)``: the request's slot (the lowest
+        free one) and its hit in tokens (its computed tokens). ``ValueError`` for an id already
+        in use, an empty prompt, or (with rows bound) every row held.
         """
 
     def admit(
@@ -593,49 +562,121 @@ class FlatKVCache(_PagedCacheBase):
         *,
         extra_keys: Sequence[str] = (),
         use_prefix_cache: bool = True,
-        row: int | None = None,
-    ) -> tuple[int, int] | None:
+    ) -> tuple[int, int, int] | None:
         """SPEC 9 admission in one call (one hash, one prefix match).
 
         The first chunk is ``min(len(prompt) - hit, max_new_tokens)`` tokens after the capped
         hit, with one token of reserve when it completes the prompt. None, with nothing
-        changed, when ``pages_needed_to_admit(prompt, chunk, reserve)`` exceeds ``budget()``;
-        otherwise the request is added as :meth:`add_request` would add it and the answer is
-        ``(hit, chunk)``. Scheduling the chunk is left to the caller. Errors as
+        changed, when rows are bound and every row is held, or when
+        ``pages_needed_to_admit(prompt, chunk, reserve)`` exceeds ``budget()``; otherwise the
+        request is added as :meth:`add_request` would add it and the answer is
+        ``(slot, hit, chunk)``. Scheduling the chunk is left to the caller. Errors as
         :meth:`add_request`.
         """
 
+    def slot_of(self, req: _RequestId) -> int | None:
+        """The slot of live request ``req``, or None."""
+
+    def id_of(self, slot: int) -> str | int:
+        """The id the request in ``slot`` was added with."""
+
+    def schedule(
+        self, slots: _Counts, num_new_tokens: _Counts, *, lookahead: int = 0
+    ) -> npt.NDArray[np.bool_]:
+        """Schedule a step: the request in ``slots[i]`` schedules its next ``num_new_tokens[i]``
+        known tokens.
+
+        Each registers its completed full pages, reclaims slid-out pages, then acquires room for
+        the tokens plus ``lookahead`` slots, all or nothing, in order. True: the position moved
+        and the reserve was released; False: nothing was allocated. Everything is validated
+        first and nothing changes on error: ``UnknownRequestError`` for a free slot;
+        ``ValueError`` for more tokens than are known (repeats of a slot count together), host
+        page loads in flight, or a length mismatch.
+        """
+
+    def append_tokens(self, slots: _Counts, token_ids: _Tokens, num_tokens: _Counts | None = None) -> None:
+        """Append newly known tokens (a step's samples): the request in ``slots[i]`` gets the next
+        ``num_tokens[i]`` entries of the flat ``token_ids``, or exactly one each when
+        ``num_tokens`` is None, in order.
+
+        Each base page that fills is hashed once, chained to the previous one. Everything is
+        validated first (``ValueError`` for lengths that do not add up, ``UnknownRequestError``
+        for a free slot) and nothing changes on error.
+        """
+
+    def reserve(self, slots: _Counts, tokens: _Counts) -> None:
+        """Promise ``pages_needed(tokens[i], slots[i])`` pages to each request's next decode.
+
+        Replaces the previous reserve (0 clears it; a repeated slot: the last one counts);
+        released by a successful ``schedule``, ``finish`` and ``preempt``.
+        """
+
+    def finish(self, slots: _Counts) -> None:
+        """For each slot: register the request's full pages, free its pages, free the slot and id.
+
+        A free slot (``UnknownRequestError``) or a slot listed twice (``ValueError``) changes
+        nothing.
+        """
+
+    def preempt(self, slots: _Counts) -> list[list[int]]:
+        """``finish``, counted as one preemption per slot; returns each request's whole token list.
+
+        Re-adding a list with ``add_request`` recomputes the request (its registered pages are
+        a prefix hit).
+        """
+
+    def num_computed_tokens(self, slot: int) -> int:
+        """Tokens the request in ``slot`` has computed (its position)."""
+
+    def num_tokens(self, slot: int) -> int:
+        """Tokens the request in ``slot`` knows (prompt plus appended)."""
+
+    def page_ids(self, slot: int) -> list[list[int]]:
+        """The page ids per group (holes 0) of the request in ``slot``."""
+
+    def tail_available(self, slot: int) -> list[int]:
+        """The free token slots in the last page, per group, of the request in ``slot``."""
+
+    def loads_in_flight(self, slot: int) -> int:
+        """Host-tier loads into the pages of the request in ``slot`` not acknowledged yet;
+        ``schedule`` refuses the slot (``ValueError``) until this is 0."""
+
+    def pages_needed(self, num_tokens: int, slot: int | None = None) -> int:
+        """Pages an acquire of ``num_tokens`` would allocate for the request in ``slot`` (fresh
+        tables when None)."""
+
+    @overload
+    def block_tables(self, slots: _Counts, out: None = None) -> dict[str, npt.NDArray[np.int32]]:
+        """Flat per-group block tables of the requests in ``slots``, rows in the order given.
+
+        Without ``out``: ``{group_id: int32 array [len(slots), max_cols]}`` in group order,
+        holes 0, padding -1. With ``out`` (``group_id`` -> writable C-contiguous int32 numpy
+        array or CPU torch tensor of shape ``[>= len(slots), cols]`` for every group): row r of
+        each buffer gets the request's page ids then -1 up to ``cols``, written in place with
+        the GIL released, and ``out`` is returned; a table wider than ``cols`` is a
+        ``ValueError`` naming the group and nothing is written. Raises
+        ``FlatUnavailableError`` (a ``RuntimeError``) in a build without the ``flat`` feature.
+        """
+    @overload
+    def block_tables(self, slots: _Counts, out: Mapping[str, _TableBuffer]) -> Mapping[str, _TableBuffer]: ...
     def bind_rows(
         self, tables: Mapping[str, _TableBuffer], *, offsets: Mapping[str, _TableBuffer] | None = None
     ) -> None:
         """Bind persistent block-table rows (docs/requests-api.md "Persistent rows").
 
         ``tables``: every group id -> writable C-contiguous int32 numpy array or CPU torch
-        tensor ``[max_rows, cols]`` (the same ``max_rows`` for every group). ``offsets``:
-        sliding-window group ids -> int32 ``[max_rows]``; those groups' rows become windowed
-        (a row holds ``cols`` slots of the table from ``offsets[g][row]``, the slot of column
-        0: no real page lies before it and the table ends within the row; it stays put while
-        that holds, then moves to 0 if the table fits, else to the first real page). The
-        buffers are filled with -1 / 0 and kept; requests keep their rows across a re-bind
-        (each must fit the new row count).
+        tensor ``[max_rows, cols]`` (the same ``max_rows`` for every group); row ``s`` shows
+        the request in slot ``s``. ``offsets``: sliding-window group ids -> int32
+        ``[max_rows]``; those groups' rows become windowed (a row holds ``cols`` slots of the
+        table from ``offsets[g][row]``, the slot of column 0: no real page lies before it and
+        the table ends within the row; it stays put while that holds, then moves to 0 if the
+        table fits, else to the first real page). The buffers are filled with -1 / 0 and kept.
+        While bound, new requests get slots below ``max_rows``; re-binding needs every live
+        slot below the new row count.
         """
 
     def unbind_rows(self) -> None:
-        """Forget the bound rows; requests keep no rows."""
-
-    def row_of(self, req: _RequestId) -> int | None:
-        """The row ``req`` holds in the bound tables, or None."""
-
-    def schedule_rows(self, rows: _Counts, num_new_tokens: _Counts) -> npt.NDArray[np.bool_]:
-        """``schedule_batch`` addressed by persistent rows: the request holding ``rows[i]``
-        schedules ``num_new_tokens[i]`` tokens. No request id is parsed or looked up. A row that
-        holds no request is a ``ValueError``; everything is validated first."""
-
-    def append_tokens_rows(
-        self, rows: _Counts, token_ids: _Tokens, num_tokens: _Counts | None = None
-    ) -> None:
-        """``append_tokens_batch`` addressed by persistent rows: the request holding ``rows[i]``
-        gets the next ``num_tokens[i]`` tokens (one each without ``num_tokens``)."""
+        """Forget the bound rows and release the buffers; requests keep their slots."""
 
     def update_rows(
         self, *, full: bool = False
@@ -652,62 +693,6 @@ class FlatKVCache(_PagedCacheBase):
         naming it; a refused update writes nothing and loses nothing: the next update that
         succeeds returns every cell changed since the last one that succeeded.
         """
-
-    def append_tokens(self, req: _RequestId, token_ids: _Tokens) -> None:
-        """Append newly known tokens to a token-level request.
-
-        Each base page that fills is hashed once, chained to the previous one.
-        ``UnknownRequestError`` for an unknown id.
-        """
-
-    def append_tokens_batch(
-        self,
-        reqs: Sequence[_RequestId],
-        token_ids: _Tokens,
-        num_tokens: _Counts | None = None,
-    ) -> None:
-        """Append tokens to many token-level requests in one call (a decode step's samples).
-
-        Request ``i`` gets the next ``num_tokens[i]`` entries of the flat ``token_ids``, or
-        exactly one each when ``num_tokens`` is None; the same as ``append_tokens`` per request
-        in order. Everything is validated first (``UnknownRequestError``; ``ValueError`` for
-        lengths that do not add up) and nothing changes on error.
-        """
-
-    def schedule(self, req: _RequestId, num_new_tokens: int, *, lookahead: int = 0) -> bool:
-        """Schedule the next ``num_new_tokens`` known tokens of a token-level request.
-
-        Registers its completed full pages, reclaims slid-out pages, then acquires room for the
-        tokens plus ``lookahead`` slots, all or nothing. True: the position moved and the
-        reserve was released; False: nothing was allocated. ``ValueError`` when asking for more
-        tokens than are known and not computed.
-        """
-
-    def schedule_batch(self, reqs: Sequence[_RequestId], num_new_tokens: _Counts) -> npt.NDArray[np.bool_]:
-        """Schedule a whole step: ``num_new_tokens`` holds one count per request.
-
-        Everything is validated first (``UnknownRequestError``; ``ValueError`` for too many
-        tokens or a length mismatch; nothing changes then); each request is
-        then scheduled in order like ``schedule(req, n)``. Returns a bool array.
-
-        An id object passed at the same position of the last batch (a list or tuple), still
-        naming the same request, is not parsed or looked up again.
-        """
-
-    def finish(self, req: _RequestId) -> None:
-        """Register a token-level request's full pages, free its pages and forget the id."""
-
-    def preempt(self, req: _RequestId) -> list[int]:
-        """``finish``, counted as a preemption; returns the request's whole token list.
-
-        Re-adding that list with ``add_request`` recomputes the request.
-        """
-
-    def num_computed_tokens(self, req: _RequestId) -> int:
-        """Tokens a token-level request has computed (its position)."""
-
-    def num_tokens(self, req: _RequestId) -> int:
-        """Tokens a token-level request knows (prompt plus appended)."""
 
     def prefix_hit_tokens(self, prompt_token_ids: _Tokens, *, extra_keys: Sequence[str] = ()) -> int:
         """The prefix hit ``add_request`` would get for this prompt (last token recomputed); read-only."""
@@ -726,15 +711,9 @@ class FlatKVCache(_PagedCacheBase):
         ``pages_needed(num_new_tokens + reserve_tokens)`` on fresh tables.
         """
 
-    def reserve(self, req: _RequestId, tokens: int) -> None:
-        """Promise ``pages_needed(tokens, req)`` pages to ``req``'s next decode (0 clears it).
-
-        Replaces the previous reserve; released by a successful ``schedule``, ``finish`` and
-        ``preempt``.
-        """
-
-    def budget(self, req: _RequestId | None = None) -> int:
-        """Free pages minus the reserves of every request other than ``req`` (may be negative)."""
+    def budget(self, slot: int | None = None) -> int:
+        """Free pages minus the reserves of every request other than the one in ``slot`` (may
+        be negative)."""
 
 @final
 class PageCache(_PagedCacheBase):
@@ -863,3 +842,34 @@ class PageCache(_PagedCacheBase):
         ``first_page_slot + len <= num_computed_tokens // base``. Returns whether the acquire
         succeeded.
         """
+
+    def has_request(self, req: _RequestId) -> bool:
+        """Whether ``req`` has tables."""
+
+    def pages_needed(self, num_tokens: int, req: _RequestId | None = None) -> int:
+        """Pages ``acquire(req, num_tokens)`` would allocate (fresh tables when ``req`` is None)."""
+
+    def page_ids(self, req: _RequestId) -> list[list[int]]:
+        """``req``'s page ids per group (holes 0); ``UnknownRequestError`` for an unknown id."""
+
+    def tail_available(self, req: _RequestId) -> list[int]:
+        """``req``'s free token slots in its last page, per group."""
+
+    @overload
+    def block_tables(self, reqs: Sequence[_RequestId], out: None = None) -> dict[str, npt.NDArray[np.int32]]:
+        """Flat per-group block tables of a batch, rows in the order given (repeats allowed).
+
+        Without ``out``: ``{group_id: int32 array [len(reqs), max_cols]}`` in group order,
+        holes 0, padding -1. With ``out`` (``group_id`` -> writable C-contiguous int32 numpy
+        array or CPU torch tensor of shape ``[>= len(reqs), cols]`` for every group): row r of
+        each buffer gets the request's page ids then -1 up to ``cols``, written in place with
+        the GIL released, and ``out`` is returned; a table wider than ``cols`` is a
+        ``ValueError`` naming the group and nothing is written. Raises
+        ``FlatUnavailableError`` (a ``RuntimeError``) in a build without the ``flat`` feature.
+        """
+    @overload
+    def block_tables(
+        self, reqs: Sequence[_RequestId], out: Mapping[str, _TableBuffer]
+    ) -> Mapping[str, _TableBuffer]: ...
+    def loads_in_flight(self, req: _RequestId) -> int:
+        """Host-tier loads into ``req``'s pages not acknowledged yet."""

@@ -1,8 +1,8 @@
 //! Criterion benches of the page engine's hot paths (targets in benches/README.md):
 //! pool allocate+free per page, 16-token page hashing, a 256-page full-attention prefix match,
 //! a decode step for 256 requests on a full + sliding-window model (+ block tables), and the
-//! same step through the token-level API (`schedule_batch` + `write_block_tables` into
-//! caller buffers).
+//! same step through the token-level API, addressed by slot (`schedule` +
+//! `write_block_tables_in` into caller buffers).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -217,12 +217,15 @@ fn bench_decode(c: &mut Criterion) {
 }
 
 /// 256 token-level requests (2048-token prompts, full + sliding W = 1024) decoding one token
-/// per step: `append_tokens` per request, then one `schedule_batch` and one
-/// `write_block_tables` into two `[256, COLS]` buffers, as a scheduler loop would.
+/// per step: one `append_tokens`, then one `schedule` and one `write_block_tables_in` into
+/// two `[256, COLS]` buffers, all by slot, as a scheduler loop would.
 struct TokenStepFixture {
     cache: FlatCache,
     ids: Vec<String>,
+    /// The slot of each request (0..256: each new request takes the lowest free slot).
+    slots: Vec<u64>,
     ones: Vec<u64>,
+    sampled: Vec<u32>,
     full: Vec<i32>,
     swa: Vec<i32>,
     steps_left: u64,
@@ -239,7 +242,9 @@ impl TokenStepFixture {
         let mut fixture = Self {
             cache: FlatCache::new(vec![full_spec(), swa_spec(1024)], pages, true).unwrap(),
             ids: (0..REQUESTS).map(|r| format!("req-{r}")).collect(),
+            slots: Vec::with_capacity(REQUESTS),
             ones: vec![1; REQUESTS],
+            sampled: vec![7; REQUESTS],
             full: vec![0; REQUESTS * COLS],
             swa: vec![0; REQUESTS * COLS],
             steps_left: 0,
@@ -249,27 +254,22 @@ impl TokenStepFixture {
         fixture
     }
 
-    fn refs(&self) -> Vec<RequestIdRef<'_>> {
-        self.ids.iter().map(|s| RequestIdRef::Str(s)).collect()
-    }
-
     /// Finish every request and add a fresh prompt for each, prefilled in one batch.
     fn admit(&mut self) {
-        let ids = self.ids.clone();
-        for (r, id) in ids.iter().enumerate() {
+        self.cache.finish(&self.slots).unwrap();
+        self.slots.clear();
+        for (r, id) in self.ids.iter().enumerate() {
             let req = RequestIdRef::Str(id);
-            if self.cache.has_request(req) {
-                self.cache.finish(req).unwrap();
-            }
             let seed = self.rounds * 1000 + u32::try_from(r).unwrap();
             let prompt = Prompt::new(tokens(u32::try_from(PROMPT).unwrap(), seed), Vec::new(), PAGE).unwrap();
-            assert_eq!(self.cache.add_request(req, prompt, true).unwrap(), 0);
+            let (slot, hit) = self.cache.add_request(req, prompt, true).unwrap();
+            assert_eq!((slot, hit), (r, 0));
+            self.slots.push(u64::try_from(slot).unwrap());
         }
-        let refs: Vec<RequestIdRef<'_>> = ids.iter().map(|s| RequestIdRef::Str(s)).collect();
-        let got = self.cache.schedule_batch(&refs, &vec![PROMPT; REQUESTS]).unwrap();
+        let got = self.cache.schedule(&self.slots, &vec![PROMPT; REQUESTS], 0).unwrap();
         assert!(got.iter().all(|&ok| ok));
         // Register the prefill's pages (at c = 2048) as part of admission, untimed.
-        let got = self.cache.schedule_batch(&refs, &vec![0; REQUESTS]).unwrap();
+        let got = self.cache.schedule(&self.slots, &vec![0; REQUESTS], 0).unwrap();
         assert!(got.iter().all(|&ok| ok));
         self.steps_left = TOKEN_STEPS;
         self.rounds += 1;
@@ -283,19 +283,14 @@ impl TokenStepFixture {
         self.steps_left -= 1;
     }
 
-    /// Hand every request one sampled token.
+    /// Hand every request one sampled token, in one call.
     fn append(&mut self) {
-        let ids = std::mem::take(&mut self.ids);
-        for id in &ids {
-            self.cache.append_tokens(RequestIdRef::Str(id), &[7]).unwrap();
-        }
-        self.ids = ids;
+        self.cache.append_tokens(&self.slots, &self.sampled, None).unwrap();
     }
 
     /// The timed part: one batch schedule and the two groups' tables into the buffers.
     fn step(&mut self) {
-        let refs: Vec<RequestIdRef<'_>> = self.ids.iter().map(|s| RequestIdRef::Str(s)).collect();
-        let got = self.cache.schedule_batch(&refs, &self.ones).unwrap();
+        let got = self.cache.schedule(&self.slots, &self.ones, 0).unwrap();
         assert!(got.iter().all(|&ok| ok));
         let mut outs = [
             TableOut {
@@ -309,7 +304,7 @@ impl TokenStepFixture {
                 cols: COLS,
             },
         ];
-        self.cache.write_block_tables(&refs, &mut outs).unwrap();
+        self.cache.write_block_tables_in(&self.slots, &mut outs).unwrap();
     }
 }
 
@@ -317,7 +312,7 @@ fn bench_token_step(c: &mut Criterion) {
     let mut group = c.benchmark_group("token_step");
     group.throughput(Throughput::Elements(REQUESTS as u64));
     let mut fixture = TokenStepFixture::new();
-    group.bench_function("schedule_batch_plus_write_tables_256_requests", |b| {
+    group.bench_function("schedule_plus_write_tables_256_requests", |b| {
         b.iter_custom(|iters| {
             let mut total = Duration::ZERO;
             for _ in 0..iters {
@@ -343,8 +338,9 @@ fn bench_token_step(c: &mut Criterion) {
             total
         });
     });
+    // The same tables written by id (the page-level call) and by slot.
     group.bench_function("write_block_tables_256_requests", |b| {
-        let refs = fixture.refs();
+        let refs: Vec<RequestIdRef<'_>> = fixture.ids.iter().map(|s| RequestIdRef::Str(s)).collect();
         let (mut full, mut swa) = (fixture.full.clone(), fixture.swa.clone());
         b.iter(|| {
             let mut outs = [
@@ -360,6 +356,24 @@ fn bench_token_step(c: &mut Criterion) {
                 },
             ];
             fixture.cache.write_block_tables(&refs, &mut outs).unwrap();
+        });
+    });
+    group.bench_function("write_block_tables_in_256_requests", |b| {
+        let (mut full, mut swa) = (fixture.full.clone(), fixture.swa.clone());
+        b.iter(|| {
+            let mut outs = [
+                TableOut {
+                    data: &mut full,
+                    rows: REQUESTS,
+                    cols: COLS,
+                },
+                TableOut {
+                    data: &mut swa,
+                    rows: REQUESTS,
+                    cols: COLS,
+                },
+            ];
+            fixture.cache.write_block_tables_in(&fixture.slots, &mut outs).unwrap();
         });
     });
     group.finish();

@@ -12,7 +12,7 @@ pub const FLAT_UNAVAILABLE: &str = "flat per-group block tables are unavailable:
 ///
 /// The bindings map each variant to one Python exception class:
 /// `InvalidArgument` -> `ValueError`, `Type` -> `TypeError`, `Overflow` -> `OverflowError`,
-/// `Config` -> `RuntimeError`, `FlatUnavailable` -> `RuntimeError`, `UnknownRequest` -> `KeyError`,
+/// `Config` -> `RuntimeError`, `FlatUnavailable` -> `RuntimeError`, `UnknownRequest` and `UnknownSlot` -> `KeyError`,
 /// `Invariant` -> `RuntimeError`,
 /// `OutOfMemory` -> `MemoryError`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -41,6 +41,14 @@ pub enum CoreError {
     /// A request id that has no tables.
     #[error("unknown request id {0}")]
     UnknownRequest(String),
+    /// A slot that holds no request, given to `method`.
+    #[error("{method}: slot {slot} holds no request")]
+    UnknownSlot {
+        /// The method that was given the slot.
+        method: String,
+        /// The slot.
+        slot: u64,
+    },
     /// An engine invariant does not hold (the message describes the first violation).
     #[error("invariant violated: {0}")]
     Invariant(String),

@@ -566,6 +566,16 @@ impl<'a, 'py> FromPyObject<'a, 'py> for RequestId<'py> {
     }
 }
 
+/// A core request id as the Python value it was given as: a `str` or an `int`.
+pub fn id_to_py<'py>(py: Python<'py>, id: &flat_kvcache_core::engine::ids::RequestId) -> PyResult<Bound<'py, PyAny>> {
+    use flat_kvcache_core::engine::ids::RequestId as Core;
+    match id {
+        Core::Str(s) => Ok(PyString::new(py, s).into_any()),
+        Core::Int(i) => Ok(PyInt::new(py, *i).into_any()),
+        Core::BigInt(text) => py.get_type::<PyInt>().call1((&**text,)),
+    }
+}
+
 /// The request ids of a batch: a sequence of [`RequestId`] (text, bytes, a masked array or a
 /// non-iterable is a `TypeError` naming `reqs`: `b"a"` is not the id 97).
 pub struct RequestIds<'py>(Vec<RequestId<'py>>);

@@ -8,12 +8,10 @@
 //! share one object; a subclass method reaches the shared state through `as_super()`, a
 //! pointer cast. Locking discipline: a lock is never held while Python code can run
 //! (arguments are extracted before locking, results converted after unlocking), so neither a
-//! re-entrant call nor a GIL hand-off can deadlock. Long calls (hashing, matching, a batch
-//! step, writing block tables) take the lock with the GIL released (`py.detach`); the
-//! per-request calls stay attached because their work is shorter than a detach/attach round
-//! trip, and so do the id-addressed batch calls given a list or tuple, which check the ids
-//! remembered from the last batch ([`IdMemo`]) and run the step under one lock (their ids
-//! are parsed before it is taken, so no Python code runs under it).
+//! re-entrant call nor a GIL hand-off can deadlock. Long calls (hashing, matching, a step
+//! over a slot array, writing block tables) take the lock with the GIL released
+//! (`py.detach`); the one-slot readers stay attached because their work is shorter than a
+//! detach/attach round trip.
 
 use std::sync::Mutex;
 
@@ -22,7 +20,7 @@ use flat_kvcache_core::engine::coordinator::{EvictionOrder, GroupSpec};
 use flat_kvcache_core::engine::ids::RequestIdRef;
 use flat_kvcache_core::engine::pool::{DEFAULT_REUSE_UNCACHED_FIRST, MAX_BLOCKS};
 use flat_kvcache_core::engine::tokens::Prompt;
-use flat_kvcache_core::engine::{CacheOptions, FlatCache, Lookup};
+use flat_kvcache_core::engine::{CacheOptions, FlatCache};
 use flat_kvcache_core::CoreError;
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods};
@@ -31,20 +29,20 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::args::{
-    count, counts, opt_count, tokens, CountParam, EvictionArg, ExtraKeys, FlagParam, GroupSpecs, RequestId, RequestIds,
+    count, counts, id_to_py, opt_count, tokens, CountParam, EvictionArg, ExtraKeys, FlagParam, GroupSpecs, RequestId,
 };
 use crate::convert::{clip, is_masked, signed, IntArg};
 use crate::errors::{core, lock};
 use crate::events::events_to_py;
 use crate::host::{transfer_ids, transfers_to_py, HostStoreArg};
-use crate::idmemo::{Batch, IdMemo};
 use crate::rows::{as_outs, check_bind, copy_deltas, deltas_to_py, no_deltas, BoundBuffers};
 use crate::tables::{borrow_out, table_outs};
 use flat_kvcache_core::engine::host::HostStore;
 
 /// The state and the calls shared by `FlatKVCache` (token-level) and `PageCache`
-/// (page-level): the constructor's checks, the geometry, counters, reading tables, block
-/// tables, events, the host tier's transfers and the invariant check. Not constructible
+/// (page-level): the constructor's checks, the geometry, counters, events, the host tier's
+/// transfers and the invariant check. Calls that name a request are each subclass's own
+/// (slots on `FlatKVCache`, ids on `PageCache`). Not constructible
 /// itself (no `#[new]`): Python builds one of the two subclasses.
 #[pyclass(subclass, frozen, module = "flat_kvcache._native", name = "_PagedCacheBase")]
 pub struct PyPagedCache {
@@ -183,68 +181,6 @@ impl PyPagedCache {
         Ok(d)
     }
 
-    /// Whether `req` has tables.
-    fn has_request(&self, req: RequestId<'_>) -> PyResult<bool> {
-        let id = req.id()?;
-        Ok(lock(&self.inner)?.has_request(id))
-    }
-
-    /// Pages an acquire of `num_tokens` would allocate for `req` (a fresh request if None).
-    #[pyo3(signature = (num_tokens, req = None))]
-    fn pages_needed(&self, num_tokens: &Bound<'_, PyAny>, req: Option<RequestId<'_>>) -> PyResult<u64> {
-        let n = count(num_tokens, "num_tokens")?;
-        let id = req.as_ref().map(RequestId::id).transpose()?;
-        let result = lock(&self.inner)?.pages_needed(n, id);
-        core(result)
-    }
-
-    /// `req`'s page ids per group (holes 0).
-    fn page_ids(&self, req: RequestId<'_>) -> PyResult<Vec<Vec<u32>>> {
-        self.on_request(&req, |c, id| c.page_ids(id))
-    }
-
-    /// `req`'s free token slots in the last page, per group.
-    fn tail_available(&self, req: RequestId<'_>) -> PyResult<Vec<u64>> {
-        self.on_request(&req, |c, id| c.tail_available(id))
-    }
-
-    /// Flat per-group block tables of a batch, rows in the order given (repeats allowed).
-    ///
-    /// Without `out`: `{group_id: int32 array [len(reqs), max_cols]}` in group order, holes
-    /// 0, padding -1. With `out` (a mapping `group_id` -> writable C-contiguous int32 numpy
-    /// array or CPU torch tensor of shape `[>= len(reqs), cols]` for every group): row r of
-    /// each buffer gets the request's page ids then -1 up to `cols`, written in place with
-    /// the GIL released; rows past `len(reqs)` are untouched; a table wider than `cols` is a
-    /// `ValueError` naming the group and nothing is written. Returns `out`.
-    /// `FlatUnavailableError` (a `RuntimeError`) naming the build when compiled without the
-    /// `flat` feature.
-    #[pyo3(signature = (reqs, out = None))]
-    fn block_tables<'py>(
-        &self,
-        py: Python<'py>,
-        reqs: RequestIds<'py>,
-        out: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        if !flat_kvcache_core::FLAT_KVCACHE {
-            return core(Err(CoreError::FlatUnavailable));
-        }
-        let ids = reqs.ids()?;
-        if let Some(out) = out.filter(|o| !o.is_none()) {
-            let mut arrays = borrow_out(out, &self.specs)?;
-            let mut outs = table_outs(&mut arrays)?;
-            core(self.detached(py, |c| c.write_block_tables(&ids, &mut outs))?)?;
-            return Ok(out.clone());
-        }
-        let tables = core(self.detached(py, |c| c.block_tables(&ids))?)?;
-        let dict = PyDict::new(py);
-        for (gid, FlatTable { rows, cols, data }) in self.gids().zip(tables) {
-            let arr = Array2::from_shape_vec((rows, cols), data)
-                .map_err(|e| PyRuntimeError::new_err(format!("block_tables: {e}")))?;
-            dict.set_item(gid, arr.into_pyarray(py))?;
-        }
-        Ok(dict.into_any())
-    }
-
     /// Metrics with stable names: `pages_total pages_free pages_in_use pages_cached
     /// pages_cached_free requests prefix_queries_tokens prefix_hits_tokens evictions
     /// preemptions`, `pages_in_use_by_group` (`{group_id: pages}`) and the host tier's
@@ -289,11 +225,6 @@ impl PyPagedCache {
     fn ack_transfers(&self, ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = transfer_ids(ids)?;
         core(lock(&self.inner)?.ack_transfers(&ids))
-    }
-
-    /// Host-tier loads of `req` not acknowledged yet.
-    fn loads_in_flight(&self, req: RequestId<'_>) -> PyResult<u64> {
-        core(lock(&self.inner)?.loads_in_flight(req.id()?))
     }
 
     /// Transfers emitted and not acknowledged yet.
@@ -350,55 +281,20 @@ impl PyPagedCache {
 /// enable_kv_events=False, reuse_uncached_first=True, host_pages=0, host_store="write_through")`.
 ///
 /// `specs` is a non-empty sequence of `KVCacheSpec`; `num_pages` the pool size (page 0
-/// included). Request ids are `str` or `int` (`5` and `"5"` differ); an unknown id is an
-/// `UnknownRequestError` (a `KeyError`). Requests are created by `add_request` / `admit` and
-/// moved by `schedule*`, `append_tokens*`, `finish` and `preempt`; the page-level calls are
-/// `PageCache`'s. The shared calls are `_PagedCacheBase`'s.
+/// included). A request enters with `add_request` / `admit` under an id (`str` or `int`;
+/// `5` and `"5"` differ) and gets a slot, the small int every later call names it by (the
+/// lowest slot no live request holds; its row in the bound tables). A slot that holds no
+/// request is an `UnknownRequestError` (a `KeyError`). The page-level calls are `PageCache`'s;
+/// the shared calls are `_PagedCacheBase`'s.
 #[pyclass(extends = PyPagedCache, frozen, module = "flat_kvcache._native", name = "FlatKVCache")]
 pub struct PyFlatKVCache {
     /// The last prompt hashed, so probing, sizing and adding one prompt hash it once.
     last_prompt: Mutex<Option<Prompt>>,
     /// The buffers bound by `bind_rows` (kept alive and re-borrowed by each update).
     rows: Mutex<Option<BoundBuffers>>,
-    /// The id objects of the last id-addressed batch and their handles ([`IdMemo`]).
-    ids: Mutex<IdMemo>,
 }
 
 impl PyFlatKVCache {
-    /// Run `f` on the engine with the batch `reqs` resolved, after `args` parsed the call's
-    /// other arguments (so errors come in argument order). A list or tuple goes through the
-    /// id memo ([`IdMemo`]): the engine stays locked from the handle checks to the end of `f`,
-    /// with the GIL held and no Python code running. Any other iterable is parsed id by id and
-    /// `f` runs with the GIL released.
-    fn with_batch<'py, A, R: Send>(
-        &self,
-        cache: &PyPagedCache,
-        py: Python<'py>,
-        reqs: &Bound<'py, PyAny>,
-        args: impl FnOnce(usize) -> PyResult<A>,
-        f: impl for<'a, 'b> FnOnce(&mut FlatCache, Batch<'a, 'b>, A) -> flat_kvcache_core::CoreResult<R> + Send,
-    ) -> PyResult<R>
-    where
-        A: Send,
-    {
-        // Taken out while in use: a re-entrant call from an `__index__` finds it empty.
-        let mut memo = std::mem::take(&mut *lock(&self.ids)?);
-        let Some(items) = memo.items(reqs) else {
-            let ids = reqs.extract::<RequestIds<'py>>()?;
-            let ids = ids.ids()?;
-            let a = args(ids.len())?;
-            let lookups: Vec<Lookup<'_>> = ids.iter().map(|&id| Lookup::Id(id)).collect();
-            return core(cache.detached(py, |c| f(c, Batch::Lookups(&lookups), a))?);
-        };
-        let result = items.and_then(|items| {
-            let a = args(items.len())?;
-            let mut c = lock(&cache.inner)?;
-            core(memo.resolve(py, &mut c, items, |c, batch| f(c, batch, a))?)
-        });
-        *lock(&self.ids)? = memo;
-        result
-    }
-
     /// Hash a prompt into base pages with the GIL released and no lock held.
     ///
     /// A contiguous `uint32` array (what a scheduler keeps prompts in) is first compared with
@@ -430,11 +326,10 @@ impl PyFlatKVCache {
     }
 }
 
-/// The `row=` argument of `add_request` and `admit`: None, or a count (a row past `usize`
-/// becomes `usize::MAX`, which the engine refuses as out of range).
-fn optional_row(row: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {
-    match row.filter(|r| !r.is_none()) {
-        Some(r) => Ok(Some(usize::try_from(count(r, "row")?).unwrap_or(usize::MAX))),
+/// The optional `slot` argument of `pages_needed` and `budget`.
+fn optional_slot(slot: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
+    match slot.filter(|s| !s.is_none()) {
+        Some(s) => count(s, "slot").map(Some),
         None => Ok(None),
     }
 }
@@ -478,23 +373,19 @@ impl PyFlatKVCache {
         let own = Self {
             last_prompt: Mutex::new(None),
             rows: Mutex::new(None),
-            ids: Mutex::new(IdMemo::default()),
         };
         Ok(PyClassInitializer::from(cache).add_subclass(own))
     }
 
     /// Add a token-level request for `prompt_token_ids` (a non-empty list or 1-D integer
-    /// array of u32) under a new id. Every full base page is hashed (chained, `extra_keys` on
-    /// every page) with the GIL released; with caching on and `use_prefix_cache`, the prefix
-    /// match over all but the last prompt token is claimed. Returns the hit in tokens (the
-    /// request's computed tokens); allocates nothing else.
-    ///
-    /// `row`: give the request that row of the tables bound by `bind_rows` (free, and below
-    /// their row count); `update_rows` keeps it current until the request is finished or
-    /// preempted.
+    /// array of u32) under a new id, in the lowest free slot. Every full base page is hashed
+    /// (chained, `extra_keys` on every page) with the GIL released; with caching on and
+    /// `use_prefix_cache`, the prefix match over all but the last prompt token is claimed.
+    /// Returns `(slot, hit)`: the request's slot and its hit in tokens (its computed tokens);
+    /// allocates nothing else. With rows bound and every row held, a `ValueError`.
     #[pyo3(
-        signature = (req, prompt_token_ids, *, extra_keys = ExtraKeys::default(), use_prefix_cache = FlagParam::OMITTED, row = None),
-        text_signature = "(self, req, prompt_token_ids, *, extra_keys=(), use_prefix_cache=True, row=None)"
+        signature = (req, prompt_token_ids, *, extra_keys = ExtraKeys::default(), use_prefix_cache = FlagParam::OMITTED),
+        text_signature = "(self, req, prompt_token_ids, *, extra_keys=(), use_prefix_cache=True)"
     )]
     fn add_request(
         slf: &Bound<'_, Self>,
@@ -503,32 +394,25 @@ impl PyFlatKVCache {
         prompt_token_ids: &Bound<'_, PyAny>,
         extra_keys: ExtraKeys,
         use_prefix_cache: FlagParam<'_>,
-        row: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<u64> {
+    ) -> PyResult<(usize, u64)> {
         let (this, cache) = (slf.get(), slf.as_super().get());
         let use_prefix_cache = use_prefix_cache.or(true, "use_prefix_cache")?;
         let id = req.id()?;
-        let row = optional_row(row)?;
         let prompt = this.prompt(cache, py, prompt_token_ids, extra_keys)?;
-        core(cache.detached(py, |c| match row {
-            Some(row) => c.add_request_in_row(id, prompt, use_prefix_cache, row),
-            None => c.add_request(id, prompt, use_prefix_cache),
-        })?)
+        core(cache.detached(py, |c| c.add_request(id, prompt, use_prefix_cache))?)
     }
 
     /// SPEC 9 admission in one call (one hash, one prefix match): the first chunk is
     /// `min(len(prompt) - hit, max_new_tokens)` tokens after the capped hit, with one token
-    /// of reserve when it completes the prompt. If `pages_needed_to_admit(prompt, chunk,
-    /// reserve)` exceeds `budget()`, nothing changes and the answer is None; otherwise the
-    /// request is added exactly as `add_request(req, prompt, ...)` would and the answer is
-    /// `(hit, chunk)`. The caller schedules the chunk (after acknowledging any host-tier
-    /// loads). Same as `prefix_hit_tokens`, `pages_needed_to_admit`, `budget` and
-    /// `add_request` in turn, in one call.
+    /// of reserve when it completes the prompt. With rows bound and every row held, or if
+    /// `pages_needed_to_admit(prompt, chunk, reserve)` exceeds `budget()`, nothing changes and
+    /// the answer is None; otherwise the request is added exactly as `add_request(req,
+    /// prompt, ...)` would and the answer is `(slot, hit, chunk)`. The caller schedules the
+    /// chunk (after acknowledging any host-tier loads).
     #[pyo3(
-        signature = (req, prompt_token_ids, max_new_tokens, *, extra_keys = ExtraKeys::default(), use_prefix_cache = FlagParam::OMITTED, row = None),
-        text_signature = "(self, req, prompt_token_ids, max_new_tokens, *, extra_keys=(), use_prefix_cache=True, row=None)"
+        signature = (req, prompt_token_ids, max_new_tokens, *, extra_keys = ExtraKeys::default(), use_prefix_cache = FlagParam::OMITTED),
+        text_signature = "(self, req, prompt_token_ids, max_new_tokens, *, extra_keys=(), use_prefix_cache=True)"
     )]
-    #[allow(clippy::too_many_arguments, reason = "the Python method's arguments")]
     fn admit(
         slf: &Bound<'_, Self>,
         py: Python<'_>,
@@ -537,26 +421,43 @@ impl PyFlatKVCache {
         max_new_tokens: &Bound<'_, PyAny>,
         extra_keys: ExtraKeys,
         use_prefix_cache: FlagParam<'_>,
-        row: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Option<(u64, u64)>> {
+    ) -> PyResult<Option<(usize, u64, u64)>> {
         let (this, cache) = (slf.get(), slf.as_super().get());
         let use_prefix_cache = use_prefix_cache.or(true, "use_prefix_cache")?;
         let id = req.id()?;
         let max_new_tokens = count(max_new_tokens, "max_new_tokens")?;
-        let row = optional_row(row)?;
         let prompt = this.prompt(cache, py, prompt_token_ids, extra_keys)?;
-        core(cache.detached(py, |c| c.admit(id, prompt, max_new_tokens, use_prefix_cache, row))?)
+        core(cache.detached(py, |c| c.admit(id, prompt, max_new_tokens, use_prefix_cache))?)
+    }
+
+    /// The slot of live request `req`, or None.
+    fn slot_of(slf: &Bound<'_, Self>, req: RequestId<'_>) -> PyResult<Option<usize>> {
+        let cache = slf.as_super().get();
+        let id = req.id()?;
+        Ok(lock(&cache.inner)?.slot_of(id))
+    }
+
+    /// The id the request in `slot` was added with.
+    fn id_of<'py>(slf: &Bound<'py, Self>, slot: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        let cache = slf.as_super().get();
+        let slot = count(slot, "slot")?;
+        let id = {
+            let c = lock(&cache.inner)?;
+            core(c.id_of(slot).map(RequestIdRef::to_id))?
+        };
+        id_to_py(slf.py(), &id)
     }
 
     /// Bind persistent block-table rows (docs/requests-api.md "Persistent rows"): `tables`
     /// maps every group id to a writable C-contiguous int32 numpy array or CPU torch tensor
-    /// `[max_rows, cols]` (the same `max_rows` for all groups); `offsets` optionally maps
-    /// sliding-window group ids to int32 `[max_rows]` buffers, which makes those groups'
-    /// rows windowed (a row holds `cols` slots of the table from `offsets[g][row]`, the slot
-    /// of column 0, which moves only when the table no longer fits after it). The buffers are filled with -1 (tables) and 0 (offsets) and kept;
-    /// requests added with `row=k` own row `k` until they finish. Binding again replaces the
-    /// buffers; requests keep their rows (each must fit the new row count) and are rewritten
-    /// whole on the next update.
+    /// `[max_rows, cols]` (the same `max_rows` for all groups); row `s` shows the request in
+    /// slot `s`. `offsets` optionally maps sliding-window group ids to int32 `[max_rows]`
+    /// buffers, which makes those groups' rows windowed (a row holds `cols` slots of the
+    /// table from `offsets[g][row]`, the slot of column 0, which moves only when the table
+    /// no longer fits after it). The buffers are filled with -1 (tables) and 0 (offsets) and
+    /// kept; while bound, a new request must get a slot below `max_rows`. Binding again
+    /// replaces the buffers (every live slot must be below the new row count); live rows are
+    /// rewritten whole on the next update.
     #[pyo3(signature = (tables, *, offsets = None), text_signature = "(self, tables, *, offsets=None)")]
     fn bind_rows(
         slf: &Bound<'_, Self>,
@@ -580,7 +481,7 @@ impl PyFlatKVCache {
         Ok(())
     }
 
-    /// Forget the bound rows: requests keep no rows and the buffers are released.
+    /// Forget the bound rows and release the buffers; requests keep their slots.
     fn unbind_rows(slf: &Bound<'_, Self>) -> PyResult<()> {
         let (this, cache) = (slf.get(), slf.as_super().get());
         let mut bound = lock(&this.rows)?;
@@ -590,12 +491,6 @@ impl PyFlatKVCache {
         drop(bound);
         drop(previous);
         Ok(())
-    }
-
-    /// The row `req` holds in the bound tables, or None.
-    fn row_of(slf: &Bound<'_, Self>, req: RequestId<'_>) -> PyResult<Option<usize>> {
-        let cache = slf.as_super().get();
-        cache.on_request(&req, |c, id| c.row_of(id))
     }
 
     /// Bring the bound tables up to date and return what changed, as
@@ -647,168 +542,170 @@ impl PyFlatKVCache {
         deltas_to_py(py, cache.gids(), copies)
     }
 
-    /// Append newly known tokens (a list or 1-D integer array of u32) to a token-level
-    /// request; each base page that fills is hashed once, chained to the previous one.
-    fn append_tokens(slf: &Bound<'_, Self>, req: RequestId<'_>, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
-        let cache = slf.as_super().get();
-        let id = req.id()?;
-        let toks = tokens(token_ids, "token_ids")?;
-        let result = lock(&cache.inner)?.append_tokens(id, &toks);
-        core(result)
-    }
-
-    /// Append newly known tokens to many token-level requests in one call (a decode step's
-    /// sampled tokens): request `i` gets the next `num_tokens[i]` entries of the flat
-    /// `token_ids`, or exactly one each when `num_tokens` is None. Same result as calling
-    /// `append_tokens` per request in order; everything is validated first (unknown id:
-    /// `UnknownRequestError`; page-level request or lengths that do not add up:
-    /// `ValueError`; nothing changes then). Ids are resolved as in `schedule_batch`.
+    /// Schedule a step in one call: the request in `slots[i]` (a sequence or 1-D integer
+    /// array) schedules its next `num_new_tokens[i]` known tokens: its completed full pages
+    /// are registered, slid-out pages reclaimed, then room acquired for them plus
+    /// `lookahead` slots, all or nothing. Returns a numpy bool array: True, the position moved
+    /// and the reserve was released; False, nothing was allocated and the position stays.
+    /// Everything is validated first (a slot that holds no request: `UnknownRequestError`;
+    /// more tokens than are known, counting repeats, or host-tier loads in flight:
+    /// `ValueError`; nothing changes then).
     #[pyo3(
-        signature = (reqs, token_ids, num_tokens = None),
-        text_signature = "(self, reqs, token_ids, num_tokens=None)"
+        signature = (slots, num_new_tokens, *, lookahead = CountParam::OMITTED),
+        text_signature = "(self, slots, num_new_tokens, *, lookahead=0)"
     )]
-    fn append_tokens_batch<'py>(
-        slf: &Bound<'_, Self>,
+    fn schedule<'py>(
+        slf: &Bound<'py, Self>,
         py: Python<'py>,
-        reqs: &Bound<'py, PyAny>,
-        token_ids: &Bound<'py, PyAny>,
-        num_tokens: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<()> {
-        let (this, cache) = (slf.get(), slf.as_super().get());
-        let args = |_| {
-            let toks = tokens(token_ids, "token_ids")?;
-            let ns = match num_tokens {
-                Some(obj) if !obj.is_none() => Some(counts(obj, "num_tokens")?),
-                _ => None,
-            };
-            Ok((toks, ns))
-        };
-        this.with_batch(cache, py, reqs, args, |c, batch, (toks, ns)| match batch {
-            Batch::Handles(reqs) => c.append_tokens_batch(reqs, &toks, ns.as_deref()),
-            Batch::Lookups(reqs) => c.append_tokens_batch(reqs, &toks, ns.as_deref()),
-        })
-    }
-
-    /// Schedule the next `num_new_tokens` known tokens of a token-level request: register
-    /// its completed full pages, reclaim slid-out pages, then acquire room for them plus
-    /// `lookahead` slots, all or nothing. True: the position moved and the reserve was
-    /// released; False: nothing was allocated and the position stays. Asking for more
-    /// tokens than are known and not computed is a `ValueError`.
-    #[pyo3(
-        signature = (req, num_new_tokens, *, lookahead = CountParam::OMITTED),
-        text_signature = "(self, req, num_new_tokens, *, lookahead=0)"
-    )]
-    fn schedule(
-        slf: &Bound<'_, Self>,
-        req: RequestId<'_>,
-        num_new_tokens: &Bound<'_, PyAny>,
+        slots: &Bound<'py, PyAny>,
+        num_new_tokens: &Bound<'py, PyAny>,
         lookahead: CountParam<'_>,
-    ) -> PyResult<bool> {
-        let cache = slf.as_super().get();
-        let id = req.id()?;
-        let n = count(num_new_tokens, "num_new_tokens")?;
-        let ahead = lookahead.or(0, "lookahead")?;
-        let result = lock(&cache.inner)?.schedule(id, n, ahead);
-        core(result)
-    }
-
-    /// Schedule a whole step in one call: `num_new_tokens` holds one int per request (a
-    /// sequence or a 1-D integer array). Everything is validated first (unknown id:
-    /// `UnknownRequestError`; too many tokens: `ValueError`; nothing changes then); each
-    /// request is then scheduled in order exactly like `schedule(req, n)`. Returns a numpy
-    /// bool array. An id object at the same position of the last batch (a list or tuple),
-    /// still naming the same request, is not parsed or looked up again; other iterables are
-    /// parsed id by id and scheduled with the GIL released.
-    fn schedule_batch<'py>(
-        slf: &Bound<'_, Self>,
-        py: Python<'py>,
-        reqs: &Bound<'py, PyAny>,
-        num_new_tokens: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyArray1<bool>>> {
-        let (this, cache) = (slf.get(), slf.as_super().get());
-        let args = |len: usize| {
-            let ns = counts(num_new_tokens, "num_new_tokens")?;
-            if ns.len() != len {
-                return Err(PyValueError::new_err(format!(
-                    "num_new_tokens has {} entries but reqs has {len}",
-                    ns.len()
-                )));
-            }
-            Ok(ns)
-        };
-        let scheduled = this.with_batch(cache, py, reqs, args, |c, batch, ns| match batch {
-            Batch::Handles(reqs) => c.schedule_batch(reqs, &ns),
-            Batch::Lookups(reqs) => c.schedule_batch(reqs, &ns),
-        })?;
-        Ok(PyArray1::from_slice(py, &scheduled))
-    }
-
-    /// `schedule_batch` addressed by persistent rows (`bind_rows`): the request holding
-    /// `rows[i]` schedules `num_new_tokens[i]` tokens (both sequences or 1-D integer arrays).
-    /// No request id is parsed or looked up. A row that
-    /// holds no request is a `ValueError`; everything is validated first, as `schedule_batch`.
-    #[pyo3(text_signature = "(self, rows, num_new_tokens)")]
-    fn schedule_rows<'py>(
-        slf: &Bound<'_, Self>,
-        py: Python<'py>,
-        rows: &Bound<'py, PyAny>,
-        num_new_tokens: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<bool>>> {
         let cache = slf.as_super().get();
-        let rows = counts(rows, "rows")?;
+        let slots = counts(slots, "slots")?;
         let ns = counts(num_new_tokens, "num_new_tokens")?;
-        let scheduled = core(cache.detached(py, |c| c.schedule_rows(&rows, &ns))?)?;
+        let ahead = lookahead.or(0, "lookahead")?;
+        let scheduled = core(cache.detached(py, |c| c.schedule(&slots, &ns, ahead))?)?;
         Ok(PyArray1::from_slice(py, &scheduled))
     }
 
-    /// `append_tokens_batch` addressed by persistent rows: the request holding `rows[i]` gets
-    /// the next `num_tokens[i]` entries of `token_ids` (exactly one each when `num_tokens` is
-    /// None). A row that holds no request is a `ValueError`; nothing changes on error.
+    /// Append newly known tokens (a step's sampled tokens, or any): the request in
+    /// `slots[i]` gets the next `num_tokens[i]` entries of the flat `token_ids` (u32), or
+    /// exactly one each when `num_tokens` is None, in order; each base page that fills is
+    /// hashed once, chained to the previous one. Everything is validated first (lengths that
+    /// do not add up: `ValueError`; a slot that holds no request: `UnknownRequestError`;
+    /// nothing changes then).
     #[pyo3(
-        signature = (rows, token_ids, num_tokens = None),
-        text_signature = "(self, rows, token_ids, num_tokens=None)"
+        signature = (slots, token_ids, num_tokens = None),
+        text_signature = "(self, slots, token_ids, num_tokens=None)"
     )]
-    fn append_tokens_rows(
+    fn append_tokens(
         slf: &Bound<'_, Self>,
         py: Python<'_>,
-        rows: &Bound<'_, PyAny>,
+        slots: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
         num_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let cache = slf.as_super().get();
-        let rows = counts(rows, "rows")?;
+        let slots = counts(slots, "slots")?;
         let toks = tokens(token_ids, "token_ids")?;
         let ns = match num_tokens {
             Some(obj) if !obj.is_none() => Some(counts(obj, "num_tokens")?),
             _ => None,
         };
-        core(cache.detached(py, |c| c.append_tokens_rows(&rows, &toks, ns.as_deref()))?)
+        core(cache.detached(py, |c| c.append_tokens(&slots, &toks, ns.as_deref()))?)
     }
 
-    /// Register a token-level request's completed full pages, free all its pages (in the
-    /// eviction order), release its reserve and forget the id (it may be used again).
-    fn finish(slf: &Bound<'_, Self>, req: RequestId<'_>) -> PyResult<()> {
+    /// Promise `pages_needed(tokens[i], slots[i])` pages to the next decode of the request in
+    /// `slots[i]` (replacing its previous reserve; 0 clears it; a repeated slot: the last
+    /// one counts). Released by a successful `schedule`, `finish` and `preempt`.
+    fn reserve(slf: &Bound<'_, Self>, slots: &Bound<'_, PyAny>, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
         let cache = slf.as_super().get();
-        cache.on_request(&req, FlatCache::finish)
+        let slots = counts(slots, "slots")?;
+        let ns = counts(tokens, "tokens")?;
+        let result = lock(&cache.inner)?.reserve(&slots, &ns);
+        core(result)
     }
 
-    /// `finish`, counted as a preemption; returns the request's whole token list (prompt
-    /// plus generated), the folded prompt to re-add with `add_request` for recompute.
-    fn preempt(slf: &Bound<'_, Self>, req: RequestId<'_>) -> PyResult<Vec<u32>> {
+    /// For each request in `slots`: register its completed full pages, free all its pages
+    /// (in the eviction order), release its reserve and free its slot and id (both may be
+    /// used again). A slot that holds no request or is listed twice is an error and nothing
+    /// changes.
+    fn finish(slf: &Bound<'_, Self>, py: Python<'_>, slots: &Bound<'_, PyAny>) -> PyResult<()> {
         let cache = slf.as_super().get();
-        cache.on_request(&req, FlatCache::preempt)
+        let slots = counts(slots, "slots")?;
+        core(cache.detached(py, |c| c.finish(&slots))?)
     }
 
-    /// Tokens a token-level request has computed (its position).
-    fn num_computed_tokens(slf: &Bound<'_, Self>, req: RequestId<'_>) -> PyResult<u64> {
+    /// `finish`, counted as one preemption per request; returns each request's whole token
+    /// list (prompt plus generated), in order: the folded prompts to re-add with
+    /// `add_request` for recompute.
+    fn preempt(slf: &Bound<'_, Self>, py: Python<'_>, slots: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
         let cache = slf.as_super().get();
-        cache.on_request(&req, |c, id| c.num_computed_tokens(id))
+        let slots = counts(slots, "slots")?;
+        core(cache.detached(py, |c| c.preempt(&slots))?)
     }
 
-    /// Tokens a token-level request knows (prompt plus appended).
-    fn num_tokens(slf: &Bound<'_, Self>, req: RequestId<'_>) -> PyResult<u64> {
+    /// Tokens the request in `slot` has computed (its position).
+    fn num_computed_tokens(slf: &Bound<'_, Self>, slot: &Bound<'_, PyAny>) -> PyResult<u64> {
         let cache = slf.as_super().get();
-        cache.on_request(&req, |c, id| c.num_tokens(id))
+        let slot = count(slot, "slot")?;
+        core(lock(&cache.inner)?.num_computed_tokens(slot))
+    }
+
+    /// Tokens the request in `slot` knows (prompt plus appended).
+    fn num_tokens(slf: &Bound<'_, Self>, slot: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let cache = slf.as_super().get();
+        let slot = count(slot, "slot")?;
+        core(lock(&cache.inner)?.num_tokens(slot))
+    }
+
+    /// The page ids per group (holes 0) of the request in `slot`.
+    fn page_ids(slf: &Bound<'_, Self>, slot: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
+        let cache = slf.as_super().get();
+        let slot = count(slot, "slot")?;
+        core(lock(&cache.inner)?.page_ids_in(slot))
+    }
+
+    /// The free token slots in the last page, per group, of the request in `slot`.
+    fn tail_available(slf: &Bound<'_, Self>, slot: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+        let cache = slf.as_super().get();
+        let slot = count(slot, "slot")?;
+        core(lock(&cache.inner)?.tail_available_in(slot))
+    }
+
+    /// Host-tier loads of the request in `slot` not acknowledged yet (0: it can be scheduled).
+    fn loads_in_flight(slf: &Bound<'_, Self>, slot: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let cache = slf.as_super().get();
+        let slot = count(slot, "slot")?;
+        core(lock(&cache.inner)?.loads_in_flight_in(slot))
+    }
+
+    /// Pages an acquire of `num_tokens` would allocate for the request in `slot` (a fresh
+    /// request if None).
+    #[pyo3(signature = (num_tokens, slot = None))]
+    fn pages_needed(
+        slf: &Bound<'_, Self>,
+        num_tokens: &Bound<'_, PyAny>,
+        slot: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<u64> {
+        let cache = slf.as_super().get();
+        let n = count(num_tokens, "num_tokens")?;
+        let slot = optional_slot(slot)?;
+        core(lock(&cache.inner)?.pages_needed_in(n, slot))
+    }
+
+    /// Flat per-group block tables of the requests in `slots`, rows in the order given
+    /// (repeats allowed).
+    ///
+    /// Without `out`: `{group_id: int32 array [len(slots), max_cols]}` in group order, holes
+    /// 0, padding -1. With `out` (a mapping `group_id` -> writable C-contiguous int32 numpy
+    /// array or CPU torch tensor of shape `[>= len(slots), cols]` for every group): row r of
+    /// each buffer gets the request's page ids then -1 up to `cols`, written in place with
+    /// the GIL released; rows past `len(slots)` are untouched; a table wider than `cols` is a
+    /// `ValueError` naming the group and nothing is written. Returns `out`.
+    /// `FlatUnavailableError` (a `RuntimeError`) naming the build when compiled without the
+    /// `flat` feature.
+    #[pyo3(signature = (slots, out = None))]
+    fn block_tables<'py>(
+        slf: &Bound<'py, Self>,
+        py: Python<'py>,
+        slots: &Bound<'py, PyAny>,
+        out: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let cache = slf.as_super().get();
+        if !flat_kvcache_core::FLAT_KVCACHE {
+            return core(Err(CoreError::FlatUnavailable));
+        }
+        let slots = counts(slots, "slots")?;
+        if let Some(out) = out.filter(|o| !o.is_none()) {
+            let mut arrays = borrow_out(out, &cache.specs)?;
+            let mut outs = table_outs(&mut arrays)?;
+            core(cache.detached(py, |c| c.write_block_tables_in(&slots, &mut outs))?)?;
+            return Ok(out.clone());
+        }
+        let tables = core(cache.detached(py, |c| c.block_tables_in(&slots))?)?;
+        tables_to_py(py, cache.gids(), tables)
     }
 
     /// The prefix hit `add_request` would get for this prompt (capped so the last token is
@@ -849,23 +746,28 @@ impl PyFlatKVCache {
         core(cache.detached(py, |c| c.pages_needed_to_admit(&prompt, n, reserve))?)
     }
 
-    /// Promise `pages_needed(tokens, req)` pages to `req`'s next decode (replacing its
-    /// previous reserve; 0 clears it). Released by a successful `schedule`, `finish` and
-    /// `preempt`.
-    fn reserve(slf: &Bound<'_, Self>, req: RequestId<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// Free pages minus the reserves of every request other than the one in `slot` (may be
+    /// negative).
+    #[pyo3(signature = (slot = None))]
+    fn budget(slf: &Bound<'_, Self>, slot: Option<&Bound<'_, PyAny>>) -> PyResult<i128> {
         let cache = slf.as_super().get();
-        let id = req.id()?;
-        let n = count(tokens, "tokens")?;
-        let result = lock(&cache.inner)?.reserve(id, n);
+        let slot = optional_slot(slot)?;
+        let result = lock(&cache.inner)?.budget(slot);
         core(result)
     }
+}
 
-    /// Free pages minus the reserves of every request other than `req` (may be negative).
-    #[pyo3(signature = (req = None))]
-    fn budget(slf: &Bound<'_, Self>, req: Option<RequestId<'_>>) -> PyResult<i128> {
-        let cache = slf.as_super().get();
-        let id = req.as_ref().map(RequestId::id).transpose()?;
-        let result = lock(&cache.inner)?.budget(id);
-        core(result)
+/// Flat tables as `{group_id: int32 [rows, cols]}`, in group order.
+pub(crate) fn tables_to_py<'py, 'a>(
+    py: Python<'py>,
+    gids: impl Iterator<Item = &'a str>,
+    tables: Vec<FlatTable>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let dict = PyDict::new(py);
+    for (gid, FlatTable { rows, cols, data }) in gids.zip(tables) {
+        let arr = Array2::from_shape_vec((rows, cols), data)
+            .map_err(|e| PyRuntimeError::new_err(format!("block_tables: {e}")))?;
+        dict.set_item(gid, arr.into_pyarray(py))?;
     }
+    Ok(dict.into_any())
 }

@@ -34,7 +34,7 @@ impl From<PyCoreError> for PyErr {
             CoreError::Config(_) => ConfigError::new_err(msg),
             CoreError::FlatUnavailable => FlatUnavailableError::new_err(msg),
             CoreError::Invariant(_) => InvariantError::new_err(msg),
-            CoreError::UnknownRequest(_) => UnknownRequestError::new_err(msg),
+            CoreError::UnknownRequest(_) | CoreError::UnknownSlot { .. } => UnknownRequestError::new_err(msg),
             CoreError::OutOfMemory(_) => PyMemoryError::new_err(msg),
         }
     }

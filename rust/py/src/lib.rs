@@ -10,7 +10,6 @@ pub mod errors;
 pub mod events;
 pub mod hashing;
 pub mod host;
-pub mod idmemo;
 mod npscalar;
 pub mod page_cache;
 pub mod plan;

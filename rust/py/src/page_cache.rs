@@ -10,11 +10,15 @@ use flat_kvcache_core::engine::host::HostStore;
 use flat_kvcache_core::engine::FlatCache;
 use pyo3::prelude::*;
 
-use crate::args::{content_hashes, count, opt_count, CountParam, EvictionArg, FlagParam, GroupSpecs, RequestId};
-use crate::cache::PyPagedCache;
+use crate::args::{
+    content_hashes, count, opt_count, CountParam, EvictionArg, FlagParam, GroupSpecs, RequestId, RequestIds,
+};
+use crate::cache::{tables_to_py, PyPagedCache};
 use crate::errors::{core, lock};
 use crate::host::HostStoreArg;
 use crate::prefix_match::{MatchArg, PyPrefixMatch};
+use crate::tables::{borrow_out, table_outs};
+use flat_kvcache_core::CoreError;
 
 /// The page-level protocol (docs/engine-api.md): `PageCache(specs, num_pages, *,
 /// enable_caching=True, eviction_order="hybrid", enable_kv_events=False,
@@ -224,5 +228,69 @@ impl PyPageCache {
         let computed = count(num_computed_tokens, "num_computed_tokens")?;
         let result = lock(&cache.inner)?.decode_step(id, &hashes, first, n, computed);
         core(result)
+    }
+
+    /// Whether `req` has tables.
+    fn has_request(slf: &Bound<'_, Self>, req: RequestId<'_>) -> PyResult<bool> {
+        let cache = slf.as_super().get();
+        let id = req.id()?;
+        Ok(lock(&cache.inner)?.has_request(id))
+    }
+
+    /// Pages an acquire of `num_tokens` would allocate for `req` (a fresh request if None).
+    #[pyo3(signature = (num_tokens, req = None))]
+    fn pages_needed(slf: &Bound<'_, Self>, num_tokens: &Bound<'_, PyAny>, req: Option<RequestId<'_>>) -> PyResult<u64> {
+        let cache = slf.as_super().get();
+        let n = count(num_tokens, "num_tokens")?;
+        let id = req.as_ref().map(RequestId::id).transpose()?;
+        let result = lock(&cache.inner)?.pages_needed(n, id);
+        core(result)
+    }
+
+    /// `req`'s page ids per group (holes 0).
+    fn page_ids(slf: &Bound<'_, Self>, req: RequestId<'_>) -> PyResult<Vec<Vec<u32>>> {
+        slf.as_super().get().on_request(&req, |c, id| c.page_ids(id))
+    }
+
+    /// `req`'s free token slots in the last page, per group.
+    fn tail_available(slf: &Bound<'_, Self>, req: RequestId<'_>) -> PyResult<Vec<u64>> {
+        slf.as_super().get().on_request(&req, |c, id| c.tail_available(id))
+    }
+
+    /// Host-tier loads of `req` not acknowledged yet.
+    fn loads_in_flight(slf: &Bound<'_, Self>, req: RequestId<'_>) -> PyResult<u64> {
+        slf.as_super().get().on_request(&req, |c, id| c.loads_in_flight(id))
+    }
+
+    /// Flat per-group block tables of a batch, rows in the order given (repeats allowed).
+    ///
+    /// Without `out`: `{group_id: int32 array [len(reqs), max_cols]}` in group order, holes
+    /// 0, padding -1. With `out` (a mapping `group_id` -> writable C-contiguous int32 numpy
+    /// array or CPU torch tensor of shape `[>= len(reqs), cols]` for every group): row r of
+    /// each buffer gets the request's page ids then -1 up to `cols`, written in place with
+    /// the GIL released; rows past `len(reqs)` are untouched; a table wider than `cols` is a
+    /// `ValueError` naming the group and nothing is written. Returns `out`.
+    /// `FlatUnavailableError` (a `RuntimeError`) naming the build when compiled without the
+    /// `flat` feature.
+    #[pyo3(signature = (reqs, out = None))]
+    fn block_tables<'py>(
+        slf: &Bound<'py, Self>,
+        py: Python<'py>,
+        reqs: RequestIds<'py>,
+        out: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let cache = slf.as_super().get();
+        if !flat_kvcache_core::FLAT_KVCACHE {
+            return core(Err(CoreError::FlatUnavailable));
+        }
+        let ids = reqs.ids()?;
+        if let Some(out) = out.filter(|o| !o.is_none()) {
+            let mut arrays = borrow_out(out, &cache.specs)?;
+            let mut outs = table_outs(&mut arrays)?;
+            core(cache.detached(py, |c| c.write_block_tables(&ids, &mut outs))?)?;
+            return Ok(out.clone());
+        }
+        let tables = core(cache.detached(py, |c| c.block_tables(&ids))?)?;
+        tables_to_py(py, cache.gids(), tables)
     }
 }

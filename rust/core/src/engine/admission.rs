@@ -2,7 +2,6 @@
 //! before it is added, and the per-request reserves that budget the next decodes.
 
 use super::coordinator::PrefixMatch;
-use super::ids::RequestIdRef;
 use super::tokens::Prompt;
 use super::FlatCache;
 use crate::error::{CoreError, CoreResult};
@@ -68,26 +67,40 @@ impl FlatCache {
             .ok_or_else(|| CoreError::overflow(what))
     }
 
-    /// Promise `pages_needed(tokens, req)` pages to `req`'s next decode (replacing its
-    /// previous reserve; 0 tokens clears it).
-    pub fn reserve(&mut self, req: RequestIdRef<'_>, tokens: u64) -> CoreResult<()> {
-        let at = self.find(req)?;
-        let pages = self.coord.pages_needed(Some(&self.entries[at].tables), tokens)?;
-        let entry = &mut self.entries[at];
-        self.reserved = self.reserved - u128::from(entry.reserve) + u128::from(pages);
-        entry.reserve = pages;
+    /// Promise `pages_needed(tokens[i], slots[i])` pages to the next decode of the request in
+    /// `slots[i]` (replacing its previous reserve; 0 tokens clears it; a repeated slot: the
+    /// last one counts). Everything is checked first (lengths, slots, page counts).
+    pub fn reserve(&mut self, slots: &[u64], tokens: &[u64]) -> CoreResult<()> {
+        if slots.len() != tokens.len() {
+            return Err(CoreError::invalid(format!(
+                "tokens has {} entries but slots has {}",
+                tokens.len(),
+                slots.len()
+            )));
+        }
+        let mut pages = Vec::with_capacity(slots.len());
+        for (&slot, &n) in slots.iter().zip(tokens) {
+            let at = self.held("reserve", slot)?;
+            pages.push((at, self.coord.pages_needed(Some(&self.entries[at].tables), n)?));
+        }
+        for (at, n) in pages {
+            let entry = &mut self.entries[at];
+            self.reserved = self.reserved - u128::from(entry.reserve) + u128::from(n);
+            entry.reserve = n;
+        }
         Ok(())
     }
 
-    /// Pages promised to `req`'s next decode.
-    pub fn reserved_pages(&self, req: RequestIdRef<'_>) -> CoreResult<u64> {
-        Ok(self.entries[self.find(req)?].reserve)
+    /// Pages promised to the next decode of the request in `slot`.
+    pub fn reserved_pages(&self, slot: u64) -> CoreResult<u64> {
+        Ok(self.entries[self.held("reserved_pages", slot)?].reserve)
     }
 
-    /// Free pages minus the reserves of every request other than `req` (may be negative).
-    pub fn budget(&self, req: Option<RequestIdRef<'_>>) -> CoreResult<i128> {
-        let own = match req {
-            Some(r) => u128::from(self.entries[self.find(r)?].reserve),
+    /// Free pages minus the reserves of every request other than the one in `slot` (may be
+    /// negative).
+    pub fn budget(&self, slot: Option<u64>) -> CoreResult<i128> {
+        let own = match slot {
+            Some(s) => u128::from(self.entries[self.held("budget", s)?].reserve),
             None => 0,
         };
         let free = i128::try_from(self.coord.pool().num_free()).unwrap_or(i128::MAX);
@@ -115,9 +128,11 @@ mod tests {
         // One token: cap 0, no hit; the probe changed nothing.
         let p1 = prompt(&c, toks(0..1));
         assert_eq!(c.prefix_hit_tokens(&p1).unwrap(), 0);
-        assert_eq!(add(&mut c, B, toks(0..16)), 12);
-        assert_eq!(c.num_computed_tokens(B).unwrap(), 12);
-        assert_eq!(c.num_tokens(B).unwrap(), 16);
+        // The slot run_and_finish used is free again: B takes it.
+        let (sb, hit) = add(&mut c, B, toks(0..16));
+        assert_eq!((sb, hit), (0, 12));
+        assert_eq!(c.num_computed_tokens(sb).unwrap(), 12);
+        assert_eq!(c.num_tokens(sb).unwrap(), 16);
         // The claim took 3 full pages and the sliding run behind 12 (W = 8: 2 pages), and
         // allocated nothing else.
         let ids = c.page_ids(B).unwrap();
@@ -132,13 +147,15 @@ mod tests {
         let mut c = hybrid(6);
         let p = prompt(&c, toks(0..8));
         let before = c.stats();
-        assert_eq!(c.admit(A, p.clone(), 8, true, None).unwrap(), None);
+        assert_eq!(c.admit(A, p.clone(), 8, true).unwrap(), None);
         assert_eq!(c.stats(), before);
         assert!(!c.has_request(A));
         // A chunk that leaves a prompt token for later needs no reserve: 4 pages fit.
-        assert_eq!(c.admit(A, p, 7, true, None).unwrap(), Some((0, 7)));
-        assert_eq!(c.num_computed_tokens(A).unwrap(), 0);
-        assert!(c.schedule(A, 7, 0).unwrap());
+        assert_eq!(c.admit(A, p, 7, true).unwrap(), Some((0, 0, 7)));
+        let sa = 0;
+        assert_eq!(c.slot_of(A), Some(0));
+        assert_eq!(c.num_computed_tokens(sa).unwrap(), 0);
+        assert!(sched(&mut c, sa, 7, 0).unwrap());
         c.check_invariants().unwrap();
     }
 
@@ -151,49 +168,51 @@ mod tests {
         assert!(hit > 0);
         let need = c.pages_needed_to_admit(&p, 3, 0).unwrap();
         let free = c.budget(None).unwrap();
-        assert_eq!(c.admit(B, p, 3, true, None).unwrap(), Some((hit, 3)));
-        assert_eq!(c.num_computed_tokens(B).unwrap(), hit);
-        assert!(c.schedule(B, 3, 0).unwrap());
+        assert_eq!(c.admit(B, p, 3, true).unwrap(), Some((0, hit, 3)));
+        let sb = 0;
+        assert_eq!(c.num_computed_tokens(sb).unwrap(), hit);
+        assert!(sched(&mut c, sb, 3, 0).unwrap());
         // Exactly the pages the probe counted left the free list.
         assert_eq!(c.budget(None).unwrap(), free - i128::from(need));
         // Without the prefix cache the hit is 0, and an id in use is an error.
         let q = prompt(&c, toks(0..24));
-        assert_eq!(c.admit(C, q.clone(), 4, false, None).unwrap(), Some((0, 4)));
-        assert!(matches!(
-            c.admit(B, q, 4, true, None),
-            Err(CoreError::InvalidArgument(_))
-        ));
+        assert_eq!(c.admit(C, q.clone(), 4, false).unwrap(), Some((1, 0, 4)));
+        assert!(matches!(c.admit(B, q, 4, true), Err(CoreError::InvalidArgument(_))));
         c.check_invariants().unwrap();
     }
 
     #[test]
     fn reserve_and_budget_arithmetic() {
         let mut c = hybrid(21); // 20 real pages
-        add(&mut c, A, toks(0..8));
-        add(&mut c, B, toks(0..8));
-        assert!(c.schedule(A, 6, 0).unwrap()); // 2 + 2 pages, tail 2
+        let sa = add(&mut c, A, toks(0..8)).0;
+        let sb = add(&mut c, B, toks(0..8)).0;
+        assert!(sched(&mut c, sa, 6, 0).unwrap()); // 2 + 2 pages, tail 2
         assert_eq!(c.budget(None).unwrap(), 16);
         // a's next 3 tokens: tail 2, then 1 page per group.
-        c.reserve(A, 3).unwrap();
-        assert_eq!(c.reserved_pages(A).unwrap(), 2);
+        c.reserve(&[sa], &[3]).unwrap();
+        assert_eq!(c.reserved_pages(sa).unwrap(), 2);
         // b (empty tables): 9 tokens -> 3 + 3.
-        c.reserve(B, 9).unwrap();
-        assert_eq!(c.reserved_pages(B).unwrap(), 6);
+        c.reserve(&[sb], &[9]).unwrap();
+        assert_eq!(c.reserved_pages(sb).unwrap(), 6);
         assert_eq!(c.budget(None).unwrap(), 16 - 8);
-        assert_eq!(c.budget(Some(A)).unwrap(), 16 - 6);
-        assert_eq!(c.budget(Some(B)).unwrap(), 16 - 2);
+        assert_eq!(c.budget(Some(sa)).unwrap(), 16 - 6);
+        assert_eq!(c.budget(Some(sb)).unwrap(), 16 - 2);
         // Replacing a reserve, and clearing it.
-        c.reserve(B, 40).unwrap(); // 10 + 10
+        c.reserve(&[sb], &[40]).unwrap(); // 10 + 10
         assert_eq!(c.budget(None).unwrap(), 16 - 22);
-        c.reserve(B, 0).unwrap();
+        c.reserve(&[sb], &[0]).unwrap();
         assert_eq!(c.budget(None).unwrap(), 14);
         // A successful schedule releases the reserve; finish releases it too.
-        assert!(c.schedule(A, 2, 0).unwrap());
-        assert_eq!(c.reserved_pages(A).unwrap(), 0);
-        c.reserve(B, 4).unwrap();
-        c.finish(B).unwrap();
+        assert!(sched(&mut c, sa, 2, 0).unwrap());
+        assert_eq!(c.reserved_pages(sa).unwrap(), 0);
+        c.reserve(&[sb], &[4]).unwrap();
+        c.finish(&[sb]).unwrap();
         assert_eq!(c.budget(None).unwrap(), 16);
-        assert!(matches!(c.budget(Some(B)), Err(CoreError::UnknownRequest(_))));
+        assert!(matches!(
+            c.budget(Some(sb)),
+            Err(CoreError::UnknownSlot { slot: 1, .. })
+        ));
+        assert!(matches!(c.reserved_pages(sb), Err(CoreError::UnknownSlot { .. })));
         // Admission: 8 tokens of a fresh prompt plus a 5-token reserve -> 13 tokens on
         // fresh tables: 4 + 4; a's pages are held (count > 0), so its claim takes none.
         let p = prompt(&c, toks(0..9));
@@ -211,8 +230,64 @@ mod tests {
         let p = prompt(&c, toks(0..17));
         assert_eq!(c.pages_needed_to_admit(&p, 1, 0).unwrap(), 6 + 2);
         let before = c.coordinator().pool().num_free();
-        assert_eq!(add(&mut c, B, toks(0..17)), 16);
-        assert!(c.schedule(B, 1, 0).unwrap());
+        let (sb, hit) = add(&mut c, B, toks(0..17));
+        assert_eq!(hit, 16);
+        assert!(sched(&mut c, sb, 1, 0).unwrap());
         assert_eq!(before - c.coordinator().pool().num_free(), 8);
+    }
+
+    #[test]
+    fn reserve_takes_arrays_checked_first_and_a_repeated_slot_counts_last() {
+        let mut c = hybrid(21); // 20 real pages
+        let sa = add(&mut c, A, toks(0..8)).0;
+        let sb = add(&mut c, B, toks(0..8)).0;
+        assert!(c.acquire(C, 4).unwrap()); // a page-level request in slot 2
+        let sc = u64::try_from(c.slot_of(C).unwrap()).unwrap();
+        assert_eq!((sa, sb, sc), (0, 1, 2));
+        // One call, several slots: 5 tokens -> 2 + 2 pages; 4 tokens -> 1 + 1; a page-level
+        // request's reserve counts too (its last page has 0 tokens of room).
+        c.reserve(&[sa, sb, sc], &[5, 4, 1]).unwrap();
+        assert_eq!([sa, sb, sc].map(|s| c.reserved_pages(s).unwrap()), [4, 2, 2]);
+        assert_eq!(c.budget(None).unwrap(), 18 - 8);
+        // A repeated slot: the last one counts.
+        c.reserve(&[sb, sa, sb], &[40, 0, 1]).unwrap();
+        assert_eq!([sa, sb, sc].map(|s| c.reserved_pages(s).unwrap()), [0, 2, 2]);
+        assert_eq!(c.budget(None).unwrap(), 18 - 4);
+        c.check_invariants().unwrap();
+        // Errors change nothing, even when earlier entries were fine.
+        let before = (
+            [sa, sb, sc].map(|s| c.reserved_pages(s).unwrap()),
+            c.budget(None).unwrap(),
+        );
+        let err = c.reserve(&[sa, sb], &[1]).unwrap_err();
+        assert_eq!(err.to_string(), "tokens has 1 entries but slots has 2");
+        assert_eq!(
+            c.reserve(&[sa, 7], &[9, 9]),
+            Err(CoreError::UnknownSlot {
+                method: "reserve".into(),
+                slot: 7
+            })
+        );
+        assert!(matches!(
+            c.reserve(&[sa, u64::MAX], &[9, 9]),
+            Err(CoreError::UnknownSlot { .. })
+        ));
+        assert_eq!(
+            (
+                [sa, sb, sc].map(|s| c.reserved_pages(s).unwrap()),
+                c.budget(None).unwrap()
+            ),
+            before
+        );
+        c.reserve(&[], &[]).unwrap();
+        // A finished request's slot holds no request: refused until a new request takes it.
+        c.finish(&[sa]).unwrap();
+        assert!(matches!(
+            c.reserve(&[sa], &[1]),
+            Err(CoreError::UnknownSlot { slot: 0, .. })
+        ));
+        assert_eq!(add(&mut c, A, toks(0..8)).0, sa);
+        assert_eq!(c.reserved_pages(sa).unwrap(), 0, "a new request starts with no reserve");
+        c.check_invariants().unwrap();
     }
 }

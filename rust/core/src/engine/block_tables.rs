@@ -50,25 +50,48 @@ fn write_row(row: &mut [i32], table: &Table) {
 }
 
 impl FlatCache {
-    /// Flat block tables of a batch, one per group in group order: `[len(reqs), max_cols]`,
-    /// holes 0, padding -1, rows in the order given (repeats allowed). Unavailable (a config
-    /// error naming the build) without the `flat` feature.
+    /// Flat block tables of the page-level requests `reqs`, one per group in group order:
+    /// `[len(reqs), max_cols]`, holes 0, padding -1, rows in the order given (repeats
+    /// allowed). Unavailable without the `flat` feature.
     pub fn block_tables(&self, reqs: &[RequestIdRef<'_>]) -> CoreResult<Vec<FlatTable>> {
         if !crate::FLAT_KVCACHE {
             return Err(CoreError::FlatUnavailable);
         }
         let rows: Vec<&[Table]> = reqs.iter().map(|&r| self.tables(r)).collect::<CoreResult<_>>()?;
+        self.flat_tables(&rows, "reqs")
+    }
+
+    /// [`Self::block_tables`] of the requests in `slots` (a slot that holds no request is
+    /// `UnknownSlot`).
+    pub fn block_tables_in(&self, slots: &[u64]) -> CoreResult<Vec<FlatTable>> {
+        if !crate::FLAT_KVCACHE {
+            return Err(CoreError::FlatUnavailable);
+        }
+        let rows = self.slot_tables(slots)?;
+        self.flat_tables(&rows, "slots")
+    }
+
+    /// The tables of the requests in `slots`, in order.
+    fn slot_tables(&self, slots: &[u64]) -> CoreResult<Vec<&[Table]>> {
+        slots
+            .iter()
+            .map(|&s| {
+                self.held("block_tables", s)
+                    .map(|at| self.entries[at].tables.as_slice())
+            })
+            .collect()
+    }
+
+    /// One flat table per group of `rows` (`what` names the batch in an overflow error).
+    fn flat_tables(&self, rows: &[&[Table]], what: &str) -> CoreResult<Vec<FlatTable>> {
         let mut out = Vec::with_capacity(self.coord.num_groups());
         for g in 0..self.coord.num_groups() {
             let cols = rows.iter().map(|ts| ts[g].len()).max().unwrap_or(0);
-            let size = rows
-                .len()
-                .checked_mul(cols)
-                .ok_or_else(|| CoreError::overflow("reqs"))?;
+            let size = rows.len().checked_mul(cols).ok_or_else(|| CoreError::overflow(what))?;
             let mut data = Vec::new();
             data.try_reserve_exact(size)
                 .map_err(|_| CoreError::OutOfMemory(format!("block_tables: {} x {cols} int32", rows.len())))?;
-            for ts in &rows {
+            for ts in rows {
                 let start = data.len();
                 data.resize(start + cols, 0);
                 write_row(&mut data[start..], &ts[g]);
@@ -82,69 +105,96 @@ impl FlatCache {
         Ok(out)
     }
 
-    /// Write the batch's flat block tables into caller buffers, one per group in group order:
-    /// row `r` of group `g` gets request `reqs[r]`'s page ids (holes 0) then -1 up to the
-    /// buffer's columns; rows past the batch are untouched. Everything is checked before
-    /// anything is written: an unknown request, a buffer with too few rows, or a table wider
-    /// than its buffer (an error naming the group) leaves every buffer as it was.
+    /// Write the flat block tables of the page-level requests `reqs` into caller buffers, one
+    /// per group in group order: row `r` of group `g` gets request `reqs[r]`'s page ids (holes
+    /// 0) then -1 up to the buffer's columns; rows past the batch are untouched. Everything is
+    /// checked before anything is written: an unknown request, a buffer with too few rows, or
+    /// a table wider than its buffer (an error naming the group) leaves every buffer as it was.
     pub fn write_block_tables(&self, reqs: &[RequestIdRef<'_>], outs: &mut [TableOut<'_>]) -> CoreResult<()> {
         if !crate::FLAT_KVCACHE {
             return Err(CoreError::FlatUnavailable);
         }
-        let specs = self.coord.specs();
-        if outs.len() != specs.len() {
+        self.check_outs(outs)?;
+        let rows: Vec<&[Table]> = reqs.iter().map(|&r| self.tables(r)).collect::<CoreResult<_>>()?;
+        write_tables(self, &rows, outs, |r| format!("request {}", reqs[r]))
+    }
+
+    /// [`Self::write_block_tables`] for the requests in `slots`.
+    pub fn write_block_tables_in(&self, slots: &[u64], outs: &mut [TableOut<'_>]) -> CoreResult<()> {
+        if !crate::FLAT_KVCACHE {
+            return Err(CoreError::FlatUnavailable);
+        }
+        self.check_outs(outs)?;
+        let rows = self.slot_tables(slots)?;
+        // Every slot is held (checked above), so it fits usize.
+        write_tables(self, &rows, outs, |r| {
+            self.named(usize::try_from(slots[r]).unwrap_or(usize::MAX))
+        })
+    }
+
+    /// One output buffer per group.
+    fn check_outs(&self, outs: &[TableOut<'_>]) -> CoreResult<()> {
+        let groups = self.coord.num_groups();
+        if outs.len() == groups {
+            return Ok(());
+        }
+        Err(CoreError::invalid(format!(
+            "block_tables: out has {} tables but the cache has {groups} groups",
+            outs.len()
+        )))
+    }
+}
+
+/// Write `rows` (one request's tables each) into `outs` after checking every buffer; `name`
+/// names request `r` in an error.
+fn write_tables(
+    cache: &FlatCache,
+    rows: &[&[Table]],
+    outs: &mut [TableOut<'_>],
+    name: impl Fn(usize) -> String,
+) -> CoreResult<()> {
+    let specs = cache.coord.specs();
+    for (g, out) in outs.iter().enumerate() {
+        // Quoted the Python way, as the caller indexes the mapping: out['full'] (built only
+        // for a message).
+        let gid = || format!("'{}'", specs[g].group_id.escape_debug());
+        if out.rows.checked_mul(out.cols) != Some(out.data.len()) {
             return Err(CoreError::invalid(format!(
-                "block_tables: out has {} tables but the cache has {} groups",
-                outs.len(),
-                specs.len()
+                "block_tables: out[{}] holds {} values, not {} x {}",
+                gid(),
+                out.data.len(),
+                out.rows,
+                out.cols
             )));
         }
-        let mut rows: Vec<&[Table]> = Vec::with_capacity(reqs.len());
-        for &r in reqs {
-            rows.push(self.tables(r)?);
+        if out.rows < rows.len() {
+            return Err(CoreError::invalid(format!(
+                "block_tables: out[{}] has {} rows, fewer than the {} requests",
+                gid(),
+                out.rows,
+                rows.len()
+            )));
         }
-        for (g, out) in outs.iter().enumerate() {
-            // Quoted the Python way, as the caller indexes the mapping: out['full'] (built only
-            // for a message).
-            let gid = || format!("'{}'", specs[g].group_id.escape_debug());
-            if out.rows.checked_mul(out.cols) != Some(out.data.len()) {
-                return Err(CoreError::invalid(format!(
-                    "block_tables: out[{}] holds {} values, not {} x {}",
-                    gid(),
-                    out.data.len(),
-                    out.rows,
-                    out.cols
-                )));
-            }
-            if out.rows < reqs.len() {
-                return Err(CoreError::invalid(format!(
-                    "block_tables: out[{}] has {} rows, fewer than the {} requests",
-                    gid(),
-                    out.rows,
-                    reqs.len()
-                )));
-            }
-            if let Some((r, ts)) = rows.iter().enumerate().find(|(_, ts)| ts[g].len() > out.cols) {
-                return Err(CoreError::invalid(format!(
-                    "block_tables: out[{}] has {} columns but request {} has {} pages in that group",
-                    gid(),
-                    out.cols,
-                    reqs[r],
-                    ts[g].len()
-                )));
-            }
+        if let Some((r, ts)) = rows.iter().enumerate().find(|(_, ts)| ts[g].len() > out.cols) {
+            return Err(CoreError::invalid(format!(
+                "block_tables: out[{}] has {} columns but {} has {} pages in that group",
+                gid(),
+                out.cols,
+                name(r),
+                ts[g].len()
+            )));
         }
-        for (g, out) in outs.iter_mut().enumerate() {
-            let cols = out.cols;
-            if cols == 0 {
-                continue;
-            }
-            for (row, ts) in out.data.chunks_exact_mut(cols).zip(&rows) {
-                write_row(row, &ts[g]);
-            }
-        }
-        Ok(())
     }
+    for (g, out) in outs.iter_mut().enumerate() {
+        let cols = out.cols;
+        if cols == 0 {
+            continue;
+        }
+        for (row, ts) in out.data.chunks_exact_mut(cols).zip(rows) {
+            write_row(row, &ts[g]);
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -178,12 +228,12 @@ mod tests {
     #[test]
     fn write_block_tables_checks_everything_before_writing() {
         let mut c = hybrid(64);
-        add(&mut c, A, toks(0..20));
-        assert!(c.schedule(A, 20, 0).unwrap());
-        add(&mut c, B, toks(0..4));
-        assert!(c.schedule(B, 4, 0).unwrap());
-        c.append_tokens(A, &[20]).unwrap();
-        assert!(c.schedule(A, 1, 0).unwrap()); // swa slots 0..3 slid out
+        let sa = add(&mut c, A, toks(0..20)).0;
+        assert!(sched(&mut c, sa, 20, 0).unwrap());
+        let sb = add(&mut c, B, toks(0..4)).0;
+        assert!(sched(&mut c, sb, 4, 0).unwrap());
+        append(&mut c, sa, &[20]).unwrap();
+        assert!(sched(&mut c, sa, 1, 0).unwrap()); // swa slots 0..3 slid out
         let (mut g0, mut g1) = (vec![7; 3 * 6], vec![7; 3 * 6]);
         if !crate::FLAT_KVCACHE {
             let mut outs = [TableOut {
@@ -239,5 +289,68 @@ mod tests {
         assert!(err.to_string().contains("out['full']"), "{err}");
         assert!(c.write_block_tables(&[B, A, A], &mut outs).is_err());
         assert!(n0.iter().chain(&n1).all(|&v| v == 7));
+    }
+
+    /// Two groups' output buffers of `rows x cols`.
+    fn outs<'a>(g0: &'a mut [i32], g1: &'a mut [i32], rows: usize, cols: usize) -> [TableOut<'a>; 2] {
+        [TableOut { data: g0, rows, cols }, TableOut { data: g1, rows, cols }]
+    }
+
+    #[test]
+    fn block_tables_by_slot_are_those_by_id_and_errors_name_the_slot() {
+        let mut c = hybrid(64);
+        let sa = add(&mut c, A, toks(0..20)).0;
+        let sb = add(&mut c, B, toks(100..104)).0;
+        assert_eq!(c.schedule(&[sa, sb], &[20, 4], 0).unwrap(), vec![true, true]);
+        let buffers = |rows: usize, cols: usize| (vec![7; rows * cols], vec![7; rows * cols]);
+        if !crate::FLAT_KVCACHE {
+            assert_eq!(c.block_tables_in(&[sa]), Err(CoreError::FlatUnavailable));
+            let (mut g0, mut g1) = buffers(1, 5);
+            let err = c.write_block_tables_in(&[sa], &mut outs(&mut g0, &mut g1, 1, 5));
+            assert_eq!(err, Err(CoreError::FlatUnavailable));
+            return;
+        }
+        // Repeats and order as given.
+        assert_eq!(
+            c.block_tables_in(&[sb, sa, sb]).unwrap(),
+            c.block_tables(&[B, A, B]).unwrap()
+        );
+        assert!(c
+            .block_tables_in(&[])
+            .unwrap()
+            .iter()
+            .all(|t| t.rows == 0 && t.cols == 0));
+        let (mut by_slot0, mut by_slot1) = buffers(3, 6);
+        let (mut by_id0, mut by_id1) = buffers(3, 6);
+        c.write_block_tables_in(&[sb, sa], &mut outs(&mut by_slot0, &mut by_slot1, 3, 6))
+            .unwrap();
+        c.write_block_tables(&[B, A], &mut outs(&mut by_id0, &mut by_id1, 3, 6))
+            .unwrap();
+        assert_eq!((&by_slot0, &by_slot1), (&by_id0, &by_id1));
+        assert_eq!(&by_slot0[12..], &[7; 6], "rows past the batch are untouched");
+        // Too narrow for a's 5 pages: the error names the request by id and slot; an unknown
+        // slot is refused; nothing is written either way.
+        let (mut n0, mut n1) = buffers(2, 4);
+        let err = c
+            .write_block_tables_in(&[sb, sa], &mut outs(&mut n0, &mut n1, 2, 4))
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "block_tables: out['full'] has 4 columns but request 'a' (slot 0) has 5 pages in that group"
+        );
+        let err = c
+            .write_block_tables_in(&[sb, 2], &mut outs(&mut n0, &mut n1, 2, 4))
+            .unwrap_err();
+        assert_eq!(
+            err,
+            CoreError::UnknownSlot {
+                method: "block_tables".into(),
+                slot: 2
+            }
+        );
+        assert!(n0.iter().chain(&n1).all(|&v| v == 7));
+        assert!(c
+            .write_block_tables_in(&[sb], &mut outs(&mut n0, &mut n1, 2, 4)[..1])
+            .is_err());
     }
 }

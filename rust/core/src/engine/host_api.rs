@@ -1,7 +1,7 @@
 //! The cache's host-tier calls: claiming a tiered match with its loads, the check that keeps
 //! a request with loads in flight from being scheduled, and `take_transfers` /
 //! `ack_transfers` and their probes. The tier itself is [`crate::engine::host`]; this layer
-//! ties its transfers to requests (a load's owner is a slab position and serial).
+//! ties its transfers to requests (a load's owner is a slot and serial).
 
 use super::coordinator::{PrefixMatch, TokenContext};
 use super::host::{HostTier, Transfer};
@@ -10,7 +10,7 @@ use super::FlatCache;
 use crate::error::{CoreError, CoreResult};
 
 impl FlatCache {
-    /// Claim a (tiered) match for the new token-level request at slab position `at`: device
+    /// Claim a (tiered) match for the new token-level request in slot `at`: device
     /// hits are claimed, host hits get device destinations and load transfers.
     pub(super) fn claim_with_loads(&mut self, at: usize, m: &PrefixMatch) -> CoreResult<()> {
         let entry = &mut self.entries[at];
@@ -28,12 +28,13 @@ impl FlatCache {
     }
 
     /// A request with loads in flight cannot be scheduled: its pages are not filled yet.
-    pub(super) fn check_loaded(&self, method: &str, req: RequestIdRef<'_>, at: usize) -> CoreResult<()> {
+    pub(super) fn check_loaded(&self, method: &str, at: usize) -> CoreResult<()> {
         match self.entries[at].loading {
             0 => Ok(()),
             n => Err(CoreError::invalid(format!(
-                "{method}: request {req} has {n} host page load(s) in flight; run take_transfers() \
-                 and ack_transfers() first (loads_in_flight tells when it can be scheduled)"
+                "{method}: {} has {n} host page load(s) in flight; run take_transfers() \
+                 and ack_transfers() first (loads_in_flight tells when it can be scheduled)",
+                self.named(at)
             ))),
         }
     }
@@ -67,6 +68,11 @@ impl FlatCache {
         Ok(self.entries[self.find(req)?].loading)
     }
 
+    /// Host-tier loads of the request in `slot` not acknowledged yet.
+    pub fn loads_in_flight_in(&self, slot: u64) -> CoreResult<u64> {
+        Ok(self.entries[self.held("loads_in_flight", slot)?].loading)
+    }
+
     /// Transfers in flight (taken or not).
     pub fn transfers_in_flight(&self) -> usize {
         self.coord.host().map_or(0, HostTier::num_in_flight)
@@ -77,6 +83,7 @@ impl FlatCache {
 mod tests {
     use super::*;
     use crate::engine::host::{HostStore, TransferKind};
+    use crate::engine::ids::RequestIdRef;
     use crate::engine::testing::*;
     use crate::engine::CacheOptions;
 
@@ -103,9 +110,9 @@ mod tests {
     #[test]
     fn write_through_stores_registered_pages_and_pins_them_until_acknowledged() {
         let mut c = tiered(16, HostStore::WriteThrough);
-        add(&mut c, A, toks(0..16));
-        assert!(c.schedule(A, 16, 0).unwrap());
-        c.finish(A).unwrap(); // registers 4 pages per group, then frees them
+        let sa = add(&mut c, A, toks(0..16)).0;
+        assert!(sched(&mut c, sa, 16, 0).unwrap());
+        c.finish(&[sa]).unwrap(); // registers 4 pages per group, then frees them
         let t = c.take_transfers();
         // One store per registered page: group 0 slots 0..3, then group 1; host pages in order.
         assert_eq!(t.len(), 8);
@@ -148,10 +155,18 @@ mod tests {
         let p = prompt(&c, toks(0..17));
         assert_eq!(c.prefix_hit_tokens(&p).unwrap(), 16);
         assert_eq!(c.pages_needed_to_admit(&p, 1, 0).unwrap(), 6 + 2);
-        assert_eq!(add(&mut c, C, toks(0..17)), 16);
+        let (sc, hit) = add(&mut c, C, toks(0..17));
+        assert_eq!(hit, 16);
         assert_eq!(c.loads_in_flight(C).unwrap(), 6);
-        assert!(matches!(c.schedule(C, 1, 0), Err(CoreError::InvalidArgument(_))));
-        assert!(c.schedule_batch(&[C], &[1]).is_err());
+        assert_eq!(c.loads_in_flight_in(sc).unwrap(), 6);
+        assert!(matches!(sched(&mut c, sc, 1, 0), Err(CoreError::InvalidArgument(_))));
+        // Even a schedule of no tokens, or one behind a request that could run, is refused.
+        assert!(c.schedule(&[sc], &[0], 0).is_err());
+        let sb = add(&mut c, B, toks(200..201)).0;
+        assert!(c.schedule(&[sb, sc], &[1, 1], 0).is_err());
+        assert_eq!(c.num_computed_tokens(sb).unwrap(), 0);
+        c.finish(&[sb]).unwrap();
+        assert!(matches!(c.loads_in_flight_in(sb), Err(CoreError::UnknownSlot { .. })));
         let loads = c.take_transfers();
         assert_eq!(loads.len(), 6);
         assert!(loads.iter().all(|x| x.kind == TransferKind::Load));
@@ -166,53 +181,60 @@ mod tests {
         // Acknowledged in any order; then the pages are device hits and C can run.
         c.ack_transfers(&[loads[3].id, loads[0].id]).unwrap();
         assert_eq!(c.loads_in_flight(C).unwrap(), 4);
+        assert_eq!(c.loads_in_flight_in(sc).unwrap(), 4);
         c.check_invariants().unwrap();
         let rest: Vec<u64> = loads[4..].iter().chain(&loads[1..3]).map(|x| x.id).collect();
         c.ack_transfers(&rest).unwrap();
-        assert!(c.schedule(C, 1, 0).unwrap());
+        assert!(sched(&mut c, sc, 1, 0).unwrap());
         c.check_invariants().unwrap();
     }
 
     #[test]
     fn finishing_during_a_load_loses_no_page_and_late_acks_register_it() {
         let mut c = stored_then_evicted();
-        assert_eq!(add(&mut c, C, toks(0..17)), 16);
+        let (sc, hit) = add(&mut c, C, toks(0..17));
+        assert_eq!(hit, 16);
         let loads = c.take_transfers();
-        c.preempt(C).unwrap();
+        preempt1(&mut c, sc).unwrap();
         // The 6 destinations stay pinned by their loads.
         assert_eq!(c.coordinator().pool().num_free(), 2);
         c.check_invariants().unwrap();
         // The same id can be re-added meanwhile; a late ack must not count for it.
-        assert_eq!(add(&mut c, C, toks(100..110)), 0);
+        // It takes the same slot: only the serial tells the two apart.
+        assert_eq!(add(&mut c, C, toks(100..110)), (sc, 0));
         let mut late = ids(&loads);
         late.reverse();
         c.ack_transfers(&late).unwrap();
         assert_eq!(c.loads_in_flight(C).unwrap(), 0);
-        c.finish(C).unwrap();
+        assert_eq!(c.loads_in_flight_in(sc).unwrap(), 0);
+        c.check_invariants().unwrap();
+        c.finish(&[sc]).unwrap();
         assert_eq!(c.coordinator().pool().num_free(), 8);
         c.check_invariants().unwrap();
         // The loaded pages were registered: a device hit now, no loads.
-        assert_eq!(add(&mut c, A, toks(0..17)), 16);
+        let (sa, hit) = add(&mut c, A, toks(0..17));
+        assert_eq!(hit, 16);
         assert_eq!(c.loads_in_flight(A).unwrap(), 0);
+        assert_eq!(c.loads_in_flight_in(sa).unwrap(), 0);
         assert!(c.take_transfers().is_empty());
     }
 
     #[test]
     fn evict_policy_stores_a_page_when_it_becomes_evictable() {
         let mut c = tiered(16, HostStore::Evict);
-        add(&mut c, A, toks(0..12));
-        assert!(c.schedule(A, 12, 0).unwrap());
-        c.append_tokens(A, &[12]).unwrap();
+        let sa = add(&mut c, A, toks(0..12)).0;
+        assert!(sched(&mut c, sa, 12, 0).unwrap());
+        append(&mut c, sa, &[12]).unwrap();
         // At c = 12: registers 3 + 3 pages (no store: all held), then reclaims sliding slot
         // 0 ((12 - 7) // 4 = 1): that cached page's last reference goes, so it is stored.
-        assert!(c.schedule(A, 1, 0).unwrap());
+        assert!(sched(&mut c, sa, 1, 0).unwrap());
         let first = c.take_transfers();
         assert_eq!(first.len(), 1);
         assert_eq!(
             (first[0].kind, first[0].group, first[0].host),
             (TransferKind::Store, 1, 0)
         );
-        c.finish(A).unwrap();
+        c.finish(&[sa]).unwrap();
         // The 5 other cached pages are stored as they are released; the partial 4th pages
         // hold no key and are freed at once.
         let rest = c.take_transfers();
@@ -242,6 +264,50 @@ mod tests {
         let no_tier = &mut hybrid(8);
         assert!(no_tier.ack_transfers(&[1]).is_err());
         no_tier.ack_transfers(&[]).unwrap();
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_late_ack_never_counts_for_a_new_request_in_the_same_slot() {
+        // 20 real device pages: room for two requests' loads at once.
+        let mut c = cache(
+            vec![
+                spec("full", crate::engine::group::GroupKind::Full, 4),
+                spec("swa", sw(8), 4),
+            ],
+            21,
+            CacheOptions {
+                host_pages: 16,
+                host_store: HostStore::WriteThrough,
+                ..CacheOptions::default()
+            },
+        );
+        run_and_finish(&mut c, A, toks(0..16));
+        let stores = c.take_transfers();
+        c.ack_transfers(&ids(&stores)).unwrap();
+        assert!(c.acquire(B, 40).unwrap()); // 10 + 10 pages: every cached device page evicted
+        c.free(B).unwrap();
+        let (sc, hit) = add(&mut c, C, toks(0..17));
+        assert_eq!((sc, hit), (0, 16));
+        let old = c.take_transfers();
+        assert_eq!(c.loads_in_flight_in(sc).unwrap(), 6);
+        c.preempt(&[sc]).unwrap();
+        // A new request in the same slot with loads of its own.
+        let (sd, hit) = add(&mut c, RequestIdRef::Str("d"), toks(0..17));
+        assert_eq!(sd, sc);
+        let mine = c.take_transfers();
+        let own = c.loads_in_flight_in(sd).unwrap();
+        assert!(hit > 0 && own > 0, "hit {hit}, {own} loads");
+        assert_eq!(own, u64::try_from(mine.len()).unwrap());
+        c.check_invariants().unwrap();
+        // The old request's late acknowledgements leave the new one's count alone.
+        c.ack_transfers(&ids(&old)).unwrap();
+        assert_eq!(c.loads_in_flight_in(sd).unwrap(), own);
+        assert!(sched(&mut c, sd, 1, 0).is_err());
+        c.check_invariants().unwrap();
+        c.ack_transfers(&ids(&mine)).unwrap();
+        assert_eq!(c.loads_in_flight_in(sd).unwrap(), 0);
+        assert!(sched(&mut c, sd, 1, 0).unwrap());
         c.check_invariants().unwrap();
     }
 }

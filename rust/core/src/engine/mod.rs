@@ -22,6 +22,9 @@
 //! [`block_tables`] (flat tables), [`rows`] (persistent rows), `host_api` (host-tier
 //! transfers and their acknowledgements), [`stats`] (metrics and events) and `invariants`.
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
 use hashbrown::HashMap;
 use rustc_hash::FxBuildHasher;
 
@@ -85,58 +88,26 @@ impl Default for CacheOptions {
     }
 }
 
-/// One live request: its tables (one per group), its token state if it is token-level, and
-/// the pages promised to its next decode.
+/// One live request: its id, its tables (one per group), its token state if it is
+/// token-level, and the pages promised to its next decode.
 #[derive(Clone, Debug, Default)]
 struct Entry {
     /// Whether the slot holds a live request.
     live: bool,
+    /// The id it was added with (`None` only in a free slot).
+    id: Option<RequestId>,
     /// One table per group, in group order.
     tables: Vec<Table>,
     /// `Some` for a request created by `add_request`.
     tokens: Option<TokenState>,
     /// Pages reserved for this request's next decode (docs/requests-api.md `reserve`).
     reserve: u64,
-    /// The persistent row it holds ([`rows`]), if any.
-    row: Option<usize>,
     /// Host-tier loads into this request's pages not acknowledged yet (it cannot be
     /// scheduled before they are).
     loading: u64,
     /// A number no other request of this cache had, so a late load acknowledgement can tell
     /// this request from a later one in the same slot.
     serial: u64,
-}
-
-/// A live request's place in its cache, for a caller that resolves the same ids step after
-/// step (the Python bindings keep the handle of each id object of the last batch). A handle
-/// may outlive its request: [`FlatCache::is_current`] tells whether it still names the
-/// request it was taken for (a later request in the same slot has another serial).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RequestHandle {
-    at: usize,
-    serial: u64,
-}
-
-/// One request of a batch call: its id, or a handle taken from the same cache (a stale handle
-/// is an error; callers check [`FlatCache::is_current`] first).
-#[derive(Clone, Copy, Debug)]
-pub enum Lookup<'a> {
-    /// Looked up by id (an unknown id is `UnknownRequest`).
-    Id(RequestIdRef<'a>),
-    /// Resolved earlier.
-    Handle(RequestHandle),
-}
-
-impl<'a> From<RequestIdRef<'a>> for Lookup<'a> {
-    fn from(req: RequestIdRef<'a>) -> Self {
-        Self::Id(req)
-    }
-}
-
-impl From<RequestHandle> for Lookup<'_> {
-    fn from(handle: RequestHandle) -> Self {
-        Self::Handle(handle)
-    }
 }
 
 /// Counters behind [`stats::CacheStats`] that the pool does not keep.
@@ -152,20 +123,22 @@ struct Counters {
 
 /// The page engine of one model: a coordinator plus each live request.
 ///
-/// Requests live in a slab (`entries`) indexed through `index`, so a batch resolves each id
-/// once and then works by position.
+/// Requests live in a slab (`entries`): a request's position there is its *slot*, the number
+/// token-level callers name it by (docs/requests-api.md "Slots"); `index` maps ids to slots
+/// for the calls that take ids. A new request takes the lowest free slot, so slots stay below
+/// the peak number of live requests and every engine hands out the same ones.
 #[derive(Clone, Debug)]
 pub struct FlatCache {
     coord: Coordinator,
     index: HashMap<RequestId, usize, FxBuildHasher>,
     entries: Vec<Entry>,
-    /// Slab positions free for reuse.
-    vacant: Vec<usize>,
+    /// Free slots below `entries.len()`, lowest first.
+    vacant: BinaryHeap<Reverse<usize>>,
     eviction: EvictionOrder,
     /// Sum of every request's `reserve` (u128: a sum of u64 page counts cannot overflow it).
     reserved: u128,
     counters: Counters,
-    /// Reused buffer of slab positions for batch calls.
+    /// Reused buffer of slots for batch calls.
     scratch: Vec<usize>,
     /// Persistent block-table rows, once bound ([`rows`]).
     rows: Option<rows::RowBinding>,
@@ -199,7 +172,7 @@ impl FlatCache {
             coord,
             index: HashMap::default(),
             entries: Vec::new(),
-            vacant: Vec::new(),
+            vacant: BinaryHeap::new(),
             eviction: options.eviction_order,
             reserved: 0,
             counters: Counters::default(),
@@ -229,7 +202,7 @@ impl FlatCache {
         self.index.contains_key(&req)
     }
 
-    /// The slab position of `req`, or `UnknownRequest`.
+    /// The slot of `req`, or `UnknownRequest`.
     #[inline]
     fn find(&self, req: RequestIdRef<'_>) -> CoreResult<usize> {
         self.index
@@ -238,42 +211,45 @@ impl FlatCache {
             .ok_or_else(|| CoreError::UnknownRequest(req.to_string()))
     }
 
-    /// The handle of live request `req`, if it is one.
-    pub fn handle(&self, req: RequestIdRef<'_>) -> Option<RequestHandle> {
-        let at = *self.index.get(&req)?;
-        Some(RequestHandle {
-            at,
-            serial: self.entries[at].serial,
-        })
+    /// The slot of live request `req`, if it is one.
+    pub fn slot_of(&self, req: RequestIdRef<'_>) -> Option<usize> {
+        self.index.get(&req).copied()
     }
 
-    /// Whether `handle` still names the live request it was taken for.
+    /// The slot `slot` if it holds a live request, else `UnknownSlot` for `method`.
     #[inline]
-    pub fn is_current(&self, handle: RequestHandle) -> bool {
-        self.entries
-            .get(handle.at)
-            .is_some_and(|e| e.live && e.serial == handle.serial)
+    fn held(&self, method: &str, slot: u64) -> CoreResult<usize> {
+        usize::try_from(slot)
+            .ok()
+            .filter(|&at| self.entries.get(at).is_some_and(|e| e.live))
+            .ok_or_else(|| CoreError::UnknownSlot {
+                method: method.to_string(),
+                slot,
+            })
     }
 
-    /// The slab position of a batch entry: an id's (or `UnknownRequest`), or a current
-    /// handle's.
-    #[inline]
-    fn locate(&self, req: Lookup<'_>) -> CoreResult<usize> {
-        match req {
-            Lookup::Id(id) => self.find(id),
-            Lookup::Handle(h) if self.is_current(h) => Ok(h.at),
-            Lookup::Handle(_) => Err(CoreError::invalid(
-                "a request handle outlived its request (check is_current before using it)",
-            )),
-        }
+    /// The id of the request in `slot` (`UnknownSlot` if it holds none).
+    pub fn id_of(&self, slot: u64) -> CoreResult<RequestIdRef<'_>> {
+        let at = self.held("id_of", slot)?;
+        Ok(self.id_ref_at(at))
     }
 
-    /// The id of a located batch entry, for messages (a handle's is found by a scan).
-    fn lookup_id<'a>(&'a self, req: Lookup<'a>, at: usize) -> RequestIdRef<'a> {
-        match req {
-            Lookup::Id(id) => id,
-            Lookup::Handle(_) => self.id_ref_at(at).unwrap_or(RequestIdRef::Str("?")),
-        }
+    /// The id of the live request in slot `at`, as messages show it.
+    pub(super) fn id_ref_at(&self, at: usize) -> RequestIdRef<'_> {
+        self.entries[at]
+            .id
+            .as_ref()
+            .map_or(RequestIdRef::Str("?"), RequestId::as_ref)
+    }
+
+    /// A live request as messages name it: `request 'a' (slot 3)`.
+    pub(super) fn named(&self, at: usize) -> String {
+        format!("request {}", self.labeled(at))
+    }
+
+    /// A live request's id and slot: `'a' (slot 3)`.
+    pub(super) fn labeled(&self, at: usize) -> String {
+        format!("{} (slot {at})", self.id_ref_at(at))
     }
 
     /// The tables of `req` (one per group), or `UnknownRequest`.
@@ -281,20 +257,26 @@ impl FlatCache {
         Ok(&self.entries[self.find(req)?].tables)
     }
 
-    /// Add a new request (the caller checked that `req` is not live); returns its position.
+    /// The slot the next request would get.
+    fn next_slot(&self) -> usize {
+        self.vacant.peek().map_or(self.entries.len(), |&Reverse(at)| at)
+    }
+
+    /// Add a new request (the caller checked that `req` is not live) in the lowest free slot;
+    /// returns the slot.
     fn insert(&mut self, req: RequestIdRef<'_>, tokens: Option<TokenState>) -> usize {
         let entry = Entry {
             live: true,
+            id: Some(req.to_id()),
             tables: vec![Table::default(); self.coord.num_groups()],
             tokens,
             reserve: 0,
-            row: None,
             loading: 0,
             serial: self.next_serial,
         };
         // A u64 counter of single increments cannot overflow in practice.
         self.next_serial = self.next_serial.saturating_add(1);
-        let at = if let Some(at) = self.vacant.pop() {
+        let at = if let Some(Reverse(at)) = self.vacant.pop() {
             self.entries[at] = entry;
             at
         } else {
@@ -302,20 +284,25 @@ impl FlatCache {
             self.entries.len() - 1
         };
         self.index.insert(req.to_id(), at);
+        if let Some(binding) = self.rows.as_mut() {
+            binding.claim(at);
+        }
         at
     }
 
-    /// Free the request at `at` (its pages in the eviction order, its reserve) and forget it;
-    /// returns its token state, if any.
-    fn release(&mut self, req: RequestIdRef<'_>, at: usize) -> Option<TokenState> {
-        self.index.remove(&req);
+    /// Free the request in slot `at` (its pages in the eviction order, its reserve) and forget
+    /// it; returns its token state, if any.
+    fn release(&mut self, at: usize) -> Option<TokenState> {
         let mut entry = std::mem::take(&mut self.entries[at]);
-        if let (Some(row), Some(binding)) = (entry.row, self.rows.as_mut()) {
-            binding.vacate(row);
+        if let Some(id) = &entry.id {
+            self.index.remove(id);
+        }
+        if let Some(binding) = self.rows.as_mut() {
+            binding.vacate(at);
         }
         self.coord.free(&mut entry.tables, self.eviction);
         self.reserved -= u128::from(entry.reserve);
-        self.vacant.push(at);
+        self.vacant.push(Reverse(at));
         entry.tokens
     }
 }

@@ -110,7 +110,7 @@ impl FlatCache {
     /// A token-level request is an error (`finish` or `preempt` end it).
     pub fn free(&mut self, req: RequestIdRef<'_>) -> CoreResult<()> {
         let at = self.find_page("free", req)?;
-        self.release(req, at);
+        self.release(at);
         Ok(())
     }
 
@@ -118,6 +118,15 @@ impl FlatCache {
     pub fn pages_needed(&self, n: u64, req: Option<RequestIdRef<'_>>) -> CoreResult<u64> {
         let tables = match req {
             Some(r) => Some(self.tables(r)?),
+            None => None,
+        };
+        self.coord.pages_needed(tables, n)
+    }
+
+    /// [`Self::pages_needed`] for the request in `slot` (`None`: a fresh request).
+    pub fn pages_needed_in(&self, n: u64, slot: Option<u64>) -> CoreResult<u64> {
+        let tables = match slot {
+            Some(s) => Some(self.entries[self.held("pages_needed", s)?].tables.as_slice()),
             None => None,
         };
         self.coord.pages_needed(tables, n)
@@ -141,6 +150,18 @@ impl FlatCache {
     /// `req`'s free token slots in the last page, per group.
     pub fn tail_available(&self, req: RequestIdRef<'_>) -> CoreResult<Vec<u64>> {
         Ok(self.tables(req)?.iter().map(Table::tail_avail).collect())
+    }
+
+    /// The page ids per group (holes 0) of the request in `slot`.
+    pub fn page_ids_in(&self, slot: u64) -> CoreResult<Vec<Vec<u32>>> {
+        let at = self.held("page_ids", slot)?;
+        Ok(self.entries[at].tables.iter().map(|t| t.pages().to_vec()).collect())
+    }
+
+    /// The free token slots in the last page, per group, of the request in `slot`.
+    pub fn tail_available_in(&self, slot: u64) -> CoreResult<Vec<u64>> {
+        let at = self.held("tail_available", slot)?;
+        Ok(self.entries[at].tables.iter().map(Table::tail_avail).collect())
     }
 
     /// Drop the key of every cached page with count 0 (they stay free) and return how many

@@ -1,6 +1,6 @@
-//! Persistent block-table rows (docs/requests-api.md "Persistent rows"): each token-level
-//! request may own one row of caller buffers (one `max_rows x cols` int32 table per group),
-//! and [`FlatCache::update_rows`] writes only the cells that changed since the last update,
+//! Persistent block-table rows (docs/requests-api.md "Persistent rows"): row `s` of the
+//! caller's buffers (one `max_rows x cols` int32 table per group) shows the request in slot
+//! `s`, and [`FlatCache::update_rows`] writes only the cells that changed since the last update,
 //! returning them per group as `(row, col, value)` triples so an engine can apply the same
 //! delta to its device copy.
 //!
@@ -21,13 +21,12 @@
 //!
 //! What a row's cells hold is recorded per row and group as a `Mark` (`len`, `holes_below`,
 //! `offset`), so the next update knows which cells can differ; a row bound anew is compared
-//! cell by cell. Only token-level requests hold rows, and page-level calls refuse them, so
-//! their tables change only through `schedule` (appends and slid-out holes) and release.
+//! cell by cell. Rows are bound on token-level caches only, whose tables change only through
+//! `schedule` (appends and slid-out holes) and release.
 
 use super::table::Table;
 use super::FlatCache;
 use crate::engine::block_tables::TableOut;
-use crate::engine::ids::RequestIdRef;
 use crate::error::{CoreError, CoreResult};
 
 /// The cell value of padding past a row's end.
@@ -94,11 +93,9 @@ struct Mark {
     offset: usize,
 }
 
-/// One row of the binding.
+/// One row of the binding (its request, if any, is the one in the same slot).
 #[derive(Clone, Copy, Debug, Default)]
 struct RowState {
-    /// Slab position of the request that owns the row.
-    owner: Option<usize>,
     /// On the dirty list.
     dirty: bool,
     /// Compare every cell on the next update (bound anew, or a full update asked for).
@@ -130,10 +127,24 @@ impl RowBinding {
         }
     }
 
-    /// The row's owner is gone: its cells go back to padding on the next update.
+    /// Number of rows.
+    pub(super) fn max_rows(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// A new request took slot `row`: compare the whole row on the next update (it may still
+    /// show the previous request's pages).
+    pub(super) fn claim(&mut self, row: usize) {
+        if row < self.rows.len() {
+            self.touch(row, true);
+        }
+    }
+
+    /// The row's request is gone: its cells go back to padding on the next update.
     pub(super) fn vacate(&mut self, row: usize) {
-        self.rows[row].owner = None;
-        self.touch(row, false);
+        if row < self.rows.len() {
+            self.touch(row, false);
+        }
     }
 }
 
@@ -270,11 +281,10 @@ impl FlatCache {
                 )));
             }
         }
-        let outside = self.bound_entries().filter(|&(_, row)| row >= max_rows);
-        if let Some((at, row)) = outside.min_by_key(|&(_, row)| row) {
+        if let Some(at) = self.live_slots().find(|&at| at >= max_rows) {
             return Err(CoreError::invalid(format!(
-                "bind_rows: request {} holds row {row}, but the new tables have {max_rows} rows",
-                self.id_at(at)
+                "bind_rows: request {} holds slot {at}, but the new tables have {max_rows} rows",
+                self.id_ref_at(at)
             )));
         }
         let size = max_rows
@@ -292,96 +302,50 @@ impl FlatCache {
             dirty: Vec::new(),
             deltas: vec![RowDelta::default(); groups],
         };
-        let owned: Vec<(usize, usize)> = self.bound_entries().collect();
-        for (at, row) in owned {
-            binding.rows[row].owner = Some(at);
-            binding.touch(row, true);
+        let live: Vec<usize> = self.live_slots().collect();
+        for at in live {
+            binding.touch(at, true);
         }
         self.rows = Some(binding);
         Ok(())
     }
 
-    /// Drop the row binding; requests keep no rows.
+    /// Drop the row binding; requests keep their slots.
     pub fn unbind_rows(&mut self) {
         self.rows = None;
-        for entry in &mut self.entries {
-            entry.row = None;
-        }
     }
 
-    /// The row `req` holds, if any.
-    pub fn row_of(&self, req: RequestIdRef<'_>) -> CoreResult<Option<usize>> {
-        Ok(self.entries[self.find(req)?].row)
-    }
-
-    /// Live requests holding a row: (slab position, row).
-    fn bound_entries(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+    /// The slots that hold a live request, lowest first.
+    fn live_slots(&self) -> impl Iterator<Item = usize> + '_ {
         self.entries
             .iter()
             .enumerate()
-            .filter_map(|(at, e)| e.row.filter(|_| e.live).map(|row| (at, row)))
+            .filter(|(_, e)| e.live)
+            .map(|(at, _)| at)
     }
 
-    /// The id of the live request at slab position `at` (a scan: for error paths only).
-    pub(super) fn id_ref_at(&self, at: usize) -> Option<RequestIdRef<'_>> {
-        self.index.iter().find(|&(_, &i)| i == at).map(|(id, _)| id.as_ref())
-    }
-
-    /// [`Self::id_ref_at`] as messages show it.
-    pub(super) fn id_at(&self, at: usize) -> String {
-        self.id_ref_at(at).map_or_else(|| format!("#{at}"), |id| id.to_string())
-    }
-
-    /// The slab position of the request holding `row` (an error for `method` if none does).
-    pub(super) fn row_owner(&self, method: &str, row: u64) -> CoreResult<usize> {
-        let Some(binding) = &self.rows else {
-            return Err(CoreError::invalid(format!(
-                "{method}: no rows are bound (call bind_rows first)"
-            )));
-        };
-        usize::try_from(row)
-            .ok()
-            .and_then(|r| binding.rows.get(r))
-            .and_then(|state| state.owner)
-            .ok_or_else(|| CoreError::invalid(format!("{method}: row {row} holds no request")))
-    }
-
-    /// Check that `row` can be given to a new request.
-    pub(super) fn check_row_free(&self, row: usize) -> CoreResult<()> {
-        let Some(binding) = &self.rows else {
-            return Err(CoreError::invalid(
-                "row: no rows are bound (call bind_rows first)".to_string(),
-            ));
-        };
-        let Some(state) = binding.rows.get(row) else {
-            return Err(CoreError::invalid(format!(
-                "row must be < {} (the bound tables' rows), got {row}",
-                binding.rows.len()
-            )));
-        };
-        if let Some(at) = state.owner {
-            return Err(CoreError::invalid(format!(
-                "row {row} is held by request {}",
-                self.id_at(at)
-            )));
+    /// Check that a new request can take the next slot: with rows bound, it must be a row.
+    pub(super) fn check_slot_free(&self, method: &str) -> CoreResult<()> {
+        if self.slot_available() {
+            return Ok(());
         }
-        Ok(())
+        let max_rows = self.rows.as_ref().map_or(0, RowBinding::max_rows);
+        Err(CoreError::invalid(format!(
+            "{method}: all {max_rows} slots of the bound rows are held (finish a request or bind more rows)"
+        )))
     }
 
-    /// Give `row` (checked free) to the request at slab position `at`.
-    pub(super) fn assign_row(&mut self, at: usize, row: usize) {
-        if let Some(binding) = self.rows.as_mut() {
-            binding.rows[row].owner = Some(at);
-            binding.touch(row, true);
-            self.entries[at].row = Some(row);
-        }
+    /// Whether a new request can take the next slot (with rows bound: a slot below
+    /// `max_rows`).
+    pub(super) fn slot_available(&self) -> bool {
+        self.rows.as_ref().is_none_or(|b| self.next_slot() < b.max_rows())
     }
 
-    /// The tables of the request at `at` changed: visit its row on the next update.
+    /// The tables of the request in slot `at` changed: visit its row on the next update.
     #[inline]
     pub(super) fn touch_row(&mut self, at: usize) {
-        if let (Some(row), Some(binding)) = (self.entries[at].row, self.rows.as_mut()) {
-            binding.touch(row, false);
+        if let Some(binding) = self.rows.as_mut() {
+            binding.touch(at, false);
         }
     }
 
@@ -430,8 +394,11 @@ impl FlatCache {
     fn check_rows(&self, b: &RowBinding, rows: impl Iterator<Item = usize>) -> CoreResult<()> {
         let specs = self.coord.specs();
         for row in rows {
-            let Some(at) = b.rows[row].owner else { continue };
-            let tables = &self.entries[at].tables;
+            let at = row;
+            let Some(entry) = self.entries.get(at).filter(|e| e.live) else {
+                continue;
+            };
+            let tables = &entry.tables;
             let groups = tables.len();
             for (g, (table, &layout)) in tables.iter().zip(&b.layouts).enumerate() {
                 if layout.windowed {
@@ -441,7 +408,7 @@ impl FlatCache {
                         return Err(CoreError::invalid(format!(
                             "update_rows: row {row} (request {}) of windowed group '{}' shows slots from {last}, \
                              but slot {first} still holds page {} (reclaim slid-out pages first, or bind wider rows)",
-                            self.id_at(at),
+                            self.id_ref_at(at),
                             specs[g].group_id.escape_debug(),
                             table.pages()[first]
                         )));
@@ -451,7 +418,7 @@ impl FlatCache {
                         "update_rows: tables['{}'] has {} columns but request {} (row {row}) has {} pages in that group",
                         specs[g].group_id.escape_debug(),
                         layout.cols,
-                        self.id_at(at),
+                        self.id_ref_at(at),
                         table.len()
                     )));
                 }
@@ -517,8 +484,7 @@ impl FlatCache {
         let dirty = std::mem::take(&mut b.dirty);
         for &row in &dirty {
             let state = std::mem::take(&mut b.rows[row]);
-            b.rows[row].owner = state.owner;
-            let tables = state.owner.map(|at| self.entries[at].tables.as_slice());
+            let tables = self.entries.get(row).filter(|e| e.live).map(|e| e.tables.as_slice());
             // Row indices fit i32 (checked when binding).
             let r = i32::try_from(row).unwrap_or(i32::MAX);
             for g in 0..groups {
@@ -552,6 +518,7 @@ impl FlatCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::ids::RequestIdRef;
     use crate::engine::testing::*;
 
     /// Caller-side state: the bound buffers and a shadow copy kept only through the deltas.
@@ -619,9 +586,13 @@ mod tests {
             Ok(cells)
         }
 
-        /// Row `row` of group `g` is what `block_tables` gives for `req` (or padding).
+        /// Row `row` of group `g` is what `block_tables` gives for `req`, the request in slot
+        /// `row` (or padding).
         fn expect_row(&self, c: &FlatCache, g: usize, row: usize, req: Option<RequestIdRef<'_>>) {
             let l = self.layouts[g];
+            if let Some(r) = req {
+                assert_eq!(c.slot_of(r), Some(row), "row s shows the request in slot s");
+            }
             let table: Vec<i32> = req.map_or_else(Vec::new, |r| c.block_tables(&[r]).unwrap()[g].data.clone());
             let off = if l.windowed {
                 usize::try_from(self.offs[g][row]).unwrap()
@@ -675,17 +646,21 @@ mod tests {
                 },
             ],
         );
-        let p = prompt(&c, toks(0..10));
-        c.add_request_in_row(A, p, true, 1).unwrap();
+        // A takes slot (row) 1; row 0 is vacant again once X is finished.
+        let x = RequestIdRef::Str("x");
+        let sx = add(&mut c, x, toks(500..504)).0;
+        let sa = add(&mut c, A, toks(0..10)).0;
+        assert_eq!((sx, sa), (0, 1));
+        c.finish(&[sx]).unwrap();
         assert_eq!(rows.update(&mut c, false).unwrap(), 0, "nothing allocated yet");
-        assert!(c.schedule(A, 10, 0).unwrap());
+        assert!(sched(&mut c, sa, 10, 0).unwrap());
         assert_eq!(rows.update(&mut c, false).unwrap(), 6, "3 pages in each group");
         rows.expect_row(&c, 0, 1, Some(A));
         rows.expect_row(&c, 1, 1, Some(A));
         let mut pages_per_step = Vec::new();
         for t in 10..40 {
-            c.append_tokens(A, &[t]).unwrap();
-            assert!(c.schedule(A, 1, 0).unwrap());
+            append(&mut c, sa, &[t]).unwrap();
+            assert!(sched(&mut c, sa, 1, 0).unwrap());
             pages_per_step.push(rows.update(&mut c, false).unwrap());
             rows.expect_row(&c, 0, 1, Some(A));
             rows.expect_row(&c, 1, 1, Some(A));
@@ -698,7 +673,7 @@ mod tests {
             "{pages_per_step:?}"
         );
         assert!(pages_per_step.iter().all(|&n| n <= 1 + 4 + 1), "{pages_per_step:?}");
-        c.finish(A).unwrap();
+        c.finish(&[sa]).unwrap();
         rows.update(&mut c, false).unwrap();
         rows.expect_row(&c, 0, 1, None);
         rows.expect_row(&c, 1, 1, None);
@@ -711,42 +686,159 @@ mod tests {
             return;
         }
         let mut c = hybrid(64);
-        assert!(c.check_row_free(0).unwrap_err().to_string().contains("bind_rows"));
         let mut rows = Caller::bind(&mut c, 2, vec![plain(3), plain(3)]);
         let p = prompt(&c, toks(0..8));
-        c.add_request_in_row(A, p.clone(), true, 0).unwrap();
-        let err = c.add_request_in_row(B, p.clone(), true, 0).unwrap_err();
-        assert!(err.to_string().contains("row 0 is held by request 'a'"), "{err}");
-        assert!(!c.has_request(B), "a refused row adds nothing");
+        let sa = add(&mut c, A, toks(0..8)).0;
+        let sb = add(&mut c, B, toks(100..108)).0;
+        assert_eq!((sa, sb), (0, 1));
+        // Both rows are held: a third request is refused and nothing is added.
+        let d = RequestIdRef::Str("d");
+        let before = c.stats();
+        let err = c.add_request(d, p.clone(), true).unwrap_err();
+        assert_eq!(
+            err,
+            CoreError::invalid(
+                "add_request: all 2 slots of the bound rows are held (finish a request or bind more rows)"
+            )
+        );
+        assert!(!c.has_request(d), "a refused add adds nothing");
+        // admit answers None then, and changes nothing either.
+        assert_eq!(c.admit(d, p.clone(), 1, true).unwrap(), None);
+        assert!(!c.has_request(d));
+        assert_eq!((c.num_requests(), c.stats()), (2, before));
+        // A bad request is still refused as such (its id in use), not for want of a row.
         assert!(c
-            .add_request_in_row(B, p.clone(), true, 2)
+            .admit(A, p.clone(), 1, true)
             .unwrap_err()
             .to_string()
-            .contains("< 2"));
-        assert!(c.schedule(A, 8, 0).unwrap());
+            .contains("already exists"));
+        assert!(sched(&mut c, sa, 8, 0).unwrap());
         rows.update(&mut c, false).unwrap();
         // Too wide for 3 columns: an error naming the group and request; nothing written.
-        c.append_tokens(A, &toks(8..16)).unwrap();
-        assert!(c.schedule(A, 8, 0).unwrap());
+        append(&mut c, sa, &toks(8..16)).unwrap();
+        assert!(sched(&mut c, sa, 8, 0).unwrap());
         let before = rows.bufs.clone();
         let err = rows.update(&mut c, false).unwrap_err().to_string();
         assert!(err.contains("tables['full']") && err.contains("'a'"), "{err}");
         assert_eq!(rows.bufs, before);
-        c.finish(A).unwrap();
+        c.finish(&[sa]).unwrap();
         // The row is free again and reused; the new owner's row is exact.
-        c.add_request_in_row(B, p, true, 0).unwrap();
-        assert!(c.schedule(B, 8 - c.num_computed_tokens(B).unwrap(), 0).unwrap());
+        let (sd, hit) = c.add_request(d, p, true).unwrap();
+        assert_eq!(sd, 0);
+        let sd = u64::try_from(sd).unwrap();
+        assert!(sched(&mut c, sd, 8 - hit, 0).unwrap());
         rows.update(&mut c, false).unwrap();
-        rows.expect_row(&c, 0, 0, Some(B));
-        rows.expect_row(&c, 1, 0, Some(B));
+        rows.expect_row(&c, 0, 0, Some(d));
+        rows.expect_row(&c, 1, 0, Some(d));
+        rows.expect_row(&c, 0, 1, Some(B));
         // Someone scribbles on a buffer: a full update repairs it and reports the cells.
         rows.bufs[0][1] = 99;
         rows.shadow[0][1] = 99;
         rows.bufs[1][5] = 98;
         rows.shadow[1][5] = 98;
         assert_eq!(rows.update(&mut c, true).unwrap(), 2);
-        rows.expect_row(&c, 0, 0, Some(B));
-        rows.expect_row(&c, 1, 1, None);
+        rows.expect_row(&c, 0, 0, Some(d));
+        rows.expect_row(&c, 1, 1, Some(B));
+        // Unbound, slots are not limited by rows any more.
+        c.unbind_rows();
+        assert_eq!(add(&mut c, C, toks(0..4)).0, 2);
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_row_reused_in_the_same_slot_shows_the_new_request_without_an_update_between() {
+        if !crate::FLAT_KVCACHE {
+            return;
+        }
+        let mut c = hybrid(64);
+        let mut rows = Caller::bind(
+            &mut c,
+            2,
+            vec![
+                plain(8),
+                RowLayout {
+                    cols: 4,
+                    windowed: true,
+                },
+            ],
+        );
+        let sa = add(&mut c, A, toks(0..20)).0;
+        let sb = add(&mut c, B, toks(100..104)).0;
+        // 16 tokens, then 4 more: a's first two sliding slots slide out before its fifth page.
+        assert!(sched(&mut c, sa, 16, 0).unwrap());
+        assert_eq!(c.schedule(&[sa, sb], &[4, 4], 0).unwrap(), vec![true, true]);
+        rows.update(&mut c, false).unwrap();
+        rows.expect_row(&c, 0, 0, Some(A));
+        rows.expect_row(&c, 1, 0, Some(A));
+        assert!(rows.offs[1][0] > 0, "a's windowed row shows its table from an offset");
+        // A ends and a new request takes its slot before any update: first with no pages.
+        c.finish(&[sa]).unwrap();
+        let x = RequestIdRef::Str("x");
+        assert_eq!(add(&mut c, x, toks(300..306)), (sa, 0));
+        rows.update(&mut c, false).unwrap();
+        for g in 0..2 {
+            rows.expect_row(&c, g, 0, Some(x));
+            rows.expect_row(&c, g, 1, Some(B));
+        }
+        assert!(rows.bufs[0][..8].iter().all(|&v| v == PAD), "a's pages are gone");
+        assert_eq!(rows.offs[1][0], 0);
+        // Again with pages: a few of its own, fewer than a's, in both groups.
+        assert!(sched(&mut c, sa, 6, 0).unwrap());
+        rows.update(&mut c, false).unwrap();
+        c.finish(&[sa]).unwrap();
+        // The next one shares a's prefix (claimed, cached since a finished), then grows.
+        assert_eq!(add(&mut c, A, toks(0..13)), (sa, 12));
+        assert!(sched(&mut c, sa, 1, 0).unwrap());
+        rows.update(&mut c, false).unwrap();
+        for g in 0..2 {
+            rows.expect_row(&c, g, 0, Some(A));
+            rows.expect_row(&c, g, 1, Some(B));
+        }
+        // And once more, finished and re-added with a short prompt within one update.
+        c.finish(&[sa]).unwrap();
+        assert_eq!(add(&mut c, x, toks(700..702)), (sa, 0));
+        assert!(sched(&mut c, sa, 2, 0).unwrap());
+        rows.update(&mut c, false).unwrap();
+        for g in 0..2 {
+            rows.expect_row(&c, g, 0, Some(x));
+        }
+        assert_eq!(
+            &rows.bufs[0][..2],
+            &[i32::try_from(c.page_ids(x).unwrap()[0][0]).unwrap(), PAD]
+        );
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn bind_rows_refuses_a_request_in_a_slot_past_the_new_rows() {
+        if !crate::FLAT_KVCACHE {
+            return;
+        }
+        let mut c = hybrid(64);
+        let slots: Vec<u64> = [A, B, C].map(|r| add(&mut c, r, toks(0..4)).0).to_vec();
+        assert_eq!(slots, vec![0, 1, 2]);
+        let err = c.bind_rows(2, vec![plain(4), plain(4)]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "bind_rows: request 3 holds slot 2, but the new tables have 2 rows"
+        );
+        // Nothing was bound.
+        assert!(!c.rows_pending());
+        assert!(c.update_rows(&mut [], &mut [], false).is_err());
+        // With slot 2 free, the binding fits; the live requests keep their slots as rows.
+        c.finish(&[2]).unwrap();
+        let mut rows = Caller::bind(&mut c, 2, vec![plain(4), plain(4)]);
+        assert!(c.rows_pending());
+        assert!(c.schedule(&[0, 1], &[3, 3], 0).unwrap().iter().all(|&ok| ok));
+        rows.update(&mut c, false).unwrap();
+        rows.expect_row(&c, 0, 0, Some(A));
+        rows.expect_row(&c, 0, 1, Some(B));
+        // A refused rebinding keeps the old binding.
+        assert!(c.bind_rows(1, vec![plain(4), plain(4)]).is_err());
+        c.finish(&[1]).unwrap();
+        rows.update(&mut c, false).unwrap();
+        rows.expect_row(&c, 0, 1, None);
+        rows.expect_row(&c, 0, 0, Some(A));
     }
 
     #[test]
@@ -767,9 +859,8 @@ mod tests {
                 },
             ],
         );
-        let p = prompt(&c, toks(0..12));
-        c.add_request_in_row(A, p, true, 0).unwrap();
-        assert!(c.schedule(A, 12, 0).unwrap());
+        let sa = add(&mut c, A, toks(0..12)).0;
+        assert!(sched(&mut c, sa, 12, 0).unwrap());
         let err = rows.update(&mut c, false).unwrap_err().to_string();
         assert!(err.contains("windowed group 'swa'") && err.contains("slot 0"), "{err}");
         // Binding wider rows keeps the request's row and rewrites it whole.
@@ -786,8 +877,11 @@ mod tests {
         );
         rows.update(&mut c, false).unwrap();
         rows.expect_row(&c, 1, 0, Some(A));
-        assert_eq!(c.row_of(A).unwrap(), Some(0));
+        assert_eq!(c.slot_of(A), Some(0));
         let err = c.bind_rows(0, vec![plain(16), plain(4)]).unwrap_err().to_string();
-        assert!(err.contains("holds row 0"), "{err}");
+        assert_eq!(
+            err,
+            "bind_rows: request 'a' holds slot 0, but the new tables have 0 rows"
+        );
     }
 }

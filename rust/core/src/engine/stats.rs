@@ -125,17 +125,17 @@ mod tests {
     #[test]
     fn stats_count_pages_per_group_and_requests() {
         let mut c = hybrid(64);
-        add(&mut c, A, toks(0..20));
-        assert!(c.schedule(A, 20, 0).unwrap()); // 5 + 5 pages
+        let sa = add(&mut c, A, toks(0..20)).0;
+        assert!(sched(&mut c, sa, 20, 0).unwrap()); // 5 + 5 pages
         assert!(c.acquire(B, 4).unwrap()); // page-level: 1 + 1
         let s = c.stats();
         assert_eq!((s.pages_total, s.pages_free, s.pages_in_use), (63, 51, 12));
         assert_eq!((s.requests, s.pages_in_use_by_group.clone()), (2, vec![6, 6]));
         // Reclaim at 20 frees sliding slots below (20 - 7) // 4 = 3.
-        c.append_tokens(A, &[20]).unwrap();
-        assert!(c.schedule(A, 1, 0).unwrap());
+        append(&mut c, sa, &[20]).unwrap();
+        assert!(sched(&mut c, sa, 1, 0).unwrap());
         assert_eq!(c.stats().pages_in_use_by_group, vec![7, 4]);
-        c.finish(A).unwrap();
+        c.finish(&[sa]).unwrap();
         c.free(B).unwrap();
         let s = c.stats();
         assert_eq!(

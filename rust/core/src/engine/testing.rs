@@ -5,6 +5,7 @@ use super::group::GroupKind;
 use super::ids::RequestIdRef;
 use super::tokens::Prompt;
 use super::{CacheOptions, FlatCache};
+use crate::error::CoreResult;
 
 pub(super) const A: RequestIdRef<'static> = RequestIdRef::Str("a");
 
@@ -45,9 +46,32 @@ pub(super) fn prompt(c: &FlatCache, tokens: Vec<u32>) -> Prompt {
     Prompt::new(tokens, Vec::new(), c.coordinator().base_page_size()).unwrap()
 }
 
-pub(super) fn add(c: &mut FlatCache, req: RequestIdRef<'_>, tokens: Vec<u32>) -> u64 {
+/// Add token-level request `req` for `tokens` with the prefix cache; returns its slot (as the
+/// slot-addressed calls take it) and its hit.
+pub(super) fn add(c: &mut FlatCache, req: RequestIdRef<'_>, tokens: Vec<u32>) -> (u64, u64) {
     let p = prompt(c, tokens);
-    c.add_request(req, p, true).unwrap()
+    let (slot, hit) = c.add_request(req, p, true).unwrap();
+    (u64::try_from(slot).unwrap(), hit)
+}
+
+/// `schedule` of one slot.
+pub(super) fn sched(c: &mut FlatCache, slot: u64, n: u64, lookahead: u64) -> CoreResult<bool> {
+    let got = c.schedule(&[slot], &[n], lookahead)?;
+    assert_eq!(got.len(), 1);
+    Ok(got[0])
+}
+
+/// `append_tokens` of `tokens` to one slot.
+pub(super) fn append(c: &mut FlatCache, slot: u64, tokens: &[u32]) -> CoreResult<()> {
+    let n = u64::try_from(tokens.len()).unwrap();
+    c.append_tokens(&[slot], tokens, Some(&[n]))
+}
+
+/// `preempt` of one slot: its tokens.
+pub(super) fn preempt1(c: &mut FlatCache, slot: u64) -> CoreResult<Vec<u32>> {
+    let mut got = c.preempt(&[slot])?;
+    assert_eq!(got.len(), 1);
+    Ok(got.remove(0))
 }
 
 pub(super) fn free_list(c: &FlatCache) -> Vec<u32> {
@@ -57,9 +81,10 @@ pub(super) fn free_list(c: &FlatCache) -> Vec<u32> {
 /// Run `req` to the end of its known tokens in one schedule, then finish it.
 pub(super) fn run_and_finish(c: &mut FlatCache, req: RequestIdRef<'_>, tokens: Vec<u32>) {
     let len = u64::try_from(tokens.len()).unwrap();
-    let hit = add(c, req, tokens);
+    let (slot, hit) = add(c, req, tokens);
     let rest = len - hit;
-    assert!(c.schedule(req, rest, 0).unwrap());
-    c.finish(req).unwrap();
+    assert!(sched(c, slot, rest, 0).unwrap());
+    c.finish(&[slot]).unwrap();
+    assert!(!c.has_request(req));
     c.check_invariants().unwrap();
 }

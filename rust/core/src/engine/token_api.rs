@@ -13,7 +13,7 @@ use super::hash::hash_page;
 use super::ids::RequestIdRef;
 use super::table::Table;
 use super::tokens::{Prompt, TokenState};
-use super::{FlatCache, Lookup};
+use super::FlatCache;
 use crate::error::{CoreError, CoreResult};
 
 /// Tokens of spare capacity a new request's token vector gets for its appends.
@@ -78,25 +78,31 @@ fn allocated(coord: &Coordinator, tables: &[Table]) -> u64 {
 }
 
 impl FlatCache {
-    /// The slab position of a token-level request, by id or handle (`KeyError` if unknown,
-    /// `ValueError` if page-level).
+    /// The slot of a token-level request (`UnknownSlot` if it holds none, `InvalidArgument`
+    /// if its request is page-level).
     #[inline]
-    fn find_token<'r>(&self, method: &str, req: impl Into<Lookup<'r>>) -> CoreResult<usize> {
-        let req = req.into();
-        let at = self.locate(req)?;
+    fn token_slot(&self, method: &str, slot: u64) -> CoreResult<usize> {
+        let at = self.held(method, slot)?;
         if self.entries[at].tokens.is_none() {
-            return Err(page_level(method, self.lookup_id(req, at)));
+            return Err(page_level(method, self.id_ref_at(at)));
         }
         Ok(at)
     }
 
-    /// Add a token-level request for `prompt` (non-empty; `req` must be new). With caching
-    /// on and `use_prefix_cache`, claims the capped prefix match; sets the computed tokens to
-    /// the hit and returns it. Allocates nothing else.
-    pub fn add_request(&mut self, req: RequestIdRef<'_>, prompt: Prompt, use_prefix_cache: bool) -> CoreResult<u64> {
+    /// Add a token-level request for `prompt` (non-empty; `req` must be new) in the lowest
+    /// free slot. With caching on and `use_prefix_cache`, claims the capped prefix match and
+    /// sets the computed tokens to the hit. Returns the slot and the hit; allocates nothing
+    /// else. With rows bound, a request that would get no row is refused.
+    pub fn add_request(
+        &mut self,
+        req: RequestIdRef<'_>,
+        prompt: Prompt,
+        use_prefix_cache: bool,
+    ) -> CoreResult<(usize, u64)> {
         self.check_new_request("add_request", req, &prompt)?;
+        self.check_slot_free("add_request")?;
         let m = self.claimable_match(&prompt, use_prefix_cache)?;
-        self.add_matched(req, prompt, m).map(|(hit, _)| hit)
+        self.add_matched(req, prompt, m)
     }
 
     /// Refuse, for `method`, a request that cannot be added: a prompt hashed for another base
@@ -122,15 +128,15 @@ impl FlatCache {
         }
     }
 
-    /// Add the new request `req` (checked by the caller: new, non-empty prompt) claiming
-    /// `m`, a capped match made under the lock just now (`None`: no prefix cache). Returns
-    /// the hit and the request's slab position.
+    /// Add the new request `req` (checked by the caller: new, non-empty prompt, a slot free)
+    /// claiming `m`, a capped match made under the lock just now (`None`: no prefix cache).
+    /// Returns the request's slot and the hit.
     fn add_matched(
         &mut self,
         req: RequestIdRef<'_>,
         prompt: Prompt,
         m: Option<PrefixMatch>,
-    ) -> CoreResult<(u64, usize)> {
+    ) -> CoreResult<(usize, u64)> {
         let hit = m.as_ref().map_or(0, |m| m.num_common_tokens);
         let registered = usize::try_from(self.coord.base_div().quotient(hit)).unwrap_or(usize::MAX);
         let prompt_len = u64::try_from(prompt.tokens.len()).unwrap_or(u64::MAX);
@@ -154,7 +160,7 @@ impl FlatCache {
             if self.coord.host().is_some() {
                 host_hit = self.coord.host_hit_tokens(&m, hit);
                 if let Err(e) = self.claim_with_loads(at, &m) {
-                    self.release(req, at);
+                    self.release(at);
                     return Err(e);
                 }
             } else {
@@ -165,29 +171,27 @@ impl FlatCache {
             c.prefix_hits_tokens = c.prefix_hits_tokens.saturating_add(hit);
             c.host_hits_tokens = c.host_hits_tokens.saturating_add(host_hit);
         }
-        Ok((hit, at))
+        Ok((at, hit))
     }
 
     /// SPEC 9 admission in one call, with one prefix match: the first chunk is
     /// `min(len(prompt) - hit, max_new_tokens)` tokens after the capped hit, plus one token
-    /// of reserve when the chunk completes the prompt (the first decode's page). If
-    /// `pages_needed_to_admit(prompt, chunk, reserve)` exceeds `budget()` nothing changes and
-    /// the answer is `None`; otherwise the request is added exactly as `add_request` would
-    /// (in `row`, if given) and the answer is `(hit, chunk)`. Scheduling the chunk is left to
-    /// the caller (host-tier loads must be acknowledged first).
+    /// of reserve when the chunk completes the prompt (the first decode's page). With rows
+    /// bound and no row free, or if `pages_needed_to_admit(prompt, chunk, reserve)` exceeds
+    /// `budget()`, nothing changes and the answer is `None`; otherwise the request is added
+    /// exactly as `add_request` would and the answer is `(slot, hit, chunk)`. Scheduling the
+    /// chunk is left to the caller (host-tier loads must be acknowledged first).
     pub fn admit(
         &mut self,
         req: RequestIdRef<'_>,
         prompt: Prompt,
         max_new_tokens: u64,
         use_prefix_cache: bool,
-        row: Option<usize>,
-    ) -> CoreResult<Option<(u64, u64)>> {
-        // In add_request_in_row's order: the row, then the request.
-        if let Some(row) = row {
-            self.check_row_free(row)?;
-        }
+    ) -> CoreResult<Option<(usize, u64, u64)>> {
         self.check_new_request("admit", req, &prompt)?;
+        if !self.slot_available() {
+            return Ok(None);
+        }
         let m = self.claimable_match(&prompt, use_prefix_cache)?;
         let hit = m.as_ref().map_or(0, |m| m.num_common_tokens);
         let len = u64::try_from(prompt.tokens.len()).unwrap_or(u64::MAX);
@@ -199,74 +203,26 @@ impl FlatCache {
         if i128::from(need) > self.budget(None)? {
             return Ok(None);
         }
-        let (hit, at) = self.add_matched(req, prompt, m)?;
-        if let Some(row) = row {
-            self.assign_row(at, row);
-        }
-        Ok(Some((hit, chunk)))
+        let (at, hit) = self.add_matched(req, prompt, m)?;
+        Ok(Some((at, hit, chunk)))
     }
 
-    /// [`Self::add_request`], giving the new request persistent row `row` of the bound
-    /// tables ([`super::rows`]); a row past the bound rows or held by another request is an
-    /// error and nothing is added.
-    pub fn add_request_in_row(
-        &mut self,
-        req: RequestIdRef<'_>,
-        prompt: Prompt,
-        use_prefix_cache: bool,
-        row: usize,
-    ) -> CoreResult<u64> {
-        self.check_row_free(row)?;
-        let hit = self.add_request(req, prompt, use_prefix_cache)?;
-        let at = self.find(req)?;
-        self.assign_row(at, row);
-        Ok(hit)
-    }
-
-    /// Append newly known tokens to a token-level request; every base page that becomes full
-    /// is hashed once, chained from the previous page's hash.
-    pub fn append_tokens(&mut self, req: RequestIdRef<'_>, tokens: &[u32]) -> CoreResult<()> {
-        let at = self.find_token("append_tokens", req)?;
-        self.append_at(at, tokens)
-    }
-
-    /// Append newly known tokens to many token-level requests in one call: request `i` gets
-    /// the next `counts[i]` tokens of `tokens` (one each when `counts` is `None`), exactly as
-    /// [`Self::append_tokens`] would, in order. Everything is validated first (unknown id,
-    /// page-level request, lengths that do not add up): on error nothing has changed.
-    ///
-    /// `reqs` holds ids ([`RequestIdRef`]) or [`Lookup`]s (ids or handles, which skip the
-    /// lookup).
-    pub fn append_tokens_batch<'r, L: Into<Lookup<'r>> + Copy>(
-        &mut self,
-        reqs: &[L],
-        tokens: &[u32],
-        counts: Option<&[u64]>,
-    ) -> CoreResult<()> {
-        const METHOD: &str = "append_tokens_batch";
-        check_append_lengths(reqs.len(), "reqs", tokens, counts)?;
+    /// Append newly known tokens to the requests in `slots`: slot `i` gets the next
+    /// `counts[i]` tokens of `tokens` (one each when `counts` is `None`), in order; every base
+    /// page that becomes full is hashed once, chained from the previous page's hash.
+    /// Everything is validated first (lengths that do not add up, a slot that holds no
+    /// token-level request): on error nothing has changed.
+    pub fn append_tokens(&mut self, slots: &[u64], tokens: &[u32], counts: Option<&[u64]>) -> CoreResult<()> {
+        check_append_lengths(slots.len(), "slots", tokens, counts)?;
         self.with_scratch(|this, at| {
-            for &req in reqs {
-                at.push(this.find_token(METHOD, req)?);
+            for &slot in slots {
+                at.push(this.token_slot("append_tokens", slot)?);
             }
             this.append_positions(at, tokens, counts)
         })
     }
 
-    /// [`Self::append_tokens_batch`] addressed by persistent rows ([`super::rows`]): the
-    /// request holding `rows[i]` gets the next `counts[i]` tokens (one each without
-    /// `counts`). A row that holds no request is an error; on error nothing has changed.
-    pub fn append_tokens_rows(&mut self, rows: &[u64], tokens: &[u32], counts: Option<&[u64]>) -> CoreResult<()> {
-        check_append_lengths(rows.len(), "rows", tokens, counts)?;
-        self.with_scratch(|this, at| {
-            for &row in rows {
-                at.push(this.row_owner("append_tokens_rows", row)?);
-            }
-            this.append_positions(at, tokens, counts)
-        })
-    }
-
-    /// Append to each request at the slab positions `at` its share of `tokens` (lengths checked).
+    /// Append to each request in the slots `at` its share of `tokens` (lengths checked).
     fn append_positions(&mut self, at: &[usize], tokens: &[u32], counts: Option<&[u64]>) -> CoreResult<()> {
         let mut start = 0usize;
         for (k, &i) in at.iter().enumerate() {
@@ -278,8 +234,8 @@ impl FlatCache {
         Ok(())
     }
 
-    /// Run `f` with the cache's reusable vector of slab positions (emptied first), then keep
-    /// the vector for the next batch call, so batch calls allocate nothing for it.
+    /// Run `f` with the cache's reusable vector of slots (emptied first), then keep the vector
+    /// for the next batch call, so batch calls allocate nothing for it.
     fn with_scratch<R>(&mut self, f: impl FnOnce(&mut Self, &mut Vec<usize>) -> R) -> R {
         let mut at = std::mem::take(&mut self.scratch);
         at.clear();
@@ -288,7 +244,7 @@ impl FlatCache {
         result
     }
 
-    /// [`Self::append_tokens`] for the token-level request at slab position `at`.
+    /// Append `tokens` to the token-level request in slot `at`.
     fn append_at(&mut self, at: usize, tokens: &[u32]) -> CoreResult<()> {
         let base = usize::try_from(self.coord.base_page_size()).unwrap_or(usize::MAX);
         let Some(state) = self.entries[at].tokens.as_mut() else {
@@ -311,82 +267,47 @@ impl FlatCache {
         Ok(())
     }
 
-    /// Tokens computed so far by a token-level request.
-    pub fn num_computed_tokens(&self, req: RequestIdRef<'_>) -> CoreResult<u64> {
-        let at = self.find_token("num_computed_tokens", req)?;
+    /// Tokens computed so far by the token-level request in `slot`.
+    pub fn num_computed_tokens(&self, slot: u64) -> CoreResult<u64> {
+        let at = self.token_slot("num_computed_tokens", slot)?;
         Ok(self.entries[at].tokens.as_ref().map_or(0, |s| s.computed))
     }
 
-    /// Tokens a token-level request knows (prompt plus appended).
-    pub fn num_tokens(&self, req: RequestIdRef<'_>) -> CoreResult<u64> {
-        let at = self.find_token("num_tokens", req)?;
+    /// Tokens the token-level request in `slot` knows (prompt plus appended).
+    pub fn num_tokens(&self, slot: u64) -> CoreResult<u64> {
+        let at = self.token_slot("num_tokens", slot)?;
         Ok(self.entries[at]
             .tokens
             .as_ref()
             .map_or(0, |s| u64::try_from(s.tokens.len()).unwrap_or(u64::MAX)))
     }
 
-    /// Schedule the next `n` known tokens of a token-level request at its own position `c`:
-    /// register the full base pages below `c` not registered yet, reclaim slid-out pages at
-    /// `c`, then acquire room for `c + n + lookahead` tokens all or nothing. On success the
-    /// position moves to `c + n` and the request's reserve is released; on `false` nothing is
-    /// allocated and the position stays. `n + c > num_tokens` is an error.
-    pub fn schedule(&mut self, req: RequestIdRef<'_>, n: u64, lookahead: u64) -> CoreResult<bool> {
-        let at = self.find_token("schedule", req)?;
-        self.check_loaded("schedule", req, at)?;
-        if let Some(s) = &self.entries[at].tokens {
-            check_known("schedule", req, s, n, "num_new_tokens")?;
-            n.checked_add(s.computed)
-                .and_then(|t| t.checked_add(lookahead))
-                .ok_or_else(|| CoreError::overflow("lookahead"))?;
-        }
-        self.schedule_at(at, n, lookahead)
-    }
-
-    /// Schedule every request of a batch like [`Self::schedule`] (no lookahead), in order.
-    /// Everything is validated first (unknown id, page-level request, more tokens than known
-    /// counting repeats of a request): on error nothing has changed.
-    ///
-    /// `reqs` holds ids ([`RequestIdRef`]) or [`Lookup`]s (ids or handles, which skip the
-    /// lookup).
-    pub fn schedule_batch<'r, L: Into<Lookup<'r>> + Copy>(&mut self, reqs: &[L], ns: &[u64]) -> CoreResult<Vec<bool>> {
-        if reqs.len() != ns.len() {
+    /// Schedule the next `ns[i]` known tokens of the request in `slots[i]`, in order, each at
+    /// its own position `c`: register the full base pages below `c` not registered yet,
+    /// reclaim slid-out pages at `c`, then acquire room for `c + n + lookahead` tokens all or
+    /// nothing. On success the position moves to `c + n` and the request's reserve is
+    /// released; on `false` nothing is allocated and the position stays. Everything is
+    /// validated first (a slot that holds no token-level request, host-tier loads in flight,
+    /// more tokens than known counting repeats of a slot, `c + n + lookahead` past u64): on
+    /// error nothing has changed.
+    pub fn schedule(&mut self, slots: &[u64], ns: &[u64], lookahead: u64) -> CoreResult<Vec<bool>> {
+        if slots.len() != ns.len() {
             return Err(CoreError::invalid(format!(
-                "num_new_tokens has {} entries but reqs has {}",
+                "num_new_tokens has {} entries but slots has {}",
                 ns.len(),
-                reqs.len()
+                slots.len()
             )));
         }
         self.with_scratch(|this, at| {
-            if let Err(e) = this.validate_batch(reqs, ns, at) {
+            if let Err(e) = this.validate_schedule(slots, ns, lookahead, at) {
                 this.clear_pending(at);
                 return Err(e);
             }
-            this.schedule_validated(at, ns)
+            this.schedule_validated(at, ns, lookahead)
         })
     }
 
-    /// [`Self::schedule_batch`] addressed by persistent rows ([`super::rows`]): the request
-    /// holding `rows[i]` schedules `ns[i]` tokens. No id is looked up. A row that holds no
-    /// request is an error; on error nothing has changed.
-    pub fn schedule_rows(&mut self, rows: &[u64], ns: &[u64]) -> CoreResult<Vec<bool>> {
-        if rows.len() != ns.len() {
-            return Err(CoreError::invalid(format!(
-                "num_new_tokens has {} entries but rows has {}",
-                ns.len(),
-                rows.len()
-            )));
-        }
-        self.with_scratch(|this, at| {
-            if let Err(e) = this.validate_rows(rows, ns, at) {
-                this.clear_pending(at);
-                return Err(e);
-            }
-            this.schedule_validated(at, ns)
-        })
-    }
-
-    /// Forget the asks a refused batch validation left in `pending`.
+    /// Forget the asks a refused validation left in `pending`.
     fn clear_pending(&mut self, at: &[usize]) {
         for &i in at {
             if let Some(s) = self.entries[i].tokens.as_mut() {
@@ -396,13 +317,13 @@ impl FlatCache {
     }
 
     /// Schedule a validated batch in order (each request's `pending` is cleared as it comes).
-    fn schedule_validated(&mut self, at: &[usize], ns: &[u64]) -> CoreResult<Vec<bool>> {
+    fn schedule_validated(&mut self, at: &[usize], ns: &[u64], lookahead: u64) -> CoreResult<Vec<bool>> {
         let mut out = Vec::with_capacity(at.len());
         for (k, (&i, &n)) in at.iter().zip(ns).enumerate() {
             if let Some(s) = self.entries[i].tokens.as_mut() {
                 s.pending = 0;
             }
-            match self.schedule_at(i, n, 0) {
+            match self.schedule_at(i, n, lookahead) {
                 Ok(done) => out.push(done),
                 Err(e) => {
                     self.clear_pending(&at[k..]);
@@ -413,20 +334,18 @@ impl FlatCache {
         Ok(out)
     }
 
-    /// [`Self::validate_batch`] for rows.
-    fn validate_rows(&mut self, rows: &[u64], ns: &[u64], at: &mut Vec<usize>) -> CoreResult<()> {
-        for (&row, &n) in rows.iter().zip(ns) {
-            let i = self.row_owner("schedule_rows", row)?;
+    /// Resolve and check the slots of a `schedule` call, leaving each request's cumulative
+    /// ask in `pending`.
+    fn validate_schedule(&mut self, slots: &[u64], ns: &[u64], lookahead: u64, at: &mut Vec<usize>) -> CoreResult<()> {
+        const METHOD: &str = "schedule";
+        for (&slot, &n) in slots.iter().zip(ns) {
+            let i = self.token_slot(METHOD, slot)?;
             at.push(i);
             if self.entries[i].loading > 0 {
-                if let Some(req) = self.id_ref_at(i) {
-                    self.check_loaded("schedule_rows", req, i)?;
-                }
+                self.check_loaded(METHOD, i)?;
             }
             let Some(s) = self.entries[i].tokens.as_mut() else {
-                return Err(CoreError::invalid(format!(
-                    "schedule_rows: row {row} holds a page-level request"
-                )));
+                continue; // token_slot checked it
             };
             s.pending = s
                 .pending
@@ -434,60 +353,26 @@ impl FlatCache {
                 .ok_or_else(|| CoreError::overflow("num_new_tokens"))?;
             if let Some(known) = exceeds_known(s, s.pending) {
                 let (computed, pending) = (s.computed, s.pending);
-                // The id is looked up (a scan) only for the message.
-                let req = format!("{} (row {row})", self.id_at(i));
-                return Err(too_many_tokens(
-                    "schedule_rows",
-                    &req,
-                    "num_new_tokens",
-                    pending,
-                    computed,
-                    known,
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    /// Resolve and check a batch, leaving each request's cumulative ask in `pending`.
-    fn validate_batch<'r, L: Into<Lookup<'r>> + Copy>(
-        &mut self,
-        reqs: &[L],
-        ns: &[u64],
-        at: &mut Vec<usize>,
-    ) -> CoreResult<()> {
-        const METHOD: &str = "schedule_batch";
-        for (&req, &n) in reqs.iter().zip(ns) {
-            let req = req.into();
-            let i = self.find_token(METHOD, req)?;
-            at.push(i);
-            if self.entries[i].loading > 0 {
-                self.check_loaded(METHOD, self.lookup_id(req, i), i)?;
-            }
-            let Some(s) = self.entries[i].tokens.as_mut() else {
-                continue; // find_token checked it
-            };
-            s.pending = s
-                .pending
-                .checked_add(n)
-                .ok_or_else(|| CoreError::overflow("num_new_tokens"))?;
-            if let Some(known) = exceeds_known(s, s.pending) {
-                let (computed, pending) = (s.computed, s.pending);
-                let req = self.lookup_id(req, i);
                 return Err(too_many_tokens(
                     METHOD,
-                    &req,
+                    &self.labeled(i),
                     "num_new_tokens",
                     pending,
                     computed,
                     known,
                 ));
             }
+            if lookahead > 0 {
+                s.computed
+                    .checked_add(s.pending)
+                    .and_then(|t| t.checked_add(lookahead))
+                    .ok_or_else(|| CoreError::overflow("lookahead"))?;
+            }
         }
         Ok(())
     }
 
-    /// The step of [`Self::schedule`] for a validated request at slab position `at`.
+    /// One request's step of [`Self::schedule`], for a validated request in slot `at`.
     fn schedule_at(&mut self, at: usize, n: u64, lookahead: u64) -> CoreResult<bool> {
         let entry = &mut self.entries[at];
         let Some(state) = entry.tokens.as_mut() else {
@@ -518,6 +403,7 @@ impl FlatCache {
 
     /// [`Self::schedule_at`] the general way: register, reclaim, then acquire.
     fn schedule_slow(&mut self, at: usize, n: u64, lookahead: u64) -> CoreResult<bool> {
+        let bound = self.rows.is_some();
         let entry = &mut self.entries[at];
         let Some(state) = entry.tokens.as_mut() else {
             return Ok(false);
@@ -526,7 +412,7 @@ impl FlatCache {
         let c = state.computed;
         // A bound row is visited by the next update only if a reclaim or an acquire changed
         // the tables (an acquire served by the last page's free slots changes no cell).
-        let shape_before = entry.row.map(|_| shape(&entry.tables));
+        let shape_before = bound.then(|| shape(&entry.tables));
         self.coord.reclaim(&mut entry.tables, c);
         // Validated by the callers: c + n + lookahead fits u64.
         let target = c.saturating_add(n).saturating_add(lookahead);
@@ -544,35 +430,57 @@ impl FlatCache {
         Ok(scheduled)
     }
 
-    /// Register a token-level request's completed full pages, free everything in the
-    /// eviction order, release its reserve and forget it.
-    pub fn finish(&mut self, req: RequestIdRef<'_>) -> CoreResult<()> {
-        self.finish_or_preempt("finish", req).map(|_| ())
-    }
-
-    /// [`Self::finish`], counted as a preemption; returns the request's whole token list
-    /// (prompt plus generated) to re-add for recompute.
-    pub fn preempt(&mut self, req: RequestIdRef<'_>) -> CoreResult<Vec<u32>> {
-        let tokens = self.finish_or_preempt("preempt", req)?;
-        self.counters.preemptions = self.counters.preemptions.saturating_add(1);
-        Ok(tokens)
-    }
-
-    fn finish_or_preempt(&mut self, method: &str, req: RequestIdRef<'_>) -> CoreResult<Vec<u32>> {
-        let at = self.find_token(method, req)?;
-        let entry = &mut self.entries[at];
-        if let Some(state) = entry.tokens.as_mut() {
-            register_computed(&mut self.coord, &entry.tables, state)?;
+    /// Resolve the slots of a `finish` / `preempt` call: each held by a token-level request
+    /// and listed once.
+    fn check_release(&mut self, method: &str, slots: &[u64], at: &mut Vec<usize>) -> CoreResult<()> {
+        for &slot in slots {
+            let i = self.token_slot(method, slot)?;
+            // Calls name a few requests; a repeat is found by a scan of the ones before.
+            if at.contains(&i) {
+                return Err(CoreError::invalid(format!("{method}: slot {slot} is listed twice")));
+            }
+            at.push(i);
         }
-        Ok(self.release(req, at).map(|s| s.tokens).unwrap_or_default())
+        Ok(())
     }
-}
 
-/// `n` more tokens of `state` must be known: `computed + n <= len(tokens)`.
-fn check_known(method: &str, req: RequestIdRef<'_>, state: &TokenState, n: u64, arg: &str) -> CoreResult<()> {
-    match exceeds_known(state, n) {
-        None => Ok(()),
-        Some(known) => Err(too_many_tokens(method, &req, arg, n, state.computed, known)),
+    /// For each request in `slots`: register its completed full pages, free everything in
+    /// the eviction order, release its reserve and free its slot and id. Everything is
+    /// validated first (a slot that holds no token-level request, a slot listed twice).
+    pub fn finish(&mut self, slots: &[u64]) -> CoreResult<()> {
+        self.release_slots("finish", slots, |_, _| {})
+    }
+
+    /// [`Self::finish`], counted as one preemption per request; returns each request's whole
+    /// token list (prompt plus generated), in order, to re-add for recompute.
+    pub fn preempt(&mut self, slots: &[u64]) -> CoreResult<Vec<Vec<u32>>> {
+        let mut out = Vec::with_capacity(slots.len());
+        self.release_slots("preempt", slots, |this, tokens| {
+            this.counters.preemptions = this.counters.preemptions.saturating_add(1);
+            out.push(tokens);
+        })?;
+        Ok(out)
+    }
+
+    /// Finish the requests in `slots` (validated first), handing each one's tokens to `then`.
+    fn release_slots(
+        &mut self,
+        method: &str,
+        slots: &[u64],
+        mut then: impl FnMut(&mut Self, Vec<u32>),
+    ) -> CoreResult<()> {
+        self.with_scratch(|this, at| {
+            this.check_release(method, slots, at)?;
+            for &i in at.iter() {
+                let entry = &mut this.entries[i];
+                if let Some(state) = entry.tokens.as_mut() {
+                    register_computed(&mut this.coord, &entry.tables, state)?;
+                }
+                let tokens = this.release(i).map(|s| s.tokens).unwrap_or_default();
+                then(this, tokens);
+            }
+            Ok(())
+        })
     }
 }
 
@@ -586,7 +494,7 @@ fn exceeds_known(state: &TokenState, n: u64) -> Option<u64> {
     }
 }
 
-/// The error of a request `req` (as shown) asked for `n` tokens past `computed` of `known`.
+/// The error of a request `req` (as messages name it) asked for `n` tokens past `computed` of `known`.
 fn too_many_tokens(
     method: &str,
     req: &dyn std::fmt::Display,
@@ -654,6 +562,7 @@ fn fast_until(coord: &Coordinator, tables: &[Table], state: &TokenState) -> u64 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::block_tables::TableOut;
     use crate::engine::coordinator::{EvictionOrder, PrefixMatch};
     use crate::engine::events::KvEvent;
     use crate::engine::group::GroupKind;
@@ -668,7 +577,7 @@ mod tests {
     fn add_request_refuses_duplicates_and_empty_prompts_and_can_skip_the_cache() {
         let mut c = hybrid(64);
         run_and_finish(&mut c, A, toks(0..16));
-        assert_eq!(add(&mut c, B, toks(0..16)), 12);
+        assert_eq!(add(&mut c, B, toks(0..16)), (0, 12));
         let again = prompt(&c, toks(0..16));
         assert!(matches!(
             c.add_request(B, again, true),
@@ -680,14 +589,17 @@ mod tests {
             Err(CoreError::InvalidArgument(_))
         ));
         assert!(!c.has_request(C));
+        // The refused adds took no slot: C gets slot 1.
         let p = prompt(&c, toks(0..16));
-        assert_eq!(c.add_request(C, p, false).unwrap(), 0);
+        assert_eq!(c.add_request(C, p, false).unwrap(), (1, 0));
         // Only the cache-using add counted a query.
         let s = c.stats();
         assert_eq!((s.prefix_queries_tokens, s.prefix_hits_tokens), (16 + 16, 12));
         // A prompt hashed for another base page size is refused.
         let wrong = Prompt::new(toks(0..8), Vec::new(), 2).unwrap();
         assert!(c.add_request(RequestIdRef::Int(9), wrong, true).is_err());
+        assert_eq!(c.num_requests(), 2);
+        c.check_invariants().unwrap();
     }
 
     #[test]
@@ -695,24 +607,24 @@ mod tests {
         let mut c = hybrid(64);
         let extra = vec!["lora-1".to_owned()];
         let p = Prompt::new(toks(0..6), extra.clone(), 4).unwrap();
-        c.add_request(A, p, true).unwrap();
+        let (at, _) = c.add_request(A, p, true).unwrap();
+        let sa = u64::try_from(at).unwrap();
         for t in 6..23 {
-            c.append_tokens(A, &[t]).unwrap();
+            c.append_tokens(&[sa], &[t], None).unwrap();
         }
-        c.append_tokens(A, &toks(23..30)).unwrap();
-        let at = c.find(A).unwrap();
+        append(&mut c, sa, &toks(23..30)).unwrap();
         let state = c.entries[at].tokens.as_ref().unwrap();
         assert_eq!(state.tokens, toks(0..30));
         assert_eq!(state.hashes, hash_pages(&toks(0..30), 4, &[], &extra).unwrap());
-        assert_eq!(c.num_tokens(A).unwrap(), 30);
+        assert_eq!(c.num_tokens(sa).unwrap(), 30);
     }
 
-    /// The arguments of one `append_tokens_batch` call.
-    type BatchAppend<'a> = (&'a [RequestIdRef<'a>], &'a [u32], Option<&'a [u64]>);
+    /// The arguments of one `append_tokens` call.
+    type BatchAppend<'a> = (&'a [u64], &'a [u32], Option<&'a [u64]>);
 
     #[test]
-    fn append_tokens_batch_is_append_tokens_per_request_after_validating_all() {
-        // Same operations twice: one batch call vs per-request append_tokens calls.
+    fn append_tokens_is_per_slot_in_order_after_validating_all() {
+        // Same operations twice: one batch call vs per-slot append_tokens calls.
         let tokens_of = |c: &FlatCache, r| {
             let at = c.find(r).unwrap();
             let s = c.entries[at].tokens.as_ref().unwrap();
@@ -720,17 +632,18 @@ mod tests {
         };
         let (mut one, mut batch) = (hybrid(64), hybrid(64));
         for c in [&mut one, &mut batch] {
-            add(c, A, toks(0..6));
-            add(c, B, toks(100..103));
+            assert_eq!(add(c, A, toks(0..6)).0, 0);
+            assert_eq!(add(c, B, toks(100..103)).0, 1);
         }
-        one.append_tokens(A, &[6]).unwrap();
-        one.append_tokens(B, &[103]).unwrap();
-        batch.append_tokens_batch(&[A, B], &[6, 103], None).unwrap();
-        // Counts: 3 for B, none for A, then 2 more for A (a repeated id appends in order).
-        one.append_tokens(B, &[104, 105, 106]).unwrap();
-        one.append_tokens(A, &[7, 8]).unwrap();
+        let (sa, sb) = (0, 1);
+        append(&mut one, sa, &[6]).unwrap();
+        append(&mut one, sb, &[103]).unwrap();
+        batch.append_tokens(&[sa, sb], &[6, 103], None).unwrap();
+        // Counts: 3 for B, none for A, then 2 more for A (a repeated slot appends in order).
+        append(&mut one, sb, &[104, 105, 106]).unwrap();
+        append(&mut one, sa, &[7, 8]).unwrap();
         batch
-            .append_tokens_batch(&[B, A, A], &[104, 105, 106, 7, 8], Some(&[3, 0, 2]))
+            .append_tokens(&[sb, sa, sa], &[104, 105, 106, 7, 8], Some(&[3, 0, 2]))
             .unwrap();
         for r in [A, B] {
             assert_eq!(tokens_of(&one, r), tokens_of(&batch, r));
@@ -741,64 +654,206 @@ mod tests {
             hash_pages::<&str>(&toks(0..9), 4, &[], &[]).unwrap()
         );
         // Errors change nothing, even when an earlier request in the batch was fine.
+        assert!(batch.acquire(C, 4).unwrap()); // a page-level request in slot 2
         let before = (tokens_of(&batch, A), tokens_of(&batch, B));
-        let bad: [BatchAppend<'_>; 5] = [
-            (&[A, B], &[1], None),                // one token per request
-            (&[A, B], &[1, 2, 3], Some(&[1])),    // counts per request
-            (&[A, B], &[1, 2, 3], Some(&[1, 1])), // counts add up to the tokens
-            (&[A, RequestIdRef::Str("zz")], &[1, 2], None),
-            (&[A, B], &[1, 2, 3], Some(&[u64::MAX, 4])),
+        let bad: [BatchAppend<'_>; 8] = [
+            (&[sa, sb], &[1], None),                // one token per request
+            (&[sa, sb], &[1, 2, 3], Some(&[1])),    // counts per request
+            (&[sa, sb], &[1, 2, 3], Some(&[1, 1])), // counts add up to the tokens
+            (&[sa, 3], &[1, 2], None),              // a never-used slot
+            (&[sa, u64::MAX], &[1, 2], None),       // a huge slot
+            (&[sa, 2], &[1, 2], None),              // a page-level request
+            (&[sa, sb], &[1, 2, 3], Some(&[u64::MAX, 4])),
+            (&[sa, sb], &[1, 2], Some(&[u64::MAX, 3])),
         ];
-        for (reqs, t, counts) in bad {
-            assert!(batch.append_tokens_batch(reqs, t, counts).is_err());
+        for (slots, t, counts) in bad {
+            assert!(batch.append_tokens(slots, t, counts).is_err());
         }
+        assert_eq!(
+            batch.append_tokens(&[sa, 3], &[1, 2], None),
+            Err(CoreError::UnknownSlot {
+                method: "append_tokens".into(),
+                slot: 3
+            })
+        );
         assert!(matches!(
-            batch.append_tokens_batch(&[A, RequestIdRef::Str("zz")], &[1, 2], None),
-            Err(CoreError::UnknownRequest(_))
+            batch.append_tokens(&[sa, 2], &[1, 2], None),
+            Err(CoreError::InvalidArgument(m)) if m.contains("page-level")
         ));
         assert_eq!((tokens_of(&batch, A), tokens_of(&batch, B)), before);
-        batch.append_tokens_batch::<RequestIdRef<'_>>(&[], &[], None).unwrap();
+        batch.append_tokens(&[], &[], None).unwrap();
+        batch.append_tokens(&[], &[], Some(&[])).unwrap();
         batch.check_invariants().unwrap();
     }
 
     #[test]
-    fn handles_name_their_request_until_it_is_gone() {
-        use crate::engine::Lookup;
-        let mut c = cache(vec![spec("full", GroupKind::Full, 4)], 32, CacheOptions::default());
-        add(&mut c, A, toks(0..20));
-        add(&mut c, B, toks(100..120));
-        let (ha, hb) = (c.handle(A).unwrap(), c.handle(B).unwrap());
-        assert!(c.handle(RequestIdRef::Str("zz")).is_none());
-        // A batch by handles acts like one by ids, repeats and order included.
-        let by_handle = [Lookup::Handle(hb), Lookup::Handle(ha), Lookup::Handle(hb)];
-        assert_eq!(c.schedule_batch(&by_handle, &[1, 2, 3]).unwrap(), vec![true; 3]);
+    fn slots_are_the_lowest_free_ones_and_reused_after_finish_and_preempt() {
+        let mut c = cache(vec![spec("full", GroupKind::Full, 4)], 64, CacheOptions::default());
+        let (d, e) = (RequestIdRef::Str("d"), RequestIdRef::Str("e"));
+        assert_eq!(add(&mut c, A, toks(0..20)), (0, 0));
+        assert_eq!(add(&mut c, B, toks(100..120)), (1, 0));
+        assert!(c.acquire(C, 4).unwrap()); // a page-level request takes a slot too
+        assert_eq!(c.slot_of(C), Some(2));
+        assert_eq!(add(&mut c, d, toks(200..204)).0, 3);
+        // A batch by slots: repeats and order included.
+        assert_eq!(c.schedule(&[1, 0, 1], &[1, 2, 3], 0).unwrap(), vec![true; 3]);
         assert_eq!(
-            (c.num_computed_tokens(A).unwrap(), c.num_computed_tokens(B).unwrap()),
+            (c.num_computed_tokens(0).unwrap(), c.num_computed_tokens(1).unwrap()),
             (2, 4)
         );
-        c.append_tokens_batch(&[Lookup::Handle(ha), Lookup::Id(B)], &[7, 8], None)
-            .unwrap();
-        assert_eq!((c.num_tokens(A).unwrap(), c.num_tokens(B).unwrap()), (21, 21));
-        // Finished, then added again (possibly in the same slot): the old handle is stale and
-        // refused, nothing moves; the new request has a new handle.
-        c.finish(A).unwrap();
-        assert!(!c.is_current(ha) && c.is_current(hb));
-        add(&mut c, A, toks(300..305));
-        assert!(!c.is_current(ha));
-        assert_ne!(c.handle(A), Some(ha));
-        assert!(c
-            .schedule_batch(&[Lookup::Handle(hb), Lookup::Handle(ha)], &[1, 1])
-            .is_err());
-        assert!(c.append_tokens_batch(&[Lookup::Handle(ha)], &[1], None).is_err());
+        c.append_tokens(&[0, 1], &[7, 8], None).unwrap();
+        assert_eq!((c.num_tokens(0).unwrap(), c.num_tokens(1).unwrap()), (21, 21));
+        // Finish slot 1 and preempt slot 0: both are free; nothing else moves.
+        c.finish(&[1]).unwrap();
+        assert_eq!(c.slot_of(B), None);
+        assert!(matches!(c.num_tokens(1), Err(CoreError::UnknownSlot { slot: 1, .. })));
+        let tokens = c.preempt(&[0]).unwrap();
+        assert_eq!(tokens, vec![[toks(0..20), vec![7]].concat()]);
+        assert_eq!((c.slot_of(C), c.slot_of(d)), (Some(2), Some(3)));
+        assert_eq!(c.num_tokens(3).unwrap(), 4);
+        // The next adds take the lowest free slots: 0, then 1, then past the end.
+        assert_eq!(add(&mut c, e, toks(300..305)).0, 0);
+        // Slot 0 now holds a fresh request: nothing of A's.
+        assert_eq!((c.num_computed_tokens(0).unwrap(), c.num_tokens(0).unwrap()), (0, 5));
+        assert_eq!(add(&mut c, A, tokens[0].clone()).0, 1);
+        assert_eq!(add(&mut c, B, toks(100..101)).0, 4);
+        for (slot, id) in [(0, e), (1, A), (2, C), (3, d), (4, B)] {
+            assert_eq!(c.id_of(slot).unwrap(), id);
+            assert_eq!(c.slot_of(id), Some(usize::try_from(slot).unwrap()));
+        }
+        assert_eq!(c.slot_of(RequestIdRef::Str("zz")), None);
+        // Several slots freed at once come back lowest first; a page-level free frees its
+        // slot too.
+        c.finish(&[3, 0]).unwrap();
+        c.free(C).unwrap();
+        let new: Vec<u64> = (10..14)
+            .map(|i| add(&mut c, RequestIdRef::Int(i), toks(0..4)).0)
+            .collect();
+        assert_eq!(new, vec![0, 2, 3, 5]);
+        assert_eq!(c.num_requests(), 6);
+        c.check_invariants().unwrap();
+        // Errors name the request in a slot by its id and slot.
+        let err = c.schedule(&[1], &[100], 0).unwrap_err().to_string();
+        assert!(err.contains("request 'a' (slot 1)"), "{err}");
+    }
+
+    #[test]
+    fn unknown_slots_are_refused_naming_the_method_and_nothing_changes() {
+        let mut c = hybrid(64);
+        let sa = add(&mut c, A, toks(0..8)).0;
+        let sb = add(&mut c, B, toks(0..8)).0;
+        assert!(sched(&mut c, sa, 4, 0).unwrap());
+        c.finish(&[sb]).unwrap(); // slot 1: free, below the slab's end
+        let snapshot = |c: &FlatCache| {
+            (
+                free_list(c),
+                c.page_ids(A).unwrap(),
+                c.num_computed_tokens(sa).unwrap(),
+                c.num_tokens(sa).unwrap(),
+                c.stats(),
+            )
+        };
+        let before = snapshot(&c);
         assert_eq!(
-            (c.num_computed_tokens(A).unwrap(), c.num_computed_tokens(B).unwrap()),
-            (0, 4)
+            c.schedule(&[sa, sb], &[1, 1], 0).unwrap_err().to_string(),
+            "schedule: slot 1 holds no request"
         );
-        assert_eq!(c.num_tokens(A).unwrap(), 5);
-        // Errors name the request a handle stands for, as its id would.
-        let by_id = c.schedule_batch(&[B], &[100]).unwrap_err().to_string();
-        let by_handle = c.schedule_batch(&[Lookup::Handle(hb)], &[100]).unwrap_err().to_string();
-        assert_eq!(by_id, by_handle);
+        // A free slot, a never-used one, one far past the end, the largest u64.
+        for slot in [sb, 2, 1000, u64::MAX] {
+            let unknown = |method: &str| CoreError::UnknownSlot {
+                method: method.into(),
+                slot,
+            };
+            assert_eq!(c.schedule(&[sa, slot], &[1, 1], 0), Err(unknown("schedule")));
+            assert_eq!(
+                c.append_tokens(&[sa, slot], &[1, 2], None),
+                Err(unknown("append_tokens"))
+            );
+            assert_eq!(c.finish(&[sa, slot]), Err(unknown("finish")));
+            assert_eq!(c.preempt(&[sa, slot]), Err(unknown("preempt")));
+            assert_eq!(c.reserve(&[sa, slot], &[1, 1]), Err(unknown("reserve")));
+            assert_eq!(c.num_computed_tokens(slot), Err(unknown("num_computed_tokens")));
+            assert_eq!(c.num_tokens(slot), Err(unknown("num_tokens")));
+            assert_eq!(c.reserved_pages(slot), Err(unknown("reserved_pages")));
+            assert_eq!(c.budget(Some(slot)), Err(unknown("budget")));
+            assert_eq!(c.id_of(slot), Err(unknown("id_of")));
+            assert_eq!(c.page_ids_in(slot), Err(unknown("page_ids")));
+            assert_eq!(c.tail_available_in(slot), Err(unknown("tail_available")));
+            assert_eq!(c.pages_needed_in(4, Some(slot)), Err(unknown("pages_needed")));
+            assert_eq!(c.loads_in_flight_in(slot), Err(unknown("loads_in_flight")));
+            if crate::FLAT_KVCACHE {
+                assert_eq!(c.block_tables_in(&[sa, slot]), Err(unknown("block_tables")));
+                let (mut g0, mut g1) = (vec![7; 2 * 4], vec![7; 2 * 4]);
+                let mut outs = [
+                    TableOut {
+                        data: &mut g0,
+                        rows: 2,
+                        cols: 4,
+                    },
+                    TableOut {
+                        data: &mut g1,
+                        rows: 2,
+                        cols: 4,
+                    },
+                ];
+                assert_eq!(
+                    c.write_block_tables_in(&[sa, slot], &mut outs),
+                    Err(unknown("block_tables"))
+                );
+                assert!(g0.iter().chain(&g1).all(|&v| v == 7));
+            }
+            assert_eq!(snapshot(&c), before);
+        }
+        // The slot-addressed reads answer for a held slot as the id-addressed ones do.
+        assert_eq!(c.page_ids_in(sa).unwrap(), c.page_ids(A).unwrap());
+        assert_eq!(c.tail_available_in(sa).unwrap(), c.tail_available(A).unwrap());
+        assert_eq!(
+            c.pages_needed_in(9, Some(sa)).unwrap(),
+            c.pages_needed(9, Some(A)).unwrap()
+        );
+        assert_eq!(c.pages_needed_in(9, None).unwrap(), c.pages_needed(9, None).unwrap());
+        if crate::FLAT_KVCACHE {
+            assert_eq!(c.block_tables_in(&[sa]).unwrap(), c.block_tables(&[A]).unwrap());
+        }
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn finish_and_preempt_refuse_a_repeated_slot_and_change_nothing() {
+        let mut c = hybrid(64);
+        let sa = add(&mut c, A, toks(0..8)).0;
+        let sb = add(&mut c, B, toks(100..110)).0;
+        assert_eq!(c.schedule(&[sa, sb], &[8, 10], 0).unwrap(), vec![true, true]);
+        c.reserve(&[sa], &[1]).unwrap();
+        let snapshot = |c: &FlatCache| {
+            (
+                free_list(c),
+                c.page_ids(A).unwrap(),
+                c.page_ids(B).unwrap(),
+                c.reserved_pages(sa).unwrap(),
+                c.stats(),
+            )
+        };
+        let before = snapshot(&c);
+        assert_eq!(
+            c.finish(&[sa, sb, sa]),
+            Err(CoreError::invalid("finish: slot 0 is listed twice"))
+        );
+        assert_eq!(
+            c.preempt(&[sb, sb]),
+            Err(CoreError::invalid("preempt: slot 1 is listed twice"))
+        );
+        // Nothing was registered, freed or counted (no pages cached, no preemption).
+        assert_eq!(snapshot(&c), before);
+        assert_eq!((c.stats().pages_cached, c.stats().preemptions), (0, 0));
+        assert!(c.has_request(A) && c.has_request(B));
+        // Listed once each, in any order: each request's tokens, in the order given.
+        let got = c.preempt(&[sb, sa]).unwrap();
+        assert_eq!(got, vec![toks(100..110), toks(0..8)]);
+        assert_eq!((c.num_requests(), c.stats().preemptions), (0, 2));
+        assert_eq!(c.budget(None).unwrap(), 63);
+        c.finish(&[]).unwrap();
+        assert!(c.preempt(&[]).unwrap().is_empty());
         c.check_invariants().unwrap();
     }
 
@@ -806,13 +861,13 @@ mod tests {
     fn schedule_registers_then_reclaims_then_acquires() {
         // Sliding only, P = 4, W = 5: at c tokens, slots below (c - 4) // 4 slid out.
         let mut c = cache(vec![spec("swa", sw(5), 4)], 5, CacheOptions::default());
-        add(&mut c, A, toks(0..16));
-        assert!(c.schedule(A, 12, 0).unwrap()); // pages 1, 2, 3; c = 12
+        let sa = add(&mut c, A, toks(0..16)).0;
+        assert!(sched(&mut c, sa, 12, 0).unwrap()); // pages 1, 2, 3; c = 12
         assert_eq!(c.page_ids(A).unwrap(), vec![vec![1, 2, 3]]);
         assert_eq!(c.coordinator().pool().num_free(), 1);
         // At c = 12: register base pages 0..3 (all full), THEN reclaim slots below
         // (12 - 4) // 4 = 2, THEN acquire 4 more tokens (one page).
-        assert!(c.schedule(A, 4, 0).unwrap());
+        assert!(sched(&mut c, sa, 4, 0).unwrap());
         assert_eq!(c.page_ids(A).unwrap(), vec![vec![0, 0, 3, 4]]);
         // The reclaimed pages were registered before they became holes: still cached and
         // free, evicted lowest slot first.
@@ -829,65 +884,70 @@ mod tests {
         // Pool of 3 real pages, W = 5, P = 4: the request needs a 4th page at c = 12, which
         // only exists because the step reclaims slots 0 and 1 first.
         let mut c = cache(vec![spec("swa", sw(5), 4)], 4, CacheOptions::default());
-        add(&mut c, A, toks(0..16));
-        assert!(c.schedule(A, 12, 0).unwrap());
+        let sa = add(&mut c, A, toks(0..16)).0;
+        assert!(sched(&mut c, sa, 12, 0).unwrap());
         assert_eq!(c.coordinator().pool().num_free(), 0);
-        assert!(c.schedule(A, 4, 0).unwrap());
+        assert!(sched(&mut c, sa, 4, 0).unwrap());
         assert_eq!(c.page_ids(A).unwrap(), vec![vec![0, 0, 3, 1]]);
     }
 
     #[test]
     fn lookahead_reserves_slots_without_moving_the_position() {
         let mut c = hybrid(64);
-        add(&mut c, A, toks(0..8));
-        assert!(c.schedule(A, 4, 3).unwrap());
+        let sa = add(&mut c, A, toks(0..8)).0;
+        assert!(sched(&mut c, sa, 4, 3).unwrap());
         // Room for 4 + 3 = 7 tokens: 2 pages per group; the position moved by 4 only.
-        assert_eq!(c.num_computed_tokens(A).unwrap(), 4);
+        assert_eq!(c.num_computed_tokens(sa).unwrap(), 4);
         assert_eq!(c.tail_available(A).unwrap(), vec![1, 1]);
         let free = c.coordinator().pool().num_free();
         // The next 3 tokens fit in the room already there: nothing allocated.
-        assert!(c.schedule(A, 3, 0).unwrap());
+        assert!(sched(&mut c, sa, 3, 0).unwrap());
         assert_eq!(c.coordinator().pool().num_free(), free);
         // n = 0 with a lookahead only reserves slots.
-        assert!(c.schedule(A, 0, 5).unwrap());
-        assert_eq!(c.num_computed_tokens(A).unwrap(), 7);
+        assert!(sched(&mut c, sa, 0, 5).unwrap());
+        assert_eq!(c.num_computed_tokens(sa).unwrap(), 7);
         assert_eq!(c.tail_available(A).unwrap(), vec![0, 0]);
         assert_eq!(c.coordinator().pool().num_free(), free - 2);
         // More tokens than known: an error, nothing changes.
-        assert!(matches!(c.schedule(A, 2, 0), Err(CoreError::InvalidArgument(_))));
-        assert!(matches!(c.schedule(A, 1, u64::MAX), Err(CoreError::Overflow { .. })));
-        assert_eq!(c.num_computed_tokens(A).unwrap(), 7);
+        assert!(matches!(sched(&mut c, sa, 2, 0), Err(CoreError::InvalidArgument(_))));
+        assert!(matches!(
+            sched(&mut c, sa, 1, u64::MAX),
+            Err(CoreError::Overflow { .. })
+        ));
+        assert_eq!(c.num_computed_tokens(sa).unwrap(), 7);
         c.check_invariants().unwrap();
     }
 
     #[test]
     fn failed_schedule_allocates_nothing_and_keeps_the_position() {
         let mut c = hybrid(5); // 4 real pages
-        add(&mut c, A, toks(0..20));
-        assert!(c.schedule(A, 4, 0).unwrap()); // 1 + 1 pages
-        c.reserve(A, 4).unwrap();
+        let sa = add(&mut c, A, toks(0..20)).0;
+        assert!(sched(&mut c, sa, 4, 0).unwrap()); // 1 + 1 pages
+        c.reserve(&[sa], &[4]).unwrap();
         let before = (c.page_ids(A).unwrap(), c.tail_available(A).unwrap(), free_list(&c));
         // 12 more tokens need 3 + 3 pages; 2 are free.
-        assert!(!c.schedule(A, 12, 0).unwrap());
+        assert!(!sched(&mut c, sa, 12, 0).unwrap());
         assert_eq!(
             (c.page_ids(A).unwrap(), c.tail_available(A).unwrap(), free_list(&c)),
             before
         );
-        assert_eq!(c.num_computed_tokens(A).unwrap(), 4);
+        assert_eq!(c.num_computed_tokens(sa).unwrap(), 4);
         // The reserve stays on failure.
-        assert_eq!(c.reserved_pages(A).unwrap(), 2);
+        assert_eq!(c.reserved_pages(sa).unwrap(), 2);
         c.check_invariants().unwrap();
     }
 
     #[test]
-    fn schedule_batch_is_all_or_nothing_per_request_in_order() {
+    fn schedule_is_all_or_nothing_per_slot_in_order() {
         let mut c = hybrid(9); // 8 real pages
-        for (req, len) in [(A, 8), (B, 24), (C, 4)] {
-            add(&mut c, req, toks(0..len));
-        }
+        let slots: Vec<u64> = [(A, 8), (B, 24), (C, 4)]
+            .into_iter()
+            .map(|(req, len)| add(&mut c, req, toks(0..len)).0)
+            .collect();
+        assert_eq!(slots, vec![0, 1, 2]);
         // a: 8 tokens -> 2 + 2 pages (4 left); b: 24 -> 6 + 6, does not fit: nothing for b;
         // c: 4 -> 1 + 1 fits after b failed.
-        let got = c.schedule_batch(&[A, B, C], &[8, 24, 4]).unwrap();
+        let got = c.schedule(&slots, &[8, 24, 4], 0).unwrap();
         assert_eq!(got, vec![true, false, true]);
         assert_eq!(c.page_ids(B).unwrap(), vec![Vec::<u32>::new(), vec![]]);
         assert_eq!(
@@ -895,49 +955,60 @@ mod tests {
             vec![vec![5], vec![6]],
             "c allocates in index order after a"
         );
-        assert_eq!([A, B, C].map(|r| c.num_computed_tokens(r).unwrap()), [8, 0, 4]);
+        assert_eq!([0, 1, 2].map(|s| c.num_computed_tokens(s).unwrap()), [8, 0, 4]);
+        // An empty call schedules nothing.
+        assert!(c.schedule(&[], &[], 3).unwrap().is_empty());
         c.check_invariants().unwrap();
     }
 
     #[test]
-    fn schedule_batch_validates_everything_before_changing_anything() {
+    fn schedule_validates_everything_before_changing_anything() {
         let mut c = hybrid(64);
-        add(&mut c, A, toks(0..8));
-        add(&mut c, B, toks(0..8));
+        let sa = add(&mut c, A, toks(0..8)).0;
+        let sb = add(&mut c, B, toks(0..8)).0;
         assert!(c.acquire(C, 4).unwrap()); // a page-level request
+        let sc = u64::try_from(c.slot_of(C).unwrap()).unwrap();
+        assert_eq!((sa, sb, sc), (0, 1, 2));
         let before = (free_list(&c), c.page_ids(A).unwrap());
-        let unknown = RequestIdRef::Str("zz");
         assert!(matches!(
-            c.schedule_batch(&[A, unknown], &[1, 1]),
-            Err(CoreError::UnknownRequest(_))
+            c.schedule(&[sa, 9], &[1, 1], 0),
+            Err(CoreError::UnknownSlot { slot: 9, .. })
         ));
         assert!(matches!(
-            c.schedule_batch(&[A, C], &[1, 1]),
+            c.schedule(&[sa, sc], &[1, 1], 0),
             Err(CoreError::InvalidArgument(_))
         ));
         assert!(matches!(
-            c.schedule_batch(&[A, B], &[1, 9]),
+            c.schedule(&[sa, sb], &[1, 9], 0),
             Err(CoreError::InvalidArgument(_))
         ));
-        // A repeated request counts its asks together: 5 + 5 > 8 known.
+        // A repeated slot counts its asks together: 5 + 5 > 8 known.
         assert!(matches!(
-            c.schedule_batch(&[A, A], &[5, 5]),
+            c.schedule(&[sa, sa], &[5, 5], 0),
             Err(CoreError::InvalidArgument(_))
         ));
+        assert_eq!(
+            c.schedule(&[sa], &[1, 1], 0),
+            Err(CoreError::invalid("num_new_tokens has 2 entries but slots has 1"))
+        );
         assert!(matches!(
-            c.schedule_batch(&[A], &[1, 1]),
-            Err(CoreError::InvalidArgument(_))
+            c.schedule(&[sb, sa], &[1, 1], u64::MAX),
+            Err(CoreError::Overflow { .. })
         ));
         assert_eq!((free_list(&c), c.page_ids(A).unwrap()), before);
-        assert_eq!(c.num_computed_tokens(A).unwrap(), 0);
+        assert_eq!(c.num_computed_tokens(sa).unwrap(), 0);
+        assert_eq!(c.num_computed_tokens(sb).unwrap(), 0);
         // The scratch counters were reset: the same batch within bounds now works.
-        assert_eq!(c.schedule_batch(&[A, A], &[4, 4]).unwrap(), vec![true, true]);
-        assert_eq!(c.num_computed_tokens(A).unwrap(), 8);
+        assert_eq!(c.schedule(&[sa, sa], &[4, 4], 0).unwrap(), vec![true, true]);
+        assert_eq!(c.num_computed_tokens(sa).unwrap(), 8);
         // Token-level methods refuse page-level requests.
-        assert!(matches!(c.schedule(C, 0, 0), Err(CoreError::InvalidArgument(_))));
-        assert!(matches!(c.num_tokens(C), Err(CoreError::InvalidArgument(_))));
-        assert!(matches!(c.finish(C), Err(CoreError::InvalidArgument(_))));
-        assert!(matches!(c.append_tokens(C, &[1]), Err(CoreError::InvalidArgument(_))));
+        assert!(matches!(sched(&mut c, sc, 0, 0), Err(CoreError::InvalidArgument(_))));
+        assert!(matches!(c.num_tokens(sc), Err(CoreError::InvalidArgument(_))));
+        assert!(matches!(c.num_computed_tokens(sc), Err(CoreError::InvalidArgument(_))));
+        assert!(matches!(c.finish(&[sc]), Err(CoreError::InvalidArgument(_))));
+        assert!(matches!(c.preempt(&[sc]), Err(CoreError::InvalidArgument(_))));
+        assert!(matches!(append(&mut c, sc, &[1]), Err(CoreError::InvalidArgument(_))));
+        assert!(c.has_request(C));
         // And page-level methods refuse token-level requests, naming the method and the
         // request; nothing changes (read-only page-level calls still answer).
         let before = (free_list(&c), c.page_ids(A).unwrap(), c.tail_available(A).unwrap());
@@ -961,6 +1032,10 @@ mod tests {
             before
         );
         assert!(c.pages_needed(4, Some(A)).is_ok() && c.pages_reclaimable(A, 8, true).is_ok());
+        // The reserve-carrying calls take any live slot, page-level included.
+        c.reserve(&[sc], &[4]).unwrap();
+        assert_eq!(c.reserved_pages(sc).unwrap(), 2);
+        assert!(c.budget(Some(sc)).is_ok());
         c.check_invariants().unwrap();
     }
 
@@ -1030,22 +1105,22 @@ mod tests {
     #[test]
     fn preempt_returns_the_tokens_and_the_re_added_request_hits_its_prefix() {
         let mut c = hybrid(64);
-        add(&mut c, A, toks(0..10));
-        assert!(c.schedule(A, 10, 0).unwrap());
+        let sa = add(&mut c, A, toks(0..10)).0;
+        assert!(sched(&mut c, sa, 10, 0).unwrap());
         for t in 10..14 {
-            c.append_tokens(A, &[t]).unwrap();
-            assert!(c.schedule(A, 1, 0).unwrap());
+            append(&mut c, sa, &[t]).unwrap();
+            assert!(sched(&mut c, sa, 1, 0).unwrap());
         }
-        c.reserve(A, 1).unwrap();
-        let tokens = c.preempt(A).unwrap();
+        c.reserve(&[sa], &[1]).unwrap();
+        let tokens = preempt1(&mut c, sa).unwrap();
         assert_eq!(tokens, toks(0..14));
         assert!(!c.has_request(A));
         assert_eq!(c.stats().preemptions, 1);
         assert_eq!(c.budget(None).unwrap(), 63);
         // 14 tokens computed -> base pages 0..3 registered on preempt; the re-added request
-        // matches (14 - 1) // 4 = 3 pages.
-        assert_eq!(add(&mut c, A, tokens), 12);
-        assert_eq!(c.num_computed_tokens(A).unwrap(), 12);
+        // matches (14 - 1) // 4 = 3 pages, in the slot the old one left.
+        assert_eq!(add(&mut c, A, tokens), (sa, 12));
+        assert_eq!(c.num_computed_tokens(sa).unwrap(), 12);
         c.check_invariants().unwrap();
     }
 
@@ -1065,11 +1140,11 @@ mod tests {
         let mut c = events_cache();
         let extra = vec!["salt".to_owned()];
         let p = Prompt::new(toks(0..13), extra.clone(), 4).unwrap();
-        c.add_request(A, p, true).unwrap();
+        let sa = u64::try_from(c.add_request(A, p, true).unwrap().0).unwrap();
         let h = hash_pages(&toks(0..13), 4, &[], &extra).unwrap();
-        assert!(c.schedule(A, 8, 0).unwrap()); // nothing to register at c = 0
+        assert!(sched(&mut c, sa, 8, 0).unwrap()); // nothing to register at c = 0
         assert!(c.take_events().is_empty());
-        assert!(c.schedule(A, 4, 0).unwrap()); // c = 8: registers base pages 0, 1
+        assert!(sched(&mut c, sa, 4, 0).unwrap()); // c = 8: registers base pages 0, 1
         let extra_keys: Arc<[String]> = Arc::from(extra);
         let stored = |hashes: Vec<ContentHash>, parent, tokens: Vec<u32>, group| KvEvent::Stored {
             hashes,
@@ -1089,8 +1164,8 @@ mod tests {
         // full, so the acquire of 1 + 1 pages is funded by reclaiming sliding slots 0 and 1
         // ((12 - 4) // 4 = 2), which evicts their keys: one BlockRemoved per allocation, g0's
         // (evicting slot 0) then g1's (evicting slot 1), both keys of group 1.
-        c.append_tokens(A, &[13]).unwrap();
-        assert!(c.schedule(A, 1, 0).unwrap());
+        append(&mut c, sa, &[13]).unwrap();
+        assert!(sched(&mut c, sa, 1, 0).unwrap());
         assert_eq!(
             c.take_events(),
             vec![
@@ -1199,11 +1274,11 @@ mod tests {
             64,
             CacheOptions::default(),
         );
-        add(&mut c, A, toks(0..1));
-        assert!(c.schedule(A, 1, 0).unwrap());
+        let sa = add(&mut c, A, toks(0..1)).0;
+        assert!(sched(&mut c, sa, 1, 0).unwrap());
         for t in 1..17 {
-            c.append_tokens(A, &[t]).unwrap();
-            assert!(c.schedule(A, 1, 0).unwrap());
+            append(&mut c, sa, &[t]).unwrap();
+            assert!(sched(&mut c, sa, 1, 0).unwrap());
         }
         let h = hash_pages::<&str>(&toks(0..17), 4, &[], &[]).unwrap();
         let pool = c.coordinator().pool();
@@ -1227,7 +1302,7 @@ mod tests {
             Some(ids[2][1])
         );
         // The whole 16-token prefix comes back for a 17-token prompt.
-        c.finish(A).unwrap();
+        c.finish(&[sa]).unwrap();
         assert_eq!(c.prefix_hit_tokens(&prompt(&c, toks(0..17))).unwrap(), 16);
         c.check_invariants().unwrap();
     }
@@ -1254,6 +1329,8 @@ mod tests {
             Preempt(u8),
             /// A page-level acquire of `n` tokens on a token-level request.
             PageAcquire(u8, u8),
+            /// Finish (or preempt) the live requests of a bit mask in one call.
+            EndMany(u8, bool),
         }
 
         fn op() -> impl Strategy<Value = Op> {
@@ -1266,6 +1343,7 @@ mod tests {
                 (0u8..4).prop_map(Op::Finish),
                 (0u8..4).prop_map(Op::Preempt),
                 (0u8..4, 0u8..12).prop_map(|(r, n)| Op::PageAcquire(r, n)),
+                (0u8..16, any::<bool>()).prop_map(|(m, p)| Op::EndMany(m, p)),
             ]
         }
 
@@ -1285,7 +1363,9 @@ mod tests {
         proptest! {
             /// Random token-level traffic on a small hybrid pool (full P = 4, sliding P = 8,
             /// state P = 8; either eviction order; events on) keeps every invariant, the
-            /// position never passes the known tokens, and a failed schedule changes nothing.
+            /// position never passes the known tokens, a failed schedule changes nothing, each
+            /// new request takes the lowest free slot, and a refused finish / preempt (a slot
+            /// listed twice) changes nothing.
             #[test]
             fn random_token_traffic_keeps_invariants(
                 ops in proptest::collection::vec(op(), 1..60),
@@ -1298,75 +1378,111 @@ mod tests {
                     CacheOptions { eviction_order: order, enable_kv_events: true, ..CacheOptions::default() },
                 );
                 let ids: Vec<RequestIdRef<'static>> = (0..4).map(RequestIdRef::Int).collect();
+                // The model: the slot of each id's live request.
+                let mut slots: [Option<u64>; 4] = [None; 4];
+                let lowest_free = |slots: &[Option<u64>; 4]| (0u64..=4).find(|s| !slots.contains(&Some(*s))).unwrap();
                 let mut next_token = 5000u32;
                 for op in ops {
                     match op {
                         Op::Add(r, p, len) => {
-                            let id = ids[usize::from(r)];
-                            if !c.has_request(id) {
-                                let hit = add(&mut c, id, family(p, len));
+                            let r = usize::from(r);
+                            if slots[r].is_none() {
+                                let (slot, hit) = add(&mut c, ids[r], family(p, len));
+                                prop_assert_eq!(slot, lowest_free(&slots));
+                                slots[r] = Some(slot);
                                 prop_assert!(hit < u64::from(len));
                                 prop_assert_eq!(hit % c.coordinator().lcm_page_size(), 0);
                             }
                         }
                         Op::Append(r, k) => {
-                            let id = ids[usize::from(r)];
-                            if c.has_request(id) {
+                            if let Some(slot) = slots[usize::from(r)] {
                                 let new: Vec<u32> = (0..u32::from(k)).map(|i| next_token + i).collect();
                                 next_token += u32::from(k);
-                                c.append_tokens(id, &new).unwrap();
+                                append(&mut c, slot, &new).unwrap();
                             }
                         }
                         Op::Schedule(r, n, ahead) => {
-                            let id = ids[usize::from(r)];
-                            if !c.has_request(id) {
+                            let Some(slot) = slots[usize::from(r)] else {
                                 continue;
-                            }
-                            let left = c.num_tokens(id).unwrap() - c.num_computed_tokens(id).unwrap();
+                            };
+                            let id = ids[usize::from(r)];
+                            let left = c.num_tokens(slot).unwrap() - c.num_computed_tokens(slot).unwrap();
                             let n = u64::from(n).min(left);
-                            let before = c.num_computed_tokens(id).unwrap();
-                            if c.schedule(id, n, u64::from(ahead)).unwrap() {
-                                prop_assert_eq!(c.num_computed_tokens(id).unwrap(), before + n);
-                                prop_assert_eq!(c.reserved_pages(id).unwrap(), 0);
+                            let before = c.num_computed_tokens(slot).unwrap();
+                            if sched(&mut c, slot, n, u64::from(ahead)).unwrap() {
+                                prop_assert_eq!(c.num_computed_tokens(slot).unwrap(), before + n);
+                                prop_assert_eq!(c.reserved_pages(slot).unwrap(), 0);
                             } else {
                                 // Steps 1-2 may have run; a second failing try changes nothing.
                                 let snap = (c.page_ids(id).unwrap(), c.tail_available(id).unwrap(), c.pool_stats());
-                                prop_assert!(!c.schedule(id, n, u64::from(ahead)).unwrap());
+                                prop_assert!(!sched(&mut c, slot, n, u64::from(ahead)).unwrap());
                                 let again = (c.page_ids(id).unwrap(), c.tail_available(id).unwrap(), c.pool_stats());
                                 prop_assert_eq!(snap, again);
-                                prop_assert_eq!(c.num_computed_tokens(id).unwrap(), before);
+                                prop_assert_eq!(c.num_computed_tokens(slot).unwrap(), before);
                             }
                         }
                         Op::Batch => {
-                            let live: Vec<RequestIdRef<'static>> =
-                                ids.iter().copied().filter(|&r| c.has_request(r)).collect();
+                            let live: Vec<u64> = slots.iter().flatten().copied().collect();
                             let ns: Vec<u64> = live
                                 .iter()
-                                .map(|&r| c.num_tokens(r).unwrap() - c.num_computed_tokens(r).unwrap())
+                                .map(|&s| c.num_tokens(s).unwrap() - c.num_computed_tokens(s).unwrap())
                                 .collect();
-                            let got = c.schedule_batch(&live, &ns).unwrap();
-                            for ((&r, &n), ok) in live.iter().zip(&ns).zip(got) {
-                                let done = c.num_computed_tokens(r).unwrap() == c.num_tokens(r).unwrap();
+                            let got = c.schedule(&live, &ns, 0).unwrap();
+                            prop_assert_eq!(got.len(), live.len());
+                            for ((&s, &n), ok) in live.iter().zip(&ns).zip(got) {
+                                let done = c.num_computed_tokens(s).unwrap() == c.num_tokens(s).unwrap();
                                 prop_assert!(!ok || done || n == 0);
                             }
                         }
                         Op::Reserve(r, t) => {
-                            let id = ids[usize::from(r)];
-                            if c.has_request(id) {
-                                c.reserve(id, u64::from(t)).unwrap();
+                            if let Some(slot) = slots[usize::from(r)] {
+                                c.reserve(&[slot], &[u64::from(t)]).unwrap();
                             }
                         }
                         Op::Finish(r) => {
-                            let id = ids[usize::from(r)];
-                            if c.has_request(id) {
-                                c.finish(id).unwrap();
+                            if let Some(slot) = slots[usize::from(r)].take() {
+                                c.finish(&[slot]).unwrap();
+                                prop_assert!(!c.has_request(ids[usize::from(r)]));
                             }
                         }
                         Op::Preempt(r) => {
-                            let id = ids[usize::from(r)];
-                            if c.has_request(id) {
-                                let tokens = c.preempt(id).unwrap();
-                                add(&mut c, id, tokens);
+                            let r = usize::from(r);
+                            if let Some(slot) = slots[r] {
+                                let tokens = preempt1(&mut c, slot).unwrap();
+                                slots[r] = None;
+                                // Re-added in the lowest free slot (this one, or a lower one).
+                                let (again, _) = add(&mut c, ids[r], tokens);
+                                prop_assert_eq!(again, lowest_free(&slots));
+                                prop_assert!(again <= slot);
+                                slots[r] = Some(again);
+                            }
+                        }
+                        Op::EndMany(mask, preempt) => {
+                            let picked: Vec<usize> = (0..4).filter(|&r| mask & (1 << r) != 0 && slots[r].is_some()).collect();
+                            let listed: Vec<u64> = picked.iter().filter_map(|&r| slots[r]).collect();
+                            if let Some(&first) = listed.first() {
+                                // A slot listed twice: refused before anything changes.
+                                let mut twice = listed.clone();
+                                twice.push(first);
+                                let snap = (c.num_requests(), c.pool_stats(), c.stats());
+                                if preempt {
+                                    prop_assert!(c.preempt(&twice).is_err());
+                                } else {
+                                    prop_assert!(c.finish(&twice).is_err());
+                                }
+                                prop_assert_eq!(snap, (c.num_requests(), c.pool_stats(), c.stats()));
+                            }
+                            let known: Vec<u64> = listed.iter().map(|&s| c.num_tokens(s).unwrap()).collect();
+                            if preempt {
+                                let got = c.preempt(&listed).unwrap();
+                                let lens: Vec<u64> = got.iter().map(|t| u64::try_from(t.len()).unwrap()).collect();
+                                prop_assert_eq!(lens, known);
+                            } else {
+                                c.finish(&listed).unwrap();
+                            }
+                            for r in picked {
+                                slots[r] = None;
+                                prop_assert!(!c.has_request(ids[r]));
                             }
                         }
                         Op::PageAcquire(r, n) => {
@@ -1383,15 +1499,19 @@ mod tests {
                         }
                     }
                     prop_assert_eq!(c.check_invariants(), Ok(()));
+                    for (r, slot) in slots.iter().enumerate() {
+                        let want = slot.map(|s| usize::try_from(s).unwrap());
+                        prop_assert_eq!(c.slot_of(ids[r]), want);
+                        if let Some(s) = *slot {
+                            prop_assert_eq!(c.id_of(s).unwrap(), ids[r]);
+                        }
+                    }
                     let b = c.budget(None).unwrap();
                     prop_assert!(b <= i128::try_from(c.pool_stats().num_free).unwrap());
                 }
                 c.take_events();
-                for &id in &ids {
-                    if c.has_request(id) {
-                        c.finish(id).unwrap();
-                    }
-                }
+                let live: Vec<u64> = slots.iter().flatten().copied().collect();
+                c.finish(&live).unwrap();
                 let s = c.stats();
                 prop_assert_eq!((s.pages_in_use, s.requests), (0, 0));
                 prop_assert_eq!(c.budget(None).unwrap(), 29);
