@@ -12,27 +12,32 @@ build on each other (no module imports one listed after it):
 - ``events``: the KV events the cache records, and the calls that hand them out;
 - ``coordinator``: the cache's state, and match / claim / acquire / register across groups
   (SPEC 7);
-- ``page_api``: what both protocols share (releasing, reclaiming and reading a request's
-  pages) and the page-level protocol: match, claim, acquire, register, reclaim, free, the dry
-  runs and the step operations (SPEC 6 to 8);
-- ``rows``: persistent block-table rows;
-- ``token_api``: requests that own their tokens (docs/requests-api.md);
-- ``admission``: admission accounting and reserves (SPEC 9);
-- ``block_tables``: flat per-group block tables (SPEC 8, 10);
+- ``block_tables``: flat per-group block tables (SPEC 8, 10), for a batch of requests each
+  class names its own way;
+- ``page_api``: what both protocols share (releasing and reclaiming a request's pages,
+  counting an acquire's pages) and the page-level protocol, whose requests are named by id:
+  match, claim, acquire, register, reclaim, free, the dry runs, the step operations (SPEC 6 to
+  8) and the readers by id;
+- ``rows``: persistent block-table rows (row ``s`` is the request in slot ``s``);
+- ``token_api``: requests that own their tokens, named by slot (docs/requests-api.md);
+- ``admission``: admission accounting, ``admit`` and reserves (SPEC 9);
 - ``stats`` and ``invariants``: metrics and the SPEC 1 checks.
 
 Two classes speak the two protocols, as the native ones do: :class:`FlatKVCache`, the
-token-level one (docs/requests-api.md), and :class:`PageCache`, the page-level one
-(docs/engine-api.md); a method of one is absent from the other. Both are assembled from
-mixins, one per module, rather than by composition: each module adds methods to the one object
-that holds the state, so a call such as ``decode_step`` or ``schedule`` runs exactly the code it
-ran as a single class (method lookup through the MRO is cached by the interpreter), with no
-forwarding layer on the hot path, and ``self._pool`` stays the attribute the tests and the
-invariant checks read. The mixins form chains where one needs another's calls
-(``Admission`` -> ``TokenApi`` -> ``PageTables`` + ``Rows`` -> ``Coordinator`` for
-``FlatKVCache``; ``PageApi`` -> ``PageTables`` -> ``Coordinator`` for ``PageCache``); the
-independent ones (``BlockTables``, ``Stats``, ``Invariants``) sit directly on ``Coordinator``,
-and ``KVEvents`` only declares the attributes it reads.
+token-level one (docs/requests-api.md), whose requests are named by slot after they are added,
+and :class:`PageCache`, the page-level one (docs/engine-api.md), whose requests are named by
+id; a method of one is absent from the other, and a reader both have (``page_ids``,
+``tail_available``, ``pages_needed``, ``loads_in_flight``, ``block_tables``) takes a slot on
+one and an id on the other. Both are assembled from mixins, one per module, rather than by
+composition: each module adds methods to the one object that holds the state, so a call such
+as ``decode_step`` or ``schedule`` runs exactly the code it ran as a single class (method
+lookup through the MRO is cached by the interpreter), with no forwarding layer on the hot
+path, and ``self._pool`` stays the attribute the tests and the invariant checks read. The
+mixins form chains where one needs another's calls (``Admission`` -> ``TokenApi`` ->
+``PageTables`` + ``Rows`` for ``FlatKVCache``; ``PageApi`` -> ``PageTables`` for
+``PageCache``; ``PageTables`` -> ``BlockTables`` -> ``Coordinator``, ``Rows`` ->
+``Coordinator``); the independent ones (``Stats``, ``Invariants``) sit directly on
+``Coordinator``, and ``KVEvents`` only declares the attributes it reads.
 
 The only native thing the reference reads is the build flag ``flat_kvcache._native.FLAT_KVCACHE``,
 looked up at call time (see ``block_tables``) so tests can switch it.
@@ -42,7 +47,6 @@ from __future__ import annotations
 
 from flat_kvcache._types import KVCacheSpec, kv_cache_specs
 from flat_kvcache.reference.engine.admission import Admission
-from flat_kvcache.reference.engine.block_tables import BlockTables
 from flat_kvcache.reference.engine.coordinator import PrefixMatch
 from flat_kvcache.reference.engine.events import KVEvents
 from flat_kvcache.reference.engine.hash import fold_hashes, group_key, hash_page, hash_pages
@@ -65,9 +69,11 @@ __all__ = [
 ]
 
 
-class FlatKVCache(Admission, BlockTables, KVEvents, Stats, Invariants):
+class FlatKVCache(Admission, KVEvents, Stats, Invariants):
     """Every attention group of one model over one shared page pool (SPEC 6 to 9), with
-    requests that own their tokens: the token-level protocol (docs/requests-api.md).
+    requests that own their tokens: the token-level protocol (docs/requests-api.md). A request
+    enters by id (``add_request``, ``admit``) and gets the lowest free slot; every later call
+    names it by that slot.
 
     ``base`` (gcd) and ``lcm`` of the page sizes tie the groups together: content hashes are
     per base page, a group of page size ``P_g`` folds ``m_g = P_g / base`` of them per key, and
@@ -79,7 +85,7 @@ class FlatKVCache(Admission, BlockTables, KVEvents, Stats, Invariants):
     """
 
 
-class PageCache(PageApi, BlockTables, KVEvents, Stats, Invariants):
+class PageCache(PageApi, KVEvents, Stats, Invariants):
     """Every attention group of one model over one shared page pool (SPEC 6 to 8), for engines
     that keep their own request state: the page-level protocol (docs/engine-api.md).
 

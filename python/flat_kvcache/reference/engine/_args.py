@@ -26,7 +26,9 @@ __all__ = [
     "MAX_PAGES",
     "U32_MAX",
     "U64_MAX",
+    "Counts",
     "RequestId",
+    "SlotArray",
     "TokenIds",
     "align_down",
     "as_content_hashes",
@@ -38,6 +40,8 @@ __all__ = [
     "as_pool_size",
     "as_request_id",
     "as_request_ids",
+    "as_slot",
+    "as_slots",
     "as_token_ids",
     "batch_items",
     "check_u64",
@@ -65,6 +69,10 @@ _LOWER_HEX_DIGITS = frozenset("0123456789abcdef")
 RequestId = str | int
 #: Token ids: a sequence of ints or a 1-D numpy integer array.
 TokenIds = Sequence[int] | npt.NDArray[np.integer[Any]]
+#: Slots of a token-level batch call (docs/requests-api.md "Slots"): ints or a 1-D integer array.
+SlotArray = Sequence[int] | npt.NDArray[np.integer[Any]]
+#: One count per entry of a batch call: ints or a 1-D integer array.
+Counts = Sequence[int] | npt.NDArray[np.integer[Any]]
 
 
 def check_u64(value: int, name: str) -> int:
@@ -262,3 +270,15 @@ def as_request_ids(reqs: object) -> list[RequestId]:
     """The ids of a batch call: a sequence of request ids (see :func:`batch_items`: text and
     bytes are refused, never split into characters or byte values)."""
     return [as_request_id(req) for req in batch_items(reqs, "reqs", "request ids")]
+
+
+def as_slot(value: object) -> int:
+    """The slot argument of a one-slot call: a count named ``slot`` (TypeError / ValueError /
+    OverflowError naming it)."""
+    return as_count(value, "slot")
+
+
+def as_slots(values: object) -> list[int]:
+    """The slots of a batch call: counts named ``slots[i]`` (a str, bytes or masked array is
+    a TypeError naming ``slots``)."""
+    return as_counts(values, "slots")

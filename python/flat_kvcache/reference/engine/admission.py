@@ -5,11 +5,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from flat_kvcache.reference.engine._args import (
+    Counts,
     RequestId,
+    SlotArray,
     TokenIds,
     as_count,
+    as_counts,
     as_flag,
     as_request_id,
+    as_slots,
     check_u64_total,
 )
 from flat_kvcache.reference.engine.token_api import TokenApi
@@ -18,7 +22,7 @@ __all__ = ["Admission"]
 
 
 class Admission(TokenApi):
-    """Read-only admission probes and the per-request reserves."""
+    """Read-only admission probes, ``admit``, and the per-request reserves (by slot)."""
 
     def prefix_hit_tokens(self, prompt_token_ids: TokenIds, *, extra_keys: Sequence[str] = ()) -> int:
         """The (capped) hit ``add_request`` would get, read-only."""
@@ -51,18 +55,19 @@ class Admission(TokenApi):
         *,
         extra_keys: Sequence[str] = (),
         use_prefix_cache: bool = True,
-        row: int | None = None,
-    ) -> tuple[int, int] | None:
+    ) -> tuple[int, int, int] | None:
         """SPEC 9 admission: the first chunk is ``min(len - hit, max_new_tokens)`` tokens after
         the capped hit, plus one token of reserve when it completes the prompt. None (nothing
-        changes) when ``pages_needed_to_admit(prompt, chunk, reserve)`` exceeds ``budget()``;
-        else ``add_request`` and ``(hit, chunk)``. The prompt is hashed and matched once."""
+        changes) when rows are bound and all their slots are held, or when
+        ``pages_needed_to_admit(prompt, chunk, reserve)`` exceeds ``budget()``; else
+        ``add_request`` and ``(slot, hit, chunk)``. The prompt is hashed and matched once."""
         use_cache = as_flag(use_prefix_cache, "use_prefix_cache")
         key = as_request_id(req)
         limit = as_count(max_new_tokens, "max_new_tokens")
-        wanted_row = None if row is None else as_count(row, "row")
         tokens, hashes, keys = self._hash_prompt(prompt_token_ids, extra_keys)
-        row_index = self._check_new_request("admit", key, tokens, wanted_row)
+        self._check_new_request("admit", key, tokens)
+        if not self._slot_available():
+            return None
         hit, pages = self._capped_match(hashes, len(tokens)) if use_cache else (0, None)
         chunk = min(len(tokens) - hit, limit)
         reserve = 1 if hit + chunk == len(tokens) else 0
@@ -70,20 +75,29 @@ class Admission(TokenApi):
         device, loads = (0, 0) if pages is None else self._tiered_claim_cost(pages)
         if self.pages_needed(chunk + reserve) + device + loads > self.budget():
             return None
-        self._add_checked(key, tokens, hashes, keys, use_cache, row_index)
-        return hit, chunk
+        slot, hit = self._add_checked(key, tokens, hashes, keys, use_cache)
+        return slot, hit, chunk
 
-    def reserve(self, req: RequestId, tokens: int) -> None:
-        """Promise ``pages_needed(tokens, req)`` pages to the request's next decode (replaces)."""
-        key = as_request_id(req)
-        count = as_count(tokens, "tokens")
-        self._reserves[key] = self.pages_needed(count, key)
+    def reserve(self, slots: SlotArray, tokens: Counts) -> None:
+        """Promise ``pages_needed(tokens[i], slots[i])`` pages to the next decode of the request
+        in ``slots[i]`` (replacing its reserve; 0 clears it; a repeated slot: the last counts).
 
-    def budget(self, req: RequestId | None = None) -> int:
-        """Free pages minus the reserves of every request other than ``req`` (may be negative)."""
+        Checked first: the slots and the counts, their lengths, then each slot in order."""
+        indices = as_slots(slots)
+        counts = as_counts(tokens, "tokens")
+        if len(counts) != len(indices):
+            raise ValueError(f"tokens has {len(counts)} entries but slots has {len(indices)}")
+        planned = []
+        for slot, count in zip(indices, counts, strict=True):
+            key = self._held("reserve", slot)
+            planned.append((key, self._pages_needed(self._requests[key], count)))
+        for key, pages in planned:
+            self._reserves[key] = pages
+
+    def budget(self, slot: int | None = None) -> int:
+        """Free pages minus the reserves of every request other than the one in ``slot`` (may
+        be negative)."""
         own = 0
-        if req is not None:
-            key = as_request_id(req)
-            self._tables(key)
-            own = self._reserves.get(key, 0)
+        if slot is not None:
+            own = self._reserves.get(self._slot_request("budget", slot), 0)
         return self._pool.num_free - (sum(self._reserves.values()) - own)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from flat_kvcache.errors import FlatUnavailableError
-from flat_kvcache.reference.engine._args import RequestId, as_request_ids, shown_id
 from flat_kvcache.reference.engine.coordinator import Coordinator
 from flat_kvcache.reference.engine.table import Table
 
@@ -38,25 +37,35 @@ def flat_build_enabled() -> bool:
 
 
 class BlockTables(Coordinator):
-    """``block_tables``: every group's table of a batch of requests."""
+    """What ``block_tables`` does once the requests are named: every group's table of a batch.
 
-    def block_tables(self, reqs: Sequence[RequestId], out: Any = None) -> Any:
-        """Flat per-group block tables for a batch (SPEC 8): ``{group_id: int32 [len(reqs), cols]}``.
+    Each class names its requests its own way (``FlatKVCache`` by slot, ``PageCache`` by id)
+    and defines the public ``block_tables`` on top of :meth:`_block_tables`.
+    """
 
-        ``cols`` is the longest of those requests' tables in the group; holes are 0 and padding
-        past a row's end is -1; rows follow ``reqs`` (repeats allowed). Unavailable without the
-        ``flat`` build feature (SPEC 10): never a silent single-table fallback.
-
-        With ``out`` (a mapping group_id -> writable C-contiguous int32 numpy array or CPU torch
-        tensor ``[>= len(reqs), cols]`` for every group), row ``r`` of each buffer is written in
-        place and ``out`` is returned; rows past ``len(reqs)`` are untouched. Every check (the
-        buffers, then the requests, then rows and columns) happens before anything is written.
-        """
+    @staticmethod
+    def _check_flat_build() -> None:
+        """Unavailable without the ``flat`` build feature (SPEC 10): never a silent fallback."""
         if not flat_build_enabled():
             raise FlatUnavailableError(FLAT_OFF_MESSAGE)
-        keys = as_request_ids(reqs)
+
+    def _block_tables(
+        self, resolve: Callable[[], list[list[Table]]], name: Callable[[int], str], out: Any
+    ) -> Any:
+        """Flat per-group block tables for a batch (SPEC 8): ``{group_id: int32 [len(rows), cols]}``.
+
+        ``resolve()`` looks up each row's tables (raising for a request it does not find);
+        ``name(r)`` names row ``r``'s request in an error. ``cols`` is the longest of those
+        tables in the group; holes are 0 and padding past a row's end is -1; rows follow the
+        batch (repeats allowed).
+
+        With ``out`` (a mapping group_id -> writable C-contiguous int32 numpy array or CPU torch
+        tensor ``[>= len(rows), cols]`` for every group), row ``r`` of each buffer is written in
+        place and ``out`` is returned; rows past the batch are untouched. Every check (the
+        buffers, then the requests, then rows and columns) happens before anything is written.
+        """
         if out is None:
-            rows = [self._tables(key) for key in keys]
+            rows = resolve()
             result: dict[str, npt.NDArray[np.int32]] = {}
             for group, group_id in enumerate(self._group_ids):
                 cols = max((len(tables[group].pages) for tables in rows), default=0)
@@ -65,18 +74,18 @@ class BlockTables(Coordinator):
                 result[group_id] = array
             return result
         buffers = out_buffers(out, self._group_ids)
-        rows = [self._tables(key) for key in keys]
+        rows = resolve()
         for group, (group_id, array) in enumerate(zip(self._group_ids, buffers, strict=True)):
             if array.shape[0] < len(rows):
                 raise ValueError(
                     f"block_tables: out[{group_id!r}] has {array.shape[0]} rows, "
                     f"fewer than the {len(rows)} requests"
                 )
-            for key, tables in zip(keys, rows, strict=True):
+            for row, tables in enumerate(rows):
                 if len(tables[group].pages) > array.shape[1]:
                     raise ValueError(
-                        f"block_tables: out[{group_id!r}] has {array.shape[1]} columns but request "
-                        f"{shown_id(key)} has {len(tables[group].pages)} pages in that group"
+                        f"block_tables: out[{group_id!r}] has {array.shape[1]} columns but "
+                        f"{name(row)} has {len(tables[group].pages)} pages in that group"
                     )
         for group, array in enumerate(buffers):
             self._fill_rows(array, rows, group)

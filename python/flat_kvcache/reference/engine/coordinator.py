@@ -5,12 +5,13 @@ The public page-level calls built on these (``match_prefix``, ``claim``, ``acqui
 calls use the same private steps.
 
 :class:`Coordinator` owns everything a cache holds (the pool, one manager per group, the
-request tables, the token-level states, reserves, counters and the event list); the other
-modules of this package add calls on top of it.
+request tables keyed by id, the token-level states, their slots, reserves, counters and the
+event list); the other modules of this package add calls on top of it.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -149,6 +150,12 @@ class Coordinator:
         # pages promised to any request's next decode (SPEC 9).
         self._token_states: dict[RequestId, TokenState] = {}
         self._reserves: dict[RequestId, int] = {}
+        # Slots of token-level requests (docs/requests-api.md "Slots"): a new request takes the
+        # lowest slot no live request holds: the lowest freed one, else the next never used.
+        self._slot_of: dict[RequestId, int] = {}
+        self._id_at: dict[int, RequestId] = {}
+        self._vacant_slots: list[int] = []  # a min-heap of freed slots below _slots_used
+        self._slots_used = 0
         self._counters = {
             "prefix_queries_tokens": 0,
             "prefix_hits_tokens": 0,
@@ -197,9 +204,6 @@ class Coordinator:
     def num_requests(self) -> int:
         return len(self._requests)
 
-    def has_request(self, req: RequestId) -> bool:
-        return as_request_id(req) in self._requests
-
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(group_ids={self._group_ids}, num_pages={self._pool.num_blocks}, "
@@ -222,8 +226,42 @@ class Coordinator:
         if key in self._token_states:
             raise ValueError(f"{method}: request {shown_id(key)} is token-level (created by add_request)")
 
-    def _vacate_row(self, key: RequestId) -> None:
-        """A request is gone: nothing to do without persistent rows (``Rows`` frees its row)."""
+    # -- slots (token-level requests) -----------------------------------------------------------
+
+    def _next_slot(self) -> int:
+        """The slot the next token-level request would get: the lowest one no live request holds."""
+        return self._vacant_slots[0] if self._vacant_slots else self._slots_used
+
+    def _take_slot(self, key: RequestId) -> int:
+        """Give the new request ``key`` the lowest free slot; returns it."""
+        if self._vacant_slots:
+            slot = heapq.heappop(self._vacant_slots)
+        else:
+            slot = self._slots_used
+            self._slots_used += 1
+        self._slot_of[key] = slot
+        self._id_at[slot] = key
+        return slot
+
+    def _free_slot(self, key: RequestId) -> None:
+        """The request ``key`` is gone: its slot (if it held one) may be given out again."""
+        slot = self._slot_of.pop(key, None)
+        if slot is not None:
+            del self._id_at[slot]
+            heapq.heappush(self._vacant_slots, slot)
+
+    def _held(self, method: str, slot: int) -> RequestId:
+        """The id of the request in the checked ``slot``; ``UnknownRequestError`` (a
+        ``KeyError``) naming ``method`` if the slot holds none."""
+        key = self._id_at.get(slot)
+        if key is None:
+            raise UnknownRequestError(f"{method}: slot {slot} holds no request")
+        return key
+
+    def _named(self, key: RequestId) -> str:
+        """A request as messages name it: ``'a' (slot 3)`` for one in a slot, else ``'a'``."""
+        slot = self._slot_of.get(key)
+        return shown_id(key) if slot is None else f"{shown_id(key)} (slot {slot})"
 
     def _tables_or_new(self, req: RequestId) -> list[Table]:
         """The request's tables, created empty on first use (claim, acquire, first chunk)."""
@@ -454,7 +492,7 @@ class Coordinator:
         n = self._loading.get(key, 0)
         if n:
             raise ValueError(
-                f"{method}: request {shown_id(key)} has {n} host page load(s) in flight; run "
+                f"{method}: request {self._named(key)} has {n} host page load(s) in flight; run "
                 "take_transfers() and ack_transfers() first (loads_in_flight tells when it can be scheduled)"
             )
 
@@ -523,12 +561,6 @@ class Coordinator:
                         del self._loading[op.owner_key]
             self._pool.free([op.device])
         self._store_released()
-
-    def loads_in_flight(self, req: RequestId) -> int:
-        """Host-tier loads of ``req`` not acknowledged yet (0: it can be scheduled)."""
-        key = as_request_id(req)
-        self._tables(key)
-        return self._loading.get(key, 0)
 
     def transfers_in_flight(self) -> int:
         """Transfers emitted and not acknowledged yet."""

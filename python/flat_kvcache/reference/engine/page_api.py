@@ -1,15 +1,18 @@
 """Page-level calls (docs/engine-api.md, SPEC 6 to 8): the caller brings the content hashes.
 
 :class:`PageTables` holds what both protocols share: releasing and reclaiming a request's
-pages, ``pages_needed`` and reading tables. :class:`PageApi` adds the page-level protocol of
-``PageCache``: match, claim, acquire, register, reclaim, free, the dry runs an admission check
-needs, and the three step operations (first prefill chunk, later chunk, decode step) built on
-the coordinator.
+pages and counting the pages an acquire needs (each class names its requests its own way, so
+the public readers are on the classes). :class:`PageApi` adds the page-level protocol of
+``PageCache``, whose requests are named by id: match, claim, acquire, register, reclaim, free,
+the dry runs an admission check needs, the three step operations (first prefill chunk, later
+chunk, decode step) built on the coordinator, and the readers by id (``has_request``,
+``page_ids``, ``tail_available``, ``pages_needed``, ``loads_in_flight``, ``block_tables``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from flat_kvcache.reference.engine._args import (
     RequestId,
@@ -17,17 +20,20 @@ from flat_kvcache.reference.engine._args import (
     as_count,
     as_flag,
     as_request_id,
+    as_request_ids,
     check_u64_total,
+    shown_id,
 )
-from flat_kvcache.reference.engine.coordinator import Coordinator, PrefixMatch
+from flat_kvcache.reference.engine.block_tables import BlockTables
+from flat_kvcache.reference.engine.coordinator import PrefixMatch
 from flat_kvcache.reference.engine.table import Table
 
 __all__ = ["PageApi", "PageTables"]
 
 
-class PageTables(Coordinator):
+class PageTables(BlockTables):
     """What both protocols share on top of the coordinator: releasing and reclaiming a
-    request's pages, ``pages_needed`` and reading tables."""
+    request's pages, counting the pages an acquire needs, and writing block tables."""
 
     def _reclaim(self, tables: list[Table], computed: int) -> None:
         """:meth:`reclaim` on a request's tables and a checked count."""
@@ -50,7 +56,7 @@ class PageTables(Coordinator):
             )
             # BlockPool.free releases in reverse list order: reverse to release in ``ordered``.
             self._pool.free([page for _, _, page in reversed(ordered)])
-        self._vacate_row(key)
+        self._free_slot(key)
         self._store_released()
         del self._requests[key]
         self._token_states.pop(key, None)
@@ -59,16 +65,27 @@ class PageTables(Coordinator):
 
     # -- admission helpers (SPEC 7, 9) ----------------------------------------------------------
 
-    def pages_needed(self, num_tokens: int, req: RequestId | None = None) -> int:
-        """Pages ``acquire(req, num_tokens)`` would allocate (fresh tables when ``req`` is None)."""
-        tables = None if req is None else self._tables(req)
-        count = as_count(num_tokens, "num_tokens")
+    def _pages_needed(self, tables: list[Table] | None, count: int) -> int:
+        """Pages an acquire of ``count`` tokens on ``tables`` would allocate (None: fresh tables)."""
         if tables is None:
             tables = [Table() for _ in self._managers]
         needed = sum(m.blocks_needed_for(t, count) for m, t in zip(self._managers, tables, strict=True))
         return check_u64_total(needed, "num_tokens")  # the native sum is a checked u64
 
-    # -- reading tables -------------------------------------------------------------------------
+
+class PageApi(PageTables):
+    """The page-level protocol (``PageCache``, docs/engine-api.md): the caller keeps each
+    request's state, names it by id and brings the content hashes."""
+
+    # -- reading requests by id -----------------------------------------------------------------
+
+    def has_request(self, req: RequestId) -> bool:
+        return as_request_id(req) in self._requests
+
+    def pages_needed(self, num_tokens: int, req: RequestId | None = None) -> int:
+        """Pages ``acquire(req, num_tokens)`` would allocate (fresh tables when ``req`` is None)."""
+        tables = None if req is None else self._tables(req)
+        return self._pages_needed(tables, as_count(num_tokens, "num_tokens"))
 
     def page_ids(self, req: RequestId) -> list[list[int]]:
         """Each group's table of the request (0 = hole)."""
@@ -78,10 +95,23 @@ class PageTables(Coordinator):
         """Each group's free token slots in the request's last page."""
         return [table.tail_avail for table in self._tables(req)]
 
+    def loads_in_flight(self, req: RequestId) -> int:
+        """Host-tier loads of ``req`` not acknowledged yet (0: it can be scheduled)."""
+        key = as_request_id(req)
+        self._tables(key)
+        return self._loading.get(key, 0)
 
-class PageApi(PageTables):
-    """The page-level protocol (``PageCache``, docs/engine-api.md): the caller keeps each
-    request's state and brings the content hashes."""
+    def block_tables(self, reqs: Sequence[RequestId], out: Any = None) -> Any:
+        """Flat per-group block tables of the requests ``reqs`` (SPEC 8): ``{group_id: int32
+        [len(reqs), cols]}``, or written into ``out`` (see
+        :meth:`~flat_kvcache.reference.engine.block_tables.BlockTables._block_tables`)."""
+        self._check_flat_build()
+        keys = as_request_ids(reqs)
+        return self._block_tables(
+            lambda: [self._tables(key) for key in keys],
+            lambda row: f"request {shown_id(keys[row])}",
+            out,
+        )
 
     # -- SPEC 7: across groups ------------------------------------------------------------------
 

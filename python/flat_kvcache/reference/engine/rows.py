@@ -1,13 +1,15 @@
 """Persistent block-table rows (docs/requests-api.md "Persistent rows"), done plainly.
 
-A token-level request added with ``row=k`` owns row ``k`` of the bound buffers until it is
-freed. ``update_rows`` computes every bound row as :meth:`block_tables` would (a windowed
-sliding group: ``cols`` slots from the row's offset, which stays while no real page is before
-it and the table ends within the row, else becomes 0 if that fits, else the first real
-page), diffs it against
-the rows it wrote last time (``full=True``: against the buffers themselves), writes the cells
-that differ and returns them. The native engine visits only the rows whose tables changed;
-doing every row here is what makes the two comparable.
+Row ``s`` of the bound buffers shows the token-level request in slot ``s`` (a free slot's row
+is padding). While rows are bound every live slot is below ``max_rows``: a new request that
+would get a slot past the rows is refused (``add_request``) or not admitted (``admit``), and
+binding fewer rows than a live request's slot is refused; unbinding keeps the slots.
+``update_rows`` computes every bound row as ``block_tables`` would (a windowed sliding group:
+``cols`` slots from the row's offset, which stays while no real page is before it and the
+table ends within the row, else becomes 0 if that fits, else the first real page), diffs it
+against the rows it wrote last time (``full=True``: against the buffers themselves), writes the
+cells that differ and returns them. The native engine visits only the rows whose tables
+changed; doing every row here is what makes the two comparable.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from flat_kvcache.errors import FlatUnavailableError
-from flat_kvcache.reference.engine._args import RequestId, as_count, as_flag, as_request_id, shown_id
+from flat_kvcache.reference.engine._args import as_flag, shown_id
 from flat_kvcache.reference.engine.block_tables import (
     FLAT_OFF_MESSAGE,
     check_int32_buffer,
@@ -42,20 +44,19 @@ class _Binding:
     offsets: list[Int32Array | None]
     written: list[Int32Array]
     written_offsets: list[Int32Array | None]
-    #: row -> the request that owns it
-    owners: dict[int, RequestId]
 
 
 class Rows(Coordinator):
-    """``bind_rows``, ``update_rows``, ``row_of`` and ``unbind_rows``."""
+    """``bind_rows``, ``update_rows`` and ``unbind_rows``, and the slot limit bound rows set."""
 
     _binding: _Binding | None = None
 
     def bind_rows(self, tables: Any, *, offsets: Any = None) -> None:
         """Bind ``tables`` (group id -> int32 ``[max_rows, cols]``) and optional windowed ``offsets``.
 
-        The buffers are filled with -1 (tables) and 0 (offsets). Requests that hold a row keep
-        it (it must be below the new row count) and are rewritten whole on the next update.
+        The buffers are filled with -1 (tables) and 0 (offsets). Row ``s`` shows the request in
+        slot ``s``: every live slot must be below the new row count (ValueError naming the
+        lowest one that is not); the live rows are written whole on the next update.
         """
         if not flat_build_enabled():
             raise FlatUnavailableError(FLAT_OFF_MESSAGE)
@@ -68,13 +69,13 @@ class Rows(Coordinator):
                     f"has {max_rows}: every group needs the same rows"
                 )
         windows = self._offset_buffers(offsets, max_rows, buffers)
-        owners = dict(self._binding.owners) if self._binding is not None else {}
-        for row, key in sorted(owners.items()):
-            if row >= max_rows:
-                raise ValueError(
-                    f"bind_rows: request {shown_id(key)} holds row {row}, but the new tables have "
-                    f"{max_rows} rows"
-                )
+        outside = [slot for slot in self._id_at if slot >= max_rows]
+        if outside:
+            slot = min(outside)
+            raise ValueError(
+                f"bind_rows: request {shown_id(self._id_at[slot])} holds slot {slot}, but the new "
+                f"tables have {max_rows} rows"
+            )
         for array in buffers:
             array.fill(-1)
         for window in windows:
@@ -85,7 +86,6 @@ class Rows(Coordinator):
             offsets=windows,
             written=[array.copy() for array in buffers],
             written_offsets=[None if w is None else w.copy() for w in windows],
-            owners=owners,
         )
 
     def _offset_buffers(
@@ -130,48 +130,27 @@ class Rows(Coordinator):
         return result
 
     def unbind_rows(self) -> None:
-        """Forget the bound rows: requests keep no rows."""
+        """Forget the bound rows; requests keep their slots."""
         self._binding = None
 
-    def row_of(self, req: RequestId) -> int | None:
-        """The row ``req`` holds, or None (``UnknownRequestError`` for an unknown id)."""
-        key = as_request_id(req)
-        self._tables(key)
-        if self._binding is None:
-            return None
-        return next((row for row, owner in self._binding.owners.items() if owner == key), None)
+    @staticmethod
+    def _max_rows(binding: _Binding) -> int:
+        """The rows bound (as bound: a buffer's shape changed in place does not count)."""
+        return int(binding.written[0].shape[0])
 
-    def _row_owner(self, method: str, row: int) -> RequestId:
-        """The request holding ``row`` (ValueError for ``method`` if none does)."""
-        if self._binding is None:
-            raise ValueError(f"{method}: no rows are bound (call bind_rows first)")
-        owner = self._binding.owners.get(row)
-        if owner is None:
-            raise ValueError(f"{method}: row {row} holds no request")
-        return owner
+    def _slot_available(self) -> bool:
+        """Whether a new request can take the next slot (with rows bound: one below ``max_rows``)."""
+        return self._binding is None or self._next_slot() < self._max_rows(self._binding)
 
-    def _check_row_free(self, row: object) -> int:
-        """The row a new request asks for, checked: bound, in range, not held."""
-        index = as_count(row, "row")
-        if self._binding is None:
-            raise ValueError("row: no rows are bound (call bind_rows first)")
-        max_rows = self._binding.tables[0].shape[0]
-        if index >= max_rows:
-            raise ValueError(f"row must be < {max_rows} (the bound tables' rows), got {index}")
-        if index in self._binding.owners:
-            raise ValueError(f"row {index} is held by request {shown_id(self._binding.owners[index])}")
-        return index
-
-    def _assign_row(self, key: RequestId, row: int) -> None:
-        assert self._binding is not None
-        self._binding.owners[row] = key
-
-    def _vacate_row(self, key: RequestId) -> None:
-        """The request is gone: its row (if any) goes back to padding on the next update."""
-        if self._binding is not None:
-            for row, owner in list(self._binding.owners.items()):
-                if owner == key:
-                    del self._binding.owners[row]
+    def _check_slot_free(self, method: str) -> None:
+        """ValueError for ``method`` when rows are bound and all their slots are held."""
+        if not self._slot_available():
+            assert self._binding is not None
+            max_rows = self._max_rows(self._binding)
+            raise ValueError(
+                f"{method}: all {max_rows} slots of the bound rows are held (finish a request or "
+                "bind more rows)"
+            )
 
     def update_rows(self, *, full: bool = False) -> tuple[dict[str, Int32Array], dict[str, Int32Array]]:
         """Write the cells that changed; return them and the changed offsets.
@@ -241,7 +220,7 @@ class Rows(Coordinator):
             )
             for table, window in zip(binding.tables, binding.offsets, strict=True)
         ]
-        for row, key in sorted(binding.owners.items()):
+        for row, key in sorted(self._id_at.items()):
             for group, group_id in enumerate(self._group_ids):
                 pages = self._requests[key][group].pages
                 cols = binding.tables[group].shape[1]

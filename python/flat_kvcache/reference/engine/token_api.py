@@ -1,8 +1,12 @@
 """Token-level requests (docs/requests-api.md; SPEC 8, 9, 12.4): the cache owns the tokens.
 
-``add_request`` hashes the prompt and claims its capped prefix hit; ``append_tokens`` hashes
-each base page once as it fills; ``schedule`` registers, reclaims and acquires at the
-request's position; ``finish`` / ``preempt`` register what was computed and free the request.
+Each live request holds a *slot*, the lowest int no live request holds (given by
+``add_request`` / ``admit``, freed by ``finish`` / ``preempt``); every later call names
+requests by slot, and the per-step calls take a whole array of slots. ``add_request`` hashes
+the prompt and claims its capped prefix hit; ``append_tokens`` hashes each base page once as it
+fills; ``schedule`` registers, reclaims and acquires at each request's position; ``finish`` /
+``preempt`` register what was computed and free the request and its slot. Every call checks
+all its arguments before anything changes.
 """
 
 from __future__ import annotations
@@ -14,14 +18,17 @@ import numpy as np
 import numpy.typing as npt
 
 from flat_kvcache.reference.engine._args import (
+    Counts,
     RequestId,
+    SlotArray,
     TokenIds,
     as_count,
     as_counts,
     as_extra_keys,
     as_flag,
     as_request_id,
-    as_request_ids,
+    as_slot,
+    as_slots,
     as_token_ids,
     check_u64_total,
     shown_id,
@@ -35,16 +42,28 @@ __all__ = ["TokenApi"]
 
 
 class TokenApi(PageTables, Rows):
-    """Requests that own their tokens (``FlatKVCache``), on the shared page steps and the
-    persistent rows a request may hold."""
+    """Requests that own their tokens (``FlatKVCache``), named by slot, on the shared page
+    steps; row ``s`` of the bound persistent rows is the request in slot ``s``."""
 
-    def _token_state(self, method: str, key: RequestId) -> tuple[list[Table], TokenState]:
-        """A token-level request's tables and state: KeyError if unknown, ValueError if page-level."""
-        tables = self._tables(key)
-        state = self._token_states.get(key)
-        if state is None:
-            raise ValueError(f"{method}: request {shown_id(key)} is page-level (not created by add_request)")
-        return tables, state
+    # -- slots ----------------------------------------------------------------------------------
+
+    def slot_of(self, req: RequestId) -> int | None:
+        """The slot of the live request ``req``, or None."""
+        return self._slot_of.get(as_request_id(req))
+
+    def id_of(self, slot: int) -> RequestId:
+        """The id the request in ``slot`` was added with (``UnknownRequestError`` if it holds none)."""
+        return self._slot_request("id_of", slot)
+
+    def _slot_request(self, method: str, slot: object) -> RequestId:
+        """The id of the request in the slot argument of a one-slot call, checked for ``method``."""
+        return self._held(method, as_slot(slot))
+
+    def _token_state(self, key: RequestId) -> tuple[list[Table], TokenState]:
+        """A live request's tables and token state (every request of this class has both)."""
+        return self._requests[key], self._token_states[key]
+
+    # -- adding a request -----------------------------------------------------------------------
 
     def _capped_match(self, hashes: list[str], num_tokens: int) -> tuple[int, list[list[int]]]:
         """The prefix match over the first ``max((len - 1) // base, 0)`` base pages (SPEC 9):
@@ -77,47 +96,36 @@ class TokenApi(PageTables, Rows):
         *,
         extra_keys: Sequence[str] = (),
         use_prefix_cache: bool = True,
-        row: int | None = None,
-    ) -> int:
-        """A new token-level request for a non-empty prompt; returns its prefix hit in tokens.
+    ) -> tuple[int, int]:
+        """A new token-level request for a non-empty prompt; returns ``(slot, hit)``.
 
         With caching on and ``use_prefix_cache`` the capped match is claimed and the request
-        starts computed up to the hit. Nothing else is allocated. ``row``: the request owns that
-        row of the tables bound by ``bind_rows`` (it must be free) until it is freed.
+        starts computed up to the hit. Nothing else is allocated. The request gets the lowest
+        free slot; with rows bound and all of their slots held it is refused (ValueError).
         """
         use_cache = as_flag(use_prefix_cache, "use_prefix_cache")
         key = as_request_id(req)
-        wanted_row = None if row is None else as_count(row, "row")
         tokens, hashes, keys = self._hash_prompt(prompt_token_ids, extra_keys)
-        row_index = self._check_new_request("add_request", key, tokens, wanted_row)
-        return self._add_checked(key, tokens, hashes, keys, use_cache, row_index)
+        self._check_new_request("add_request", key, tokens)
+        self._check_slot_free("add_request")
+        return self._add_checked(key, tokens, hashes, keys, use_cache)
 
-    def _check_new_request(
-        self, method: str, key: RequestId, tokens: list[int], row: int | None
-    ) -> int | None:
-        """Refuse, for ``method``, a request that cannot be added (its row not free, its id in
-        use, an empty prompt); returns the row's index, if any."""
-        row_index = None if row is None else self._check_row_free(row)
+    def _check_new_request(self, method: str, key: RequestId, tokens: list[int]) -> None:
+        """Refuse, for ``method``, a request that cannot be added (its id in use, an empty prompt)."""
         if key in self._requests:
             raise ValueError(f"{method}: request {shown_id(key)} already exists")
         if not tokens:
             raise ValueError("prompt_token_ids must not be empty")
-        return row_index
 
     def _add_checked(
-        self,
-        key: RequestId,
-        tokens: list[int],
-        hashes: list[str],
-        keys: list[str],
-        use_cache: bool,
-        row_index: int | None,
-    ) -> int:
-        """``add_request`` once its arguments are checked; returns the hit."""
+        self, key: RequestId, tokens: list[int], hashes: list[str], keys: list[str], use_cache: bool
+    ) -> tuple[int, int]:
+        """``add_request`` once its arguments are checked (a slot is free); returns ``(slot, hit)``."""
         hit = 0
         self._requests[key] = [Table() for _ in self._managers]
         state = TokenState(tokens, hashes, keys)
         self._token_states[key] = state
+        slot = self._take_slot(key)
         if use_cache and self._enable_caching:
             hit, pages = self._capped_match(hashes, len(tokens))
             self._claim_tiered(key, pages, state)
@@ -126,159 +134,142 @@ class TokenApi(PageTables, Rows):
             self._counters["host_hits_tokens"] += self._host_hit_tokens(pages, hit)
         state.computed = hit
         state.registered = hit // self._base
-        if row_index is not None:
-            self._assign_row(key, row_index)
-        return hit
+        return slot, hit
 
-    def append_tokens(self, req: RequestId, token_ids: TokenIds) -> None:
-        """Append newly known tokens; each base page that fills is hashed once, chained (SPEC 12.4)."""
-        key = as_request_id(req)
+    # -- appending tokens -----------------------------------------------------------------------
+
+    def append_tokens(self, slots: SlotArray, token_ids: TokenIds, num_tokens: Counts | None = None) -> None:
+        """Append newly known tokens: slot ``i`` gets the next ``num_tokens[i]`` entries of the
+        flat ``token_ids`` (exactly one each when ``num_tokens`` is None), in order; each base
+        page that fills is hashed once, chained (SPEC 12.4).
+
+        Checked first, in this order: the slots' types and values, the token values, the
+        ``num_tokens`` values, the lengths, then that each slot holds a request.
+        """
+        indices = as_slots(slots)
         tokens = as_token_ids(token_ids, "token_ids")
-        self._token_state("append_tokens", key)
-        self._append_checked(key, tokens)
+        counts = self._append_counts(len(indices), tokens, num_tokens)
+        keys = [self._held("append_tokens", slot) for slot in indices]
+        start = 0
+        for key, count in zip(keys, counts, strict=True):
+            self._append_checked(key, tokens[start : start + count])
+            start += count
+
+    @staticmethod
+    def _append_counts(length: int, tokens: list[int], num_tokens: Counts | None) -> list[int]:
+        """Tokens per slot of an append to ``length`` slots."""
+        if num_tokens is None:
+            if len(tokens) != length:
+                raise ValueError(
+                    f"token_ids has {len(tokens)} entries but slots has {length} "
+                    "(one token per request without num_tokens)"
+                )
+            return [1] * length
+        counts = as_counts(num_tokens, "num_tokens")
+        if len(counts) != length:
+            raise ValueError(f"num_tokens has {len(counts)} entries but slots has {length}")
+        total = check_u64_total(sum(counts), "num_tokens")
+        if total != len(tokens):
+            raise ValueError(f"num_tokens adds up to {total} but token_ids has {len(tokens)} entries")
+        return counts
 
     def _append_checked(self, key: RequestId, tokens: list[int]) -> None:
-        _, state = self._token_state("append_tokens", key)
+        state = self._token_states[key]
         state.tokens.extend(tokens)
         while len(state.hashes) < len(state.tokens) // self._base:
             start = len(state.hashes) * self._base
             prior = state.hashes[-1] if state.hashes else ""
             state.hashes.append(hash_page(state.tokens[start : start + self._base], prior, state.extra_keys))
 
-    def append_tokens_batch(
-        self,
-        reqs: Sequence[RequestId],
-        token_ids: TokenIds,
-        num_tokens: Sequence[int] | npt.NDArray[np.integer[Any]] | None = None,
-    ) -> None:
-        """``append_tokens`` for many requests in one call, after validating everything.
+    # -- reading one slot -----------------------------------------------------------------------
 
-        Request ``i`` gets the next ``num_tokens[i]`` entries of the flat ``token_ids``, or
-        exactly one each when ``num_tokens`` is None.
-        """
-        keys = as_request_ids(reqs)
-        tokens = as_token_ids(token_ids, "token_ids")
-        counts = self._append_counts(len(keys), "reqs", tokens, num_tokens)
-        for key in keys:
-            self._token_state("append_tokens_batch", key)
-        self._append_keys(keys, tokens, counts)
+    def num_computed_tokens(self, slot: int) -> int:
+        """Tokens computed so far by the request in ``slot``."""
+        return self._token_states[self._slot_request("num_computed_tokens", slot)].computed
 
-    def append_tokens_rows(
-        self,
-        rows: Sequence[int] | npt.NDArray[np.integer[Any]],
-        token_ids: TokenIds,
-        num_tokens: Sequence[int] | npt.NDArray[np.integer[Any]] | None = None,
-    ) -> None:
-        """``append_tokens_batch`` addressed by persistent rows (the request holding ``rows[i]``)."""
-        indices = as_counts(rows, "rows")
-        tokens = as_token_ids(token_ids, "token_ids")
-        counts = self._append_counts(len(indices), "rows", tokens, num_tokens)
-        keys = [self._row_owner("append_tokens_rows", row) for row in indices]
-        self._append_keys(keys, tokens, counts)
+    def num_tokens(self, slot: int) -> int:
+        """Tokens the request in ``slot`` knows (prompt plus appended)."""
+        return len(self._token_states[self._slot_request("num_tokens", slot)].tokens)
 
-    @staticmethod
-    def _append_counts(
-        length: int,
-        what: str,
-        tokens: list[int],
-        num_tokens: Sequence[int] | npt.NDArray[np.integer[Any]] | None,
-    ) -> list[int]:
-        """Tokens per entry of a batch append of ``length`` entries (``what`` names the batch)."""
-        if num_tokens is None:
-            if len(tokens) != length:
-                raise ValueError(
-                    f"token_ids has {len(tokens)} entries but {what} has {length} "
-                    "(one token per request without num_tokens)"
-                )
-            return [1] * length
-        counts = as_counts(num_tokens, "num_tokens")
-        if len(counts) != length:
-            raise ValueError(f"num_tokens has {len(counts)} entries but {what} has {length}")
-        total = check_u64_total(sum(counts), "num_tokens")
-        if total != len(tokens):
-            raise ValueError(f"num_tokens adds up to {total} but token_ids has {len(tokens)} entries")
-        return counts
+    def page_ids(self, slot: int) -> list[list[int]]:
+        """Each group's table of the request in ``slot`` (0 = hole)."""
+        return [list(table.pages) for table in self._requests[self._slot_request("page_ids", slot)]]
 
-    def _append_keys(self, keys: list[RequestId], tokens: list[int], counts: list[int]) -> None:
-        start = 0
-        for key, count in zip(keys, counts, strict=True):
-            self._append_checked(key, tokens[start : start + count])
-            start += count
+    def tail_available(self, slot: int) -> list[int]:
+        """Each group's free token slots in the last page of the request in ``slot``."""
+        return [table.tail_avail for table in self._requests[self._slot_request("tail_available", slot)]]
 
-    def num_computed_tokens(self, req: RequestId) -> int:
-        return self._token_state("num_computed_tokens", as_request_id(req))[1].computed
+    def loads_in_flight(self, slot: int) -> int:
+        """Host-tier loads of the request in ``slot`` not acknowledged yet (0: it can be scheduled)."""
+        return self._loading.get(self._slot_request("loads_in_flight", slot), 0)
 
-    def num_tokens(self, req: RequestId) -> int:
-        return len(self._token_state("num_tokens", as_request_id(req))[1].tokens)
+    def pages_needed(self, num_tokens: int, slot: int | None = None) -> int:
+        """Pages an acquire of ``num_tokens`` would allocate for the request in ``slot`` (fresh
+        tables when ``slot`` is None)."""
+        count = as_count(num_tokens, "num_tokens")
+        tables = None if slot is None else self._requests[self._slot_request("pages_needed", slot)]
+        return self._pages_needed(tables, count)
 
-    def _check_known(
-        self, method: str, key: RequestId, state: TokenState, n: int, row: int | None = None
-    ) -> None:
-        """``n`` more tokens from the request's position must be known (``row``: named too)."""
+    def block_tables(self, slots: SlotArray, out: Any = None) -> Any:
+        """Flat per-group block tables of the requests in ``slots`` (SPEC 8): ``{group_id:
+        int32 [len(slots), cols]}`` (row ``r``: the pages of ``slots[r]``, holes 0, then -1), or
+        written into ``out`` (see
+        :meth:`~flat_kvcache.reference.engine.block_tables.BlockTables._block_tables`)."""
+        self._check_flat_build()
+        indices = as_slots(slots)
+
+        def resolve() -> list[list[Table]]:
+            return [self._requests[self._held("block_tables", slot)] for slot in indices]
+
+        def name(row: int) -> str:
+            return f"request {self._named(self._id_at[indices[row]])}"
+
+        return self._block_tables(resolve, name, out)
+
+    # -- scheduling -----------------------------------------------------------------------------
+
+    def _check_known(self, method: str, key: RequestId, state: TokenState, n: int) -> None:
+        """``n`` more tokens from the request's position must be known."""
         if state.computed + n > len(state.tokens):
-            shown = shown_id(key) if row is None else f"{shown_id(key)} (row {row})"
             raise ValueError(
-                f"{method}: num_new_tokens = {n} for request {shown} asks for more tokens than are "
-                f"known: {state.computed} computed of {len(state.tokens)}"
+                f"{method}: num_new_tokens = {n} for request {self._named(key)} asks for more tokens "
+                f"than are known: {state.computed} computed of {len(state.tokens)}"
             )
 
-    def schedule(self, req: RequestId, num_new_tokens: int, *, lookahead: int = 0) -> bool:
-        """Schedule the next ``num_new_tokens`` known tokens at the request's position (SPEC 8).
+    def schedule(
+        self, slots: SlotArray, num_new_tokens: Counts, *, lookahead: int = 0
+    ) -> npt.NDArray[np.bool_]:
+        """Schedule the next ``num_new_tokens[i]`` known tokens of the request in ``slots[i]``,
+        in order, each at its own position (SPEC 8); one bool per slot.
 
         Register the completed full pages, reclaim slid-out pages, then acquire room for
         ``computed + n + lookahead`` tokens all or nothing. True: the position moved by ``n``
         and the reserve was released. False: nothing allocated, the position stays.
+
+        Everything is validated first: the lengths, then per slot in order that it holds a
+        request with no host-tier loads in flight and that the tokens asked of it so far in
+        this call (repeats count together) are known.
         """
-        key = as_request_id(req)
-        count = as_count(num_new_tokens, "num_new_tokens")
+        indices = as_slots(slots)
+        counts = as_counts(num_new_tokens, "num_new_tokens")
         ahead = as_count(lookahead, "lookahead")
-        _, state = self._token_state("schedule", key)
-        self._check_loaded("schedule", key)
-        self._check_known("schedule", key, state, count)
-        check_u64_total(state.computed + count + ahead, "lookahead")
-        return self._schedule_checked(key, count, ahead)
-
-    def schedule_batch(
-        self, reqs: Sequence[RequestId], num_new_tokens: Sequence[int] | npt.NDArray[np.integer[Any]]
-    ) -> npt.NDArray[np.bool_]:
-        """``schedule(req, n)`` for each pair in order, after validating every pair first."""
-        keys = as_request_ids(reqs)
-        counts = as_counts(num_new_tokens, "num_new_tokens")
-        if len(counts) != len(keys):
-            raise ValueError(f"num_new_tokens has {len(counts)} entries but reqs has {len(keys)}")
-        asked: dict[RequestId, int] = {}
-        for key, count in zip(keys, counts, strict=True):
-            _, state = self._token_state("schedule_batch", key)
-            self._check_loaded("schedule_batch", key)
-            asked[key] = check_u64_total(asked.get(key, 0) + count, "num_new_tokens")
-            self._check_known("schedule_batch", key, state, asked[key])
-        results = [self._schedule_checked(key, count, 0) for key, count in zip(keys, counts, strict=True)]
-        return np.array(results, dtype=np.bool_)
-
-    def schedule_rows(
-        self,
-        rows: Sequence[int] | npt.NDArray[np.integer[Any]],
-        num_new_tokens: Sequence[int] | npt.NDArray[np.integer[Any]],
-    ) -> npt.NDArray[np.bool_]:
-        """``schedule_batch`` addressed by persistent rows (the request holding ``rows[i]``)."""
-        indices = as_counts(rows, "rows")
-        counts = as_counts(num_new_tokens, "num_new_tokens")
         if len(counts) != len(indices):
-            raise ValueError(f"num_new_tokens has {len(counts)} entries but rows has {len(indices)}")
+            raise ValueError(f"num_new_tokens has {len(counts)} entries but slots has {len(indices)}")
         keys: list[RequestId] = []
         asked: dict[RequestId, int] = {}
-        for row, count in zip(indices, counts, strict=True):
-            key = self._row_owner("schedule_rows", row)
+        for slot, count in zip(indices, counts, strict=True):
+            key = self._held("schedule", slot)
             keys.append(key)
-            self._check_loaded("schedule_rows", key)
+            self._check_loaded("schedule", key)
             state = self._token_states[key]
             asked[key] = check_u64_total(asked.get(key, 0) + count, "num_new_tokens")
-            self._check_known("schedule_rows", key, state, asked[key], row)
-        results = [self._schedule_checked(key, count, 0) for key, count in zip(keys, counts, strict=True)]
+            self._check_known("schedule", key, state, asked[key])
+            check_u64_total(state.computed + asked[key] + ahead, "lookahead")
+        results = [self._schedule_checked(key, count, ahead) for key, count in zip(keys, counts, strict=True)]
         return np.array(results, dtype=np.bool_)
 
     def _schedule_checked(self, key: RequestId, count: int, ahead: int) -> bool:
-        tables, state = self._token_state("schedule", key)
+        tables, state = self._token_state(key)
         self._register_computed(tables, state)
         position = state.computed
         self._reclaim(tables, position)
@@ -305,18 +296,36 @@ class TokenApi(PageTables, Rows):
         self._register(tables, state.hashes[first:full], first, state.computed, state)
         state.registered = full
 
-    def finish(self, req: RequestId) -> None:
-        """Register the completed full pages, free everything in ``eviction_order``, forget the id."""
-        self._finish("finish", as_request_id(req))
+    # -- ending requests ------------------------------------------------------------------------
 
-    def preempt(self, req: RequestId) -> list[int]:
-        """``finish``, counted as a preemption; returns the request's whole token list to re-add."""
-        tokens = self._finish("preempt", as_request_id(req))
-        self._counters["preemptions"] += 1
-        return tokens
+    def finish(self, slots: SlotArray) -> None:
+        """For each slot in order: register the completed full pages, free everything in
+        ``eviction_order``, release the reserve, and free the slot and the id."""
+        self._end("finish", slots)
 
-    def _finish(self, method: str, key: RequestId) -> list[int]:
-        tables, state = self._token_state(method, key)
-        self._register_computed(tables, state)
-        self._release(key)
-        return state.tokens
+    def preempt(self, slots: SlotArray) -> list[list[int]]:
+        """``finish``, counted as one preemption per slot; returns each request's whole token
+        list (prompt plus generated), in order, to re-add for recompute."""
+        ended = self._end("preempt", slots)
+        self._counters["preemptions"] += len(ended)
+        return ended
+
+    def _end(self, method: str, slots: SlotArray) -> list[list[int]]:
+        """End the requests in ``slots`` after checking each one, in order: it holds a request
+        and is not listed earlier in the call. Returns their token lists."""
+        indices = as_slots(slots)
+        keys: list[RequestId] = []
+        seen: set[int] = set()
+        for slot in indices:
+            key = self._held(method, slot)
+            if slot in seen:
+                raise ValueError(f"{method}: slot {slot} is listed twice")
+            seen.add(slot)
+            keys.append(key)
+        ended = []
+        for key in keys:
+            tables, state = self._token_state(key)
+            self._register_computed(tables, state)
+            self._release(key)
+            ended.append(state.tokens)
+        return ended
