@@ -61,8 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cache = fk.FlatKVCache([fk.KVCacheSpec("full", PAGE)], 8, enable_caching=False)
 
     def admit(prompt: Any) -> None:
-        cache.add_request("r", prompt)
-        cache.finish("r")
+        slot, _ = cache.add_request("r", prompt)
+        cache.finish([slot])
 
     rows = []
     for name, prompt in forms(base).items():

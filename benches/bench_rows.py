@@ -1,30 +1,27 @@
-"""Per-step cost of persistent block-table rows vs a full rewrite (issue: incremental tables).
+"""Per-step cost of persistent block-table rows vs a full table rewrite, on the slot API.
 
-``R`` token-level requests decode one token per step on a full + sliding-window model (page 16,
-window 1024) after a ``C``-token prompt. One step is what a scheduler loop calls once per step:
+``R`` requests of a ``FlatKVCache`` decode one token per step on a full + sliding-window model
+(page 16, window 1024) after a ``C``-token prompt. Every call takes the requests' slots (an
+int64 array, the slots ``add_request`` returned). One step is what a scheduler loop calls once
+per step:
 
-- ``schedule_batch(reqs, ones)``: registers completed pages, reclaims the page that slid out
-  of the window, acquires the next slot;
-- the tables: ``update_rows()`` (incremental: only the cells that changed, returned as deltas;
+- ``schedule(slots, ones)``: registers completed pages, reclaims the page that slid out of the
+  window, acquires the next page slot;
+- the tables: ``update_rows()`` (``rows``: only the cells that changed, returned as deltas;
   the sliding group's rows windowed, ``ceil((W + 1) / P) + 1`` = 66 columns with per-row
-  offsets) or ``block_tables(reqs, out=buffers)`` (full rewrite of ``[R, cols]`` per group,
-  ``cols`` the full-history width);
-- ``append_tokens_batch(reqs, tokens)``: the sampled tokens.
-
-Three ways of making those calls are measured: request ids and a full rewrite (``full``, the way
-before persistent rows), request ids and ``update_rows`` (``incremental``), and rows everywhere:
-``schedule_rows(rows, ones)`` + ``update_rows()`` + ``append_tokens_rows(rows, tokens)``
-(``rows``), which parses and looks up no request id.
+  offsets) or ``block_tables(slots, out=buffers)`` (``full``: a rewrite of ``[R, cols]`` per
+  group, ``cols`` the full-history width, no rows bound);
+- ``append_tokens(slots, tokens)``: the sampled tokens.
 
 Run with a release build (``maturin develop --release`` or ``pip install .``)::
 
     python benches/bench_rows.py                 # R in 256, 1024, 4096 x C in 8k, 32k
     python benches/bench_rows.py --requests 256 --context 8192 --steps 2048
-    python benches/bench_rows.py --calls --requests 256 --context 8192   # each batch call alone
+    python benches/bench_rows.py --calls --requests 256 --context 8192   # each per-step call alone
     python benches/bench_rows.py --smoke         # tiny sizes: does it run (CI), measures nothing
 
-Targets (2-core machine): median step for 256 decoding requests (schedule_batch + incremental
-tables + append_tokens_batch) <= 10 us; per-step cost flat in context length.
+Targets (2-core machine): median step for 256 decoding requests on persistent rows (schedule +
+update_rows + append_tokens) <= 10 us; per-step cost flat in context length.
 """
 
 from __future__ import annotations
@@ -45,11 +42,10 @@ from flat_kvcache import FlatKVCache, KVCacheSpec
 
 PAGE = 16
 WINDOW = 1024
-#: The three ways of making a step's calls (see the module docstring).
+#: The two ways of writing a step's tables (see the module docstring).
 MODES = {
-    "rows": "rows: schedule_rows + update_rows + append_tokens_rows",
-    "incremental": "ids: schedule_batch + update_rows + append_tokens_batch",
-    "full": "ids: schedule_batch + block_tables(out=) + append_tokens_batch",
+    "rows": "slots: schedule + update_rows + append_tokens",
+    "full": "slots: schedule + block_tables(out=) + append_tokens",
 }
 #: Columns of a windowed sliding row: the window plus one step's token, plus one slot.
 WINDOW_COLS = -(-(WINDOW + 1) // PAGE) + 1
@@ -61,7 +57,7 @@ def prompt(n: int, seed: int) -> np.ndarray:
 
 
 class Loop:
-    """``requests`` token-level requests after a ``context``-token prompt, decoding."""
+    """``requests`` requests after a ``context``-token prompt, decoding (named by their slots)."""
 
     def __init__(
         self,
@@ -79,11 +75,9 @@ class Loop:
         ]
         full_cols = -(-(context + PAGE + steps + 1) // PAGE)
         self.cache = FlatKVCache(specs, requests * (full_cols + 2) * 2 + 1)
-        self.reqs = [f"req-{r}" for r in range(requests)]
-        self.rows = np.arange(requests, dtype=np.int64)
         self.ones = np.ones(requests, dtype=np.int64)
         self.mode = mode
-        incremental = mode != "full"
+        incremental = mode == "rows"
         self.incremental = incremental
         if incremental:
             self.tables = {
@@ -100,12 +94,16 @@ class Loop:
         # same step and the other 15 steps of 16 change nothing (the median is such a step).
         spread = 1 if lockstep else PAGE
         lengths = np.array([context + r % spread for r in range(requests)], dtype=np.int64)
-        for r, req in enumerate(self.reqs):
-            self.cache.add_request(req, prompt(int(lengths[r]), r), row=r if incremental else None)
-        assert self.cache.schedule_batch(self.reqs, lengths).all()
-        assert self.cache.schedule_batch(self.reqs, np.zeros(requests, np.int64)).all()
+        slots = []
+        for r in range(requests):
+            slot, _ = self.cache.add_request(f"req-{r}", prompt(int(lengths[r]), r))
+            slots.append(slot)
+        #: The slots ``add_request`` returned (row ``s`` of the bound tables is slot ``s``).
+        self.slots = np.array(slots, dtype=np.int64)
+        assert self.cache.schedule(self.slots, lengths).all()
+        assert self.cache.schedule(self.slots, np.zeros(requests, np.int64)).all()
         # The first sampled token, scheduled by the first step.
-        self.cache.append_tokens_batch(self.reqs, np.zeros(requests, np.uint32))
+        self.cache.append_tokens(self.slots, np.zeros(requests, np.uint32))
         self.token = 0
         self.cells = 0
         self.write_tables()
@@ -115,24 +113,17 @@ class Loop:
             cells, _ = self.cache.update_rows()
             self.cells += sum(a.shape[1] for a in cells.values())
         else:
-            self.cache.block_tables(self.reqs, out=self.tables)
+            self.cache.block_tables(self.slots, out=self.tables)
 
     def step(self) -> tuple[int, int, int]:
         """One step; ns spent in schedule, tables and append."""
-        tokens = np.full(len(self.reqs), self.token % 151936, np.uint32)
-        by_row = self.mode == "rows"
+        tokens = np.full(len(self.slots), self.token % 151936, np.uint32)
         t0 = time.perf_counter_ns()
-        if by_row:
-            scheduled = self.cache.schedule_rows(self.rows, self.ones)
-        else:
-            scheduled = self.cache.schedule_batch(self.reqs, self.ones)
+        scheduled = self.cache.schedule(self.slots, self.ones)
         t1 = time.perf_counter_ns()
         self.write_tables()
         t2 = time.perf_counter_ns()
-        if by_row:
-            self.cache.append_tokens_rows(self.rows, tokens)
-        else:
-            self.cache.append_tokens_batch(self.reqs, tokens)
+        self.cache.append_tokens(self.slots, tokens)
         t3 = time.perf_counter_ns()
         assert scheduled.all()
         self.token += 1
@@ -155,8 +146,9 @@ def run(
     parts = [loop.step() for _ in range(steps)]
     loop.cache.check_invariants()
     if loop.incremental:
-        # The rows are exact: compare with a full block_tables of every request.
-        full = loop.cache.block_tables(loop.reqs)
+        # The rows are exact: compare with a full block_tables of every slot (row s = slot s).
+        assert (loop.slots == np.arange(requests)).all()
+        full = loop.cache.block_tables(loop.slots)
         np.testing.assert_array_equal(loop.tables["full"][:, : full["full"].shape[1]], full["full"])
         offsets = loop.offsets["swa"]
         for r, row in enumerate(full["swa"]):
@@ -174,18 +166,22 @@ def run(
 
 
 def batch_calls(requests: int, context: int, repeats: int) -> dict[str, tuple[float, float]]:
-    """Each batch call alone, ``repeats`` times on ``requests`` decoding requests (a list of
-    id strings vs an int64 row array): min and median in us. No token is scheduled, so only
-    the per-call and per-request overhead is timed (no page is taken or written)."""
+    """Each per-step call alone, ``repeats`` times on ``requests`` decoding requests, with the
+    slots and counts as int64 numpy arrays and as Python lists: min and median in us. No token
+    is scheduled, so only the per-call and per-slot overhead is timed (no page is taken or
+    written); each ``append_tokens`` adds one token per request."""
     loop = Loop(requests, context, 4 * repeats + PAGE, mode="rows")
-    cache, reqs, rows = loop.cache, loop.reqs, loop.rows
+    cache, slots = loop.cache, loop.slots
+    slot_list = slots.tolist()
     zeros = np.zeros(requests, np.int64)
+    zero_list = zeros.tolist()
     tokens = np.zeros(requests, np.uint32)
+    token_list = tokens.tolist()
     calls = {
-        "schedule_batch(ids, zeros)": lambda: cache.schedule_batch(reqs, zeros),
-        "schedule_rows(rows, zeros)": lambda: cache.schedule_rows(rows, zeros),
-        "append_tokens_batch(ids, tokens)": lambda: cache.append_tokens_batch(reqs, tokens),
-        "append_tokens_rows(rows, tokens)": lambda: cache.append_tokens_rows(rows, tokens),
+        "schedule(slots array, zeros array)": lambda: cache.schedule(slots, zeros),
+        "schedule(slots list, zeros list)": lambda: cache.schedule(slot_list, zero_list),
+        "append_tokens(slots array, tokens array)": lambda: cache.append_tokens(slots, tokens),
+        "append_tokens(slots list, tokens list)": lambda: cache.append_tokens(slot_list, token_list),
     }
     out = {}
     for name, call in calls.items():
@@ -220,7 +216,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument(
         "--calls",
         action="store_true",
-        help="time each batch call alone instead (ids vs rows, no token scheduled): min and median",
+        help="time each per-step call alone instead (slot arrays vs lists, no token scheduled): "
+        "min and median",
     )
     args = parser.parse_args(argv)
     if args.smoke:

@@ -1,17 +1,18 @@
-"""Per-step cost of the token-level scheduler API (target and results: benches/README.md).
+"""Per-step cost of ``FlatKVCache``'s slot API (target and results: benches/README.md).
 
 256 running decode requests on a full + sliding-window model (page 16, window 1024, 2048-token
-prompts). One step is what a scheduler loop calls once per step:
+prompts), named by the slots ``add_request`` returned (an int64 array). One step is what a
+scheduler loop calls once per step:
 
-- ``schedule_batch(reqs, ones)``: one native call registers each completed page, reclaims the
-  page that slid out of the window and acquires the next slot, for all 256 requests;
-- ``block_tables(reqs, out=buffers)``: writes both groups' ``[256, cols]`` int32 tables into
+- ``schedule(slots, ones)``: one native call registers each completed page, reclaims the page
+  that slid out of the window and acquires the next page slot, for all 256 requests;
+- ``block_tables(slots, out=buffers)``: writes both groups' ``[256, cols]`` int32 tables into
   preallocated buffers (``cols`` = 145, the capture width for a 2304-token context).
 
 The target (median <= 50 us per step on the 2-core machine) is for those two calls. Handing
 the 256 sampled tokens to the cache is measured and reported separately, both ways: 256
-``append_tokens`` calls (one per request; odd steps) and one ``append_tokens_batch`` call
-(even steps).
+one-slot ``append_tokens([slot], [token])`` calls (odd steps) and one
+``append_tokens(slots, tokens)`` call for all of them (even steps).
 
 Run as a script (build first with ``maturin develop --release``)::
 
@@ -50,11 +51,13 @@ def prompt_tokens(n: int, seed: int) -> list[int]:
 
 
 class StepLoop:
-    """256 token-level requests decoding one token per step."""
+    """256 requests decoding one token per step, named by their slots."""
 
     def __init__(self, *, use_torch: bool = False) -> None:
         self.cache = FlatKVCache(decode_specs(), DECODE_PAGES)
         self.reqs = [f"req-{r}" for r in range(REQUESTS)]
+        #: The slots of the running requests (set by :meth:`admit`).
+        self.slots = np.zeros(0, dtype=np.int64)
         self.ones = np.ones(REQUESTS, dtype=np.int64)
         self.out: dict[str, Any]
         if use_torch:
@@ -70,36 +73,40 @@ class StepLoop:
 
     def admit(self) -> None:
         """(Re)admit every request: add its prompt and prefill it in one schedule call."""
+        if len(self.slots):
+            self.cache.finish(self.slots)
+        slots = []
         for r, req in enumerate(self.reqs):
-            if self.cache.has_request(req):
-                self.cache.finish(req)
             # New prompts every round: no prefix hits, the same work every round.
-            assert self.cache.add_request(req, prompt_tokens(PROMPT, self.rounds * REQUESTS + r)) == 0
-        assert self.cache.schedule_batch(self.reqs, [PROMPT] * REQUESTS).all()
+            slot, hit = self.cache.add_request(req, prompt_tokens(PROMPT, self.rounds * REQUESTS + r))
+            assert hit == 0
+            slots.append(slot)
+        self.slots = np.array(slots, dtype=np.int64)
+        assert self.cache.schedule(self.slots, [PROMPT] * REQUESTS).all()
         # The prefill's pages are registered by the next schedule at c = 2048; do it here, as
         # part of admission, so the timed decode steps are decode steps only.
-        assert self.cache.schedule_batch(self.reqs, [0] * REQUESTS).all()
+        assert self.cache.schedule(self.slots, [0] * REQUESTS).all()
         self.steps_left = STEPS
         self.rounds += 1
 
     def append(self, *, batch: bool = False) -> None:
-        """Hand each request the token it sampled last step: one call per request, or one
-        ``append_tokens_batch`` call for all of them."""
+        """Hand each request the token it sampled last step: one one-slot ``append_tokens``
+        call per request, or one ``append_tokens`` call for all of them."""
         token = self.next_token % 151936
         if batch:
-            self.cache.append_tokens_batch(self.reqs, [token] * REQUESTS)
+            self.cache.append_tokens(self.slots, [token] * REQUESTS)
         else:
             append = self.cache.append_tokens
-            for req in self.reqs:
-                append(req, [token])
+            for slot in self.slots.tolist():
+                append([slot], [token])
         self.next_token += 1
 
     def schedule(self) -> None:
-        scheduled = self.cache.schedule_batch(self.reqs, self.ones)
+        scheduled = self.cache.schedule(self.slots, self.ones)
         assert scheduled.all()
 
     def tables(self) -> None:
-        self.cache.block_tables(self.reqs, out=self.out)
+        self.cache.block_tables(self.slots, out=self.out)
 
     def ensure_room(self) -> None:
         if self.steps_left == 0:
@@ -126,7 +133,7 @@ def measure(loop: StepLoop, steps: int) -> dict[str, list[int]]:
         parts["schedule"].append(t2 - t1)
         parts["tables"].append(t3 - t2)
         parts["step"].append(t3 - t1)
-        if loop.cache.num_computed_tokens(loop.reqs[0]) % PAGE == 1:
+        if loop.cache.num_computed_tokens(int(loop.slots[0])) % PAGE == 1:
             parts["boundary"].append(t3 - t1)
     return parts
 
@@ -145,14 +152,14 @@ def main(argv: list[str]) -> None:
     print(f"cpu cores: {os.cpu_count()}, python {sys.version.split()[0]}, out= {buffers}, {steps} steps")
     print("| benchmark | target | measured |")
     print("|---|---|---|")
-    name = "schedule_batch + block_tables(out=), 256 decode requests, median"
+    name = "schedule(slots) + block_tables(slots, out=), 256 decode requests, median"
     print(f"| {name} | <= 50 us | {us['step']:.1f} us |")
-    print(f"|   of which schedule_batch | | {us['schedule']:.1f} us |")
+    print(f"|   of which schedule(slots) | | {us['schedule']:.1f} us |")
     print(f"|   of which block_tables(out=) (2 x 256 x {COLS} int32) | | {us['tables']:.1f} us |")
     print(f"| same, mean over all steps / p99 | | {mean:.1f} us / {p99:.1f} us |")
     print(f"| same, median of the 1-in-{PAGE} page-boundary steps | | {us['boundary']:.1f} us |")
-    print(f"| 256 append_tokens calls (median, not in the target) | | {us['append']:.1f} us |")
-    batch_name = "one append_tokens_batch call, 256 tokens (median, not in the target)"
+    print(f"| 256 one-slot append_tokens calls (median, not in the target) | | {us['append']:.1f} us |")
+    batch_name = "one append_tokens(slots) call, 256 tokens (median, not in the target)"
     print(f"| {batch_name} | | {us['append_batch']:.1f} us |")
     loop.cache.check_invariants()
 
@@ -160,8 +167,8 @@ def main(argv: list[str]) -> None:
 # ----- pytest-benchmark entry points -------------------------------------------------------------
 
 
-def test_step_schedule_batch_and_block_tables_out(benchmark: Any) -> None:
-    """The timed part is the target's: schedule_batch + block_tables(out=); appends are setup."""
+def test_step_schedule_and_block_tables_out(benchmark: Any) -> None:
+    """The timed part is the target's: schedule + block_tables(out=); appends are setup."""
     loop = StepLoop()
 
     def setup() -> None:

@@ -326,10 +326,12 @@ def check_flashinfer(device: torch.device, report: Report) -> None:
     cache = flat_kvcache.FlatKVCache(flat_kvcache.kv_cache_specs(groups), 64)
     lengths = [37, 100, 5]
     reqs = [f"q{i}" for i in range(len(lengths))]
-    for req, n in zip(reqs, lengths, strict=True):
-        cache.add_request(req, list(range(1, n + 1)), use_prefix_cache=False)
-    assert cache.schedule_batch(reqs, lengths).all()
-    table = torch.from_numpy(cache.block_tables(reqs)["full_attention"]).to(device)
+    slots = [
+        cache.add_request(req, list(range(1, n + 1)), use_prefix_cache=False)[0]
+        for req, n in zip(reqs, lengths, strict=True)
+    ]
+    assert cache.schedule(slots, lengths).all()
+    table = torch.from_numpy(cache.block_tables(slots)["full_attention"]).to(device)
     k = torch.randn(64 * page, kv_heads, dim, device=device, dtype=torch.float16)
     v = torch.randn_like(k)
     q = torch.randn(len(reqs), heads, dim, device=device, dtype=torch.float16)

@@ -1,6 +1,7 @@
-"""Soak: a long random stream of token-level calls, native vs reference, then a leak check.
+"""Soak: a long random stream of slot-API calls, native vs reference, then a leak check.
 
-Every call goes to both engines with the same arguments; what each returns (or the class and
+Every call goes to both engines with the same arguments (requests named by the slots
+``add_request`` returned, which both engines give alike); what each returns (or the class and
 message of what it raises) must be equal, call after call. At the end every live request is
 finished and the pool must be whole again in both engines: no page in use, every page but the
 null page free, ``check_invariants()`` passes. ``--native-only`` drops the reference and samples
@@ -38,7 +39,7 @@ SPECS: tuple[tuple[str, int, int | None], ...] = (
 NUM_PAGES = 96
 #: Shared prompt prefixes, so that prefix hits, shared pages and evictions of cached pages occur.
 NUM_PREFIXES = 6
-#: Live requests at most (ids are reused after finish, as engines do).
+#: Live requests at most (their slots are reused after finish and preempt).
 MAX_LIVE = 10
 
 
@@ -79,7 +80,7 @@ class SoakStats:
     #: Calls other than the position reads made to choose arguments.
     ops: int = 0
     errors: int = 0
-    #: ``schedule`` / ``schedule_batch`` requests refused for lack of pages.
+    #: Slots that ``schedule`` refused for lack of pages.
     refused_for_pages: int = 0
     #: The native engine's ``stats()`` before the drain.
     final_stats: dict[str, Any] = field(default_factory=dict)
@@ -103,6 +104,7 @@ class Soak:
             [self.rng.randrange(1, 50_000) for _ in range(self.rng.randrange(4, 40))]
             for _ in range(NUM_PREFIXES)
         ]
+        #: Slots of the live requests.
         self.live: list[int] = []
         self.next_id = 0
         self.stats = SoakStats()
@@ -133,9 +135,7 @@ class Soak:
         first = outcomes[0]
         if first.error is not None:
             self.stats.errors += 1
-        elif method == "schedule" and first.value is False:
-            self.stats.refused_for_pages += 1
-        elif method == "schedule_batch":
+        elif method == "schedule":
             self.stats.refused_for_pages += first.value.count(False)
         return first
 
@@ -147,16 +147,16 @@ class Soak:
         prompt += [rng.randrange(1, 50_000) for _ in range(rng.randrange(0 if prompt else 1, 30))]
         return prompt
 
-    def _some_id(self) -> int:
-        """A live id mostly; sometimes one that is not live (the engines must both refuse it)."""
+    def _some_slot(self) -> int:
+        """A live slot mostly; sometimes one that holds no request (the engines must both refuse it)."""
         if self.live and self.rng.random() < 0.95:
             return self.rng.choice(self.live)
-        return self.next_id + self.rng.randrange(0, 3)
+        return self.rng.choice([s for s in range(MAX_LIVE + 2) if s not in self.live])
 
-    def _pending(self, req: int) -> int:
-        """Tokens known but not computed yet for ``req`` (0 for an unknown id)."""
-        outcome = self.apply("num_tokens", req)
-        done = self.apply("num_computed_tokens", req)
+    def _pending(self, slot: int) -> int:
+        """Tokens known but not computed yet for the request in ``slot`` (0 for a free slot)."""
+        outcome = self.apply("num_tokens", slot)
+        done = self.apply("num_computed_tokens", slot)
         if outcome.error or done.error:
             return 0
         return int(outcome.value) - int(done.value)
@@ -172,54 +172,57 @@ class Soak:
             if rng.random() < 0.3:
                 self.apply("prefix_hit_tokens", prompt)
                 self.apply("pages_needed_to_admit", prompt, rng.randrange(0, 40), rng.randrange(0, 8))
-            if self.apply("add_request", req, prompt).error is None:
-                self.live.append(req)
+            added = self.apply("add_request", req, prompt)
+            if added.error is None:
+                self.live.append(added.value[0])  # (slot, hit)
         elif roll < 0.40:
-            req = self._some_id()
-            pending = self._pending(req)
+            slot = self._some_slot()
+            pending = self._pending(slot)
             n = rng.randrange(0, pending + 1) if rng.random() < 0.9 else pending + 1
-            self.apply("schedule", req, n, lookahead=rng.choice((0, 0, 0, 1, 3)))
+            self.apply("schedule", [slot], [n], lookahead=rng.choice((0, 0, 0, 1, 3)))
         elif roll < 0.52:
-            reqs = rng.sample(self.live, rng.randrange(0, len(self.live) + 1)) if self.live else []
-            self.apply("schedule_batch", reqs, [min(self._pending(r), rng.randrange(0, 6)) for r in reqs])
+            slots = rng.sample(self.live, rng.randrange(0, len(self.live) + 1)) if self.live else []
+            self.apply("schedule", slots, [min(self._pending(s), rng.randrange(0, 6)) for s in slots])
         elif roll < 0.66:
-            req = self._some_id()
-            self.apply("append_tokens", req, [rng.randrange(0, 50_000) for _ in range(rng.randrange(0, 4))])
+            tokens = [rng.randrange(0, 50_000) for _ in range(rng.randrange(0, 4))]
+            self.apply("append_tokens", [self._some_slot()], tokens, [len(tokens)])
         elif roll < 0.74:
-            reqs = list(self.live)
-            rng.shuffle(reqs)
-            self.apply("append_tokens_batch", reqs, [rng.randrange(0, 50_000) for _ in reqs])
+            slots = list(self.live)
+            rng.shuffle(slots)
+            self.apply("append_tokens", slots, [rng.randrange(0, 50_000) for _ in slots])
         elif roll < 0.80:
             self.apply("block_tables", rng.sample(self.live, min(len(self.live), 4)))
         elif roll < 0.85:
-            self.apply("reserve", self._some_id(), rng.randrange(0, 12))
+            self.apply("reserve", [self._some_slot()], [rng.randrange(0, 12)])
         elif roll < 0.89:
-            self.apply("budget", self._some_id() if rng.random() < 0.5 else None)
+            self.apply("budget", self._some_slot() if rng.random() < 0.5 else None)
             self.apply("stats")
         elif roll < 0.95:
-            req = self._some_id()
-            if self.apply("finish", req).error is None:
-                self.live.remove(req)
+            slot = self._some_slot()
+            if self.apply("finish", [slot]).error is None:
+                self.live.remove(slot)
         elif roll < 0.985:
-            req = self._some_id()
-            folded = self.apply("preempt", req)
-            if folded.error is None:
-                self.live.remove(req)
-                if folded.value and rng.random() < 0.8 and len(self.live) < MAX_LIVE:
+            slot = self._some_slot()
+            outcome = self.apply("preempt", [slot])
+            if outcome.error is None:
+                self.live.remove(slot)
+                folded = outcome.value[0]
+                if folded and rng.random() < 0.8 and len(self.live) < MAX_LIVE:
                     # Recompute: the folded prompt comes back under a fresh id and hits its prefix.
                     new = self.next_id
                     self.next_id += 1
-                    if self.apply("add_request", new, folded.value).error is None:
-                        self.live.append(new)
+                    added = self.apply("add_request", new, folded)
+                    if added.error is None:
+                        self.live.append(added.value[0])
         else:
             self.apply("check_invariants")
 
     def drain(self) -> None:
         """Finish every live request; then nothing may be in use and every page is free."""
         self.stats.final_stats = dict(self.engines[0].stats())
-        for req in list(self.live):
-            self.apply("finish", req)
-            self.live.remove(req)
+        if self.live:
+            self.apply("finish", list(self.live))
+            self.live.clear()
         self.apply("check_invariants")
         for engine in self.engines:
             stats = engine.stats()
@@ -279,8 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode = "native only" if args.native_only else "native == reference on every call"
     print(
         f"{stats.ops:,} operations ({stats.calls:,} calls with the reads) in {elapsed:.1f} s ({mode}); "
-        f"{stats.errors:,} raised alike; {stats.refused_for_pages:,} schedules refused for lack of pages; "
-        "no page leaked"
+        f"{stats.errors:,} raised alike; {stats.refused_for_pages:,} slots refused by schedule for lack of "
+        "pages; no page leaked"
     )
     final = stats.final_stats
     hits, queries = final.get("prefix_hits_tokens", 0), final.get("prefix_queries_tokens", 0)

@@ -440,9 +440,9 @@ def _add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
         "--tables",
         choices=("rows", "full"),
         default="rows",
-        help="rows (default): persistent block-table rows updated by what changed (bind_rows, "
-        "update_rows, schedule_rows, append_tokens_rows); full: request ids and a full "
-        "block_tables(out=) rewrite every step",
+        help="rows (default): persistent block-table rows updated by what changed (bind_rows once, "
+        "update_rows every step; row s is slot s); full: a full block_tables(slots, out=) rewrite "
+        "every step",
     )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument(

@@ -168,8 +168,9 @@ def main(argv: list[str] | None = None) -> int:
             text = f"{req}: +{n} tok"
             if len(record.computed) == 1:
                 text += f" (prefix hit {record.hits[-1]})"
-            if cache.has_request(req):
-                tables = cache.block_tables([req])
+            slot = cache.slot_of(req)  # None once it finished
+            if slot is not None:
+                tables = cache.block_tables([slot])
                 before = held.setdefault(req, {})
                 for group in groups:
                     pages = {int(p) for p in tables[group][0] if p > 0}

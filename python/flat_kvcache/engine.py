@@ -8,12 +8,13 @@ validates every argument. :class:`KVCacheSpec` and :func:`kv_cache_specs` are pl
 shared with the reference (they live in :mod:`flat_kvcache._types`); ``FlatKVCache`` reads the
 spec's four fields.
 
-Two engine classes speak the two protocols, sharing their constructor, state and read-only
-calls (``page_ids``, ``pages_needed``, ``block_tables``, ``stats()``, KV events, the host
-tier's transfers); a method of one protocol is absent from the other class. The exact
-contracts (shared with :mod:`flat_kvcache.reference`): ``docs/requests-api.md`` for
-``FlatKVCache``, the scheduler-loop API of requests that own their tokens (``add_request``,
-``append_tokens``, ``schedule`` / ``schedule_batch``, ``finish``, ``preempt``, persistent rows,
+Two engine classes speak the two protocols, sharing their constructor, the geometry,
+``stats()``, KV events, ``reset_prefix_cache()`` and the host tier's transfers; a method of one
+protocol is absent from the other class. The exact contracts (shared with
+:mod:`flat_kvcache.reference`): ``docs/requests-api.md`` for ``FlatKVCache``, the
+scheduler-loop API of requests that own their tokens, named by the slot ``add_request`` /
+``admit`` return (``schedule``, ``append_tokens``, ``reserve``, ``finish``, ``preempt`` and
+``block_tables`` each take an array of slots; persistent rows, where row ``s`` is slot ``s``;
 admission accounting), and ``docs/engine-api.md`` for ``PageCache``, the page-level API of
 engines that keep their own request state (``match_prefix``, ``claim``, ``acquire``,
 ``register``, ``reclaim``, ``free``, ``prefill_first_chunk``, ``prefill_chunk``,

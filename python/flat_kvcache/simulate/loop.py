@@ -1,7 +1,7 @@
 """The scheduler loop of ``flat-kvcache simulate`` (SPEC 9).
 
-The loop is what a serving engine's scheduler does with the token-level API of
-``docs/requests-api.md``, minus the model: every step it schedules the running requests, admits
+The loop is what a serving engine's scheduler does with the slot API of ``FlatKVCache``
+(``docs/requests-api.md``), minus the model: every step it schedules the running requests, admits
 waiting ones, builds the block tables, "samples" one token for every request whose known
 tokens are all computed, and finishes the requests that have their output. Only the calls into
 the cache are timed, so the figures are the cache's cost per step, not the loop's.
@@ -11,31 +11,33 @@ One step, in order:
 1. Arrivals: requests whose ``arrival_step`` has come join the back of the waiting queue.
 2. Running requests, in admission order, each get ``n = min(known - computed, tokens left)``
    tokens: the rest of the prompt (a chunked-prefill chunk) or the one token sampled last step
-   (a decode). One ``schedule_rows`` call (``schedule_batch`` with ``tables="full"``)
-   schedules them all; a request whose pages do not
-   fit keeps its place and gets nothing this step (SPEC 9: a later chunk or decode admits if
-   its pages fit, reclaimable pages counted, which ``schedule`` checks itself).
+   (a decode). One ``schedule(slots, ns)`` call schedules them all, addressed by the slots
+   ``admit`` returned; a request whose pages do not fit keeps its place and gets nothing this
+   step (SPEC 9: a later chunk or decode admits if its pages fit, reclaimable pages counted,
+   which ``schedule`` checks itself).
 3. Admission, first come first served, while the token budget lasts and fewer than
    ``max_running`` run: the head of the queue gets a first chunk of
    ``min(prompt - hit, tokens left)`` tokens if ``pages_needed_to_admit(prompt, chunk,
    reserve)`` fits in ``budget()`` (free pages less the pages promised to other requests' next
    decode; ``reserve`` is 1 token when the chunk completes the prompt, for the first decode).
    ``admit`` makes that check and, when it passes, ``add_request`` (which claims the prefix
-   hit and gives the request a free row of the persistent block tables) in one call; then
-   ``schedule`` takes the chunk. The first
+   hit and gives the request the lowest free slot, its row of the persistent block tables) in
+   one call; then ``schedule([slot], [chunk])`` takes the chunk. The first
    request that does not fit stops admission (no overtaking). While ``budget()`` is below one
    page per group no first chunk can fit, and the check is skipped.
 4. The block tables: ``update_rows()`` writes the cells that changed into the persistent
-   ``[max_running, cols]`` tables bound at the start (``tables="rows"``, the default), or
-   ``block_tables(scheduled, out=...)`` rewrites the batch's rows (``tables="full"``).
+   ``[max_running, cols]`` tables bound at the start (``tables="rows"``, the default: row
+   ``s`` is the request in slot ``s``), or ``block_tables(slots, out=...)`` rewrites the batch's
+   rows (``tables="full"``, no rows bound).
 5. Every scheduled request whose known tokens are now all computed samples a token: the last
-   one it needs finishes it (``finish``), the others' tokens are appended in one
-   ``append_tokens_rows`` (or ``append_tokens_batch``) call (timed as ``append_tokens``). A request
-   whose next decode starts a page gets ``reserve(req, 1)`` so admissions leave it its page
-   (at any other position the next token fits in the pages it has and the reserve would be 0).
+   one it needs finishes it (one ``finish(slots)`` call for all of them), the others' tokens are
+   appended in one ``append_tokens(slots, tokens)`` call. The requests whose next decode starts a
+   page get one token of reserve in one ``reserve(slots, ones)`` call, so admissions leave them
+   their page (at any other position the next token fits in the pages a request has and the
+   reserve would be 0).
 6. SPEC 9 retraction: when nothing in flight progressed for two consecutive steps, the running
    request holding the most tokens (the latest admitted on a tie) is preempted
-   (``preempt``), its generated tokens folded into its prompt, and it goes back to the front of
+   (``preempt([slot])``), its generated tokens folded into its prompt, and it goes back to the front of
    the queue; each further stuck step retracts one more. If that request is the only one
    holding pages it can never fit, so it is aborted as out of memory instead; with nothing
    running and a waiting request that does not fit for two steps, that one is aborted.
@@ -183,8 +185,8 @@ class SimulationConfig:
     max_running: int = DEFAULT_MAX_RUNNING
     enable_caching: bool = True
     block_tables: bool = True
-    #: ``"rows"``: persistent rows (``bind_rows``, ``update_rows``, row-addressed calls);
-    #: ``"full"``: request ids and a full ``block_tables(out=)`` rewrite every step.
+    #: ``"rows"``: persistent rows (``bind_rows`` once, ``update_rows`` every step; row ``s`` is
+    #: slot ``s``); ``"full"``: a full ``block_tables(slots, out=)`` rewrite every step.
     tables: Literal["rows", "full"] = "rows"
     #: Host-memory tier pages (0: none); its transfers are acknowledged as soon as emitted.
     host_pages: int = 0
@@ -200,7 +202,7 @@ class _Live:
     computed: int = 0
     known: int = 0  # tokens the cache holds: prompt + appended
     admitted_at: int = -1  # admission counter, for the preemption tie-break
-    row: int = -1  # its row of the persistent block tables while running
+    slot: int = -1  # the slot admit returned, while running (its row when rows are bound)
 
     @property
     def rid(self) -> int:
@@ -208,7 +210,7 @@ class _Live:
 
 
 #: Cache calls are timed per kind; these are the kinds, in summary order.
-CALL_KINDS = ("schedule_batch", "admit", "block_tables", "append_tokens", "finish", "reserve", "preempt")
+CALL_KINDS = ("schedule", "admit", "block_tables", "append_tokens", "finish", "reserve", "preempt")
 
 
 _perf = time.perf_counter_ns
@@ -260,11 +262,11 @@ class _Loop:
             gid: np.empty((config.max_running, math.ceil(longest / spec.page_size) + 2), dtype=np.int32)
             for gid, spec in zip(self.group_ids, self.specs, strict=True)
         }
-        self.by_row = config.tables == "rows"
-        if self.by_row:
-            # One row per running request; a finished or preempted request's row is reused.
+        self.rows_bound = config.tables == "rows"
+        if self.rows_bound:
+            # Row s is the request in slot s: at most max_running are live, so every slot the
+            # cache gives is a row of the buffers (a finished or preempted request's slot is reused).
             self.cache.bind_rows(self.out)
-            self.free_rows = list(range(config.max_running - 1, -1, -1))
         self.total = len(trace)
         self.pending = deque(trace)  # not arrived yet, in arrival order
         self.waiting: deque[_Live] = deque()
@@ -315,10 +317,10 @@ class _Loop:
         batch = scheduled + admitted
         if batch and self.config.block_tables:
             start = _perf()
-            if self.by_row:
+            if self.rows_bound:
                 self.cache.update_rows()
             else:
-                self.cache.block_tables([live.rid for live in batch], out=self.out)
+                self.cache.block_tables([live.slot for live in batch], out=self.out)
             self._charge("block_tables", start)
         self._sample(batch)
         self._ack_transfers()
@@ -346,33 +348,30 @@ class _Loop:
             self.waiting.append(_Live(request, request.prompt))
 
     def _schedule_running(self, tokens_left: int) -> tuple[list[_Live], int, int]:
-        """Step 2: one ``schedule_batch`` over the running requests.
+        """Step 2: one ``schedule`` call over the running requests' slots.
 
         Returns the requests that got their tokens, how many of those were decodes, and the
         tokens left for admissions.
         """
         batch: list[_Live] = []
         sizes: list[int] = []
-        rows: list[int] = []
+        slots: list[int] = []
         for live in self.running:
             if tokens_left == 0:
                 break
             n = min(live.known - live.computed, tokens_left)
             batch.append(live)
             sizes.append(n)
-            rows.append(live.row)
+            slots.append(live.slot)
             tokens_left -= n
         scheduled: list[_Live] = []
         decodes = 0
         if not batch:
             return scheduled, decodes, tokens_left
         start = _perf()
-        if self.by_row:
-            # Plain lists: converting them natively is cheaper than building numpy arrays.
-            ok = self.cache.schedule_rows(rows, sizes)
-        else:
-            ok = self.cache.schedule_batch([live.rid for live in batch], sizes)
-        self._charge("schedule_batch", start)
+        # Plain lists: converting them natively is cheaper than building numpy arrays.
+        ok = self.cache.schedule(slots, sizes)
+        self._charge("schedule", start)
         for live, n, success in zip(batch, sizes, ok.tolist(), strict=True):
             if success:
                 live.computed += n
@@ -397,25 +396,23 @@ class _Loop:
                 self._charge("admit", start)
                 break
             # One call: the capped hit, the first chunk, its fit check and add_request.
-            row = self.free_rows[-1] if self.by_row else None
-            admitted_as = cache.admit(rid, prompt, tokens_left, extra_keys=extra, row=row)
+            admitted_as = cache.admit(rid, prompt, tokens_left, extra_keys=extra)
             if admitted_as is None:
                 self._charge("admit", start)
                 break
-            hit, chunk = admitted_as
+            slot, hit, chunk = admitted_as
             self._charge("admit", start)
             self._ack_transfers()  # host loads land before the request is scheduled (timed there)
             start = _perf()
-            ok = cache.schedule(rid, chunk)
+            ok = bool(cache.schedule([slot], [chunk])[0])
             if not ok:
-                cache.finish(rid)  # SPEC 8: on failure the claim stays; the caller frees it
-            elif row is not None:
-                live.row = self.free_rows.pop()
+                cache.finish([slot])  # SPEC 8: on failure the claim stays; the caller frees it
             self._charge("admit", start)
             if not ok:
                 self.counts["admission_failures"] += 1  # the check said it fits; retry next step
                 break
             self.waiting.popleft()
+            live.slot = slot
             live.computed, live.known = hit + chunk, len(prompt)
             live.admitted_at = self.admissions
             self.admissions += 1
@@ -428,9 +425,8 @@ class _Loop:
     def _sample(self, scheduled: list[_Live]) -> None:
         """Step 5: a token for each request with all its known tokens computed; finish, append, reserve."""
         done: list[_Live] = []
-        append_reqs: list[int] = []
+        append_slots: list[int] = []
         append_tokens: list[int] = []
-        append_rows: list[int] = []
         for live in scheduled:
             if live.computed == live.known:
                 live.generated += 1
@@ -438,31 +434,27 @@ class _Loop:
                 if live.generated == live.request.output_len:
                     done.append(live)
                 else:
-                    append_reqs.append(live.rid)
-                    append_rows.append(live.row)
+                    append_slots.append(live.slot)
                     append_tokens.append(int(live.request.output[live.generated - 1]))
                     live.known += 1
         cache = self.cache
-        if append_reqs:
+        if append_slots:
             start = _perf()
-            if self.by_row:
-                cache.append_tokens_rows(append_rows, append_tokens)
-            else:
-                cache.append_tokens_batch(append_reqs, append_tokens)  # one token each, one call
+            cache.append_tokens(append_slots, append_tokens)  # one token each, one call
             self._charge("append_tokens", start)
         if done:
             start = _perf()
-            for live in done:
-                cache.finish(live.rid)
+            cache.finish([live.slot for live in done])
             self._charge("finish", start)
-            self._release_rows(done)
+            for live in done:
+                live.slot = -1  # free: the next admission may get it
             self.counts["finished"] += len(done)
             gone = {id(live) for live in done}
             self.running = [live for live in self.running if id(live) not in gone]
         # The next decode starts a page only at a base-page boundary (every page size is a
         # multiple of the base); anywhere else each group's last page has room for the token.
         reserves = [
-            live.rid
+            live.slot
             for live in scheduled
             if live.known - live.computed == 1
             and live.computed % self.base == 0
@@ -470,8 +462,7 @@ class _Loop:
         ]
         if reserves:
             start = _perf()
-            for rid in reserves:
-                cache.reserve(rid, 1)
+            cache.reserve(reserves, [1] * len(reserves))
             self._charge("reserve", start)
 
     def _retract(self) -> None:
@@ -483,12 +474,12 @@ class _Loop:
             return
         victim = max(self.running, key=lambda live: (live.known, live.admitted_at))
         self.running.remove(victim)
-        self._release_rows([victim])
+        slot, victim.slot = victim.slot, -1
         start = _perf()
         if self.running:
-            folded = self.cache.preempt(victim.rid)
+            folded = self.cache.preempt([slot])[0]
         else:
-            self.cache.finish(victim.rid)  # the only holder: it cannot fit even alone
+            self.cache.finish([slot])  # the only holder: it cannot fit even alone
             folded = None
         self._charge("preempt", start)
         if folded is None:
@@ -497,14 +488,6 @@ class _Loop:
         victim.prompt = np.asarray(folded, dtype=np.uint32)
         victim.computed = victim.known = 0
         self.waiting.appendleft(victim)
-
-    def _release_rows(self, gone: list[_Live]) -> None:
-        """The rows of requests that stop running are free again (the cache clears them on the
-        next ``update_rows``)."""
-        if self.by_row:
-            for live in gone:
-                self.free_rows.append(live.row)
-                live.row = -1
 
     def _record(self, *, decode_only: bool) -> None:
         stats = self.cache.stats()  # instrumentation, not timed

@@ -10,13 +10,13 @@ The pipeline, one call per step::
                           max_scheduled_tokens=8192, max_context_len=32768)
     buffers = allocate_kv_buffers(plan, "cuda")          # buffers.k(i), .v(i), .state(i)
     capture = CaptureBuffers(plan.groups, max_batch_size=256, max_context_len=32768, device="cuda")
-    # every step, into the same storage:
-    capture.fill(cache.block_tables(reqs), batch_size=len(reqs))
+    # every step, after cache.schedule(slots, ns), into the same storage:
+    capture.fill(cache.block_tables(slots), batch_size=len(slots))
     out_loc = write_locations(capture.buffer("full_attention"), positions, plan.page_size)
 
 Persistent rows instead of a full table per step: :class:`DeviceRows` binds host tables to the
-cache and applies each step's ``update_rows()`` deltas to device copies (one ``index_put_`` per
-group).
+cache (row ``s`` is the request in slot ``s``) and applies each step's ``update_rows()`` deltas
+to device copies (one ``index_put_`` per group).
 
 Attention over the pages: :func:`paged_attention` and :func:`write_kv` are the executable
 definition of the layout a kernel must match (docs/model-runner.md); ``flat_kvcache.torch.runner``

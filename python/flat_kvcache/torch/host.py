@@ -165,10 +165,10 @@ class TransferExecutor:
     the device pages with ``index_select`` and land with ``index_copy_`` on the host; loads the
     other way round.
 
-    When to call :meth:`run`: a store emitted by ``schedule`` / ``schedule_batch`` (write-through)
-    names a page that the forward of that step writes, so run after that forward; a request
-    with loads in flight cannot be scheduled, so run after ``add_request`` and before
-    scheduling it. Running after every forward and before every schedule does both
+    When to call :meth:`run`: a store emitted by ``schedule`` (write-through) names a page that
+    the forward of that step writes, so run after that forward; a request with loads in flight
+    (``cache.loads_in_flight(slot) > 0``) cannot be scheduled, so run after ``add_request`` and
+    before scheduling it. Running after every forward and before every schedule does both
     (:func:`flat_kvcache.torch.runner.run_greedy` takes an executor and does so).
 
     Parameters

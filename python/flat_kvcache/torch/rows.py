@@ -5,16 +5,19 @@
 returns with one ``index_put_`` per group: only the cells that changed cross to the device.
 Sliding-window groups can be windowed (each row holds ``width`` slots of the table from a
 per-row page offset, the slot of column 0; a kernel then sees positions shifted by
-``offset * page_size``, as with ``CaptureBuffers(sliding_offsets=True)``)::
+``offset * page_size``, as with ``CaptureBuffers(sliding_offsets=True)``).
+
+Row ``s`` is the request in slot ``s``: the cache gives every request the lowest free slot
+(below ``max_rows`` while rows are bound, ``add_request`` refuses a request past that), so the
+slot ``add_request`` returns is the row to read, and a finished or preempted request's row goes
+back to -1 on the next update::
 
     rows = DeviceRows(cache, max_rows=256, widths={"full_attention": 2049, "sliding_attention": 66},
                       windowed=["sliding_attention"], device="cuda")
-    row = rows.take()                           # a free row for a new request
-    cache.add_request(req, prompt, row=row)
-    ...                                         # every step, after scheduling:
+    slot, hit = cache.add_request(req, prompt)  # slot = its row
+    ...                                         # every step, after cache.schedule(slots, ns):
     rows.update()                               # the deltas, applied on the device
-    table = rows.tables["full_attention"][row_index]   # what the kernel reads
-    rows.give_back(row)                         # after finish / preempt
+    table = rows.tables["full_attention"][torch.as_tensor(slots)]   # what the kernel reads
 """
 
 from __future__ import annotations
@@ -72,19 +75,10 @@ class DeviceRows:
             group: torch.zeros(rows, dtype=torch.int32, device=self.device) for group in windowed_groups
         }
         cache.bind_rows(self.host, offsets=self.host_offsets)
-        self._free = list(range(rows - 1, -1, -1))
+        #: Rows of every table: the slots a request may hold while these rows are bound.
+        self.max_rows = rows
         #: Cells copied to the device by the last :meth:`update`.
         self.last_cells = 0
-
-    def take(self) -> int:
-        """A free row for a new request (``IndexError`` if every row is taken)."""
-        if not self._free:
-            raise IndexError(f"all {len(self.host[next(iter(self.host))])} rows are taken")
-        return self._free.pop()
-
-    def give_back(self, row: int) -> None:
-        """Return the row of a finished or preempted request (the cache clears it next update)."""
-        self._free.append(row)
 
     def update(self) -> int:
         """``cache.update_rows()`` and the same deltas applied to the device copies; returns
@@ -106,4 +100,4 @@ class DeviceRows:
 
     def __repr__(self) -> str:
         widths = {g: int(t.shape[1]) for g, t in self.tables.items()}
-        return f"DeviceRows(rows={len(self._free)} free, widths={widths}, windowed={list(self.offsets)})"
+        return f"DeviceRows(max_rows={self.max_rows}, widths={widths}, windowed={list(self.offsets)})"

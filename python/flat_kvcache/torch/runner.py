@@ -4,14 +4,16 @@ Public through :mod:`flat_kvcache.torch.runner` (it needs ``transformers``, the 
 
 :class:`PagedModelRunner` registers :func:`~flat_kvcache.torch.paged_attention` as a
 ``transformers`` attention implementation. Each :meth:`~PagedModelRunner.step` runs the model
-once over the new tokens of a batch of requests, packed into one sequence: every attention layer
+once over the new tokens of a batch of requests (named by their cache slots), packed into one
+sequence: every attention layer
 writes its new K/V rows at the slots the cache's block tables give (``extend_locations``) into the
 :class:`~flat_kvcache.torch.KVBuffers` of its layer and reads its history back through the
 tables. Nothing else keeps K/V, so a model that matches its own plain forward proves that the
 tables, write locations and buffers agree (docs/model-runner.md).
 
-:func:`run_greedy` is a small scheduler loop on ``FlatKVCache``'s token-level API (chunked
-prefill, decode, prefix hits, preemption when the pool runs dry) that records the logits of
+:func:`run_greedy` is a small scheduler loop on ``FlatKVCache``'s slot API (chunked prefill,
+decode, prefix hits, preemption when the pool runs dry; one ``schedule`` and one
+``append_tokens`` call per step) that records the logits of
 every computed position, and :func:`reference_logits` is the model's own forward to compare with.
 """
 
@@ -278,10 +280,10 @@ class PagedModelRunner:
         Optional :class:`CaptureBuffers`: every step fills them and the attention reads their rows
         (in windowed mode, ``sliding_offsets=True``, with the row offsets applied).
     rows
-        Optional :class:`~flat_kvcache.torch.rows.DeviceRows` bound to ``cache``: each request
-        gets a row, every step applies ``update_rows()``'s deltas to the device tables and the
-        attention reads those rows (windowed groups with their offsets applied). Not with
-        ``capture``.
+        Optional :class:`~flat_kvcache.torch.rows.DeviceRows` bound to ``cache``: row ``s`` is
+        the request in slot ``s``, every step applies ``update_rows()``'s deltas to the device
+        tables and the attention reads those rows (windowed groups with their offsets applied).
+        Not with ``capture``.
     check
         Check write locations and attended slots (ValueError on a hole or padding).
     poison_new_pages
@@ -306,7 +308,6 @@ class PagedModelRunner:
         if rows is not None and rows.cache is not cache:
             raise ValueError("rows must be bound to the runner's cache")
         self.rows = rows
-        self._row_of: dict[str, int] = {}
         self.model = model
         self.cache = cache
         self.buffers = buffers
@@ -337,35 +338,28 @@ class PagedModelRunner:
         self.layers_of_group: dict[str, list[int]] = {}
         for layer, group in enumerate(self.group_of_layer):
             self.layers_of_group.setdefault(group, []).append(layer)
-        self._known: dict[str, dict[str, set[int]]] = {}
+        # Per slot: the pages of each group it has seen (poisoned once, when first seen).
+        self._known: dict[int, dict[str, set[int]]] = {}
         self.device = next(iter(buffers.tensors.values())).device
 
     # -- request bookkeeping ------------------------------------------------------------------
 
-    def add_request(self, req: str, tokens: Sequence[int]) -> int:
-        """``cache.add_request``; returns the prefix hit in tokens (those are not recomputed)."""
-        row = None if self.rows is None else self.rows.take()
-        try:
-            hit = self.cache.add_request(req, list(tokens), row=row)
-        except Exception:
-            if row is not None and self.rows is not None:
-                self.rows.give_back(row)
-            raise
-        if row is not None:
-            self._row_of[req] = row
-        tables = self.cache.block_tables([req])
-        self._known[req] = {g: {int(p) for p in t[0] if p > 0} for g, t in tables.items()}
-        return hit
+    def add_request(self, req: str, tokens: Sequence[int]) -> tuple[int, int]:
+        """``cache.add_request``; returns ``(slot, hit)``: the request's slot, which every later
+        call takes (its row of ``rows``), and the prefix hit in tokens (not recomputed)."""
+        slot, hit = self.cache.add_request(req, list(tokens))
+        tables = self.cache.block_tables([slot])
+        self._known[slot] = {g: {int(p) for p in t[0] if p > 0} for g, t in tables.items()}
+        return int(slot), int(hit)
 
-    def release(self, req: str, *, preempt: bool = False) -> list[int] | None:
-        """``cache.finish`` (or ``cache.preempt``, whose folded token list is returned)."""
-        self._known.pop(req, None)
-        row = self._row_of.pop(req, None)
-        if row is not None and self.rows is not None:
-            self.rows.give_back(row)
+    def release(self, slot: int, *, preempt: bool = False) -> list[int] | None:
+        """``cache.finish([slot])`` (or ``cache.preempt([slot])``, whose folded token list is
+        returned). The slot is free afterwards: the next ``add_request`` may get it."""
+        self._known.pop(slot, None)
         if preempt:
-            return self.cache.preempt(req)
-        self.cache.finish(req)
+            folded: list[int] = self.cache.preempt([slot])[0]
+            return folded
+        self.cache.finish([slot])
         return None
 
     @contextlib.contextmanager
@@ -377,10 +371,10 @@ class PagedModelRunner:
         finally:
             self.model.set_attn_implementation(previous)
 
-    def _poison(self, reqs: Sequence[str], tables: Mapping[str, np.ndarray]) -> None:
+    def _poison(self, slots: Sequence[int], tables: Mapping[str, np.ndarray]) -> None:
         size = self.page_size
-        for row, req in enumerate(reqs):
-            known = self._known.setdefault(req, {})
+        for row, slot in enumerate(slots):
+            known = self._known.setdefault(slot, {})
             for group, table in tables.items():
                 seen = known.setdefault(group, set())
                 for page in (int(p) for p in table[row] if p > 0):
@@ -394,35 +388,35 @@ class PagedModelRunner:
 
     # -- one forward --------------------------------------------------------------------------
 
-    def step(self, reqs: Sequence[str], new_tokens: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """Compute the logits of ``new_tokens[i]`` for every request, already scheduled.
+    def step(self, slots: Sequence[int], new_tokens: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Compute the logits of ``new_tokens[i]`` for the request in ``slots[i]``, already scheduled.
 
-        Call after ``cache.schedule_batch(reqs, [len(t) for t in new_tokens])`` succeeded for all
-        of them: request ``i``'s new tokens are its positions ``computed - len(new_tokens[i]) ..
-        computed - 1``. Returns one ``[len(new_tokens[i]), vocab]`` float tensor per request.
+        Call after ``cache.schedule(slots, [len(t) for t in new_tokens])`` succeeded for all of
+        them: slot ``i``'s new tokens are its positions ``computed - len(new_tokens[i]) ..
+        computed - 1``. Returns one ``[len(new_tokens[i]), vocab]`` float tensor per slot.
         """
-        if len(reqs) != len(new_tokens):
-            raise ValueError(f"{len(reqs)} requests but {len(new_tokens)} token lists")
-        if not reqs:
+        if len(slots) != len(new_tokens):
+            raise ValueError(f"{len(slots)} slots but {len(new_tokens)} token lists")
+        if not slots:
             return []
         lens = [len(t) for t in new_tokens]
         if min(lens) < 1:
             raise ValueError("every scheduled request needs at least one new token")
-        computed = [self.cache.num_computed_tokens(r) for r in reqs]
-        tables_np = self.cache.block_tables(list(reqs))
-        self._poison(reqs, tables_np)
+        computed = [self.cache.num_computed_tokens(s) for s in slots]
+        tables_np = self.cache.block_tables(list(slots))
+        self._poison(slots, tables_np)
         device = self.device
         seq = torch.tensor(computed, dtype=torch.long, device=device)
         qlen = torch.tensor(lens, dtype=torch.long, device=device)
         tables: dict[str, torch.Tensor] = {}
         seq_lens: dict[str, torch.Tensor] = {}
-        slots: dict[str, torch.Tensor] = {}
+        write_slots: dict[str, torch.Tensor] = {}
         if self.capture is not None:
-            self.capture.fill(tables_np, batch_size=len(reqs))
+            self.capture.fill(tables_np, batch_size=len(slots))
         row_index = None
         if self.rows is not None:
             self.rows.update()
-            row_index = torch.tensor([self._row_of[r] for r in reqs], dtype=torch.long, device=device)
+            row_index = torch.tensor(list(slots), dtype=torch.long, device=device)  # row s = slot s
         for group in self.layers_of_group:
             shift = torch.zeros_like(seq)
             if self.rows is not None and row_index is not None:
@@ -430,14 +424,16 @@ class PagedModelRunner:
                 if group in self.rows.offsets:
                     shift = self.rows.offsets[group][row_index].long() * self.page_size
             elif self.capture is not None:
-                table = self.capture.buffer(group)[: len(reqs)].to(device)
+                table = self.capture.buffer(group)[: len(slots)].to(device)
                 with contextlib.suppress(KeyError):
-                    shift = self.capture.page_offsets(group)[: len(reqs)].to(device).long() * self.page_size
+                    shift = self.capture.page_offsets(group)[: len(slots)].to(device).long() * self.page_size
             else:
                 table = torch.from_numpy(tables_np[group]).to(device)
             tables[group] = table
             seq_lens[group] = seq - shift
-            slots[group] = extend_locations(table, seq - shift - qlen, qlen, self.page_size, check=self.check)
+            write_slots[group] = extend_locations(
+                table, seq - shift - qlen, qlen, self.page_size, check=self.check
+            )
         ids = torch.tensor([t for toks in new_tokens for t in toks], dtype=torch.long, device=device)
         positions = torch.cat(
             [torch.arange(c - n, c, device=device) for c, n in zip(computed, lens, strict=True)]
@@ -449,7 +445,7 @@ class PagedModelRunner:
             page_size=self.page_size,
             tables=tables,
             seq_lens=seq_lens,
-            slots=slots,
+            slots=write_slots,
             query_lens=qlen,
             check=self.check,
         )
@@ -488,6 +484,8 @@ class RequestRecord:
     #: Prefix hits (tokens) of each ``add_request`` (more than one after a preemption).
     hits: list[int] = field(default_factory=list)
     preemptions: int = 0
+    #: The cache slot while the request runs (``None`` while it waits and once it finished).
+    slot: int | None = None
 
 
 StepHook = Callable[[int, Sequence[str], Sequence[int], Mapping[str, "RequestRecord"]], None]
@@ -506,20 +504,28 @@ def run_greedy(
 ) -> dict[str, RequestRecord]:
     """Generate ``max_new_tokens`` greedy tokens per prompt through ``runner``.
 
-    Requests are admitted in order while fewer than ``max_running`` run; each step schedules
+    Requests are admitted in order while fewer than ``max_running`` run, each keeping the slot
+    ``add_request`` returned (``RequestRecord.slot``); each step schedules
     ``min(chunk_size, tokens not computed)`` tokens per running request with one
-    ``schedule_batch``; a request that does not fit is preempted (its folded tokens re-added later,
-    a prefix hit), and if no request fits the run fails. ``on_step(step, reqs, ns, records)``
-    is called after each forward.
+    ``schedule(slots, ns)`` call; a request that does not fit is preempted (its folded tokens
+    re-added later, a prefix hit), and if no request fits the run fails. The sampled tokens go
+    to the cache in one ``append_tokens(slots, tokens)`` call. ``on_step(step, reqs, ns,
+    records)`` is called after each forward with the request ids it computed.
 
     With a host tier, ``transfers`` runs the cache's transfers: ``transfers.run()`` is called
-    before every ``schedule_batch`` (after admitting requests, so that their host loads land
-    first, and after the previous forward, which wrote the pages the previous schedule stored)
-    and once at the end (the stores of the last forward).
+    before every ``schedule`` (after admitting requests, so that their host loads land first,
+    and after the previous forward, which wrote the pages the previous schedule stored) and
+    once at the end (the stores of the last forward).
     """
     records = {req: RequestRecord(prompt=list(p), tokens=list(p)) for req, p in prompts.items()}
     waiting: deque[str] = deque(prompts)
     running: list[str] = []
+
+    def slot_of(req: str) -> int:
+        slot = records[req].slot
+        assert slot is not None, req
+        return slot
+
     for step in range(max_steps):
         if not waiting and not running:
             if transfers is not None:
@@ -527,43 +533,49 @@ def run_greedy(
             return records
         while waiting and len(running) < max_running:
             req = waiting.popleft()
-            records[req].hits.append(runner.add_request(req, records[req].tokens))
+            slot, hit = runner.add_request(req, records[req].tokens)
+            records[req].slot = slot
+            records[req].hits.append(hit)
             running.append(req)
         if transfers is not None:
             transfers.run()
-        ns = [min(chunk_size, len(records[r].tokens) - runner.cache.num_computed_tokens(r)) for r in running]
-        ok = runner.cache.schedule_batch(running, ns)
+        slots = [slot_of(r) for r in running]
+        ns = [
+            min(chunk_size, len(records[r].tokens) - runner.cache.num_computed_tokens(s))
+            for r, s in zip(running, slots, strict=True)
+        ]
+        ok = runner.cache.schedule(slots, ns).tolist()
         failed = [r for r, good in zip(running, ok, strict=True) if not good]
         scheduled = [(r, n) for r, n, good in zip(running, ns, ok, strict=True) if good]
         if not scheduled:
             raise RuntimeError(f"step {step}: no running request fits in the pool ({running})")
         for req in reversed(failed):
-            runner.release(req, preempt=True)
+            runner.release(slot_of(req), preempt=True)
+            records[req].slot = None
             records[req].preemptions += 1
             running.remove(req)
             waiting.appendleft(req)
         reqs = [r for r, _ in scheduled]
-        chunks = []
-        for req, n in scheduled:
-            end = runner.cache.num_computed_tokens(req)
-            chunks.append(records[req].tokens[end - n : end])
-        logits = runner.step(reqs, chunks)
+        step_slots = [slot_of(r) for r in reqs]
+        ends = [runner.cache.num_computed_tokens(s) for s in step_slots]
+        chunks = [records[req].tokens[end - n : end] for (req, n), end in zip(scheduled, ends, strict=True)]
+        logits = runner.step(step_slots, chunks)
         sampled_reqs: list[str] = []
         sampled: list[int] = []
-        for (req, n), out in zip(scheduled, logits, strict=True):
+        for (req, n), end, out in zip(scheduled, ends, logits, strict=True):
             record = records[req]
-            end = runner.cache.num_computed_tokens(req)
             record.computed.append((list(range(end - n, end)), out))
             if end == len(record.tokens):
                 sampled_reqs.append(req)
                 sampled.append(int(out[-1].argmax()))
         if sampled_reqs:
-            runner.cache.append_tokens_batch(sampled_reqs, sampled)
+            runner.cache.append_tokens([slot_of(r) for r in sampled_reqs], sampled)
         for req, token in zip(sampled_reqs, sampled, strict=True):
             record = records[req]
             record.tokens.append(token)
             if len(record.tokens) - len(record.prompt) >= max_new_tokens:
-                runner.release(req)
+                runner.release(slot_of(req))
+                record.slot = None
                 running.remove(req)
         if on_step is not None:
             on_step(step, reqs, [n for _, n in scheduled], records)
@@ -644,17 +656,15 @@ class DecodeGraph:
         logits: torch.Tensor = out.logits[0]
         return logits
 
-    def step(self, reqs: Sequence[str], tokens: Sequence[int]) -> torch.Tensor:
-        """Logits ``[len(reqs), vocab]`` of one decode token per request, already scheduled."""
-        runner, batch = self.runner, len(reqs)
+    def step(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        """Logits ``[len(slots), vocab]`` of one decode token per slot, already scheduled."""
+        runner, batch = self.runner, len(slots)
         if batch != len(tokens) or batch > self.capture.max_batch_size:
-            raise ValueError(
-                f"{batch} requests, {len(tokens)} tokens, max batch {self.capture.max_batch_size}"
-            )
-        tables = runner.cache.block_tables(list(reqs))
-        runner._poison(reqs, tables)
+            raise ValueError(f"{batch} slots, {len(tokens)} tokens, max batch {self.capture.max_batch_size}")
+        tables = runner.cache.block_tables(list(slots))
+        runner._poison(slots, tables)
         self.capture.fill(tables, batch_size=batch)
-        computed = torch.tensor([runner.cache.num_computed_tokens(r) for r in reqs], dtype=torch.long)
+        computed = torch.tensor([runner.cache.num_computed_tokens(s) for s in slots], dtype=torch.long)
         self.ids.zero_()
         self.ids[:batch] = torch.tensor(list(tokens), dtype=torch.long)
         self.positions.zero_()
@@ -690,16 +700,22 @@ def run_decode_graph(
     per request through a :class:`DecodeGraph` (every request decodes each step)."""
     reqs = list(prompts)
     records = {r: RequestRecord(prompt=list(p), tokens=list(p)) for r, p in prompts.items()}
+    slots: list[int] = []
     for req in reqs:
-        records[req].hits.append(runner.add_request(req, records[req].tokens))
-    ns = [len(records[r].tokens) - runner.cache.num_computed_tokens(r) for r in reqs]
-    if not runner.cache.schedule_batch(reqs, ns).all():
+        slot, hit = runner.add_request(req, records[req].tokens)
+        records[req].slot = slot
+        records[req].hits.append(hit)
+        slots.append(slot)
+    ns = [
+        len(records[r].tokens) - runner.cache.num_computed_tokens(s) for r, s in zip(reqs, slots, strict=True)
+    ]
+    if not runner.cache.schedule(slots, ns).all():
         raise RuntimeError("the prompts do not fit in the pool")
     chunks = [records[r].tokens[len(records[r].tokens) - n :] for r, n in zip(reqs, ns, strict=True)]
     graph: DecodeGraph | None = None
     capture, runner.capture = runner.capture, None  # a whole prompt may not fit a windowed buffer
     try:
-        prefill = runner.step(reqs, chunks)
+        prefill = runner.step(slots, chunks)
     finally:
         runner.capture = capture
     for req, n, out in zip(reqs, ns, prefill, strict=True):
@@ -707,17 +723,18 @@ def run_decode_graph(
         records[req].computed.append((list(range(end - n, end)), out))
     for _ in range(steps):
         sampled = [int(records[r].computed[-1][1][-1].argmax()) for r in reqs]
-        runner.cache.append_tokens_batch(reqs, sampled)
+        runner.cache.append_tokens(slots, sampled)
         for req, token in zip(reqs, sampled, strict=True):
             records[req].tokens.append(token)
-        if not runner.cache.schedule_batch(reqs, [1] * len(reqs)).all():
+        if not runner.cache.schedule(slots, [1] * len(slots)).all():
             raise RuntimeError("a decode step does not fit in the pool")
         if graph is None:
             graph = DecodeGraph(runner, use_graph=use_graph)
-        logits = graph.step(reqs, sampled)
+        logits = graph.step(slots, sampled)
         for row, req in enumerate(reqs):
             end = len(records[req].tokens)
             records[req].computed.append(([end - 1], logits[row : row + 1]))
-    for req in reqs:
-        runner.release(req)
+    for req, slot in zip(reqs, slots, strict=True):
+        runner.release(slot)
+        records[req].slot = None
     return records
