@@ -62,22 +62,40 @@ def test_invariant_error_is_a_runtime_error_and_a_healthy_cache_raises_none() ->
     # check_invariants cannot be broken from Python; it raises InvariantError, which an
     # `except RuntimeError` written before the class existed still catches.
     cache = hybrid_cache()
-    cache.add_request("a", list(range(10)))
-    assert cache.schedule("a", 10)
+    slot, hit = cache.add_request("a", list(range(10)))
+    assert (slot, hit) == (0, 0)
+    assert cache.schedule([slot], [10]).tolist() == [True]
     cache.check_invariants()
     with pytest.raises(RuntimeError) as caught:
         raise InvariantError("invariant violated: example")
     assert isinstance(caught.value, FlatKVCacheError)
 
 
-@pytest.mark.parametrize("req", ["missing", 7, 2**70], ids=["str", "int", "big-int"])
-def test_unknown_request_on_a_token_level_call(req: str | int) -> None:
+@pytest.mark.parametrize(
+    "slot", [1, 7, 2**64 - 1, np.uint64(3)], ids=["next", "small", "u64-max", "np-uint64"]
+)
+def test_a_free_slot_on_a_token_level_call(slot: int) -> None:
     cache = hybrid_cache()
+    assert cache.add_request("a", [1, 2, 3]) == (0, 0)
     with pytest.raises(UnknownRequestError) as caught:
-        cache.num_tokens(req)
+        cache.num_tokens(slot)
     assert isinstance(caught.value, KeyError)
     assert isinstance(caught.value, FlatKVCacheError)
-    assert caught.value.args == (f"unknown request id {req!r}",)
+    assert caught.value.args == (f"num_tokens: slot {int(slot)} holds no request",)
+
+
+@pytest.mark.parametrize("req", ["missing", 7, 2**70], ids=["str", "int", "big-int"])
+def test_an_unknown_id_has_no_slot(req: str | int) -> None:
+    """Ids only enter a token-level cache; looking one up is ``slot_of``, None when unknown."""
+    cache = hybrid_cache()
+    assert cache.slot_of(req) is None
+    slot, _ = cache.add_request(req, [1, 2])
+    assert cache.slot_of(req) == slot == 0 and cache.id_of(slot) == req
+    cache.finish([slot])
+    assert cache.slot_of(req) is None
+    with pytest.raises(UnknownRequestError) as caught:
+        cache.id_of(slot)
+    assert caught.value.args == ("id_of: slot 0 holds no request",)
 
 
 def test_unknown_request_on_a_page_level_call() -> None:
@@ -91,17 +109,17 @@ def test_unknown_request_on_a_page_level_call() -> None:
     assert cache.page_ids("known") == [[1], [2]]  # nothing changed for the live request
 
 
-def test_unknown_request_in_a_batch_is_still_caught_as_key_error() -> None:
+def test_a_free_slot_in_a_slot_array_is_still_caught_as_key_error() -> None:
     cache = hybrid_cache()
-    cache.add_request("a", [1, 2, 3])
+    assert cache.add_request("a", [1, 2, 3]) == (0, 0)
     try:
-        cache.schedule_batch(["a", "gone"], np.array([1, 1]))
+        cache.schedule([0, 5], np.array([1, 1]))
     except KeyError as err:  # the way callers caught it before the class existed
         assert isinstance(err, UnknownRequestError)
-        assert "gone" in str(err)
+        assert err.args == ("schedule: slot 5 holds no request",)
     else:
-        pytest.fail("an unknown id in a batch must raise")
-    assert cache.num_computed_tokens("a") == 0  # validated first: nothing was scheduled
+        pytest.fail("a free slot in a slot array must raise")
+    assert cache.num_computed_tokens(0) == 0  # validated first: nothing was scheduled
 
 
 def test_a_refused_scheduler_config_is_a_config_error() -> None:
@@ -117,12 +135,19 @@ def test_a_refused_scheduler_config_is_a_config_error() -> None:
 
 def test_argument_errors_stay_plain_builtins() -> None:
     cache = hybrid_cache()
-    with pytest.raises(TypeError) as type_error:
-        cache.num_tokens(1.5)  # type: ignore[arg-type]
-    assert not isinstance(type_error.value, FlatKVCacheError)
+    for bad in (1.5, True, "0"):
+        with pytest.raises(TypeError, match="slot") as type_error:
+            cache.num_tokens(bad)  # type: ignore[arg-type]
+        assert not isinstance(type_error.value, FlatKVCacheError)
     with pytest.raises(ValueError) as value_error:
         cache.pages_needed(-1)
     assert not isinstance(value_error.value, FlatKVCacheError)
+    with pytest.raises(ValueError, match=r"slots\[0\]") as negative_slot:
+        cache.finish([-1])
+    assert not isinstance(negative_slot.value, FlatKVCacheError)
+    with pytest.raises(OverflowError, match="slot") as huge_slot:
+        cache.page_ids(2**64)
+    assert not isinstance(huge_slot.value, FlatKVCacheError)
 
 
 @pytest.mark.flag
@@ -138,3 +163,10 @@ def test_block_tables_without_the_flag_is_a_flat_unavailable_error() -> None:
     out = {"full": np.zeros((1, 4), np.int32), "swa": np.zeros((1, 4), np.int32)}
     with pytest.raises(FlatUnavailableError):
         cache.block_tables(["a"], out=out)
+    token_cache = hybrid_cache()
+    slot, _ = token_cache.add_request("a", [1, 2, 3])
+    assert token_cache.schedule([slot], [3]).tolist() == [True]
+    with pytest.raises(FlatUnavailableError):
+        token_cache.block_tables([slot])
+    with pytest.raises(FlatUnavailableError):
+        token_cache.block_tables([slot], out=out)

@@ -30,10 +30,10 @@ class _Backend:
 
 
 def _cache() -> ref.FlatKVCache:
-    """A token-level cache whose request "a" holds page 1."""
+    """A token-level cache whose request "a", in slot 0, holds page 1."""
     cache = ref.FlatKVCache([ref.KVCacheSpec("full", 4)], 8)
-    assert cache.add_request("a", [1, 2, 3, 4]) == 0
-    assert cache.schedule("a", 4)
+    assert cache.add_request("a", [1, 2, 3, 4]) == (0, 0)
+    assert cache.schedule([0], [4]).tolist() == [True]
     return cache
 
 
@@ -78,7 +78,7 @@ def test_block_tables_without_the_flat_feature(monkeypatch: pytest.MonkeyPatch) 
     cache = _cache()
     monkeypatch.setattr(_native, "FLAT_KVCACHE", False)
     with pytest.raises(FlatUnavailableError, match="without the `flat` cargo feature") as caught:
-        cache.block_tables(["a"])
+        cache.block_tables([0])
     assert isinstance(caught.value, RuntimeError)
     assert isinstance(caught.value, FlatKVCacheError)
     assert not isinstance(caught.value, ConfigError)
@@ -95,25 +95,29 @@ def test_broken_bookkeeping_is_an_invariant_error() -> None:
 
 
 @pytest.mark.parametrize(
-    ("make", "call"),
+    ("make", "call", "message", "known"),
     [
-        (_page_cache, lambda cache: cache.free("missing")),
-        (_page_cache, lambda cache: cache.page_ids("missing")),
-        (_page_cache, lambda cache: cache.reclaim("missing", 4)),
-        (_cache, lambda cache: cache.page_ids("missing")),
-        (_cache, lambda cache: cache.budget("missing")),
-        (_cache, lambda cache: cache.schedule("missing", 1)),
-        (_cache, lambda cache: cache.finish(7)),
+        (_page_cache, lambda cache: cache.free("missing"), "unknown request id 'missing'", "a"),
+        (_page_cache, lambda cache: cache.page_ids("missing"), "unknown request id 'missing'", "a"),
+        (_page_cache, lambda cache: cache.reclaim("missing", 4), "unknown request id 'missing'", "a"),
+        (_cache, lambda cache: cache.page_ids(1), "page_ids: slot 1 holds no request", 0),
+        (_cache, lambda cache: cache.budget(1), "budget: slot 1 holds no request", 0),
+        (_cache, lambda cache: cache.schedule([0, 1], [0, 1]), "schedule: slot 1 holds no request", 0),
+        (_cache, lambda cache: cache.finish([7]), "finish: slot 7 holds no request", 0),
+        (_cache, lambda cache: cache.id_of(3), "id_of: slot 3 holds no request", 0),
     ],
 )
-def test_an_unknown_request_is_an_unknown_request_error(make: Callable[[], Any], call: object) -> None:
+def test_an_unknown_request_is_an_unknown_request_error(
+    make: Callable[[], Any], call: object, message: str, known: object
+) -> None:
     cache = make()
-    with pytest.raises(UnknownRequestError, match="unknown request") as caught:
+    with pytest.raises(UnknownRequestError) as caught:
         call(cache)  # type: ignore[operator]
+    assert caught.value.args == (message,)
     assert isinstance(caught.value, KeyError)
     assert isinstance(caught.value, FlatKVCacheError)
     # Nothing changed: the known request keeps its page.
-    assert cache.page_ids("a") == [[1]]
+    assert cache.page_ids(known) == [[1]]
 
 
 def test_except_key_error_still_catches_an_unknown_id() -> None:

@@ -51,16 +51,19 @@ def forms(values: list[int]) -> list[tuple[str, Any]]:
     return out
 
 
-def run_request(prompt: Any, appended: Any) -> tuple[int, list[list[int]], int]:
+def run_request(prompt: Any, appended: Any) -> tuple[tuple[int, int], list[list[int]], int]:
     """Add a request with ``prompt``, append ``appended``, schedule all: what the engine reports."""
     cache = _native.FlatKVCache([KVCacheSpec("full", 2), KVCacheSpec("sliding_window", 4, 4)], 64)
-    cache.add_request("seed", [5, 0, 100, 3, 1, 127, 9, 4])
-    assert cache.schedule("seed", 8)
-    cache.finish("seed")  # its pages stay cached, so the prompt below has a hit
-    hit = cache.add_request("r", prompt)
-    cache.append_tokens("r", appended)
-    assert cache.schedule("r", cache.num_tokens("r") - cache.num_computed_tokens("r"))
-    return hit, cache.page_ids("r"), cache.num_tokens("r")
+    seed, _ = cache.add_request("seed", [5, 0, 100, 3, 1, 127, 9, 4])
+    assert cache.schedule([seed], [8]).tolist() == [True]
+    cache.finish([seed])  # its pages stay cached, so the prompt below has a hit
+    added = cache.add_request("r", prompt)
+    slot = added[0]
+    cache.append_tokens([slot], appended, [len(appended)])
+    assert cache.schedule([slot], [cache.num_tokens(slot) - cache.num_computed_tokens(slot)]).tolist() == [
+        True
+    ]
+    return added, cache.page_ids(slot), cache.num_tokens(slot)
 
 
 @pytest.mark.parametrize(("label", "value"), forms(SMALL), ids=lambda v: v if isinstance(v, str) else "")
@@ -75,12 +78,33 @@ def test_token_inputs_match_python_ints(label: str, value: Any) -> None:
 def test_count_inputs_match_python_ints(label: str, value: Any) -> None:
     def scheduled(counts: Any) -> list[bool]:
         cache = _native.FlatKVCache([KVCacheSpec("full", 4)], 24)
-        reqs = [f"r{i}" for i in range(len(SMALL))]
-        for req in reqs:
-            cache.add_request(req, list(range(200)))
-        return [bool(b) for b in cache.schedule_batch(reqs, counts)]
+        slots = [cache.add_request(f"r{i}", list(range(200)))[0] for i in range(len(SMALL))]
+        return [bool(b) for b in cache.schedule(slots, counts)]
 
     assert scheduled(value) == scheduled(SMALL), label
+
+
+def _many_requests() -> Any:
+    """A cache with 128 requests in slots 0 to 127 (SMALL's values), each of one token
+    scheduled (so each holds one page)."""
+    cache = _native.FlatKVCache([KVCacheSpec("full", 4)], 256)
+    for i in range(128):
+        assert cache.add_request(f"r{i}", [i]) == (i, 0)
+    assert cache.schedule(list(range(128)), [1] * 128).all()
+    return cache
+
+
+@pytest.mark.parametrize(("label", "value"), forms(SMALL), ids=lambda v: v if isinstance(v, str) else "")
+def test_slot_inputs_match_python_ints(label: str, value: Any) -> None:
+    """A slot array in any integer form names the slots of its values."""
+    cache = _many_requests()
+    expected = cache.block_tables(SMALL)["g0"].tolist()
+    assert cache.block_tables(value)["g0"].tolist() == expected, label
+    assert [row[0] for row in expected] == [s + 1 for s in SMALL]  # page s + 1 went to slot s
+    cache.reserve(value, [1] * len(SMALL))
+    cache.append_tokens(value, list(range(len(SMALL))))
+    assert [cache.num_tokens(s) for s in SMALL] == [2] * len(SMALL), label
+    assert cache.preempt(value) == [[s, i] for i, s in enumerate(SMALL)], label
 
 
 def test_wide_token_values_from_numpy_scalars() -> None:
@@ -132,8 +156,13 @@ def test_values_out_of_range_are_named(value: Any) -> None:
 def test_floats_and_bools_are_refused_with_the_argument_name(value: Any) -> None:
     with pytest.raises(TypeError, match="token_ids"):
         _native.hash_pages(value, 2)
+    cache = _native.FlatKVCache([KVCacheSpec("full", 4)], 8)
+    slot, _ = cache.add_request("a", [1, 2, 3])
     with pytest.raises(TypeError, match="num_new_tokens"):
-        _native.FlatKVCache([KVCacheSpec("full", 4)], 8).schedule_batch(["a"] * len(value), value)
+        cache.schedule([slot] * len(value), value)
+    with pytest.raises(TypeError, match="slots"):
+        cache.finish(value)
+    assert cache.slot_of("a") == slot  # nothing finished
 
 
 def test_two_dimensional_arrays_are_refused() -> None:
@@ -164,7 +193,7 @@ def _outcome(call: Any) -> object:
     """The result of ``call()``, or the exception's type and message."""
     try:
         return call()
-    except (TypeError, ValueError, OverflowError) as exc:
+    except (TypeError, ValueError, OverflowError, KeyError) as exc:
         return (type(exc), str(exc))
 
 
@@ -187,7 +216,8 @@ def _scalar_lists(draw: st.DrawFn) -> tuple[list[Any], list[int]]:
 @given(_scalar_lists())
 def test_numpy_scalars_read_in_place_convert_like_their_ints(lists: tuple[list[Any], list[int]]) -> None:
     """The in-place read of numpy scalars accepts and refuses exactly what the ints would: the
-    same tokens (hash_pages) and counts (schedule_batch), or the same error naming the index."""
+    same tokens (hash_pages), counts (schedule) and slots (block_tables), or the same error
+    naming the index."""
     items, ints = lists
     expected = _outcome(lambda: _native.hash_pages(ints, 2))
     for form in (items, tuple(items)):
@@ -195,12 +225,19 @@ def test_numpy_scalars_read_in_place_convert_like_their_ints(lists: tuple[list[A
 
     def scheduled(counts: Any) -> object:
         cache = _native.FlatKVCache([KVCacheSpec("full", 4)], 4096)
-        reqs = [f"r{i}" for i in range(len(ints))]
-        for req in reqs:
-            cache.add_request(req, list(range(300)))
-        return _outcome(lambda: cache.schedule_batch(reqs, counts).tolist())
+        slots = [cache.add_request(f"r{i}", list(range(300)))[0] for i in range(len(ints))]
+        return _outcome(lambda: cache.schedule(slots, counts).tolist())
 
     assert scheduled(items) == scheduled(ints)
+
+    def tables(slots: Any) -> object:
+        cache = _native.FlatKVCache([KVCacheSpec("full", 4)], 64)
+        for i in range(3):
+            cache.add_request(f"r{i}", [i])
+        return _outcome(lambda: cache.block_tables(slots)["g0"].tolist())
+
+    assert tables(items) == tables(ints)
+    assert tables(tuple(items)) == tables(ints)
 
 
 def test_numpy_bools_and_floats_among_scalars_are_still_refused() -> None:

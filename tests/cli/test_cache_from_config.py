@@ -30,14 +30,16 @@ def by_hand(layer_types: list[str], window: Any, *, num_pages: int, page_size: i
 def drive(cache: fk.FlatKVCache) -> dict[str, Any]:
     """A request past the sliding window, finished, then a second one sharing its prefix."""
     prompt = list(range(300))
-    cache.add_request("a", prompt)
-    assert cache.schedule_batch(["a"], [300]).all()
+    slot, hit_a = cache.add_request("a", prompt)
+    assert (slot, hit_a) == (0, 0)
+    assert cache.schedule([slot], [300]).all()
     for token in (7, 8, 9):
-        cache.append_tokens_batch(["a"], [token])
-        assert cache.schedule_batch(["a"], [1]).all()
-    tables = {gid: table.tolist() for gid, table in cache.block_tables(["a"]).items()}
-    cache.finish("a")
-    hit = cache.add_request("b", prompt)
+        cache.append_tokens([slot], [token])
+        assert cache.schedule([slot], [1]).all()
+    tables = {gid: table.tolist() for gid, table in cache.block_tables([slot]).items()}
+    cache.finish([slot])
+    slot_b, hit = cache.add_request("b", prompt)
+    assert slot_b == slot  # the finished request's slot is free again
     return {
         "group_ids": list(cache.group_ids),
         "base_page_size": cache.base_page_size,
@@ -84,14 +86,15 @@ def test_engine_options_are_passed_on() -> None:
     off = fk.cache_from_config("llama3-8b-like", num_pages=32, enable_caching=False)
     on = fk.cache_from_config("llama3-8b-like", num_pages=32)
     for cache in (off, on):
-        cache.add_request("a", prompt)
-        assert cache.schedule_batch(["a"], [64]).all()
-        cache.finish("a")
-    assert (off.add_request("b", prompt), on.add_request("b", prompt)) == (0, 48)  # (64 - 1) // 16 pages
+        slot, _ = cache.add_request("a", prompt)
+        assert cache.schedule([slot], [64]).all()
+        cache.finish([slot])
+    # (64 - 1) // 16 pages hit with caching on; both get slot 0 again
+    assert (off.add_request("b", prompt), on.add_request("b", prompt)) == ((0, 0), (0, 48))
     events = fk.cache_from_config("llama3-8b-like", num_pages=32, enable_kv_events=True)
-    events.add_request("a", prompt)
-    events.schedule_batch(["a"], [64])
-    events.finish("a")
+    slot, _ = events.add_request("a", prompt)
+    assert events.schedule([slot], [64]).all()
+    events.finish([slot])
     assert events.take_events()
     host = fk.cache_from_config("llama3-8b-like", num_pages=32, host_pages=5, host_store="evict")
     assert host.stats()["host_pages_total"] == 5

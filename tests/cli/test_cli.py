@@ -475,19 +475,19 @@ def test_table_width_is_what_block_tables_out_needs(capsys: pytest.CaptureFixtur
     # ceil((1000 + 1)/16) = 63 for both; windowed ceil((128 + 1)/16) + 1 = 10
     assert [(g["table_width"], g["windowed_width"]) for g in plan["groups"]] == [(63, 10), (63, None)]
     cache = flat_kvcache.cache_from_config(DEFAULT_PRESET, num_pages=1024)
-    cache.add_request("r", list(range(999)))
-    assert cache.schedule_batch(["r"], [999]).all()
-    cache.append_tokens_batch(["r"], [5])
-    assert cache.schedule_batch(["r"], [1]).all()  # token 1000; reclaim at 999 first
+    slot, _ = cache.add_request("r", list(range(999)))
+    assert cache.schedule([slot], [999]).all()
+    cache.append_tokens([slot], [5])
+    assert cache.schedule([slot], [1]).all()  # token 1000; reclaim at 999 first
     out = {gid: np.full((1, g["table_width"]), -7, np.int32) for gid, g in groups.items()}
-    cache.block_tables(["r"], out=out)
+    cache.block_tables([slot], out=out)
     # Every column holds a slot of a 1000-token table; the sliding group's first
     # (999 - 128 + 1) // 16 = 54 slots have slid out and are holes (0).
     assert (out[FULL][0] > 0).all()
     assert (out[SLIDING][0, :54] == 0).all() and (out[SLIDING][0, 54:] > 0).all()
     narrow = {**out, SLIDING: np.empty((1, groups[SLIDING]["windowed_width"]), np.int32)}
     with pytest.raises(ValueError, match="columns"):
-        cache.block_tables(["r"], out=narrow)
+        cache.block_tables([slot], out=narrow)
 
 
 def test_sizes_beyond_the_native_range(capsys: pytest.CaptureFixture[str]) -> None:

@@ -433,9 +433,9 @@ def test_host_tier_keeps_evicted_prefixes_and_engines_agree() -> None:
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_persistent_rows_follow_every_step_and_change_nothing_else(engine: str) -> None:
-    """``tables="rows"`` (bind_rows, row-addressed calls, update_rows) runs the same loop as
-    ``tables="full"`` (request ids, a full block_tables rewrite), preemptions and row reuse
-    included, and after every step each running request's row is its block_tables row."""
+    """``tables="rows"`` (bind_rows, update_rows) runs the same loop as ``tables="full"`` (a full
+    block_tables(slots, out=) rewrite), preemptions and slot reuse included, and after every
+    step each running request's row (its slot) is its block_tables row."""
     from flat_kvcache.simulate.loop import _Loop
 
     trace = default_trace(24, seed=2, prompt_len=(64, 256), shared_prefix_len=64, output_len=48)
@@ -445,13 +445,15 @@ def test_persistent_rows_follow_every_step_and_change_nothing_else(engine: str) 
     while loop.pending or loop.waiting or loop.running:
         loop._one_step()
         loop.cache.update_rows()  # rows of requests not scheduled this step may lag one update
-        owners = {live.row: live.rid for live in loop.running}
-        assert len(owners) == len(loop.running), "two running requests share a row"
+        owners = {live.slot: live.rid for live in loop.running}
+        assert len(owners) == len(loop.running), "two running requests share a slot"
+        assert all(loop.cache.slot_of(rid) == slot for slot, rid in owners.items())
+        assert loop.cache.num_requests == len(owners)  # finished and preempted ones let go of theirs
         for gid, buffer in loop.out.items():
             for row in range(buffer.shape[0]):
                 want = np.full(buffer.shape[1], -1, np.int32)
                 if row in owners:
-                    pages = loop.cache.block_tables([owners[row]])[gid][0]
+                    pages = loop.cache.block_tables([row])[gid][0]
                     want[: len(pages)] = pages
                 np.testing.assert_array_equal(buffer[row], want, err_msg=f"{gid} row {row}")
     rows = loop._summary(0)

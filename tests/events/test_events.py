@@ -590,12 +590,12 @@ def engine_events(api: ModuleType) -> tuple[list[KVCacheEvent], list[str], list[
     """
     cache = api.FlatKVCache([api.KVCacheSpec("full", 4)], 5, enable_kv_events=True)
     tokens_a, tokens_b = list(range(10)), list(range(100, 112))
-    assert cache.add_request("a", tokens_a) == 0
-    assert cache.schedule("a", 10)
-    cache.finish("a")
-    assert cache.add_request("b", tokens_b) == 0
-    assert cache.schedule("b", 12)
-    cache.finish("b")
+    assert cache.add_request("a", tokens_a) == (0, 0)
+    assert cache.schedule([0], [10]).tolist() == [True]
+    cache.finish([0])
+    assert cache.add_request("b", tokens_b) == (0, 0)
+    assert cache.schedule([0], [12]).tolist() == [True]
+    cache.finish([0])
     assert cache.reset_prefix_cache() == 4
     events: list[KVCacheEvent] = cache.take_events()
     assert cache.take_events() == []
@@ -640,9 +640,9 @@ def test_engine_events_published_over_loopback(api: ModuleType) -> None:
 
 def test_events_off_by_default(api: ModuleType) -> None:
     cache = api.FlatKVCache([api.KVCacheSpec("full", 4)], 5)
-    cache.add_request("a", list(range(10)))
-    assert cache.schedule("a", 10)
-    cache.finish("a")
+    assert cache.add_request("a", list(range(10))) == (0, 0)
+    assert cache.schedule([0], [10]).tolist() == [True]
+    cache.finish([0])
     assert cache.take_events() == []
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import flat_kvcache
 import flat_kvcache.reference
+import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
@@ -84,20 +85,7 @@ class HostMachine(RequestsMachine):
         self.caches.extend(
             both_caches(config, enable_kv_events=True, host_pages=host_pages, host_store=host_store)
         )
-        for req, (doc, length) in zip(REQUEST_IDS, prompts, strict=False):
-            self.both("add_request", req, DOCUMENTS[doc][:length])
-            self.live.append(req)
-
-    def both_message(self, method: str, *args: Any) -> tuple[str, Any]:
-        """Like ``both``, comparing exception messages as well as classes."""
-        outcomes = []
-        for cache in self.caches:
-            try:
-                outcomes.append(("ok", getattr(cache, method)(*args)))
-            except Exception as exc:  # the class and message are what is compared
-                outcomes.append(("raise", f"{type(exc).__name__}: {exc}"))
-        assert outcomes[0] == outcomes[1], f"{method}{args}: native {outcomes[0]} != reference {outcomes[1]}"
-        return outcomes[0]
+        self.add_initial(prompts)
 
     @rule()
     def take_transfers(self) -> None:
@@ -114,7 +102,7 @@ class HostMachine(RequestsMachine):
     def ack_some(self, data: st.DataObject) -> None:
         chosen = data.draw(st.lists(st.sampled_from(self.handed_out), unique=True, max_size=8))
         order = data.draw(st.permutations(chosen))
-        status, _ = self.both_message("ack_transfers", list(order))
+        status, _ = self.both("ack_transfers", list(order))
         assert status == "ok"
         for op_id in order:
             self.handed_out.remove(op_id)
@@ -125,13 +113,13 @@ class HostMachine(RequestsMachine):
         bad = data.draw(st.sampled_from(["unknown", "twice", "untaken"]))
         if bad == "twice" and self.handed_out:
             op_id = self.handed_out[0]
-            self.both_message("ack_transfers", [op_id, op_id])
+            self.both("ack_transfers", [op_id, op_id])
         elif bad == "untaken":
             pending = self.caches[0].transfers_in_flight()
             # The next id any cache would emit has not been handed out.
-            self.both_message("ack_transfers", [10**6 + pending])
+            self.both("ack_transfers", [10**6 + pending])
         else:
-            self.both_message("ack_transfers", [10**9])
+            self.both("ack_transfers", [10**9])
 
     @rule(doc=st.integers(0, len(DOCUMENTS) - 1), length=st.integers(2, 40), data=st.data())
     def round_trip(self, doc: int, length: int, data: st.DataObject) -> None:
@@ -143,49 +131,52 @@ class HostMachine(RequestsMachine):
             return
         req = data.draw(st.sampled_from(free_ids))
         prompt = DOCUMENTS[doc][:length]
-        if self.both("add_request", req, prompt)[0] != "ok":
+        if not self.added(req, prompt, self.both("add_request", req, prompt)):
             return
-        self.live.append(req)
-        if self.both_message("schedule", req, length - int(self.caches[0].num_computed_tokens(req)))[1]:
-            self.both("finish", req)
-            self.live.remove(req)
+        slot = self.live[req]
+        done = self.both("schedule", [slot], [length - int(self.caches[0].num_computed_tokens(slot))])
+        if done == ("ok", ("ndarray", "bool", (1,), [True])):
+            self.both("finish", [slot])
+            self.released([slot])
         self.take_transfers()
         order = data.draw(st.permutations(self.handed_out))
-        self.both_message("ack_transfers", list(order))
+        self.both("ack_transfers", list(order))
         self.handed_out.clear()
         if data.draw(st.booleans()):
             self.both("reset_prefix_cache")
         else:
             # The evictor computes nothing (so registers nothing): its lookahead takes the pages.
             lcm = self.caches[1].lcm_page_size
-            self.both("add_request", "evictor", [0], use_prefix_cache=False)
+            added = self.both("add_request", "evictor", [0], use_prefix_cache=False)
+            assert added[0] == "ok" and added[1][0] == self.next_slot(), added
+            evictor = added[1][0]
             for k in range(1, 65):
-                if self.both("schedule", "evictor", 0, lookahead=k * lcm)[1] is not True:
+                took = self.both("schedule", [evictor], [0], lookahead=k * lcm)
+                if took != ("ok", ("ndarray", "bool", (1,), [True])):
                     break
-            self.both("finish", "evictor")
+            self.both("finish", [evictor])
         if req in self.live:
             return
         if data.draw(st.booleans()):
             # admit sizes the claim's loads like pages_needed_to_admit, then adds as add_request.
-            status, admitted = self.both("admit", req, prompt, data.draw(st.integers(0, 48)))
-            added = status == "ok" and admitted is not None
+            back = self.added(req, prompt, self.both("admit", req, prompt, data.draw(st.integers(0, 48))))
         else:
-            added = self.both("add_request", req, prompt)[0] == "ok"
-        if added:
-            self.live.append(req)
-            if self.caches[0].loads_in_flight(req):
-                event("hit loaded from the host")
+            back = self.added(req, prompt, self.both("add_request", req, prompt))
+        if back and self.caches[0].loads_in_flight(self.live[req]):
+            event("hit loaded from the host")
 
     @invariant()
     def transfers_agree(self) -> None:
         if not self.caches:
             return
         self.both("transfers_in_flight")
-        for req in self.live:
-            status, loads = self.both("loads_in_flight", req)
-            if status == "ok" and loads:
+        for slot in self.live.values():
+            status, loads = self.both("loads_in_flight", slot)
+            assert status == "ok"
+            if loads:
                 event("request waiting for loads")
-                self.both_message("schedule", req, 0)
+                refused = self.both("schedule", [slot], [0])
+                assert refused[0] == "raise" and refused[1].startswith("ValueError"), refused
 
 
 HostMachine.TestCase.settings = settings(
@@ -209,9 +200,9 @@ def test_cpu_medium_events_and_host_stats() -> None:
     for module in (flat_kvcache, flat_kvcache.reference):
         c = module.FlatKVCache([module.KVCacheSpec("full", 4)], 5, host_pages=2, enable_kv_events=True)
         assert c.stats()["host_pages_total"] == 2
-        c.add_request("a", list(range(13)))
-        assert c.schedule("a", 13)
-        c.finish("a")
+        assert c.add_request("a", list(range(13))) == (0, 0)
+        assert c.schedule([0], [13]).tolist() == [True]
+        c.finish([0])
         gpu = c.take_events()
         assert [type(e) for e in gpu] == [BlockStored] and gpu[0].medium == "GPU"
         assert len(gpu[0].block_hashes) == 3
@@ -227,13 +218,16 @@ def test_cpu_medium_events_and_host_stats() -> None:
         assert all(e.parent_block_hash is None and e.token_ids == [] for e in cpu)
         # Take every device page (evicting the 3 cached ones), then give them back: a request
         # whose lookahead holds 16 tokens' pages and computes none, so it registers nothing.
-        assert c.add_request("evictor", [0], use_prefix_cache=False) == 0
-        assert c.schedule("evictor", 0, lookahead=16)
-        c.finish("evictor")
+        assert c.add_request("evictor", [0], use_prefix_cache=False) == (0, 0)
+        assert c.schedule([0], [0], lookahead=16).tolist() == [True]
+        c.finish([0])
         assert [(type(e), e.medium) for e in c.take_events()] == [(BlockRemoved, "GPU")]
         # The first 2 pages come back from the host: 8 tokens, all of them host hits.
-        assert c.add_request("b", list(range(13))) == 8
-        assert c.loads_in_flight("b") == 2
+        assert c.add_request("b", list(range(13))) == (0, 8)
+        assert c.loads_in_flight(0) == 2
+        # Nothing reads a page before its load is acknowledged: schedule names the request.
+        with pytest.raises(ValueError, match=r"request 'b' \(slot 0\)"):
+            c.schedule([0], [1])
         stats = c.stats()
         assert (stats["host_loads"], stats["host_hits_tokens"], stats["prefix_hits_tokens"]) == (2, 8, 8)
         ids, _, _ = c.take_transfers()["load"]["g0"]
@@ -241,9 +235,10 @@ def test_cpu_medium_events_and_host_stats() -> None:
         assert [(type(e), e.medium) for e in c.take_events()] == [(BlockStored, "GPU")] * 2
         # A new prompt's page is stored (at its registration, before its GPU event) over the
         # least recently used host page: the loads were acknowledged page 0 first.
-        c.add_request("c", list(range(100, 105)))
-        assert c.schedule("c", 5)
-        c.finish("c")
+        assert c.loads_in_flight(0) == 0
+        assert c.add_request("c", list(range(100, 105))) == (1, 0)
+        assert c.schedule([1], [5]).tolist() == [True]
+        c.finish([1])
         events = c.take_events()
         assert [(type(e), e.medium) for e in events] == [(BlockRemoved, "CPU"), (BlockStored, "GPU")]
         assert events[0].block_hashes == [gpu[0].block_hashes[0]]

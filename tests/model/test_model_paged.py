@@ -145,8 +145,10 @@ def test_gpt_oss_decodes_far_past_the_window_with_holes_and_slabs() -> None:
     def on_step(
         step: int, reqs: Sequence[str], ns: Sequence[int], records: Mapping[str, RequestRecord]
     ) -> None:
-        if runner.cache.has_request("a"):
-            table = runner.cache.block_tables(["a"])["sliding_attention"][0]
+        slot = runner.cache.slot_of("a")  # None once it finished
+        assert slot == records["a"].slot
+        if slot is not None:
+            table = runner.cache.block_tables([slot])["sliding_attention"][0]
             seen_holes.append(int((table == 0).sum()))
 
     records = run_greedy(runner, {"a": prompt(13, 0)}, 40, on_step=on_step)
@@ -211,10 +213,11 @@ def test_through_persistent_rows_updated_by_deltas(mode: str) -> None:
         assert runner.rows is not None
         seen_cells.append(runner.rows.last_cells)
         for req in reqs:  # the device row is the request's block table (from its offset)
-            if not runner.cache.has_request(req):
+            row = records[req].slot  # row s is slot s
+            assert runner.cache.slot_of(req) == row
+            if row is None:
                 continue  # finished this step
-            row = runner.cache.row_of(req)
-            for group, table in runner.cache.block_tables([req]).items():
+            for group, table in runner.cache.block_tables([row]).items():
                 pages = torch.from_numpy(table[0])
                 offset = int(runner.rows.offsets[group][row]) if group in runner.rows.offsets else 0
                 seen_offsets.append(offset)
@@ -250,8 +253,8 @@ def test_a_broken_table_is_caught() -> None:
     cache = runner.cache
     original = cache.block_tables
 
-    def shifted(reqs: Sequence[str], out: Any = None) -> dict[str, Any]:
-        tables: dict[str, Any] = original(list(reqs))
+    def shifted(slots: Sequence[int], out: Any = None) -> dict[str, Any]:
+        tables: dict[str, Any] = original(list(slots))
         full = tables["full_attention"]
         full[:, 1:] = full[:, :-1].copy()
         return tables
@@ -369,25 +372,26 @@ def test_a_request_with_loads_in_flight_is_not_scheduled_until_they_are_acked() 
     late = prompts.pop("second")
     run_greedy(runner, prompts, 4, max_running=1, transfers=executor)
 
-    hit = runner.add_request("late", late)
-    assert hit == 28
-    assert cache.loads_in_flight("late") >= 1
+    slot, hit = runner.add_request("late", late)
+    assert (slot, hit) == (0, 28)  # the only live request
+    assert cache.loads_in_flight(slot) >= 1
     n = len(late) - hit
     with pytest.raises(ValueError, match="late"):
-        cache.schedule_batch(["late"], [n])
+        cache.schedule([slot], [n])
     with pytest.raises(ValueError, match="late"):
-        cache.schedule("late", n)
-    assert cache.num_computed_tokens("late") == hit  # the refused schedules changed nothing
+        cache.schedule([slot], [0])  # not even a zero-token schedule
+    assert cache.num_computed_tokens(slot) == hit  # the refused schedules changed nothing
 
     done = executor.run()
     assert done.loads == cache.stats()["host_loads"] >= 1
     assert done.acked == done.loads + done.stores
-    assert cache.loads_in_flight("late") == 0
-    assert cache.schedule_batch(["late"], [n]).all()
-    (logits,) = runner.step(["late"], [late[hit:]])
+    assert cache.loads_in_flight(slot) == 0
+    assert cache.schedule([slot], [n]).all()
+    (logits,) = runner.step([slot], [late[hit:]])
     error = float((logits - reference_logits(model, late)[hit:]).abs().max())
     assert error <= TOLERANCE
-    runner.release("late")
+    runner.release(slot)
+    assert cache.slot_of("late") is None
     executor.run()
     cache.check_invariants()
 

@@ -37,7 +37,7 @@ def test_native_matches_reference_on_every_call_and_nothing_leaks(seed: int) -> 
     assert stats.refused_for_pages > 0, "no schedule ever ran out of pages"
     assert final["evictions"] > 0 and final["preemptions"] > 0 and final["prefix_hits_tokens"] > 0
     assert stats.errors > 0, "no call was refused: the stream never sent a bad id or count"
-    for method in ("add_request", "schedule", "schedule_batch", "append_tokens_batch", "preempt", "finish"):
+    for method in ("add_request", "schedule", "append_tokens", "reserve", "preempt", "finish"):
         assert stats.by_method.get(method, 0) > 0, method
 
 

@@ -4,10 +4,12 @@ identically prepared cache (``busy_cache``, or ``busy_page_cache`` for the page-
 
 The expectation is agreement between the two implementations: the same result and the same
 cache afterwards, or the same exception type and exactly the same message with nothing
-changed. Where the contract names the exception (docs/engine-api.md, "Odd inputs"), the sweep
-checks that too: a str, bytes, bytearray or memoryview is never a batch, nor is a masked array
-an integer array (TypeError naming the argument); a str id UTF-8 cannot encode is a
-UnicodeEncodeError; a bool, float or None is not an int; a negative count is a ValueError.
+changed. Where the contract names the exception (docs/engine-api.md, "Odd inputs";
+docs/requests-api.md, "Slots"), the sweep checks that too: a str, bytes, bytearray or
+memoryview is never a batch, nor is a masked array an integer array (TypeError naming the
+argument); a str id UTF-8 cannot encode is a UnicodeEncodeError; a bool, float or None is not
+an int; a negative count or slot is a ValueError, one past u64 an OverflowError; a slot that
+holds no request is an UnknownRequestError saying ``"{method}: slot {s} holds no request"``.
 """
 
 from __future__ import annotations
@@ -22,8 +24,18 @@ from typing import Any
 import flat_kvcache
 import numpy as np
 import pytest
+from flat_kvcache.errors import UnknownRequestError
 from helpers import PAGE_LEVEL_METHODS, normalize
-from robustness_cases import ENGINES, HASH, PAGE_LEVEL, busy_cache, busy_page_cache, snapshot
+from robustness_cases import (
+    ENGINES,
+    HASH,
+    PAGE_LEVEL,
+    SLOT_7,
+    SLOT_A,
+    busy_cache,
+    busy_page_cache,
+    snapshot,
+)
 
 # --- the odd values -----------------------------------------------------------------------------
 
@@ -103,7 +115,7 @@ Call = Callable[[ModuleType, Any, object], object]
 
 
 @dataclass(frozen=True)
-class Slot:
+class Arg:
     """One argument of one call: its kind, the name its messages use, and the call given it."""
 
     kind: str
@@ -113,6 +125,11 @@ class Slot:
     optional: bool = False
     #: A call of ``PageCache`` (docs/engine-api.md), run on ``busy_page_cache``.
     page_level: bool = False
+    #: The method named by an UnknownRequestError message (slot arguments).
+    method: str = ""
+    #: What each item of an int array is, for the checks of one item: ``"count"`` (u64),
+    #: ``"token"`` (u32), or ``""`` (only the array as a whole is checked).
+    items: str = ""
 
 
 def _pool(api: ModuleType) -> Any:
@@ -126,249 +143,400 @@ def _spec(api: ModuleType) -> Any:
     return api.KVCacheSpec("full", 4)
 
 
-def _id_slots() -> dict[str, Slot]:
-    """Every request-id argument (the messages of a bad type say "request ids")."""
-    calls: dict[str, Call] = {
-        "has_request": lambda _, c, v: c.has_request(v),
-        "finish": lambda _, c, v: c.finish(v),
-        "preempt": lambda _, c, v: c.preempt(v),
-        "num_tokens": lambda _, c, v: c.num_tokens(v),
-        "num_computed_tokens": lambda _, c, v: c.num_computed_tokens(v),
-        "page_ids": lambda _, c, v: c.page_ids(v),
-        "tail_available": lambda _, c, v: c.tail_available(v),
-        "free": lambda _, c, v: c.free(v),
-        "budget": lambda _, c, v: c.budget(v),
-        "row_of": lambda _, c, v: c.row_of(v),
-        "loads_in_flight": lambda _, c, v: c.loads_in_flight(v),
-        "acquire": lambda _, c, v: c.acquire(v, 1),
-        "claim": lambda _, c, v: c.claim(v, c.match_prefix([])),
-        "register": lambda _, c, v: c.register(v, [HASH]),
-        "reclaim": lambda _, c, v: c.reclaim(v, 1),
-        "pages_needed": lambda _, c, v: c.pages_needed(1, v),
-        "pages_reclaimable": lambda _, c, v: c.pages_reclaimable(v, 1),
-        "prefill_first_chunk": lambda _, c, v: c.prefill_first_chunk(v, c.match_prefix([]), 1),
-        "prefill_chunk": lambda _, c, v: c.prefill_chunk(v, [], 1, 1),
-        "decode_step": lambda _, c, v: c.decode_step(v, [], 0, 1, 5),
-        "add_request": lambda _, c, v: c.add_request(v, [1, 2]),
-        "admit": lambda _, c, v: c.admit(v, [1, 2], 1),
-        "append_tokens": lambda _, c, v: c.append_tokens(v, [1]),
-        "schedule": lambda _, c, v: c.schedule(v, 1),
-        "reserve": lambda _, c, v: c.reserve(v, 1),
-    }
-    #: Where None is an answer: ``budget()`` of the whole cache, ``pages_needed`` of fresh tables.
-    takes_none = {"budget", "pages_needed"}
-    return {
-        f"{method}.req": Slot("id", "request ids", call, optional=method in takes_none)
-        for method, call in calls.items()
-    }
+#: The page-level cache's request-id arguments (``PageCache`` names requests by id).
+_PAGE_ID_CALLS: dict[str, Call] = {
+    "has_request": lambda _, c, v: c.has_request(v),
+    "page_ids": lambda _, c, v: c.page_ids(v),
+    "tail_available": lambda _, c, v: c.tail_available(v),
+    "loads_in_flight": lambda _, c, v: c.loads_in_flight(v),
+    "pages_needed": lambda _, c, v: c.pages_needed(1, v),
+    "free": lambda _, c, v: c.free(v),
+    "acquire": lambda _, c, v: c.acquire(v, 1),
+    "claim": lambda _, c, v: c.claim(v, c.match_prefix([])),
+    "register": lambda _, c, v: c.register(v, [HASH]),
+    "reclaim": lambda _, c, v: c.reclaim(v, 1),
+    "pages_reclaimable": lambda _, c, v: c.pages_reclaimable(v, 1),
+    "prefill_first_chunk": lambda _, c, v: c.prefill_first_chunk(v, c.match_prefix([]), 1),
+    "prefill_chunk": lambda _, c, v: c.prefill_chunk(v, [], 1, 1),
+    "decode_step": lambda _, c, v: c.decode_step(v, [], 0, 1, 5),
+}
+
+#: The token-level cache's request-id arguments: ids only enter (and ``slot_of`` looks one up).
+_TOKEN_ID_CALLS: dict[str, Call] = {
+    "add_request": lambda _, c, v: c.add_request(v, [1, 2]),
+    "admit": lambda _, c, v: c.admit(v, [1, 2], 1),
+    "slot_of": lambda _, c, v: c.slot_of(v),
+}
+
+#: The one-slot readers of the token-level cache (``slot`` names a live request).
+_SLOT_CALLS: dict[str, Call] = {
+    "num_computed_tokens": lambda _, c, v: c.num_computed_tokens(v),
+    "num_tokens": lambda _, c, v: c.num_tokens(v),
+    "page_ids": lambda _, c, v: c.page_ids(v),
+    "tail_available": lambda _, c, v: c.tail_available(v),
+    "loads_in_flight": lambda _, c, v: c.loads_in_flight(v),
+    "id_of": lambda _, c, v: c.id_of(v),
+    "pages_needed": lambda _, c, v: c.pages_needed(1, v),
+    "budget": lambda _, c, v: c.budget(v),
+}
+
+#: The per-step calls of the token-level cache, given ``v`` as their slot array.
+_SLOTS_CALLS: dict[str, Call] = {
+    "schedule": lambda _, c, v: c.schedule(v, [1]),
+    "append_tokens": lambda _, c, v: c.append_tokens(v, [1]),
+    "reserve": lambda _, c, v: c.reserve(v, [1]),
+    "finish": lambda _, c, v: c.finish(v),
+    "preempt": lambda _, c, v: c.preempt(v),
+    "block_tables": lambda _, c, v: c.block_tables(v),
+}
 
 
-SLOTS: dict[str, Slot] = {
-    **_id_slots(),
-    # batches of request ids
-    "block_tables.reqs": Slot("ids", "reqs", lambda _, c, v: c.block_tables(v)),
-    "schedule_batch.reqs": Slot("ids", "reqs", lambda _, c, v: c.schedule_batch(v, [1])),
-    "append_tokens_batch.reqs": Slot("ids", "reqs", lambda _, c, v: c.append_tokens_batch(v, [1])),
+#: The same calls with ``v`` as the second slot, after the live slot 0, each other argument
+#: sized for two slots (so the message names ``slots[1]``).
+_SECOND_SLOT_CALLS: dict[str, Call] = {
+    "schedule": lambda _, c, v: c.schedule([SLOT_A, v], [0, 0]),
+    "append_tokens": lambda _, c, v: c.append_tokens([SLOT_A, v], [1, 2]),
+    "reserve": lambda _, c, v: c.reserve([SLOT_A, v], [1, 1]),
+    "finish": lambda _, c, v: c.finish([SLOT_A, v]),
+    "preempt": lambda _, c, v: c.preempt([SLOT_A, v]),
+    "block_tables": lambda _, c, v: c.block_tables([SLOT_A, v]),
+}
+
+
+def _request_args() -> dict[str, Arg]:
+    """Every request-id, slot and slot-array argument."""
+    args: dict[str, Arg] = {}
+    for method, call in _PAGE_ID_CALLS.items():
+        # ``pages_needed(n, None)`` is the answer for fresh tables.
+        args[f"PageCache.{method}.req"] = Arg(
+            "id", "request ids", call, optional=method == "pages_needed", page_level=True
+        )
+    for method, call in _TOKEN_ID_CALLS.items():
+        args[f"{method}.req"] = Arg("id", "request ids", call, method=method)
+    for method, call in _SLOT_CALLS.items():
+        # ``budget()`` is the whole cache's, ``pages_needed(n)`` of fresh tables.
+        args[f"{method}.slot"] = Arg(
+            "slot", "slot", call, optional=method in ("budget", "pages_needed"), method=method
+        )
+    for method, call in _SLOTS_CALLS.items():
+        args[f"{method}.slots"] = Arg("slots", "slots", call, method=method)
+    for method, call in _SECOND_SLOT_CALLS.items():
+        args[f"{method}.slots[1]"] = Arg("slot", "slots[1]", call, method=method)
+    return args
+
+
+ARGS: dict[str, Arg] = {
+    **_request_args(),
+    # the page-level cache's batch of request ids
+    "PageCache.block_tables.reqs": Arg("ids", "reqs", lambda _, c, v: c.block_tables(v), page_level=True),
     # counts
-    "acquire.num_tokens": Slot("count", "num_tokens", lambda _, c, v: c.acquire(PAGE_LEVEL, v)),
-    "register.first_slot": Slot(
+    "acquire.num_tokens": Arg("count", "num_tokens", lambda _, c, v: c.acquire(PAGE_LEVEL, v)),
+    "register.first_slot": Arg(
         "count", "first_slot", lambda _, c, v: c.register(PAGE_LEVEL, [HASH], first_slot=v)
     ),
-    "register.end_tokens": Slot(
+    "register.end_tokens": Arg(
         "count", "end_tokens", lambda _, c, v: c.register(PAGE_LEVEL, [HASH], end_tokens=v), optional=True
     ),
-    "reclaim.num_computed_tokens": Slot(
+    "reclaim.num_computed_tokens": Arg(
         "count", "num_computed_tokens", lambda _, c, v: c.reclaim(PAGE_LEVEL, v)
     ),
-    "pages_needed.num_tokens": Slot("count", "num_tokens", lambda _, c, v: c.pages_needed(v)),
-    "pages_reclaimable.num_computed_tokens": Slot(
+    "pages_needed.num_tokens": Arg("count", "num_tokens", lambda _, c, v: c.pages_needed(v)),
+    "pages_needed(slot).num_tokens": Arg("count", "num_tokens", lambda _, c, v: c.pages_needed(v, SLOT_A)),
+    "PageCache.pages_needed.num_tokens": Arg(
+        "count", "num_tokens", lambda _, c, v: c.pages_needed(v, PAGE_LEVEL), page_level=True
+    ),
+    "pages_reclaimable.num_computed_tokens": Arg(
         "count", "num_computed_tokens", lambda _, c, v: c.pages_reclaimable(PAGE_LEVEL, v)
     ),
-    "prefill_first_chunk.num_tokens": Slot(
+    "prefill_first_chunk.num_tokens": Arg(
         "count", "num_tokens", lambda _, c, v: c.prefill_first_chunk("new", c.match_prefix([]), v)
     ),
-    "prefill_chunk.num_tokens": Slot(
+    "prefill_chunk.num_tokens": Arg(
         "count", "num_tokens", lambda _, c, v: c.prefill_chunk(PAGE_LEVEL, [], v, 1)
     ),
-    "prefill_chunk.num_computed_tokens": Slot(
+    "prefill_chunk.num_computed_tokens": Arg(
         "count", "num_computed_tokens", lambda _, c, v: c.prefill_chunk(PAGE_LEVEL, [], 1, v)
     ),
-    "decode_step.first_page_slot": Slot(
+    "decode_step.first_page_slot": Arg(
         "count", "first_page_slot", lambda _, c, v: c.decode_step(PAGE_LEVEL, [], v, 1, 5)
     ),
-    "decode_step.num_tokens": Slot(
+    "decode_step.num_tokens": Arg(
         "count", "num_tokens", lambda _, c, v: c.decode_step(PAGE_LEVEL, [], 0, v, 5)
     ),
-    "decode_step.num_computed_tokens": Slot(
+    "decode_step.num_computed_tokens": Arg(
         "count", "num_computed_tokens", lambda _, c, v: c.decode_step(PAGE_LEVEL, [], 0, 1, v)
     ),
-    "add_request.row": Slot(
-        "count", "row", lambda _, c, v: c.add_request("new", [1, 2], row=v), optional=True
-    ),
-    "admit.max_new_tokens": Slot("count", "max_new_tokens", lambda _, c, v: c.admit("new", [1, 2], v)),
-    "admit.row": Slot("count", "row", lambda _, c, v: c.admit("new", [1, 2], 1, row=v), optional=True),
-    "schedule.num_new_tokens": Slot("count", "num_new_tokens", lambda _, c, v: c.schedule("a", v)),
-    "schedule.lookahead": Slot("count", "lookahead", lambda _, c, v: c.schedule("a", 1, lookahead=v)),
-    "pages_needed_to_admit.num_new_tokens": Slot(
+    "admit.max_new_tokens": Arg("count", "max_new_tokens", lambda _, c, v: c.admit("new", [1, 2], v)),
+    "schedule.lookahead": Arg("count", "lookahead", lambda _, c, v: c.schedule([SLOT_7], [1], lookahead=v)),
+    "pages_needed_to_admit.num_new_tokens": Arg(
         "count", "num_new_tokens", lambda _, c, v: c.pages_needed_to_admit([1, 2, 3], v)
     ),
-    "pages_needed_to_admit.reserve_tokens": Slot(
+    "pages_needed_to_admit.reserve_tokens": Arg(
         "count", "reserve_tokens", lambda _, c, v: c.pages_needed_to_admit([1, 2, 3], 1, v)
     ),
-    "reserve.tokens": Slot("count", "tokens", lambda _, c, v: c.reserve("a", v)),
-    "hash_pages.page_size": Slot("count", "page_size", lambda api, _, v: api.hash_pages([1], v)),
-    "fold_hashes.first_base": Slot("count", "first_base", lambda api, _, v: api.fold_hashes([HASH], v, 1)),
-    "fold_hashes.m": Slot("count", "m", lambda api, _, v: api.fold_hashes([HASH], 0, v)),
-    "group_key.group_index": Slot("count", "group_index", lambda api, _, v: api.group_key(HASH, v)),
-    "PrefixMatch.num_common_tokens": Slot(
+    "hash_pages.page_size": Arg("count", "page_size", lambda api, _, v: api.hash_pages([1], v)),
+    "fold_hashes.first_base": Arg("count", "first_base", lambda api, _, v: api.fold_hashes([HASH], v, 1)),
+    "fold_hashes.m": Arg("count", "m", lambda api, _, v: api.fold_hashes([HASH], 0, v)),
+    "group_key.group_index": Arg("count", "group_index", lambda api, _, v: api.group_key(HASH, v)),
+    "PrefixMatch.num_common_tokens": Arg(
         "count", "num_common_tokens", lambda api, _, v: api.PrefixMatch(v, [[], []], [0, 0])
     ),
-    "BlockPool.num_blocks": Slot("count", "num_blocks", lambda api, _, v: api.BlockPool(v)),
-    "BlockPool.allocate": Slot("count", "n", lambda api, _, v: _pool(api).allocate(v)),
-    "FlatKVCache.num_pages": Slot("count", "num_pages", lambda api, c, v: type(c)([_spec(api)], v)),
-    "FlatKVCache.host_pages": Slot(
+    "BlockPool.num_blocks": Arg("count", "num_blocks", lambda api, _, v: api.BlockPool(v)),
+    "BlockPool.allocate": Arg("count", "n", lambda api, _, v: _pool(api).allocate(v)),
+    "FlatKVCache.num_pages": Arg("count", "num_pages", lambda api, c, v: type(c)([_spec(api)], v)),
+    "FlatKVCache.host_pages": Arg(
         "count", "host_pages", lambda api, c, v: type(c)([_spec(api)], 8, host_pages=v), optional=True
     ),
     # page ids
-    "BlockPool.touch": Slot("page", "page", lambda api, _, v: _pool(api).touch(v)),
-    "BlockPool.cache.page": Slot("page", "page", lambda api, _, v: _pool(api).cache(v, "k")),
-    "BlockPool.ref_count": Slot("page", "page", lambda api, _, v: _pool(api).ref_count(v)),
-    "BlockPool.is_cached": Slot("page", "page", lambda api, _, v: _pool(api).is_cached(v)),
-    # integer arrays: counts, rows, transfer ids, page ids
-    "schedule_batch.num_new_tokens": Slot(
-        "counts", "num_new_tokens", lambda _, c, v: c.schedule_batch(["a"], v)
+    "BlockPool.touch": Arg("page", "page", lambda api, _, v: _pool(api).touch(v)),
+    "BlockPool.cache.page": Arg("page", "page", lambda api, _, v: _pool(api).cache(v, "k")),
+    "BlockPool.ref_count": Arg("page", "page", lambda api, _, v: _pool(api).ref_count(v)),
+    "BlockPool.is_cached": Arg("page", "page", lambda api, _, v: _pool(api).is_cached(v)),
+    # integer arrays of counts: one per slot (checked item by item), transfer ids, page ids
+    "schedule.num_new_tokens": Arg(
+        "counts", "num_new_tokens", lambda _, c, v: c.schedule([SLOT_7], v), items="count"
     ),
-    "append_tokens_batch.num_tokens": Slot(
-        "counts", "num_tokens", lambda _, c, v: c.append_tokens_batch(["a"], [1], v), optional=True
+    "append_tokens.num_tokens": Arg(
+        "counts",
+        "num_tokens",
+        lambda _, c, v: c.append_tokens([SLOT_A], [1], v),
+        optional=True,
+        items="count",
     ),
-    "schedule_rows.rows": Slot("counts", "rows", lambda _, c, v: c.schedule_rows(v, [1])),
-    "schedule_rows.num_new_tokens": Slot("counts", "num_new_tokens", lambda _, c, v: c.schedule_rows([0], v)),
-    "append_tokens_rows.rows": Slot("counts", "rows", lambda _, c, v: c.append_tokens_rows(v, [1])),
-    "append_tokens_rows.num_tokens": Slot(
-        "counts", "num_tokens", lambda _, c, v: c.append_tokens_rows([0], [1], v), optional=True
-    ),
-    "ack_transfers.ids": Slot("counts", "ids", lambda _, c, v: c.ack_transfers(v)),
-    "PrefixMatch.num_hit_pages": Slot(
+    "reserve.tokens": Arg("counts", "tokens", lambda _, c, v: c.reserve([SLOT_A], v), items="count"),
+    "ack_transfers.ids": Arg("counts", "ids", lambda _, c, v: c.ack_transfers(v)),
+    "PrefixMatch.num_hit_pages": Arg(
         "counts", "num_hit_pages", lambda api, _, v: api.PrefixMatch(0, [[], []], v)
     ),
-    "PrefixMatch.pages[0]": Slot("counts", "pages[0]", lambda api, _, v: api.PrefixMatch(0, [v, []], [0, 0])),
-    "BlockPool.free": Slot("counts", "pages", lambda api, _, v: _pool(api).free(v)),
+    "PrefixMatch.pages[0]": Arg("counts", "pages[0]", lambda api, _, v: api.PrefixMatch(0, [v, []], [0, 0])),
+    "BlockPool.free": Arg("counts", "pages", lambda api, _, v: _pool(api).free(v)),
     # tokens
-    "add_request.prompt_token_ids": Slot(
-        "counts", "prompt_token_ids", lambda _, c, v: c.add_request("new", v)
+    "add_request.prompt_token_ids": Arg(
+        "counts", "prompt_token_ids", lambda _, c, v: c.add_request("new", v), items="token"
     ),
-    "admit.prompt_token_ids": Slot("counts", "prompt_token_ids", lambda _, c, v: c.admit("new", v, 1)),
-    "append_tokens.token_ids": Slot("counts", "token_ids", lambda _, c, v: c.append_tokens("a", v)),
-    "append_tokens_batch.token_ids": Slot(
-        "counts", "token_ids", lambda _, c, v: c.append_tokens_batch(["a"], v)
+    "admit.prompt_token_ids": Arg(
+        "counts", "prompt_token_ids", lambda _, c, v: c.admit("new", v, 1), items="token"
     ),
-    "append_tokens_rows.token_ids": Slot("counts", "token_ids", lambda _, c, v: c.append_tokens_rows([0], v)),
-    "prefix_hit_tokens.prompt_token_ids": Slot(
-        "counts", "prompt_token_ids", lambda _, c, v: c.prefix_hit_tokens(v)
+    "append_tokens.token_ids": Arg(
+        "counts", "token_ids", lambda _, c, v: c.append_tokens([SLOT_A], v), items="token"
     ),
-    "pages_needed_to_admit.prompt_token_ids": Slot(
-        "counts", "prompt_token_ids", lambda _, c, v: c.pages_needed_to_admit(v, 1)
+    "append_tokens(num_tokens).token_ids": Arg(
+        "counts", "token_ids", lambda _, c, v: c.append_tokens([SLOT_A], v, [1]), items="token"
     ),
-    "hash_page.tokens": Slot("counts", "tokens", lambda api, _, v: api.hash_page(v)),
-    "hash_pages.token_ids": Slot("counts", "token_ids", lambda api, _, v: api.hash_pages(v, 1)),
+    "prefix_hit_tokens.prompt_token_ids": Arg(
+        "counts", "prompt_token_ids", lambda _, c, v: c.prefix_hit_tokens(v), items="token"
+    ),
+    "pages_needed_to_admit.prompt_token_ids": Arg(
+        "counts", "prompt_token_ids", lambda _, c, v: c.pages_needed_to_admit(v, 1), items="token"
+    ),
+    "hash_page.tokens": Arg("counts", "tokens", lambda api, _, v: api.hash_page(v)),
+    "hash_pages.token_ids": Arg("counts", "token_ids", lambda api, _, v: api.hash_pages(v, 1)),
     # content hashes
-    "match_prefix.content_hashes": Slot("strs", "content_hashes", lambda _, c, v: c.match_prefix(v)),
-    "register.content_hashes": Slot("strs", "content_hashes", lambda _, c, v: c.register(PAGE_LEVEL, v)),
-    "prefill_chunk.content_hashes": Slot(
+    "match_prefix.content_hashes": Arg("strs", "content_hashes", lambda _, c, v: c.match_prefix(v)),
+    "register.content_hashes": Arg("strs", "content_hashes", lambda _, c, v: c.register(PAGE_LEVEL, v)),
+    "prefill_chunk.content_hashes": Arg(
         "strs", "content_hashes", lambda _, c, v: c.prefill_chunk(PAGE_LEVEL, v, 1, 1)
     ),
-    "decode_step.content_hashes": Slot(
+    "decode_step.content_hashes": Arg(
         "strs", "content_hashes", lambda _, c, v: c.decode_step(PAGE_LEVEL, v, 0, 1, 5)
     ),
-    "fold_hashes.base_hashes": Slot("strs", "base_hashes", lambda api, _, v: api.fold_hashes(v, 0, 2)),
-    "fold_hashes.base_hashes(m=1)": Slot("strs", "base_hashes", lambda api, _, v: api.fold_hashes(v, 0, 1)),
+    "fold_hashes.base_hashes": Arg("strs", "base_hashes", lambda api, _, v: api.fold_hashes(v, 0, 2)),
+    "fold_hashes.base_hashes(m=1)": Arg("strs", "base_hashes", lambda api, _, v: api.fold_hashes(v, 0, 1)),
     # extra keys
-    "add_request.extra_keys": Slot(
+    "add_request.extra_keys": Arg(
         "strs", "extra_keys", lambda _, c, v: c.add_request("new", [1, 2], extra_keys=v)
     ),
-    "admit.extra_keys": Slot("strs", "extra_keys", lambda _, c, v: c.admit("new", [1, 2], 1, extra_keys=v)),
-    "prefix_hit_tokens.extra_keys": Slot(
+    "admit.extra_keys": Arg("strs", "extra_keys", lambda _, c, v: c.admit("new", [1, 2], 1, extra_keys=v)),
+    "prefix_hit_tokens.extra_keys": Arg(
         "strs", "extra_keys", lambda _, c, v: c.prefix_hit_tokens([1, 2, 3, 4, 5], extra_keys=v)
     ),
-    "pages_needed_to_admit.extra_keys": Slot(
+    "pages_needed_to_admit.extra_keys": Arg(
         "strs", "extra_keys", lambda _, c, v: c.pages_needed_to_admit([1, 2, 3], 1, extra_keys=v)
     ),
-    "hash_page.extra_keys": Slot("strs", "extra_keys", lambda api, _, v: api.hash_page([1], "", v)),
-    "hash_pages.extra_keys": Slot(
+    "hash_page.extra_keys": Arg("strs", "extra_keys", lambda api, _, v: api.hash_page([1], "", v)),
+    "hash_pages.extra_keys": Arg(
         "strs", "extra_keys", lambda api, _, v: api.hash_pages([1], 1, extra_keys=v)
     ),
     # other sequences
-    "FlatKVCache.specs": Slot("specs", "specs", lambda _, c, v: type(c)(v, 8)),
-    "PrefixMatch.pages": Slot("groups", "pages", lambda api, _, v: api.PrefixMatch(0, v, [0, 0])),
+    "FlatKVCache.specs": Arg("specs", "specs", lambda _, c, v: type(c)(v, 8)),
+    "PrefixMatch.pages": Arg("groups", "pages", lambda api, _, v: api.PrefixMatch(0, v, [0, 0])),
     # single str arguments
-    "hash_page.prior": Slot("str", "prior", lambda api, _, v: api.hash_page([1], v)),
-    "hash_pages.prior": Slot("str", "prior", lambda api, _, v: api.hash_pages([1], 1, prior=v)),
-    "group_key.content_hash": Slot("str", "content_hash", lambda api, _, v: api.group_key(v, 1)),
-    "BlockPool.cache.key": Slot("str", "key", lambda api, _, v: _pool(api).cache(1, v)),
-    "BlockPool.lookup": Slot("str", "key", lambda api, _, v: _pool(api).lookup(v)),
+    "hash_page.prior": Arg("str", "prior", lambda api, _, v: api.hash_page([1], v)),
+    "hash_pages.prior": Arg("str", "prior", lambda api, _, v: api.hash_pages([1], 1, prior=v)),
+    "group_key.content_hash": Arg("str", "content_hash", lambda api, _, v: api.group_key(v, 1)),
+    "BlockPool.cache.key": Arg("str", "key", lambda api, _, v: _pool(api).cache(1, v)),
+    "BlockPool.lookup": Arg("str", "key", lambda api, _, v: _pool(api).lookup(v)),
     # matches
-    "claim.match": Slot("match", "match", lambda _, c, v: c.claim("new", v)),
-    "prefill_first_chunk.match": Slot("match", "match", lambda _, c, v: c.prefill_first_chunk("new", v, 1)),
-    "pages_consumed_by_claim.match": Slot("match", "match", lambda _, c, v: c.pages_consumed_by_claim(v)),
+    "claim.match": Arg("match", "match", lambda _, c, v: c.claim("new", v)),
+    "prefill_first_chunk.match": Arg("match", "match", lambda _, c, v: c.prefill_first_chunk("new", v, 1)),
+    "pages_consumed_by_claim.match": Arg("match", "match", lambda _, c, v: c.pages_consumed_by_claim(v)),
     # bools and named choices
-    "add_request.use_prefix_cache": Slot(
+    "add_request.use_prefix_cache": Arg(
         "flag", "use_prefix_cache", lambda _, c, v: c.add_request("new", [1, 2], use_prefix_cache=v)
     ),
-    "pages_reclaimable.count_uncached": Slot(
+    "admit.use_prefix_cache": Arg(
+        "flag", "use_prefix_cache", lambda _, c, v: c.admit("new", [1, 2], 1, use_prefix_cache=v)
+    ),
+    "pages_reclaimable.count_uncached": Arg(
         "flag", "count_uncached", lambda _, c, v: c.pages_reclaimable(PAGE_LEVEL, 1, count_uncached=v)
     ),
-    "update_rows.full": Slot("flag", "full", lambda _, c, v: c.update_rows(full=v)),
-    "FlatKVCache.enable_caching": Slot(
+    "update_rows.full": Arg("flag", "full", lambda _, c, v: c.update_rows(full=v)),
+    "update_rows(bound).full": Arg("flag", "full", lambda _, c, v: _bound(c).update_rows(full=v)),
+    "FlatKVCache.enable_caching": Arg(
         "flag", "enable_caching", lambda api, c, v: type(c)([_spec(api)], 8, enable_caching=v)
     ),
-    "BlockPool.reuse_uncached_first": Slot(
+    "BlockPool.reuse_uncached_first": Arg(
         "flag", "reuse_uncached_first", lambda api, _, v: api.BlockPool(8, reuse_uncached_first=v)
     ),
-    "FlatKVCache.eviction_order": Slot(
+    "FlatKVCache.eviction_order": Arg(
         "choice", "eviction_order", lambda api, c, v: type(c)([_spec(api)], 8, eviction_order=v)
     ),
-    "FlatKVCache.host_store": Slot(
+    "FlatKVCache.host_store": Arg(
         "choice", "host_store", lambda api, c, v: type(c)([_spec(api)], 8, host_pages=4, host_store=v)
     ),
     # buffers
-    "block_tables.out": Slot("out", "out", lambda _, c, v: c.block_tables(["a"], out=v), optional=True),
-    "bind_rows.tables": Slot("out", "tables", lambda _, c, v: c.bind_rows(v)),
+    "block_tables.out": Arg("out", "out", lambda _, c, v: c.block_tables([SLOT_A], out=v), optional=True),
+    "bind_rows.tables": Arg("out", "tables", lambda _, c, v: c.bind_rows(v)),
+    "bind_rows.offsets": Arg(
+        "out", "offsets", lambda _, c, v: c.bind_rows(_row_tables(), offsets=v), optional=True
+    ),
 }
 
-# The page-level protocol's methods (PAGE_LEVEL_METHODS) have their slots run on a ``PageCache``.
-SLOTS = {
-    where: replace(slot, page_level=where.split(".")[0] in PAGE_LEVEL_METHODS)
-    for where, slot in SLOTS.items()
+
+def _row_tables() -> dict[str, Any]:
+    """Persistent tables of 4 rows for :func:`busy_cache`'s groups (slots 0 and 1 fit)."""
+    return {"full": np.zeros((4, 8), np.int32), "swa": np.zeros((4, 3), np.int32)}
+
+
+def _bound(cache: Any) -> Any:
+    """``cache`` with :func:`_row_tables` bound (no offsets)."""
+    cache.bind_rows(_row_tables())
+    return cache
+
+
+# The page-level protocol's methods (PAGE_LEVEL_METHODS) have their arguments run on a ``PageCache``.
+ARGS = {
+    where: arg if arg.page_level else replace(arg, page_level=where.split(".")[0] in PAGE_LEVEL_METHODS)
+    for where, arg in ARGS.items()
 }
 
 #: Kinds whose argument is a sequence (a batch): text, bytes and non-iterables are refused.
-BATCH_KINDS = frozenset({"ids", "counts", "strs", "specs", "groups"})
+BATCH_KINDS = frozenset({"ids", "slots", "counts", "strs", "specs", "groups"})
+#: Values that hold a single int: a slot (when in range) or a count.
+INTS = {"-1", "np.int64(-1)", "2**64", "2**200", "-2**70", "np.uint64-max", "np.int32(3)"}
+#: Scalars that are no sequence: every int, bool, float, None and plain object.
+SCALARS = INTS | {"None", "True", "np.bool_", "1.5", "np.float64", "np.float32", "object"}
+#: Numpy arrays of another shape or dtype than a 1-D integer array.
+NOT_INT_ARRAYS = ("0-d", "2-D", "float-array", "str-array", "bool-array")
+#: One-item lists whose item is no int (TypeError naming ``<name>[0]``).
+NOT_INT_ITEMS = (
+    "[[1]]",
+    "[None]",
+    "[True]",
+    "[1.5]",
+    "[np.float64]",
+    "[np.bool_]",
+    "['a']",
+    "[b'a']",
+    "[lone-surrogate]",
+    "[HASH, 1]",
+    "[uppercase-hash]",
+    "('a',)",
+)
+#: One-item lists holding a negative int, and an int past u64.
+NEGATIVE_ITEMS = ("[-1]", "[np.int8(-1)]")
+HUGE_ITEMS = ("[2**64]", "[2**200]")
+#: Slots named by the values: ``np.uint64-max`` and ``np.int32(3)`` given as a slot, and
+#: ``[np.uint64(5)]`` as a slot array; none of them holds a request in ``busy_cache``.
+FREE_SLOTS = {"np.uint64-max": 2**64 - 1, "np.int32(3)": 3, "[np.uint64(5)]": 5}
 
 
-def expected(slot: Slot, label: str) -> type[BaseException] | None:
-    """The exception the contract names for ``label`` given to ``slot``, or None where it
+@dataclass(frozen=True)
+class Expect:
+    """What the contract says a value does: raise ``kind`` whose message contains ``text``
+    (or is exactly ``text`` when ``exact``)."""
+
+    kind: type[BaseException]
+    text: str
+    exact: bool = False
+
+
+def expected(arg: Arg, label: str) -> Expect | None:
+    """The exception the contract names for ``label`` given to ``arg``, or None where it
     names none (the sweep then checks only that both engines agree)."""
-    if slot.optional and label == "None":
+    if arg.optional and label == "None":
         return None
-    if slot.kind in BATCH_KINDS:
+    if arg.kind == "slot":
+        return _expected_slot(arg, label)
+    if arg.kind == "slots":
+        return _expected_slots(arg, label)
+    if arg.kind in BATCH_KINDS:
         if label in TEXT_OR_BYTES or label in NOT_ITERABLE:
-            return TypeError
-        if label in MASKED and slot.kind == "counts":
-            return TypeError
-    if slot.kind == "id":
+            return Expect(TypeError, arg.name)
+        if arg.kind == "counts" and (label in MASKED or label in SCALARS):
+            return Expect(TypeError, arg.name)
+        if arg.items and label in NOT_INT_ARRAYS:
+            return Expect(TypeError, arg.name)
+        if arg.items:
+            return _expected_item(arg, label)
+    if arg.kind == "id":
         if label == "lone-surrogate":
-            return UnicodeEncodeError
+            return Expect(UnicodeEncodeError, "")
         if label in ("None", "True", "np.bool_", "1.5", "np.float64", "object", "b'a'", "bytearray", "[]"):
-            return TypeError
-    if slot.kind == "ids" and label == "[lone-surrogate]":
-        return UnicodeEncodeError
-    if slot.kind in ("count", "page"):
+            return Expect(TypeError, arg.name)
+    if arg.kind == "ids" and label == "[lone-surrogate]":
+        return Expect(UnicodeEncodeError, "")
+    if arg.kind in ("count", "page"):
         if label in ("None", "True", "np.bool_", "1.5", "np.float64", "np.float32", "'3'", "b'a'", "[]"):
-            return TypeError
+            return Expect(TypeError, arg.name)
         if label in ("-1", "np.int64(-1)", "-2**70"):
-            return ValueError
-    if slot.kind in ("str", "flag", "match") and label in ("None", "1.5", "b'a'", "[]", "object"):
-        return TypeError
+            return Expect(ValueError, "")
+    if arg.kind in ("str", "flag", "match") and label in ("None", "1.5", "b'a'", "[]", "object"):
+        return Expect(TypeError, arg.name)
+    return None
+
+
+def _expected_slot(arg: Arg, label: str) -> Expect | None:
+    """One slot (``slot`` of a reader, or ``slots[1]``): an int >= 0 that fits u64 and holds
+    a request; anything but an int is a TypeError."""
+    if label in FREE_SLOTS and label in INTS:
+        return Expect(UnknownRequestError, f"{arg.method}: slot {FREE_SLOTS[label]} holds no request", True)
+    if label in ("-1", "np.int64(-1)", "-2**70"):
+        return Expect(ValueError, arg.name)
+    if label in ("2**64", "2**200"):
+        return Expect(OverflowError, arg.name)
+    if label == "0-d":  # an int to numpy (``__index__``): not named by the contract
+        return None
+    return Expect(TypeError, arg.name)
+
+
+def _expected_slots(arg: Arg, label: str) -> Expect | None:
+    """A slot array: a sequence of slots or a 1-D integer array; item ``i`` checked as one
+    slot named ``slots[i]``."""
+    if label in TEXT_OR_BYTES or label in SCALARS or label in MASKED or label in NOT_INT_ARRAYS:
+        return Expect(TypeError, arg.name)
+    if label in NOT_INT_ITEMS:
+        return Expect(TypeError, f"{arg.name}[0]")
+    if label == "[1, [2]]":
+        return Expect(TypeError, f"{arg.name}[1]")
+    if label in NEGATIVE_ITEMS:
+        return Expect(ValueError, f"{arg.name}[0]")
+    if label in HUGE_ITEMS:
+        return Expect(OverflowError, f"{arg.name}[0]")
+    if label == "[np.uint64(5)]":
+        return Expect(UnknownRequestError, f"{arg.method}: slot 5 holds no request", True)
+    return None
+
+
+def _expected_item(arg: Arg, label: str) -> Expect | None:
+    """The first item of a count or token array (a token that does not fit u32 is a
+    ValueError, a count past u64 an OverflowError)."""
+    if label in NOT_INT_ITEMS:
+        return Expect(TypeError, f"{arg.name}[0]")
+    if label in NEGATIVE_ITEMS:
+        return Expect(ValueError, f"{arg.name}[0]")
+    if label in HUGE_ITEMS:
+        return Expect(OverflowError if arg.items == "count" else ValueError, f"{arg.name}[0]")
     return None
 
 
@@ -399,13 +567,13 @@ def _plain(result: object) -> object:
     return normalize(result)
 
 
-def run(api: ModuleType, slot: Slot, label: str) -> Outcome:
-    """``slot`` given ``ODD[label]`` on a fresh busy cache of ``api``. A refused call must
+def run(api: ModuleType, arg: Arg, label: str) -> Outcome:
+    """``arg`` given ``ODD[label]`` on a fresh busy cache of ``api``. A refused call must
     leave the cache unchanged and record no event."""
-    cache = busy_page_cache(api) if slot.page_level else busy_cache(api)
+    cache = busy_page_cache(api) if arg.page_level else busy_cache(api)
     before = snapshot(cache)
     try:
-        result = slot.call(api, cache, ODD[label]())
+        result = arg.call(api, cache, ODD[label]())
     except Exception as exc:  # every refusal is compared, whatever its type
         message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
         # A repr of an object shows its address: the same object is two objects here.
@@ -416,33 +584,67 @@ def run(api: ModuleType, slot: Slot, label: str) -> Outcome:
     return Outcome(None, "", _plain(result), (snapshot(cache), normalize(cache.take_events())))
 
 
-def _check_expected(slot: Slot, label: str, got: Outcome) -> str | None:
+def _check_expected(arg: Arg, label: str, got: Outcome) -> str | None:
     """A problem with ``got`` against the contract, or None."""
-    kind = expected(slot, label)
-    if kind is None:
+    want = expected(arg, label)
+    if want is None:
         return None
-    if got.raised is None or not issubclass(got.raised, kind):
-        return f"expected {kind.__name__}, got {got}"
-    if kind is TypeError and slot.name not in got.message:
-        return f"the TypeError does not name {slot.name!r}: {got.message!r}"
+    if got.raised is None or not issubclass(got.raised, want.kind):
+        return f"expected {want.kind.__name__}, got {got}"
+    if want.exact and got.message != want.text:
+        return f"expected the message {want.text!r}, got {got.message!r}"
+    if want.text not in got.message:
+        return f"the {got.raised.__name__} does not name {want.text!r}: {got.message!r}"
     return None
 
 
-@pytest.mark.parametrize("where", list(SLOTS))
+@pytest.mark.parametrize("where", list(ARGS))
 def test_odd_inputs_same_outcome_on_both_engines(where: str) -> None:
     """Every odd value in this argument: both engines do the same thing, and refuse what the
     contract refuses with the exception it names."""
-    slot = SLOTS[where]
+    arg = ARGS[where]
     problems = []
     for label in ODD:
-        native, reference = (run(api, slot, label) for api in ENGINES)
+        native, reference = (run(api, arg, label) for api in ENGINES)
         if native != reference:
             problems.append(f"{label}:\n    native    {native}\n    reference {reference}")
             continue
-        problem = _check_expected(slot, label, native)
+        problem = _check_expected(arg, label, native)
         if problem is not None:
             problems.append(f"{label}: {problem}")
     assert not problems, f"{where}: {len(problems)} value(s)\n" + "\n".join(problems)
+
+
+def test_the_sweep_covers_every_token_level_argument() -> None:
+    """Every argument of every token-level method of docs/requests-api.md is in :data:`ARGS`
+    (a method added or renamed in the contract needs its entries here), and no entry names a
+    removed method."""
+    wanted = {
+        "add_request": ("req", "prompt_token_ids", "extra_keys", "use_prefix_cache"),
+        "admit": ("req", "prompt_token_ids", "max_new_tokens", "extra_keys", "use_prefix_cache"),
+        "schedule": ("slots", "slots[1]", "num_new_tokens", "lookahead"),
+        "append_tokens": ("slots", "slots[1]", "token_ids", "num_tokens"),
+        "reserve": ("slots", "slots[1]", "tokens"),
+        "finish": ("slots", "slots[1]"),
+        "preempt": ("slots", "slots[1]"),
+        "block_tables": ("slots", "slots[1]", "out"),
+        "num_computed_tokens": ("slot",),
+        "num_tokens": ("slot",),
+        "page_ids": ("slot",),
+        "tail_available": ("slot",),
+        "loads_in_flight": ("slot",),
+        "pages_needed": ("slot", "num_tokens"),
+        "budget": ("slot",),
+        "slot_of": ("req",),
+        "id_of": ("slot",),
+        "bind_rows": ("tables", "offsets"),
+        "update_rows": ("full",),
+    }
+    missing = [f"{m}.{a}" for m, names in wanted.items() for a in names if f"{m}.{a}" not in ARGS]
+    assert missing == []
+    removed = ("schedule_batch", "schedule_rows", "append_tokens_batch", "append_tokens_rows", "row_of")
+    assert [w for w in ARGS if w.split(".")[0] in removed] == []
+    assert len(ARGS) >= 100
 
 
 @pytest.mark.parametrize("cls", ["FlatKVCache", "PageCache"])

@@ -20,10 +20,18 @@ def _tables(rows: int = 4, full: int = 8, swa: int = 3) -> dict[str, Any]:
 
 
 def _bound(cache: Any) -> None:
-    """Rows bound (``swa`` windowed), request ``"r"`` in row 1 with 9 tokens scheduled."""
+    """Rows bound (``swa`` windowed), request ``"r"`` in the lowest free slot (2: the busy
+    cache's ``"a"`` and ``7`` hold slots 0 and 1) with 9 tokens scheduled."""
     cache.bind_rows(_tables(), offsets={"swa": np.zeros(4, np.int32)})
-    cache.add_request("r", list(range(9)), row=1)
-    assert cache.schedule("r", 9)
+    assert cache.add_request("r", list(range(9))) == (2, 0)
+    assert cache.schedule([2], [9]).tolist() == [True]
+    cache.update_rows()
+
+
+def _full(cache: Any) -> None:
+    """Three rows bound and all three slots held (``"a"``, ``7``, then ``"r"`` in slot 2)."""
+    cache.bind_rows(_tables(rows=3))
+    assert cache.add_request("r", list(range(9))) == (2, 0)
     cache.update_rows()
 
 
@@ -32,41 +40,40 @@ def bound(call: Any, kind: type[BaseException], names: str) -> Case:
 
 
 CASES = {
-    # add_request(row=)
-    "row-negative": bound(lambda c: c.add_request("n", [1, 2], row=-1), ValueError, "row must be >= 0"),
-    "row-bool": bound(lambda c: c.add_request("n", [1, 2], row=True), TypeError, "row"),
-    "row-float": bound(lambda c: c.add_request("n", [1, 2], row=1.0), TypeError, "row"),
-    "row-past-the-end": bound(lambda c: c.add_request("n", [1, 2], row=4), ValueError, "row must be < 4"),
-    "row-held": bound(
-        lambda c: c.add_request("n", [1, 2], row=1), ValueError, "row 1 is held by request 'r'"
+    # add_request / admit with rows bound
+    "add-every-row-held": Case(
+        lambda c: c.add_request("n", [1, 2]),
+        ValueError,
+        "add_request: all 3 slots of the bound rows are held (finish a request or bind more rows)",
+        setup=_full,
     ),
-    "row-unbound": Case(lambda c: c.add_request("n", [1, 2], row=0), ValueError, "bind_rows first"),
-    "row-id-taken": bound(lambda c: c.add_request("r", [1, 2], row=0), ValueError, "already exists"),
+    "add-id-taken": bound(
+        lambda c: c.add_request("r", [1, 2]), ValueError, "add_request: request 'r' already exists"
+    ),
     # update_rows
     "update-unbound": Case(lambda c: c.update_rows(), ValueError, "bind_rows first"),
     "update-full-int": bound(lambda c: c.update_rows(full=1), TypeError, "full must be a bool"),
-    # schedule_rows / append_tokens_rows
-    "schedule-rows-free-row": bound(
-        lambda c: c.schedule_rows([0], [1]), ValueError, "row 0 holds no request"
+    # slot-addressed calls with rows bound
+    "schedule-free-slot": bound(
+        lambda c: c.schedule([3], [1]), KeyError, "schedule: slot 3 holds no request"
     ),
-    "schedule-rows-past-the-end": bound(
-        lambda c: c.schedule_rows([9], [1]), ValueError, "row 9 holds no request"
+    "schedule-past-the-rows": bound(
+        lambda c: c.schedule([9], [1]), KeyError, "schedule: slot 9 holds no request"
     ),
-    "schedule-rows-negative": bound(lambda c: c.schedule_rows([-1], [1]), ValueError, "rows[0]"),
-    "schedule-rows-too-many": bound(lambda c: c.schedule_rows([1], [5]), ValueError, "asks for more tokens"),
-    "schedule-rows-repeat": bound(
-        lambda c: c.schedule_rows([1, 1], [0, 1]), ValueError, "asks for more tokens"
+    "schedule-negative": bound(lambda c: c.schedule([-1], [1]), ValueError, "slots[0]"),
+    "schedule-too-many": bound(lambda c: c.schedule([2], [5]), ValueError, "asks for more tokens"),
+    "schedule-repeat": bound(lambda c: c.schedule([2, 2], [0, 1]), ValueError, "asks for more tokens"),
+    "schedule-lengths": bound(lambda c: c.schedule([2, 2], [0]), ValueError, "but slots has 2"),
+    "append-free-slot": bound(
+        lambda c: c.append_tokens([3], [5]), KeyError, "append_tokens: slot 3 holds no request"
     ),
-    "schedule-rows-lengths": bound(lambda c: c.schedule_rows([1, 1], [0]), ValueError, "but rows has 2"),
-    "schedule-rows-unbound": Case(lambda c: c.schedule_rows([0], [1]), ValueError, "bind_rows first"),
-    "append-rows-free-row": bound(
-        lambda c: c.append_tokens_rows([2], [5]), ValueError, "row 2 holds no request"
+    "append-lengths": bound(lambda c: c.append_tokens([2], [5, 6]), ValueError, "but slots has 1"),
+    "append-counts": bound(
+        lambda c: c.append_tokens([2], [5, 6], [3]), ValueError, "num_tokens adds up to 3"
     ),
-    "append-rows-lengths": bound(lambda c: c.append_tokens_rows([1], [5, 6]), ValueError, "but rows has 1"),
-    "append-rows-counts": bound(
-        lambda c: c.append_tokens_rows([1], [5, 6], [3]), ValueError, "num_tokens adds up to 3"
-    ),
-    "append-rows-bad-token": bound(lambda c: c.append_tokens_rows([1], [-5]), ValueError, "token_ids[0]"),
+    "append-bad-token": bound(lambda c: c.append_tokens([2], [-5]), ValueError, "token_ids[0]"),
+    "finish-repeat": bound(lambda c: c.finish([2, 0, 2]), ValueError, "finish: slot 2 is listed twice"),
+    "preempt-repeat": bound(lambda c: c.preempt([0, 0]), ValueError, "slot 0 is listed twice"),
     # bind_rows
     "bind-missing-group": Case(
         lambda c: c.bind_rows({"full": np.zeros((2, 4), np.int32)}),
@@ -104,7 +111,17 @@ CASES = {
         lambda c: c.bind_rows(_tables(), offsets={"swa": np.zeros(4, np.int64)}), TypeError, "offsets['swa']"
     ),
     "bind-offsets-not-a-mapping": Case(lambda c: c.bind_rows(_tables(), offsets=[1]), TypeError, "offsets"),
-    "bind-fewer-rows-than-held": bound(lambda c: c.bind_rows(_tables(rows=1)), ValueError, "holds row 1"),
+    # The lowest slot without a row names its request: 7 in slot 1 (slot 2 is "r").
+    "bind-fewer-rows-than-held": bound(
+        lambda c: c.bind_rows(_tables(rows=1)),
+        ValueError,
+        "bind_rows: request 7 holds slot 1, but the new tables have 1 rows",
+    ),
+    "bind-fewer-rows-than-held-unbound": Case(
+        lambda c: c.bind_rows(_tables(rows=1)),
+        ValueError,
+        "bind_rows: request 7 holds slot 1, but the new tables have 1 rows",
+    ),
     # A masked buffer: the cache would write its data and ignore the mask.
     "bind-masked": Case(
         lambda c: c.bind_rows({**_tables(), "swa": np.ma.masked_array(np.zeros((4, 3), np.int32))}),
@@ -118,7 +135,7 @@ CASES = {
     ),
     "block-tables-out-masked": bound(
         lambda c: c.block_tables(
-            ["r"], out={**_tables(rows=1), "full": np.ma.masked_array(np.zeros((1, 8), np.int32))}
+            [2], out={**_tables(rows=1), "full": np.ma.masked_array(np.zeros((1, 8), np.int32))}
         ),
         TypeError,
         "out['full'] must not be a masked array",

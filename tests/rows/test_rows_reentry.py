@@ -49,16 +49,17 @@ SCRIPT = textwrap.dedent(
         fresh = {g: np.full((2, 8), 7, np.int32) for g in cache.group_ids}
         for name, call in [
             ("update_rows", lambda: cache.update_rows()),
-            ("row_of", lambda: cache.row_of("a")),
-            ("schedule_rows", lambda: cache.schedule_rows([0], [0])),
-            ("append_tokens_rows", lambda: cache.append_tokens_rows([0], [5])),
-            ("schedule_batch", lambda: cache.schedule_batch(["a"], [1])),
-            ("append_tokens_batch", lambda: cache.append_tokens_batch(["a"], [6])),
-            ("block_tables", lambda: cache.block_tables(["a"])),
+            ("slot_of", lambda: cache.slot_of("a")),
+            ("id_of", lambda: cache.id_of(0)),
+            ("schedule", lambda: cache.schedule([0], [0])),
+            ("append_tokens", lambda: cache.append_tokens([0], [5])),
+            ("schedule again", lambda: cache.schedule([0], [1])),
+            ("reserve", lambda: cache.reserve([0], [2])),
+            ("block_tables", lambda: cache.block_tables([0])),
             ("stats", lambda: cache.stats()),
             ("budget", lambda: cache.budget()),
             ("add_request", lambda: cache.add_request("b", list(range(9)))),
-            ("finish", lambda: cache.finish("b")),
+            ("finish", lambda: cache.finish([cache.slot_of("b")])),
             ("bind_rows", lambda: cache.bind_rows(fresh)),
             ("update_rows again", lambda: cache.update_rows(full=True)),
             ("unbind_rows", lambda: cache.unbind_rows()),
@@ -71,8 +72,8 @@ SCRIPT = textwrap.dedent(
 
     owners, tables = tables_of(2, 8)
     cache.bind_rows(tables)
-    cache.add_request("a", list(range(10)), row=0)
-    cache.schedule_batch(["a"], [10])
+    assert cache.add_request("a", list(range(10))) == (0, 0)
+    assert cache.schedule([0], [10]).tolist() == [True]
     cache.update_rows()
     for owner in owners.values():
         weakref.finalize(owner, reenter)
@@ -82,7 +83,7 @@ SCRIPT = textwrap.dedent(
     else:
         cache.unbind_rows()
     # One finalizer per group ran (the second one finds the rows unbound by the first).
-    assert len(calls) == 14 * len(cache.group_ids), calls
+    assert len(calls) == 15 * len(cache.group_ids), calls
     print("\\n".join(calls))
     cache.check_invariants()
     print("done")
@@ -92,11 +93,12 @@ SCRIPT = textwrap.dedent(
 
 CALLS = [
     "update_rows",
-    "row_of",
-    "schedule_rows",
-    "append_tokens_rows",
-    "schedule_batch",
-    "append_tokens_batch",
+    "slot_of",
+    "id_of",
+    "schedule",
+    "append_tokens",
+    "schedule again",
+    "reserve",
     "block_tables",
     "stats",
     "budget",
@@ -137,18 +139,11 @@ def test_finalizer_reenters_cache(release: str) -> None:
         # rows, so its row calls are refused; it only has to return.)
         assert first == CALLS
     else:
-        # The rows are unbound before the buffers are released: the row calls are refused
-        # (so the request has no new token to schedule) and everything else works.
-        unbound = "ValueError: {0}: no rows are bound (call bind_rows first)"
-        refused = {
-            "update_rows": unbound.format("update_rows"),
-            "schedule_rows": unbound.format("schedule_rows"),
-            "append_tokens_rows": unbound.format("append_tokens_rows"),
-        }
+        # The rows are unbound before the buffers are released: update_rows is refused, and
+        # every slot-addressed call works (slots stay as they are after unbind_rows).
+        unbound = "ValueError: update_rows: no rows are bound (call bind_rows first)"
         for call, line in zip(CALLS, first, strict=True):
-            if call in refused:
-                assert line == f"{call}: {refused[call]}"
-            elif call == "schedule_batch":
-                assert line.startswith("schedule_batch: ValueError:") and "more tokens than are known" in line
+            if call == "update_rows":
+                assert line == f"{call}: {unbound}"
             else:
                 assert line == call

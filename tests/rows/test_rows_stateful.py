@@ -1,10 +1,12 @@
 """Stateful cross-check of persistent block-table rows (docs/requests-api.md "Persistent rows").
 
 One hypothesis state machine drives the native ``FlatKVCache`` and the pure-Python reference
-with the same scheduler-loop operations on requests that own rows of bound buffers: add with a
-row (free, held, or out of range), decode steps (``schedule_batch`` + ``append_tokens_batch``),
-prefill chunks, finish, preempt and re-add in another row, ``reset_prefix_cache``,
-re-binding (more rows, other widths, windowed sliding groups), a scribble repaired by
+with the same scheduler-loop operations on requests whose slots are rows of bound buffers (row
+``s`` is the request in slot ``s``): add (the lowest free slot, refused when every row is held),
+decode steps (``schedule`` + ``append_tokens`` on slot arrays), calls on any slots (free ones,
+repeats, too many tokens), prefill chunks, finish, preempt and re-add (the lowest free slot
+again), ``reset_prefix_cache``, re-binding (fewer or more rows, other widths, windowed sliding
+groups; fewer rows than a live slot needs is refused), a scribble repaired by
 ``update_rows(full=True)``, and bound buffers changed in place (read-only, another dtype,
 another shape), which both engines must refuse without writing or losing anything.
 
@@ -17,13 +19,14 @@ the table ending within the row) and every other row padding.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
-from helpers import normalize
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from slots import lowest_free, outcome_of
 from strategies import DOCUMENTS, REQUEST_IDS, both_caches, configs, examples
 
 EXAMPLES = examples(dev=60, ci=300, variable="ROWS_EXAMPLES")
@@ -35,7 +38,7 @@ class RowsMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.caches: list[Any] = []
-        self.live: dict[Any, int] = {}  # request -> row
+        self.live: dict[Any, int] = {}  # request -> slot (its row)
         self.bound_buffers: list[dict[str, np.ndarray]] = []
         self.bound_offsets: list[dict[str, np.ndarray]] = []
 
@@ -52,6 +55,7 @@ class RowsMachine(RuleBasedStateMachine):
         self.caches.extend(both_caches(config))
         self.group_ids = self.caches[0].group_ids
         self.kinds = [kind for kind, _, _ in config["groups"]]
+        self.max_rows = max_rows
         self.bind(max_rows, cols, windowed)
 
     # -- helpers ------------------------------------------------------------------------------
@@ -82,6 +86,16 @@ class RowsMachine(RuleBasedStateMachine):
             self.buffers.append(tables)
             self.offsets.append(offsets)
         assert outcomes[0] == outcomes[1], outcomes
+        # Refused exactly when a live slot has no row in the new tables, naming the lowest.
+        too_high = sorted((slot, req) for req, slot in self.live.items() if slot >= max_rows)
+        if too_high:
+            slot, req = too_high[0]
+            assert outcomes[0] == (
+                f"bind_rows: request {req!r} holds slot {slot}, but the new tables have {max_rows} rows"
+            ), outcomes[0]
+        else:
+            assert outcomes[0] == "ok", outcomes[0]
+        self.max_rows = max_rows if outcomes[0] == "ok" else self.max_rows
         if outcomes[0] != "ok":
             event("rebind refused")
             self.buffers, self.offsets = self.bound_buffers, self.bound_offsets
@@ -95,93 +109,118 @@ class RowsMachine(RuleBasedStateMachine):
         self.shadow_offsets = {g: o.copy() for g, o in self.offsets[0].items()}
 
     def both(self, method: str, *args: Any, **kwargs: Any) -> tuple[str, Any]:
-        outcomes: list[tuple[str, Any]] = []
-        for cache in self.caches:
-            try:
-                outcomes.append(("ok", normalize(getattr(cache, method)(*args, **kwargs))))
-            except Exception as exc:
-                outcomes.append(("raise", f"{type(exc).__name__}: {exc}"))
-        if method != "update_rows":
-            assert outcomes[0] == outcomes[1], f"{method}{args}: {outcomes}"
+        """``method`` on both caches: the same result, or the same exception class and message."""
+        outcomes = [outcome_of(partial(getattr(cache, method), *args, **kwargs)) for cache in self.caches]
+        assert outcomes[0] == outcomes[1], f"{method}{args}: {outcomes}"
         return outcomes[0]
 
     def pick(self, index: int) -> Any:
         return list(self.live)[index % len(self.live)]
 
-    def remaining(self, req: Any) -> int:
+    def remaining(self, slot: int) -> int:
         native = self.caches[0]
-        return int(native.num_tokens(req) - native.num_computed_tokens(req))
+        return int(native.num_tokens(slot) - native.num_computed_tokens(slot))
+
+    def add(self, req: Any, prompt: list[int]) -> None:
+        """``add_request``: the lowest free slot, or refused when every bound row is held."""
+        outcome = self.both("add_request", req, prompt)
+        if req in self.live:
+            assert outcome == ("raise", f"ValueError: add_request: request {req!r} already exists"), outcome
+            return
+        if len(self.live) >= self.max_rows:
+            assert outcome == (
+                "raise",
+                f"ValueError: add_request: all {self.max_rows} slots of the bound rows are held "
+                "(finish a request or bind more rows)",
+            ), outcome
+            event("add_request refused: every row held")
+            return
+        assert outcome[0] == "ok", outcome
+        assert outcome[1][0] == lowest_free(self.live.values()), outcome
+        self.live[req] = outcome[1][0]
 
     # -- rules --------------------------------------------------------------------------------
+
+    @rule(req=st.sampled_from(REQUEST_IDS), doc=st.integers(0, 2), length=st.integers(1, 40))
+    def add_request(self, req: Any, doc: int, length: int) -> None:
+        self.add(req, DOCUMENTS[doc][:length])
 
     @rule(
         req=st.sampled_from(REQUEST_IDS),
         doc=st.integers(0, 2),
         length=st.integers(1, 40),
-        row=st.integers(0, 5),
+        limit=st.integers(0, 48),
     )
-    def add_request(self, req: Any, doc: int, length: int, row: int) -> None:
-        outcome = self.both("add_request", req, DOCUMENTS[doc][:length], row=row)
-        if outcome[0] == "ok":
-            self.live[req] = row
-        else:
-            event("add_request refused")
+    def admit(self, req: Any, doc: int, length: int, limit: int) -> None:
+        """``admit`` answers None while every bound row is held, and changes nothing."""
+        if req in self.live:
+            return
+        outcome = self.both("admit", req, DOCUMENTS[doc][:length], limit)
+        assert outcome[0] == "ok", outcome
+        if len(self.live) >= self.max_rows:
+            assert outcome[1] is None, f"admit added a request with every row held: {outcome}"
+            event("admit: every row held")
+        elif outcome[1] is not None:
+            assert outcome[1][0] == lowest_free(self.live.values()), outcome
+            self.live[req] = outcome[1][0]
 
     @precondition(lambda self: self.live)
-    @rule(tokens=st.lists(st.integers(0, 2000), min_size=1, max_size=5), by_row=st.booleans())
-    def decode_step(self, tokens: list[int], by_row: bool) -> None:
-        """One decode step for up to 5 live requests: schedule one token each, then append
-        (by request id, or by row with ``schedule_rows`` / ``append_tokens_rows``)."""
-        reqs = [r for r in self.live if self.remaining(r) >= 1][: len(tokens)]
-        if not reqs:
+    @rule(tokens=st.lists(st.integers(0, 2000), min_size=1, max_size=5), as_array=st.booleans())
+    def decode_step(self, tokens: list[int], as_array: bool) -> None:
+        """One decode step for up to 5 live requests: schedule one token each, then append one
+        each (slots as a list, or as numpy arrays)."""
+        slots = [s for s in self.live.values() if self.remaining(s) >= 1][: len(tokens)]
+        if not slots:
             return
-        if by_row:
-            rows = np.array([self.live[r] for r in reqs], dtype=np.int64)
-            self.both("schedule_rows", rows, [1] * len(reqs))
-            self.both("append_tokens_rows", rows, np.array(tokens[: len(reqs)], dtype=np.uint32))
+        if as_array:
+            array = np.array(slots, dtype=np.int64)
+            self.both("schedule", array, np.ones(len(slots), np.int64))
+            self.both("append_tokens", array, np.array(tokens[: len(slots)], dtype=np.uint32))
         else:
-            self.both("schedule_batch", reqs, [1] * len(reqs))
-            self.both("append_tokens_batch", reqs, tokens[: len(reqs)])
+            self.both("schedule", slots, [1] * len(slots))
+            self.both("append_tokens", slots, tokens[: len(slots)])
 
     @precondition(lambda self: self.live)
     @rule(index=st.integers(0, 10), steps=st.integers(1, 24))
     def long_decode(self, index: int, steps: int) -> None:
         """Run one request to the end of its prompt, then decode ``steps`` tokens with an update
         after each, so tables grow past windowed rows and slide."""
-        req = self.pick(index)
-        self.both("schedule", req, self.remaining(req))
+        slot = self.live[self.pick(index)]
+        self.both("schedule", [slot], [self.remaining(slot)])
         for token in range(steps):
-            self.both("append_tokens_rows", [self.live[req]], [token])
-            if self.both("schedule_rows", [self.live[req]], [1])[0] == "raise":
+            self.both("append_tokens", [slot], [token])
+            if self.both("schedule", [slot], [1]) != ("ok", ("ndarray", "bool", (1,), [True])):
                 return
             self.update()
 
-    @rule(rows=st.lists(st.integers(0, 6), max_size=4), counts=st.lists(st.integers(0, 3), max_size=4))
-    def by_row_anything(self, rows: list[int], counts: list[int]) -> None:
-        """Row-addressed calls with any rows and counts: free rows, repeats, too many tokens."""
-        outcome = self.both("schedule_rows", rows, counts)
+    @rule(slots=st.lists(st.integers(0, 6), max_size=4), counts=st.lists(st.integers(0, 3), max_size=4))
+    def any_slots(self, slots: list[int], counts: list[int]) -> None:
+        """Slot-addressed calls with any slots and counts: free slots, repeats, too many tokens."""
+        outcome = self.both("schedule", slots, counts)
         if outcome[0] == "raise":
-            event("schedule_rows refused")
-        self.both("append_tokens_rows", rows, list(range(sum(counts))), counts)
+            event("schedule refused")
+        self.both("append_tokens", slots, list(range(sum(counts))), counts)
 
     @precondition(lambda self: self.live)
     @rule(index=st.integers(0, 10), fraction=st.floats(0, 1))
     def prefill_chunk(self, index: int, fraction: float) -> None:
-        req = self.pick(index)
-        self.both("schedule", req, int(self.remaining(req) * fraction))
+        slot = self.live[self.pick(index)]
+        self.both("schedule", [slot], [int(self.remaining(slot) * fraction)])
 
     @precondition(lambda self: self.live)
-    @rule(index=st.integers(0, 10), preempt=st.booleans(), row=st.integers(0, 5))
-    def finish_or_preempt(self, index: int, preempt: bool, row: int) -> None:
+    @rule(index=st.integers(0, 10), preempt=st.booleans(), readd=st.booleans())
+    def finish_or_preempt(self, index: int, preempt: bool, readd: bool) -> None:
+        """Finish or preempt a request: its slot is free at once (its row goes back to padding on
+        the next update); a preempted one may come back, in the lowest free slot."""
         req = self.pick(index)
+        slot = self.live.pop(req)
         if not preempt:
-            self.both("finish", req)
-            del self.live[req]
+            assert self.both("finish", [slot]) == ("ok", None)
             return
-        tokens = self.both("preempt", req)[1]
-        del self.live[req]
-        if self.both("add_request", req, tokens, row=row)[0] == "ok":
-            self.live[req] = row
+        status, (tokens,) = self.both("preempt", [slot])
+        assert status == "ok"
+        if readd:
+            self.add(req, tokens)
 
     @rule()
     def reset_prefix_cache(self) -> None:
@@ -298,13 +337,13 @@ class RowsMachine(RuleBasedStateMachine):
                 want = np.full(cols, -1, np.int32)
                 offset = 0
                 if row in owners:
-                    pages = native.block_tables([owners[row]])[group_id][0]
+                    pages = native.block_tables([row])[group_id][0]
                     if group_id in offsets:
                         offset = int(offsets[group_id][row])
                         assert (pages[:offset] == 0).all(), "no real page before a windowed row"
                         assert len(pages) - offset <= cols, "the table ends within a windowed row"
                     want[: len(pages) - offset] = pages[offset:]
-                    assert native.row_of(owners[row]) == row
+                    assert native.id_of(row) == owners[row]
                 np.testing.assert_array_equal(table[row], want, err_msg=f"{group_id} row {row}")
                 if group_id in offsets and row not in owners:
                     assert offsets[group_id][row] == 0, "a vacant row shows offset 0"
@@ -313,9 +352,10 @@ class RowsMachine(RuleBasedStateMachine):
     def agree(self) -> None:
         for cache in self.caches:
             cache.check_invariants()
-        for req in self.live:
-            self.both("page_ids", req)
-            self.both("row_of", req)
+        for req, slot in self.live.items():
+            self.both("page_ids", slot)
+            assert self.both("slot_of", req) == ("ok", slot)
+            assert self.both("id_of", slot) == ("ok", req)
 
 
 RowsMachine.TestCase.settings = settings(

@@ -1,23 +1,26 @@
 """The token-level state machine shared by the stateful cross-checks (requests, host tier).
 
 :class:`RequestsMachine` drives the native ``FlatKVCache`` and the pure-Python reference side by
-side with the same random scheduler-loop operations and compares them after every step
-(tests/requests/test_requests_stateful.py says what it covers and runs it;
-tests/host/test_host_stateful.py extends it with a host tier). :func:`replay` applies KV
-events to an index as a router would.
+side with the same random scheduler-loop operations on slots (docs/requests-api.md, "Slots")
+and compares them after every step (tests/requests/test_requests_stateful.py says what it
+covers and runs it; tests/host/test_host_stateful.py extends it with a host tier). The model
+keeps each live request's slot (the lowest free one when it entered, checked against both
+engines) and its tokens. :func:`replay` applies KV events to an index as a router would.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
 from flat_kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from helpers import normalize
 from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from slots import as_slot_array, lowest_free, outcome_of
 from strategies import DOCUMENTS, EXTRA_KEYS, REQUEST_IDS, both_caches, configs
 
 
@@ -50,13 +53,24 @@ def cached_keys(reference: Any) -> Counter[tuple[int, bytes]]:
     return held
 
 
+#: Slot arguments that are not a slot: refused alike by both engines (TypeError, ValueError,
+#: OverflowError), each naming the argument.
+BAD_SLOTS: list[Any] = [-1, True, 1.5, None, "0", 2**64]
+#: How a slot array is passed: a list, a tuple, or a numpy array of one of these dtypes.
+SLOT_ARRAY_KINDS = ["list", "tuple", "int64", "uint32", "int32"]
+
+
 class RequestsMachine(RuleBasedStateMachine):
-    """Native and reference caches side by side; every call must agree."""
+    """Native and reference caches side by side; every call must agree (value, or exception
+    class and message), and the slots must be the ones the contract assigns."""
 
     def __init__(self) -> None:
         super().__init__()
         self.caches: list[Any] = []
-        self.live: list[Any] = []
+        #: Live request id -> its slot (the same on both engines).
+        self.live: dict[Any, int] = {}
+        #: Live request id -> every token it knows (prompt, then appended ones).
+        self.tokens: dict[Any, list[int]] = {}
         self.index: Counter[tuple[int, bytes]] = Counter()
 
     @initialize(
@@ -67,31 +81,64 @@ class RequestsMachine(RuleBasedStateMachine):
         """Both caches, and a few requests from the start so the request rules can act."""
         self.config = config
         self.caches.extend(both_caches(config, enable_kv_events=True))
+        self.add_initial(prompts)
+
+    def add_initial(self, prompts: list[tuple[int, int]]) -> None:
         for req, (doc, length) in zip(REQUEST_IDS, prompts, strict=False):
-            self.both("add_request", req, DOCUMENTS[doc][:length])
-            self.live.append(req)
+            self.added(req, DOCUMENTS[doc][:length], self.both("add_request", req, DOCUMENTS[doc][:length]))
 
     # -- helpers ------------------------------------------------------------------------------
 
     def both(self, method: str, *args: Any, **kwargs: Any) -> tuple[str, Any]:
-        """Call ``method`` on both caches; the results (or exception classes) must be equal."""
-        outcomes = []
-        for cache in self.caches:
-            try:
-                outcomes.append(("ok", normalize(getattr(cache, method)(*args, **kwargs))))
-            except Exception as exc:  # the class is what is compared
-                outcomes.append(("raise", type(exc).__name__))
+        """Call ``method`` on both caches; the results (or exception classes and messages) must
+        be equal. Returns ``("ok", normalized result)`` or ``("raise", "Class: message")``."""
+        outcomes = [outcome_of(partial(getattr(cache, method), *args, **kwargs)) for cache in self.caches]
         assert outcomes[0] == outcomes[1], (
             f"{method}{args} {kwargs}: native {outcomes[0]} != reference {outcomes[1]}"
         )
         return outcomes[0]
 
-    def pick(self, index: int) -> Any:
-        return self.live[index % len(self.live)]
+    def next_slot(self) -> int:
+        """The slot the contract gives the next request: the lowest one no live request holds."""
+        return lowest_free(self.live.values())
 
-    def remaining(self, req: Any) -> int:
+    def added(self, req: Any, prompt: Any, outcome: tuple[str, Any], *, admit: bool = False) -> bool:
+        """Record a request ``add_request`` (or ``admit``) added: it must have the lowest free
+        slot. Returns whether it was added."""
+        if outcome[0] != "ok" or outcome[1] is None:
+            return False
+        slot = outcome[1][0]
+        assert slot == self.next_slot(), f"{req!r} got slot {slot}, the lowest free one is {self.next_slot()}"
+        if slot < max(self.live.values(), default=-1):
+            event("a freed slot below a live one reused")
+        self.live[req] = slot
+        self.tokens[req] = [int(t) for t in prompt]
+        return True
+
+    def released(self, slots: list[int]) -> None:
+        """Forget the requests of ``slots`` (finished or preempted)."""
+        owners = {slot: req for req, slot in self.live.items()}
+        for slot in slots:
+            req = owners[slot]
+            del self.live[req]
+            del self.tokens[req]
+
+    def pick(self, index: int) -> Any:
+        """A live request id."""
+        reqs = list(self.live)
+        return reqs[index % len(reqs)]
+
+    def slot(self, index: int) -> int:
+        """A live request's slot."""
+        return self.live[self.pick(index)]
+
+    def free_slot(self, choice: int) -> int:
+        """A slot no request holds: the lowest free one, or one far past every live slot."""
+        return self.next_slot() if choice % 2 == 0 else max(self.live.values(), default=0) + 7
+
+    def remaining(self, slot: int) -> int:
         native = self.caches[0]
-        return int(native.num_tokens(req) - native.num_computed_tokens(req))
+        return int(native.num_tokens(slot) - native.num_computed_tokens(slot))
 
     # -- rules --------------------------------------------------------------------------------
 
@@ -114,14 +161,16 @@ class RequestsMachine(RuleBasedStateMachine):
         use_cache: bool,
         as_array: bool,
     ) -> None:
-        prompt: Any = DOCUMENTS[doc][:length] + suffix
-        if as_array:
-            prompt = np.array(prompt, dtype=np.int64)
+        tokens = DOCUMENTS[doc][:length] + suffix
+        prompt: Any = np.array(tokens, dtype=np.int64) if as_array else tokens
         outcome = self.both("add_request", req, prompt, extra_keys=list(extra), use_prefix_cache=use_cache)
-        if outcome[0] == "ok":
-            self.live.append(req)
-            if outcome[1]:
-                event("prefix hit")
+        if outcome[0] == "raise":
+            assert req in self.live or not tokens, f"add_request refused a new request: {outcome}"
+            return
+        assert req not in self.live, f"add_request accepted {req!r}, which is live"
+        self.added(req, tokens, outcome)
+        if outcome[1][1]:
+            event("prefix hit")
 
     @rule(
         req=st.sampled_from(REQUEST_IDS),
@@ -135,7 +184,8 @@ class RequestsMachine(RuleBasedStateMachine):
         self, req: Any, doc: int, length: int, extra: tuple[str, ...], limit: int, use_cache: bool
     ) -> None:
         """``admit`` is the SPEC 9 admission the probes describe: the hit, the first chunk and
-        its fit check, then ``add_request``; nothing changes when it does not fit."""
+        its fit check, then ``add_request`` (the lowest free slot); nothing changes when it does
+        not fit."""
         native = self.caches[0]
         prompt = DOCUMENTS[doc][:length]
         keys = list(extra)
@@ -149,64 +199,107 @@ class RequestsMachine(RuleBasedStateMachine):
                 if use_cache
                 else native.pages_needed(chunk + reserve)
             )
-            expected = (hit, chunk) if need <= native.budget() else None
+            expected = [self.next_slot(), hit, chunk] if need <= native.budget() else None
         before = native.stats()
         outcome = self.both("admit", req, prompt, limit, extra_keys=keys, use_prefix_cache=use_cache)
         if outcome[0] == "raise":
             assert not prompt or req in self.live, f"admit refused a new request: {outcome}"
             return
-        assert outcome[1] == normalize(expected), f"admit gave {outcome[1]}, the probes say {expected}"
+        assert outcome[1] == expected, f"admit gave {outcome[1]}, the probes say {expected}"
         if expected is None:
             event("admit: does not fit")
             assert native.stats() == before
         else:
             event("admit: added")
-            self.live.append(req)
-            assert native.num_computed_tokens(req) == expected[0]
-
-    @precondition(lambda self: self.live)
-    @rule(index=st.integers(0, 10), tokens=st.lists(st.integers(0, 2000), min_size=0, max_size=9))
-    def append_tokens(self, index: int, tokens: list[int]) -> None:
-        self.both("append_tokens", self.pick(index), tokens)
+            self.added(req, prompt, outcome, admit=True)
+            assert native.num_computed_tokens(expected[0]) == expected[1]
 
     @precondition(lambda self: self.live)
     @rule(
         indices=st.lists(st.integers(0, 10), min_size=0, max_size=4),
         data=st.data(),
         mode=st.sampled_from(["one_each", "counts", "array"]),
+        kind=st.sampled_from(SLOT_ARRAY_KINDS),
     )
-    def append_tokens_batch(self, indices: list[int], data: st.DataObject, mode: str) -> None:
+    def append_tokens(self, indices: list[int], data: st.DataObject, mode: str, kind: str) -> None:
+        """Tokens for some slots (repeats append in order); now and then a free slot, which is
+        refused with nothing appended."""
         reqs: list[Any] = [self.pick(i) for i in indices]
-        if data.draw(st.integers(0, 9)) == 0:
-            reqs.append("unknown")
+        slots = [self.live[r] for r in reqs]
+        unknown = data.draw(st.integers(0, 9)) == 0
+        if unknown:
+            slots.append(self.free_slot(data.draw(st.integers(0, 1))))
         if mode == "one_each":
-            tokens = data.draw(st.lists(st.integers(0, 2000), min_size=len(reqs), max_size=len(reqs)))
-            self.both("append_tokens_batch", reqs, tokens)
-            return
-        counts = data.draw(st.lists(st.integers(0, 5), min_size=len(reqs), max_size=len(reqs)))
-        tokens = data.draw(st.lists(st.integers(0, 2000), min_size=sum(counts), max_size=sum(counts)))
-        if mode == "array":
-            self.both("append_tokens_batch", reqs, np.array(tokens, dtype=np.uint32), np.array(counts))
+            counts = [1] * len(slots)
+            tokens = data.draw(st.lists(st.integers(0, 2000), min_size=len(slots), max_size=len(slots)))
+            outcome = self.both("append_tokens", as_slot_array(slots, kind), tokens)
         else:
-            self.both("append_tokens_batch", reqs, tokens, counts)
+            counts = data.draw(st.lists(st.integers(0, 5), min_size=len(slots), max_size=len(slots)))
+            tokens = data.draw(st.lists(st.integers(0, 2000), min_size=sum(counts), max_size=sum(counts)))
+            if mode == "array":
+                outcome = self.both(
+                    "append_tokens",
+                    as_slot_array(slots, kind),
+                    np.array(tokens, dtype=np.uint32),
+                    np.array(counts, dtype=np.int64),
+                )
+            else:
+                outcome = self.both("append_tokens", as_slot_array(slots, kind), tokens, counts)
+        if unknown:
+            assert outcome[0] == "raise" and outcome[1].startswith("UnknownRequestError"), outcome
+            event("append_tokens: free slot refused")
+            return
+        assert outcome[0] == "ok", outcome
+        start = 0
+        for req, count in zip(reqs, counts, strict=False):
+            self.tokens[req].extend(tokens[start : start + count])
+            start += count
 
     @precondition(lambda self: self.live)
     @rule(index=st.integers(0, 10), finish=st.booleans())
     def run_to_end(self, index: int, finish: bool) -> None:
         """Schedule everything known (a whole prefill), then maybe finish: fills the cache."""
-        req = self.pick(index)
-        outcome = self.both("schedule", req, self.remaining(req))
-        if finish and outcome[1] is True:
-            self.both("finish", req)
-            self.live.remove(req)
+        slot = self.slot(index)
+        outcome = self.both("schedule", [slot], [self.remaining(slot)])
+        if finish and outcome == ("ok", ("ndarray", "bool", (1,), [True])):
+            assert self.both("finish", [slot])[0] == "ok"
+            self.released([slot])
 
     @precondition(lambda self: self.live)
     @rule(index=st.integers(0, 10), token=st.integers(0, 2000))
     def decode(self, index: int, token: int) -> None:
         """One generated token: append it, then schedule the tokens not computed yet."""
         req = self.pick(index)
-        self.both("append_tokens", req, [token])
-        self.both("schedule", req, self.remaining(req), lookahead=1)
+        slot = self.live[req]
+        assert self.both("append_tokens", [slot], [token])[0] == "ok"
+        self.tokens[req].append(token)
+        self.both("schedule", np.array([slot]), [self.remaining(slot)], lookahead=1)
+
+    @precondition(lambda self: self.live)
+    @rule(
+        indices=st.lists(st.integers(0, 10), min_size=0, max_size=4),
+        data=st.data(),
+        as_array=st.booleans(),
+        kind=st.sampled_from(SLOT_ARRAY_KINDS),
+        lookahead=st.integers(0, 5) | st.just(0),
+    )
+    def schedule(
+        self, indices: list[int], data: st.DataObject, as_array: bool, kind: str, lookahead: int
+    ) -> None:
+        """Some slots (repeats count together), each a random share of what it has left."""
+        slots = [self.slot(i) for i in indices]
+        ns: Any = [
+            data.draw(st.integers(0, max(self.remaining(s), 0) // max(len(slots), 1) + 1)) for s in slots
+        ]
+        if data.draw(st.booleans()) and len(slots) > 0 and data.draw(st.integers(0, 9)) == 0:
+            slots = [*slots, self.free_slot(data.draw(st.integers(0, 1)))]
+            ns = [*ns, 1]
+        if as_array:
+            ns = np.array(ns, dtype=np.int64)
+        outcome = self.both("schedule", as_slot_array(slots, kind), ns, lookahead=lookahead)
+        event(f"schedule {'raised' if outcome[0] == 'raise' else 'ran'}")
+        if outcome[0] == "ok":
+            event(f"schedule -> {sorted(set(outcome[1][3]))}")
 
     @precondition(lambda self: self.live)
     @rule(
@@ -214,52 +307,65 @@ class RequestsMachine(RuleBasedStateMachine):
         fraction=st.sampled_from([0.0, 0.25, 0.5, 1.0, 1.0]) | st.floats(0, 1.2),
         lookahead=st.integers(0, 5) | st.just(0),
     )
-    def schedule(self, index: int, fraction: float, lookahead: int) -> None:
-        req = self.pick(index)
-        n = int(self.remaining(req) * fraction + 0.5)
-        outcome = self.both("schedule", req, n, lookahead=lookahead)
-        event(f"schedule -> {outcome[1]}")
+    def schedule_one(self, index: int, fraction: float, lookahead: int) -> None:
+        """One slot, a share of what it has left (past 1.0: too many, refused)."""
+        slot = self.slot(index)
+        n = int(self.remaining(slot) * fraction + 0.5)
+        self.both("schedule", [slot], [n], lookahead=lookahead)
 
     @precondition(lambda self: self.live)
     @rule(
-        indices=st.lists(st.integers(0, 10), min_size=0, max_size=4), data=st.data(), as_array=st.booleans()
+        indices=st.lists(st.integers(0, 10), min_size=0, max_size=3),
+        tokens=st.lists(st.integers(0, 12), min_size=3, max_size=3),
+        as_array=st.booleans(),
     )
-    def schedule_batch(self, indices: list[int], data: st.DataObject, as_array: bool) -> None:
-        reqs = [self.pick(i) for i in indices]
-        ns: Any = [
-            data.draw(st.integers(0, max(self.remaining(r), 0) // max(len(reqs), 1) + 1)) for r in reqs
-        ]
-        if data.draw(st.booleans()) and len(reqs) > 0 and data.draw(st.integers(0, 9)) == 0:
-            reqs = [*reqs, "unknown"]
-            ns = [*ns, 1]
+    def reserve(self, indices: list[int], tokens: list[int], as_array: bool) -> None:
+        """Reserves for some slots (a repeated slot: the last one counts)."""
+        slots = [self.slot(i) for i in indices]
+        counts: Any = tokens[: len(slots)]
         if as_array:
-            ns = np.array(ns, dtype=np.int64)
-        self.both("schedule_batch", reqs, ns)
+            counts = np.array(counts, dtype=np.int64)
+        assert self.both("reserve", as_slot_array(slots, "int64" if as_array else "list"), counts)[0] == "ok"
 
     @precondition(lambda self: self.live)
-    @rule(index=st.integers(0, 10), tokens=st.integers(0, 12))
-    def reserve(self, index: int, tokens: int) -> None:
-        self.both("reserve", self.pick(index), tokens)
+    @rule(indices=st.lists(st.integers(0, 10), min_size=1, max_size=3), repeat=st.integers(0, 6))
+    def finish(self, indices: list[int], repeat: int) -> None:
+        """Finish some slots; one listed twice is refused with nothing finished."""
+        slots = list(dict.fromkeys(self.slot(i) for i in indices))
+        if repeat == 0:
+            slots.append(slots[0])
+            outcome = self.both("finish", slots)
+            assert outcome == ("raise", f"ValueError: finish: slot {slots[0]} is listed twice"), outcome
+            event("finish: repeated slot refused")
+            return
+        assert self.both("finish", slots)[0] == "ok"
+        self.released(slots)
 
     @precondition(lambda self: self.live)
-    @rule(index=st.integers(0, 10))
-    def finish(self, index: int) -> None:
-        req = self.pick(index)
-        self.both("finish", req)
-        self.live.remove(req)
-
-    @precondition(lambda self: self.live)
-    @rule(index=st.integers(0, 10), readd=st.booleans() | st.just(True))
-    def preempt(self, index: int, readd: bool) -> None:
-        req = self.pick(index)
-        status, tokens = self.both("preempt", req)
+    @rule(
+        indices=st.lists(st.integers(0, 10), min_size=1, max_size=3),
+        readd=st.booleans() | st.just(True),
+        repeat=st.integers(0, 6),
+    )
+    def preempt(self, indices: list[int], readd: bool, repeat: int) -> None:
+        """Preempt some slots: each request's whole token list comes back, in order; then maybe
+        re-add them (the first gets the lowest freed slot, and a prefix hit)."""
+        reqs = list(dict.fromkeys(self.pick(i) for i in indices))
+        slots = [self.live[r] for r in reqs]
+        if repeat == 0:
+            outcome = self.both("preempt", [*slots, slots[-1]])
+            assert outcome[0] == "raise" and outcome[1].startswith("ValueError"), outcome
+            assert f"slot {slots[-1]} is listed twice" in outcome[1], outcome
+            event("preempt: repeated slot refused")
+            return
+        status, lists = self.both("preempt", slots)
         assert status == "ok"
-        self.live.remove(req)
+        assert lists == [self.tokens[r] for r in reqs], "preempt must return each request's tokens"
+        self.released(slots)
         if readd:
-            outcome = self.both("add_request", req, tokens)
-            if outcome[0] == "ok":
-                self.live.append(req)
-                event(f"re-added after preempt, hit > 0: {bool(outcome[1])}")
+            for req, tokens in zip(reqs, lists, strict=True):
+                if self.added(req, tokens, self.both("add_request", req, tokens)):
+                    event("re-added after preempt")
 
     @rule()
     def reset_prefix_cache(self) -> None:
@@ -280,12 +386,39 @@ class RequestsMachine(RuleBasedStateMachine):
         self.both("prefix_hit_tokens", prompt, extra_keys=list(extra))
         self.both("pages_needed_to_admit", prompt, new, ahead, extra_keys=list(extra))
 
-    @rule(req=st.sampled_from([*REQUEST_IDS, "unknown"]))
-    def misuse(self, req: Any) -> None:
-        """Calls on a request that may be unknown: the same exception class on both sides."""
-        self.both("num_computed_tokens", req)
-        self.both("budget", req)
-        self.both("schedule", req, 10_000)
+    @rule(choice=st.integers(0, 1), req=st.sampled_from([*REQUEST_IDS, "unknown"]))
+    def misuse(self, choice: int, req: Any) -> None:
+        """Calls on a slot no request holds: ``UnknownRequestError`` naming the method and slot,
+        the same from both; ``slot_of`` of an id not live is None."""
+        slot = self.free_slot(choice)
+        calls: list[tuple[str, Callable[[], tuple[str, Any]]]] = [
+            ("num_computed_tokens", lambda: self.both("num_computed_tokens", slot)),
+            ("budget", lambda: self.both("budget", slot)),
+            ("id_of", lambda: self.both("id_of", slot)),
+            ("page_ids", lambda: self.both("page_ids", slot)),
+            ("schedule", lambda: self.both("schedule", [slot], [10_000])),
+            ("finish", lambda: self.both("finish", [slot])),
+        ]
+        for method, call in calls:
+            outcome = call()
+            assert outcome == ("raise", f"UnknownRequestError: {method}: slot {slot} holds no request"), (
+                outcome
+            )
+        if req not in self.live:
+            assert self.both("slot_of", req) == ("ok", None)
+
+    @rule(bad=st.sampled_from(BAD_SLOTS), method=st.sampled_from(["schedule", "finish", "num_tokens"]))
+    def bad_slot(self, bad: Any, method: str) -> None:
+        """A slot that is no slot: refused alike (class and message), nothing changes."""
+        if method == "schedule":
+            outcome = self.both("schedule", [bad], [0])
+        elif method == "finish":
+            outcome = self.both("finish", [bad])
+        else:
+            outcome = self.both("num_tokens", bad)
+        assert outcome[0] == "raise", outcome
+        assert outcome[1].split(":")[0] in {"TypeError", "ValueError", "OverflowError"}, outcome
+        assert ("slot" if method == "num_tokens" else "slots[0]") in outcome[1], outcome
 
     @precondition(lambda self: self.live)
     @rule(
@@ -294,24 +427,24 @@ class RequestsMachine(RuleBasedStateMachine):
         cols=st.integers(0, 12),
     )
     def block_tables(self, indices: list[int], extra_rows: int, cols: int) -> None:
-        reqs = [self.pick(i) for i in indices]
-        self.both("block_tables", reqs)
+        slots = [self.slot(i) for i in indices]
+        self.both("block_tables", slots)
         buffers = []
         outcomes = []
         for cache in self.caches:
             out = {
-                gid: np.full((len(reqs) + extra_rows, cols), 77, dtype=np.int32) for gid in cache.group_ids
+                gid: np.full((len(slots) + extra_rows, cols), 77, dtype=np.int32) for gid in cache.group_ids
             }
             try:
-                returned = cache.block_tables(reqs, out=out)
+                returned = cache.block_tables(np.array(slots, dtype=np.int64), out=out)
                 assert returned is out
                 outcomes.append("ok")
-            except Exception as exc:  # the class is what is compared
-                outcomes.append(type(exc).__name__)
+            except Exception as exc:  # the class and message are what is compared
+                outcomes.append(f"{type(exc).__name__}: {exc}")
             buffers.append({gid: array.tolist() for gid, array in out.items()})
-        assert outcomes[0] == outcomes[1], f"block_tables(out=) {reqs}: {outcomes}"
+        assert outcomes[0] == outcomes[1], f"block_tables(out=) {slots}: {outcomes}"
         assert buffers[0] == buffers[1], (
-            f"block_tables(out=) {reqs}: native {buffers[0]} != reference {buffers[1]}"
+            f"block_tables(out=) {slots}: native {buffers[0]} != reference {buffers[1]}"
         )
 
     # -- checks after every step --------------------------------------------------------------
@@ -322,12 +455,16 @@ class RequestsMachine(RuleBasedStateMachine):
             return
         for cache in self.caches:
             cache.check_invariants()
-        for req in self.live:
-            self.both("page_ids", req)
-            self.both("tail_available", req)
-            self.both("num_computed_tokens", req)
-            self.both("num_tokens", req)
-            self.both("budget", req)
+        for req, slot in self.live.items():
+            self.both("page_ids", slot)
+            self.both("tail_available", slot)
+            self.both("num_computed_tokens", slot)
+            self.both("budget", slot)
+            self.both("pages_needed", 5, slot)
+            assert self.both("num_tokens", slot) == ("ok", len(self.tokens[req]))
+            assert self.both("slot_of", req) == ("ok", slot)
+            assert self.both("id_of", slot) == ("ok", req)
+        assert [cache.num_requests for cache in self.caches] == [len(self.live)] * 2
         self.both("budget")
         stats = self.both("stats")[1]
         if stats["evictions"]:

@@ -1,13 +1,14 @@
 """The harness of the robustness sweep (tests/robustness/, tests/rows/test_robustness_rows.py).
 
 Every case is a call on a small, busy cache that must be refused: a token-level
-``FlatKVCache`` (:func:`busy_cache`) or, for a page-level call, a ``PageCache``
-(:func:`busy_page_cache`). The harness runs it on one engine, checks that the exception is the
-expected kind and names the argument, and that nothing observable changed: ``stats()``,
-``budget()`` (token-level), ``pool_stats()``, the block tables, page ids and tail slots of the
+``FlatKVCache`` (:func:`busy_cache`, requests named by slot, docs/requests-api.md "Slots") or,
+for a page-level call, a ``PageCache`` (:func:`busy_page_cache`, requests named by id). The
+harness runs it on one engine, checks that the exception is the expected kind and names the
+argument, and that nothing observable changed: ``stats()``, ``budget()`` (token-level),
+``pool_stats()``, which slot holds which id, the block tables, page ids and tail slots of the
 live requests, the token positions of the token-level ones, the recorded KV events and
-``check_invariants()``. The tests then compare the native
-engine's exception type and message with the pure-Python reference's.
+``check_invariants()``. The tests then compare the native engine's exception type and message
+with the pure-Python reference's.
 """
 
 from __future__ import annotations
@@ -24,10 +25,18 @@ import flat_kvcache.reference
 HASH = "0" * 64
 #: Token-level requests of :func:`busy_cache` (``"a"`` scheduled, ``7`` admitted only).
 TOKEN_LEVEL: tuple[str | int, ...] = ("a", 7)
+#: The slots :func:`busy_cache` gives its requests: ``"a"`` slot 0, ``7`` slot 1.
+SLOT_A, SLOT_7 = 0, 1
+#: The live slots of :func:`busy_cache`, in the order of :data:`TOKEN_LEVEL`.
+LIVE_SLOTS: tuple[int, ...] = (SLOT_A, SLOT_7)
+#: A slot of :func:`busy_cache` that holds no request (the next ``add_request`` gets it).
+FREE_SLOT = 2
 #: The page-level request of :func:`busy_page_cache`.
 PAGE_LEVEL = "p"
 #: Every live request of :func:`busy_cache`.
 LIVE: tuple[str | int, ...] = TOKEN_LEVEL
+#: Slots :func:`snapshot` looks at (more than any case's cache holds).
+PROBED_SLOTS = range(8)
 
 #: Both engines, native first.
 ENGINES: tuple[ModuleType, ModuleType] = (flat_kvcache, flat_kvcache.reference)
@@ -42,14 +51,14 @@ def _specs(api: ModuleType) -> list[Any]:
 
 def busy_cache(api: ModuleType) -> Any:
     """A token-level cache of :func:`_specs` over 64 pages, with events on and two live
-    requests: ``"a"`` (10-token prompt scheduled, one token appended, 2 tokens reserved) and
-    ``7`` (6-token prompt, nothing scheduled). Events so far are taken."""
+    requests: ``"a"`` in slot 0 (10-token prompt scheduled, one token appended, 2 tokens
+    reserved) and ``7`` in slot 1 (6-token prompt, nothing scheduled). Events so far are taken."""
     cache = api.FlatKVCache(_specs(api), 64, enable_kv_events=True)
-    cache.add_request("a", list(range(10)))
-    assert cache.schedule("a", 10)
-    cache.append_tokens("a", [3])
-    cache.add_request(7, list(range(100, 106)))
-    cache.reserve("a", 2)
+    assert tuple(cache.add_request("a", list(range(10)))) == (SLOT_A, 0)
+    assert cache.schedule([SLOT_A], [10]).tolist() == [True]
+    cache.append_tokens([SLOT_A], [3])
+    assert tuple(cache.add_request(7, list(range(100, 106)))) == (SLOT_7, 0)
+    cache.reserve([SLOT_A], [2])
     cache.take_events()
     return cache
 
@@ -63,20 +72,42 @@ def busy_page_cache(api: ModuleType) -> Any:
     return cache
 
 
+def held_slots(cache: Any) -> dict[int, object]:
+    """``{slot: id}`` for every slot of :data:`PROBED_SLOTS` that holds a request."""
+    held: dict[int, object] = {}
+    for slot in PROBED_SLOTS:
+        try:
+            held[slot] = cache.id_of(slot)
+        except KeyError:
+            continue
+    return held
+
+
 def snapshot(cache: Any) -> dict[str, object]:
     """Everything observable about the live requests and the pool, as plain data."""
-    token_level = hasattr(cache, "schedule")
-    live = [req for req in (LIVE if token_level else (PAGE_LEVEL,)) if cache.has_request(req)]
+    if not hasattr(cache, "schedule"):  # a page-level cache: requests named by id
+        live = [req for req in (PAGE_LEVEL,) if cache.has_request(req)]
+        return {
+            "stats": cache.stats(),
+            "pool": cache.pool_stats(),
+            "tables": {group: table.tolist() for group, table in cache.block_tables(live).items()},
+            "pages": [cache.page_ids(req) for req in live],
+            "tails": [cache.tail_available(req) for req in live],
+            "requests": cache.num_requests,
+        }
+    held = held_slots(cache)
+    slots = list(held)
     return {
         "stats": cache.stats(),
-        "budget": [cache.budget(), *(cache.budget(req) for req in live)] if token_level else None,
+        "budget": [cache.budget(), *(cache.budget(s) for s in slots)],
         "pool": cache.pool_stats(),
-        "tables": {group: table.tolist() for group, table in cache.block_tables(live).items()},
-        "pages": [cache.page_ids(req) for req in live],
-        "tails": [cache.tail_available(req) for req in live],
-        "tokens": [(cache.num_tokens(req), cache.num_computed_tokens(req)) for req in live]
-        if token_level
-        else None,
+        "held": held,
+        "slot_of": [cache.slot_of(req) for req in (*LIVE, "new")],
+        "tables": {group: table.tolist() for group, table in cache.block_tables(slots).items()},
+        "pages": [cache.page_ids(s) for s in slots],
+        "tails": [cache.tail_available(s) for s in slots],
+        "tokens": [(cache.num_tokens(s), cache.num_computed_tokens(s)) for s in slots],
+        "loads": [cache.loads_in_flight(s) for s in slots],
         "requests": cache.num_requests,
     }
 

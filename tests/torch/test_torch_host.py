@@ -77,10 +77,11 @@ def slab_plan() -> Any:
     return plan
 
 
-def write_request(cache: Any, buffers: KVBuffers, req: str, salt: float) -> None:
-    """Fill every page of ``req``'s tables in every layer with ``salt + layer * 1000 + value``,
-    value the token position (K/V rows) or the table column (state)."""
-    tables = cache.block_tables([req])
+def write_request(cache: Any, buffers: KVBuffers, slot: int, salt: float) -> None:
+    """Fill every page of the tables of the request in ``slot`` in every layer with
+    ``salt + layer * 1000 + value``, value the token position (K/V rows) or the table column
+    (state)."""
+    tables = cache.block_tables([slot])
     group_of_layer = fk.layer_group_ids(buffers.plan.shape.layer_types, buffers.plan.shape.sliding_window)
     for layer, group in enumerate(group_of_layer):
         for column, page in enumerate(int(p) for p in tables[group][0]):
@@ -96,10 +97,10 @@ def write_request(cache: Any, buffers: KVBuffers, req: str, salt: float) -> None
                     tensor[page * PAGE : (page + 1) * PAGE] = (base + rows)[:, None, None]
 
 
-def check_request(cache: Any, buffers: KVBuffers, req: str, salt: float, hit: int) -> int:
-    """Every page of ``req``'s tables below ``hit`` holds what :func:`write_request` wrote;
-    returns how many pages were checked."""
-    tables = cache.block_tables([req])
+def check_request(cache: Any, buffers: KVBuffers, slot: int, salt: float, hit: int) -> int:
+    """Every page of the tables of the request in ``slot`` below ``hit`` holds what
+    :func:`write_request` wrote; returns how many pages were checked."""
+    tables = cache.block_tables([slot])
     group_of_layer = fk.layer_group_ids(buffers.plan.shape.layer_types, buffers.plan.shape.sliding_window)
     checked = 0
     for layer, group in enumerate(group_of_layer):
@@ -135,11 +136,12 @@ def test_pages_stored_and_loaded_back_hold_their_values(make_plan: Any, host_sto
     host = HostKVBuffers(plan, 64, pin_memory=False)
     executor = TransferExecutor(cache, buffers, host)
     tokens = list(range(1, 40))
-    assert cache.add_request("a", tokens) == 0
+    slot, hit = cache.add_request("a", tokens)
+    assert (slot, hit) == (0, 0)
     for _ in range(4):  # page-aligned chunks: state snapshots at every boundary
-        cache.schedule("a", 8)
-        write_request(cache, buffers, "a", salt=0.5)
-    cache.finish("a")
+        assert cache.schedule([slot], [8]).all()
+        write_request(cache, buffers, slot, salt=0.5)
+    cache.finish([slot])
     done = executor.run()
     assert done.stores >= 8 and done.loads == 0 and done.acked == done.stores
     # Bytes: a page copies at most every buffer's page (host.nbytes() / host pages).
@@ -151,17 +153,17 @@ def test_pages_stored_and_loaded_back_hold_their_values(make_plan: Any, host_sto
     for tensor in buffers.tensors.values():
         tensor.fill_(-1.0)
 
-    hit = cache.add_request("b", [*tokens, 7])
-    assert hit == 32  # the last boundary before the prompt's end, as on the device
+    slot, hit = cache.add_request("b", [*tokens, 7])
+    assert (slot, hit) == (0, 32)  # the last boundary before the prompt's end, as on the device
     assert cache.stats()["host_hits_tokens"] == hit
-    assert cache.loads_in_flight("b") >= 1
+    assert cache.loads_in_flight(slot) >= 1
     done = executor.run()
     assert done.loads == cache.stats()["host_loads"] >= 1 and done.stores == 0
     assert 0 < done.load_bytes <= done.loads * page_bytes and done.store_bytes == 0
     assert executor.totals == first + done
-    assert cache.loads_in_flight("b") == 0
-    assert check_request(cache, buffers, "b", salt=0.5, hit=hit) >= 1
-    cache.finish("b")
+    assert cache.loads_in_flight(slot) == 0
+    assert check_request(cache, buffers, slot, salt=0.5, hit=hit) >= 1
+    cache.finish([slot])
     executor.run()
     cache.check_invariants()
     assert cache.transfers_in_flight() == 0
@@ -191,9 +193,9 @@ def test_a_store_copies_each_group_page_in_every_buffer_of_that_group_only() -> 
 
     executor.cache = Recording()
     before = {name: t.clone() for name, t in host.tensors.items()}
-    cache.add_request("a", list(range(1, 18)))
-    cache.schedule("a", 17)
-    cache.finish("a")
+    slot, _ = cache.add_request("a", list(range(1, 18)))
+    assert cache.schedule([slot], [17]).all()
+    cache.finish([slot])
     done = executor.run()
     (transfers,) = seen
     stores = transfers["store"]

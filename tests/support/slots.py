@@ -1,0 +1,57 @@
+"""Slot bookkeeping shared by the token-level tests (docs/requests-api.md, "Slots").
+
+A ``FlatKVCache`` names each live request by its slot: the lowest slot no live request holds
+when the request enters. :func:`lowest_free` is that rule, written from the contract, so tests
+can check the slots both engines hand out; :func:`running` adds a request and computes its
+prompt; :func:`outcome_of` records what a call did (its value, or its exception class and
+message) for comparing engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+from helpers import normalize
+
+
+def lowest_free(held: Iterable[int]) -> int:
+    """The slot the next request gets: the lowest one not in ``held``."""
+    taken = set(held)
+    slot = 0
+    while slot in taken:
+        slot += 1
+    return slot
+
+
+def running(cache: Any, req: Any, prompt: Any, **options: Any) -> int:
+    """Add ``req`` with ``prompt`` and schedule its whole prompt; returns its slot."""
+    slot, hit = cache.add_request(req, prompt, **options)
+    assert cache.schedule([slot], [len(prompt) - hit]).tolist() == [True]
+    return int(slot)
+
+
+def computed(cache: Any, slots: Iterable[int]) -> list[int]:
+    """``num_computed_tokens`` of each slot."""
+    return [int(cache.num_computed_tokens(s)) for s in slots]
+
+
+def outcome_of(call: Callable[[], Any]) -> tuple[str, Any]:
+    """``("ok", normalized result)`` or ``("raise", "Class: message")`` (a ``KeyError``'s
+    message is its first argument, not its quoted ``str``)."""
+    try:
+        return ("ok", normalize(call()))
+    except Exception as exc:  # the class and message are what is compared
+        text = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+        return ("raise", f"{type(exc).__name__}: {text}")
+
+
+def as_slot_array(slots: list[int], kind: str) -> Any:
+    """``slots`` as a list, a tuple or a numpy array of ``kind`` (``"list"``, ``"tuple"``,
+    ``"int64"``, ``"uint32"``, ``"int32"``)."""
+    if kind == "list":
+        return list(slots)
+    if kind == "tuple":
+        return tuple(slots)
+    return np.array(slots, dtype=np.dtype(kind))
