@@ -8,7 +8,6 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use flat_kvcache_core::engine::block_tables::TableOut;
 use flat_kvcache_core::engine::coordinator::{GroupSpec, PrefixMatch};
 use flat_kvcache_core::engine::group::GroupKind;
 use flat_kvcache_core::engine::hash::{hash_page, hash_pages, ContentHash, GroupKey};
@@ -16,6 +15,7 @@ use flat_kvcache_core::engine::ids::{RequestId, RequestIdRef};
 use flat_kvcache_core::engine::pool::BlockPool;
 use flat_kvcache_core::engine::tokens::Prompt;
 use flat_kvcache_core::engine::FlatCache;
+use flat_kvcache_core::engine::TableOut;
 
 const PAGE: u64 = 16;
 

@@ -15,11 +15,11 @@
 
 use std::sync::Mutex;
 
-use flat_kvcache_core::engine::block_tables::FlatTable;
 use flat_kvcache_core::engine::coordinator::{EvictionOrder, GroupSpec};
 use flat_kvcache_core::engine::ids::RequestIdRef;
 use flat_kvcache_core::engine::pool::{DEFAULT_REUSE_UNCACHED_FIRST, MAX_BLOCKS};
 use flat_kvcache_core::engine::tokens::Prompt;
+use flat_kvcache_core::engine::FlatTable;
 use flat_kvcache_core::engine::{CacheOptions, FlatCache};
 use flat_kvcache_core::CoreError;
 use numpy::ndarray::Array2;

@@ -7,10 +7,10 @@
 //! update borrows them writable again, so a buffer borrowed elsewhere is refused, never
 //! aliased.
 
-use flat_kvcache_core::engine::block_tables::TableOut;
 use flat_kvcache_core::engine::coordinator::GroupSpec;
 use flat_kvcache_core::engine::group::GroupKind;
-use flat_kvcache_core::engine::rows::{RowDelta, RowLayout};
+use flat_kvcache_core::engine::TableOut;
+use flat_kvcache_core::engine::{RowDelta, RowLayout};
 use numpy::ndarray::{ArrayView2, Ix1};
 use numpy::{
     BorrowError, PyArray, PyArray1, PyArray2, PyArrayMethods, PyReadwriteArray, PyReadwriteArray1, PyReadwriteArray2,

@@ -5,8 +5,8 @@
 //! writes the caller's storage directly: no copy, no per-element Python object, and the
 //! tensor's `data_ptr()` never changes. Rust never depends on torch.
 
-use flat_kvcache_core::engine::block_tables::TableOut;
 use flat_kvcache_core::engine::coordinator::GroupSpec;
+use flat_kvcache_core::engine::TableOut;
 use numpy::ndarray::{Dimension, Ix2};
 use numpy::{
     BorrowError, PyArray, PyArrayMethods, PyReadwriteArray, PyReadwriteArray2, PyUntypedArray, PyUntypedArrayMethods,

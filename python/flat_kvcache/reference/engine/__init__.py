@@ -10,18 +10,15 @@ build on each other (no module imports one listed after it):
 - ``group``: one manager per engine kind (SPEC 6), the kind's rules in the kind's module
   (``full``, ``sliding``, ``state``);
 - ``events``: the KV events the cache records, and the calls that hand them out;
+- ``host``: the host-memory tier, its pages, LRU and transfers;
 - ``coordinator``: the cache's state, and match / claim / acquire / register across groups
   (SPEC 7);
-- ``block_tables``: flat per-group block tables (SPEC 8, 10), for a batch of requests each
-  class names its own way;
-- ``page_api``: what both protocols share (releasing and reclaiming a request's pages,
-  counting an acquire's pages) and the page-level protocol, whose requests are named by id:
-  match, claim, acquire, register, reclaim, free, the dry runs, the step operations (SPEC 6 to
-  8) and the readers by id;
-- ``rows``: persistent block-table rows (row ``s`` is the request in slot ``s``);
-- ``token_api``: requests that own their tokens, named by slot (docs/requests-api.md);
-- ``admission``: admission accounting, ``admit`` and reserves (SPEC 9);
-- ``stats`` and ``invariants``: metrics and the SPEC 1 checks.
+- ``calls``: the mixins that add the cache's calls on top of the coordinator, one module per
+  concern (its docstring lists them), in this order: ``tables`` (flat per-group block tables,
+  SPEC 8, 10), ``page`` (what both protocols share, and the page-level protocol by id, SPEC 6
+  to 8), ``rows`` (persistent block-table rows), ``token`` (requests that own their tokens,
+  named by slot, docs/requests-api.md), ``admission`` (admission accounting, ``admit`` and
+  reserves, SPEC 9), ``stats`` and ``invariants`` (metrics and the SPEC 1 checks).
 
 Two classes speak the two protocols, as the native ones do: :class:`FlatKVCache`, the
 token-level one (docs/requests-api.md), whose requests are named by slot after they are added,
@@ -40,20 +37,20 @@ mixins form chains where one needs another's calls (``Admission`` -> ``TokenApi`
 ``Coordinator``, and ``KVEvents`` only declares the attributes it reads.
 
 The only native thing the reference reads is the build flag ``flat_kvcache._native.FLAT_KVCACHE``,
-looked up at call time (see ``block_tables``) so tests can switch it.
+looked up at call time (see ``calls.tables``) so tests can switch it.
 """
 
 from __future__ import annotations
 
 from flat_kvcache._types import KVCacheSpec, kv_cache_specs
-from flat_kvcache.reference.engine.admission import Admission
+from flat_kvcache.reference.engine.calls.admission import Admission
+from flat_kvcache.reference.engine.calls.invariants import Invariants
+from flat_kvcache.reference.engine.calls.page import PageApi
+from flat_kvcache.reference.engine.calls.stats import Stats
 from flat_kvcache.reference.engine.coordinator import PrefixMatch
 from flat_kvcache.reference.engine.events import KVEvents
 from flat_kvcache.reference.engine.hash import fold_hashes, group_key, hash_page, hash_pages
-from flat_kvcache.reference.engine.invariants import Invariants
-from flat_kvcache.reference.engine.page_api import PageApi
 from flat_kvcache.reference.engine.pool import BlockPool
-from flat_kvcache.reference.engine.stats import Stats
 
 __all__ = [
     "BlockPool",

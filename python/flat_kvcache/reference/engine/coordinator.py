@@ -1,12 +1,12 @@
 """The coordinator (SPEC 7): the cache's state, and match / claim / acquire / register across groups.
 
 The public page-level calls built on these (``match_prefix``, ``claim``, ``acquire``,
-``register``) are :class:`~flat_kvcache.reference.engine.page_api.PageApi`'s; the token-level
+``register``) are :class:`~flat_kvcache.reference.engine.calls.page.PageApi`'s; the token-level
 calls use the same private steps.
 
 :class:`Coordinator` owns everything a cache holds (the pool, one manager per group, the
 request tables keyed by id, the token-level states, their slots, reserves, counters and the
-event list); the other modules of this package add calls on top of it.
+event list); the mixins of ``calls`` (and ``events``) add calls on top of it.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 //! match, see [`crate::engine::coordinator::HostHit`]), a claim emits loads
 //! (`HostTier::load`), registering and releasing pages emit stores by the policy, and an
 //! acknowledgement finishes a transfer (`HostTier::finish`). The cache's public calls
-//! (`take_transfers`, `ack_transfers`, ...) are in `engine/host_api.rs`.
+//! (`take_transfers`, `ack_transfers`, ...) are in `engine/calls/host.rs`.
 //!
 //! The tier holds `num_pages` host pages of the device pages' geometry; host page ids are
 //! their own space `[0, num_pages)` (no null page). Each host page holds at most one group key

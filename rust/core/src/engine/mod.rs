@@ -1,6 +1,6 @@
-//! The page engine of one model (SPEC 6-9): [`FlatCache`] maps request ids to per-group
-//! tables over one [`coordinator::Coordinator`], for page-level and token-level requests alike
-//! (both live in the same request slab).
+//! The page engine of one model (SPEC 6-9): [`FlatCache`] holds each live request's per-group
+//! tables over one [`coordinator::Coordinator`], in a slab whose positions are the requests'
+//! slots; page-level requests are found by id, token-level ones by slot.
 //!
 //! Components, bottom up:
 //! - [`ids`]: request ids.
@@ -16,11 +16,8 @@
 //! - [`events`]: KV-cache events recorded by the engine.
 //! - [`tokens`]: hashed prompts and the token state of token-level requests.
 //!
-//! [`FlatCache`] is defined here with private fields; its calls are `impl` blocks in child
-//! modules, one concern each: `page_api` (page-level calls), `token_api` (token-level
-//! requests), `admission` (prefix hits, admission cost, reserves and budget),
-//! [`block_tables`] (flat tables), [`rows`] (persistent rows), `host_api` (host-tier
-//! transfers and their acknowledgements), [`stats`] (metrics and events) and `invariants`.
+//! [`FlatCache`] is defined here with private fields and its slab (adding and releasing a
+//! request); its calls are `impl` blocks in [`calls`], one file per concern.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -45,14 +42,11 @@ pub mod pool;
 pub mod table;
 pub mod tokens;
 
-mod admission;
-pub mod block_tables;
-mod host_api;
-mod invariants;
-mod page_api;
-pub mod rows;
-pub mod stats;
-mod token_api;
+pub mod calls;
+
+pub use calls::rows::{RowDelta, RowLayout};
+pub use calls::stats::{CacheStats, HostStats, PoolStats};
+pub use calls::tables::{FlatTable, TableOut};
 
 #[cfg(test)]
 mod testing;
@@ -140,8 +134,8 @@ pub struct FlatCache {
     counters: Counters,
     /// Reused buffer of slots for batch calls.
     scratch: Vec<usize>,
-    /// Persistent block-table rows, once bound ([`rows`]).
-    rows: Option<rows::RowBinding>,
+    /// Persistent block-table rows, once bound ([`calls::rows`]).
+    rows: Option<calls::rows::RowBinding>,
     /// The serial of the next request.
     next_serial: u64,
 }

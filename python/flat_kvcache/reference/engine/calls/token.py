@@ -33,9 +33,9 @@ from flat_kvcache.reference.engine._args import (
     check_u64_total,
     shown_id,
 )
+from flat_kvcache.reference.engine.calls.page import PageTables
+from flat_kvcache.reference.engine.calls.rows import Rows
 from flat_kvcache.reference.engine.hash import hash_page, hash_pages
-from flat_kvcache.reference.engine.page_api import PageTables
-from flat_kvcache.reference.engine.rows import Rows
 from flat_kvcache.reference.engine.table import Table, TokenState
 
 __all__ = ["TokenApi"]
@@ -214,7 +214,7 @@ class TokenApi(PageTables, Rows):
         """Flat per-group block tables of the requests in ``slots`` (SPEC 8): ``{group_id:
         int32 [len(slots), cols]}`` (row ``r``: the pages of ``slots[r]``, holes 0, then -1), or
         written into ``out`` (see
-        :meth:`~flat_kvcache.reference.engine.block_tables.BlockTables._block_tables`)."""
+        :meth:`~flat_kvcache.reference.engine.calls.tables.BlockTables._block_tables`)."""
         self._check_flat_build()
         indices = as_slots(slots)
 

@@ -24,9 +24,9 @@
 //! cell by cell. Rows are bound on token-level caches only, whose tables change only through
 //! `schedule` (appends and slid-out holes) and release.
 
-use super::table::Table;
-use super::FlatCache;
-use crate::engine::block_tables::TableOut;
+use crate::engine::calls::tables::TableOut;
+use crate::engine::table::Table;
+use crate::engine::FlatCache;
 use crate::error::{CoreError, CoreResult};
 
 /// The cell value of padding past a row's end.
@@ -104,7 +104,7 @@ struct RowState {
 
 /// The rows of a cache's bound buffers and what their cells hold.
 #[derive(Clone, Debug)]
-pub(super) struct RowBinding {
+pub(in crate::engine) struct RowBinding {
     layouts: Vec<RowLayout>,
     rows: Vec<RowState>,
     /// `rows x groups`, row-major.
@@ -118,7 +118,7 @@ pub(super) struct RowBinding {
 impl RowBinding {
     /// Mark `row` for the next update (`full`: compare every cell).
     #[inline]
-    pub(super) fn touch(&mut self, row: usize, full: bool) {
+    pub(in crate::engine) fn touch(&mut self, row: usize, full: bool) {
         let state = &mut self.rows[row];
         state.full |= full;
         if !state.dirty {
@@ -128,20 +128,20 @@ impl RowBinding {
     }
 
     /// Number of rows.
-    pub(super) fn max_rows(&self) -> usize {
+    pub(in crate::engine) fn max_rows(&self) -> usize {
         self.rows.len()
     }
 
     /// A new request took slot `row`: compare the whole row on the next update (it may still
     /// show the previous request's pages).
-    pub(super) fn claim(&mut self, row: usize) {
+    pub(in crate::engine) fn claim(&mut self, row: usize) {
         if row < self.rows.len() {
             self.touch(row, true);
         }
     }
 
     /// The row's request is gone: its cells go back to padding on the next update.
-    pub(super) fn vacate(&mut self, row: usize) {
+    pub(in crate::engine) fn vacate(&mut self, row: usize) {
         if row < self.rows.len() {
             self.touch(row, false);
         }
@@ -325,7 +325,7 @@ impl FlatCache {
     }
 
     /// Check that a new request can take the next slot: with rows bound, it must be a row.
-    pub(super) fn check_slot_free(&self, method: &str) -> CoreResult<()> {
+    pub(in crate::engine) fn check_slot_free(&self, method: &str) -> CoreResult<()> {
         if self.slot_available() {
             return Ok(());
         }
@@ -337,13 +337,13 @@ impl FlatCache {
 
     /// Whether a new request can take the next slot (with rows bound: a slot below
     /// `max_rows`).
-    pub(super) fn slot_available(&self) -> bool {
+    pub(in crate::engine) fn slot_available(&self) -> bool {
         self.rows.as_ref().is_none_or(|b| self.next_slot() < b.max_rows())
     }
 
     /// The tables of the request in slot `at` changed: visit its row on the next update.
     #[inline]
-    pub(super) fn touch_row(&mut self, at: usize) {
+    pub(in crate::engine) fn touch_row(&mut self, at: usize) {
         if let Some(binding) = self.rows.as_mut() {
             binding.touch(at, false);
         }
@@ -517,9 +517,9 @@ impl FlatCache {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
     use crate::engine::ids::RequestIdRef;
     use crate::engine::testing::*;
+    use super::*;
 
     /// Caller-side state: the bound buffers and a shadow copy kept only through the deltas.
     struct Caller {

@@ -8,12 +8,12 @@
 //! use, and "allocated tokens" is read off them (claimed plus acquired tokens, the same in
 //! every group), so page-level calls on a token-level request cannot desynchronise it.
 
-use super::coordinator::{Coordinator, PrefixMatch, TokenContext};
-use super::hash::hash_page;
-use super::ids::RequestIdRef;
-use super::table::Table;
-use super::tokens::{Prompt, TokenState};
-use super::FlatCache;
+use crate::engine::coordinator::{Coordinator, PrefixMatch, TokenContext};
+use crate::engine::hash::hash_page;
+use crate::engine::ids::RequestIdRef;
+use crate::engine::table::Table;
+use crate::engine::tokens::{Prompt, TokenState};
+use crate::engine::FlatCache;
 use crate::error::{CoreError, CoreResult};
 
 /// Tokens of spare capacity a new request's token vector gets for its appends.
@@ -561,8 +561,7 @@ fn fast_until(coord: &Coordinator, tables: &[Table], state: &TokenState) -> u64 
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use crate::engine::block_tables::TableOut;
+    use crate::engine::calls::tables::TableOut;
     use crate::engine::coordinator::{EvictionOrder, PrefixMatch};
     use crate::engine::events::KvEvent;
     use crate::engine::group::GroupKind;
@@ -571,6 +570,7 @@ mod tests {
     use crate::engine::hash::ContentHash;
     use crate::engine::testing::*;
     use crate::engine::CacheOptions;
+    use super::*;
     use std::sync::Arc;
 
     #[test]

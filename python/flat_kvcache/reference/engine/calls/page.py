@@ -24,7 +24,7 @@ from flat_kvcache.reference.engine._args import (
     check_u64_total,
     shown_id,
 )
-from flat_kvcache.reference.engine.block_tables import BlockTables
+from flat_kvcache.reference.engine.calls.tables import BlockTables
 from flat_kvcache.reference.engine.coordinator import PrefixMatch
 from flat_kvcache.reference.engine.table import Table
 
@@ -104,7 +104,7 @@ class PageApi(PageTables):
     def block_tables(self, reqs: Sequence[RequestId], out: Any = None) -> Any:
         """Flat per-group block tables of the requests ``reqs`` (SPEC 8): ``{group_id: int32
         [len(reqs), cols]}``, or written into ``out`` (see
-        :meth:`~flat_kvcache.reference.engine.block_tables.BlockTables._block_tables`)."""
+        :meth:`~flat_kvcache.reference.engine.calls.tables.BlockTables._block_tables`)."""
         self._check_flat_build()
         keys = as_request_ids(reqs)
         return self._block_tables(

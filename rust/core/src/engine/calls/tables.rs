@@ -1,9 +1,9 @@
 //! Flat per-group block tables (SPEC 8): one `rows x cols` int32 table per group for a batch
 //! of requests, returned or written into caller buffers. Holes are 0, padding is -1.
 
-use super::table::Table;
-use super::FlatCache;
 use crate::engine::ids::RequestIdRef;
+use crate::engine::table::Table;
+use crate::engine::FlatCache;
 use crate::error::{CoreError, CoreResult};
 
 /// One group's flat block table for a batch: `rows x cols` int32, row-major; holes are 0 and
@@ -199,8 +199,8 @@ fn write_tables(
 
 #[cfg(test)]
 mod tests {
-    use super::*;
     use crate::engine::testing::*;
+    use super::*;
 
     #[test]
     fn block_tables_pad_with_minus_one_and_keep_holes() {

@@ -1,8 +1,8 @@
 //! Observability (docs/requests-api.md, "Metrics"): pool probe counters, the metrics of
 //! `stats()`, and draining the recorded KV events.
 
-use super::events::KvEvent;
-use super::FlatCache;
+use crate::engine::events::KvEvent;
+use crate::engine::FlatCache;
 
 /// Probe counters of the shared pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

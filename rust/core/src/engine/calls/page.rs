@@ -2,11 +2,11 @@
 //! each step (claim, acquire, register, reclaim, free, and the prefill/decode steps that
 //! chain them). A page-level request is created by its first claim or acquire.
 
-use super::coordinator::{Coordinator, PrefixMatch};
-use super::hash::ContentHash;
-use super::ids::RequestIdRef;
-use super::table::Table;
-use super::FlatCache;
+use crate::engine::coordinator::{Coordinator, PrefixMatch};
+use crate::engine::hash::ContentHash;
+use crate::engine::ids::RequestIdRef;
+use crate::engine::table::Table;
+use crate::engine::FlatCache;
 use crate::error::{CoreError, CoreResult};
 
 /// The error for a page-level method called on a token-level request (the mirror of the
@@ -226,12 +226,12 @@ impl FlatCache {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
     use crate::engine::coordinator::GroupSpec;
     use crate::engine::group::GroupKind;
     use crate::engine::hash::hash_pages;
     use crate::engine::testing::*;
     use crate::engine::CacheOptions;
+    use super::*;
     use crate::error::CoreError;
 
     fn hashes(n: u32) -> Vec<ContentHash> {

@@ -22,7 +22,7 @@ import numpy.typing as npt
 
 from flat_kvcache.errors import FlatUnavailableError
 from flat_kvcache.reference.engine._args import as_flag, shown_id
-from flat_kvcache.reference.engine.block_tables import (
+from flat_kvcache.reference.engine.calls.tables import (
     FLAT_OFF_MESSAGE,
     check_int32_buffer,
     cpu_array,

@@ -1,13 +1,13 @@
 //! Admission accounting (docs/requests-api.md; SPEC 9): what a prompt would hit and cost
 //! before it is added, and the per-request reserves that budget the next decodes.
 
-use super::coordinator::PrefixMatch;
-use super::tokens::Prompt;
-use super::FlatCache;
+use crate::engine::coordinator::PrefixMatch;
+use crate::engine::tokens::Prompt;
+use crate::engine::FlatCache;
 use crate::error::{CoreError, CoreResult};
 
 impl FlatCache {
-    pub(super) fn check_prompt(&self, prompt: &Prompt) -> CoreResult<()> {
+    pub(in crate::engine) fn check_prompt(&self, prompt: &Prompt) -> CoreResult<()> {
         let base = self.coord.base_page_size();
         if prompt.base != base {
             return Err(CoreError::invalid(format!(
@@ -20,7 +20,7 @@ impl FlatCache {
 
     /// The capped prefix match of a prompt: never the last token (SPEC 9), so over the first
     /// `max((len - 1) // base, 0)` base pages.
-    pub(super) fn capped_match(&self, prompt: &Prompt) -> CoreResult<PrefixMatch> {
+    pub(in crate::engine) fn capped_match(&self, prompt: &Prompt) -> CoreResult<PrefixMatch> {
         self.check_prompt(prompt)?;
         let len = u64::try_from(prompt.tokens.len()).unwrap_or(u64::MAX);
         let cap = self.coord.base_div().quotient(len.saturating_sub(1));
@@ -58,7 +58,12 @@ impl FlatCache {
     /// Pages a new request claiming `m` (`None`: nothing) and then taking `tokens` on fresh
     /// tables needs: the device pages the claim takes off the free list, one per host-tier
     /// load, and `pages_needed(tokens)`. `what` names the tokens in an overflow error.
-    pub(super) fn pages_to_admit(&self, m: Option<&PrefixMatch>, tokens: u64, what: &str) -> CoreResult<u64> {
+    pub(in crate::engine) fn pages_to_admit(
+        &self,
+        m: Option<&PrefixMatch>,
+        tokens: u64,
+        what: &str,
+    ) -> CoreResult<u64> {
         let (device, loads) = m.map_or((0, 0), |m| self.coord.tiered_claim_cost(m));
         let consumed = u64::try_from(device.saturating_add(loads)).unwrap_or(u64::MAX);
         self.coord
@@ -111,8 +116,8 @@ impl FlatCache {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
     use crate::engine::testing::*;
+    use super::*;
 
     #[test]
     fn capped_match_never_covers_the_last_prompt_token() {

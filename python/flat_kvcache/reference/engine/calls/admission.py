@@ -16,7 +16,7 @@ from flat_kvcache.reference.engine._args import (
     as_slots,
     check_u64_total,
 )
-from flat_kvcache.reference.engine.token_api import TokenApi
+from flat_kvcache.reference.engine.calls.token import TokenApi
 
 __all__ = ["Admission"]
 

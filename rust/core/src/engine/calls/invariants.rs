@@ -1,7 +1,7 @@
 //! The global invariant check of an engine (SPEC 7 and 8), for tests and debugging.
 
-use super::pool::NULL_PAGE;
-use super::FlatCache;
+use crate::engine::pool::NULL_PAGE;
+use crate::engine::FlatCache;
 use crate::error::{CoreError, CoreResult};
 
 impl FlatCache {

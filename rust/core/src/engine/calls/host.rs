@@ -3,16 +3,16 @@
 //! `ack_transfers` and their probes. The tier itself is [`crate::engine::host`]; this layer
 //! ties its transfers to requests (a load's owner is a slot and serial).
 
-use super::coordinator::{PrefixMatch, TokenContext};
-use super::host::{HostTier, Transfer};
-use super::ids::RequestIdRef;
-use super::FlatCache;
+use crate::engine::coordinator::{PrefixMatch, TokenContext};
+use crate::engine::host::{HostTier, Transfer};
+use crate::engine::ids::RequestIdRef;
+use crate::engine::FlatCache;
 use crate::error::{CoreError, CoreResult};
 
 impl FlatCache {
     /// Claim a (tiered) match for the new token-level request in slot `at`: device
     /// hits are claimed, host hits get device destinations and load transfers.
-    pub(super) fn claim_with_loads(&mut self, at: usize, m: &PrefixMatch) -> CoreResult<()> {
+    pub(in crate::engine) fn claim_with_loads(&mut self, at: usize, m: &PrefixMatch) -> CoreResult<()> {
         let entry = &mut self.entries[at];
         let Some(state) = entry.tokens.as_ref() else {
             return Ok(());
@@ -28,7 +28,7 @@ impl FlatCache {
     }
 
     /// A request with loads in flight cannot be scheduled: its pages are not filled yet.
-    pub(super) fn check_loaded(&self, method: &str, at: usize) -> CoreResult<()> {
+    pub(in crate::engine) fn check_loaded(&self, method: &str, at: usize) -> CoreResult<()> {
         match self.entries[at].loading {
             0 => Ok(()),
             n => Err(CoreError::invalid(format!(
@@ -81,11 +81,11 @@ impl FlatCache {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
     use crate::engine::host::{HostStore, TransferKind};
     use crate::engine::ids::RequestIdRef;
     use crate::engine::testing::*;
     use crate::engine::CacheOptions;
+    use super::*;
 
     /// Full P = 4 and sliding P = 4, W = 8 over 8 real device pages and `host` host pages.
     fn tiered(host: u64, policy: HostStore) -> FlatCache {
