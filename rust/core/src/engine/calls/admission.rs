@@ -116,8 +116,8 @@ impl FlatCache {
 
 #[cfg(test)]
 mod tests {
-    use crate::engine::testing::*;
     use super::*;
+    use crate::engine::testing::*;
 
     #[test]
     fn capped_match_never_covers_the_last_prompt_token() {

@@ -81,11 +81,11 @@ impl FlatCache {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
     use crate::engine::host::{HostStore, TransferKind};
     use crate::engine::ids::RequestIdRef;
     use crate::engine::testing::*;
     use crate::engine::CacheOptions;
-    use super::*;
 
     /// Full P = 4 and sliding P = 4, W = 8 over 8 real device pages and `host` host pages.
     fn tiered(host: u64, policy: HostStore) -> FlatCache {

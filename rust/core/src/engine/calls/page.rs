@@ -226,12 +226,12 @@ impl FlatCache {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
     use crate::engine::coordinator::GroupSpec;
     use crate::engine::group::GroupKind;
     use crate::engine::hash::hash_pages;
     use crate::engine::testing::*;
     use crate::engine::CacheOptions;
-    use super::*;
     use crate::error::CoreError;
 
     fn hashes(n: u32) -> Vec<ContentHash> {

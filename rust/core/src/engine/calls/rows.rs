@@ -517,9 +517,9 @@ impl FlatCache {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
     use crate::engine::ids::RequestIdRef;
     use crate::engine::testing::*;
-    use super::*;
 
     /// Caller-side state: the bound buffers and a shadow copy kept only through the deltas.
     struct Caller {

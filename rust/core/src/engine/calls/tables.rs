@@ -199,8 +199,8 @@ fn write_tables(
 
 #[cfg(test)]
 mod tests {
-    use crate::engine::testing::*;
     use super::*;
+    use crate::engine::testing::*;
 
     #[test]
     fn block_tables_pad_with_minus_one_and_keep_holes() {

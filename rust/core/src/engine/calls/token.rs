@@ -561,6 +561,7 @@ fn fast_until(coord: &Coordinator, tables: &[Table], state: &TokenState) -> u64 
 
 #[cfg(test)]
 mod tests {
+    use super::*;
     use crate::engine::calls::tables::TableOut;
     use crate::engine::coordinator::{EvictionOrder, PrefixMatch};
     use crate::engine::events::KvEvent;
@@ -570,7 +571,6 @@ mod tests {
     use crate::engine::hash::ContentHash;
     use crate::engine::testing::*;
     use crate::engine::CacheOptions;
-    use super::*;
     use std::sync::Arc;
 
     #[test]
