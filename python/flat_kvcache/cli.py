@@ -49,6 +49,7 @@ from flat_kvcache.config import (
     max_context_len_from_config,
     sliding_window_from_config,
 )
+from flat_kvcache.families import read_model_layers
 from flat_kvcache.presets import DEFAULT_PRESET, PRESETS, get_preset, preset_names
 
 __all__ = ["build_plan", "format_plan", "main"]
@@ -748,7 +749,8 @@ def build_plan(
     page_size`` if not even 0 does), else ``max(DEFAULT_MAX_TOTAL_TOKENS, max_context_len)``.
     :data:`NOTES` says what the numbers are.
     """
-    layer_types = layer_types_from_config(cfg)
+    read = read_model_layers(cfg)
+    layer_types = list(read.layer_types)
     window = sliding_window_from_config(cfg)
     context = max_context_len_from_config(cfg) if max_context_len is None else max_context_len
     specs = group_specs_from_config(cfg, page_size=page_size)
@@ -815,8 +817,11 @@ def build_plan(
         "model": {
             "source": source,
             "model_type": cfg.get("model_type"),
-            "num_layers": len(layer_types),
+            "family": read.family,
+            "num_layers": read.num_model_layers,
+            "num_cache_layers": len(layer_types),
             "layer_types": dict(Counter(layer_types)),
+            "state_kind": read.state_kind,
         },
         "flat_kvcache": flat_kvcache.FLAT_KVCACHE,
         "settings": {
@@ -871,8 +876,15 @@ def format_plan(plan: dict[str, Any]) -> str:
     model, settings, pool = plan["model"], plan["settings"], plan["pool"]
     mix = ", ".join(f"{count} {label}" for label, count in model["layer_types"].items())
     lines = [
-        f"model: {model['source']} ({model['model_type'] or 'unknown type'}), "
-        f"{model['num_layers']} layers: {mix}",
+        f"model: {model['source']} ({model['model_type'] or 'unknown type'}, read as {model['family']}), "
+        f"{model['num_layers']} layers"
+        + (
+            f", {model['num_cache_layers']} with a cache"
+            if model["num_cache_layers"] != model["num_layers"]
+            else ""
+        )
+        + f": {mix}"
+        + (f" ({model['state_kind']} state)" if model["state_kind"] else ""),
         "settings: " + ", ".join(f"{key}={value}" for key, value in settings.items()),
         "",
     ]

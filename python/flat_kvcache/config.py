@@ -2,8 +2,10 @@
 and build the page engine of a model (:func:`cache_from_config`, exported as
 ``flat_kvcache.cache_from_config``).
 
-Only the keys the sizing API uses are interpreted here (``layer_types``, ``sliding_window``,
-``num_hidden_layers``, ``full_attention_interval``, ``max_position_embeddings``); everything
+Which layers keep what is read by the model-family table (:mod:`flat_kvcache.families`, by
+``model_type``: each family's own fields, in the form ``transformers`` writes and the form Hub
+checkpoints ship); a config it cannot read right is a
+:class:`~flat_kvcache.errors.ModelConfigError` (a ``ValueError``) naming the field. Everything
 else is kept as loaded, for callers that derive tensor shapes from the same dict. Multimodal
 wrappers that nest the language model under ``text_config`` are flattened: the text model's
 keys are copied over the top level.
@@ -20,6 +22,7 @@ from typing import Any, Literal, Protocol, SupportsIndex, TypedDict, Unpack
 
 from flat_kvcache._types import PagedCacheGroupSpec, kv_cache_specs
 from flat_kvcache.engine import FlatKVCache
+from flat_kvcache.families import read_model_layers
 from flat_kvcache.presets import PRESETS, get_preset, preset_names
 from flat_kvcache.sizing import group_specs_from_layer_types
 
@@ -98,52 +101,21 @@ def _int_field(cfg: Mapping[str, Any], key: str, *, minimum: int) -> int:
 
 
 def layer_types_from_config(cfg: Mapping[str, Any]) -> list[str]:
-    """The per-layer labels of a model config.
+    """The labels of the layers that keep a cache (``full_attention``, ``sliding_attention``,
+    ``linear_attention``), in model order, as the config's family reads them
+    (:func:`flat_kvcache.families.read_model_layers`; MLP-only layers have none).
 
-    ``layer_types`` when present (its length must match ``num_hidden_layers`` if both are
-    given); else, with ``full_attention_interval`` k, every k-th layer (1-based k, 2k, ...) is
-    ``full_attention`` and the others ``linear_attention``; else ``num_hidden_layers``
-    ``full_attention`` layers. Labels are not checked here: the sizing API rejects unknown ones.
+    Raises :class:`~flat_kvcache.errors.ModelConfigError` (a ``ValueError``) for a config the
+    family table cannot read right, naming the field.
     """
-    layer_types = cfg.get("layer_types")
-    if layer_types is not None:
-        if isinstance(layer_types, str) or not isinstance(layer_types, list | tuple):
-            raise ValueError(f"config layer_types must be a list of str, got {type(layer_types).__name__}")
-        labels = list(layer_types)
-        for i, label in enumerate(labels):
-            if not isinstance(label, str):
-                raise ValueError(f"config layer_types[{i}] must be a str, got {label!r}")
-        if cfg.get("num_hidden_layers") is not None:
-            num_layers = _int_field(cfg, "num_hidden_layers", minimum=0)
-            if num_layers != len(labels):
-                raise ValueError(
-                    f"config layer_types has {len(labels)} entries but num_hidden_layers is {num_layers}"
-                )
-        return labels
-    if cfg.get("num_hidden_layers") is None:
-        raise ValueError("config has neither layer_types nor num_hidden_layers")
-    num_layers = _int_field(cfg, "num_hidden_layers", minimum=0)
-    if cfg.get("full_attention_interval") is not None:
-        interval = _int_field(cfg, "full_attention_interval", minimum=1)
-        return [
-            "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)
-        ]
-    return ["full_attention"] * num_layers
+    return list(read_model_layers(cfg).layer_types)
 
 
 def sliding_window_from_config(cfg: Mapping[str, Any]) -> int | list[int | None] | None:
-    """The config's ``sliding_window``: None, one int for every sliding layer, or one entry per layer."""
-    window = cfg.get("sliding_window")
-    if window is None:
-        return None
-    if isinstance(window, list | tuple):
-        for i, entry in enumerate(window):
-            if entry is not None and (isinstance(entry, bool) or not isinstance(entry, int)):
-                raise ValueError(f"config sliding_window[{i}] must be None or an int, got {entry!r}")
-        return list(window)
-    if isinstance(window, bool) or not isinstance(window, int):
-        raise ValueError(f"config sliding_window must be None, an int or a list, got {window!r}")
-    return window
+    """The window of the config's sliding layers: None, one int for every sliding layer, or one
+    entry per cache layer (None for the others), as its family reads it."""
+    window = read_model_layers(cfg).sliding_window
+    return list(window) if isinstance(window, tuple) else window
 
 
 def max_context_len_from_config(cfg: Mapping[str, Any]) -> int:
@@ -159,14 +131,12 @@ def max_context_len_from_config(cfg: Mapping[str, Any]) -> int:
 def group_specs_from_config(cfg: Mapping[str, Any], *, page_size: int) -> list[PagedCacheGroupSpec]:
     """The paged-cache groups of a loaded model config (:func:`load_model_config`), SPEC 2.
 
-    ``group_specs_from_layer_types`` over the config's layer labels and sliding window(s).
-    Raises ``ValueError`` for a config without layers or one the grouping rejects (unknown
-    label, missing window), and for ``page_size <= 0``.
+    ``group_specs_from_layer_types`` over the cache layers and windows the config's family reads
+    (:func:`flat_kvcache.families.read_model_layers`). Raises ``ValueError`` (a
+    :class:`~flat_kvcache.errors.ModelConfigError` for the config) and for ``page_size <= 0``.
     """
-    layer_types = layer_types_from_config(cfg)
-    if not layer_types:
-        raise ValueError("the model config has no layers")
-    return group_specs_from_layer_types(layer_types, sliding_window_from_config(cfg), page_size=page_size)
+    layers = read_model_layers(cfg)
+    return group_specs_from_layer_types(list(layers.layer_types), layers.sliding_window, page_size=page_size)
 
 
 class MemoryPlanLike(Protocol):

@@ -20,6 +20,7 @@ __all__ = [
     "FlatKVCacheError",
     "FlatUnavailableError",
     "InvariantError",
+    "ModelConfigError",
     "UnknownRequestError",
 ]
 
@@ -30,6 +31,12 @@ class FlatKVCacheError(Exception):
 
 class ConfigError(FlatKVCacheError, RuntimeError):
     """A scheduler / backend configuration that cannot serve flat per-group tables (SPEC 2)."""
+
+
+class ModelConfigError(ConfigError, ValueError):
+    """A model config this library cannot read right (an unsupported family, layout or field
+    value): the message names the field, the value and what is supported. Also a ``ValueError``,
+    which config errors were before this class existed."""
 
 
 class FlatUnavailableError(FlatKVCacheError, RuntimeError):

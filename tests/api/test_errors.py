@@ -48,9 +48,14 @@ def test_every_class_is_exported_and_derives_from_its_builtin() -> None:
         "FlatKVCacheError",
         "FlatUnavailableError",
         "InvariantError",
+        "ModelConfigError",
         "UnknownRequestError",
     }
     assert issubclass(FlatKVCacheError, Exception)
+    # A model config the family table cannot read: a ConfigError, and a ValueError as config
+    # errors were before the class existed.
+    assert issubclass(errors.ModelConfigError, ConfigError)
+    assert issubclass(errors.ModelConfigError, ValueError)
     for cls in (ConfigError, FlatUnavailableError, InvariantError):
         assert issubclass(cls, RuntimeError)
         assert issubclass(cls, FlatKVCacheError)

@@ -276,8 +276,11 @@ def test_config_with_layer_types(capsys: pytest.CaptureFixture[str], tmp_path: P
     assert plan["model"] == {
         "source": str(path),
         "model_type": "toy",
+        "family": "any model with layer_types",  # toy is no family: read from its explicit labels
         "num_layers": 4,
+        "num_cache_layers": 4,
         "layer_types": {SLIDING: 2, FULL: 2},
+        "state_kind": None,
     }
     assert plan["settings"]["max_context_len"] == 4096
     assert {gid: g["max_pages"] for gid, g in by_id(plan).items()} == {SLIDING: 13, FULL: 16387}
@@ -285,7 +288,9 @@ def test_config_with_layer_types(capsys: pytest.CaptureFixture[str], tmp_path: P
 
 
 def test_config_with_full_attention_interval(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    path = write_config(tmp_path, {"num_hidden_layers": 8, "full_attention_interval": 4})
+    path = write_config(
+        tmp_path, {"model_type": "qwen3_next", "num_hidden_layers": 8, "full_attention_interval": 4}
+    )
     plan = plan_json(capsys, "--config", str(path))
     assert plan["model"]["layer_types"] == {LINEAR: 6, FULL: 2}
     assert [(g["group_id"], g["family"], g["num_layers"]) for g in plan["groups"]] == [
@@ -296,7 +301,9 @@ def test_config_with_full_attention_interval(capsys: pytest.CaptureFixture[str],
 
 
 def test_config_with_only_a_layer_count(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    path = write_config(tmp_path, {"num_hidden_layers": 3, "max_position_embeddings": 8192})
+    path = write_config(
+        tmp_path, {"model_type": "llama", "num_hidden_layers": 3, "max_position_embeddings": 8192}
+    )
     plan = plan_json(capsys, "--config", str(path))
     assert [(g["group_id"], g["num_layers"]) for g in plan["groups"]] == [(FULL, 3)]
 
@@ -327,20 +334,27 @@ def assert_one_line_error(
     [
         ("{not json", "invalid JSON"),
         ("[1, 2]", "expected a JSON object"),
-        ({"num_hidden_layers": 2, "layer_types": [FULL, "mamba"]}, "unknown layer_type 'mamba' at layer 1"),
+        ({"num_hidden_layers": 2, "layer_types": [FULL, "mamba"]}, "config layer_types[1] = 'mamba'"),
         (
             {"num_hidden_layers": 2, "layer_types": [SLIDING, FULL]},
-            "layer 0 (sliding_attention) needs a positive",
+            "config sliding_window = None: sliding layers need an int window",
         ),
         (
             {"num_hidden_layers": 3, "layer_types": [FULL, FULL]},
             "layer_types has 2 entries but num_hidden_layers is 3",
         ),
-        ({"model_type": "empty"}, "neither layer_types nor num_hidden_layers"),
-        ({"num_hidden_layers": 0}, "no layers"),
-        ({"num_hidden_layers": -1}, "num_hidden_layers must be >= 0"),
-        ({"num_hidden_layers": 4, "full_attention_interval": 0}, "full_attention_interval must be >= 1"),
-        ({"num_hidden_layers": 1, "sliding_window": "big"}, "sliding_window must be None, an int or a list"),
+        ({"model_type": "empty"}, "config model_type is 'empty' and the config has no layer_types"),
+        ({"num_hidden_layers": 4}, "config model_type is missing and the config has no layer_types"),
+        ({"model_type": "llama", "num_hidden_layers": 0}, "config num_hidden_layers = 0"),
+        ({"model_type": "llama", "num_hidden_layers": -1}, "config num_hidden_layers = -1"),
+        (
+            {"model_type": "qwen3_next", "num_hidden_layers": 4, "full_attention_interval": 0},
+            "config full_attention_interval = 0",
+        ),
+        (
+            {"model_type": "toy", "layer_types": [SLIDING], "sliding_window": "big"},
+            "config sliding_window = 'big'",
+        ),
     ],
 )
 def test_bad_config_files(capsys: pytest.CaptureFixture[str], tmp_path: Path, cfg: Any, needle: str) -> None:
@@ -377,7 +391,7 @@ def test_config_named_like_a_preset_is_a_path(
     """``--config NAME`` reads the file ``NAME`` even where a preset of that name exists."""
     folder = tmp_path / "gpt-oss-like"
     folder.mkdir()
-    write_config(folder, {"num_hidden_layers": 3})
+    write_config(folder, {"model_type": "llama", "num_hidden_layers": 3})
     monkeypatch.chdir(tmp_path)
     plan = plan_json(capsys, "--config", "gpt-oss-like")
     assert [(g["group_id"], g["num_layers"]) for g in plan["groups"]] == [(FULL, 3)]

@@ -15,6 +15,7 @@ from flat_kvcache.config import (
     max_context_len_from_config,
     sliding_window_from_config,
 )
+from flat_kvcache.errors import ModelConfigError
 from flat_kvcache.presets import DEFAULT_PRESET, PRESETS, get_preset, preset_names
 
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
@@ -72,7 +73,11 @@ def test_qwen3_5_like() -> None:
     assert cfg["mamba_ssm_dtype"] == "float32"
     # its full_attention_interval derives the same layer types
     derived = layer_types_from_config(
-        {"num_hidden_layers": 48, "full_attention_interval": cfg["full_attention_interval"]}
+        {
+            "model_type": cfg["model_type"],
+            "num_hidden_layers": 48,
+            "full_attention_interval": cfg["full_attention_interval"],
+        }
     )
     assert derived == cfg["layer_types"]
 
@@ -159,17 +164,21 @@ def test_load_bad_files(tmp_path: Path, text: str, needle: str) -> None:
 @pytest.mark.parametrize(
     ("cfg", "expected"),
     [
-        ({"layer_types": [SLIDING, FULL], "num_hidden_layers": 2}, [SLIDING, FULL]),
-        ({"layer_types": ("x", "y")}, ["x", "y"]),  # labels are checked by the sizing API
+        # an explicit layer_types of attention labels reads the same under any model_type
+        ({"layer_types": [SLIDING, FULL], "num_hidden_layers": 2, "sliding_window": 8}, [SLIDING, FULL]),
+        ({"model_type": "toy", "layer_types": [FULL, FULL]}, [FULL, FULL]),
+        # a GDN family's Hub form: every full_attention_interval-th layer is full attention
         (
-            {"num_hidden_layers": 8, "full_attention_interval": 4},
+            {"model_type": "qwen3_next", "num_hidden_layers": 8, "full_attention_interval": 4},
             [LINEAR] * 3 + [FULL] + [LINEAR] * 3 + [FULL],
         ),
-        ({"num_hidden_layers": 5, "full_attention_interval": 2}, [LINEAR, FULL, LINEAR, FULL, LINEAR]),
-        ({"num_hidden_layers": 2, "full_attention_interval": 1}, [FULL, FULL]),
-        ({"num_hidden_layers": 3}, [FULL] * 3),
-        ({"num_hidden_layers": 3, "layer_types": None}, [FULL] * 3),
-        ({"num_hidden_layers": 0}, []),
+        (
+            {"model_type": "qwen3_next", "num_hidden_layers": 5, "full_attention_interval": 2},
+            [LINEAR, FULL, LINEAR, FULL, LINEAR],
+        ),
+        ({"model_type": "qwen3_next", "num_hidden_layers": 2, "full_attention_interval": 1}, [FULL, FULL]),
+        ({"model_type": "llama", "num_hidden_layers": 3}, [FULL] * 3),
+        ({"model_type": "llama", "num_hidden_layers": 3, "layer_types": None}, [FULL] * 3),
     ],
 )
 def test_layer_types_from_config(cfg: dict[str, Any], expected: list[str]) -> None:
@@ -179,36 +188,48 @@ def test_layer_types_from_config(cfg: dict[str, Any], expected: list[str]) -> No
 @pytest.mark.parametrize(
     ("cfg", "needle"),
     [
-        ({}, "config has neither layer_types nor num_hidden_layers"),
-        ({"layer_types": "full_attention"}, "config layer_types must be a list of str, got str"),
-        ({"layer_types": [FULL, 3]}, "config layer_types[1] must be a str, got 3"),
+        # no family and no layer_types: which layers keep what is unknown, never "all full"
+        ({}, "config model_type is missing and the config has no layer_types"),
+        ({"num_hidden_layers": 3}, "config model_type is missing and the config has no layer_types"),
+        ({"model_type": "toy", "num_hidden_layers": 3}, "config model_type is 'toy' and the config has no"),
+        ({"layer_types": "full_attention"}, "config layer_types = 'full_attention': a list of layer labels"),
+        ({"layer_types": [FULL, 3]}, "config layer_types[1] = 3: supported labels: full_attention, sliding"),
+        # a state label needs the family that says which state it is
+        ({"model_type": "toy", "layer_types": [FULL, LINEAR]}, "config layer_types[1] = 'linear_attention'"),
         (
             {"layer_types": [FULL], "num_hidden_layers": 2},
             "config layer_types has 1 entries but num_hidden_layers is 2",
         ),
-        ({"num_hidden_layers": -1}, "config num_hidden_layers must be >= 0, got -1"),
-        ({"num_hidden_layers": "4"}, "config num_hidden_layers must be an int, got '4'"),
-        ({"num_hidden_layers": True}, "config num_hidden_layers must be an int, got True"),
+        ({"model_type": "llama", "num_hidden_layers": -1}, "config num_hidden_layers = -1: an int >= 1"),
+        ({"model_type": "llama", "num_hidden_layers": 0}, "config num_hidden_layers = 0: an int >= 1"),
+        ({"model_type": "llama", "num_hidden_layers": "4"}, "config num_hidden_layers = '4': an int >= 1"),
+        ({"model_type": "llama", "num_hidden_layers": True}, "config num_hidden_layers = True: an int >= 1"),
         (
-            {"num_hidden_layers": 4, "full_attention_interval": 0},
-            "config full_attention_interval must be >= 1, got 0",
+            {"model_type": "qwen3_next", "num_hidden_layers": 4, "full_attention_interval": 0},
+            "config full_attention_interval = 0: an int >= 1",
         ),
     ],
 )
 def test_layer_types_from_config_errors(cfg: dict[str, Any], needle: str) -> None:
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ModelConfigError) as info:
         layer_types_from_config(cfg)
-    assert str(info.value) == needle
+    assert str(info.value).startswith(needle), str(info.value)
+    assert isinstance(info.value, ValueError)  # config errors were ValueErrors before the class
 
 
 def test_sliding_window_from_config() -> None:
-    assert sliding_window_from_config({}) is None
-    assert sliding_window_from_config({"sliding_window": None}) is None
-    assert sliding_window_from_config({"sliding_window": 4096}) == 4096
-    assert sliding_window_from_config({"sliding_window": (8, None)}) == [8, None]
-    for bad in (True, "4096", 1.5, [8, "x"], [False]):
-        with pytest.raises(ValueError, match="config sliding_window"):
-            sliding_window_from_config({"sliding_window": bad})
+    def window(value: object) -> object:
+        return sliding_window_from_config({"layer_types": [SLIDING, FULL], "sliding_window": value})
+
+    assert sliding_window_from_config({"layer_types": [FULL]}) is None
+    assert window(4096) == 4096
+    assert window([8, None]) == 8  # one window for every sliding layer collapses to an int
+    assert sliding_window_from_config(
+        {"layer_types": [SLIDING, SLIDING, FULL], "sliding_window": [8, 16, None]}
+    ) == [8, 16, None]
+    for bad in (None, True, "4096", 1.5, ["x", 8], [False, 8], 0):
+        with pytest.raises(ModelConfigError, match="config sliding_window"):
+            window(bad)
 
 
 def test_max_context_len_from_config() -> None:

@@ -210,7 +210,13 @@ def test_from_config_file_and_folder(tmp_path: Path) -> None:
 
 
 def test_from_config_hf_defaults() -> None:
-    cfg = {"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 512, "torch_dtype": "float16"}
+    cfg = {
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "hidden_size": 512,
+        "torch_dtype": "float16",
+    }
     made = ModelShape.from_config(cfg)
     assert (made.num_kv_heads, made.head_dim, made.kv_dtype) == (8, 64, torch.float16)
     assert made.layer_types == ("full_attention",) * 2
@@ -234,12 +240,12 @@ def test_from_config_hf_defaults() -> None:
         ({"torch_dtype": None}, "missing 'torch_dtype'"),
         ({"torch_dtype": "int8"}, "'torch_dtype' must be a floating dtype"),
         ({"torch_dtype": 16}, "'torch_dtype' must be a torch.dtype"),
-        ({"linear_key_head_dim": None}, "missing 'linear_key_head_dim'"),
-        ({"linear_num_value_heads": -1}, "'linear_num_value_heads' must be a positive int"),
-        ({"linear_conv_kernel_dim": True}, "'linear_conv_kernel_dim' must be a positive int"),
-        ({"mamba_ssm_dtype": "float77"}, "'mamba_ssm_dtype': unknown dtype"),
-        ({"layer_types": ["full_attention"] * 47 + ["mlp"]}, "unknown layer_type 'mlp' at layer 47"),
-        ({"layer_types": None, "num_hidden_layers": None}, "neither layer_types nor num_hidden_layers"),
+        ({"linear_key_head_dim": None}, "config linear_key_head_dim is missing"),
+        ({"linear_num_value_heads": -1}, "config linear_num_value_heads = -1"),
+        ({"linear_conv_kernel_dim": True}, "config linear_conv_kernel_dim = True"),
+        ({"mamba_ssm_dtype": "float77"}, "ssm state's dtype.*float77"),
+        ({"layer_types": ["full_attention"] * 47 + ["mlp"]}, r"config layer_types\[47\] = 'mlp'"),
+        ({"layer_types": None, "num_hidden_layers": None}, "config num_hidden_layers is missing"),
     ],
 )
 def test_from_config_errors_name_the_key(edit: dict[str, Any], match: str) -> None:

@@ -23,7 +23,8 @@ from flat_kvcache import (
     plan_component_tensors,
     plan_tensors,
 )
-from flat_kvcache._types import FlatMemoryPlan, TensorPlan
+from flat_kvcache._types import STATE_LAYER_TYPES, FlatMemoryPlan, TensorPlan
+from flat_kvcache.errors import ModelConfigError
 from flat_kvcache.torch._checks import DeviceLike, as_device, as_int
 from flat_kvcache.torch.shape import ModelShape
 
@@ -145,9 +146,17 @@ def plan_kv_memory(
     ------
     ValueError
         A bad argument, no budget to read, or a budget that fits fewer than two pages.
+    ModelConfigError
+        A model whose every layer keeps a state (not planned by SPEC 3's geometry yet).
     """
     if not isinstance(shape, ModelShape):
         raise TypeError(f"shape must be a ModelShape, not {type(shape).__name__}")
+    if all(label in STATE_LAYER_TYPES for label in shape.layer_types):
+        raise ModelConfigError(
+            f"every one of the {shape.num_layers} cache layers keeps a recurrent state and none keeps "
+            "K/V: the SPEC 3 page geometry sizes a state page in tokens of K/V, so a pure state model "
+            "cannot be planned yet (the hybrid storage of SPEC 13 will plan it)"
+        )
     requested = as_int(page_size, "page_size", minimum=1)
     for name, value in (
         ("max_live_requests", max_live_requests),

@@ -5,6 +5,7 @@ Public through :mod:`flat_kvcache.torch`.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,7 +21,9 @@ from flat_kvcache import (
     layer_group_ids,
     state_const_bytes,
 )
-from flat_kvcache.config import layer_types_from_config, load_model_config, sliding_window_from_config
+from flat_kvcache.config import load_model_config
+from flat_kvcache.errors import ModelConfigError
+from flat_kvcache.families import read_model_layers, state_components
 from flat_kvcache.presets import PRESETS, get_preset, preset_names
 from flat_kvcache.torch._checks import as_dtype, as_int, storage_dtype
 
@@ -58,6 +61,7 @@ class ModelShape:
     kv_dtype: torch.dtype
     state_shapes: Mapping[str, tuple[int, ...]] | None = field(default=None, hash=False)
     state_dtypes: Mapping[str, torch.dtype] | None = field(default=None, hash=False)
+    model_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.layer_types, str) or not isinstance(self.layer_types, Sequence):
@@ -79,6 +83,29 @@ class ModelShape:
         shapes, dtypes = self._state_fields(layer_types)
         set_(self, "state_shapes", shapes)
         set_(self, "state_dtypes", dtypes)
+        set_(self, "model_layers", self._model_layers(len(layer_types)))
+
+    def _model_layers(self, count: int) -> tuple[int, ...] | None:
+        if self.model_layers is None:
+            return None
+        if isinstance(self.model_layers, str) or not isinstance(self.model_layers, Sequence):
+            raise TypeError("model_layers must be a sequence of ints")
+        indices = tuple(as_int(v, f"model_layers[{i}]", minimum=0) for i, v in enumerate(self.model_layers))
+        if len(indices) != count:
+            raise ValueError(f"model_layers has {len(indices)} entries but layer_types has {count}")
+        if any(b <= a for a, b in itertools.pairwise(indices)):
+            raise ValueError(f"model_layers must be strictly increasing, got {list(indices)}")
+        return indices
+
+    def cache_layer(self, model_layer: int) -> int:
+        """The index in ``layer_types`` of model layer ``model_layer`` (a ``ValueError`` for a
+        layer that keeps no cache)."""
+        if self.model_layers is None:
+            if 0 <= model_layer < len(self.layer_types):
+                return model_layer
+        elif model_layer in self.model_layers:
+            return self.model_layers.index(model_layer)
+        raise ValueError(f"model layer {model_layer} keeps no KV cache or state in this model")
 
     def _state_fields(
         self, layer_types: tuple[str, ...]
@@ -155,35 +182,41 @@ class ModelShape:
     ) -> ModelShape:
         """Build a shape from a Hugging Face style ``config.json`` (a path or the parsed dict).
 
-        ``num_key_value_heads`` defaults to ``num_attention_heads`` and ``head_dim`` to
-        ``hidden_size // num_attention_heads`` (the Hugging Face conventions). The K/V dtype is
-        ``kv_dtype`` if given (e.g. ``"fp8_e4m3"``), else the model dtype (``torch_dtype``, or
-        ``dtype`` in newer configs). Linear-attention layers get Qwen3-Next / GDN state shapes
-        from the ``linear_*`` keys: ``conv`` ``[conv_dim, linear_conv_kernel_dim - 1]`` in the
-        model dtype with ``conv_dim = 2 * linear_num_key_heads * linear_key_head_dim +
-        linear_num_value_heads * linear_value_head_dim``, and ``ssm`` ``[linear_num_value_heads,
-        linear_key_head_dim, linear_value_head_dim]`` in ``mamba_ssm_dtype`` (default float32).
-        A config without a model dtype (as ``transformers`` writes one built in code) needs
-        ``kv_dtype``, which then is the conv state's dtype too unless it is a one-byte (fp8) type.
+        The layers, windows and state kind are the config's family's reading
+        (:func:`flat_kvcache.families.read_model_layers`); state shapes come from the state
+        kind (:data:`flat_kvcache.families.STATE_KINDS`), so an unsupported family or state is
+        a ``ModelConfigError`` (a ``ValueError``) naming the field. ``num_key_value_heads``
+        defaults to ``num_attention_heads`` and ``head_dim`` to ``hidden_size //
+        num_attention_heads`` (the Hugging Face conventions). The K/V dtype is ``kv_dtype`` if
+        given (e.g. ``"fp8_e4m3"``), else the model dtype (``torch_dtype``, or ``dtype`` in newer
+        configs). A config without a model dtype (as ``transformers`` writes one built in code)
+        needs ``kv_dtype``, which then is the dtype of the state components kept in the model
+        dtype too, unless it is a one-byte (fp8) type.
         """
         cfg = load_model_config(source)
-        layer_types = tuple(layer_types_from_config(cfg))
-        has_state = any(label in STATE_LAYER_TYPES for label in layer_types)
+        layers = read_model_layers(cfg)
         # The model dtype is needed for K/V unless kv_dtype overrides it.
         model_dtype = _config_dtype(cfg, required=kv_dtype is None)
         kv = as_dtype(model_dtype if kv_dtype is None else kv_dtype, "kv_dtype")
         state_shapes: dict[str, tuple[int, ...]] | None = None
         state_dtypes: dict[str, torch.dtype] | None = None
-        if has_state:
-            state_shapes, state_dtypes = _gdn_state(cfg, _conv_dtype(model_dtype, kv))
+        if layers.state_kind is not None:
+            state_shapes, state_dtypes = _state(layers.state_kind, cfg, model_dtype, kv)
+        has_attention = any(label not in STATE_LAYER_TYPES for label in layers.layer_types)
+        if has_attention and cfg.get("kv_lora_rank") is not None:
+            raise ModelConfigError(
+                f"config kv_lora_rank = {cfg['kv_lora_rank']!r}: the attention layers are multi-head "
+                f"latent attention (MLA), whose latent K/V this library does not size yet"
+            )
         return cls(
-            layer_types=layer_types,
-            sliding_window=sliding_window_from_config(cfg),
-            num_kv_heads=_config_kv_heads(cfg),
-            head_dim=_config_head_dim(cfg),
+            layer_types=layers.layer_types,
+            sliding_window=layers.sliding_window,
+            num_kv_heads=_config_kv_heads(cfg) if has_attention else 1,
+            head_dim=_config_head_dim(cfg) if has_attention else 1,
             kv_dtype=kv,
             state_shapes=state_shapes,
             state_dtypes=state_dtypes,
+            model_layers=layers.model_layers,
         )
 
     @classmethod
@@ -255,21 +288,20 @@ def _conv_dtype(model_dtype: torch.dtype | None, kv_dtype: torch.dtype) -> torch
     return kv_dtype
 
 
-def _gdn_state(
-    cfg: Mapping[str, Any], model_dtype: torch.dtype
+def _state(
+    state_kind: str, cfg: Mapping[str, Any], model_dtype: torch.dtype | None, kv_dtype: torch.dtype
 ) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype]]:
-    """Qwen3-Next / Gated DeltaNet per-layer state: a causal-conv window and the recurrent state."""
-    kernel = _config_int(cfg, "linear_conv_kernel_dim")
-    key_dim = _config_int(cfg, "linear_key_head_dim")
-    key_heads = _config_int(cfg, "linear_num_key_heads")
-    value_dim = _config_int(cfg, "linear_value_head_dim")
-    value_heads = _config_int(cfg, "linear_num_value_heads")
-    ssm_dtype = torch.float32
-    if cfg.get("mamba_ssm_dtype") is not None:
-        try:
-            ssm_dtype = as_dtype(cfg["mamba_ssm_dtype"], "config key 'mamba_ssm_dtype'")
-        except TypeError as exc:
-            raise ValueError(str(exc)) from exc
-    conv_dim = 2 * key_heads * key_dim + value_heads * value_dim
-    shapes = {"conv": (conv_dim, kernel - 1), "ssm": (value_heads, key_dim, value_dim)}
-    return shapes, {"conv": model_dtype, "ssm": ssm_dtype}
+    """The per-layer state of ``state_kind`` (:data:`flat_kvcache.families.STATE_KINDS`) with torch
+    dtypes; ``"model"`` components take the model dtype (:func:`_conv_dtype`)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for component in state_components(state_kind, cfg):
+        shapes[component.name] = component.shape
+        if component.dtype == "model":
+            dtypes[component.name] = _conv_dtype(model_dtype, kv_dtype)
+        else:
+            try:
+                dtypes[component.name] = as_dtype(component.dtype, f"the {component.name} state's dtype")
+            except TypeError as exc:
+                raise ValueError(str(exc)) from exc
+    return shapes, dtypes

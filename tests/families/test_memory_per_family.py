@@ -1,0 +1,84 @@
+"""``--memory`` for every family: the memory plan of each family's default config (as
+``transformers`` writes it) is made, or refused by a ``ModelConfigError`` naming why; never
+another exception, never a plan that silently ignores a layer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from flat_kvcache.errors import ModelConfigError
+from flat_kvcache.families import FAMILIES, STATE_KINDS, read_model_layers
+from helpers import need
+
+#: Model types whose config class is not in transformers.
+REMOTE_CODE_TYPES = {"minimax_text_01", "minimax_m1"}
+
+CASES = [
+    pytest.param(family, model_type, id=model_type)
+    for family in FAMILIES
+    for model_type in family.model_types
+]
+
+
+def default_config(model_type: str) -> dict[str, Any] | None:
+    """``SomeConfig().to_dict()`` of ``model_type``, or None where transformers has no class."""
+    transformers = need("transformers")
+    mapping = transformers.CONFIG_MAPPING
+    if model_type not in mapping:
+        return None
+    return dict(mapping[model_type]().to_dict())
+
+
+@pytest.mark.parametrize(("family", "model_type"), CASES)
+def test_memory_plan_or_a_clear_refusal(family: Any, model_type: str) -> None:
+    torch = need("torch")
+    from flat_kvcache.config import load_model_config
+    from flat_kvcache.torch import ModelShape, plan_kv_memory
+
+    cfg = default_config(model_type)
+    if cfg is None:
+        # Remote-code model types (their config class ships with the checkpoint); the family's
+        # own tests read them from Hub-form configs.
+        assert model_type in REMOTE_CODE_TYPES
+        return
+    loaded = load_model_config(cfg)
+    try:
+        layers = read_model_layers(loaded)
+    except ModelConfigError as exc:
+        # Only a family refused as a whole, or a default that lacks its hybrid layout, refuses
+        # here; the message names a config field.
+        assert "config " in str(exc), str(exc)
+        return
+    try:
+        shape = ModelShape.from_config(loaded, kv_dtype=torch.bfloat16)
+    except ModelConfigError as exc:
+        assert "config " in str(exc) or " state: " in str(exc), str(exc)
+        if layers.state_kind is not None and STATE_KINDS[layers.state_kind].components is None:
+            assert STATE_KINDS[layers.state_kind].refused in str(exc)
+        return
+    assert shape.layer_types == layers.layer_types
+    assert shape.model_layers == layers.model_layers
+    if all(label == "linear_attention" for label in layers.layer_types):
+        with pytest.raises(ModelConfigError, match="pure state model cannot be planned yet"):
+            plan_kv_memory(
+                shape,
+                page_size=16,
+                budget_bytes=80 << 30,
+                max_live_requests=64,
+                max_scheduled_tokens=8192,
+                max_context_len=32768,
+            )
+        return
+    plan = plan_kv_memory(
+        shape,
+        page_size=16,
+        budget_bytes=80 << 30,
+        max_live_requests=64,
+        max_scheduled_tokens=8192,
+        max_context_len=32768,
+    )
+    # Every cache layer has its buffers: none is dropped by the plan.
+    covered = {layer for tensor in plan.tensors for layer in tensor.layers}
+    assert covered == set(range(len(layers.layer_types)))
+    assert plan.num_pages > 1
