@@ -84,7 +84,7 @@ def test_the_minimum_is_tight(monkeypatch: pytest.MonkeyPatch) -> None:
     out = run_demo("--num-pages", str(DEFAULT_MINIMUM))
     assert f"pool: {DEFAULT_MINIMUM} pages of 4 tokens" in out
     monkeypatch.setattr(demo, "min_num_pages", lambda **_: 1)
-    with pytest.raises(RuntimeError, match="no running request fits in the pool"):
+    with pytest.raises(RuntimeError, match=r"request .A. alone does not fit in the pool"):
         run_demo("--num-pages", str(DEFAULT_MINIMUM - 1))
 
 

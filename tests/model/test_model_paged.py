@@ -185,6 +185,18 @@ def test_preemption_recompute_and_page_reuse_on_a_small_pool() -> None:
     assert_matches(model, records)
 
 
+def test_a_pool_too_small_for_all_running_retracts_instead_of_failing() -> None:
+    """Two requests that each fit alone but not together: when neither can be scheduled, the
+    newest is retracted (SPEC 9) and re-added after, and both finish exactly."""
+    model = llama()
+    runner = setup(model, page_size=4, num_pages=12)  # 11 pages of 4 tokens: one request's 32
+    prompts = {"a": prompt(20, 30), "b": prompt(20, 31)}
+    records = run_greedy(runner, prompts, 12, chunk_size=4)
+    assert records["b"].preemptions >= 1
+    assert all(len(r.tokens) == 32 for r in records.values())
+    assert_matches(model, records)
+
+
 @pytest.mark.parametrize("mode", ["absolute", "windowed"])
 def test_through_capture_buffers(mode: str) -> None:
     model = gpt_oss(layers=2)
@@ -244,6 +256,38 @@ def test_llama_full_attention_with_prefix_hit_and_per_layer_buffers() -> None:
     records = run_greedy(runner, {"x": [*shared, 1], "y": [*shared, 2, 3]}, 10, max_running=1)
     assert records["y"].hits == [16]
     assert_matches(model, records)
+
+
+def test_gemma2_soft_capped_attention_matches() -> None:
+    """Gemma-2's attention logit soft-capping is honoured by the paged forward (it was dropped
+    once: the logits then differ by far more than the tolerance)."""
+    model = tiny_model("gemma2", window=WINDOW, num_layers=2, seed=3)
+    assert model.config.attn_logit_softcapping == 1.0
+    runner = setup(model, page_size=4, num_pages=48)
+    records = run_greedy(runner, {"x": prompt(13, 7), "y": prompt(9, 8)}, 12, max_running=2)
+    assert_matches(model, records)
+
+
+def test_mistral_window_without_layer_types_is_read_as_sliding() -> None:
+    """A Mistral-style config (one ``sliding_window``, no ``layer_types``) is planned with every
+    layer sliding, as the model attends, and runs past its window."""
+    model = tiny_model("mistral", window=WINDOW, num_layers=2, seed=4)
+    assert getattr(model.config, "layer_types", None) in (None, ["sliding_attention"] * 2)
+    shape = model_shape(model.config)
+    assert shape.layer_types == ("sliding_attention",) * 2 and shape.sliding_window == WINDOW
+    runner = setup(model, page_size=4, num_pages=48)
+    records = run_greedy(runner, {"x": prompt(11, 9)}, 20, max_running=1)
+    assert_matches(model, records)
+
+
+def test_an_attention_argument_the_paged_forward_lacks_is_refused_by_name() -> None:
+    from flat_kvcache.torch.runner import _paged_attention_forward
+
+    q = torch.zeros(1, 4, 1, 8)
+    with pytest.raises(ValueError, match="does not implement alibi_slopes"):
+        _paged_attention_forward(object(), q, q, q, None, alibi_slopes=torch.ones(4))
+    with pytest.raises(ValueError, match="does not implement dropout"):
+        _paged_attention_forward(object(), q, q, q, None, dropout=0.1)
 
 
 def test_a_broken_table_is_caught() -> None:

@@ -80,6 +80,7 @@ def paged_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
     check: bool = True,
 ) -> torch.Tensor:
     """Attention of packed queries over the paged cache; returns ``[tokens, heads, head_dim]``.
@@ -108,6 +109,9 @@ def paged_attention(
     sinks
         Optional ``[heads]`` attention-sink logits (GPT-OSS): an extra softmax column per head
         that takes probability mass and contributes no value.
+    softcap
+        Attention logit soft-capping (Gemma-2): scaled logits ``x`` become
+        ``softcap * tanh(x / softcap)`` before masking (None: no cap).
     check
         Validate lengths and raise ``ValueError`` for a hole or padding inside an attended range
         (synchronises with the device). With False, such queries produce NaN instead.
@@ -135,6 +139,8 @@ def paged_attention(
         if lens.dim() != 1 or int(lens.shape[0]) != rows:
             raise ValueError(f"{name} must be [rows] with rows = {rows}, got shape {tuple(lens.shape)}")
     window = None if sliding_window is None else as_int(sliding_window, "sliding_window", minimum=1)
+    if softcap is not None and (isinstance(softcap, bool) or not float(softcap) > 0):
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
     if sinks is not None and tuple(sinks.shape) != (heads,):
         raise ValueError(f"sinks must be [heads] = [{heads}], got shape {tuple(sinks.shape)}")
     if check:
@@ -176,6 +182,9 @@ def paged_attention(
     values = torch.where(keep, values, torch.zeros((), device=device))
     softmax_scale = head_dim**-0.5 if scale is None else float(scale)
     logits = torch.einsum("thd,tshd->ths", query.to(torch.float32), keys) * softmax_scale
+    if softcap is not None:
+        cap = float(softcap)
+        logits = torch.tanh(logits / cap) * cap
     logits = logits.masked_fill(~attended[:, None, :], -math.inf)
     if sinks is not None:
         sink = sinks.to(device=device, dtype=torch.float32)[None, :, None].expand(tokens, heads, 1)

@@ -62,6 +62,7 @@ ATTN_IMPLEMENTATION = "flat_kvcache_paged"
 @dataclass
 class _StepContext:
     buffers: KVBuffers
+    cache_layer: Mapping[int, int]
     group_of_layer: Sequence[str]
     windows: Mapping[str, int | None]
     page_size: int
@@ -77,6 +78,26 @@ _ACTIVE: contextvars.ContextVar[_StepContext | None] = contextvars.ContextVar(
 )
 
 
+#: Keyword arguments ``transformers`` passes to an attention function that cannot change its
+#: result here: positions and masks the paged tables already encode, and flags of other kernels.
+_IGNORED_KWARGS = frozenset(
+    {
+        "position_ids",
+        "cache_position",
+        "is_causal",
+        "output_attentions",
+        "use_cache",
+        "past_key_values",
+        "past_key_value",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "position_embeddings",
+    }
+)
+
+
 def _paged_attention_forward(
     module: Any,
     query: torch.Tensor,
@@ -87,9 +108,30 @@ def _paged_attention_forward(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     s_aux: torch.Tensor | None = None,
+    softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """The ``transformers`` attention function: write this step's K/V, then attend over the pages."""
+    """The ``transformers`` attention function: write this step's K/V, then attend over the pages.
+
+    It honours what the model passes (``scaling``, ``sliding_window``, GPT-OSS's sinks
+    ``s_aux``, Gemma-2's ``softcap``); any other argument with a value (a number, a tensor) is
+    refused by name rather than ignored. Flags (bools, None) and :data:`_IGNORED_KWARGS`, which
+    the paged tables already encode, pass.
+    """
+    unknown = sorted(
+        key
+        for key, value in kwargs.items()
+        if key not in _IGNORED_KWARGS and value is not None and not isinstance(value, bool)
+    )
+    if unknown:
+        raise ValueError(
+            f"the paged attention does not implement {', '.join(unknown)} (passed by "
+            f"{type(module).__name__}); it would give a different result, so it is refused"
+        )
+    if dropout:
+        raise ValueError(
+            f"the paged attention does not implement dropout (dropout={dropout}): use model.eval()"
+        )
     step = _ACTIVE.get()
     if step is None:
         raise RuntimeError(
@@ -97,7 +139,10 @@ def _paged_attention_forward(
         )
     if query.shape[0] != 1:
         raise ValueError(f"the paged forward packs every request into batch 1, got batch {query.shape[0]}")
-    layer = int(module.layer_idx)
+    model_layer = int(module.layer_idx)
+    if model_layer not in step.cache_layer:
+        raise ValueError(f"model layer {model_layer} attends, but its config gives it no KV cache")
+    layer = step.cache_layer[model_layer]
     group = step.group_of_layer[layer]
     if sliding_window != step.windows[group]:
         raise ValueError(
@@ -117,6 +162,7 @@ def _paged_attention_forward(
         scale=scaling,
         sliding_window=sliding_window,
         sinks=s_aux,
+        softcap=softcap,
         check=step.check,
     )
     return out.unsqueeze(0), None
@@ -129,22 +175,14 @@ def _register() -> None:
 
 
 def model_shape(config: Any, kv_dtype: torch.dtype = torch.float32) -> ModelShape:
-    """The :class:`ModelShape` of a ``transformers`` config (attention-only models)."""
-    num_layers = int(config.num_hidden_layers)
-    layer_types = tuple(getattr(config, "layer_types", None) or ("full_attention",) * num_layers)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    window = getattr(config, "sliding_window", None) if "sliding_attention" in layer_types else None
-    return ModelShape(
-        layer_types=layer_types,
-        sliding_window=window,
-        num_kv_heads=int(config.num_key_value_heads),
-        head_dim=int(head_dim),
-        kv_dtype=kv_dtype,
-    )
+    """The :class:`ModelShape` of a ``transformers`` config, its layers read by the model-family
+    table (:func:`flat_kvcache.families.read_model_layers`), as ``plan --config`` reads them."""
+    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    return ModelShape.from_config({**cfg, "torch_dtype": None, "dtype": None}, kv_dtype=kv_dtype)
 
 
 #: The ``kind`` names :func:`tiny_model` builds.
-TINY_MODEL_KINDS = ("gpt-oss", "qwen2", "llama")
+TINY_MODEL_KINDS = ("gpt-oss", "qwen2", "llama", "gemma2", "mistral")
 
 # The budget of the one-page plan that :func:`plan_for_pages` reads ``bytes_per_page`` from.
 _PROBE_BUDGET_BYTES = 1 << 24
@@ -171,6 +209,11 @@ def tiny_model(
     - ``"qwen2"``: Mistral-style sliding/full alternation without experts (graph-capturable),
       MLP size 48 unless given.
     - ``"llama"``: full attention only (``window`` is not used), MLP size 48 unless given.
+    - ``"gemma2"``: Gemma-2 style sliding/full alternation with attention logit soft-capping
+      (a cap of 1.0, with weights drawn ten times wider than the default so the cap changes the
+      scores: without it the logits differ by about 1.4) and its query scaling, MLP size 48 unless given.
+    - ``"mistral"``: every layer sliding with ``window``, given as Mistral does (a
+      ``sliding_window`` and no ``layer_types``), MLP size 48 unless given.
 
     The alternating kinds have ``sliding_window=window`` and need an even ``num_layers``.
     Needs ``transformers``.
@@ -183,7 +226,7 @@ def tiny_model(
         mlp = 32 if kind == "gpt-oss" else 48
     else:
         mlp = as_int(intermediate_size, "intermediate_size", minimum=1)
-    alternating = kind != "llama"
+    alternating = kind in ("gpt-oss", "qwen2", "gemma2")
     if alternating and num_layers % 2:
         raise ValueError(
             f"a {kind} model alternates sliding and full layers: num_layers must be even, got {num_layers}"
@@ -215,6 +258,13 @@ def tiny_model(
         model = transformers.GptOssForCausalLM(config)
     elif kind == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, use_sliding_window=True))
+    elif kind == "gemma2":
+        gemma = transformers.Gemma2Config(
+            **common, head_dim=8, query_pre_attn_scalar=8, attn_logit_softcapping=1.0, initializer_range=0.2
+        )
+        model = transformers.Gemma2ForCausalLM(gemma)
+    elif kind == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=window))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     return model.eval().to(device)
@@ -320,7 +370,8 @@ class PagedModelRunner:
         if any(spec.family == STATE for spec in plan.groups):
             raise ValueError("PagedModelRunner drives attention layers only; the plan has a state group")
         expected = model_shape(model.config, shape.kv_dtype)
-        if (expected.layer_types, expected.sliding_window) != (shape.layer_types, shape.sliding_window):
+        mine = (expected.layer_types, expected.sliding_window, expected.model_layers)
+        if mine != (shape.layer_types, shape.sliding_window, shape.model_layers):
             raise ValueError(
                 f"the model's layers {expected.layer_types} (window {expected.sliding_window}) are not "
                 f"those the buffers were planned for: {shape.layer_types} (window {shape.sliding_window})"
@@ -331,6 +382,8 @@ class PagedModelRunner:
                 f"{[spec.group_id for spec in plan.groups]}"
             )
         self.group_of_layer = layer_group_ids(shape.layer_types, shape.sliding_window)
+        model_layers = shape.model_layers or tuple(range(len(shape.layer_types)))
+        self.cache_layer = {model: cache for cache, model in enumerate(model_layers)}
         self.windows: dict[str, int | None] = {
             spec.group_id: spec.sliding_window_tokens if spec.retention == SLIDING_WINDOW else None
             for spec in plan.groups
@@ -440,6 +493,7 @@ class PagedModelRunner:
         )
         context = _StepContext(
             buffers=self.buffers,
+            cache_layer=self.cache_layer,
             group_of_layer=self.group_of_layer,
             windows=self.windows,
             page_size=self.page_size,
@@ -508,7 +562,9 @@ def run_greedy(
     ``add_request`` returned (``RequestRecord.slot``); each step schedules
     ``min(chunk_size, tokens not computed)`` tokens per running request with one
     ``schedule(slots, ns)`` call; a request that does not fit is preempted (its folded tokens
-    re-added later, a prefix hit), and if no request fits the run fails. The sampled tokens go
+    re-added later, a prefix hit), and when none fits the newest running request is retracted
+    to make room (SPEC 9), no request being admitted until a step schedules again; only a
+    request that does not fit alone fails the run. The sampled tokens go
     to the cache in one ``append_tokens(slots, tokens)`` call. ``on_step(step, reqs, ns,
     records)`` is called after each forward with the request ids it computed.
 
@@ -520,6 +576,8 @@ def run_greedy(
     records = {req: RequestRecord(prompt=list(p), tokens=list(p)) for req, p in prompts.items()}
     waiting: deque[str] = deque(prompts)
     running: list[str] = []
+    # A request was retracted to make room: admit no one until a step schedules again.
+    retracted = False
 
     def slot_of(req: str) -> int:
         slot = records[req].slot
@@ -531,7 +589,7 @@ def run_greedy(
             if transfers is not None:
                 transfers.run()
             return records
-        while waiting and len(running) < max_running:
+        while waiting and len(running) < max_running and not retracted:
             req = waiting.popleft()
             slot, hit = runner.add_request(req, records[req].tokens)
             records[req].slot = slot
@@ -548,13 +606,23 @@ def run_greedy(
         failed = [r for r, good in zip(running, ok, strict=True) if not good]
         scheduled = [(r, n) for r, n, good in zip(running, ns, ok, strict=True) if good]
         if not scheduled:
-            raise RuntimeError(f"step {step}: no running request fits in the pool ({running})")
+            if len(running) == 1:
+                raise RuntimeError(
+                    f"step {step}: request {running[0]!r} alone does not fit in the pool "
+                    f"({runner.cache.num_free_pages} free pages)"
+                )
+            # SPEC 9 retraction: free the newest running request and try the others again.
+            failed = running[-1:]
+            scheduled = []
+        retracted = bool(failed)
         for req in reversed(failed):
             runner.release(slot_of(req), preempt=True)
             records[req].slot = None
             records[req].preemptions += 1
             running.remove(req)
             waiting.appendleft(req)
+        if not scheduled:
+            continue
         reqs = [r for r, _ in scheduled]
         step_slots = [slot_of(r) for r in reqs]
         ends = [runner.cache.num_computed_tokens(s) for s in step_slots]
@@ -620,6 +688,7 @@ class DecodeGraph:
         self.slots = {g: torch.zeros(size, dtype=torch.long, device=device) for g in runner.layers_of_group}
         self.context = _StepContext(
             buffers=runner.buffers,
+            cache_layer=runner.cache_layer,
             group_of_layer=runner.group_of_layer,
             windows=runner.windows,
             page_size=runner.page_size,
