@@ -55,7 +55,8 @@ def test_memory_plan_or_a_clear_refusal(family: Any, model_type: str) -> None:
     except ModelConfigError as exc:
         assert "config " in str(exc) or " state: " in str(exc), str(exc)
         if layers.state_kind is not None and STATE_KINDS[layers.state_kind].components is None:
-            assert STATE_KINDS[layers.state_kind].refused in str(exc)
+            refused = STATE_KINDS[layers.state_kind].refused
+            assert refused is not None and refused in str(exc)
         return
     assert shape.layer_types == layers.layer_types
     assert shape.model_layers == layers.model_layers
