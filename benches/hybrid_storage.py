@@ -26,12 +26,14 @@ shared units); the *smallest prefix hit* is the grain a prefix match ends on (th
 page size today; the checkpoint grain ``G = 64`` for state models in the design, the attention
 pages' lcm otherwise).
 
-vLLM 0.33's column comes from its own planning code in a side environment:
-``benches/vllm_storage.py`` (its docstring says how to install it); ``--vllm-json FILE`` merges
-its ``--json`` output into the table.
+vLLM 0.33's column comes from its own planning code and its own ``KVCacheManager`` in a side
+environment: ``benches/vllm_storage.py`` (its docstring says how to install it); ``--vllm-json
+FILE`` merges its output (one JSON object per model and line; its after-load figures, the same
+definitions as here).
 
     python benches/hybrid_storage.py              # the table
     python benches/hybrid_storage.py --json       # machine-readable
+    /tmp/vllm-venv/bin/python benches/vllm_storage.py > /tmp/vllm_storage.json
     python benches/hybrid_storage.py --vllm-json /tmp/vllm_storage.json
 
 Needs the ``torch`` and ``model`` extras (plan_kv_memory, transformers' config classes); runs on
@@ -55,6 +57,15 @@ from typing import Any
 import flat_kvcache as fk
 from flat_kvcache.families import read_model_layers
 from flat_kvcache.torch import ModelShape, plan_kv_memory
+
+#: The model ids benches/vllm_storage.py prints.
+VLLM_NAMES = {
+    "qwen3_next": "Qwen3-Next",
+    "qwen3_5": "Qwen3.5",
+    "qwen3_5_moe": "Qwen3.5-MoE",
+    "gemma3": "Gemma-3",
+    "gpt_oss": "GPT-OSS",
+}
 
 BUDGET = 80 << 30
 PROMPT = 16_384
@@ -230,7 +241,7 @@ def table(results: dict[str, dict[str, Any]], vllm: dict[str, dict[str, Any]] | 
     )
     rows = [head, "|---|---|---|" + ("---|" if vllm else "")]
     if vllm:
-        rows[0] = head + " vLLM 0.33: block, padding, fit |"
+        rows[0] = head + " vLLM 0.33: block, hit, padding, fit |"
     for name, r in results.items():
         t, d = r["today"], r["design"]
         line = (
@@ -241,7 +252,8 @@ def table(results: dict[str, dict[str, Any]], vllm: dict[str, dict[str, Any]] | 
         if vllm:
             v = vllm.get(name)
             line += (
-                f" {v['block_size']:,} tokens, {v['padding']:.1%}, {_millions(v['tokens_that_fit'])} |"
+                f" {v['block_size']:,} tokens, {v['prefix_hit_grain_tokens']}, "
+                f"{v['padding_after_load']:.1%}, {_millions(v['tokens_that_fit_after_load'])} |"
                 if v
                 else " n/a |"
             )
@@ -266,8 +278,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     vllm = None
     if args.vllm_json is not None:
-        loaded = json.loads(args.vllm_json.read_text(encoding="utf-8"))
-        vllm = {row["model"]: row for row in loaded} if isinstance(loaded, list) else loaded
+        # One JSON object per line, models named by their vLLM ids.
+        rows = [
+            json.loads(line)
+            for line in args.vllm_json.read_text(encoding="utf-8").splitlines()
+            if line.strip()
+        ]
+        vllm = {VLLM_NAMES.get(row["model"], row["model"]): row for row in rows}
     results = measure(args.model)
     if args.json:
         print(json.dumps(results, indent=2))
