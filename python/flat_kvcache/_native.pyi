@@ -242,9 +242,11 @@ _KVEvent = Any
 class _GroupSpec(Protocol):
     """What ``FlatKVCache`` reads of a group spec (``flat_kvcache.engine.KVCacheSpec`` has it).
 
-    ``kind`` is ``"full"``, ``"sliding_window"`` or ``"state"`` (typed ``str``, as
-    ``KVCacheSpec.kind`` is; another name is a ``ValueError``); ``sliding_window`` is an int
-    >= 1 for a sliding group and None otherwise; ``group_id`` None means ``f"g{index}"``.
+    ``kind`` is ``"full"``, ``"sliding_window"``, ``"state"`` or ``"chunked_local"`` (typed
+    ``str``, as ``KVCacheSpec.kind`` is; another name is a ``ValueError``); ``sliding_window`` is
+    an int >= 1 for a sliding group and None otherwise; ``chunk_size`` is the chunk of a
+    ``chunked_local`` group (a multiple of ``page_size``) and None otherwise; ``group_id`` None
+    means ``f"g{index}"``.
     """
 
     @property
@@ -262,6 +264,10 @@ class _GroupSpec(Protocol):
     @property
     def group_id(self) -> str | None:
         """The group id, or None for ``f"g{index}"``."""
+
+    @property
+    def chunk_size(self) -> int | None:
+        """The chunk in tokens of a chunked_local group, else None."""
 
 def hash_page(tokens: _Tokens, prior: str = "", extra_keys: Sequence[str] = ()) -> str:
     """The content hash of one page (SPEC 4), as 64 lowercase hex digits.

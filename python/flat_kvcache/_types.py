@@ -10,7 +10,10 @@ Kinds are spelled in four vocabularies, and :data:`LAYER_KINDS` is the one table
 - ``sliding_attention``: retention ``sliding_window``, family ``history``, engine kind
   ``sliding_window``, spec kind ``sliding_window``;
 - ``linear_attention``: retention ``full_history``, family ``state``, engine kind ``state``,
-  spec kind ``mamba``.
+  spec kind ``mamba``;
+- ``chunked_attention``: retention ``chunked_window``, family ``history``, engine kind
+  ``chunked_local``, spec kind ``chunked_local_attention`` (a token attends its own chunk of
+  ``C`` tokens; the sizing API's ``sliding_window_tokens`` carries ``C`` for these layers).
 
 Layer labels come from the model config (SPEC 2); retention and family describe a sizing group
 (:class:`PagedCacheGroupSpec`); the engine kind is :attr:`KVCacheSpec.kind` and the
@@ -33,11 +36,15 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 #: Layer label of a linear-attention / mamba / GDN layer (constant-size recurrent state).
 LINEAR_ATTENTION = "linear_attention"
+#: Layer label of a chunked local attention layer (Llama 4): a token attends its own chunk.
+CHUNKED_ATTENTION = "chunked_attention"
 
 #: Retention of a group that keeps every page of history.
 FULL_HISTORY = "full_history"
 #: Retention of a group that keeps only the pages inside its window.
 SLIDING_WINDOW = "sliding_window"
+#: Retention of a group that keeps only the pages of each request's current chunk.
+CHUNKED_WINDOW = "chunked_window"
 #: Family of a group whose pages hold K/V history rows.
 HISTORY = "history"
 #: Family of a group whose pages hold recurrent-state snapshots. It is also the engine kind of
@@ -48,8 +55,10 @@ STATE = "state"
 FULL = "full"
 #: Engine kind of a sliding-window group: keeps the pages of its window, not prefix-closed.
 SLIDING = "sliding_window"
+#: Engine kind of a chunked local attention group: keeps the pages of the current chunk.
+CHUNKED = "chunked_local"
 #: The engine kinds, in the order the native core lists them.
-KINDS: tuple[str, ...] = (FULL, SLIDING, STATE)
+KINDS: tuple[str, ...] = (FULL, SLIDING, STATE, CHUNKED)
 
 
 class LayerKind(NamedTuple):
@@ -67,6 +76,7 @@ LAYER_KINDS: tuple[LayerKind, ...] = (
     LayerKind(FULL_ATTENTION, FULL_HISTORY, HISTORY, FULL, "full_attention"),
     LayerKind(SLIDING_ATTENTION, SLIDING_WINDOW, HISTORY, SLIDING, "sliding_window"),
     LayerKind(LINEAR_ATTENTION, FULL_HISTORY, STATE, STATE, "mamba"),
+    LayerKind(CHUNKED_ATTENTION, CHUNKED_WINDOW, HISTORY, CHUNKED, "chunked_local_attention"),
 )
 
 _KIND_OF_GROUP = {(row.retention, row.family): row.kind for row in LAYER_KINDS}
@@ -192,14 +202,16 @@ class KVCacheSpec:
 
     ``kind`` is one of :data:`KINDS`; ``page_size`` (> 0) is tokens per page; ``sliding_window``
     is an int >= 1 for a sliding group and None otherwise; ``group_id`` None means
-    ``f"g{index}"`` by position in the cache. The native ``FlatKVCache`` and the reference one
-    both read these four fields.
+    ``f"g{index}"`` by position in the cache; ``chunk_size`` is the chunk ``C`` of a
+    ``chunked_local`` group (an int >= 1, a multiple of ``page_size``) and None otherwise. The
+    native ``FlatKVCache`` and the reference one both read these five fields.
     """
 
     kind: str
     page_size: int
     sliding_window: int | None = None
     group_id: str | None = None
+    chunk_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -214,6 +226,14 @@ class KVCacheSpec:
                 )
         elif window is not None:
             raise ValueError(f"sliding_window must be None for a {self.kind} group, got {window!r}")
+        chunk = self.chunk_size
+        if self.kind == CHUNKED:
+            if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+                raise ValueError(f"chunk_size must be an int >= 1 for a chunked_local group, got {chunk!r}")
+            if chunk % self.page_size:
+                raise ValueError(f"chunk_size must be a multiple of page_size {self.page_size}, got {chunk}")
+        elif chunk is not None:
+            raise ValueError(f"chunk_size must be None for a {self.kind} group, got {chunk!r}")
         if self.group_id is not None and not isinstance(self.group_id, str):
             raise TypeError(f"group_id must be a str or None, got {type(self.group_id).__name__}")
 
@@ -224,7 +244,8 @@ def kv_cache_specs(
     """Engine specs from the sizing group specs (SPEC 2 -> SPEC 7), kinds by :func:`engine_kind`.
 
     ``page_size`` defaults to each spec's ``rows_per_page * entry_stride_tokens``. A sliding
-    group keeps its window; group ids are kept.
+    group keeps its window, a chunked group its chunk (its ``sliding_window_tokens``); group ids
+    are kept.
     """
     specs = []
     for index, group in enumerate(group_specs):
@@ -233,7 +254,8 @@ def kv_cache_specs(
         size = group.rows_per_page * group.entry_stride_tokens if page_size is None else page_size
         kind = engine_kind(group.retention, group.family)
         window = group.sliding_window_tokens if kind == SLIDING else None
-        specs.append(KVCacheSpec(kind, size, window, group.group_id))
+        chunk = group.sliding_window_tokens if kind == CHUNKED else None
+        specs.append(KVCacheSpec(kind, size, window, group.group_id, chunk))
     return specs
 
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from flat_kvcache import _native
 from flat_kvcache._types import (
+    CHUNKED_ATTENTION,
     FULL_ATTENTION,
     LINEAR_ATTENTION,
     SLIDING_ATTENTION,
@@ -24,6 +25,7 @@ from flat_kvcache._types import (
 )
 
 __all__ = [
+    "CHUNKED_ATTENTION",
     "FULL_ATTENTION",
     "LINEAR_ATTENTION",
     "SLIDING_ATTENTION",
@@ -39,7 +41,7 @@ __all__ = [
     "validate_flat_scheduler_config",
 ]
 
-#: A window argument: None, one int for every sliding layer, or one entry per layer.
+#: A window argument: None, one int for every sliding and chunked layer, or one entry per layer.
 _Windows = int | Sequence[int | None] | None
 
 
@@ -65,21 +67,26 @@ def layer_group_ids(layer_types: Sequence[str], sliding_window_tokens: _Windows 
     Parameters
     ----------
     layer_types : sequence of str
-        One label per layer: ``full_attention``, ``sliding_attention`` or ``linear_attention``.
+        One label per layer: ``full_attention``, ``sliding_attention``, ``linear_attention`` or
+        ``chunked_attention``.
     sliding_window_tokens : int, sequence of (int or None), or None
-        None; one window broadcast to the sliding layers; or one entry per layer.
+        None; one window broadcast to the sliding and chunked layers; or one entry per layer. A
+        chunked layer's entry is its attention chunk ``C``.
 
     Returns
     -------
     list of str
         A sliding layer's id is ``f"sliding_attention_{window}"`` when the sliding layers carry
-        more than one distinct window, else ``"sliding_attention"``; other layers use their label.
+        more than one distinct window, else ``"sliding_attention"``; a chunked layer's is
+        ``f"chunked_attention_{chunk}"`` when the chunked layers carry more than one distinct
+        chunk, else ``"chunked_attention"``; other layers use their label.
 
     Raises
     ------
     ValueError
-        Unknown label, malformed window argument, a sliding layer without a positive window, or
-        (sequence form) a full/linear layer carrying a positive window.
+        Unknown label, malformed window argument, a sliding layer without a positive window, a
+        chunked layer without a positive chunk, or (sequence form) a full/linear layer carrying
+        a positive window.
     TypeError
         ``layer_types`` is not a sequence of str.
     """
@@ -103,7 +110,8 @@ def group_specs_from_layer_types(
     Returns
     -------
     list of PagedCacheGroupSpec
-        ``entry_stride_tokens = 1``, the group's window (None unless sliding) and family
+        ``entry_stride_tokens = 1``, the group's window (a chunked group's chunk; None for full
+        and linear groups), retention ``chunked_window`` for chunked groups, and family
         ``state`` for linear-attention groups. Empty ``layer_types`` gives an empty list.
 
     Raises
@@ -133,7 +141,8 @@ def compute_paged_cache_group_page_counts(
     With ``raw = rows_per_page * entry_stride_tokens`` and ``protected = B * ceil(D*N / raw)``:
     full history ``ceil(T/raw) + B + protected + 1 + M``; state ``min(2*B + T // raw + protected
     + 1 + M, full history)``; sliding window ``B * ceil(min(max(W-1, 0), C) / raw) +
-    ceil(min(S, T) / raw) + B + protected + 1 + M``.
+    ceil(min(S, T) / raw) + B + protected + 1 + M``; chunked window (retention
+    ``chunked_window``) as a sliding window with ``W`` its chunk.
 
     Parameters
     ----------
@@ -156,8 +165,8 @@ def compute_paged_cache_group_page_counts(
     Raises
     ------
     ValueError
-        A negative argument, a bad depth, a spec with ``raw <= 0``, a sliding spec without a
-        positive window, or an unknown retention.
+        A negative argument, a bad depth, a spec with ``raw <= 0``, a sliding or chunked spec
+        without a positive window, or an unknown retention.
     TypeError
         A non-int argument or spec field.
     OverflowError
@@ -236,12 +245,13 @@ def compute_max_logical_pages_for_capture(
 ) -> int:
     """The logical pages one request of a group can touch at once (SPEC 2, 12.1).
 
-    With ``horizon = (D+1) * N``: sliding ``ceil((min(W, C) + horizon) / raw) + 1``, full
-    history ``ceil((C + horizon) / raw)``. For a full-history group this is the width of its
-    block tables. For a sliding group it is the width of a *windowed* row (a row that starts at
-    an offset, as ``bind_rows(offsets=)`` and ``CaptureBuffers(sliding_offsets=True)`` keep
-    them); absolute tables (``block_tables(out=)``, rows without offsets) keep slid-out slots
-    as holes and need the full-history width of the same context.
+    With ``horizon = (D+1) * N``: sliding ``ceil((min(W, C) + horizon) / raw) + 1`` (chunked:
+    the same with ``W`` its chunk), full history ``ceil((C + horizon) / raw)``. For a
+    full-history group this is the width of its block tables. For a sliding group it is the
+    width of a *windowed* row (a row that starts at an offset, as ``bind_rows(offsets=)`` and
+    ``CaptureBuffers(sliding_offsets=True)`` keep them); absolute tables (``block_tables(out=)``,
+    rows without offsets) keep slid-out slots as holes and need the full-history width of the
+    same context.
 
     Parameters
     ----------

@@ -86,7 +86,7 @@ def agree(what: str, subject: Outcome, reference: Outcome) -> Outcome:
 # Engine machine
 # ------------------------------------------------------------------------------------------------
 
-KINDS = ("full", "sliding_window", "state")
+KINDS = ("full", "sliding_window", "state", "chunked_local")
 
 
 @st.composite
@@ -94,7 +94,8 @@ def engine_configs(draw: st.DrawFn) -> dict[str, Any]:
     """A random hybrid model: 1 to 4 groups whose page sizes are multiples of one base.
 
     Windows are mostly short (so pages slide out within a few pages), sometimes up to three
-    pages. The pool is sized against one document's worth of pages: mostly room for a few
+    pages; a chunked group's chunk (the third item for it) is one to three pages. The pool is
+    sized against one document's worth of pages: mostly room for a few
     requests, sometimes so small that most acquires fail.
     """
     base = draw(st.sampled_from([1, 2, 4]))
@@ -105,6 +106,8 @@ def engine_configs(draw: st.DrawFn) -> dict[str, Any]:
         window = None
         if kind == "sliding_window":
             window = draw(st.one_of(st.integers(1, page_size + 1), st.integers(1, 3 * page_size + 2)))
+        elif kind == "chunked_local":
+            window = page_size * draw(st.integers(1, 3))  # the chunk: 1 to 3 pages
         groups.append((kind, page_size, window))
     sizes = [size for _, size, _ in groups]
     doc_length = 4 * math.lcm(*sizes) + math.gcd(*sizes)
@@ -199,7 +202,12 @@ class EngineMachine(RuleBasedStateMachine):
     @initialize(config=engine_configs(), data=st.data())
     def setup(self, config: dict[str, Any], data: st.DataObject) -> None:
         def build(module: ModuleType) -> Any:
-            specs = [module.KVCacheSpec(kind, size, window) for kind, size, window in config["groups"]]
+            specs = [
+                module.KVCacheSpec(kind, size, None, None, window)
+                if kind == "chunked_local"
+                else module.KVCacheSpec(kind, size, window)
+                for kind, size, window in config["groups"]
+            ]
             return module.PageCache(
                 specs,
                 config["num_pages"],

@@ -173,7 +173,7 @@ def test_components_without_state_layers_need_no_state_bytes(api: ModuleType) ->
             {"kv_bytes_per_slot": 8},
             ValueError,
             "unknown layer_type 'mamba' at layer 1; expected one of full_attention, sliding_attention, "
-            "linear_attention",
+            "linear_attention, chunked_attention",
         ),
         (
             [SLIDING],

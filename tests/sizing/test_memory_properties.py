@@ -22,6 +22,7 @@ from strategies import U64_MAX, i32, mostly_valid, signed_sizes, sizes, wide_sig
 pytestmark = pytest.mark.properties
 
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
+CHUNKED = "chunked_attention"
 FIELDS = [
     "bytes_per_slot",
     "const_bytes",
@@ -137,7 +138,7 @@ state_bytes: st.SearchStrategy[dict[str, int] | None] = st.one_of(
 
 
 MEMORY_LAYER_TYPES = st.one_of(
-    st.lists(st.sampled_from([FULL, SLIDING, LINEAR]), max_size=8),
+    st.lists(st.sampled_from([FULL, SLIDING, LINEAR, CHUNKED]), max_size=8),
     st.lists(st.sampled_from([FULL, SLIDING, LINEAR, "mamba"]), max_size=4),
 )
 SLIDING_WINDOWS = st.sampled_from([8, 16, 2**64])
@@ -153,7 +154,7 @@ def layers_with_windows(draw: st.DrawFn) -> tuple[list[str], Any]:
     if not draw(PER_LAYER):
         return layer_types, draw(WHOLE_WINDOWS)
     return layer_types, [
-        draw(SLIDING_WINDOWS if label == SLIDING else OTHER_WINDOWS) for label in layer_types
+        draw(SLIDING_WINDOWS if label in (SLIDING, CHUNKED) else OTHER_WINDOWS) for label in layer_types
     ]
 
 

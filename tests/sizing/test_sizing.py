@@ -16,9 +16,11 @@ from flat_kvcache._types import PagedCacheGroupSpec
 from helpers import publish
 
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
-KNOWN = "expected one of full_attention, sliding_attention, linear_attention"
+CHUNKED = "chunked_attention"
+KNOWN = "expected one of full_attention, sliding_attention, linear_attention, chunked_attention"
 
 SIZING_NAMES = {
+    "CHUNKED_ATTENTION",
     "FULL_ATTENTION",
     "SLIDING_ATTENTION",
     "LINEAR_ATTENTION",
@@ -65,6 +67,7 @@ def test_both_implementations_export_the_contract_names(api: ModuleType) -> None
 
 def test_constants(api: ModuleType) -> None:
     assert (api.FULL_ATTENTION, api.SLIDING_ATTENTION, api.LINEAR_ATTENTION) == (FULL, SLIDING, LINEAR)
+    assert api.CHUNKED_ATTENTION == CHUNKED
     assert frozenset({LINEAR}) == api.STATE_LAYER_TYPES
     assert api.PagedCacheGroupSpec is PagedCacheGroupSpec
     assert PagedCacheGroupSpec("g", "full_history", 1, 1, None).family == "history"
@@ -790,3 +793,98 @@ def test_huge_negative_arguments_are_value_errors(api: ModuleType) -> None:
     with pytest.raises(ValueError) as info:
         counts(api, [full()], max_live_requests=-(2**200))
     assert str(info.value) == f"max_live_requests must be >= 0, got {-(2**200)}"
+
+
+# --- chunked local attention (SPEC 6: sized as a sliding window of W = C) -------------------------
+
+
+def chunked(chunk: Any, gid: str = CHUNKED, rows: int = 16, stride: int = 1) -> PagedCacheGroupSpec:
+    return PagedCacheGroupSpec(gid, "chunked_window", rows, stride, chunk)
+
+
+def test_chunked_layers_take_their_chunk_from_the_window_entry(api: ModuleType) -> None:
+    # One distinct chunk: the bare label; several: one group per chunk. Chunks and sliding
+    # windows are counted apart: one chunk and one window keep both bare labels.
+    assert api.layer_group_ids([CHUNKED, FULL, CHUNKED], [8192, None, 8192]) == [CHUNKED, FULL, CHUNKED]
+    assert api.layer_group_ids([CHUNKED, FULL, CHUNKED], [8192, None, 4096]) == [
+        "chunked_attention_8192",
+        FULL,
+        "chunked_attention_4096",
+    ]
+    assert api.layer_group_ids([CHUNKED, SLIDING], [8192, 128]) == [CHUNKED, SLIDING]
+    assert api.layer_group_ids([CHUNKED, SLIDING, SLIDING], [64, 64, 128]) == [
+        CHUNKED,
+        "sliding_attention_64",
+        "sliding_attention_128",
+    ]
+    # An int is broadcast to the sliding and the chunked layers.
+    assert api.group_specs_from_layer_types([CHUNKED, FULL, SLIDING], 64, page_size=16) == [
+        PagedCacheGroupSpec(CHUNKED, "chunked_window", 16, 1, 64, "history"),
+        PagedCacheGroupSpec(FULL, "full_history", 16, 1, None, "history"),
+        PagedCacheGroupSpec(SLIDING, "sliding_window", 16, 1, 64, "history"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("layer_types", "window", "message"),
+    [
+        (
+            [FULL, CHUNKED],
+            None,
+            "layer 1 (chunked_attention) needs a positive attention chunk in its window entry, got None",
+        ),
+        (
+            [CHUNKED],
+            [0],
+            "layer 0 (chunked_attention) needs a positive attention chunk in its window entry, got 0",
+        ),
+        (
+            [CHUNKED],
+            -8,
+            "layer 0 (chunked_attention) needs a positive attention chunk in its window entry, got -8",
+        ),
+        (
+            [FULL, CHUNKED],
+            [8, 8],
+            "layer 0 is labelled full_attention but carries sliding window 8; mislabeled layer_type?",
+        ),
+    ],
+)
+def test_chunked_layer_errors(api: ModuleType, layer_types: list[str], window: Any, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        api.layer_group_ids(layer_types, window)
+    assert str(info.value) == message
+
+
+def test_chunked_page_counts_and_capture_widths_are_a_sliding_windows(api: ModuleType) -> None:
+    # B=4, S=100, T=1000, C=500, raw=16, chunk 128 as W = 128:
+    # B*ceil(min(127, 500)/16) = 32; ceil(100/16) = 7; 32 + 7 + 4 + 0 + 1 = 44 (as sliding(128)).
+    args = {
+        "max_live_requests": 4,
+        "max_scheduled_tokens": 100,
+        "max_total_tokens": 1000,
+        "max_context_len": 500,
+    }
+    assert counts(api, [chunked(128), sliding(128, gid="s")], **args) == {CHUNKED: 44, "s": 44}
+    # Capture: ceil((min(128, 131072) + 1) / 16) + 1 = 9 + 1.
+    assert api.compute_max_logical_pages_for_capture(chunked(128), max_context_len=131072) == 10
+    # A chunk past the context: min(W, C) = 100: ceil(101 / 16) + 1 = 8.
+    assert api.compute_max_logical_pages_for_capture(chunked(8192), max_context_len=100) == 8
+    for bad in (None, 0, -1):
+        with pytest.raises(ValueError) as info:
+            counts(api, [chunked(bad, gid="c")])
+        assert (
+            str(info.value)
+            == f"group c: chunked_window retention needs a positive sliding_window_tokens, got {bad}"
+        )
+
+
+def test_chunked_layers_share_slabs_like_any_history_label(flat_api: ModuleType) -> None:
+    assert flat_api.hybrid_slab_group_size([CHUNKED, FULL, CHUNKED, FULL], sliding_window_tokens=8192) == 2
+    # Several chunks: more groups than labels.
+    assert (
+        flat_api.hybrid_slab_group_size(
+            [CHUNKED, FULL, CHUNKED, FULL], sliding_window_tokens=[8, None, 16, None]
+        )
+        is None
+    )

@@ -23,7 +23,10 @@ from strategies import U64_MAX, i32, mostly_valid, signed_sizes, wide_signed_siz
 pytestmark = pytest.mark.properties
 
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
-LABELS = [FULL, SLIDING, LINEAR]
+CHUNKED = "chunked_attention"
+LABELS = [FULL, SLIDING, LINEAR, CHUNKED]
+#: Labels whose layers carry a window entry (a chunked layer's is its chunk).
+WINDOWED = (SLIDING, CHUNKED)
 COUNT_ARGS = [
     "max_live_requests",
     "max_scheduled_tokens",
@@ -80,7 +83,7 @@ def layers_and_window(
     elif form == 1:
         window = draw(ints)
     elif form in (2, 3):  # a window on every sliding layer, as a list or a tuple
-        window = [draw(sliding) if t == SLIDING else draw(NOT_SLIDING_WINDOWS) for t in types]
+        window = [draw(sliding) if t in WINDOWED else draw(NOT_SLIDING_WINDOWS) for t in types]
         window = tuple(window) if form == 3 else window
     elif form == 4:
         window = [draw(entry) for _ in types]
@@ -97,9 +100,9 @@ def spec_of(ints: st.SearchStrategy[int]) -> st.SearchStrategy[PagedCacheGroupSp
     """Group specs with every retention (and an unknown one), odd and signed rows and strides."""
     return st.builds(
         PagedCacheGroupSpec,
-        group_id=st.sampled_from(["g0", "g1", "g2", FULL, SLIDING]),
+        group_id=st.sampled_from(["g0", "g1", "g2", FULL, SLIDING, CHUNKED]),
         retention=st.sampled_from(
-            ["full_history", "full_history", "sliding_window", "sliding_window", "ring"]
+            ["full_history", "full_history", "sliding_window", "sliding_window", "chunked_window", "ring"]
         ),
         rows_per_page=st.one_of(st.integers(1, 64), ints),
         entry_stride_tokens=st.one_of(st.just(1), st.integers(1, 7), ints),

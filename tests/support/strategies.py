@@ -7,7 +7,8 @@ imports another and no strategy is defined twice).
   :func:`signed_sizes`, :func:`i32`, :func:`wide_sizes`, :func:`wide_signed_sizes`,
   :data:`mostly_valid`, at and far past the edges of the native types.
 - Token-level caches for the state machines (requests, host tier, rows): :func:`configs` draws a
-  hybrid spec mix and :func:`both_caches` builds the native and the reference cache from it;
+  hybrid spec mix (full, sliding, state and chunked groups) and :func:`both_caches` builds the
+  native and the reference cache from it;
   prompts are cut from :data:`DOCUMENTS`, requests are named from :data:`REQUEST_IDS`.
 """
 
@@ -118,14 +119,22 @@ EXTRA_KEYS = [(), ("lora-1",), ("salt", "mm:7")]
 
 @st.composite
 def configs(draw: st.DrawFn) -> dict[str, Any]:
-    """A hybrid spec mix over one base page size, a small pool and the cache options."""
+    """A hybrid spec mix over one base page size, a small pool and the cache options.
+
+    ``groups`` holds ``(kind, page_size, param)``: ``param`` is the window of a sliding group,
+    the chunk of a chunked one (1 to 3 pages) and None otherwise (see :func:`group_spec`).
+    """
     base = draw(st.sampled_from([1, 2, 4]))
     groups = []
     for _ in range(draw(st.integers(1, 3))):
-        kind = draw(st.sampled_from(["full", "sliding_window", "state"]))
+        kind = draw(st.sampled_from(["full", "sliding_window", "state", "chunked_local"]))
         size = base * draw(st.sampled_from([1, 1, 2, 4]))
-        window = draw(st.integers(1, 3 * size)) if kind == "sliding_window" else None
-        groups.append((kind, size, window))
+        param = None
+        if kind == "sliding_window":
+            param = draw(st.integers(1, 3 * size))
+        elif kind == "chunked_local":
+            param = size * draw(st.integers(1, 3))
+        groups.append((kind, size, param))
     return {
         "groups": groups,
         "num_pages": draw(st.integers(2, 28)),
@@ -134,12 +143,20 @@ def configs(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
+def group_spec(module: Any, kind: str, size: int, param: int | None) -> Any:
+    """``module.KVCacheSpec`` of a :func:`configs` group: ``param`` is a sliding group's window
+    or a chunked group's chunk."""
+    if kind == "chunked_local":
+        return module.KVCacheSpec(kind, size, None, None, param)
+    return module.KVCacheSpec(kind, size, param)
+
+
 def both_caches(config: dict[str, Any], **options: Any) -> list[Any]:
     """The native cache and the reference one for a :func:`configs` draw (``options``: more
     constructor keywords), native first."""
     caches = []
     for module in (flat_kvcache, flat_kvcache.reference):
-        specs = [module.KVCacheSpec(kind, size, window) for kind, size, window in config["groups"]]
+        specs = [group_spec(module, *group) for group in config["groups"]]
         caches.append(
             module.FlatKVCache(
                 specs,

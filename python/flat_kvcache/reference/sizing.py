@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from typing import NamedTuple, cast
 
 from flat_kvcache._types import (
+    CHUNKED_ATTENTION,
+    CHUNKED_WINDOW,
     FULL_ATTENTION,
     FULL_HISTORY,
     LAYER_LABELS,
@@ -28,6 +30,7 @@ from flat_kvcache.errors import ConfigError
 from flat_kvcache.reference._checks import as_int, ceil_div, is_sequence, non_negative, positive
 
 __all__ = [
+    "CHUNKED_ATTENTION",
     "FULL_ATTENTION",
     "LINEAR_ATTENTION",
     "SLIDING_ATTENTION",
@@ -44,8 +47,13 @@ __all__ = [
 ]
 
 _KNOWN_LABELS = ", ".join(LAYER_LABELS)
+#: Labels whose layers carry a window entry: a sliding window, or a chunked layer's chunk.
+_WINDOWED_LABELS = (SLIDING_ATTENTION, CHUNKED_ATTENTION)
+#: Retentions sized as a sliding window of ``sliding_window_tokens`` (a chunk ``C`` is sized
+#: as ``W = C``: the most history one of its tokens attends).
+_WINDOWED_RETENTIONS = (SLIDING_WINDOW, CHUNKED_WINDOW)
 
-#: A window argument: None, one int for every sliding layer, or one entry per layer.
+#: A window argument: None, one int for every sliding and chunked layer, or one entry per layer.
 WindowArg = int | Sequence[int | None] | None
 
 
@@ -87,7 +95,7 @@ def layer_labels(layer_types: object) -> list[str]:
 
 
 def _known_labels(layer_types: object) -> list[str]:
-    """SPEC 2: every label must be full_attention, sliding_attention or linear_attention."""
+    """SPEC 2: every label must be a known one (``LAYER_LABELS``)."""
     labels = layer_labels(layer_types)
     for i, label in enumerate(labels):
         if label not in LAYER_LABELS:
@@ -98,8 +106,8 @@ def _known_labels(layer_types: object) -> list[str]:
 def _window_entries(sliding_window_tokens: object, labels: list[str]) -> list[int | None]:
     """One raw window per layer from the window argument (shape and types only).
 
-    An int is broadcast to the sliding layers (other layers get None); a sequence must have one
-    entry per layer, each None or an int.
+    An int is broadcast to the sliding and chunked layers (other layers get None); a sequence
+    must have one entry per layer, each None or an int.
     """
     window = sliding_window_tokens
     if window is None:
@@ -112,7 +120,7 @@ def _window_entries(sliding_window_tokens: object, labels: list[str]) -> list[in
         )
     if not per_layer:
         value = as_int(window, "sliding_window_tokens")
-        return [value if label == SLIDING_ATTENTION else None for label in labels]
+        return [value if label in _WINDOWED_LABELS else None for label in labels]
     entries = list(cast("Sequence[object]", window))
     if len(entries) != len(labels):
         raise ValueError(
@@ -130,7 +138,8 @@ def _window_entries(sliding_window_tokens: object, labels: list[str]) -> list[in
 
 
 class _Layer(NamedTuple):
-    """One validated layer: its label, its window (None unless sliding) and its group id."""
+    """One validated layer: its label, its window (its chunk for a chunked layer; None for the
+    others) and its group id."""
 
     label: str
     window: int | None
@@ -141,8 +150,8 @@ def _grouped_layers(layer_types: object, sliding_window_tokens: object) -> list[
     """SPEC 2 per-layer grouping: validate labels and windows, then assign group ids.
 
     Checks run in this order: labels, the window argument's shape and entry types, then each
-    layer's window (a sliding layer needs a positive one; in sequence form a full or linear
-    layer must not carry a positive one).
+    layer's window (a sliding layer needs a positive one, a chunked layer a positive chunk; in
+    sequence form a full or linear layer must not carry a positive one).
     """
     labels = _known_labels(layer_types)
     windows = _window_entries(sliding_window_tokens, labels)
@@ -152,18 +161,28 @@ def _grouped_layers(layer_types: object, sliding_window_tokens: object) -> list[
                 raise ValueError(
                     f"layer {i} (sliding_attention) needs a positive sliding window, got {window}"
                 )
+        elif label == CHUNKED_ATTENTION:
+            if window is None or window <= 0:
+                raise ValueError(
+                    f"layer {i} (chunked_attention) needs a positive attention chunk in its window "
+                    f"entry, got {window}"
+                )
         elif window is not None and window > 0:
             raise ValueError(
                 f"layer {i} is labelled {label} but carries sliding window {window}; mislabeled layer_type?"
             )
     # Full and linear layers get window None, whatever non-positive entry they carried.
     windows = [
-        window if label == SLIDING_ATTENTION else None for label, window in zip(labels, windows, strict=True)
+        window if label in _WINDOWED_LABELS else None for label, window in zip(labels, windows, strict=True)
     ]
-    # Several distinct windows split the sliding layers into one group per window.
-    several = len({window for window in windows if window is not None}) > 1
+    # Several distinct windows (chunks) split the sliding (chunked) layers into one group per
+    # window (chunk); each label is counted apart.
+    several = {
+        kind: len({w for label, w in zip(labels, windows, strict=True) if label == kind}) > 1
+        for kind in _WINDOWED_LABELS
+    }
     return [
-        _Layer(label, window, f"{label}_{window}" if several and window is not None else label)
+        _Layer(label, window, f"{label}_{window}" if window is not None and several[label] else label)
         for label, window in zip(labels, windows, strict=True)
     ]
 
@@ -172,7 +191,9 @@ def layer_group_ids(layer_types: Sequence[str], sliding_window_tokens: WindowArg
     """SPEC 2: the group id of every layer.
 
     A sliding layer's id is ``f"sliding_attention_{window}"`` when the sliding layers carry more
-    than one distinct window, else ``"sliding_attention"``; other layers use their label.
+    than one distinct window, else ``"sliding_attention"``; a chunked layer's is
+    ``f"chunked_attention_{chunk}"`` when the chunked layers carry more than one distinct chunk,
+    else ``"chunked_attention"``; other layers use their label.
     """
     return [layer.group_id for layer in _grouped_layers(layer_types, sliding_window_tokens)]
 
@@ -183,7 +204,8 @@ def group_specs_from_layer_types(
     """SPEC 2: one spec per distinct group id, in first-appearance order.
 
     Each spec has ``rows_per_page = page_size``, ``entry_stride_tokens = 1``, the group's window
-    (None unless sliding) and family ``state`` for linear-attention layers.
+    (a chunked group's chunk; None for full and linear groups) and family ``state`` for
+    linear-attention layers.
     """
     page_size = positive(page_size, "page_size")
     specs: dict[str, PagedCacheGroupSpec] = {}
@@ -205,10 +227,11 @@ def group_specs_from_layer_types(
 
 
 def _spec_geometry(spec: PagedCacheGroupSpec) -> tuple[int, int | None]:
-    """A spec's ``raw`` tokens per page and its window (None unless sliding), checked.
+    """A spec's ``raw`` tokens per page and its window (None unless sliding or chunked), checked.
 
     SPEC 2 errors, in this order: ``raw = rows_per_page * entry_stride_tokens`` (the exact signed
-    product) must be > 0; a sliding spec needs a positive window; the retention must be known.
+    product) must be > 0; a sliding or chunked spec needs a positive window (a chunked group is
+    sized as a sliding window of ``W = C``); the retention must be known.
     """
     gid = spec.group_id
     rows = as_int(spec.rows_per_page, f"group {gid}: rows_per_page")
@@ -216,13 +239,14 @@ def _spec_geometry(spec: PagedCacheGroupSpec) -> tuple[int, int | None]:
     raw = rows * stride
     if raw <= 0:
         raise ValueError(f"group {gid}: rows_per_page * entry_stride_tokens must be > 0, got {raw}")
-    if spec.retention == SLIDING_WINDOW:
+    if spec.retention in _WINDOWED_RETENTIONS:
         window = spec.sliding_window_tokens
         if window is not None:
             window = as_int(window, f"group {gid}: sliding_window_tokens")
         if window is None or window <= 0:
             raise ValueError(
-                f"group {gid}: sliding_window retention needs a positive sliding_window_tokens, got {window}"
+                f"group {gid}: {spec.retention} retention needs a positive sliding_window_tokens, "
+                f"got {window}"
             )
         return raw, window
     if spec.retention != FULL_HISTORY:
@@ -258,6 +282,7 @@ def compute_paged_cache_group_page_counts(
       full-history count)``: two live pages per request plus snapshots, bounded by the page space;
     - sliding window: ``B * ceil(min(max(W-1, 0), C) / raw) + ceil(min(S, T) / raw) + B +
       protected + 1 + M``: resident history per request plus one step's scheduled tokens.
+    - chunked window (retention ``chunked_window``): as a sliding window of ``W = C``, its chunk.
 
     Arguments are checked first (B, S, T, C, N, M must be >= 0; D in {0, 1}; D > 0 needs N > 0),
     then the specs in order.
@@ -328,8 +353,8 @@ def compute_max_logical_pages_for_capture(
 ) -> int:
     """SPEC 2 (and 12.1): the block-table width a CUDA-graph capture buffer needs for one group.
 
-    With ``horizon = (D+1) * N``: sliding ``ceil((min(W, C) + horizon) / raw) + 1``; full history
-    ``ceil((C + horizon) / raw)``.
+    With ``horizon = (D+1) * N``: sliding ``ceil((min(W, C) + horizon) / raw) + 1`` (chunked: the
+    same with ``W`` its chunk); full history ``ceil((C + horizon) / raw)``.
     """
     c = non_negative(max_context_len, "max_context_len")
     n = positive(max_tokens_per_req, "max_tokens_per_req")

@@ -660,14 +660,22 @@ fn group_spec(i: usize, spec: &Bound<'_, PyAny>) -> PyResult<GroupSpec> {
     let page_size = positive(&field("page_size")?, &format!("specs[{i}].page_size"))?;
     let window_obj = field("sliding_window")?;
     let window = opt_count(Some(&window_obj), &format!("specs[{i}].sliding_window"))?;
+    let chunk_obj = field("chunk_size")?;
+    let chunk = opt_count(Some(&chunk_obj), &format!("specs[{i}].chunk_size"))?;
     let name = kind_str.to_str()?;
-    let kind = GroupKind::from_name(name, window).map_err(|err| {
+    let kind = GroupKind::from_name(name, window, chunk).map_err(|err| {
         PyValueError::new_err(match err {
             KindError::WindowRequired => {
                 format!("specs[{i}].sliding_window must be an int >= 1 for a {name} group, got {window_obj}")
             }
             KindError::WindowNotAllowed => {
                 format!("specs[{i}].sliding_window must be None for a {name} group, got {window_obj}")
+            }
+            KindError::ChunkRequired => {
+                format!("specs[{i}].chunk_size must be an int >= 1 for a {name} group, got {chunk_obj}")
+            }
+            KindError::ChunkNotAllowed => {
+                format!("specs[{i}].chunk_size must be None for a {name} group, got {chunk_obj}")
             }
             KindError::UnknownName => {
                 format!("specs[{i}].kind must be {}, got {:?}", kind_choices(), clip(name))
@@ -692,7 +700,7 @@ fn group_spec(i: usize, spec: &Bound<'_, PyAny>) -> PyResult<GroupSpec> {
     })
 }
 
-/// The kind names as messages list them: `'full', 'sliding_window' or 'state'`.
+/// The kind names as messages list them: `'full', 'sliding_window', 'state' or 'chunked_local'`.
 fn kind_choices() -> String {
     let quoted: Vec<String> = GroupKind::NAMES.iter().map(|n| format!("'{n}'")).collect();
     match quoted.split_last() {

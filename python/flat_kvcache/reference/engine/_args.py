@@ -8,6 +8,7 @@ engines refuse the same inputs.
 
 from __future__ import annotations
 
+import copy
 import operator
 import string
 from collections.abc import Iterable, Iterator, Sequence
@@ -16,7 +17,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from flat_kvcache.reference._checks import as_int
+from flat_kvcache._types import CHUNKED, KINDS, SLIDING, KVCacheSpec
+from flat_kvcache.reference._checks import as_int, positive
 
 __all__ = [
     "EVICTION_ORDERS",
@@ -36,6 +38,7 @@ __all__ = [
     "as_counts",
     "as_extra_keys",
     "as_flag",
+    "as_group_spec",
     "as_page_ids",
     "as_pool_size",
     "as_request_id",
@@ -47,6 +50,7 @@ __all__ = [
     "check_u64",
     "check_u64_total",
     "clipped_repr",
+    "debug_str",
     "extra_key_bytes",
 ]
 
@@ -282,3 +286,70 @@ def as_slots(values: object) -> list[int]:
     """The slots of a batch call: counts named ``slots[i]`` (a str, bytes or masked array is
     a TypeError naming ``slots``)."""
     return as_counts(values, "slots")
+
+
+def debug_str(text: str) -> str:
+    """``text`` quoted as the native engine's messages quote a str (Rust's ``{:?}``): in double
+    quotes, with backslashes, double quotes and control characters escaped."""
+    escapes = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t", "\0": "\\0"}
+    out = []
+    for char in text:
+        if char in escapes:
+            out.append(escapes[char])
+        elif not char.isprintable() and char != " ":
+            out.append(f"\\u{{{ord(char):x}}}")
+        else:
+            out.append(char)
+    return '"' + "".join(out) + '"'
+
+
+def _kind_choices() -> str:
+    """The engine kinds as messages list them: ``'full', 'sliding_window', 'state' or ...``."""
+    quoted = [f"'{kind}'" for kind in KINDS]
+    return quoted[-1] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
+def as_group_spec(index: int, spec: object) -> KVCacheSpec:
+    """``specs[index]``, read field by field as the native engine reads it (a frozen
+    ``KVCacheSpec`` can still be changed with ``object.__setattr__``, so its fields are checked
+    again): a ``KVCacheSpec``; ``kind`` a str; ``page_size`` an int > 0; ``sliding_window`` and
+    ``chunk_size`` None or a count; then the kind with its window and chunk (a known kind first;
+    a ``chunked_local`` group needs a chunk >= 1 and no window; another kind no chunk; a sliding
+    group a window >= 1, the others none); then ``group_id`` a str or None. Returns a copy with
+    the checked values. That the chunk is a multiple of the page size is the coordinator's check.
+    """
+    name = f"specs[{index}]"
+    if not isinstance(spec, KVCacheSpec):
+        raise TypeError(f"{name} must be a KVCacheSpec, got {type(spec).__name__}")
+    kind = spec.kind
+    if not isinstance(kind, str):
+        raise TypeError(f"{name}.kind must be a str, got {type(kind).__name__}")
+    page_size = check_u64(positive(spec.page_size, f"{name}.page_size"), f"{name}.page_size")
+    window_obj: object = spec.sliding_window
+    window = None if window_obj is None else as_count(window_obj, f"{name}.sliding_window")
+    chunk_obj: object = spec.chunk_size
+    chunk = None if chunk_obj is None else as_count(chunk_obj, f"{name}.chunk_size")
+    kind.encode("utf-8")
+    if kind not in KINDS:
+        raise ValueError(f"{name}.kind must be {_kind_choices()}, got {debug_str(kind[:80])}")
+    if kind == CHUNKED:
+        if chunk is None or chunk == 0:
+            raise ValueError(f"{name}.chunk_size must be an int >= 1 for a {kind} group, got {chunk_obj}")
+        if window is not None:
+            raise ValueError(f"{name}.sliding_window must be None for a {kind} group, got {window_obj}")
+    elif chunk is not None:
+        raise ValueError(f"{name}.chunk_size must be None for a {kind} group, got {chunk_obj}")
+    elif kind == SLIDING:
+        if window is None or window == 0:
+            raise ValueError(
+                f"{name}.sliding_window must be an int >= 1 for a {kind} group, got {window_obj}"
+            )
+    elif window is not None:
+        raise ValueError(f"{name}.sliding_window must be None for a {kind} group, got {window_obj}")
+    group_id: object = spec.group_id
+    if group_id is not None and not isinstance(group_id, str):
+        raise TypeError(f"{name}.group_id must be a str or None, got {type(group_id).__name__}")
+    checked = copy.copy(spec)
+    for field, value in (("page_size", page_size), ("sliding_window", window), ("chunk_size", chunk)):
+        object.__setattr__(checked, field, value)
+    return checked

@@ -32,12 +32,13 @@ from flat_kvcache.reference.engine._args import (
     as_count,
     as_counts,
     as_flag,
+    as_group_spec,
     as_page_ids,
     as_pool_size,
     as_request_id,
     batch_items,
-    check_u64,
     clipped_repr,
+    debug_str,
     shown_id,
 )
 from flat_kvcache.reference.engine.events import removed_events, stored_event
@@ -107,23 +108,23 @@ class Coordinator:
             shown = clipped_repr(host_store)
             raise ValueError(f"host_store must be 'write_through' or 'evict', got {shown}")
         num_host = 0 if host_pages is None else as_count(host_pages, "host_pages")
-        spec_list: list[KVCacheSpec] = []
-        for index, spec in enumerate(spec_items):
-            if not isinstance(spec, KVCacheSpec):
-                raise TypeError(f"specs[{index}] must be a KVCacheSpec, got {type(spec).__name__}")
-            spec_list.append(spec)
+        # Each spec is read field by field, as the native engine reads it (_args.as_group_spec).
+        spec_list = [as_group_spec(index, spec) for index, spec in enumerate(spec_items)]
         if not spec_list:
             raise ValueError("specs must hold at least one group")
-        for index, spec in enumerate(spec_list):
-            check_u64(spec.page_size, f"specs[{index}].page_size")
-            if spec.sliding_window is not None:
-                check_u64(spec.sliding_window, f"specs[{index}].sliding_window")
         total = as_pool_size(num_pages, "num_pages")
         group_ids = [
             spec.group_id if spec.group_id is not None else f"g{i}" for i, spec in enumerate(spec_list)
         ]
-        if len(set(group_ids)) != len(group_ids):
-            raise ValueError(f"group ids must be distinct, got {group_ids}")
+        for index, spec in enumerate(spec_list):
+            chunk = spec.chunk_size
+            if chunk is not None and chunk % spec.page_size != 0:
+                raise ValueError(
+                    f"specs[{index}].chunk_size must be a positive multiple of its page_size "
+                    f"{spec.page_size}, got {chunk}"
+                )
+            if group_ids[index] in group_ids[:index]:
+                raise ValueError(f"specs: group id {debug_str(group_ids[index])} appears more than once")
         sizes = [spec.page_size for spec in spec_list]
         lcm = math.lcm(*sizes)
         if lcm > U64_MAX:

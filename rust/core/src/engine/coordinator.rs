@@ -198,6 +198,14 @@ impl Coordinator {
                     "specs[{i}].sliding_window must be >= 1 for a sliding_window group, got 0"
                 )));
             }
+            if let GroupKind::ChunkedLocal { chunk } = spec.kind {
+                if chunk == 0 || chunk % spec.page_size != 0 {
+                    return Err(CoreError::invalid(format!(
+                        "specs[{i}].chunk_size must be a positive multiple of its page_size {}, got {chunk}",
+                        spec.page_size
+                    )));
+                }
+            }
             if specs[..i].iter().any(|s| s.group_id == spec.group_id) {
                 return Err(CoreError::invalid(format!(
                     "specs: group id {:?} appears more than once",

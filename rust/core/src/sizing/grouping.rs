@@ -124,7 +124,7 @@ fn window_entries(windows: &WindowsArg, kinds: &[LayerKind]) -> CoreResult<Vec<O
             let window = arg.int("sliding_window_tokens")?;
             Ok(kinds
                 .iter()
-                .map(|&kind| (kind == LayerKind::Sliding).then(|| window.clone()))
+                .map(|&kind| kind.is_windowed().then(|| window.clone()))
                 .collect())
         }
         WindowsArg::PerLayer(entries) => {
@@ -168,7 +168,13 @@ fn group_labels(labels: &[String], windows: &WindowsArg) -> CoreResult<Vec<Layer
                 show(window.as_ref())
             )));
         }
-        if kind != LayerKind::Sliding && positive {
+        if kind == LayerKind::Chunked && !positive {
+            return Err(CoreError::invalid(format!(
+                "layer {i} (chunked_attention) needs a positive attention chunk in its window entry, got {}",
+                show(window.as_ref())
+            )));
+        }
+        if !kind.is_windowed() && positive {
             return Err(CoreError::invalid(format!(
                 "layer {i} is labelled {} but carries sliding window {}; mislabeled layer_type?",
                 kind.label(),
@@ -180,14 +186,30 @@ fn group_labels(labels: &[String], windows: &WindowsArg) -> CoreResult<Vec<Layer
     let windows: Vec<Option<Int>> = kinds
         .iter()
         .zip(entries)
-        .map(|(&kind, window)| window.filter(|_| kind == LayerKind::Sliding))
+        .map(|(&kind, window)| window.filter(|_| kind.is_windowed()))
         .collect();
-    // Several distinct windows split the sliding layers into one group per window.
-    let several = windows.iter().flatten().collect::<HashSet<_>>().len() > 1;
+    // Several distinct windows (chunks) split the sliding (chunked) layers into one group per
+    // window (chunk); each kind is counted apart.
+    let distinct = |of: LayerKind| {
+        kinds
+            .iter()
+            .zip(&windows)
+            .filter(|(&k, _)| k == of)
+            .filter_map(|(_, w)| w.as_ref())
+            .collect::<HashSet<_>>()
+            .len()
+    };
+    let several_windows = distinct(LayerKind::Sliding) > 1;
+    let several_chunks = distinct(LayerKind::Chunked) > 1;
     Ok(kinds
         .into_iter()
         .zip(windows)
         .map(|(kind, window)| {
+            let several = if kind == LayerKind::Chunked {
+                several_chunks
+            } else {
+                several_windows
+            };
             let group_id = match &window {
                 Some(w) if several => format!("{}_{w}", kind.label()),
                 _ => kind.label().to_owned(),
@@ -215,13 +237,13 @@ pub fn layer_group_ids(layer_types: &LayerTypesArg, windows: &WindowsArg) -> Cor
 pub struct GroupSpec {
     /// The group id.
     pub group_id: String,
-    /// `full_history` or `sliding_window`.
+    /// `full_history`, `sliding_window` or `chunked_window`.
     pub retention: &'static str,
     /// Rows per page (the page size), exactly as given.
     pub rows_per_page: Int,
     /// Tokens per row.
     pub entry_stride_tokens: u64,
-    /// The window of a sliding group, exactly as given.
+    /// The window of a sliding group (the chunk of a chunked group), exactly as given.
     pub sliding_window_tokens: Option<Int>,
     /// `history` or `state`.
     pub family: &'static str,

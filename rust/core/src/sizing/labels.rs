@@ -9,16 +9,20 @@ pub const FULL_ATTENTION: &str = "full_attention";
 pub const SLIDING_ATTENTION: &str = "sliding_attention";
 /// Layer label of a linear-attention (state) layer.
 pub const LINEAR_ATTENTION: &str = "linear_attention";
+/// Layer label of a chunked local attention layer (a token attends its own chunk).
+pub const CHUNKED_ATTENTION: &str = "chunked_attention";
 /// Retention of a group that keeps every page.
 pub const FULL_HISTORY: &str = "full_history";
 /// Retention of a group that keeps the pages inside its window.
 pub const SLIDING_WINDOW: &str = "sliding_window";
+/// Retention of a group that keeps the pages of each request's current chunk.
+pub const CHUNKED_WINDOW: &str = "chunked_window";
 /// Family of a K/V history group.
 pub const HISTORY: &str = "history";
 /// Family of a recurrent-state group.
 pub const STATE: &str = "state";
 
-const KNOWN_LABELS: &str = "full_attention, sliding_attention, linear_attention";
+const KNOWN_LABELS: &str = "full_attention, sliding_attention, linear_attention, chunked_attention";
 
 /// The kind of a layer, from its label.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -29,6 +33,8 @@ pub enum LayerKind {
     Sliding,
     /// `linear_attention`: a constant-size recurrent state.
     Linear,
+    /// `chunked_attention`: keeps the tokens of the current chunk of `C` (its window entry).
+    Chunked,
 }
 
 impl LayerKind {
@@ -38,6 +44,7 @@ impl LayerKind {
             FULL_ATTENTION => Some(Self::Full),
             SLIDING_ATTENTION => Some(Self::Sliding),
             LINEAR_ATTENTION => Some(Self::Linear),
+            CHUNKED_ATTENTION => Some(Self::Chunked),
             _ => None,
         }
     }
@@ -48,6 +55,7 @@ impl LayerKind {
             Self::Full => FULL_ATTENTION,
             Self::Sliding => SLIDING_ATTENTION,
             Self::Linear => LINEAR_ATTENTION,
+            Self::Chunked => CHUNKED_ATTENTION,
         }
     }
 
@@ -56,7 +64,13 @@ impl LayerKind {
         match self {
             Self::Full | Self::Linear => FULL_HISTORY,
             Self::Sliding => SLIDING_WINDOW,
+            Self::Chunked => CHUNKED_WINDOW,
         }
+    }
+
+    /// True for the kinds whose layers carry a window entry (a sliding window, or a chunk).
+    pub fn is_windowed(self) -> bool {
+        matches!(self, Self::Sliding | Self::Chunked)
     }
 
     /// True for state labels (`STATE_LAYER_TYPES`).

@@ -2,7 +2,7 @@
 //! group needs for the given limits; `publish_paged_cache_groups` chains grouping and counts.
 
 use super::grouping::{layer_labels, show, specs_for_labels, GroupSpec, LayerTypesArg, WindowsArg};
-use super::labels::{Text, FULL_ATTENTION, FULL_HISTORY, SLIDING_WINDOW, STATE};
+use super::labels::{Text, CHUNKED_WINDOW, FULL_ATTENTION, FULL_HISTORY, SLIDING_WINDOW, STATE};
 use crate::error::{CoreError, CoreResult};
 use crate::num::int::{capped_ceil_quotient, capped_quotient, sum, Int, IntArg};
 
@@ -59,7 +59,9 @@ pub(super) fn spec_geometry(spec: &SpecArg) -> CoreResult<SpecGeometry<'_>> {
             "group {gid}: rows_per_page * entry_stride_tokens must be > 0, got {raw}"
         )));
     }
-    if spec.retention.is(SLIDING_WINDOW) {
+    // A chunked group is sized as a sliding window of its chunk: the most history a token
+    // attends (SPEC 6).
+    if spec.retention.is(SLIDING_WINDOW) || spec.retention.is(CHUNKED_WINDOW) {
         let window = match &spec.sliding_window_tokens {
             None => None,
             Some(arg) => Some(arg.int(&format!("group {gid}: sliding_window_tokens"))?),
@@ -72,7 +74,8 @@ pub(super) fn spec_geometry(spec: &SpecArg) -> CoreResult<SpecGeometry<'_>> {
                 state: false,
             }),
             _ => Err(CoreError::invalid(format!(
-                "group {gid}: sliding_window retention needs a positive sliding_window_tokens, got {}",
+                "group {gid}: {} retention needs a positive sliding_window_tokens, got {}",
+                spec.retention.text(),
                 show(window)
             ))),
         };

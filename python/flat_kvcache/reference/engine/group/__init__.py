@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
-from flat_kvcache._types import FULL, SLIDING, STATE, KVCacheSpec
+from flat_kvcache._types import CHUNKED, FULL, SLIDING, STATE, KVCacheSpec
 from flat_kvcache.reference.engine.group.base import GroupManager
+from flat_kvcache.reference.engine.group.chunked import ChunkedLocalManager
 from flat_kvcache.reference.engine.group.full import FullAttentionManager
 from flat_kvcache.reference.engine.group.sliding import SlidingWindowManager
 from flat_kvcache.reference.engine.group.state import StateManager
 from flat_kvcache.reference.engine.pool import BlockPool
 
-__all__ = ["FullAttentionManager", "GroupManager", "SlidingWindowManager", "StateManager", "new_manager"]
+__all__ = [
+    "ChunkedLocalManager",
+    "FullAttentionManager",
+    "GroupManager",
+    "SlidingWindowManager",
+    "StateManager",
+    "new_manager",
+]
 
 #: The manager class of each engine kind.
 _MANAGER_OF_KIND: dict[str, type[GroupManager]] = {
     FULL: FullAttentionManager,
     SLIDING: SlidingWindowManager,
     STATE: StateManager,
+    CHUNKED: ChunkedLocalManager,
 }
 
 

@@ -8,6 +8,8 @@
 //! - [`sliding`]: sliding window (match a run behind a boundary, reclaim slid-out slots).
 //! - [`state`]: linear attention / mamba state (a window of 2; registers only the final page
 //!   of a range that ends on a page boundary).
+//! - [`chunked`]: chunked local attention (a token attends its own chunk of `C` tokens; the
+//!   pages of finished chunks are released).
 
 use std::hash::Hash;
 
@@ -15,6 +17,7 @@ use crate::engine::pool::{BlockPool, NULL_PAGE};
 use crate::engine::table::Table;
 use crate::num::Divisor;
 
+pub mod chunked;
 pub mod full;
 pub mod sliding;
 pub mod state;
@@ -32,6 +35,12 @@ pub enum GroupKind {
     /// Linear attention / mamba state: a sliding window with `W = 2`; registers only the
     /// final page of a range that ends exactly on a page boundary.
     State,
+    /// Chunked local attention: the token at position `t` attends `[t - t % chunk, t]`.
+    ChunkedLocal {
+        /// The chunk `C >= 1` in tokens (a multiple of the page size, checked by the
+        /// coordinator).
+        chunk: u64,
+    },
 }
 
 /// Why a (kind name, window) pair names no [`GroupKind`].
@@ -41,13 +50,17 @@ pub enum KindError {
     UnknownName,
     /// `sliding_window` needs a window `>= 1`.
     WindowRequired,
-    /// `full` and `state` take no window.
+    /// `full`, `state` and `chunked_local` take no window.
     WindowNotAllowed,
+    /// `chunked_local` needs a chunk `>= 1`.
+    ChunkRequired,
+    /// Only `chunked_local` takes a chunk.
+    ChunkNotAllowed,
 }
 
 impl GroupKind {
     /// The kind names the public API uses, in the order messages list them.
-    pub const NAMES: [&'static str; 3] = ["full", "sliding_window", "state"];
+    pub const NAMES: [&'static str; 4] = ["full", "sliding_window", "state", "chunked_local"];
 
     /// The public name of this kind (one of [`Self::NAMES`]).
     pub fn name(self) -> &'static str {
@@ -55,18 +68,33 @@ impl GroupKind {
             Self::Full => "full",
             Self::SlidingWindow { .. } => "sliding_window",
             Self::State => "state",
+            Self::ChunkedLocal { .. } => "chunked_local",
         }
     }
 
-    /// The kind a public name and window describe; the one place kind names are parsed.
-    pub fn from_name(name: &str, window: Option<u64>) -> Result<Self, KindError> {
-        match (name, window) {
-            ("full", None) => Ok(Self::Full),
-            ("state", None) => Ok(Self::State),
-            ("sliding_window", Some(window)) if window >= 1 => Ok(Self::SlidingWindow { window }),
-            ("sliding_window", _) => Err(KindError::WindowRequired),
-            ("full" | "state", Some(_)) => Err(KindError::WindowNotAllowed),
-            _ => Err(KindError::UnknownName),
+    /// The kind a public name, window and chunk describe; the one place kind names are parsed.
+    pub fn from_name(name: &str, window: Option<u64>, chunk: Option<u64>) -> Result<Self, KindError> {
+        if !Self::NAMES.contains(&name) {
+            return Err(KindError::UnknownName);
+        }
+        match (name, window, chunk) {
+            ("chunked_local", _, None | Some(0)) => Err(KindError::ChunkRequired),
+            ("chunked_local", Some(_), _) => Err(KindError::WindowNotAllowed),
+            ("chunked_local", None, Some(chunk)) => Ok(Self::ChunkedLocal { chunk }),
+            (_, _, Some(_)) => Err(KindError::ChunkNotAllowed),
+            ("full", None, None) => Ok(Self::Full),
+            ("state", None, None) => Ok(Self::State),
+            ("sliding_window", Some(window), None) if window >= 1 => Ok(Self::SlidingWindow { window }),
+            ("sliding_window", _, None) => Err(KindError::WindowRequired),
+            _ => Err(KindError::WindowNotAllowed),
+        }
+    }
+
+    /// The configured chunk of a chunked-local group (`None` for the other kinds).
+    pub fn chunk(self) -> Option<u64> {
+        match self {
+            Self::ChunkedLocal { chunk } => Some(chunk),
+            Self::Full | Self::SlidingWindow { .. } | Self::State => None,
         }
     }
 
@@ -74,16 +102,18 @@ impl GroupKind {
     pub fn sliding_window(self) -> Option<u64> {
         match self {
             Self::SlidingWindow { window } => Some(window),
-            Self::Full | Self::State => None,
+            Self::Full | Self::State | Self::ChunkedLocal { .. } => None,
         }
     }
 
-    /// The effective window in tokens (`None` for full attention).
+    /// The effective window in tokens: the most history a token attends (`None` for full
+    /// attention; a chunked group's chunk).
     pub fn window(self) -> Option<u64> {
         match self {
             Self::Full => None,
             Self::SlidingWindow { window } => Some(window),
             Self::State => Some(state::WINDOW),
+            Self::ChunkedLocal { chunk } => Some(chunk),
         }
     }
 
@@ -106,7 +136,11 @@ impl GroupManager {
     /// A manager for pages of `page_size > 0` tokens (validated by the coordinator).
     pub fn new(kind: GroupKind, page_size: u64) -> Self {
         let page = Divisor::new(page_size);
-        let needed = kind.window().map_or(0, |w| page.ceil_div(w.saturating_sub(1)));
+        let needed = match kind {
+            // Pages per chunk: a boundary needs the pages from its chunk's start.
+            GroupKind::ChunkedLocal { chunk } => page.quotient(chunk),
+            _ => kind.window().map_or(0, |w| page.ceil_div(w.saturating_sub(1))),
+        };
         Self { kind, page, needed }
     }
 
@@ -188,6 +222,7 @@ impl GroupManager {
             GroupKind::Full => full::match_slots(end, hit),
             GroupKind::SlidingWindow { .. } => sliding::match_slots(self.needed, end, hit),
             GroupKind::State => state::match_slots(self.needed, end, hit),
+            GroupKind::ChunkedLocal { .. } => chunked::match_slots(self.needed, end, hit),
         }
     }
 
@@ -198,6 +233,7 @@ impl GroupManager {
             GroupKind::Full => full::reclaim_bound(),
             GroupKind::SlidingWindow { window } => sliding::reclaim_bound(self.page, window, table, n),
             GroupKind::State => state::reclaim_bound(self.page, table, n),
+            GroupKind::ChunkedLocal { chunk } => chunked::reclaim_bound(self.page, chunk, table, n),
         }
     }
 
@@ -208,6 +244,7 @@ impl GroupManager {
             GroupKind::Full => return None,
             GroupKind::SlidingWindow { window } => window,
             GroupKind::State => state::WINDOW,
+            GroupKind::ChunkedLocal { chunk } => return chunked::reclaim_due(self.page, chunk, table),
         };
         if table.holes_below() >= table.len() {
             return None;
@@ -225,7 +262,7 @@ impl GroupManager {
     pub fn reclaim<K: Clone + Eq + Hash>(&self, pool: &mut BlockPool<K>, table: &mut Table, n: u64) -> usize {
         match self.kind {
             GroupKind::Full => 0,
-            GroupKind::SlidingWindow { .. } | GroupKind::State => {
+            GroupKind::SlidingWindow { .. } | GroupKind::State | GroupKind::ChunkedLocal { .. } => {
                 sliding::reclaim(pool, table, self.reclaim_bound(table, n))
             }
         }
@@ -242,7 +279,7 @@ impl GroupManager {
     ) -> usize {
         match self.kind {
             GroupKind::Full => 0,
-            GroupKind::SlidingWindow { .. } | GroupKind::State => {
+            GroupKind::SlidingWindow { .. } | GroupKind::State | GroupKind::ChunkedLocal { .. } => {
                 sliding::reclaimable(pool, table, self.reclaim_bound(table, n), count_uncached)
             }
         }
@@ -300,7 +337,7 @@ impl GroupManager {
         };
         match self.kind {
             GroupKind::State => state::register_plan(self.page, mult, range, plan),
-            GroupKind::Full | GroupKind::SlidingWindow { .. } => Some(plan),
+            GroupKind::Full | GroupKind::SlidingWindow { .. } | GroupKind::ChunkedLocal { .. } => Some(plan),
         }
     }
 }
@@ -334,19 +371,46 @@ mod tests {
             GroupKind::SlidingWindow { window: 7 },
             GroupKind::State,
         ] {
-            assert_eq!(GroupKind::from_name(kind.name(), kind.sliding_window()), Ok(kind));
+            assert_eq!(
+                GroupKind::from_name(kind.name(), kind.sliding_window(), kind.chunk()),
+                Ok(kind)
+            );
             assert!(GroupKind::NAMES.contains(&kind.name()));
         }
         assert_eq!(
-            GroupKind::from_name("sliding_window", Some(0)),
+            GroupKind::from_name("sliding_window", Some(0), None),
             Err(KindError::WindowRequired)
         );
         assert_eq!(
-            GroupKind::from_name("sliding_window", None),
+            GroupKind::from_name("sliding_window", None, None),
             Err(KindError::WindowRequired)
         );
-        assert_eq!(GroupKind::from_name("full", Some(4)), Err(KindError::WindowNotAllowed));
-        assert_eq!(GroupKind::from_name("Full", None), Err(KindError::UnknownName));
+        assert_eq!(
+            GroupKind::from_name("full", Some(4), None),
+            Err(KindError::WindowNotAllowed)
+        );
+        assert_eq!(GroupKind::from_name("Full", None, None), Err(KindError::UnknownName));
+        assert_eq!(GroupKind::from_name("Full", None, Some(4)), Err(KindError::UnknownName));
+        assert_eq!(
+            GroupKind::from_name("full", None, Some(4)),
+            Err(KindError::ChunkNotAllowed)
+        );
+        assert_eq!(
+            GroupKind::from_name("chunked_local", None, None),
+            Err(KindError::ChunkRequired)
+        );
+        assert_eq!(
+            GroupKind::from_name("chunked_local", None, Some(0)),
+            Err(KindError::ChunkRequired)
+        );
+        assert_eq!(
+            GroupKind::from_name("chunked_local", Some(8), Some(8)),
+            Err(KindError::WindowNotAllowed)
+        );
+        assert_eq!(
+            GroupKind::from_name("chunked_local", None, Some(8)),
+            Ok(GroupKind::ChunkedLocal { chunk: 8 })
+        );
     }
 
     #[test]
