@@ -4,7 +4,7 @@
 
 Expectations are not taken from the reader: they come from the ``transformers`` config object's
 own ``layer_types`` where the class builds one (Qwen2, Qwen3, Qwen2-MoE, Ministral, Gemma-2,
-Gemma-3, GPT-OSS, Olmo3), else from the rule the model's modeling code applies, written out
+Gemma-3, GPT-OSS, Olmo3, Llama 4), else from the rule the model's modeling code applies, written out
 here (Llama, Gemma, Olmo, Olmo2: every layer full; Mistral, Ministral3, Phi3, Qwen3-MoE: every
 layer slides by ``config.sliding_window`` when it is not None).
 """
@@ -422,17 +422,74 @@ def test_mistral3_wrapper(tf: ModuleType) -> None:
     expect(read(hub), [FULL] * 40, None, model_type="mistral")
 
 
-def test_llama4_is_refused_in_both_forms(tf: ModuleType) -> None:
-    written = tf.Llama4Config().to_dict()
-    assert "chunked_attention" in written["text_config"]["layer_types"]
-    refused(written, "attention_chunk_size")
-    refused(tf.Llama4TextConfig().to_dict(), "attention_chunk_size")
-    # meta-llama/Llama-4-Scout-17B-16E-Instruct config.json (layout fields of text_config).
-    hub = {
+CHUNKED = "chunked_attention"
+
+
+def expect_llama4(ml: ModelLayers, labels: list[str], chunk: int | None) -> None:
+    """Llama 4: every model layer keeps K/V, the chunked ones windowed by their chunk."""
+    assert ml.family == "Llama 4"
+    assert ml.layer_types == tuple(labels)
+    assert ml.model_layers == tuple(range(len(labels)))
+    assert ml.num_model_layers == len(labels)
+    assert ml.sliding_window == (chunk if CHUNKED in labels else None)
+    assert ml.state_kind is None
+    assert ml.model_type == "llama4_text"
+
+
+LLAMA4_CASES: list[Any] = [
+    pytest.param({}, id="defaults"),
+    pytest.param({"num_hidden_layers": 6, "attention_chunk_size": 64}, id="every-4th-nope"),
+    pytest.param({"num_hidden_layers": 6, "no_rope_layer_interval": 3}, id="interval-3"),
+    pytest.param({"num_hidden_layers": 4, "no_rope_layers": [1, 0, 1, 0]}, id="explicit-list"),
+    pytest.param({"num_hidden_layers": 3, "no_rope_layers": [1, 1, 1]}, id="every-layer-chunked"),
+]
+
+
+@pytest.mark.parametrize("kwargs", LLAMA4_CASES)
+def test_llama4_both_forms(tf: ModuleType, kwargs: dict[str, Any]) -> None:
+    """Expectations from ``Llama4TextConfig``'s own ``layer_types`` (the model masks layer ``i``
+    by ``layer_types[i]``, its first ``num_hidden_layers`` entries); the Hub form drops
+    ``layer_types`` and keeps the fields the class builds it from."""
+    config = tf.Llama4TextConfig(**kwargs)
+    labels = list(config.layer_types[: config.num_hidden_layers])
+    chunk = config.attention_chunk_size
+    written = config.to_dict()
+    expect_llama4(read(written), labels, chunk)
+    hub_fields = ("num_hidden_layers", "no_rope_layers", "no_rope_layer_interval", "attention_chunk_size")
+    hub = {"model_type": "llama4_text", **{k: v for k, v in kwargs.items() if k in hub_fields}}
+    hub.setdefault("num_hidden_layers", config.num_hidden_layers)
+    hub.setdefault("attention_chunk_size", chunk)
+    expect_llama4(read(hub), labels, chunk)
+    # The multimodal wrapper: its text_config is read.
+    wrapped = tf.Llama4Config(text_config=kwargs).to_dict()
+    expect_llama4(read(wrapped), labels, chunk)
+
+
+def test_llama4_hub_configs(tf: ModuleType) -> None:
+    # meta-llama/Llama-4-Scout-17B-16E-Instruct config.json (layout fields of text_config): an
+    # empty no_rope_layers is the class default, every 4th layer NoPE (full attention).
+    scout = {
         "model_type": "llama4",
-        "text_config": {"model_type": "llama4_text", "num_hidden_layers": 48, "attention_chunk_size": 8192},
+        "text_config": {
+            "model_type": "llama4_text",
+            "num_hidden_layers": 48,
+            "attention_chunk_size": 8192,
+            "no_rope_layers": [],
+        },
     }
-    refused(hub, "attention_chunk_size")
+    expected = list(tf.Llama4TextConfig(num_hidden_layers=48, no_rope_layers=[]).layer_types)
+    assert expected.count(FULL) == 12
+    expect_llama4(read(scout), expected, 8192)
+    # A layer_types that says all full needs no chunk; one with chunked layers needs it.
+    full = {"model_type": "llama4_text", "num_hidden_layers": 2, "layer_types": [FULL, FULL]}
+    expect_llama4(read({**full, "attention_chunk_size": None}), [FULL, FULL], None)
+    message = refused(
+        {**full, "layer_types": [CHUNKED, FULL], "attention_chunk_size": None}, "attention_chunk_size"
+    )
+    assert "null" in message and "chunked_attention" in message
+    # The model masks by layer_types, not by no_rope_layers, when both are given.
+    both = {**full, "layer_types": [CHUNKED, FULL], "no_rope_layers": [0, 1], "attention_chunk_size": 16}
+    expect_llama4(read(both), [CHUNKED, FULL], 16)
 
 
 # --- refusals (no transformers needed) -----------------------------------------------------------
@@ -685,11 +742,75 @@ REFUSALS: list[Any] = [
     pytest.param(
         {"model_type": "mistral", "sliding_window": 4096}, "num_hidden_layers", id="mistral-missing-layers"
     ),
-    # Llama 4, refused whatever its fields.
+    # Llama 4: chunked layers need their chunk; no_rope_layers and layer_types are checked.
     pytest.param(
-        {"model_type": "llama4_text", "num_hidden_layers": 4}, "attention_chunk_size", id="llama4_text"
+        {"model_type": "llama4_text", "num_hidden_layers": 4},
+        "attention_chunk_size",
+        id="llama4_text-no-chunk",
     ),
-    pytest.param({"model_type": "llama4", "num_hidden_layers": 4}, "attention_chunk_size", id="llama4"),
+    pytest.param(
+        {"model_type": "llama4", "num_hidden_layers": 4}, "attention_chunk_size", id="llama4-no-chunk"
+    ),
+    pytest.param(
+        {"model_type": "llama4_text", "num_hidden_layers": 4, "attention_chunk_size": 0},
+        "attention_chunk_size",
+        id="llama4-chunk-0",
+    ),
+    pytest.param(
+        {
+            "model_type": "llama4_text",
+            "num_hidden_layers": 4,
+            "attention_chunk_size": 8,
+            "no_rope_layers": [1, 0],
+        },
+        "no_rope_layers",
+        id="llama4-no_rope_layers-short",
+    ),
+    pytest.param(
+        {
+            "model_type": "llama4_text",
+            "num_hidden_layers": 2,
+            "attention_chunk_size": 8,
+            "no_rope_layers": [1, 0, 1],
+        },
+        "no_rope_layers",
+        id="llama4-no_rope_layers-long",
+    ),
+    pytest.param(
+        {
+            "model_type": "llama4_text",
+            "num_hidden_layers": 2,
+            "attention_chunk_size": 8,
+            "no_rope_layers": [1, 2],
+        },
+        "no_rope_layers[1]",
+        id="llama4-no_rope_layers-value",
+    ),
+    pytest.param(
+        {
+            "model_type": "llama4_text",
+            "num_hidden_layers": 2,
+            "attention_chunk_size": 8,
+            "no_rope_layers": "11",
+        },
+        "no_rope_layers",
+        id="llama4-no_rope_layers-str",
+    ),
+    pytest.param(
+        {
+            "model_type": "llama4_text",
+            "num_hidden_layers": 2,
+            "attention_chunk_size": 8,
+            "layer_types": [SLIDING, FULL],
+        },
+        "layer_types[0]",
+        id="llama4-sliding-label",
+    ),
+    pytest.param(
+        {"model_type": "llama4_text", "num_hidden_layers": 4, "no_rope_layer_interval": 0},
+        "no_rope_layer_interval",
+        id="llama4-interval-0",
+    ),
 ]
 
 
@@ -711,4 +832,4 @@ def test_refusals_say_what_is_supported() -> None:
     )
     assert "ignores layer_types" in message
     message = refused({"model_type": "llama4", "num_hidden_layers": 4}, "attention_chunk_size")
-    assert "llama4" in message and "chunked" in message
+    assert "missing" in message and "chunked_attention" in message

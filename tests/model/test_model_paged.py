@@ -280,6 +280,106 @@ def test_mistral_window_without_layer_types_is_read_as_sliding() -> None:
     assert_matches(model, records)
 
 
+CHUNK = 8
+
+
+def llama4() -> Any:
+    """Llama 4 text: three chunked local attention layers (chunk 8) and a full NoPE layer."""
+    return tiny_model("llama4", window=CHUNK, num_layers=4, seed=5)
+
+
+@pytest.mark.parametrize("source", ["tables", "capture", "rows"])
+def test_llama4_chunked_layers_past_two_chunk_boundaries_with_a_shared_prefix(source: str) -> None:
+    """Every request runs past two chunk boundaries (prompt + generated > 2 C); the finished
+    chunks' pages are reclaimed (holes) while the full layer keeps all; the second request hits
+    the shared prefix up to a chunk-resumable boundary and is not recomputed there."""
+    model = llama4()
+    shape = model_shape(model.config)
+    assert shape.layer_types == ("chunked_attention",) * 3 + ("full_attention",)
+    assert shape.sliding_window == CHUNK  # a chunked layer's window entry is its chunk
+    runner = setup(
+        model,
+        page_size=4,
+        num_pages=48,
+        capture="absolute" if source == "capture" else None,
+        rows="absolute" if source == "rows" else None,
+    )
+    assert runner.chunks == {"chunked_attention": CHUNK, "full_attention": None}
+    assert runner.windows == {"chunked_attention": None, "full_attention": None}
+    seen_holes: list[int] = []
+
+    def on_step(
+        step: int, reqs: Sequence[str], ns: Sequence[int], records: Mapping[str, RequestRecord]
+    ) -> None:
+        for req in reqs:
+            slot = records[req].slot
+            if slot is not None:
+                tables = runner.cache.block_tables([slot])
+                seen_holes.append(int((tables["chunked_attention"][0] == 0).sum()))
+                assert (tables["full_attention"][0] > 0).all()
+
+    shared = prompt(14, 40)
+    prompts = {"first": [*shared, *prompt(3, 41)], "second": [*shared, *prompt(4, 42)]}
+    records = run_greedy(runner, prompts, 12, chunk_size=5, max_running=1, on_step=on_step)
+    assert all(len(r.tokens) > 2 * CHUNK + CHUNK for r in records.values())
+    assert max(seen_holes) >= 2 * CHUNK // 4  # the pages of two finished chunks were reclaimed
+    # 14 shared tokens: the boundary at 12 (page 3) resumes the chunk [8, 16), whose page 2 is cached.
+    assert records["second"].hits == [12]
+    assert computed_positions(records["second"])[0] == 12
+    assert computed_positions(records["first"]) == list(range(28))
+    assert_matches(model, records)
+
+
+def test_llama4_decode_graph_path_on_fixed_tensors() -> None:
+    model = llama4()
+    runner = setup(model, page_size=4, num_pages=64, capture="absolute", max_batch=4, max_context=64)
+    records = run_decode_graph(runner, {"a": prompt(5, 43), "b": prompt(11, 44)}, 20, use_graph=False)
+    assert len(records["b"].tokens) == 31 > 3 * CHUNK
+    assert_matches(model, records)
+
+
+def test_llama4_without_the_chunk_differs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The comparison has teeth: the same forward with the chunk dropped from the paged
+    attention (every page still live: one prefill of 3 chunks, nothing reclaimed yet) differs
+    from the model by far more than the tolerance; with it, it matches."""
+    from flat_kvcache.torch import paged_attention as original
+
+    model = llama4()
+    tokens = prompt(3 * CHUNK - 1, 45)
+    reference = reference_logits(model, tokens)
+    chunks_seen: list[int | None] = []
+
+    def errors(drop_chunk: bool) -> float:
+        def attention(*args: Any, chunk_size: int | None = None, **kwargs: Any) -> torch.Tensor:
+            chunks_seen.append(chunk_size)
+            return original(*args, chunk_size=None if drop_chunk else chunk_size, **kwargs)
+
+        monkeypatch.setattr("flat_kvcache.torch.runner.paged_attention", attention)
+        runner = setup(model, page_size=4, num_pages=48)
+        slot, hit = runner.add_request("a", tokens)
+        assert hit == 0 and runner.cache.schedule([slot], [len(tokens)]).all()
+        (logits,) = runner.step([slot], [tokens])
+        monkeypatch.setattr("flat_kvcache.torch.runner.paged_attention", original)
+        return float((logits - reference).abs().max())
+
+    assert errors(drop_chunk=False) <= TOLERANCE
+    assert chunks_seen == [CHUNK, CHUNK, CHUNK, None]  # the plan's chunk, per layer
+    assert errors(drop_chunk=True) > 100 * TOLERANCE
+
+
+def test_llama4_temperature_tuning_past_floor_scale_is_refused() -> None:
+    """The NoPE layers' query temperature reads the packed token index, not the positions: a
+    forward where that matters is refused rather than silently different."""
+    model = llama4()
+    model.config.floor_scale = 16
+    runner = setup(model, page_size=4, num_pages=48)
+    tokens = prompt(20, 46)
+    slot, _ = runner.add_request("a", tokens)
+    assert runner.cache.schedule([slot], [len(tokens)]).all()
+    with pytest.raises(ValueError, match="attn_temperature_tuning"):
+        runner.step([slot], [tokens])
+
+
 def test_an_attention_argument_the_paged_forward_lacks_is_refused_by_name() -> None:
     from flat_kvcache.torch.runner import _paged_attention_forward
 

@@ -2,8 +2,9 @@
 and how a config is turned into cache layers.
 
 A *family* maps the config fields of one kind of model (by ``model_type``) to a kind per model
-layer: full attention, sliding-window attention with its window, a recurrent state of a named
-*state kind*, or no cache at all (an MLP-only layer). The readers never guess: a field they need
+layer: full attention, sliding-window attention with its window, chunked local attention with
+its chunk (Llama 4), a recurrent state of a named *state kind*, or no cache at all (an MLP-only
+layer). The readers never guess: a field they need
 that is missing or holds a value they do not know is a :class:`~flat_kvcache.errors.ModelConfigError`
 naming the field, the value and what is supported.
 
@@ -16,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from flat_kvcache._types import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION
+from flat_kvcache._types import CHUNKED_ATTENTION, FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION
 from flat_kvcache.errors import ModelConfigError
 
 __all__ = [
@@ -40,12 +41,13 @@ __all__ = [
 Config = Mapping[str, Any]
 
 #: What a model layer keeps between steps.
-LayerKind = Literal["full", "sliding", "state", "none"]
+LayerKind = Literal["full", "sliding", "chunked", "state", "none"]
 
 
 @dataclass(frozen=True)
 class Layer:
-    """One model layer as the cache sees it: its kind, and its window when sliding."""
+    """One model layer as the cache sees it: its kind, and its window when sliding (its
+    attention chunk ``C`` when chunked: the token at ``t`` attends ``[t - t % C, t]``)."""
 
     kind: LayerKind
     window: int | None = None
@@ -105,10 +107,11 @@ class ModelLayers:
     """The cache layers of a model config: the result of :func:`flat_kvcache.families.read_model_layers`.
 
     ``layer_types`` has one label per layer that keeps a cache (``full_attention``,
-    ``sliding_attention``, ``linear_attention``), in model order; ``model_layers`` the model's
-    index of each (MLP-only layers have none); ``sliding_window`` is None, one int for every
-    sliding layer, or one entry per cache layer; ``state_kind`` names the state of the
-    ``linear_attention`` layers.
+    ``sliding_attention``, ``chunked_attention``, ``linear_attention``), in model order;
+    ``model_layers`` the model's index of each (MLP-only layers have none); ``sliding_window`` is
+    None, one int for every sliding and chunked layer, or one entry per cache layer (a chunked
+    layer's entry is its chunk, as the sizing API reads it); ``state_kind`` names the state of
+    the ``linear_attention`` layers.
     """
 
     family: str
@@ -123,21 +126,26 @@ class ModelLayers:
 _LABEL_OF_KIND: dict[str, str] = {
     "full": FULL_ATTENTION,
     "sliding": SLIDING_ATTENTION,
+    "chunked": CHUNKED_ATTENTION,
     "state": LINEAR_ATTENTION,
 }
 
+#: The kinds whose layers carry a window entry: a sliding window, or an attention chunk.
+_WINDOWED_KINDS = frozenset({"sliding", "chunked"})
+
 
 def model_layers(family: Family, model_type: str | None, layers: Sequence[Layer]) -> ModelLayers:
-    """Cache layers from every model layer's kind (windows collapsed to one int when they agree)."""
+    """Cache layers from every model layer's kind (windows collapsed to one int when they agree;
+    a chunked layer's entry is its chunk)."""
     kept = [(i, layer) for i, layer in enumerate(layers) if layer.kind != "none"]
-    windows = {layer.window for _, layer in kept if layer.kind == "sliding"}
+    windows = {layer.window for _, layer in kept if layer.kind in _WINDOWED_KINDS}
     window: int | tuple[int | None, ...] | None
     if not windows:
         window = None
     elif len(windows) == 1:
         window = next(iter(windows))
     else:
-        window = tuple(layer.window if layer.kind == "sliding" else None for _, layer in kept)
+        window = tuple(layer.window if layer.kind in _WINDOWED_KINDS else None for _, layer in kept)
     has_state = any(layer.kind == "state" for _, layer in kept)
     return ModelLayers(
         family=family.name,

@@ -1,6 +1,7 @@
 """Attention-only families: every layer keeps K/V, for all of history or within a window.
 
-Two kinds of reader, following what each model's ``transformers`` code reads:
+Two kinds of reader, following what each model's ``transformers`` code reads (and Llama 4,
+whose chunked local attention layers keep the tokens of their current chunk):
 
 - Models that read ``layer_types`` (Qwen2, Qwen3, Qwen2-MoE, Ministral, Gemma-2, Gemma-3,
   GPT-OSS, Olmo3): an explicit ``layer_types`` is taken as it is; without one (the Hub form) the
@@ -224,6 +225,66 @@ def _olmo3_hub(cfg: Config) -> list[Layer]:
     return _pattern(cfg, lambda i: (i + 1) % 4 != 0)
 
 
+# --- Llama 4: chunked local attention -----------------------------------------------------------
+
+_LLAMA4_LABELS: dict[str, LayerKind] = {"full_attention": "full", "chunked_attention": "chunked"}
+
+
+def _attention_chunk_size(cfg: Config) -> int:
+    """``attention_chunk_size``: required (an int >= 1) when some layer is chunked (the model's
+    chunked mask refuses a null one; a missing one is not the class default of 8192)."""
+    if cfg.get("attention_chunk_size") is None:
+        shown = "missing" if "attention_chunk_size" not in cfg else "null"
+        raise ModelConfigError(
+            f"config attention_chunk_size is {shown}: this config has chunked_attention layers, "
+            "which need the attention chunk (an int >= 1)"
+        )
+    return config_int(cfg, "attention_chunk_size", minimum=1)
+
+
+def _no_rope_layers(cfg: Config) -> list[bool]:
+    """Per model layer, whether it uses RoPE (and so chunked attention): ``no_rope_layers`` when
+    it is a non-empty list (1: RoPE, 0: NoPE; one entry per layer, as the class's
+    ``layer_types`` check needs), else ``Llama4TextConfig.__post_init__``'s rule: every
+    ``no_rope_layer_interval``-th layer (default 4) is NoPE."""
+    n = num_layers(cfg)
+    raw = cfg.get("no_rope_layers")
+    if raw is not None and (isinstance(raw, str) or not isinstance(raw, Sequence)):
+        raise refuse("no_rope_layers", raw, "a list of 0 / 1 per layer is needed")
+    if raw:  # None or an empty list: the class builds the default (it tests the list's truth)
+        if len(raw) != n:
+            raise refuse(
+                "no_rope_layers",
+                raw,
+                f"one entry (0 / 1) for each of the {n} layers (num_hidden_layers) is needed",
+            )
+        flags: list[bool] = []
+        for i, value in enumerate(raw):
+            if isinstance(value, bool) or value not in (0, 1):
+                raise refuse(
+                    f"no_rope_layers[{i}]", value, "0 (a NoPE, full attention layer) or 1 (RoPE, chunked)"
+                )
+            flags.append(value == 1)
+        return flags
+    interval = config_int(cfg, "no_rope_layer_interval", minimum=1, default=4)
+    return [(i + 1) % interval != 0 for i in range(n)]
+
+
+def _llama4(cfg: Config) -> list[Layer]:
+    """Llama 4 (``Llama4TextModel``): each layer's mask is ``layer_types[i]``
+    (``chunked_attention`` or ``full_attention``); the Hub form has no ``layer_types`` and the
+    class builds it from ``no_rope_layers`` (RoPE layers chunked, NoPE layers full). Chunked
+    layers attend ``attention_chunk_size`` tokens."""
+    if cfg.get("layer_types") is not None:
+        layers = layers_from_layer_types(cfg, _LLAMA4_LABELS)
+    else:
+        layers = [Layer("chunked") if rope else Layer("full") for rope in _no_rope_layers(cfg)]
+    if not any(layer.kind == "chunked" for layer in layers):
+        return layers
+    chunk = _attention_chunk_size(cfg)
+    return [Layer("chunked", chunk) if layer.kind == "chunked" else layer for layer in layers]
+
+
 # --- the table ----------------------------------------------------------------------------------
 
 ATTENTION_FAMILIES: tuple[Family, ...] = (
@@ -312,11 +373,9 @@ ATTENTION_FAMILIES: tuple[Family, ...] = (
     Family(
         "Llama 4",
         ("llama4", "llama4_text"),
-        _all_full("num_hidden_layers"),
-        "`layer_types` / `no_rope_layers`, `attention_chunk_size`",
-        refused=(
-            "chunked local attention (attention_chunk_size, in every layer but each 4th) is not a "
-            "cache group the engine has yet"
-        ),
+        _llama4,
+        "`layer_types` (`chunked_attention` / `full_attention`), `attention_chunk_size`; Hub form: "
+        "`no_rope_layers` (1: chunked, 0: full; empty: every `no_rope_layer_interval`-th layer "
+        "full, default 4)",
     ),
 )

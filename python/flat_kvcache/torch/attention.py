@@ -17,8 +17,10 @@ This module is the executable definition of the page layout that an attention ke
   before the attention reads them.
 * A request holds ``seq_lens[r]`` tokens, its ``query_lens[r]`` queries are the last ones
   (positions ``seq_lens[r] - query_lens[r] .. seq_lens[r] - 1``), and query ``q`` attends to key
-  positions ``p <= q`` (causal inside the chunk), and with a sliding window ``W`` only to
-  ``p > q - W`` (the query and the ``W - 1`` tokens before it: what the cache keeps).
+  positions ``p <= q`` (causal inside the step), with a sliding window ``W`` only to
+  ``p > q - W`` (the query and the ``W - 1`` tokens before it: what the cache keeps), and with
+  a local-attention chunk ``C`` (Llama 4's chunked layers) only to ``p >= q - q % C`` (the
+  tokens of the query's own chunk, positions ``[q - q % C, q]``: what the cache keeps).
 
 Every slot inside the attended range must be a real page (> 0). A hole or padding there means
 the cache and the kernel disagree (or a page was reclaimed too early); with ``check=True`` it is
@@ -79,6 +81,7 @@ def paged_attention(
     *,
     scale: float | None = None,
     sliding_window: int | None = None,
+    chunk_size: int | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
     check: bool = True,
@@ -97,7 +100,8 @@ def paged_attention(
         int ``[rows, cols]``: the layer's group table (``FlatKVCache.block_tables`` or a
         ``CaptureBuffers`` buffer). In windowed capture mode pass the shifted row and shifted
         ``seq_lens`` (``seq_lens - page_offsets * page_size``); the window mask is relative, so
-        the result is the same.
+        the result is the same. The chunk mask is not relative (it needs absolute positions):
+        a chunked layer's table must be the absolute one.
     seq_lens, query_lens
         int ``[rows]``: tokens in the cache after this step's write, and this step's queries.
     page_size
@@ -106,6 +110,10 @@ def paged_attention(
         Softmax scale (default ``head_dim ** -0.5``).
     sliding_window
         ``W`` for a sliding-window layer (None: full attention).
+    chunk_size
+        ``C`` for a chunked local attention layer (Llama 4's ``attention_chunk_size``): the
+        query at position ``t`` attends positions ``[t - t % C, t]``, its own chunk (None: no
+        chunk). With ``sliding_window`` too, both masks apply.
     sinks
         Optional ``[heads]`` attention-sink logits (GPT-OSS): an extra softmax column per head
         that takes probability mass and contributes no value.
@@ -139,6 +147,7 @@ def paged_attention(
         if lens.dim() != 1 or int(lens.shape[0]) != rows:
             raise ValueError(f"{name} must be [rows] with rows = {rows}, got shape {tuple(lens.shape)}")
     window = None if sliding_window is None else as_int(sliding_window, "sliding_window", minimum=1)
+    chunk = None if chunk_size is None else as_int(chunk_size, "chunk_size", minimum=1)
     if softcap is not None and (isinstance(softcap, bool) or not float(softcap) > 0):
         raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
     if sinks is not None and tuple(sinks.shape) != (heads,):
@@ -161,6 +170,8 @@ def paged_attention(
     attended = k_pos[None, :] <= q_pos[:, None]  # [tokens, span]
     if window is not None:
         attended &= k_pos[None, :] > q_pos[:, None] - window
+    if chunk is not None:
+        attended &= k_pos[None, :] >= q_pos[:, None] - q_pos[:, None] % chunk
     unbacked = attended & (pages[row_of] <= 0)
     if check and bool(unbacked.any()):
         token, pos = (int(i) for i in torch.nonzero(unbacked)[0])

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from flat_kvcache import PagedCacheGroupSpec, compute_max_logical_pages_for_capture
-from flat_kvcache._types import FULL_HISTORY, SLIDING_WINDOW, STATE
+from flat_kvcache._types import CHUNKED_WINDOW, FULL_HISTORY, SLIDING_WINDOW, STATE
 from flat_kvcache.torch._checks import DeviceLike, as_device, as_int, is_integer_dtype
 
 __all__ = ["CaptureBuffers", "extend_locations", "write_locations"]
@@ -46,6 +46,12 @@ class CaptureBuffers:
       a ``block_tables(out=)`` width: ``out=`` rows are absolute (``bind_rows(offsets=)`` is the
       windowed layout for persistent rows).
 
+    A chunked local attention group (retention ``chunked_window``, Llama 4) is captured like a
+    sliding group in the absolute mode: its table grows with holes in front, so its buffer has
+    the full-history width. It is never windowed, even with ``sliding_offsets=True`` (its chunk
+    mask ``p >= q - q % C`` needs absolute positions, which a shift by ``offset * P`` breaks
+    unless the offset is a multiple of ``C / P``): windowed rows and offsets are sliding-only.
+
     ``flat-kvcache plan`` prints both widths of every group (``table width`` and ``windowed``).
     """
 
@@ -64,6 +70,10 @@ class CaptureBuffers:
         target = torch.device("cpu") if device is None else as_device(device)
         self._state_groups = frozenset(g.group_id for g in groups if g.family == STATE)
         self._sliding = frozenset(g.group_id for g in groups if g.retention == SLIDING_WINDOW)
+        # Tables that grow with holes in front: absolute ones need the full-history width.
+        self._windowed_retention = frozenset(
+            g.group_id for g in groups if g.retention in (SLIDING_WINDOW, CHUNKED_WINDOW)
+        )
         self._buffers: dict[str, torch.Tensor] = {}
         self._offsets: dict[str, torch.Tensor] = {}
         for spec in groups:
@@ -72,8 +82,10 @@ class CaptureBuffers:
             if spec.group_id in self._buffers:
                 raise ValueError(f"group {spec.group_id!r} appears twice")
             windowed = sliding_offsets and spec.group_id in self._sliding
-            # Absolute sliding tables grow like full-history ones: size them with the full width.
-            sized = spec if windowed or spec.group_id not in self._sliding else _as_full_history(spec)
+            # Absolute sliding (and chunked) tables grow like full-history ones: size them with
+            # the full width.
+            absolute_growing = not windowed and spec.group_id in self._windowed_retention
+            sized = _as_full_history(spec) if absolute_growing else spec
             width = compute_max_logical_pages_for_capture(
                 sized,
                 max_context_len=max_context_len,
@@ -111,7 +123,8 @@ class CaptureBuffers:
     def page_offsets(self, group_id: str) -> torch.Tensor:
         """``[max_batch_size]`` int32: the logical page in column 0 of each row of a sliding group.
 
-        Only with ``sliding_offsets=True``; 0 for rows that fit and for padding rows.
+        Only with ``sliding_offsets=True`` and only for sliding-window groups (a chunked group is
+        never windowed); 0 for rows that fit and for padding rows.
         """
         try:
             return self._offsets[group_id]

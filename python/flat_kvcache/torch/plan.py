@@ -140,7 +140,9 @@ def plan_kv_memory(
     The page size is raised if a state component needs it (``equalized_block_size``). Models whose
     attention labels pair up (``hybrid_slab_group_size``) get shared K/V slabs; others get one K
     and one V tensor per attention layer. State layers get one ``[num_pages, *shape]`` tensor per
-    component. The page count is rounded down and includes the null page 0.
+    component. The page count is rounded down and includes the null page 0. Chunked local
+    attention layers (``chunked_attention``, Llama 4) keep K/V rows like sliding layers; their
+    group has retention ``chunked_window`` and the page counts of a sliding window of its chunk.
 
     Raises
     ------

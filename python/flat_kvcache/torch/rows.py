@@ -5,7 +5,9 @@
 returns with one ``index_put_`` per group: only the cells that changed cross to the device.
 Sliding-window groups can be windowed (each row holds ``width`` slots of the table from a
 per-row page offset, the slot of column 0; a kernel then sees positions shifted by
-``offset * page_size``, as with ``CaptureBuffers(sliding_offsets=True)``).
+``offset * page_size``, as with ``CaptureBuffers(sliding_offsets=True)``). Chunked local
+attention groups are never windowed (``bind_rows`` refuses it: their chunk mask needs absolute
+positions).
 
 Row ``s`` is the request in slot ``s``: the cache gives every request the lowest free slot
 (below ``max_rows`` while rows are bound, ``add_request`` refuses a request past that), so the

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from flat_kvcache import FlatKVCache, layer_group_ids
-from flat_kvcache._types import SLIDING_WINDOW, STATE
+from flat_kvcache._types import CHUNKED_WINDOW, SLIDING_WINDOW, STATE
 from flat_kvcache.torch._checks import as_int
 from flat_kvcache.torch.attention import paged_attention, write_kv
 from flat_kvcache.torch.capture import CaptureBuffers, extend_locations
@@ -65,6 +65,7 @@ class _StepContext:
     cache_layer: Mapping[int, int]
     group_of_layer: Sequence[str]
     windows: Mapping[str, int | None]
+    chunks: Mapping[str, int | None]
     page_size: int
     tables: dict[str, torch.Tensor]
     seq_lens: dict[str, torch.Tensor]
@@ -116,7 +117,9 @@ def _paged_attention_forward(
     It honours what the model passes (``scaling``, ``sliding_window``, GPT-OSS's sinks
     ``s_aux``, Gemma-2's ``softcap``); any other argument with a value (a number, a tensor) is
     refused by name rather than ignored. Flags (bools, None) and :data:`_IGNORED_KWARGS`, which
-    the paged tables already encode, pass.
+    the paged tables already encode, pass. A chunked local attention layer (Llama 4) passes its
+    chunk only through the attention mask, which this forward does not read: the chunk is the
+    one of the layer's cache group in the plan (``attention_chunk_size``).
     """
     unknown = sorted(
         key
@@ -161,11 +164,35 @@ def _paged_attention_forward(
         step.page_size,
         scale=scaling,
         sliding_window=sliding_window,
+        chunk_size=step.chunks[group],
         sinks=s_aux,
         softcap=softcap,
         check=step.check,
     )
     return out.unsqueeze(0), None
+
+
+def _check_temperature_tuning(config: Any, packed_tokens: int, max_position: int) -> None:
+    """Refuse a forward that Llama 4's query temperature tuning would scale wrongly.
+
+    Its NoPE layers scale the queries by ``1 + attn_scale * log1p(floor((pos + 1) /
+    floor_scale))``, but the model takes ``pos`` from its own cache (none here) and the packed
+    token index, not from ``position_ids``. Both give a scale of 1 while every position and
+    every packed index is below ``floor_scale - 1``; past that the paged forward would differ
+    from the model's, so it is refused.
+    """
+    if not getattr(config, "attn_temperature_tuning", False):
+        return
+    if all(getattr(config, "no_rope_layers", None) or [1]):  # no NoPE layer, nothing scaled
+        return
+    floor = getattr(config, "floor_scale", None)
+    if isinstance(floor, int | float) and max(packed_tokens, max_position + 1) >= floor:
+        raise ValueError(
+            f"attn_temperature_tuning scales the queries of the NoPE layers by position, which the "
+            f"model reads from the packed token index: with {packed_tokens} packed tokens and "
+            f"positions up to {max_position} (floor_scale {floor}) the paged forward would differ "
+            "from the model's; keep both below floor_scale - 1 or set attn_temperature_tuning=False"
+        )
 
 
 def _register() -> None:
@@ -182,7 +209,7 @@ def model_shape(config: Any, kv_dtype: torch.dtype = torch.float32) -> ModelShap
 
 
 #: The ``kind`` names :func:`tiny_model` builds.
-TINY_MODEL_KINDS = ("gpt-oss", "qwen2", "llama", "gemma2", "mistral")
+TINY_MODEL_KINDS = ("gpt-oss", "qwen2", "llama", "gemma2", "mistral", "llama4")
 
 # The budget of the one-page plan that :func:`plan_for_pages` reads ``bytes_per_page`` from.
 _PROBE_BUDGET_BYTES = 1 << 24
@@ -214,8 +241,13 @@ def tiny_model(
       scores: without it the logits differ by about 1.4) and its query scaling, MLP size 48 unless given.
     - ``"mistral"``: every layer sliding with ``window``, given as Mistral does (a
       ``sliding_window`` and no ``layer_types``), MLP size 48 unless given.
+    - ``"llama4"``: Llama 4 text (``Llama4ForCausalLM``): chunked local attention with
+      ``attention_chunk_size=window`` (RoPE and QK L2-norm) in every layer but the last, which
+      is full attention without RoPE (NoPE, with the default query temperature tuning, a scale
+      of 1 below position 8191); head dim 8, dense MLPs of size 48 unless given (no MoE layer).
 
-    The alternating kinds have ``sliding_window=window`` and need an even ``num_layers``.
+    The alternating kinds have ``sliding_window=window`` and need an even ``num_layers``;
+    ``"llama4"`` needs at least 2 layers.
     Needs ``transformers``.
     """
     if kind not in TINY_MODEL_KINDS:
@@ -230,6 +262,11 @@ def tiny_model(
     if alternating and num_layers % 2:
         raise ValueError(
             f"a {kind} model alternates sliding and full layers: num_layers must be even, got {num_layers}"
+        )
+    if kind == "llama4" and num_layers < 2:
+        raise ValueError(
+            "a llama4 model has chunked layers and a full last layer: num_layers must be >= 2, "
+            f"got {num_layers}"
         )
     import transformers
 
@@ -263,6 +300,17 @@ def tiny_model(
             **common, head_dim=8, query_pre_attn_scalar=8, attn_logit_softcapping=1.0, initializer_range=0.2
         )
         model = transformers.Gemma2ForCausalLM(gemma)
+    elif kind == "llama4":
+        llama4 = transformers.Llama4TextConfig(
+            **common,
+            head_dim=8,
+            intermediate_size_mlp=mlp,
+            attention_chunk_size=window,
+            no_rope_layers=[1] * (num_layers - 1) + [0],  # layer_types: chunked..., full
+            moe_layers=[],  # every layer a dense MLP
+            num_local_experts=1,
+        )
+        model = transformers.Llama4ForCausalLM(llama4)
     elif kind == "mistral":
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=window))
     else:
@@ -388,6 +436,13 @@ class PagedModelRunner:
             spec.group_id: spec.sliding_window_tokens if spec.retention == SLIDING_WINDOW else None
             for spec in plan.groups
         }
+        # A chunked group's chunk is its window entry (SPEC 6): what its layers attend.
+        self.chunks: dict[str, int | None] = {
+            spec.group_id: spec.sliding_window_tokens if spec.retention == CHUNKED_WINDOW else None
+            for spec in plan.groups
+        }
+        # Chunked tables are absolute in every source: CaptureBuffers never windows them and
+        # bind_rows refuses offsets for them (the chunk mask needs absolute positions).
         self.layers_of_group: dict[str, list[int]] = {}
         for layer, group in enumerate(self.group_of_layer):
             self.layers_of_group.setdefault(group, []).append(layer)
@@ -456,6 +511,7 @@ class PagedModelRunner:
         if min(lens) < 1:
             raise ValueError("every scheduled request needs at least one new token")
         computed = [self.cache.num_computed_tokens(s) for s in slots]
+        _check_temperature_tuning(self.model.config, sum(lens), max(computed) - 1)
         tables_np = self.cache.block_tables(list(slots))
         self._poison(slots, tables_np)
         device = self.device
@@ -496,6 +552,7 @@ class PagedModelRunner:
             cache_layer=self.cache_layer,
             group_of_layer=self.group_of_layer,
             windows=self.windows,
+            chunks=self.chunks,
             page_size=self.page_size,
             tables=tables,
             seq_lens=seq_lens,
@@ -691,6 +748,7 @@ class DecodeGraph:
             cache_layer=runner.cache_layer,
             group_of_layer=runner.group_of_layer,
             windows=runner.windows,
+            chunks=runner.chunks,
             page_size=runner.page_size,
             tables={g: self.capture.buffer(g) for g in runner.layers_of_group},
             seq_lens=self.seq_lens,
@@ -734,6 +792,8 @@ class DecodeGraph:
         runner._poison(slots, tables)
         self.capture.fill(tables, batch_size=batch)
         computed = torch.tensor([runner.cache.num_computed_tokens(s) for s in slots], dtype=torch.long)
+        last = int(computed.max()) - 1 if batch else 0
+        _check_temperature_tuning(runner.model.config, self.capture.max_batch_size, last)
         self.ids.zero_()
         self.ids[:batch] = torch.tensor(list(tokens), dtype=torch.long)
         self.positions.zero_()

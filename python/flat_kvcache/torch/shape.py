@@ -29,7 +29,8 @@ from flat_kvcache.torch._checks import as_dtype, as_int, storage_dtype
 
 __all__ = ["ModelShape"]
 
-#: A sliding window: None, one int for every sliding layer, or one entry per layer.
+#: A sliding window: None, one int for every sliding (and chunked) layer, or one entry per layer
+#: (a chunked layer's entry is its attention chunk).
 SlidingWindow: TypeAlias = "int | Sequence[int | None] | None"
 
 
@@ -40,9 +41,13 @@ class ModelShape:
     Parameters
     ----------
     layer_types
-        One label per layer: ``full_attention``, ``sliding_attention`` or ``linear_attention``.
+        One label per layer: ``full_attention``, ``sliding_attention``, ``chunked_attention``
+        (Llama 4's chunked local attention) or ``linear_attention``.
     sliding_window
-        None, an int (broadcast to the sliding layers) or one entry per layer (SPEC 2).
+        None, an int (broadcast to the sliding and chunked layers) or one entry per layer
+        (SPEC 2). A chunked layer's entry is its attention chunk ``C``: it is sized as a sliding
+        window of ``W = C``, and its memory components are K/V per token like a sliding
+        layer's.
     num_kv_heads, head_dim
         K/V heads per attention layer and their size. K and V are separate tensors.
     kv_dtype
