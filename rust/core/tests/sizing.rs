@@ -112,7 +112,7 @@ fn grouping_errors_follow_the_contract() {
     let unknown = layer_group_ids(&labels(&[FULL, "mamba"]), &WindowsArg::None);
     assert_eq!(
         message(unknown),
-        "unknown layer_type 'mamba' at layer 1; expected one of full_attention, sliding_attention, linear_attention"
+        "unknown layer_type 'mamba' at layer 1; expected one of full_attention, sliding_attention, linear_attention, chunked_attention"
     );
     assert_eq!(
         message(layer_group_ids(&LayerTypesArg::Str, &WindowsArg::None)),
