@@ -571,8 +571,9 @@ class FlatKVCache(_PagedCacheBase):
     ) -> tuple[int, int, int] | None:
         """SPEC 9 admission in one call (one hash, one prefix match).
 
-        The first chunk is ``min(len(prompt) - hit, max_new_tokens)`` tokens after the capped
-        hit, with one token of reserve when it completes the prompt. None, with nothing
+        The first chunk is the :meth:`next_chunk` cut of the prompt after the capped hit, at
+        most ``max_new_tokens`` (``min(len(prompt) - hit, max_new_tokens)`` without state
+        groups), with one token of reserve when it completes the prompt. None, with nothing
         changed, when rows are bound and every row is held, or when
         ``pages_needed_to_admit(prompt, chunk, reserve)`` exceeds ``budget()``; otherwise the
         request is added as :meth:`add_request` would add it and the answer is
@@ -629,6 +630,17 @@ class FlatKVCache(_PagedCacheBase):
 
         Re-adding a list with ``add_request`` recomputes the request (its registered pages are
         a prefix hit).
+        """
+
+    def next_chunk(self, slot: int, max_tokens: int) -> int:
+        """How many of its next known tokens the request in ``slot`` should schedule, at most
+        ``max_tokens``.
+
+        Without state groups, all that are left. With state groups, whose snapshots are kept
+        only where a step ends on their grain (the lcm of their page sizes): the rest up to the
+        last boundary before its last token when the rest fits (the tail follows next), else up
+        to the last boundary within ``max_tokens``; no cut when no boundary lies ahead. 0 once
+        every known token is computed. ``admit`` cuts the first chunk the same way.
         """
 
     def num_computed_tokens(self, slot: int) -> int:

@@ -178,6 +178,7 @@ _SLOT_CALLS: dict[str, Call] = {
     "id_of": lambda _, c, v: c.id_of(v),
     "pages_needed": lambda _, c, v: c.pages_needed(1, v),
     "budget": lambda _, c, v: c.budget(v),
+    "next_chunk": lambda _, c, v: c.next_chunk(v, 5),
 }
 
 #: The per-step calls of the token-level cache, given ``v`` as their slot array.
@@ -267,6 +268,7 @@ ARGS: dict[str, Arg] = {
         "count", "num_computed_tokens", lambda _, c, v: c.decode_step(PAGE_LEVEL, [], 0, 1, v)
     ),
     "admit.max_new_tokens": Arg("count", "max_new_tokens", lambda _, c, v: c.admit("new", [1, 2], v)),
+    "next_chunk.max_tokens": Arg("count", "max_tokens", lambda _, c, v: c.next_chunk(SLOT_A, v)),
     "schedule.lookahead": Arg("count", "lookahead", lambda _, c, v: c.schedule([SLOT_7], [1], lookahead=v)),
     "pages_needed_to_admit.num_new_tokens": Arg(
         "count", "num_new_tokens", lambda _, c, v: c.pages_needed_to_admit([1, 2, 3], v)
@@ -635,6 +637,7 @@ def test_the_sweep_covers_every_token_level_argument() -> None:
         "loads_in_flight": ("slot",),
         "pages_needed": ("slot", "num_tokens"),
         "budget": ("slot",),
+        "next_chunk": ("slot", "max_tokens"),
         "slot_of": ("req",),
         "id_of": ("slot",),
         "bind_rows": ("tables", "offsets"),

@@ -20,7 +20,7 @@ from flat_kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVC
 from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from slots import as_slot_array, lowest_free, outcome_of
+from slots import as_slot_array, chunk_cut, lowest_free, outcome_of, state_grain
 from strategies import DOCUMENTS, EXTRA_KEYS, REQUEST_IDS, both_caches, configs
 
 
@@ -192,7 +192,7 @@ class RequestsMachine(RuleBasedStateMachine):
         expected: Any = None
         if prompt and req not in self.live:
             hit = native.prefix_hit_tokens(prompt, extra_keys=keys) if use_cache else 0
-            chunk = min(len(prompt) - hit, limit)
+            chunk = chunk_cut(hit, len(prompt), limit, state_grain(self.config["groups"]))
             reserve = 1 if hit + chunk == len(prompt) else 0
             need = (
                 native.pages_needed_to_admit(prompt, chunk, reserve, extra_keys=keys)
@@ -312,6 +312,19 @@ class RequestsMachine(RuleBasedStateMachine):
         slot = self.slot(index)
         n = int(self.remaining(slot) * fraction + 0.5)
         self.both("schedule", [slot], [n], lookahead=lookahead)
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 10), limit=st.integers(0, 40) | st.integers(0, 2000), take=st.booleans())
+    def next_chunk(self, index: int, limit: int, take: bool) -> None:
+        """The chunk cut is the rule's on both engines; sometimes it is then scheduled, so the
+        requests move the way a scheduler that follows it moves them."""
+        slot = self.slot(index)
+        native = self.caches[0]
+        computed, known = native.num_computed_tokens(slot), native.num_tokens(slot)
+        outcome = self.both("next_chunk", slot, limit)
+        assert outcome == ("ok", chunk_cut(computed, known, limit, state_grain(self.config["groups"])))
+        if take and outcome[1]:
+            self.both("schedule", [slot], [outcome[1]])
 
     @precondition(lambda self: self.live)
     @rule(

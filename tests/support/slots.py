@@ -55,3 +55,25 @@ def as_slot_array(slots: list[int], kind: str) -> Any:
     if kind == "tuple":
         return tuple(slots)
     return np.array(slots, dtype=np.dtype(kind))
+
+
+def chunk_cut(computed: int, known: int, limit: int, grain: int | None) -> int:
+    """``next_chunk``'s rule (docs/requests-api.md), spelled independently of both engines:
+    everything left (at most ``limit``) without state groups (``grain`` None); with them, end
+    on the last multiple of ``grain`` before the last known token when the rest fits, else on
+    the last one within the limit, and do not cut when no such boundary lies ahead."""
+    rest = known - computed
+    take = min(rest, limit)
+    if grain is None:
+        return take
+    last = known - 1 if rest <= limit else computed + limit
+    boundaries = [b for b in range(computed + 1, last + 1) if b % grain == 0]
+    return boundaries[-1] - computed if boundaries else take
+
+
+def state_grain(groups: list[tuple[str, int, int | None]]) -> int | None:
+    """The snapshot grain of a machine config's groups: the lcm of the state groups' pages."""
+    import math
+
+    sizes = [size for kind, size, _ in groups if kind == "state"]
+    return math.lcm(*sizes) if sizes else None

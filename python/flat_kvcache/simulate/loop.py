@@ -10,16 +10,18 @@ One step, in order:
 
 1. Arrivals: requests whose ``arrival_step`` has come join the back of the waiting queue.
 2. Running requests, in admission order, each get ``n = min(known - computed, tokens left)``
-   tokens: the rest of the prompt (a chunked-prefill chunk) or the one token sampled last step
-   (a decode). One ``schedule(slots, ns)`` call schedules them all, addressed by the slots
+   tokens: the rest of the prompt (a chunked-prefill chunk, cut by ``next_chunk`` where the
+   state groups keep a snapshot: no cut without state groups) or the one token sampled last
+   step (a decode). One ``schedule(slots, ns)`` call schedules them all, addressed by the slots
    ``admit`` returned; a request whose pages do not fit keeps its place and gets nothing this
    step (SPEC 9: a later chunk or decode admits if its pages fit, reclaimable pages counted,
    which ``schedule`` checks itself).
 3. Admission, first come first served, while the token budget lasts and fewer than
    ``max_running`` run: the head of the queue gets a first chunk of
-   ``min(prompt - hit, tokens left)`` tokens if ``pages_needed_to_admit(prompt, chunk,
-   reserve)`` fits in ``budget()`` (free pages less the pages promised to other requests' next
-   decode; ``reserve`` is 1 token when the chunk completes the prompt, for the first decode).
+   ``min(prompt - hit, tokens left)`` tokens (cut as ``next_chunk`` cuts) if
+   ``pages_needed_to_admit(prompt, chunk, reserve)`` fits in ``budget()`` (free pages less the
+   pages promised to other requests' next decode; ``reserve`` is 1 token when the chunk
+   completes the prompt, for the first decode).
    ``admit`` makes that check and, when it passes, ``add_request`` (which claims the prefix
    hit and gives the request the lowest free slot, its row of the persistent block tables) in
    one call; then ``schedule([slot], [chunk])`` takes the chunk. The first
@@ -360,6 +362,12 @@ class _Loop:
             if tokens_left == 0:
                 break
             n = min(live.known - live.computed, tokens_left)
+            if n > 1:
+                # A prefill chunk: cut where the state groups keep a snapshot (next_chunk; the
+                # same as n without state groups). Decode steps (one token) need no cut.
+                start = _perf()
+                n = self.cache.next_chunk(live.slot, n)
+                self._charge("schedule", start)
             batch.append(live)
             sizes.append(n)
             slots.append(live.slot)

@@ -402,9 +402,10 @@ impl PyFlatKVCache {
         core(cache.detached(py, |c| c.add_request(id, prompt, use_prefix_cache))?)
     }
 
-    /// SPEC 9 admission in one call (one hash, one prefix match): the first chunk is
-    /// `min(len(prompt) - hit, max_new_tokens)` tokens after the capped hit, with one token
-    /// of reserve when it completes the prompt. With rows bound and every row held, or if
+    /// SPEC 9 admission in one call (one hash, one prefix match): the first chunk is the
+    /// `next_chunk` cut of the prompt after the capped hit, at most `max_new_tokens`
+    /// (`min(len(prompt) - hit, max_new_tokens)` without state groups), with one token of
+    /// reserve when it completes the prompt. With rows bound and every row held, or if
     /// `pages_needed_to_admit(prompt, chunk, reserve)` exceeds `budget()`, nothing changes and
     /// the answer is None; otherwise the request is added exactly as `add_request(req,
     /// prompt, ...)` would and the answer is `(slot, hit, chunk)`. The caller schedules the
@@ -624,6 +625,19 @@ impl PyFlatKVCache {
         let cache = slf.as_super().get();
         let slots = counts(slots, "slots")?;
         core(cache.detached(py, |c| c.preempt(&slots))?)
+    }
+
+    /// How many of its next known tokens the request in `slot` should schedule, at most
+    /// `max_tokens`: all that are left without state groups; with state groups, a cut on their
+    /// snapshot grain (the lcm of their page sizes), so the chunk ends where a snapshot is
+    /// kept: the rest up to the last boundary before its last token when it fits (then the
+    /// tail), else up to the last boundary within `max_tokens`; no cut when no boundary lies
+    /// ahead. 0 once every known token is computed. `admit` cuts the first chunk the same way.
+    fn next_chunk(slf: &Bound<'_, Self>, slot: &Bound<'_, PyAny>, max_tokens: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let cache = slf.as_super().get();
+        let slot = count(slot, "slot")?;
+        let max_tokens = count(max_tokens, "max_tokens")?;
+        core(lock(&cache.inner)?.next_chunk(slot, max_tokens))
     }
 
     /// Tokens the request in `slot` has computed (its position).

@@ -323,6 +323,17 @@ impl Coordinator {
         self.base
     }
 
+    /// The boundaries where every state group can hold a snapshot: the lcm of the state groups'
+    /// page sizes (`None` without state groups). It divides the lcm of all page sizes, which
+    /// the constructor checked fits `u64`.
+    pub fn state_grain(&self) -> Option<u64> {
+        self.specs
+            .iter()
+            .filter(|s| s.kind == GroupKind::State)
+            .map(|s| s.page_size)
+            .reduce(|a, b| a / gcd(a, b) * b)
+    }
+
     /// The lcm of the groups' page sizes.
     pub fn lcm_page_size(&self) -> u64 {
         self.lcm.get()

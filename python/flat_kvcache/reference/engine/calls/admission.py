@@ -69,7 +69,7 @@ class Admission(TokenApi):
         if not self._slot_available():
             return None
         hit, pages = self._capped_match(hashes, len(tokens)) if use_cache else (0, None)
-        chunk = min(len(tokens) - hit, limit)
+        chunk = self._cut(hit, len(tokens), limit)
         reserve = 1 if hit + chunk == len(tokens) else 0
         # pages_needed_to_admit(prompt, chunk, reserve); without the prefix cache, no claim.
         device, loads = (0, 0) if pages is None else self._tiered_claim_cost(pages)

@@ -11,12 +11,14 @@ all its arguments before anything changes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from flat_kvcache._types import STATE
 from flat_kvcache.reference.engine._args import (
     Counts,
     RequestId,
@@ -182,6 +184,29 @@ class TokenApi(PageTables, Rows):
             state.hashes.append(hash_page(state.tokens[start : start + self._base], prior, state.extra_keys))
 
     # -- reading one slot -----------------------------------------------------------------------
+
+    def next_chunk(self, slot: int, max_tokens: int) -> int:
+        """How many of its next known tokens the request in ``slot`` should schedule, at most
+        ``max_tokens`` (:meth:`_cut`); 0 once every known token is computed."""
+        key = self._slot_request("next_chunk", slot)
+        limit = as_count(max_tokens, "max_tokens")
+        state = self._token_states[key]
+        return self._cut(state.computed, len(state.tokens), limit)
+
+    def _cut(self, computed: int, known: int, limit: int) -> int:
+        """The tokens to schedule from ``computed`` of ``known``, at most ``limit``: all that are
+        left without state groups; with state groups, cut at their snapshot grain ``g`` (the lcm
+        of their page sizes): when the rest fits, at the last multiple of ``g`` before the last
+        known token (the body; the tail follows next), else at the last multiple of ``g`` within
+        ``limit``; no cut when no boundary lies ahead."""
+        rest = max(known - computed, 0)
+        state_sizes = [spec.page_size for spec in self._specs if spec.kind == STATE]
+        if not state_sizes:
+            return min(rest, limit)
+        grain = math.lcm(*state_sizes)
+        end = known - 1 if rest <= limit else computed + limit
+        boundary = end - end % grain
+        return boundary - computed if boundary > computed else min(rest, limit)
 
     def num_computed_tokens(self, slot: int) -> int:
         """Tokens computed so far by the request in ``slot``."""

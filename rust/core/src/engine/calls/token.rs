@@ -174,9 +174,10 @@ impl FlatCache {
         Ok((at, hit))
     }
 
-    /// SPEC 9 admission in one call, with one prefix match: the first chunk is
-    /// `min(len(prompt) - hit, max_new_tokens)` tokens after the capped hit, plus one token
-    /// of reserve when the chunk completes the prompt (the first decode's page). With rows
+    /// SPEC 9 admission in one call, with one prefix match: the first chunk is the
+    /// [`Self::next_chunk`] cut of the prompt after the capped hit, at most `max_new_tokens`
+    /// (`min(len(prompt) - hit, max_new_tokens)` without state groups), plus one token of
+    /// reserve when the chunk completes the prompt (the first decode's page). With rows
     /// bound and no row free, or if `pages_needed_to_admit(prompt, chunk, reserve)` exceeds
     /// `budget()`, nothing changes and the answer is `None`; otherwise the request is added
     /// exactly as `add_request` would and the answer is `(slot, hit, chunk)`. Scheduling the
@@ -196,7 +197,7 @@ impl FlatCache {
         let hit = m.as_ref().map_or(0, |m| m.num_common_tokens);
         let len = u64::try_from(prompt.tokens.len()).unwrap_or(u64::MAX);
         // hit < len: the capped match never covers the last prompt token.
-        let chunk = (len - hit).min(max_new_tokens);
+        let chunk = self.cut(hit, len, max_new_tokens);
         let reserve = u64::from(hit + chunk == len);
         // chunk + reserve <= len <= usize::MAX, so the sum cannot overflow u64.
         let need = self.pages_to_admit(m.as_ref(), chunk + reserve, "max_new_tokens")?;
@@ -265,6 +266,42 @@ impl FlatCache {
             state.hashes.push(hash);
         }
         Ok(())
+    }
+
+    /// How many of its next known tokens the request in `slot` should schedule, at most
+    /// `max_tokens`, so that state snapshots can be kept (SPEC 13.5a-b with today's snapshot
+    /// grain): see [`Self::cut`]. 0 when every known token is computed.
+    pub fn next_chunk(&self, slot: u64, max_tokens: u64) -> CoreResult<u64> {
+        let at = self.token_slot("next_chunk", slot)?;
+        let Some(state) = self.entries[at].tokens.as_ref() else {
+            return Ok(0);
+        };
+        let known = u64::try_from(state.tokens.len()).unwrap_or(u64::MAX);
+        Ok(self.cut(state.computed, known, max_tokens))
+    }
+
+    /// The tokens to schedule from position `c` of `known` known tokens, at most `max`.
+    /// Without state groups: all that are left, up to `max`. With state groups, whose
+    /// snapshots are kept only where a step ends on their grain `g` (the lcm of their page
+    /// sizes): when the rest fits, it is cut at the last multiple of `g` before the last known
+    /// token (the body, whose end is snapshotted; the tail follows next step); otherwise the
+    /// chunk ends at the last multiple of `g` within `max`; when neither boundary lies ahead,
+    /// no cut.
+    fn cut(&self, c: u64, known: u64, max: u64) -> u64 {
+        let rest = known.saturating_sub(c);
+        let Some(grain) = self.coord.state_grain() else {
+            return rest.min(max);
+        };
+        let end = if rest <= max {
+            known.saturating_sub(1)
+        } else {
+            c.saturating_add(max)
+        };
+        let boundary = end - end % grain;
+        match boundary.checked_sub(c) {
+            Some(n) if n > 0 => n,
+            _ => rest.min(max),
+        }
     }
 
     /// Tokens computed so far by the token-level request in `slot`.

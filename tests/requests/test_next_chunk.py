@@ -1,0 +1,111 @@
+"""``next_chunk`` and the first chunk of ``admit``: where a scheduler cuts its chunks so that the
+state groups' snapshots are kept (SPEC 13.5a-b with today's snapshot grain, the lcm of the
+state groups' page sizes; docs/requests-api.md).
+
+Expectations are worked out from the rule, by hand or by ``slots.chunk_cut`` (an independent
+spelling of it), on both engines (the ``api`` fixture).
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from slots import chunk_cut
+
+
+def hybrid(api: ModuleType, state_pages: tuple[int, ...] = (64,)) -> Any:
+    specs = [api.KVCacheSpec("full", 16)]
+    specs += [api.KVCacheSpec("state", size, group_id=f"s{i}") for i, size in enumerate(state_pages)]
+    return api.FlatKVCache(specs, 4096)
+
+
+def test_a_prompt_is_cut_at_its_body_then_its_tail(api: ModuleType) -> None:
+    cache = hybrid(api)
+    slot, _ = cache.add_request("a", list(range(300)))
+    # The rest fits: the body ends at 256 (the last multiple of 64 before token 299).
+    assert cache.next_chunk(slot, 1000) == 256
+    assert cache.schedule([slot], [256]).tolist() == [True]
+    assert cache.next_chunk(slot, 1000) == 44  # the tail: no boundary before token 299 ahead
+    # A chunk limit: the last boundary within it, or no cut when none is ahead.
+    assert [cache.next_chunk(slot, m) for m in (0, 1, 20, 44)] == [0, 1, 20, 44]
+    assert cache.schedule([slot], [44]).tolist() == [True]
+    assert cache.next_chunk(slot, 1000) == 0  # every known token is computed
+
+
+def test_long_prompts_are_chunked_on_boundaries(api: ModuleType) -> None:
+    cache = hybrid(api)
+    slot, _ = cache.add_request("a", list(range(1000)))
+    assert [cache.next_chunk(slot, m) for m in (63, 64, 100, 200, 999, 1000)] == [63, 64, 64, 192, 960, 960]
+
+
+def test_the_snapshot_at_the_body_end_is_a_hit_for_the_next_turn(api: ModuleType) -> None:
+    """What the cut is for: a second turn sharing the first turn's prompt resumes at the body's
+    end, where a single-chunk prefill (no cut) would leave no snapshot to resume from."""
+    first = list(range(300))
+    for cut in (True, False):
+        cache = hybrid(api)
+        slot, _ = cache.add_request("a", first)
+        n = cache.next_chunk(slot, 1000) if cut else 300
+        assert cache.schedule([slot], [n]).tolist() == [True]
+        while cache.num_computed_tokens(slot) < 300:
+            rest = cache.next_chunk(slot, 1000)
+            assert cache.schedule([slot], [rest]).tolist() == [True]
+        cache.finish([slot])
+        _, hit = cache.add_request("b", [*first, 7, 8, 9])
+        assert hit == (256 if cut else 0)
+
+
+def test_admit_cuts_the_first_chunk_the_same_way(api: ModuleType) -> None:
+    cache = hybrid(api)
+    assert cache.admit("a", list(range(300)), 1000) == (0, 0, 256)
+    assert cache.admit("b", list(range(1000, 1100)), 50) == (1, 0, 50)  # no boundary within 50
+    plain = api.FlatKVCache([api.KVCacheSpec("full", 16)], 4096)
+    assert plain.admit("a", list(range(300)), 1000) == (0, 0, 300)  # no state group: no cut
+    slot, _ = plain.add_request("b", list(range(300)))
+    assert [plain.next_chunk(slot, m) for m in (0, 100, 1000)] == [0, 100, 300]
+
+
+def test_several_state_groups_cut_on_the_lcm_of_their_pages(api: ModuleType) -> None:
+    cache = hybrid(api, (32, 48))  # lcm 96
+    slot, _ = cache.add_request("a", list(range(500)))
+    assert cache.next_chunk(slot, 1000) == 480
+    assert cache.next_chunk(slot, 200) == 192
+
+
+def test_bad_arguments_are_named(api: ModuleType) -> None:
+    cache = hybrid(api)
+    slot, _ = cache.add_request("a", list(range(10)))
+    with pytest.raises(ValueError, match="max_tokens"):
+        cache.next_chunk(slot, -1)
+    with pytest.raises(KeyError, match="next_chunk: slot 5 holds no request"):
+        cache.next_chunk(5, 10)
+    with pytest.raises(TypeError, match="slot"):
+        cache.next_chunk("a", 10)
+
+
+@given(
+    prompt=st.integers(1, 400),
+    done=st.integers(0, 400),
+    limit=st.integers(0, 500),
+    pages=st.sampled_from([None, (16,), (32,), (16, 48), (64,)]),
+)
+def test_next_chunk_follows_the_rule(
+    prompt: int, done: int, limit: int, pages: tuple[int, ...] | None
+) -> None:
+    import flat_kvcache
+    import flat_kvcache.reference
+
+    grain = None if pages is None else math.lcm(*pages)
+    results = []
+    for api in (flat_kvcache, flat_kvcache.reference):
+        cache = api.FlatKVCache([api.KVCacheSpec("full", 16)], 4096) if pages is None else hybrid(api, pages)
+        slot, _ = cache.add_request("a", list(range(prompt)), use_prefix_cache=False)
+        computed = min(done, prompt)
+        assert cache.schedule([slot], [computed]).tolist() == [True]
+        results.append(cache.next_chunk(slot, limit))
+    assert results[0] == results[1] == chunk_cut(min(done, prompt), prompt, limit, grain)
