@@ -929,6 +929,33 @@ mod tests {
     }
 
     #[test]
+    fn next_chunk_ends_on_the_state_grain() {
+        // Full P = 4 and state P = 8: snapshots are kept on multiples of 8.
+        let mut c = cache(
+            vec![spec("full", GroupKind::Full, 4), spec("st", GroupKind::State, 8)],
+            64,
+            CacheOptions::default(),
+        );
+        let (s, _) = add(&mut c, A, toks(0..30));
+        // The rest fits: the body ends at 24 (the last multiple of 8 before token 29).
+        assert_eq!(c.next_chunk(s, 100).unwrap(), 24);
+        // A limit: the last boundary within it, or no cut when none lies ahead.
+        assert_eq!(c.next_chunk(s, 20).unwrap(), 16);
+        assert_eq!(c.next_chunk(s, 7).unwrap(), 7);
+        assert_eq!(c.next_chunk(s, 0).unwrap(), 0);
+        assert!(sched(&mut c, s, 24, 0).unwrap());
+        assert_eq!(c.next_chunk(s, 100).unwrap(), 6); // the tail
+        assert!(sched(&mut c, s, 6, 0).unwrap());
+        assert_eq!(c.next_chunk(s, 100).unwrap(), 0);
+        assert!(matches!(c.next_chunk(9, 1), Err(CoreError::UnknownSlot { .. })));
+        // Without state groups: everything left, up to the limit.
+        let mut plain = hybrid(64);
+        let (s, _) = add(&mut plain, A, toks(0..30));
+        assert_eq!(plain.next_chunk(s, 100).unwrap(), 30);
+        assert_eq!(plain.next_chunk(s, 7).unwrap(), 7);
+    }
+
+    #[test]
     fn lookahead_reserves_slots_without_moving_the_position() {
         let mut c = hybrid(64);
         let sa = add(&mut c, A, toks(0..8)).0;
