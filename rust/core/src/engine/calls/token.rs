@@ -270,7 +270,7 @@ impl FlatCache {
 
     /// How many of its next known tokens the request in `slot` should schedule, at most
     /// `max_tokens`, so that state snapshots can be kept (SPEC 13.5a-b with today's snapshot
-    /// grain): see [`Self::cut`]. 0 when every known token is computed.
+    /// grain): see `cut`. 0 when every known token is computed.
     pub fn next_chunk(&self, slot: u64, max_tokens: u64) -> CoreResult<u64> {
         let at = self.token_slot("next_chunk", slot)?;
         let Some(state) = self.entries[at].tokens.as_ref() else {
