@@ -41,6 +41,7 @@ __all__ = [
     "hybrid_slab_group_size",
     "layer_group_ids",
     "occurrence_index",
+    "plan_arena",
     "plan_component_tensors",
     "plan_tensors",
     "publish_paged_cache_groups",
@@ -220,6 +221,21 @@ def plan_tensors(
 
     Returns ``((block_size, block_bytes, num_blocks), [(name, nbytes, bindings), ...])``.
     Raises ``TypeError`` / ``ValueError`` naming a malformed argument.
+    """
+
+def plan_arena(
+    components: Iterable[object],
+    page_size: SupportsIndex,
+    budget_bytes: SupportsIndex,
+    *,
+    alignment: SupportsIndex = 256,
+) -> tuple[int, int, int, int, list[tuple[int, str, int, int, int, int]], list[tuple[int, int]]]:
+    """The arena plan of the SPEC 13 storage (docs/sizing-api.md "Arena plan").
+
+    Returns ``(page_size, alignment, unit_bytes, num_units, groups, components)``: per group
+    ``(index of its first component, kind, item_bytes, per_unit, num_ids, slack_bytes)``, per
+    component ``(offset, nbytes)``. Raises ``TypeError`` / ``ValueError`` / ``OverflowError``
+    naming a malformed argument or the size that does not fit.
     """
 
 # ----- page engine (SPEC 4-8, docs/engine-api.md) ----------------------------------------------

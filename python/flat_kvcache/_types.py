@@ -197,6 +197,47 @@ class FlatMemoryPlan:
 
 
 @dataclass(frozen=True)
+class ArenaGroup:
+    """One group of an :class:`ArenaPlan`: a page group (``kind="pages"``, ``item_bytes`` a page's
+    bytes) or a state group (``kind="state"``, ``item_bytes`` the state slot's bytes, one slot per
+    unit); at most ``per_unit`` items fit a unit, leaving at least ``slack_bytes`` (pages are
+    addressed by byte offset and a page that straddles two units is never used, so a unit
+    holds ``per_unit`` or ``per_unit - 1`` pages); ``num_ids`` is the size of the group's id
+    space (views are indexed by ids below it)."""
+
+    group_id: str
+    kind: str
+    item_bytes: int
+    per_unit: int
+    num_ids: int
+    slack_bytes: int
+
+
+@dataclass(frozen=True)
+class ArenaComponent:
+    """Where one component of one layer lies inside its page (page groups) or state slot."""
+
+    group_id: str
+    layer: int
+    component: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ArenaPlan:
+    """The SPEC 13 arena (docs/sizing-api.md "Arena plan"): ``num_units`` units of
+    ``unit_bytes`` (unit 0 null), each bound to one group while in use."""
+
+    page_size: int
+    alignment: int
+    unit_bytes: int
+    num_units: int
+    groups: tuple[ArenaGroup, ...]
+    components: tuple[ArenaComponent, ...]
+
+
+@dataclass(frozen=True)
 class KVCacheSpec:
     """One attention group as the page engine sees it: its kind, page size and window (SPEC 7).
 

@@ -13,6 +13,9 @@ from typing import Any
 
 from flat_kvcache import _native
 from flat_kvcache._types import (
+    ArenaComponent,
+    ArenaGroup,
+    ArenaPlan,
     BlockGeometry,
     ComponentSpec,
     FlatMemoryPlan,
@@ -21,6 +24,9 @@ from flat_kvcache._types import (
 )
 
 __all__ = [
+    "ArenaComponent",
+    "ArenaGroup",
+    "ArenaPlan",
     "BlockGeometry",
     "ComponentSpec",
     "FlatMemoryPlan",
@@ -29,6 +35,7 @@ __all__ = [
     "components_from_layers",
     "equalized_block_size",
     "occurrence_index",
+    "plan_arena",
     "plan_component_tensors",
     "plan_tensors",
     "solve_page_geometry",
@@ -285,3 +292,64 @@ def plan_tensors(components: Sequence[ComponentSpec], block_size: int, budget_by
         An operand does not fit an unsigned 64-bit integer.
     """
     return _plan(_native.plan_tensors(components, block_size, budget_bytes))
+
+
+def plan_arena(
+    components: Sequence[ComponentSpec], page_size: int, budget_bytes: int, *, alignment: int = 256
+) -> ArenaPlan:
+    """The arena of the SPEC 13 storage (docs/sizing-api.md "Arena plan"; not used by the engine
+    yet): ``num_units`` units of ``unit_bytes`` (unit 0 null), each bound to one group while in
+    use.
+
+    Page groups (per-token components) get pages of ``page_size * sum(bytes_per_slot)`` bytes,
+    addressed by byte offset (page ``p`` at byte ``p * page_bytes``), their components side by
+    side in the page; every state component together makes one state slot (each component
+    aligned to ``alignment``), one per unit. The unit is the state slot (or the largest page,
+    if larger), rounded up to ``alignment``; without state groups, the lcm of the page sizes
+    when it is at most 4 pages, else the largest page.
+
+    Parameters
+    ----------
+    components : sequence of ComponentSpec
+        The components (``ModelShape.components()``).
+    page_size : int
+        Tokens per page of the page groups, > 0.
+    budget_bytes : int
+        Bytes available, >= 0.
+    alignment : int
+        Alignment of the state components and the unit, > 0.
+
+    Returns
+    -------
+    ArenaPlan
+        The units, one :class:`ArenaGroup` per group (first-appearance order) and one
+        :class:`ArenaComponent` per component (input order).
+
+    Raises
+    ------
+    ValueError
+        A bad argument, no components, a group that mixes per-token and constant components or
+        holds no bytes, or a budget that gives fewer than 2 units.
+    TypeError
+        A non-int argument or component field.
+    OverflowError
+        A size does not fit an unsigned 64-bit integer.
+    """
+    comps = list(components)
+    page, align, unit, units, groups, placed = _native.plan_arena(
+        comps, page_size, budget_bytes, alignment=alignment
+    )
+    return ArenaPlan(
+        page_size=page,
+        alignment=align,
+        unit_bytes=unit,
+        num_units=units,
+        groups=tuple(
+            ArenaGroup(comps[first].group_id, kind, item, per_unit, num_ids, slack)
+            for first, kind, item, per_unit, num_ids, slack in groups
+        ),
+        components=tuple(
+            ArenaComponent(comp.group_id, comp.layer, comp.component, offset, nbytes)
+            for comp, (offset, nbytes) in zip(comps, placed, strict=True)
+        ),
+    )

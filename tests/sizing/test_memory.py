@@ -30,6 +30,10 @@ MEMORY_NAMES = {
     "equalized_block_size",
     "plan_component_tensors",
     "plan_tensors",
+    "plan_arena",
+    "ArenaPlan",
+    "ArenaGroup",
+    "ArenaComponent",
 }
 
 

@@ -1,6 +1,7 @@
 """Reference memory plan: components, page geometry and tensor plans from a byte budget.
 
-A plain pure-Python implementation of SPEC section 3, following docs/sizing-api.md. Sizes are
+A plain pure-Python implementation of SPEC section 3 (and of the SPEC 13 arena plan), following
+docs/sizing-api.md. Sizes are
 Python ints, so every product and sum is exact (the native module raises ``OverflowError``
 where one does not fit ``u64``).
 """
@@ -12,6 +13,9 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from flat_kvcache._types import (
     STATE_LAYER_TYPES,
+    ArenaComponent,
+    ArenaGroup,
+    ArenaPlan,
     BlockGeometry,
     ComponentSpec,
     FlatMemoryPlan,
@@ -22,6 +26,9 @@ from flat_kvcache.reference._checks import as_int, ceil_div, is_sequence, non_ne
 from flat_kvcache.reference.sizing import layer_group_ids, layer_labels
 
 __all__ = [
+    "ArenaComponent",
+    "ArenaGroup",
+    "ArenaPlan",
     "BlockGeometry",
     "ComponentSpec",
     "FlatMemoryPlan",
@@ -30,6 +37,7 @@ __all__ = [
     "components_from_layers",
     "equalized_block_size",
     "occurrence_index",
+    "plan_arena",
     "plan_component_tensors",
     "plan_tensors",
     "solve_page_geometry",
@@ -237,3 +245,112 @@ def plan_tensors(components: Sequence[ComponentSpec], block_size: int, budget_by
         for slot in range(num_slots)
     )
     return FlatMemoryPlan(BlockGeometry(page, sum(slot_row_bytes), num_blocks), tensors)
+
+
+def _round_up(value: int, alignment: int) -> int:
+    """``value`` rounded up to a multiple of ``alignment`` (> 0)."""
+    return alignment * ceil_div(value, alignment)
+
+
+def _fits_u64(value: int, what: str) -> None:
+    """The arena's sizes are u64 on both implementations: ``OverflowError`` naming ``what``."""
+    if value > _U64_MAX:
+        raise OverflowError(f"{what} does not fit in an unsigned 64-bit integer")
+
+
+_U64_MAX = (1 << 64) - 1
+
+
+def plan_arena(
+    components: Sequence[ComponentSpec], page_size: int, budget_bytes: int, *, alignment: int = 256
+) -> ArenaPlan:
+    """SPEC 13 storage: one arena of ``num_units`` units of ``unit_bytes`` (unit 0 is null).
+
+    Groups are taken in first-appearance order. A group of per-token components is a *page*
+    group (a page of ``page_size * sum(bytes_per_slot)`` bytes, its components side by side);
+    a group of constant components is a *state* group, and every state group's components share
+    one state slot (each component at an ``alignment``-aligned offset, in order). A unit holds
+    the state slot and the largest page (rounded up to ``alignment``) when there are state
+    groups; otherwise it is the lcm of the pages when that is at most 4 of the largest page,
+    else the largest page. ``num_units = budget_bytes // unit_bytes`` must be at least 2.
+    """
+    page = positive(page_size, "page_size")
+    budget = non_negative(budget_bytes, "budget_bytes")
+    align = positive(alignment, "alignment")
+    checked = _checked_components(components)
+    if not checked:
+        raise ValueError("components must not be empty")
+
+    # group -> its components, both in first-appearance order
+    groups: dict[str, list[ComponentSpec]] = {}
+    for comp in checked:
+        groups.setdefault(comp.group_id, []).append(comp)
+    page_bytes: dict[str, int] = {}
+    for group_id, comps in groups.items():
+        linear = sum(comp.bytes_per_slot for comp in comps)
+        const = sum(comp.const_bytes for comp in comps)
+        if linear > 0 and const > 0:
+            raise ValueError(f"group {group_id} mixes per-token and constant components")
+        if linear == 0 and const == 0:
+            raise ValueError(f"group {group_id} holds no bytes")
+        if linear > 0:
+            page_bytes[group_id] = page * linear
+
+    # Sizes are u64 on both implementations (docs/sizing-api.md), checked in this order.
+    _fits_u64(page, "page_size")
+    _fits_u64(align, "alignment")
+    for group_id, size in page_bytes.items():
+        _fits_u64(size, f"page_bytes of group {group_id}: page_size * sum of its bytes_per_slot")
+
+    # offsets: inside its page (page groups) or inside the one state slot (state groups)
+    offsets: list[int] = []
+    page_end = dict.fromkeys(page_bytes, 0)
+    slot_end = 0
+    for comp in checked:
+        if comp.group_id in page_bytes:
+            offsets.append(page_end[comp.group_id])
+            page_end[comp.group_id] += comp.bytes_per_slot * page
+        else:
+            offsets.append(_round_up(slot_end, align))
+            slot_end = offsets[-1] + comp.const_bytes
+    has_state = len(page_bytes) < len(groups)
+    slot_bytes = _round_up(slot_end, align) if has_state else 0
+    _fits_u64(slot_bytes, "slot_bytes: the state components, each aligned")
+
+    largest_page = max(page_bytes.values(), default=0)
+    if has_state:
+        unit_bytes = _round_up(max(slot_bytes, largest_page), align)
+    else:
+        lcm = math.lcm(*page_bytes.values())
+        unit_bytes = lcm if lcm <= 4 * largest_page else largest_page
+    _fits_u64(unit_bytes, "unit_bytes")
+
+    num_units = budget // unit_bytes
+    if num_units < 2:
+        raise ValueError(
+            f"budget_bytes={budget} gives {num_units} units of {unit_bytes} bytes; "
+            "need at least 2 (unit 0 is null)"
+        )
+    _fits_u64(num_units, "num_units = budget_bytes // unit_bytes")
+
+    arena_groups: list[ArenaGroup] = []
+    for group_id in groups:
+        if group_id in page_bytes:
+            item = page_bytes[group_id]
+            per_unit = unit_bytes // item
+            kind, num_ids = "pages", (num_units * unit_bytes) // item
+            _fits_u64(num_ids, f"num_ids of group {group_id}")
+        else:
+            item, per_unit, kind, num_ids = slot_bytes, 1, "state", num_units
+        arena_groups.append(ArenaGroup(group_id, kind, item, per_unit, num_ids, unit_bytes - per_unit * item))
+    arena_components = tuple(
+        ArenaComponent(
+            comp.group_id,
+            comp.layer,
+            comp.component,
+            offset,
+            comp.bytes_per_slot * page if comp.group_id in page_bytes else comp.const_bytes,
+        )
+        for comp, offset in zip(checked, offsets, strict=True)
+    )
+    return ArenaPlan(page, align, unit_bytes, num_units, tuple(arena_groups), arena_components)

@@ -41,8 +41,8 @@ mod _native {
     // Memory plan (SPEC 3).
     #[pymodule_export]
     use crate::plan::{
-        components_from_layers, equalized_block_size, occurrence_index, plan_component_tensors, plan_tensors,
-        solve_page_geometry, state_const_bytes,
+        components_from_layers, equalized_block_size, occurrence_index, plan_arena, plan_component_tensors,
+        plan_tensors, solve_page_geometry, state_const_bytes,
     };
 
     // Page engine (SPEC 4-8).

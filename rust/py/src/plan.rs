@@ -11,7 +11,7 @@
 use flat_kvcache_core::sizing::plan::{
     self, BlockGeometry, ComponentArg, FlatMemoryPlan, ShapeArg, StateComponentsArg, StateItemArg,
 };
-use flat_kvcache_core::sizing::LabelItem;
+use flat_kvcache_core::sizing::{arena, LabelItem};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyMapping, PyTuple};
 
@@ -251,4 +251,48 @@ pub fn plan_tensors<'py>(
     let (args, objects) = component_args(components, true)?;
     let plan = core(plan::plan_tensors(&args, &block_size.0, &budget_bytes.0))?;
     plan_to_py(py, &plan, &objects)
+}
+
+/// The arena plan (SPEC 13 storage, docs/sizing-api.md "Arena plan"), as
+/// `(page_size, alignment, unit_bytes, num_units, [(first component index, kind, item_bytes,
+/// per_unit, num_ids, slack_bytes), ...], [(offset, nbytes), ...])`; the Python wrapper names
+/// the groups and components from the input.
+#[pyfunction]
+#[pyo3(
+    signature = (components, page_size, budget_bytes, *, alignment = IntParam::of(256)),
+    text_signature = "(components, page_size, budget_bytes, *, alignment=256)"
+)]
+pub fn plan_arena<'py>(
+    py: Python<'py>,
+    components: &Bound<'py, PyAny>,
+    page_size: IntParam,
+    budget_bytes: IntParam,
+    alignment: IntParam,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let (args, _) = component_args(components, true)?;
+    let plan = core(arena::plan_arena(&args, &page_size.0, &budget_bytes.0, &alignment.0))?;
+    let groups: Vec<_> = plan
+        .groups
+        .iter()
+        .map(|g| {
+            (
+                g.group_source,
+                g.kind,
+                g.item_bytes,
+                g.per_unit,
+                g.num_ids,
+                g.slack_bytes,
+            )
+        })
+        .collect();
+    let placed: Vec<_> = plan.components.iter().map(|c| (c.offset, c.nbytes)).collect();
+    (
+        plan.page_size,
+        plan.alignment,
+        plan.unit_bytes,
+        plan.num_units,
+        PyList::new(py, groups)?,
+        PyList::new(py, placed)?,
+    )
+        .into_pyobject(py)
 }

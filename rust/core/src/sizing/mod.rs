@@ -16,9 +16,11 @@
 //! - [`slab`]: the slab predicate.
 //! - [`scheduler`]: scheduler configuration validation.
 //! - [`plan`]: the memory plan, bytes -> pages (SPEC 3).
+//! - [`arena`]: the arena plan of the SPEC 13 storage (units bound to one group at a time).
 //!
 //! The sizing API is re-exported here, so callers write `sizing::layer_group_ids`.
 
+pub mod arena;
 pub mod capture;
 pub mod grouping;
 pub mod labels;

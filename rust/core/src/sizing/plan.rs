@@ -222,11 +222,11 @@ pub fn component_args(specs: &[ComponentSpec]) -> Vec<ComponentArg> {
 }
 
 /// A checked component: exact layer and sizes.
-struct Checked<'a> {
-    arg: &'a ComponentArg,
+pub(crate) struct Checked<'a> {
+    pub(crate) arg: &'a ComponentArg,
     layer: &'a Int,
-    bytes_per_slot: &'a Int,
-    const_bytes: &'a Int,
+    pub(crate) bytes_per_slot: &'a Int,
+    pub(crate) const_bytes: &'a Int,
 }
 
 impl Checked<'_> {
@@ -238,7 +238,7 @@ impl Checked<'_> {
 }
 
 /// Every component's `layer` must be an int and its sizes ints >= 0 (named `components[<k>]`).
-fn check_components(components: &[ComponentArg]) -> CoreResult<Vec<Checked<'_>>> {
+pub(crate) fn check_components(components: &[ComponentArg]) -> CoreResult<Vec<Checked<'_>>> {
     components
         .iter()
         .enumerate()
