@@ -8,12 +8,14 @@ recurrent state) and an 80 GiB budget, with one request of 16,384 prompt tokens 
   equalized page, one row per page id in every layer's tensor) gives the page size, the bytes
   per page and the pool; the request runs through a real ``FlatKVCache`` over the plan's groups,
   and its pages are counted after every schedule.
-- **SPEC 13 design (projected)**: the arena of docs/architecture.md ("Hybrid storage"),
-  computed, not built yet: units of one state slot's bytes (or, without state groups, the lcm
-  of the attention pages' bytes when that is at most 4 pages, else the largest page), 16-token
-  attention pages packed into them, one working state slot per request (plus, during prefill,
-  one while a checkpoint is written). The attention pages are counted by the same
-  ``FlatKVCache`` run with 16-token pages and the model's attention groups only.
+- **SPEC 13 design (projected)**: the arena of docs/architecture.md ("Hybrid storage"), planned
+  by ``flat_kvcache.plan_arena`` (docs/sizing-api.md "Arena plan"; the engine does not allocate
+  from it yet): its unit (one state slot, each state component aligned to 256 bytes, or,
+  without state groups, the lcm of the attention pages' bytes when that is at most 4 pages,
+  else the largest page), its 16-token attention pages per unit, one working state slot per
+  request (plus, during prefill, one while a checkpoint is written). The attention pages are
+  counted by the same ``FlatKVCache`` run with 16-token pages and the model's attention groups
+  only.
 
 Definitions (both columns), for the request's pages after the load (the figures of the issue
 this reproduces), with the peak during prefill beside them in ``--json``: *padding* is the
@@ -164,15 +166,12 @@ def today(shape: ModelShape) -> dict[str, Any]:
 
 
 def design(shape: ModelShape) -> dict[str, Any]:
-    """The SPEC 13 arena, projected from the model's bytes and a 16-token-page engine run."""
-    per_token, state = _layer_bytes(shape)
-    page_bytes = {group: PAGE * b for group, b in per_token.items()}
-    if state:
-        unit = state
-    else:
-        lcm = math.lcm(*page_bytes.values())
-        unit = lcm if lcm <= 4 * max(page_bytes.values()) else max(page_bytes.values())
-    per_unit = {group: unit // b for group, b in page_bytes.items()}
+    """The SPEC 13 arena, planned by ``plan_arena`` and loaded by a 16-token-page engine run."""
+    _, state = _layer_bytes(shape)
+    plan = fk.plan_arena(shape.components(), PAGE, BUDGET)
+    unit = plan.unit_bytes
+    page_bytes = {g.group_id: g.item_bytes for g in plan.groups if g.kind == "pages"}
+    per_unit = {g.group_id: g.per_unit for g in plan.groups if g.kind == "pages"}
     groups = fk.group_specs_from_layer_types(
         [label for label in shape.layer_types if label != fk.LINEAR_ATTENTION],
         _attention_window(shape),
@@ -187,9 +186,9 @@ def design(shape: ModelShape) -> dict[str, Any]:
 
     after = units(held[-1], 1)
     peak = max(units(h, STATE_SLOTS_AT_PEAK) for h in held)
-    num_units = BUDGET // unit
+    num_units = plan.num_units
     useful = sum(n * page_bytes[spec.group_id or ""] for spec, n in zip(specs, held[-1], strict=True))
-    useful += state  # the working slot (0 without state groups)
+    useful += state  # the working slot's state bytes (0 without state groups), alignment not counted
     return {
         "unit_bytes": unit,
         "pages_per_unit": per_unit,

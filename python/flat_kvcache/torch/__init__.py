@@ -22,6 +22,13 @@ Attention over the pages: :func:`paged_attention` and :func:`write_kv` are the e
 definition of the layout a kernel must match (docs/model-runner.md); ``flat_kvcache.torch.runner``
 runs a ``transformers`` model on them (needs the ``model`` extra).
 
+The SPEC 13 arena (docs/architecture.md "Hybrid storage"), not used by the engine yet:
+:func:`allocate_arena` allocates ``flat_kvcache.plan_arena``'s units as one byte buffer and
+:class:`ArenaBuffers` gives its per-layer K/V and state views (one page stride per layer)::
+
+    plan = flat_kvcache.plan_arena(shape.components(), 16, budget_bytes)
+    arena = allocate_arena(shape, plan, "cuda")          # arena.k(i)[page_id], .state(i, "ssm")[slot]
+
 A host-memory tier (``FlatKVCache(..., host_pages=N)``): :class:`HostKVBuffers` are its pages in
 CPU memory (pinned when CUDA is available), mirroring the device buffers, and
 :class:`TransferExecutor` runs the cache's store/load transfers on them and acknowledges them::
@@ -51,6 +58,7 @@ except ModuleNotFoundError as exc:
         "install it with `pip install '.[torch]'` in the flat-kvcache source tree"
     ) from exc
 
+from flat_kvcache.torch.arena import ArenaBuffers, allocate_arena
 from flat_kvcache.torch.attention import paged_attention, write_kv
 from flat_kvcache.torch.capture import CaptureBuffers, extend_locations, write_locations
 from flat_kvcache.torch.host import HostKVBuffers, TransferCache, TransferCounts, TransferExecutor
@@ -59,6 +67,7 @@ from flat_kvcache.torch.rows import DeviceRows
 from flat_kvcache.torch.shape import ModelShape
 
 __all__ = [
+    "ArenaBuffers",
     "CaptureBuffers",
     "DeviceRows",
     "HostKVBuffers",
@@ -69,6 +78,7 @@ __all__ = [
     "TransferCache",
     "TransferCounts",
     "TransferExecutor",
+    "allocate_arena",
     "allocate_kv_buffers",
     "extend_locations",
     "paged_attention",
