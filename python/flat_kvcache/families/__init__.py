@@ -24,10 +24,10 @@ from pathlib import Path
 
 from flat_kvcache.errors import ModelConfigError
 from flat_kvcache.families._base import (
+    ATTENTION_LABELS,
     Config,
     Family,
     Layer,
-    LayerKind,
     ModelLayers,
     StateComponent,
     StateKind,
@@ -76,14 +76,12 @@ def _by_model_type() -> dict[str, Family]:
 
 _FAMILY_OF_TYPE = _by_model_type()
 
-_ATTENTION_LABELS: dict[str, LayerKind] = {"full_attention": "full", "sliding_attention": "sliding"}
-
 #: The family of configs of an unknown ``model_type`` with an explicit ``layer_types`` of
 #: attention labels.
 GENERIC = Family(
     name="any model with layer_types",
     model_types=(),
-    layers=lambda cfg: layers_from_layer_types(cfg, _ATTENTION_LABELS),
+    layers=lambda cfg: layers_from_layer_types(cfg, ATTENTION_LABELS),
     reads="`layer_types` (attention labels only), `sliding_window`",
 )
 

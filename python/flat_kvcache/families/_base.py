@@ -21,6 +21,7 @@ from flat_kvcache._types import CHUNKED_ATTENTION, FULL_ATTENTION, LINEAR_ATTENT
 from flat_kvcache.errors import ModelConfigError
 
 __all__ = [
+    "ATTENTION_LABELS",
     "Config",
     "Family",
     "Layer",
@@ -122,6 +123,9 @@ class ModelLayers:
     state_kind: str | None
     num_model_layers: int
 
+
+#: The attention labels most families write in ``layer_types``, with their layer kinds.
+ATTENTION_LABELS: Mapping[str, LayerKind] = {"full_attention": "full", "sliding_attention": "sliding"}
 
 _LABEL_OF_KIND: dict[str, str] = {
     "full": FULL_ATTENTION,

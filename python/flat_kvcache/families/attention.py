@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 from flat_kvcache.errors import ModelConfigError
 from flat_kvcache.families._base import (
+    ATTENTION_LABELS,
     Config,
     Family,
     Layer,
@@ -34,7 +35,6 @@ from flat_kvcache.families._base import (
 
 __all__ = ["ATTENTION_FAMILIES"]
 
-_ATTENTION_LABELS: dict[str, LayerKind] = {"full_attention": "full", "sliding_attention": "sliding"}
 _LABEL: dict[LayerKind, str] = {"full": "full_attention", "sliding": "sliding_attention"}
 
 
@@ -76,7 +76,7 @@ def _pattern(cfg: Config, sliding: Callable[[int], bool]) -> list[Layer]:
 def _layer_types_or(cfg: Config, rule: Callable[[Config], list[Layer]]) -> list[Layer]:
     """For a model that reads ``layer_types``: that list when given, else ``rule`` (the Hub form)."""
     if cfg.get("layer_types") is not None:
-        return layers_from_layer_types(cfg, _ATTENTION_LABELS)
+        return layers_from_layer_types(cfg, ATTENTION_LABELS)
     return rule(cfg)
 
 
@@ -136,7 +136,7 @@ def _every_layer_window(cfg: Config) -> list[Layer]:
 def _ministral(cfg: Config) -> list[Layer]:
     """``layer_types``; the Hub form: every layer slides when ``sliding_window`` is set."""
     if cfg.get("layer_types") is not None:
-        return layers_from_layer_types(cfg, _ATTENTION_LABELS)
+        return layers_from_layer_types(cfg, ATTENTION_LABELS)
     window = _window_or_none(cfg)
     return [Layer("full") if window is None else Layer("sliding", window)] * num_layers(cfg)
 
@@ -176,7 +176,7 @@ def _qwen_layers(sliding: Callable[[Config, int], bool]) -> Callable[[Config], l
 
     def read(cfg: Config) -> list[Layer]:
         if cfg.get("layer_types") is not None:
-            return layers_from_layer_types(cfg, _ATTENTION_LABELS, window=_qwen_window)
+            return layers_from_layer_types(cfg, ATTENTION_LABELS, window=_qwen_window)
         if not _use_sliding_window(cfg):
             return [Layer("full")] * num_layers(cfg)
         return _pattern(cfg, lambda i: sliding(cfg, i))
