@@ -167,6 +167,8 @@ pub struct Coordinator {
     mult: Vec<Divisor>,
     base: Divisor,
     lcm: Divisor,
+    /// The lcm of the state groups' page sizes (`None` without state groups).
+    state_grain: Option<u64>,
     /// Full groups first, then the others, each in index order.
     match_order: Vec<usize>,
     pool: BlockPool<GroupKey>,
@@ -225,12 +227,19 @@ impl Coordinator {
         let mut match_order: Vec<usize> = (0..specs.len()).filter(|&g| specs[g].kind.is_prefix_closed()).collect();
         match_order.extend((0..specs.len()).filter(|&g| !specs[g].kind.is_prefix_closed()));
         let groups = specs.len();
+        // It divides `lcm`, which fits u64 (checked above).
+        let state_grain = specs
+            .iter()
+            .filter(|s| s.kind == GroupKind::State)
+            .map(|s| s.page_size)
+            .reduce(|a, b| a / gcd(a, b) * b);
         Ok(Self {
             specs,
             managers,
             mult,
             base: Divisor::new(base),
             lcm: Divisor::new(lcm),
+            state_grain,
             match_order,
             pool: BlockPool::new(num_pages, enable_caching)?,
             in_use: vec![0; groups],
@@ -324,14 +333,9 @@ impl Coordinator {
     }
 
     /// The boundaries where every state group can hold a snapshot: the lcm of the state groups'
-    /// page sizes (`None` without state groups). It divides the lcm of all page sizes, which
-    /// the constructor checked fits `u64`.
+    /// page sizes (`None` without state groups).
     pub fn state_grain(&self) -> Option<u64> {
-        self.specs
-            .iter()
-            .filter(|s| s.kind == GroupKind::State)
-            .map(|s| s.page_size)
-            .reduce(|a, b| a / gcd(a, b) * b)
+        self.state_grain
     }
 
     /// The lcm of the groups' page sizes.

@@ -147,12 +147,16 @@ fn place_state(
     placed: &mut [ArenaComponent],
 ) -> CoreResult<u64> {
     const WHAT: &str = "slot_bytes: the state components, each aligned";
+    // The state groups' components, back in input order.
+    let mut state: Vec<usize> = groups
+        .iter()
+        .filter(|g| g.constant)
+        .flat_map(|g| g.members.iter().copied())
+        .collect();
+    state.sort_unstable();
     let mut end = 0u64;
-    for (k, c) in checked.iter().enumerate() {
-        if !groups.iter().any(|g| g.constant && g.members.contains(&k)) {
-            continue;
-        }
-        let nbytes = c.const_bytes.u64(WHAT)?;
+    for k in state {
+        let nbytes = checked[k].const_bytes.u64(WHAT)?;
         let offset = align_up(end, align, WHAT)?;
         placed[k] = ArenaComponent { offset, nbytes };
         end = checked::add(offset, nbytes, WHAT)?;
