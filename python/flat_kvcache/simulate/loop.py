@@ -230,6 +230,8 @@ class _Loop:
         self.config = config
         cfg = load_model_config(config.model)
         self.specs = engine_specs(module, cfg, config.page_size)
+        # Only state groups make next_chunk cut a chunk; without them it is a call for nothing.
+        self.cuts_chunks = any(spec.kind == "state" for spec in self.specs)
         self.num_pages = (
             default_num_pages(trace, self.specs, config.max_running)
             if config.num_pages is None
@@ -362,9 +364,9 @@ class _Loop:
             if tokens_left == 0:
                 break
             n = min(live.known - live.computed, tokens_left)
-            if n > 1:
-                # A prefill chunk: cut where the state groups keep a snapshot (next_chunk; the
-                # same as n without state groups). Decode steps (one token) need no cut.
+            if n > 1 and self.cuts_chunks:
+                # A prefill chunk: cut where the state groups keep a snapshot (next_chunk).
+                # Decode steps (one token) need no cut.
                 start = _perf()
                 n = self.cache.next_chunk(live.slot, n)
                 self._charge("schedule", start)
