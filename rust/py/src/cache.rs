@@ -75,6 +75,17 @@ impl PyPagedCache {
         core(result)
     }
 
+    /// Run `f` on the engine for the slot argument `slot` (extracted before the lock is taken).
+    pub(crate) fn on_slot<R>(
+        &self,
+        slot: &Bound<'_, PyAny>,
+        f: impl FnOnce(&FlatCache, u64) -> flat_kvcache_core::CoreResult<R>,
+    ) -> PyResult<R> {
+        let slot = count(slot, "slot")?;
+        let result = f(&*lock(&self.inner)?, slot);
+        core(result)
+    }
+
     /// The constructor both subclasses share: `specs` (a non-empty sequence of `KVCacheSpec`),
     /// a pool of `num_pages >= 1` pages (page 0 included) and the keyword options.
     ///
@@ -642,37 +653,27 @@ impl PyFlatKVCache {
 
     /// Tokens the request in `slot` has computed (its position).
     fn num_computed_tokens(slf: &Bound<'_, Self>, slot: &Bound<'_, PyAny>) -> PyResult<u64> {
-        let cache = slf.as_super().get();
-        let slot = count(slot, "slot")?;
-        core(lock(&cache.inner)?.num_computed_tokens(slot))
+        slf.as_super().get().on_slot(slot, FlatCache::num_computed_tokens)
     }
 
     /// Tokens the request in `slot` knows (prompt plus appended).
     fn num_tokens(slf: &Bound<'_, Self>, slot: &Bound<'_, PyAny>) -> PyResult<u64> {
-        let cache = slf.as_super().get();
-        let slot = count(slot, "slot")?;
-        core(lock(&cache.inner)?.num_tokens(slot))
+        slf.as_super().get().on_slot(slot, FlatCache::num_tokens)
     }
 
     /// The page ids per group (holes 0) of the request in `slot`.
     fn page_ids(slf: &Bound<'_, Self>, slot: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
-        let cache = slf.as_super().get();
-        let slot = count(slot, "slot")?;
-        core(lock(&cache.inner)?.page_ids_in(slot))
+        slf.as_super().get().on_slot(slot, FlatCache::page_ids_in)
     }
 
     /// The free token slots in the last page, per group, of the request in `slot`.
     fn tail_available(slf: &Bound<'_, Self>, slot: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
-        let cache = slf.as_super().get();
-        let slot = count(slot, "slot")?;
-        core(lock(&cache.inner)?.tail_available_in(slot))
+        slf.as_super().get().on_slot(slot, FlatCache::tail_available_in)
     }
 
     /// Host-tier loads of the request in `slot` not acknowledged yet (0: it can be scheduled).
     fn loads_in_flight(slf: &Bound<'_, Self>, slot: &Bound<'_, PyAny>) -> PyResult<u64> {
-        let cache = slf.as_super().get();
-        let slot = count(slot, "slot")?;
-        core(lock(&cache.inner)?.loads_in_flight_in(slot))
+        slf.as_super().get().on_slot(slot, FlatCache::loads_in_flight_in)
     }
 
     /// Pages an acquire of `num_tokens` would allocate for the request in `slot` (a fresh
