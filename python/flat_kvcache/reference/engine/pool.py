@@ -1,17 +1,227 @@
-"""The page pool with prefix caching (SPEC 5): one page-id space shared by every group."""
+"""The page pool with prefix caching (SPEC 5): one page-id space shared by every group.
+
+Arena mode (SPEC 13.2; docs/architecture.md, "Hybrid storage"; the native
+``rust/core/src/engine/pool/arena.rs``, which this mirrors list for list): device memory is
+``num_units`` equal units of ``unit_bytes`` (unit 0 is null). A unit is free or bound to one group
+until it is free again; group ``g``'s pages are its view indices (page ``p`` lies at byte
+``p * page_bytes[g]`` of the arena), so a unit ``u`` holds the pages
+``ceil(u U / s) .. floor((u + 1) U / s) - 1`` of a group with pages of ``s`` bytes, and a page that
+straddles two units is never handed out. In the pool's one id space group ``g``'s page ``p`` is id
+``group_base(g) + p`` (the null page is id 0 of every group).
+
+Lists (``OrderedDict``s, front first, like the free list):
+
+- the free units: unbound units;
+- the idle units: bound units none of whose pages is referenced but some hold a key, least
+  recently idle first; their pages are on no list;
+- per group, the free pages: the pages of count 0 in the group's *busy* units (units with a
+  referenced page): uncached pages at the front, cached ones at the back in release order.
+
+Taking a page for group ``g`` (all or nothing over a call, checked first): the front of the
+group's free pages (an uncached page, else its least recently released cached page, whose key is
+evicted); else the front free unit, bound to ``g``; else the least recently idle unit, whose keys
+are all evicted, bound to ``g``. A unit whose last referenced page is released leaves the free
+pages: to the free units (front) when it holds no key, else to the back of the idle units; a
+prefix hit on a page of an idle unit makes it busy again (its other pages join the group's free
+pages, uncached ones at the front in id order, cached ones at the back).
+
+Accounting: a page of group ``g`` costs ``L / kmin[g]`` credits, where ``kmin[g]`` is the fewest
+pages of ``g`` a unit holds and ``L`` the lcm of the ``kmin``s; the free credit (``num_free`` in
+arena mode) is ``L`` per free or idle unit plus each group's free pages at their cost. Whether an
+allocation fits is decided exactly (:meth:`BlockPool.fits`): by following the greedy taking
+through the units it would bind, each holding what it holds of its group.
+"""
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 from flat_kvcache.reference._checks import as_int
-from flat_kvcache.reference.engine._args import INTS, as_count, as_flag, as_pool_size, batch_items
+from flat_kvcache.reference.engine._args import (
+    INTS,
+    MAX_PAGES,
+    as_count,
+    as_counts,
+    as_flag,
+    as_pool_size,
+    batch_items,
+)
 
-__all__ = ["DEFAULT_REUSE_UNCACHED_FIRST", "BlockPool"]
+__all__ = ["DEFAULT_REUSE_UNCACHED_FIRST", "MAX_BLOCKS", "MAX_SCALE", "BlockPool"]
 
 #: Whether a pool reuses released uncached pages first unless told otherwise.
 DEFAULT_REUSE_UNCACHED_FIRST = True
+#: Largest pool size: page ids are written into int32 block tables.
+MAX_BLOCKS = MAX_PAGES
+#: Largest credit scale of an arena (the lcm of the groups' fewest pages per unit).
+MAX_SCALE = 2**24
+#: The group of a unit bound to none.
+_UNBOUND = -1
+
+
+def _unit_pages(unit_bytes: int, page_bytes: int, unit: int) -> tuple[int, int]:
+    """The pages of a group with pages of ``page_bytes`` wholly in ``unit``: view ids ``lo .. hi``."""
+    start = unit * unit_bytes
+    return -(-start // page_bytes), (start + unit_bytes) // page_bytes
+
+
+def _first_hit(a: int, m: int, lo: int, hi: int) -> int | None:
+    """The smallest ``x >= 0`` with ``lo <= (a * x) % m <= hi`` (``0 <= lo <= hi < m``), or None.
+
+    Euclid-like: O(log m) steps."""
+    a %= m
+    if lo == 0:
+        return 0
+    if a == 0:
+        return None
+    x = -(-lo // a)
+    if a * x <= hi:
+        return x
+    # Every hit wraps: a*x - m*y lies in [lo, hi] for some y >= 1, i.e. (m*y) mod a lies in
+    # [a - hi % a, a - lo % a] (no multiple of a lies in [lo, hi] here, so lo % a <= hi % a).
+    y = _first_hit(m % a, a, a - hi % a, a - lo % a)
+    if y is None:
+        return None
+    return -(-(m * y + lo) // a)
+
+
+def _fewest_pages(unit_bytes: int, page_bytes: int, num_units: int) -> int:
+    """The fewest pages of ``page_bytes`` any unit ``1 .. num_units - 1`` holds wholly (the
+    native ``Arena::new`` scans the units; this is the same number in O(log page_bytes)).
+
+    With ``q, r = divmod(unit_bytes, page_bytes)``, unit ``u`` starts ``a = u * r mod page_bytes``
+    bytes into a page: it holds ``q`` pages when ``a == 0`` or ``a + r >= page_bytes``, else
+    ``q - 1``. So the fewest is ``q - 1`` when some unit has ``1 <= a <= page_bytes - r - 1``."""
+    q, r = divmod(unit_bytes, page_bytes)
+    if r == 0 or page_bytes - r - 1 < 1:
+        return q
+    first = _first_hit(r, page_bytes, 1, page_bytes - r - 1)
+    return q - 1 if first is not None and first <= num_units - 1 else q
+
+
+def _push_front(items: OrderedDict[int, None], item: int) -> None:
+    items[item] = None
+    items.move_to_end(item, last=False)
+
+
+def _front(items: OrderedDict[int, None]) -> int:
+    return next(iter(items))
+
+
+class _Arena:
+    """The arena bookkeeping of a :class:`BlockPool` in arena mode (see the module doc)."""
+
+    def __init__(self, unit_bytes: int, num_units: int, page_bytes: Sequence[int]) -> None:
+        """The arena of a checked geometry, every unit free (``ValueError`` naming the problem,
+        worded as the native ``Arena::new``). ``total`` is the size of the pool's id space."""
+        if unit_bytes == 0:
+            raise ValueError("arena: unit_bytes must be > 0, got 0")
+        if num_units < 2:
+            raise ValueError(f"arena: num_units must be >= 2 (unit 0 is null), got {num_units}")
+        if not page_bytes:
+            raise ValueError("arena: page_bytes must name one size per group")
+        if num_units > MAX_BLOCKS:
+            raise ValueError(f"arena: num_units must be <= {MAX_BLOCKS} (ids are int32), got {num_units}")
+        base: list[int] = []
+        num_ids: list[int] = []
+        kmin: list[int] = []
+        total = 1  # the null id
+        for g, size in enumerate(page_bytes):
+            if size == 0 or size > unit_bytes:
+                raise ValueError(
+                    f"arena: page_bytes[{g}] must be in [1, unit_bytes = {unit_bytes}], got {size}"
+                )
+            ids = num_units * unit_bytes // size
+            fewest = _fewest_pages(unit_bytes, size, num_units)
+            if fewest == 0:
+                raise ValueError(
+                    f"arena: some unit holds no page of group {g} "
+                    f"(unit_bytes = {unit_bytes}, page_bytes = {size})"
+                )
+            if ids > MAX_BLOCKS or total + ids - 1 > MAX_BLOCKS:
+                raise ValueError(
+                    f"arena: the page ids of every group must number <= {MAX_BLOCKS} in all (ids are int32)"
+                )
+            base.append(total - 1)
+            num_ids.append(ids)
+            kmin.append(fewest)
+            total += ids - 1
+        scale = 1
+        for k in kmin:
+            scale = scale // math.gcd(scale, k) * k
+            if scale > MAX_SCALE:
+                raise ValueError(
+                    f"arena: the pages per unit of the groups ({kmin}) have an lcm over {MAX_SCALE}"
+                )
+        self.unit_bytes = unit_bytes
+        self.page_bytes = list(page_bytes)
+        #: Per group, the pool id of its view index 0 (``id = base + page``).
+        self.base = base
+        #: Per group, its view's ids ``0 .. num_ids``.
+        self.num_ids = num_ids
+        #: Per group, the fewest pages a unit holds, and the credit of one page (``scale / kmin``).
+        self.kmin = kmin
+        self.cost = [scale // k for k in kmin]
+        #: Credits per unit.
+        self.scale = scale
+        self.total = total
+        #: Per pool id, its unit (0 for ids never handed out) and its group.
+        self.unit_of = [0] * total
+        self.group_of = [0] * total
+        for g, size in enumerate(page_bytes):
+            for page in range(1, num_ids[g]):
+                pool_id = base[g] + page
+                self.group_of[pool_id] = g
+                # The unit that holds the page wholly, if any (a straddling page keeps 0).
+                unit = page * size // unit_bytes
+                lo, hi = _unit_pages(unit_bytes, size, unit)
+                if unit > 0 and lo <= page < hi:
+                    self.unit_of[pool_id] = unit
+        #: Per unit, the group it is bound to (``_UNBOUND``: none), its pages with count > 0 and
+        #: its pages holding a key.
+        self.group_of_unit = [_UNBOUND] * num_units
+        self.live = [0] * num_units
+        self.cached = [0] * num_units
+        self.free_units: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_units))
+        self.idle_units: OrderedDict[int, None] = OrderedDict()
+        self.free_pages: list[OrderedDict[int, None]] = [OrderedDict() for _ in page_bytes]
+
+    def ids_of_unit(self, g: int, unit: int) -> range:
+        """The pool ids of group ``g``'s pages in ``unit``, ascending."""
+        lo, hi = _unit_pages(self.unit_bytes, self.page_bytes[g], unit)
+        return range(self.base[g] + lo, self.base[g] + hi)
+
+    def units_suffice(
+        self, needs: Sequence[int], listed: Callable[[int], int] | None = None, woken: Iterable[int] = ()
+    ) -> bool:
+        """Whether the greedy taking of ``needs[g]`` pages per group (in group order) finds its
+        units: ``listed(g)`` free pages of group ``g`` on hand (default: the lists'), then the
+        free units front first, then the idle units least recently idle first but those in
+        ``woken`` (a claim made them busy), each unit giving ``g`` every page it holds of it."""
+        have = listed if listed is not None else (lambda g: len(self.free_pages[g]))
+        skip = set(woken)
+        units = itertools.chain(self.free_units, (u for u in self.idle_units if u not in skip))
+        for g, need in enumerate(needs):
+            short = need - have(g)
+            while short > 0:
+                unit = next(units, None)
+                if unit is None:
+                    return False
+                short -= len(self.ids_of_unit(g, unit))
+        return True
+
+    def units_available(self) -> int:
+        """Units that can be bound now: free plus idle."""
+        return len(self.free_units) + len(self.idle_units)
+
+    def credit(self) -> int:
+        """The free credit: ``scale`` per free or idle unit plus each group's listed pages."""
+        pages = sum(len(free) * cost for free, cost in zip(self.free_pages, self.cost, strict=True))
+        return self.units_available() * self.scale + pages
 
 
 class BlockPool:
@@ -23,6 +233,9 @@ class BlockPool:
     from the middle. With ``reuse_uncached_first``, a page that drops to 0 holding no key goes
     to the front instead (it is handed out before any cached page). An ``OrderedDict`` keyed by
     page id gives all of these in O(1).
+
+    :meth:`with_arena` builds a pool in arena mode (see the module doc): pages come from units
+    bound to groups, and ``num_free`` is the arena's free credit.
     """
 
     def __init__(
@@ -51,6 +264,37 @@ class BlockPool:
         # dropped to 0, in release order.
         self._record_released = False
         self._released: list[int] = []
+        # Arena mode: units bound to groups and per-group free pages; ``_free`` stays empty.
+        self._arena: _Arena | None = None
+
+    @classmethod
+    def with_arena(
+        cls,
+        unit_bytes: int,
+        num_units: int,
+        page_bytes: Sequence[int],
+        *,
+        enable_caching: bool = True,
+    ) -> BlockPool:
+        """A pool in arena mode: ``num_units`` units of ``unit_bytes`` (unit 0 is null), group
+        ``g``'s pages of ``page_bytes[g]`` bytes; every unit starts free.
+
+        The arguments are checked as ints first (``TypeError`` / ``ValueError`` /
+        ``OverflowError`` naming them), then the geometry (``ValueError`` naming the problem):
+        ``unit_bytes > 0``, ``2 <= num_units <= 2**31 - 1``, one page size per group, each in
+        ``[1, unit_bytes]`` with every unit holding at least one page, at most ``2**31 - 1`` page
+        ids in all and an lcm of the groups' fewest pages per unit of at most ``2**24``. Group
+        ``g``'s page ``p`` is id ``group_base(g) + p``.
+        """
+        unit = as_count(unit_bytes, "unit_bytes")
+        units = as_count(num_units, "num_units")
+        sizes = as_counts(page_bytes, "page_bytes")
+        caching = as_flag(enable_caching, "enable_caching")
+        arena = _Arena(unit, units, sizes)
+        pool = cls(arena.total, enable_caching=caching)
+        pool._free = OrderedDict()
+        pool._arena = arena
+        return pool
 
     # -- probes ---------------------------------------------------------------------------------
 
@@ -61,8 +305,44 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        """Length of the free list (the null page is never counted)."""
+        """Length of the free list (the null page is never counted); in arena mode the free
+        credit (see the module doc)."""
+        if self._arena is not None:
+            return self._arena.credit()
         return len(self._free)
+
+    @property
+    def num_total(self) -> int:
+        """What ``num_free`` counts when nothing is allocated: the pages but the null page; in
+        arena mode the credit of every unit but the null one."""
+        if self._arena is not None:
+            return (len(self._arena.group_of_unit) - 1) * self._arena.scale
+        return self._num_blocks - 1
+
+    def arena_stats(self) -> dict[str, Any] | None:
+        """The arena's occupancy, or None without an arena: ``unit_bytes``, ``units_total``
+        (units but the null one), ``units_free`` (bound to no group), ``units_idle`` (bound,
+        nothing referenced, some key held), ``units_bound`` (per group, idle ones included),
+        ``pages_free`` (per group, the free pages of its busy units, usable by it only) and
+        ``stranded_bytes`` (their bytes)."""
+        arena = self._arena
+        if arena is None:
+            return None
+        groups = len(arena.free_pages)
+        units_bound = [0] * groups
+        for g in arena.group_of_unit[1:]:
+            if g != _UNBOUND:
+                units_bound[g] += 1
+        pages_free = [len(free) for free in arena.free_pages]
+        return {
+            "unit_bytes": arena.unit_bytes,
+            "units_total": len(arena.group_of_unit) - 1,
+            "units_free": len(arena.free_units),
+            "units_idle": len(arena.idle_units),
+            "units_bound": units_bound,
+            "pages_free": pages_free,
+            "stranded_bytes": sum(n * size for n, size in zip(pages_free, arena.page_bytes, strict=True)),
+        }
 
     @property
     def num_cached(self) -> int:
@@ -78,6 +358,73 @@ class BlockPool:
     def num_cached_pinned(self) -> int:
         """Pages holding a key whose count is > 0."""
         return sum(1 for page in self._cached_pages() if self._ref_counts[page] > 0)
+
+    @property
+    def is_arena(self) -> bool:
+        """Whether the pool is in arena mode."""
+        return self._arena is not None
+
+    def group_base(self, g: int) -> int:
+        """The pool id of group ``g``'s view index 0 (0 without an arena): a table value ``id``
+        of group ``g`` is page ``id - group_base(g)`` of the group's view (0 stays 0)."""
+        group = self._group(g, "g")
+        return 0 if self._arena is None else self._arena.base[group]
+
+    def group_ids(self, g: int) -> int:
+        """The ids of group ``g``'s view, the null page included (without an arena: the pool's
+        pages)."""
+        group = self._group(g, "g")
+        return self._num_blocks if self._arena is None else self._arena.num_ids[group]
+
+    def page_cost(self, g: int) -> int:
+        """What one page of group ``g`` counts in ``num_free``: 1, or its credit in arena mode."""
+        group = self._group(g, "g")
+        return 1 if self._arena is None else self._arena.cost[group]
+
+    def fits(self, needs: Sequence[int]) -> bool:
+        """Whether taking ``needs[g]`` pages for each group ``g`` (in group order) succeeds.
+
+        Without an arena: whether their sum is at most ``num_free``. In arena mode ``needs`` may
+        be shorter than the groups (the others need 0), never longer (``ValueError``)."""
+        values = as_counts(needs, "needs")
+        arena = self._arena
+        if arena is None:
+            return sum(values) <= len(self._free)
+        self._check_needs(values)
+        return arena.units_suffice(values)
+
+    def fits_after_claim(self, claimed: Sequence[int], needs: Sequence[int]) -> bool:
+        """Whether claiming ``claimed`` (one more reference on each: pages of any count, repeats
+        allowed, 0 entries skipped) and then taking ``needs[g]`` pages per group succeeds.
+
+        Checked first, in this order: each claimed page in range (as :meth:`touch`), ``needs``
+        as in :meth:`fits`, then in arena mode each claimed page of count 0 claimable as
+        :meth:`touch` requires (``ValueError``). Nothing changes."""
+        pages = [self._page(page) for page in batch_items(claimed, "claimed", INTS)]
+        values = as_counts(needs, "needs")
+        arena = self._arena
+        if arena is not None:
+            self._check_needs(values)
+        pages = [page for page in pages if page != 0]
+        if arena is None:
+            unclaimed = {page for page in pages if self._ref_counts[page] == 0}
+            return len(unclaimed) + sum(values) <= len(self._free)
+        for page in pages:
+            self._check_claimable(page)
+        free = sorted({(arena.unit_of[page], page) for page in pages if self._ref_counts[page] == 0})
+        groups = len(arena.free_pages)
+        taken, added = [0] * groups, [0] * groups
+        woken: list[int] = []
+        for unit, members in itertools.groupby(free, key=lambda item: item[0]):
+            g = arena.group_of_unit[unit]
+            claimed_here = sum(1 for _ in members)
+            if arena.live[unit] == 0:
+                # An idle unit becomes busy: its other pages join the group's free pages.
+                woken.append(unit)
+                added[g] += len(arena.ids_of_unit(g, unit)) - claimed_here
+            else:
+                taken[g] += claimed_here
+        return arena.units_suffice(values, lambda g: len(arena.free_pages[g]) + added[g] - taken[g], woken)
 
     def ref_count(self, page: int) -> int:
         """The reference count of ``page``."""
@@ -99,14 +446,27 @@ class BlockPool:
 
     # -- mutations ------------------------------------------------------------------------------
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, group: int = 0) -> list[int]:
         """Take ``n`` pages from the front of the free list, all or nothing (SPEC 5).
 
         Fewer than ``n`` free pages returns ``[]`` and changes nothing. A cached page taken
         here loses its key. New pages have count 1.
+
+        In arena mode the ``n`` pages are ``group``'s (see the module doc), ``[]`` when they do
+        not fit; ``group`` must be one of the arena's groups (``ValueError``). Without an arena
+        ``group`` is checked as a count and otherwise ignored (every group shares the free
+        list), as the native ``allocate_group_into`` ignores it.
         """
         count = as_count(n, "n")
-        if count == 0 or count > len(self._free):
+        g = self._group(group, "group")
+        if count == 0:
+            return []
+        if self._arena is not None:
+            arena = self._arena
+            if not arena.units_suffice([*([0] * g), count]):
+                return []
+            return [self._arena_take(g) for _ in range(count)]
+        if count > len(self._free):
             return []
         pages = []
         for _ in range(count):
@@ -117,12 +477,20 @@ class BlockPool:
         return pages
 
     def touch(self, page: int) -> None:
-        """Take one more reference on ``page``; a free page leaves the free list. Page 0: no-op."""
+        """Take one more reference on ``page``; a free page leaves the free list. Page 0: no-op.
+
+        In arena mode a page of count 0 must lie in a unit bound to its group (on the group's
+        free pages or in an idle unit, which becomes busy): any other page (in a free unit, a
+        unit of another group, the null unit or straddling two units) is a ``ValueError``."""
         index = self._page(page)
         if index == 0:
             return
         if self._ref_counts[index] == 0:
-            del self._free[index]
+            if self._arena is None:
+                del self._free[index]
+            else:
+                self._check_claimable(index)
+                self._arena_on_take(index)
         self._ref_counts[index] += 1
 
     def free(self, pages: Sequence[int]) -> None:
@@ -133,6 +501,7 @@ class BlockPool:
         uncached pages first (so such pages end up in list order). Entries equal to 0 are
         skipped. Everything is validated first: a page out of range, or one released more
         times than it is referenced (repeats counted), raises ValueError and changes nothing.
+        In arena mode a page that drops to 0 goes where the module doc says.
         """
         checked = [self._page(page) for page in batch_items(pages, "pages", INTS)]
         releases: dict[int, int] = {}
@@ -147,6 +516,11 @@ class BlockPool:
                 continue
             self._ref_counts[page] -= 1
             if self._ref_counts[page] == 0:
+                if self._arena is not None:
+                    if self._record_released and self._key_of[page] is not None:
+                        self._released.append(page)
+                    self._arena_on_free(page)
+                    continue
                 self._free[page] = None  # to the back, key kept
                 if self._record_released and self._key_of[page] is not None:
                     self._released.append(page)
@@ -157,7 +531,8 @@ class BlockPool:
         """Register ``page`` under ``key`` (SPEC 5). No-op when caching is off or page is 0.
 
         A page that already holds a key is an error. A key may map to several pages; they are
-        never de-duplicated, so page ids already handed out stay valid.
+        never de-duplicated, so page ids already handed out stay valid. In arena mode a page of
+        count 0 must be claimable as :meth:`touch` requires (``ValueError``, checked last).
         """
         index = self._page(page)
         if not isinstance(key, str):
@@ -167,8 +542,12 @@ class BlockPool:
             return
         if self._key_of[index] is not None:
             raise ValueError(f"page {index} already holds a key")
+        if self._arena is not None:
+            self._check_claimable(index)
         self._key_of[index] = key
         self._pages_by_key.setdefault(key, []).append(index)
+        if self._arena is not None:
+            self._arena_on_cache(index)
 
     def __repr__(self) -> str:
         return (
@@ -184,6 +563,33 @@ class BlockPool:
         if not 0 <= index < self._num_blocks:
             raise ValueError(f"page {index} is out of range [0, {self._num_blocks})")
         return index
+
+    def _group(self, value: object, name: str) -> int:
+        """A group argument: a count (TypeError / ValueError / OverflowError naming ``name``),
+        in arena mode one of the arena's groups (ValueError)."""
+        group = as_count(value, name)
+        if self._arena is not None and group >= len(self._arena.page_bytes):
+            groups = len(self._arena.page_bytes)
+            raise ValueError(f"{name} must be < {groups} (the arena's groups), got {group}")
+        return group
+
+    def _check_needs(self, needs: list[int]) -> None:
+        """Arena mode: at most one need per group (ValueError)."""
+        assert self._arena is not None
+        groups = len(self._arena.page_bytes)
+        if len(needs) > groups:
+            raise ValueError(f"needs has {len(needs)} entries, more than the arena's {groups} groups")
+
+    def _check_claimable(self, page: int) -> None:
+        """Arena mode: a real page of count 0 may take a reference or a key only in a unit bound
+        to its own group (ValueError otherwise, worded as the native ``check_arena_page``)."""
+        arena = self._arena
+        if arena is None or page == 0 or self._ref_counts[page] > 0:
+            return
+        unit = arena.unit_of[page]
+        if unit == 0 or arena.group_of_unit[unit] != arena.group_of[page]:
+            g = arena.group_of[page]
+            raise ValueError(f"page {page} of group {g} lies in no unit bound to that group (arena mode)")
 
     def _evict(self, page: int) -> None:
         """Drop ``page``'s key, if it holds one (it leaves that key's page list)."""
@@ -206,6 +612,12 @@ class BlockPool:
             del self._pages_by_key[key]
         return key
 
+    def _set_record_evictions(self, on: bool) -> None:
+        """Keep (or stop keeping, dropping those kept) the keys allocations evict."""
+        self._record_evictions = as_flag(on, "on")
+        if not on:
+            self._evicted = []
+
     def _take_evicted(self) -> list[str]:
         """The keys evicted since the last call, in eviction order (recorded only when asked)."""
         evicted, self._evicted = self._evicted, []
@@ -214,8 +626,17 @@ class BlockPool:
     def _clear_cached_free(self) -> list[str]:
         """Drop the key of every free cached page (they stay free, in place); not evictions.
 
-        Returns the dropped keys in free-list order."""
+        Returns the dropped keys in free-list order; in arena mode in arena order (each group's
+        free pages, then the idle units least recently idle first, ids ascending), an idle unit
+        left without a key joining the front of the free units."""
         dropped = []
+        if self._arena is not None:
+            for page in self._arena_cached_free():
+                key = self._drop_key(page)
+                if key is not None:
+                    dropped.append(key)
+                self._arena_on_uncache(page)
+            return dropped
         for page in self._free:
             key = self._drop_key(page)
             if key is not None:
@@ -227,12 +648,208 @@ class BlockPool:
             yield from pages
 
     def _free_list(self) -> list[int]:
-        """The free list, front first (for invariant checks)."""
+        """The free list, front first (for invariant checks).
+
+        In arena mode: the free pages of each group (those of count 0 in its busy units),
+        concatenated in group order, each front first. The pages of idle units (count 0 too)
+        are on no list; :meth:`_arena_check` checks the arena's lists."""
+        if self._arena is not None:
+            return [page for free in self._arena.free_pages for page in free]
         return list(self._free)
 
     def _key_map(self) -> dict[str, list[int]]:
         """A copy of the key -> pages map (for invariant checks)."""
         return {key: list(pages) for key, pages in self._pages_by_key.items()}
 
+    def _arena_group_of(self, page: int) -> int:
+        """The group whose id range holds ``page`` (arena mode; for invariant checks)."""
+        assert self._arena is not None
+        return self._arena.group_of[page]
+
     def _key_held_by(self, page: int) -> str | None:
         return self._key_of[page]
+
+    # -- arena mode (the native arena.rs, operation for operation) ------------------------------
+
+    def _arena_take(self, g: int) -> int:
+        """Take one page for group ``g`` (the caller checked that one can be taken)."""
+        arena = self._arena
+        assert arena is not None
+        free = arena.free_pages[g]
+        if free:
+            page = _front(free)
+        else:
+            if arena.free_units:
+                unit, _unused = arena.free_units.popitem(last=False)
+            else:
+                unit, _unused = arena.idle_units.popitem(last=False)
+                self._arena_evict_unit(unit)
+            self._arena_bind(unit, g)
+            page = _front(free)
+        had_key = self._key_of[page] is not None
+        del free[page]
+        self._evict(page)
+        self._ref_counts[page] = 1
+        unit = arena.unit_of[page]
+        arena.live[unit] += 1
+        arena.cached[unit] -= int(had_key)
+        return page
+
+    def _arena_evict_unit(self, unit: int) -> None:
+        """Evict every key of the idle ``unit`` (in id order) and unbind it."""
+        arena = self._arena
+        assert arena is not None
+        for page in arena.ids_of_unit(arena.group_of_unit[unit], unit):
+            self._evict(page)
+        arena.cached[unit] = 0
+        arena.group_of_unit[unit] = _UNBOUND
+
+    def _arena_bind(self, unit: int, g: int) -> None:
+        """Bind the free ``unit`` to group ``g``: its pages join the front of the group's free
+        pages, lowest id first."""
+        arena = self._arena
+        assert arena is not None
+        arena.group_of_unit[unit] = g
+        for page in reversed(arena.ids_of_unit(g, unit)):
+            _push_front(arena.free_pages[g], page)
+
+    def _arena_on_take(self, page: int) -> None:
+        """A page of count 0 takes a reference: off its group's free pages, or its idle unit
+        becomes busy (its other pages join the group's free pages: uncached ones at the front
+        in id order, cached ones at the back in id order)."""
+        arena = self._arena
+        assert arena is not None
+        unit = arena.unit_of[page]
+        g = arena.group_of_unit[unit]
+        if arena.live[unit] == 0:
+            ids = arena.ids_of_unit(g, unit)
+            del arena.idle_units[unit]
+            for other in reversed(ids):
+                if other != page and self._key_of[other] is None:
+                    _push_front(arena.free_pages[g], other)
+            for other in ids:
+                if other != page and self._key_of[other] is not None:
+                    arena.free_pages[g][other] = None
+        else:
+            del arena.free_pages[g][page]
+        arena.live[unit] += 1
+
+    def _arena_on_free(self, page: int) -> None:
+        """A page's count dropped to 0: to its group's free pages (front when uncached, back when
+        cached) while its unit is busy; the unit's last referenced page takes the unit's pages
+        off the list and sends the unit to the front of the free units (no key) or the back of
+        the idle units."""
+        arena = self._arena
+        assert arena is not None
+        cached = self._key_of[page] is not None
+        unit = arena.unit_of[page]
+        g = arena.group_of_unit[unit]
+        arena.live[unit] -= 1
+        if arena.live[unit] > 0:
+            if cached:
+                arena.free_pages[g][page] = None
+            else:
+                _push_front(arena.free_pages[g], page)
+            return
+        for other in arena.ids_of_unit(g, unit):
+            if other != page:
+                del arena.free_pages[g][other]
+        if arena.cached[unit] == 0:
+            arena.group_of_unit[unit] = _UNBOUND
+            _push_front(arena.free_units, unit)
+        else:
+            arena.idle_units[unit] = None
+
+    def _arena_on_cache(self, page: int) -> None:
+        """A page gained a key: counted in its unit; a listed free page moves to the back."""
+        arena = self._arena
+        assert arena is not None
+        unit = arena.unit_of[page]
+        arena.cached[unit] += 1
+        if self._ref_counts[page] == 0 and arena.live[unit] > 0:
+            arena.free_pages[arena.group_of_unit[unit]].move_to_end(page)
+
+    def _arena_on_uncache(self, page: int) -> None:
+        """A free page lost its key (not by eviction): an idle unit left with no key is free
+        again, at the front of the free units."""
+        arena = self._arena
+        assert arena is not None
+        unit = arena.unit_of[page]
+        arena.cached[unit] -= 1
+        if arena.cached[unit] == 0 and arena.live[unit] == 0 and arena.group_of_unit[unit] != _UNBOUND:
+            del arena.idle_units[unit]
+            arena.group_of_unit[unit] = _UNBOUND
+            _push_front(arena.free_units, unit)
+
+    def _arena_cached_free(self) -> list[int]:
+        """Every cached page of count 0, in arena order: each group's free pages, then the idle
+        units least recently idle first, ids ascending."""
+        arena = self._arena
+        assert arena is not None
+        pages = [page for free in arena.free_pages for page in free if self._key_of[page] is not None]
+        for unit in arena.idle_units:
+            ids = arena.ids_of_unit(arena.group_of_unit[unit], unit)
+            pages.extend(page for page in ids if self._key_of[page] is not None)
+        return pages
+
+    def _arena_check(self) -> str | None:
+        """The first broken arena invariant, described, or None (also without an arena).
+
+        Mirrors the native ``arena_check`` (unit lists and counts, per-unit listing of free
+        pages, live pages against reference counts) and checks a little more: every listed
+        page is a free page of a busy unit of its list's group, no list holds an id out of
+        range, and the free list is unused."""
+        arena = self._arena
+        if arena is None:
+            return None
+        units = len(arena.group_of_unit)
+        for name, members in (("free units", arena.free_units), ("idle units", arena.idle_units)):
+            for unit in members:
+                if not 0 < unit < units:
+                    return f"{name}: unit {unit} is out of range [1, {units})"
+        for unit in range(1, units):
+            g = arena.group_of_unit[unit]
+            if g == _UNBOUND:
+                if (
+                    unit not in arena.free_units
+                    or unit in arena.idle_units
+                    or arena.live[unit] != 0
+                    or arena.cached[unit] != 0
+                ):
+                    return f"unbound unit {unit} is not exactly on the free units"
+                continue
+            live = cached = 0
+            for page in arena.ids_of_unit(g, unit):
+                referenced = self._ref_counts[page] > 0
+                live += int(referenced)
+                cached += int(self._key_of[page] is not None)
+                if arena.unit_of[page] != unit or arena.group_of[page] != g:
+                    return f"page {page} is not mapped to unit {unit} of group {g}"
+                want = not referenced and arena.live[unit] > 0
+                listed = page in arena.free_pages[g]
+                if listed != want:
+                    return f"page {page} of unit {unit}: listed {listed} but should be {want}"
+            if live != arena.live[unit] or cached != arena.cached[unit]:
+                return (
+                    f"unit {unit}: counts live {arena.live[unit]}/{live}, "
+                    f"cached {arena.cached[unit]}/{cached} disagree"
+                )
+            if unit in arena.free_units or (unit in arena.idle_units) != (live == 0) or live == cached == 0:
+                return f"bound unit {unit} (live {live}, cached {cached}) is on the wrong unit list"
+        for g, free in enumerate(arena.free_pages):
+            for page in free:
+                unit = arena.unit_of[page] if 0 < page < self._num_blocks else 0
+                if (
+                    unit == 0
+                    or arena.group_of[page] != g
+                    or arena.group_of_unit[unit] != g
+                    or self._ref_counts[page] != 0
+                    or arena.live[unit] == 0
+                ):
+                    return f"page {page} is on the free pages of group {g} but is no free page of a busy unit"
+        referenced_pages = sum(1 for count in self._ref_counts if count > 0)
+        if referenced_pages != sum(arena.live):
+            return f"{referenced_pages} pages referenced but units count {sum(arena.live)} live"
+        if self._free:
+            return "the free list is used in arena mode"
+        return None

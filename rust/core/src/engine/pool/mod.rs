@@ -21,6 +21,11 @@ use rustc_hash::FxBuildHasher;
 use crate::engine::lru::{self, LruList};
 use crate::error::{CoreError, CoreResult};
 
+mod arena;
+
+use arena::Arena;
+pub use arena::ArenaGeometry;
+
 /// The null page: never free, never cached, never counted.
 pub const NULL_PAGE: u32 = 0;
 
@@ -90,6 +95,28 @@ pub struct BlockPool<K> {
     record_released: bool,
     /// Cached pages that joined the free list since the last [`BlockPool::take_released`].
     released: Vec<u32>,
+    /// Arena mode (SPEC 13.2): units bound to groups, per-group free lists; `free` is unused.
+    arena: Option<Box<Arena>>,
+}
+
+/// The occupancy of an arena ([`BlockPool::arena_stats`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ArenaStats {
+    /// Bytes per unit.
+    pub unit_bytes: u64,
+    /// Units but the null one.
+    pub units_total: usize,
+    /// Units bound to no group.
+    pub units_free: usize,
+    /// Bound units none of whose pages is referenced (each holds a key; evictable whole).
+    pub units_idle: usize,
+    /// Per group, the units bound to it (idle ones included).
+    pub units_bound: Vec<usize>,
+    /// Per group, the free pages of its busy units (usable by that group only).
+    pub pages_free: Vec<usize>,
+    /// Bytes of those pages: memory only their own group can use until their unit empties
+    /// (the stranded memory of docs/architecture.md).
+    pub stranded_bytes: u64,
 }
 
 /// Allocate a vector of `n` copies of `value`, reporting allocation failure as an error.
@@ -144,7 +171,97 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
             evicted: Vec::new(),
             record_released: false,
             released: Vec::new(),
+            arena: None,
         })
+    }
+
+    /// A pool in arena mode over `geometry` (see [`ArenaGeometry`] and the `arena` module):
+    /// group `g`'s page `p` is id `group_base(g) + p`; every unit starts free.
+    pub fn with_arena(geometry: &ArenaGeometry, enable_caching: bool) -> CoreResult<Self> {
+        let (arena, n) = Arena::new(geometry)?;
+        let mut pool = Self::new(n as u64, enable_caching)?;
+        pool.free = LruList::empty(page_u32(n - 1)).map_err(|_| out_of_memory(n))?;
+        pool.arena = Some(Box::new(arena));
+        Ok(pool)
+    }
+
+    /// Whether the pool is in arena mode.
+    #[inline]
+    pub fn is_arena(&self) -> bool {
+        self.arena.is_some()
+    }
+
+    /// The pool id of group `g`'s view index 0 (0 without an arena): a table value `id`
+    /// of group `g` is page `id - group_base(g)` of the group's view (0 stays 0).
+    #[inline]
+    pub fn group_base(&self, g: usize) -> u32 {
+        self.arena.as_ref().map_or(0, |a| a.base[g])
+    }
+
+    /// The ids of group `g`'s view, the null page included (arena mode; else the pool's
+    /// pages).
+    pub fn group_ids(&self, g: usize) -> usize {
+        self.arena.as_ref().map_or(self.refs.len(), |a| a.num_ids[g] as usize)
+    }
+
+    /// What one page of group `g` counts in [`Self::num_free`]: 1, or its credit in arena
+    /// mode.
+    #[inline]
+    pub fn page_cost(&self, g: usize) -> u64 {
+        self.arena.as_ref().map_or(1, |a| a.cost[g])
+    }
+
+    /// Whether taking `needs[g]` pages for each group `g` (in group order) succeeds.
+    pub fn fits(&self, needs: impl Iterator<Item = u64>) -> bool {
+        match &self.arena {
+            None => needs.fold(0u64, u64::saturating_add) <= self.free.len() as u64,
+            Some(a) => {
+                let needs: Vec<u64> = needs.collect();
+                a.units_suffice(&needs, |g| a.free_pages[g].len() as u64, &[])
+            }
+        }
+    }
+
+    /// Whether claiming `claimed` (real pages, any counts, repeats allowed) and then taking
+    /// `needs[g]` pages per group succeeds.
+    pub fn fits_after_claim(&self, claimed: &[u32], needs: &[u64]) -> bool {
+        let Some(arena) = &self.arena else {
+            let mut free: Vec<u32> = claimed
+                .iter()
+                .copied()
+                .filter(|&p| p != NULL_PAGE && self.refs_of(p) == 0)
+                .collect();
+            free.sort_unstable();
+            free.dedup();
+            let total = needs.iter().fold(free.len() as u64, |acc, &n| acc.saturating_add(n));
+            return total <= self.free.len() as u64;
+        };
+        // The claimed pages of count 0, by unit.
+        let mut free: Vec<(u32, u32)> = claimed
+            .iter()
+            .filter(|&&p| p != NULL_PAGE && self.refs_of(p) == 0)
+            .map(|&p| (arena.unit_of[p as usize], p))
+            .collect();
+        free.sort_unstable();
+        free.dedup();
+        let groups = arena.free_pages.len();
+        let (mut taken, mut added) = (vec![0u64; groups], vec![0u64; groups]);
+        let mut woken = Vec::new();
+        for run in free.chunk_by(|x, y| x.0 == y.0) {
+            let unit = run[0].0;
+            let group = arena.class[unit as usize] as usize;
+            let claimed_here = run.len() as u64;
+            if arena.live[unit as usize] == 0 {
+                // An idle unit becomes busy: its other pages join the group's free pages.
+                woken.push(unit);
+                added[group] += arena.ids_of_unit(group, unit).len() as u64 - claimed_here;
+            } else {
+                taken[group] += claimed_here;
+            }
+        }
+        // Taken pages were listed, so the difference is >= 0; `free` is sorted by unit.
+        let listed = |g: usize| (arena.free_pages[g].len() as u64 + added[g]).saturating_sub(taken[g]);
+        arena.units_suffice(needs, listed, &woken)
     }
 
     // ----- probes -------------------------------------------------------------------------
@@ -154,9 +271,48 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
         self.refs.len()
     }
 
-    /// Pages on the free list.
+    /// Pages on the free list; in arena mode the free credit (see the `arena` module).
     pub fn num_free(&self) -> usize {
-        self.free.len()
+        match &self.arena {
+            None => self.free.len(),
+            Some(a) => usize::try_from(a.credit()).unwrap_or(usize::MAX),
+        }
+    }
+
+    /// What [`Self::num_free`] counts when nothing is allocated: the pages but the null page;
+    /// in arena mode the credit of every unit but the null one.
+    pub fn num_total(&self) -> usize {
+        match &self.arena {
+            None => self.refs.len() - 1,
+            Some(a) => usize::try_from((a.class.len() as u64 - 1).saturating_mul(a.scale)).unwrap_or(usize::MAX),
+        }
+    }
+
+    /// The arena's occupancy (arena mode only).
+    pub fn arena_stats(&self) -> Option<ArenaStats> {
+        let a = self.arena.as_deref()?;
+        let groups = a.free_pages.len();
+        let mut units_bound = vec![0usize; groups];
+        for &class in &a.class[1..] {
+            if let Some(n) = units_bound.get_mut(class as usize) {
+                *n += 1;
+            }
+        }
+        let pages_free: Vec<usize> = a.free_pages.iter().map(LruList::len).collect();
+        let stranded = pages_free
+            .iter()
+            .zip(&a.page_bytes)
+            .map(|(&n, &b)| (n as u64).saturating_mul(b))
+            .fold(0u64, u64::saturating_add);
+        Some(ArenaStats {
+            unit_bytes: a.unit_bytes,
+            units_total: a.class.len() - 1,
+            units_free: a.free_units.len(),
+            units_idle: a.idle_units.len(),
+            units_bound,
+            pages_free,
+            stranded_bytes: stranded,
+        })
     }
 
     /// Pages holding a key.
@@ -338,6 +494,13 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
     /// the dropped keys in free-list order. Not counted as evictions.
     pub fn clear_cached_free(&mut self) -> Vec<K> {
         let mut dropped = Vec::with_capacity(self.num_cached_free);
+        if self.arena.is_some() {
+            for page in self.arena_cached_free() {
+                dropped.extend(self.drop_key(page));
+                self.arena_on_uncache(page);
+            }
+            return dropped;
+        }
         let mut at = self.free.front();
         while let Some(page) = at {
             if self.num_cached_free == 0 {
@@ -355,7 +518,7 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
     /// nothing: with fewer than `n` free pages nothing changes and `false` is returned.
     /// Taking a cached page evicts its key; new pages have count 1.
     pub fn allocate_into(&mut self, out: &mut Vec<u32>, n: usize) -> bool {
-        if n > self.free.len() {
+        if self.arena.is_some() || n > self.free.len() {
             return false;
         }
         if n == 0 {
@@ -372,6 +535,17 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
             self.refs[page as usize] = 1;
         }
         true
+    }
+
+    /// [`Self::allocate_into`] for group `g`'s pages: in arena mode from the group's units
+    /// (see the `arena` module), else from the one free list.
+    #[inline]
+    pub fn allocate_group_into(&mut self, out: &mut Vec<u32>, g: usize, n: usize) -> bool {
+        if self.arena.is_some() {
+            self.arena_allocate_into(out, g, n)
+        } else {
+            self.allocate_into(out, n)
+        }
     }
 
     /// [`Self::allocate_into`] into a new vector; an empty vector when `n` pages are not free.
@@ -400,7 +574,11 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
     #[inline]
     fn touch_unchecked(&mut self, page: u32, next: u32) {
         if self.refs[page as usize] == 0 {
-            self.free.unlink(page);
+            if self.arena.is_some() {
+                self.arena_on_take(page);
+            } else {
+                self.free.unlink(page);
+            }
             if self.keys[page as usize].is_some() {
                 self.num_cached_free -= 1;
             }
@@ -427,7 +605,15 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
         debug_assert!(*count > 0, "release of page {page} with count 0");
         *count = count.saturating_sub(1);
         if *count == 0 {
-            if self.keys[page as usize].is_some() {
+            if self.arena.is_some() {
+                if self.keys[page as usize].is_some() {
+                    self.num_cached_free += 1;
+                    if self.record_released {
+                        self.released.push(page);
+                    }
+                }
+                self.arena_on_free(page);
+            } else if self.keys[page as usize].is_some() {
                 self.free.push_back(page);
                 self.num_cached_free += 1;
                 if self.record_released {
@@ -529,11 +715,18 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
         if self.refs[page as usize] == 0 {
             self.num_cached_free += 1;
         }
+        if self.arena.is_some() {
+            self.arena_on_cache(page);
+        }
     }
 
     /// Check the pool's own invariants: free-list links and membership, counters and the
     /// key map. Returns a description of the first violation.
     pub fn check(&self) -> Result<(), String> {
+        if self.arena.is_some() {
+            self.check_keys()?;
+            return self.arena_check();
+        }
         let on_list = self.free.check("free list")?;
         if on_list.len() != self.refs.len() {
             return Err("free list and reference counts cover different page ranges".to_owned());
@@ -548,6 +741,23 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
         }
         if self.refs[0] != 0 || self.keys[0].is_some() || on_list[0] {
             return Err("the null page 0 is counted, cached or free".to_owned());
+        }
+        self.check_keys()?;
+        let in_use = self.refs.iter().filter(|&&c| c > 0).count();
+        if self.free.len() + in_use + 1 != self.refs.len() {
+            return Err(format!(
+                "free ({}) + in use ({in_use}) + 1 != num_pages ({})",
+                self.free.len(),
+                self.refs.len()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Check the key map and the cache counters.
+    fn check_keys(&self) -> Result<(), String> {
+        if self.refs[0] != 0 || self.keys[0].is_some() {
+            return Err("the null page 0 is counted or cached".to_owned());
         }
         let mut fps = std::collections::HashSet::new();
         let mut lists = 0usize;
@@ -589,15 +799,31 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
                 self.num_cached, self.num_cached_free
             ));
         }
-        let in_use = self.refs.iter().filter(|&&c| c > 0).count();
-        if self.free.len() + in_use + 1 != self.refs.len() {
-            return Err(format!(
-                "free ({}) + in use ({in_use}) + 1 != num_pages ({})",
-                self.free.len(),
-                self.refs.len()
-            ));
-        }
         Ok(())
+    }
+
+    // ----- added for the Python binding (rust/py/src/pool.rs): its arena argument check -----
+
+    /// Check that `page` may take a reference ([`Self::touch`], [`Self::fits_after_claim`]) or
+    /// a key ([`Self::cache`]) as it is, which those assume in arena mode without checking (a
+    /// page of count 0 in a unit not bound to its group would panic or corrupt the lists):
+    /// `page` in range and, in arena mode, the null page, a page of count > 0, or a page of
+    /// count 0 lying wholly in a unit bound to its own group (on the group's free pages or in an
+    /// idle unit). Any other page (in a free unit, a unit of another group, the null unit or
+    /// straddling two units) is an error naming it.
+    pub fn check_arena_page(&self, page: u64) -> CoreResult<()> {
+        let i = self.check_page(page)?;
+        let Some(a) = self.arena.as_deref() else {
+            return Ok(());
+        };
+        let u = a.unit_of[i] as usize;
+        if i == 0 || self.refs[i] > 0 || (u != 0 && a.class[u] == a.group_of[i]) {
+            return Ok(());
+        }
+        Err(CoreError::invalid(format!(
+            "page {page} of group {} lies in no unit bound to that group (arena mode)",
+            a.group_of[i]
+        )))
     }
 }
 
