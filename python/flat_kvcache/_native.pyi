@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import disjoint_base
 
-from flat_kvcache._types import CacheStats, PoolStats
+from flat_kvcache._types import ArenaPlan, CacheStats, PoolStats
 
 #: The package version the extension was built as.
 __version__: str
@@ -330,6 +330,10 @@ class BlockPool:
     Page 0 is the null page (never free, cached or counted); the free list starts as
     ``1..num_blocks-1`` and is the eviction order. Misuse raises ``ValueError`` and changes
     nothing. Safe to share between threads.
+
+    :meth:`with_arena` builds a pool in arena mode (SPEC 13.2): equal units bound to one group
+    at a time, each group's pages taken from its own units (see ``rust/core/src/engine/pool/
+    arena.rs`` and the reference ``flat_kvcache.reference.engine.pool``).
     """
 
     def __new__(
@@ -341,13 +345,74 @@ class BlockPool:
         list (handed out before any cached page) instead of the back (SPEC 5's order).
         """
 
+    @staticmethod
+    def with_arena(
+        unit_bytes: int, num_units: int, page_bytes: Sequence[int], *, enable_caching: bool = True
+    ) -> BlockPool:
+        """A pool in arena mode: ``num_units`` units of ``unit_bytes`` (unit 0 is null), group
+        ``g``'s pages of ``page_bytes[g]`` bytes; every unit starts free.
+
+        Unit ``u`` holds group ``g``'s view pages ``ceil(u*U/s) .. floor((u+1)*U/s) - 1`` (a page
+        straddling two units is never handed out); page ``p`` is pool id ``group_base(g) + p``.
+        The arguments are checked as ints first (``TypeError`` / ``ValueError`` /
+        ``OverflowError`` naming them), then the geometry (``ValueError`` naming the problem):
+        ``unit_bytes > 0``, ``2 <= num_units <= 2**31 - 1``, one page size per group, each in
+        ``[1, unit_bytes]`` with every unit holding a page, at most ``2**31 - 1`` ids in all, and
+        an lcm of the groups' fewest pages per unit of at most ``2**24``.
+        """
+
     @property
     def num_blocks(self) -> int:
         """Total pages, the null page included."""
 
     @property
     def num_free(self) -> int:
-        """Pages on the free list."""
+        """Pages on the free list; in arena mode the free credit (a listed page of group ``g``
+        counts ``page_cost(g)``, a free or idle unit the lcm of the groups' fewest pages per
+        unit)."""
+
+    @property
+    def num_total(self) -> int:
+        """What ``num_free`` counts when nothing is allocated: the pages but the null page; in
+        arena mode the credit of every unit but the null one."""
+
+    def arena_stats(self) -> dict[str, Any] | None:
+        """The arena's occupancy, or None without an arena: ``unit_bytes``, ``units_total``,
+        ``units_free``, ``units_idle``, ``stranded_bytes``, and ``units_bound`` and
+        ``pages_free`` (lists, one entry per group: the units bound to it, idle ones included,
+        and the free pages of its busy units, usable by it only)."""
+
+    @property
+    def is_arena(self) -> bool:
+        """Whether the pool is in arena mode."""
+
+    def group_base(self, g: int) -> int:
+        """The pool id of group ``g``'s view index 0 (0 without an arena); in arena mode ``g``
+        must be one of the groups (``ValueError``)."""
+
+    def group_ids(self, g: int) -> int:
+        """The ids of group ``g``'s view, the null page included (without an arena: the pool's
+        pages)."""
+
+    def page_cost(self, g: int) -> int:
+        """What one page of group ``g`` counts in ``num_free``: 1, or its credit in arena mode."""
+
+    def fits(self, needs: Sequence[int] | npt.NDArray[np.integer[Any]]) -> bool:
+        """Whether taking ``needs[g]`` pages for each group ``g`` (in group order) succeeds.
+
+        Without an arena: whether their sum is at most ``num_free``. In arena mode ``needs`` may
+        be shorter than the groups (the rest need 0), never longer (``ValueError``).
+        """
+
+    def fits_after_claim(
+        self, claimed: Iterable[int], needs: Sequence[int] | npt.NDArray[np.integer[Any]]
+    ) -> bool:
+        """Whether claiming ``claimed`` (one more reference on each; any counts, repeats
+        allowed, 0 entries skipped) and then taking ``needs[g]`` pages per group succeeds.
+
+        Checked first: each claimed page in range, ``needs`` as in :meth:`fits`, then in arena
+        mode each claimed page of count 0 claimable as :meth:`touch` requires. Nothing changes.
+        """
 
     @property
     def num_cached(self) -> int:
@@ -361,17 +426,22 @@ class BlockPool:
     def num_cached_pinned(self) -> int:
         """Pages holding a key with reference count > 0."""
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, group: int = 0) -> list[int]:
         """Take ``n >= 0`` pages from the front of the free list, all or nothing.
 
         Returns ``[]`` (and changes nothing) when fewer than ``n`` are free; taking a cached
-        page evicts its key.
+        page evicts its key. In arena mode the pages are ``group``'s (one of the arena's
+        groups, else ``ValueError``), from its units' free pages, then a free unit, then the
+        least recently idle unit (all its keys evicted); without an arena ``group`` is checked
+        as a count and otherwise ignored.
         """
 
     def touch(self, page: int) -> None:
         """Claim one more reference on ``page`` (taking it off the free list at count 0).
 
-        Page 0 is a no-op; a page out of range is a ``ValueError``.
+        Page 0 is a no-op; a page out of range is a ``ValueError``. In arena mode a page of
+        count 0 must lie in a unit bound to its group (on its group's free pages, or in an idle
+        unit, which becomes busy): any other page is a ``ValueError``.
         """
 
     def free(self, pages: Iterable[int]) -> None:
@@ -385,7 +455,8 @@ class BlockPool:
     def cache(self, page: int, key: str) -> None:
         """Register ``key`` for ``page`` (a no-op with caching off or for page 0).
 
-        ``ValueError`` when the page already holds a key or is out of range.
+        ``ValueError`` when the page already holds a key or is out of range, and in arena mode
+        for a page of count 0 that :meth:`touch` could not claim.
         """
 
     def lookup(self, key: str) -> int | None:
@@ -396,6 +467,20 @@ class BlockPool:
 
     def is_cached(self, page: int) -> bool:
         """Whether ``page`` holds a key (``ValueError`` when out of range)."""
+
+    def _clear_cached_free(self) -> list[str]:
+        """Drop the key of every cached page of count 0 (not evictions); the dropped keys in
+        free-list order (arena mode: each group's free pages, then the idle units least
+        recently idle first, ids ascending). For tests."""
+
+    def _set_record_evictions(self, on: bool) -> None:
+        """Keep (or stop keeping, dropping those kept) the keys allocations evict. For tests."""
+
+    def _take_evicted(self) -> list[str]:
+        """The keys evicted since the last call, in eviction order. For tests."""
+
+    def _check(self) -> str | None:
+        """The first broken pool invariant, described, or None. For tests."""
 
 @final
 class PrefixMatch:
@@ -474,6 +559,12 @@ class _PagedCacheBase:
         """Check every engine invariant; ``InvariantError`` (a ``RuntimeError``) names the first
         violation."""
 
+    def arena_stats(self) -> dict[str, Any] | None:
+        """The arena's occupancy, or None without arena storage: ``unit_bytes``,
+        ``units_total``, ``units_free``, ``units_idle``, ``units_bound`` and ``pages_free``
+        (``{group_id: n}``; a group's free pages are those of its busy units, usable by it
+        only) and ``stranded_bytes`` (their bytes)."""
+
     def stats(self) -> CacheStats:
         """Metrics with stable names (see :class:`flat_kvcache._types.CacheStats`)."""
 
@@ -533,8 +624,9 @@ class FlatKVCache(_PagedCacheBase):
     def __new__(
         cls,
         specs: Iterable[_GroupSpec],
-        num_pages: int,
+        num_pages: int | None = None,
         *,
+        arena: ArenaPlan | None = None,
         enable_caching: bool = True,
         eviction_order: _EvictionOrder = "hybrid",
         enable_kv_events: bool = False,
@@ -557,6 +649,12 @@ class FlatKVCache(_PagedCacheBase):
         ``host_store``: ``"write_through"`` copies each page as it is registered;
         ``"evict"`` copies a cached page when its last reference goes (it joins the free list
         once the copy is acknowledged). 0 (default): no tier, nothing changes.
+
+        ``arena`` (an :class:`ArenaPlan` from ``plan_arena``, instead of ``num_pages``): the
+        pages live in the plan's arena of units (SPEC 13.2, docs/architecture.md "Hybrid
+        storage"); each group's page ids index its own view of the arena, and ``budget``,
+        ``pages_needed`` and ``stats()["num_free"]`` count arena credits. Not combinable with a
+        host tier or ``reuse_uncached_first=False``.
         """
 
     def add_request(
@@ -602,6 +700,20 @@ class FlatKVCache(_PagedCacheBase):
 
     def id_of(self, slot: int) -> str | int:
         """The id the request in ``slot`` was added with."""
+
+    def state_slots(
+        self, slots: _Counts, num_new_tokens: _Counts
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+        """The read and write state slots of a step (SPEC 13.4), after ``schedule(slots,
+        num_new_tokens)``: two int32 arrays of the state group's slot ids.
+
+        The step reads the state after the request's last token before it from ``read[i]``
+        (0, the all-zero null slot, for a fresh request) and writes the state after its new
+        tokens to ``write[i]``; where they differ, copy ``read[i]`` into ``write[i]`` first and
+        run the step in place on ``write[i]`` (``read[i]`` may be a checkpoint: leave it).
+        ``ValueError`` unless the model has exactly one state group, or for a count above the
+        request's computed tokens; ``UnknownRequestError`` for a free slot.
+        """
 
     def schedule(
         self, slots: _Counts, num_new_tokens: _Counts, *, lookahead: int = 0

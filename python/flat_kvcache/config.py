@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol, SupportsIndex, TypedDict, Unpack
 
-from flat_kvcache._types import PagedCacheGroupSpec, kv_cache_specs
+from flat_kvcache._types import ArenaPlan, PagedCacheGroupSpec, kv_cache_specs
 from flat_kvcache.engine import FlatKVCache
 from flat_kvcache.families import read_model_layers
 from flat_kvcache.presets import PRESETS, get_preset, preset_names
@@ -160,6 +160,7 @@ class CacheOptions(TypedDict, total=False):
     reuse_uncached_first: bool
     host_pages: int | None
     host_store: Literal["write_through", "evict"]
+    arena: ArenaPlan | None
 
 
 def cache_from_config(
@@ -187,7 +188,9 @@ def cache_from_config(
         carry their page size, raised where a state layer needed it).
     **options
         ``enable_caching``, ``eviction_order``, ``enable_kv_events``, ``reuse_uncached_first``,
-        ``host_pages``, ``host_store``: passed to ``FlatKVCache`` as given (:class:`CacheOptions`).
+        ``host_pages``, ``host_store``, ``arena``: passed to ``FlatKVCache`` as given
+        (:class:`CacheOptions`). With ``arena=`` (a plan from ``plan_arena`` for the same model),
+        leave ``num_pages`` out: the arena sizes the pool (SPEC 13).
 
     Returns
     -------
@@ -207,10 +210,10 @@ def cache_from_config(
         ``model`` names a ``config.json`` (or a folder) that does not exist.
     """
     if isinstance(model, Mapping | str | os.PathLike):
-        if num_pages is None:
+        if num_pages is None and options.get("arena") is None:
             raise TypeError(
-                "cache_from_config() needs num_pages= with a model config: the pages in the pool, "
-                "page 0 included"
+                "cache_from_config() needs num_pages= with a model config (the pages in the pool, "
+                "page 0 included) or arena= (an ArenaPlan, which sizes the pool)"
             )
         size = _page_size(DEFAULT_PAGE_SIZE if page_size is None else page_size)
         try:

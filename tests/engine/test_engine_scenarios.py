@@ -660,9 +660,12 @@ def test_pages_reclaimable_counts_only_last_references(api: ModuleType) -> None:
 
 def test_state_group_registers_only_boundary_snapshots(api: ModuleType) -> None:
     # Full P = 16 next to state P = 32: base 16, the state group folds m = 2 base pages per page.
+    # A state group is sparse (SPEC 13.4): a chunk gets a page only for its last slot, so the
+    # request goes in two chunks to hold a state page at 64 and one at 96.
     cache = make_cache(api, [("full", 16), ("state", 32)], 30)
     hs = fake_hashes(6)
-    assert cache.acquire("r", 96)  # full pages 1..6, state pages 7..9
+    assert cache.acquire("r", 64)  # full pages 1..4; state slot 1 only: page 5, slot 0 a hole
+    assert cache.page_ids("r") == [[1, 2, 3, 4], [0, 5]]
     # Ends at 48 tokens: 48 % 32 != 0: the state page holding token 47 was never snapshotted there.
     cache.register("r", hs[:3], end_tokens=48)
     assert stats(cache)["num_cached"] == 3  # full slots 0..2 only
@@ -672,36 +675,45 @@ def test_state_group_registers_only_boundary_snapshots(api: ModuleType) -> None:
     # end_tokens given but the hashes end at 64, not 96: nothing for state.
     cache.register("r", hs[:4], end_tokens=96)
     assert stats(cache)["num_cached"] == 4
-    # Ends at 64 = 2 state pages: only the last key (slot 1) is registered, slot 0 never is.
+    # Ends at 64 = 2 state pages: only the last key (slot 1) is registered; slot 0 is a hole.
     cache.register("r", hs[:4], end_tokens=64)
     assert stats(cache)["num_cached"] == 5
+    assert cache.acquire("r", 32)  # full pages 6, 7; state slot 2: page 8
+    assert cache.page_ids("r") == [[1, 2, 3, 4, 6, 7], [0, 5, 8]]
     # Hashes from base page 2 to 6 ending at 96: state key for slot 2 only.
     cache.register("r", hs[2:6], first_slot=2, end_tokens=96)
     assert stats(cache)["num_cached"] == 6 + 2  # full slots 0..5, state slots 1 and 2
     cache.free("r")
     # Match 96 tokens: full hits 6 -> bound 96. State at 96: slots [0, 3): slot 2 hits -> accept;
-    # the rightmost snapshot, W = 2 needs 1 page: [0, 0, page 9].
+    # the rightmost snapshot, W = 2 needs 1 page: [0, 0, page 8].
     match = cache.match_prefix(hs)
     assert (match.num_common_tokens, match.pages, match.num_hit_pages) == (
         96,
-        [[1, 2, 3, 4, 5, 6], [0, 0, 9]],
+        [[1, 2, 3, 4, 6, 7], [0, 0, 8]],
         [6, 1],
     )
     # Match 80 tokens: bound = align_down(5 * 16, 32) = 64: full 4 pages; state slots [0, 2):
-    # slot 1 hits -> [0, page 8].
+    # slot 1 hits -> [0, page 5].
     match = cache.match_prefix(hs[:5])
-    assert (match.num_common_tokens, match.pages) == (64, [[1, 2, 3, 4], [0, 8]])
+    assert (match.num_common_tokens, match.pages) == (64, [[1, 2, 3, 4], [0, 5]])
 
 
 def test_state_reclaim_keeps_the_page_of_the_last_token(api: ModuleType) -> None:
     cache = make_cache(api, [("state", 4)], 10)
-    assert cache.acquire("r", 12)  # pages 1, 2, 3
+    # One slot per chunk, so that every slot holds a page (a longer chunk gets only its last).
+    for _ in range(3):
+        assert cache.acquire("r", 4)
+    assert cache.page_ids("r") == [[1, 2, 3]]
     # W = 2: k = (n - 1) // 4. n = 8: k = 1 (token 7 is in slot 1, kept).
     cache.reclaim("r", 8)
     assert cache.page_ids("r") == [[0, 2, 3]]
     # n = 9: k = 2 (token 8 lives in slot 2).
     cache.reclaim("r", 9)
     assert cache.page_ids("r") == [[0, 0, 3]]
+    # SPEC 13.4: a 12-token chunk at once allocates the page of its last slot only: the
+    # reclaimed uncached pages went to the front of the free list (1, then 2 before it).
+    assert cache.acquire("s", 12)
+    assert cache.page_ids("s") == [[0, 0, 2]]
     cache.check_invariants()
 
 
@@ -747,35 +759,37 @@ def test_match_sweep_with_mixed_page_sizes(api: ModuleType) -> None:
 
 def test_match_converge_rematches_a_sliding_group_above_the_bound(api: ModuleType) -> None:
     # g0 sliding P = 16, W = 17 (needed 1); g1 state P = 32 (W = 2, needed 1). base 16, lcm 32.
-    # 13 pages: a request of 128 tokens takes all 12 usable ones (g0: 8, g1: 4).
+    # 13 pages. The state group is sparse (SPEC 13.4): each chunk gets a page for its last slot.
     cache = make_cache(api, [("sliding_window", 16, 17), ("state", 32)], 13, order="group", appending=True)
     hs = fake_hashes(8)
-    assert cache.acquire("a", 128)
-    assert cache.page_ids("a") == [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12]]
-    # State snapshots at 32 and 64 (slots 0, 1); g0 gets every slot 0..7 along the way.
-    cache.register("a", hs[:2], end_tokens=32)
-    cache.register("a", hs[:4], end_tokens=64)
-    cache.register("a", hs[:8])
+    assert cache.acquire("a", 32)  # g0 pages 1, 2; g1 slot 0: page 3
+    cache.register("a", hs[:2], end_tokens=32)  # g0 slots 0, 1; state snapshot at 32 (slot 0)
+    assert cache.acquire("a", 32)  # g0 pages 4, 5; g1 slot 1: page 6
+    cache.register("a", hs[:4], end_tokens=64)  # g0 slots 2, 3; state snapshot at 64 (slot 1)
+    assert cache.acquire("a", 64)  # g0 pages 7..10; g1 slot 3: page 11, slot 2 a hole
+    assert cache.page_ids("a") == [[1, 2, 4, 5, 7, 8, 9, 10], [3, 6, 0, 11]]
+    cache.register("a", hs[:8])  # g0 slots 4..7 (no end_tokens: no state key)
     cache.free("a")
-    # Free list: g0 released tail first [8, 7, ..., 1], then g1 [12, 11, 10, 9].
-    # "q" takes 16 tokens: g0 1 page (8, evicting g0 slot 7), g1 1 page (7, evicting g0 slot 6).
+    # Free list: page 12 (never used), then g0 released tail first [10, 9, 8, 7, 5, 4, 2, 1],
+    # then g1 [11, 6, 3] (its hole holds no page).
+    # "q" takes 16 tokens: g0 1 page (12, never used), g1 1 page (10, evicting g0 slot 7).
     assert cache.acquire("q", 16)
-    assert cache.page_ids("q") == [[8], [7]]
-    # Now g0 hits slots 0..5, g1 hits slots 0, 1.
-    # Sweep: bound 128. g0 at 128: slots 7, 6 miss (b = 6), slot 5 hits -> b = 6, extent 96,
-    # bound 96. g1 at 96: slots [0, 3): slot 2 misses (b = 2), slot 1 hits -> extent 64, bound 64.
-    # Converge: g0's extent 96 > 64 -> re-match at 64: slots [0, 4): slot 3 hits -> [0, 0, 0, 4],
-    # extent 64. g1's extent 64 is not above. Nothing else changes.
+    assert cache.page_ids("q") == [[12], [10]]
+    # Now g0 hits slots 0..6, g1 hits slots 0, 1.
+    # Sweep: bound 128. g0 at 128: slot 7 misses, slot 6 hits -> extent 112, bound
+    # align_down(112, 32) = 96. g1 at 96: slots [0, 3): slot 2 misses, slot 1 hits -> extent 64,
+    # bound 64. Converge: g0's extent 112 > 64 -> re-match at 64: slots [0, 4): slot 3 hits ->
+    # [0, 0, 0, 5], extent 64. g1's extent 64 is not above. Nothing else changes.
     match = cache.match_prefix(hs)
     assert match.num_common_tokens == 64
-    assert match.pages == [[0, 0, 0, 4], [0, 10]]
+    assert match.pages == [[0, 0, 0, 5], [0, 6]]
     assert match.num_hit_pages == [1, 1]
-    # The claim takes 2 pages off the free list (4 and 10 are cached with count 0).
+    # The claim takes 2 pages off the free list (5 and 6 are cached with count 0).
     assert cache.pages_consumed_by_claim(match) == 2
     free_before = cache.num_free_pages
     cache.claim("b", match)
     assert cache.num_free_pages == free_before - 2
-    assert cache.page_ids("b") == [[0, 0, 0, 4], [0, 10]] and cache.tail_available("b") == [0, 0]
+    assert cache.page_ids("b") == [[0, 0, 0, 5], [0, 6]] and cache.tail_available("b") == [0, 0]
     cache.check_invariants()
 
 
@@ -969,18 +983,21 @@ def test_chunked_prefill_registers_each_page_once(api: ModuleType) -> None:
 def test_decode_step_cuts_hashes_at_computed_tokens(api: ModuleType) -> None:
     cache = make_cache(api, [("full", 4), ("state", 8)], 30, appending=True)
     hs = fake_hashes(6)
-    assert cache.prefill_first_chunk("r", cache.match_prefix([]), 15)  # full 1..4, state 5, 6
+    # full 1..4; state sparse (SPEC 13.4): slot 1 only (the state after token 14), page 5.
+    assert cache.prefill_first_chunk("r", cache.match_prefix([]), 15)
+    assert cache.page_ids("r") == [[1, 2, 3, 4], [0, 5]]
     # computed 15: hashes of base pages 2.. cut so that 2 + len <= 15 // 4 = 3: one hash (page 2).
-    # State: end_tokens 15 % 8 != 0: nothing. Reclaim state at 15: k = 14 // 8 = 1 -> slot 0 freed.
+    # State: end_tokens 15 % 8 != 0: nothing. Reclaim state at 15: k = 14 // 8 = 1 -> slot 0
+    # (already a hole). The token fits both tails.
     assert cache.decode_step("r", hs[2:], 2, 1, 15)
     assert stats(cache)["num_cached"] == 1  # only full slot 2 (slots 0, 1 were never given)
-    assert cache.page_ids("r") == [[1, 2, 3, 4], [0, 6]]
+    assert cache.page_ids("r") == [[1, 2, 3, 4], [0, 5]]
     assert cache.tail_available("r") == [0, 0]
     # computed 16: hashes from base page 0, all 4 full pages; state: (0 + 4) * 4 == 16 and
-    # 16 % 8 == 0 -> state slot 1 (page 6) registered. Then 1 token: full page 7, state page 8.
+    # 16 % 8 == 0 -> state slot 1 (page 5) registered. Then 1 token: full page 6, state page 7.
     assert cache.decode_step("r", hs, 0, 1, 16)
     assert stats(cache)["num_cached"] == 4 + 1
-    assert cache.page_ids("r") == [[1, 2, 3, 4, 7], [0, 6, 8]]
+    assert cache.page_ids("r") == [[1, 2, 3, 4, 6], [0, 5, 7]]
     cache.check_invariants()
 
 

@@ -21,7 +21,15 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from slots import as_slot_array, chunk_cut, lowest_free, outcome_of, state_grain
-from strategies import DOCUMENTS, EXTRA_KEYS, REQUEST_IDS, both_caches, configs
+from strategies import (
+    DOCUMENTS,
+    EXTRA_KEYS,
+    REQUEST_IDS,
+    arena_configs,
+    both_arena_caches,
+    both_caches,
+    configs,
+)
 
 
 def replay(index: Counter[tuple[int, bytes]], events: list[KVCacheEvent], medium: str = "GPU") -> None:
@@ -491,3 +499,36 @@ class RequestsMachine(RuleBasedStateMachine):
 
     def check_more_events(self, taken: list[KVCacheEvent]) -> None:
         """Hook for subclasses: more checks on the events of one step (none here)."""
+
+
+class ArenaRequestsMachine(RequestsMachine):
+    """:class:`RequestsMachine` over the SPEC 13 storage: both caches lay their pages out in the
+    same arena (``FlatKVCache(arena=)``, :func:`strategies.arena_configs`), and the step's state
+    slots (``state_slots``) must agree too."""
+
+    @initialize(
+        config=arena_configs(),
+        prompts=st.lists(st.tuples(st.integers(0, len(DOCUMENTS) - 1), st.integers(1, 40)), max_size=3),
+    )
+    def build(self, config: dict[str, Any], prompts: list[tuple[int, int]]) -> None:
+        self.config = config
+        self.caches.extend(both_arena_caches(config, enable_kv_events=True))
+        self.add_initial(prompts)
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 10), back=st.integers(0, 3), over=st.booleans())
+    def state_slots(self, index: int, back: int, over: bool) -> None:
+        """The read and write slots of a step that scheduled up to the request's computed
+        tokens: a count other than the last schedule's may find no state kept (sparse state,
+        SPEC 13.4), and one more than computed is refused; both caches must refuse alike. A
+        model without exactly one state group refuses."""
+        slot = self.slot(index)
+        computed = self.caches[0].num_computed_tokens(slot)
+        n = computed + 1 if over else max(computed - back, 0)
+        outcome = self.both("state_slots", [slot], [n])
+        event(f"state_slots {'raised' if outcome[0] == 'raise' else 'ran'}")
+
+    @invariant()
+    def arena_agrees(self) -> None:
+        if self.caches:
+            self.both("arena_stats")

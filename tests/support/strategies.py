@@ -167,3 +167,72 @@ def both_caches(config: dict[str, Any], **options: Any) -> list[Any]:
             )
         )
     return caches
+
+
+@st.composite
+def arena_configs(draw: st.DrawFn) -> dict[str, Any]:
+    """A :func:`configs` draw laid out in an arena (SPEC 13 storage, ``FlatKVCache(arena=)``):
+    at most one state group, ``unit_bytes`` 6 to 48, each page group's page a share of the unit
+    (sometimes a byte less, so pages straddle units and units hold ``per_unit`` or
+    ``per_unit - 1`` pages), ``num_units`` 2 to 12. ``num_pages`` is unused."""
+    config = draw(configs())
+    groups: list[tuple[str, int, Any]] = []
+    for kind, size, param in config["groups"]:
+        if kind == "state" and any(g[0] == "state" for g in groups):
+            kind, param = "full", None
+        groups.append((kind, size, param))
+    unit = draw(st.integers(6, 48))
+    page_bytes = []
+    for kind, _, _ in groups:
+        if kind == "state":
+            page_bytes.append(unit)
+            continue
+        share = draw(st.integers(1, 4))
+        page = unit // share
+        if share >= 2 and draw(st.booleans()):
+            page -= 1  # straddling pages: still at least one page per unit
+        page_bytes.append(max(page, 1))
+    return {
+        **config,
+        "groups": groups,
+        "unit_bytes": unit,
+        "num_units": draw(st.integers(2, 12)),
+        "page_bytes": page_bytes,
+    }
+
+
+def arena_plan(config: dict[str, Any]) -> Any:
+    """The ``ArenaPlan`` of an :func:`arena_configs` draw (groups named ``g0``, ``g1``, ...)."""
+    unit, units = config["unit_bytes"], config["num_units"]
+    groups = tuple(
+        flat_kvcache.ArenaGroup(
+            group_id=f"g{i}",
+            kind="state" if kind == "state" else "pages",
+            item_bytes=page,
+            per_unit=unit // page,
+            num_ids=units * unit // page,
+            slack_bytes=unit - (unit // page) * page,
+        )
+        for i, ((kind, _, _), page) in enumerate(zip(config["groups"], config["page_bytes"], strict=True))
+    )
+    return flat_kvcache.ArenaPlan(
+        page_size=1, alignment=1, unit_bytes=unit, num_units=units, groups=groups, components=()
+    )
+
+
+def both_arena_caches(config: dict[str, Any], **options: Any) -> list[Any]:
+    """The native and the reference cache of an :func:`arena_configs` draw, native first."""
+    plan = arena_plan(config)
+    caches = []
+    for module in (flat_kvcache, flat_kvcache.reference):
+        specs = [group_spec(module, *group) for group in config["groups"]]
+        caches.append(
+            module.FlatKVCache(
+                specs,
+                arena=plan,
+                enable_caching=config["enable_caching"],
+                eviction_order=config["eviction_order"],
+                **options,
+            )
+        )
+    return caches

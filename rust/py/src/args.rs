@@ -6,7 +6,7 @@ use flat_kvcache_core::engine::coordinator::{EvictionOrder, GroupSpec};
 use flat_kvcache_core::engine::group::{GroupKind, KindError};
 use flat_kvcache_core::engine::hash::{parse_hash_lower, parse_hex, ContentHash};
 use flat_kvcache_core::engine::ids::RequestIdRef;
-use flat_kvcache_core::engine::pool::MAX_BLOCKS;
+use flat_kvcache_core::engine::pool::{ArenaGeometry, MAX_BLOCKS};
 use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
@@ -730,4 +730,88 @@ impl<'a, 'py> FromPyObject<'a, 'py> for EvictionArg {
             ))),
         }
     }
+}
+
+/// `flat_kvcache.ArenaPlan`, imported on first use.
+static ARENA_PLAN: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// The `arena=` argument of `FlatKVCache`: an `ArenaPlan` (`flat_kvcache.plan_arena`) laid
+/// over the cache's groups `specs`, one page size per group in group order (a state group's
+/// page is the whole unit). Read the same way as the reference's `arena_geometry`.
+pub fn arena_geometry(arena: &Bound<'_, PyAny>, specs: &[GroupSpec]) -> PyResult<ArenaGeometry> {
+    let py = arena.py();
+    let class = ARENA_PLAN.get_or_try_init(py, || -> PyResult<Py<PyType>> {
+        Ok(py
+            .import("flat_kvcache._types")?
+            .getattr("ArenaPlan")?
+            .cast_into::<PyType>()?
+            .unbind())
+    })?;
+    if !arena.is_instance(class.bind(py))? {
+        return Err(PyTypeError::new_err(format!(
+            "arena must be an ArenaPlan (from plan_arena), got {}",
+            type_name(arena)
+        )));
+    }
+    let unit_bytes = count(&arena.getattr("unit_bytes")?, "arena.unit_bytes")?;
+    let num_units = count(&arena.getattr("num_units")?, "arena.num_units")?;
+    let mut planned: Vec<(String, String, u64)> = Vec::new();
+    for (i, group) in batch_iter(&arena.getattr("groups")?, "arena.groups", "ArenaGroup")?.enumerate() {
+        let group = group?;
+        let text = |name: &str| -> PyResult<String> {
+            let value = group.getattr(name)?;
+            value
+                .cast::<PyString>()
+                .map(|s| s.to_string_lossy().into_owned())
+                .map_err(|_| {
+                    PyTypeError::new_err(format!(
+                        "arena.groups[{i}].{name} must be a str, got {}",
+                        type_name(&value)
+                    ))
+                })
+        };
+        let bytes = count(&group.getattr("item_bytes")?, &format!("arena.groups[{i}].item_bytes"))?;
+        planned.push((text("group_id")?, text("kind")?, bytes));
+    }
+    if let Some((gid, _, _)) = planned
+        .iter()
+        .find(|(gid, _, _)| !specs.iter().any(|s| &s.group_id == gid))
+    {
+        return Err(PyValueError::new_err(format!(
+            "arena: the plan's group {:?} is not one of the cache's groups",
+            clip(gid)
+        )));
+    }
+    let mut page_bytes = Vec::with_capacity(specs.len());
+    for spec in specs {
+        let Some((_, kind, bytes)) = planned.iter().find(|(gid, _, _)| gid == &spec.group_id) else {
+            return Err(PyValueError::new_err(format!(
+                "arena: the plan has no group {:?} (a group of specs)",
+                clip(&spec.group_id)
+            )));
+        };
+        let want = if spec.kind == GroupKind::State {
+            "state"
+        } else {
+            "pages"
+        };
+        if kind != want {
+            return Err(PyValueError::new_err(format!(
+                "arena: group {:?} is a {} group but the plan lays it out as {:?}",
+                clip(&spec.group_id),
+                spec.kind.name(),
+                clip(kind)
+            )));
+        }
+        page_bytes.push(if spec.kind == GroupKind::State {
+            unit_bytes
+        } else {
+            *bytes
+        });
+    }
+    Ok(ArenaGeometry {
+        unit_bytes,
+        num_units,
+        page_bytes,
+    })
 }

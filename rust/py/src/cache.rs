@@ -24,12 +24,13 @@ use flat_kvcache_core::engine::{CacheOptions, FlatCache};
 use flat_kvcache_core::CoreError;
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods};
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::args::{
-    count, counts, id_to_py, opt_count, tokens, CountParam, EvictionArg, ExtraKeys, FlagParam, GroupSpecs, RequestId,
+    arena_geometry, count, counts, id_to_py, opt_count, tokens, CountParam, EvictionArg, ExtraKeys, FlagParam,
+    GroupSpecs, RequestId,
 };
 use crate::convert::{clip, is_masked, signed, IntArg};
 use crate::errors::{core, lock};
@@ -38,6 +39,9 @@ use crate::host::{transfer_ids, transfers_to_py, HostStoreArg};
 use crate::rows::{as_outs, check_bind, copy_deltas, deltas_to_py, no_deltas, BoundBuffers};
 use crate::tables::{borrow_out, table_outs};
 use flat_kvcache_core::engine::host::HostStore;
+
+/// The read and write slot arrays of `state_slots`.
+type SlotArrays<'py> = (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>);
 
 /// The state and the calls shared by `FlatKVCache` (token-level) and `PageCache`
 /// (page-level): the constructor's checks, the geometry, counters, events, the host tier's
@@ -98,14 +102,42 @@ impl PyPagedCache {
     #[allow(clippy::needless_pass_by_value, reason = "handed on as PyO3 extracted them")]
     pub(crate) fn build(
         specs: GroupSpecs,
-        num_pages: &Bound<'_, PyAny>,
+        num_pages: Option<&Bound<'_, PyAny>>,
         enable_caching: FlagParam<'_>,
         eviction_order: EvictionArg,
         enable_kv_events: FlagParam<'_>,
         reuse_uncached_first: FlagParam<'_>,
         host_pages: Option<&Bound<'_, PyAny>>,
         host_store: HostStoreArg,
+        arena: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let options = |host_pages: u64| -> PyResult<CacheOptions> {
+            Ok(CacheOptions {
+                enable_caching: enable_caching.or(true, "enable_caching")?,
+                eviction_order: eviction_order.0,
+                enable_kv_events: enable_kv_events.or(false, "enable_kv_events")?,
+                reuse_uncached_first: reuse_uncached_first.or(DEFAULT_REUSE_UNCACHED_FIRST, "reuse_uncached_first")?,
+                host_pages,
+                host_store: host_store.0,
+            })
+        };
+        let num_pages = match (num_pages.filter(|n| !n.is_none()), arena.filter(|a| !a.is_none())) {
+            (Some(n), None) => n,
+            (Some(n), Some(_)) => {
+                return Err(PyValueError::new_err(format!(
+                    "num_pages must be None with arena= (the arena sizes the pool), got {}",
+                    n.repr()?
+                )))
+            }
+            (None, None) => return Err(PyTypeError::new_err(
+                "num_pages must be an int (the pages in the pool, page 0 included) unless arena= is given, got None",
+            )),
+            (None, Some(plan)) => {
+                let options = options(opt_count(host_pages, "host_pages")?.unwrap_or(0))?;
+                let geometry = arena_geometry(plan, &specs.0)?;
+                return Ok(Self::over(core(FlatCache::with_arena(specs.0, &geometry, options))?));
+            }
+        };
         // The pool holds page 0, so its size is >= 1 (a negative size says so too, as in the
         // reference, rather than count's ">= 0").
         let too_small =
@@ -122,22 +154,19 @@ impl PyPagedCache {
             )));
         }
         let host_pages = opt_count(host_pages, "host_pages")?.unwrap_or(0);
-        let options = CacheOptions {
-            enable_caching: enable_caching.or(true, "enable_caching")?,
-            eviction_order: eviction_order.0,
-            enable_kv_events: enable_kv_events.or(false, "enable_kv_events")?,
-            reuse_uncached_first: reuse_uncached_first.or(DEFAULT_REUSE_UNCACHED_FIRST, "reuse_uncached_first")?,
-            host_pages,
-            host_store: host_store.0,
-        };
-        let cache = core(FlatCache::with_options(specs.0, num_pages, options))?;
+        let cache = core(FlatCache::with_options(specs.0, num_pages, options(host_pages)?))?;
+        Ok(Self::over(cache))
+    }
+
+    /// The Python object over a built engine.
+    fn over(cache: FlatCache) -> Self {
         let coord = cache.coordinator();
-        Ok(Self {
+        Self {
             specs: coord.specs().to_vec(),
             base: coord.base_page_size(),
             lcm: coord.lcm_page_size(),
             inner: Mutex::new(cache),
-        })
+        }
     }
 }
 
@@ -224,6 +253,31 @@ impl PyPagedCache {
         d.set_item("host_evictions", h.evictions)?;
         d.set_item("host_transfers_in_flight", h.transfers_in_flight)?;
         Ok(d)
+    }
+
+    /// The arena's occupancy, or None without arena storage: `unit_bytes units_total
+    /// units_free units_idle stranded_bytes`, `units_bound` and `pages_free` (`{group_id: n}`;
+    /// a group's free pages are those of its busy units, usable by it only: their bytes are
+    /// `stranded_bytes`).
+    fn arena_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(a) = lock(&self.inner)?.coordinator().pool().arena_stats() else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        d.set_item("unit_bytes", a.unit_bytes)?;
+        d.set_item("units_total", a.units_total)?;
+        d.set_item("units_free", a.units_free)?;
+        d.set_item("units_idle", a.units_idle)?;
+        let bound = PyDict::new(py);
+        let free = PyDict::new(py);
+        for ((gid, units), pages) in self.gids().zip(&a.units_bound).zip(&a.pages_free) {
+            bound.set_item(gid, units)?;
+            free.set_item(gid, pages)?;
+        }
+        d.set_item("units_bound", bound)?;
+        d.set_item("pages_free", free)?;
+        d.set_item("stranded_bytes", a.stranded_bytes)?;
+        Ok(Some(d))
     }
 
     /// The host-tier transfers emitted since the last call (see `flat_kvcache._native.pyi`).
@@ -355,15 +409,21 @@ impl PyFlatKVCache {
     /// 1's, ...). `enable_kv_events` records KV events for `take_events`.
     /// `reuse_uncached_first`: a released page that holds no key joins the front of the free
     /// list (handed out before any cached page) instead of the back.
+    ///
+    /// `arena` (an `ArenaPlan` from `plan_arena`, instead of `num_pages`): the pages live in
+    /// the plan's arena of units (SPEC 13.2), each group's page ids index its own view; the
+    /// free counts (`budget`, `pages_needed`, `stats()["num_free"]`) are then arena credits.
+    /// Not combinable with a host tier or `reuse_uncached_first=False` (`ValueError`).
     #[new]
     #[pyo3(
-        signature = (specs, num_pages, *, enable_caching = FlagParam::OMITTED, eviction_order = EvictionArg(EvictionOrder::Hybrid), enable_kv_events = FlagParam::OMITTED, reuse_uncached_first = FlagParam::OMITTED, host_pages = None, host_store = HostStoreArg(HostStore::WriteThrough)),
-        text_signature = "(specs, num_pages, *, enable_caching=True, eviction_order='hybrid', enable_kv_events=False, reuse_uncached_first=True, host_pages=0, host_store='write_through')"
+        signature = (specs, num_pages = None, *, arena = None, enable_caching = FlagParam::OMITTED, eviction_order = EvictionArg(EvictionOrder::Hybrid), enable_kv_events = FlagParam::OMITTED, reuse_uncached_first = FlagParam::OMITTED, host_pages = None, host_store = HostStoreArg(HostStore::WriteThrough)),
+        text_signature = "(specs, num_pages=None, *, arena=None, enable_caching=True, eviction_order='hybrid', enable_kv_events=False, reuse_uncached_first=True, host_pages=0, host_store='write_through')"
     )]
     #[allow(clippy::too_many_arguments, reason = "the Python constructor's keyword arguments")]
     fn new(
         specs: GroupSpecs,
-        num_pages: &Bound<'_, PyAny>,
+        num_pages: Option<&Bound<'_, PyAny>>,
+        arena: Option<&Bound<'_, PyAny>>,
         enable_caching: FlagParam<'_>,
         eviction_order: EvictionArg,
         enable_kv_events: FlagParam<'_>,
@@ -380,6 +440,7 @@ impl PyFlatKVCache {
             reuse_uncached_first,
             host_pages,
             host_store,
+            arena,
         )?;
         let own = Self {
             last_prompt: Mutex::new(None),
@@ -579,6 +640,30 @@ impl PyFlatKVCache {
         let ahead = lookahead.or(0, "lookahead")?;
         let scheduled = core(cache.detached(py, |c| c.schedule(&slots, &ns, ahead))?)?;
         Ok(PyArray1::from_slice(py, &scheduled))
+    }
+
+    /// The state slots of a step (SPEC 13.4), after `schedule(slots, num_new_tokens)`:
+    /// `(read, write)`, two int32 arrays of the state group's slot ids, one entry per slot.
+    /// The step reads the state after the request's last token before the step from
+    /// `read[i]` (0, the all-zero null slot, for a fresh request) and writes the state after
+    /// its new tokens to `write[i]`: where they differ, copy `read[i]` into `write[i]` first
+    /// and run the step in place on `write[i]`; `read[i]` may be a checkpoint and must stay
+    /// as it is. The model must have exactly one state group (`ValueError` otherwise); a slot
+    /// that holds no request is `UnknownRequestError`; `num_new_tokens[i]` above the
+    /// request's computed tokens, or a count other than its last `schedule`'s that finds no
+    /// state kept (state is kept sparsely, SPEC 13.4), is `ValueError`.
+    #[pyo3(signature = (slots, num_new_tokens), text_signature = "(self, slots, num_new_tokens)")]
+    fn state_slots<'py>(
+        slf: &Bound<'py, Self>,
+        py: Python<'py>,
+        slots: &Bound<'py, PyAny>,
+        num_new_tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<SlotArrays<'py>> {
+        let cache = slf.as_super().get();
+        let slots = counts(slots, "slots")?;
+        let ns = counts(num_new_tokens, "num_new_tokens")?;
+        let (read, write) = core(cache.detached(py, |c| c.state_slots(&slots, &ns))?)?;
+        Ok((PyArray1::from_vec(py, read), PyArray1::from_vec(py, write)))
     }
 
     /// Append newly known tokens (a step's sampled tokens, or any): the request in

@@ -61,13 +61,14 @@ impl PyPageCache {
     ) -> PyResult<PyClassInitializer<Self>> {
         let cache = PyPagedCache::build(
             specs,
-            num_pages,
+            Some(num_pages),
             enable_caching,
             eviction_order,
             enable_kv_events,
             reuse_uncached_first,
             host_pages,
             host_store,
+            None,
         )?;
         Ok(PyClassInitializer::from(cache).add_subclass(Self))
     }

@@ -42,6 +42,8 @@ looked up at call time (see ``calls.tables``) so tests can switch it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from flat_kvcache._types import KVCacheSpec, kv_cache_specs
 from flat_kvcache.reference.engine.calls.admission import Admission
 from flat_kvcache.reference.engine.calls.invariants import Invariants
@@ -50,7 +52,7 @@ from flat_kvcache.reference.engine.calls.stats import Stats
 from flat_kvcache.reference.engine.coordinator import PrefixMatch
 from flat_kvcache.reference.engine.events import KVEvents
 from flat_kvcache.reference.engine.hash import fold_hashes, group_key, hash_page, hash_pages
-from flat_kvcache.reference.engine.pool import BlockPool
+from flat_kvcache.reference.engine.pool import DEFAULT_REUSE_UNCACHED_FIRST, BlockPool
 
 __all__ = [
     "BlockPool",
@@ -88,6 +90,29 @@ class PageCache(PageApi, KVEvents, Stats, Invariants):
 
     The caller hashes the tokens and says where each request stands (``claim``, ``acquire``,
     ``register``, ``reclaim``, ``free`` and the step operations). The constructor is
-    :class:`~flat_kvcache.reference.engine.coordinator.Coordinator`'s, as for
-    :class:`FlatKVCache`.
+    :class:`~flat_kvcache.reference.engine.coordinator.Coordinator`'s without ``arena`` (the
+    arena storage serves the token-level protocol only), ``num_pages`` required.
     """
+
+    def __init__(
+        self,
+        specs: Sequence[KVCacheSpec],
+        num_pages: int,
+        *,
+        enable_caching: bool = True,
+        eviction_order: str = "hybrid",
+        enable_kv_events: bool = False,
+        reuse_uncached_first: bool = DEFAULT_REUSE_UNCACHED_FIRST,
+        host_pages: int | None = 0,
+        host_store: str = "write_through",
+    ) -> None:
+        super().__init__(
+            specs,
+            num_pages,
+            enable_caching=enable_caching,
+            eviction_order=eviction_order,
+            enable_kv_events=enable_kv_events,
+            reuse_uncached_first=reuse_uncached_first,
+            host_pages=host_pages,
+            host_store=host_store,
+        )

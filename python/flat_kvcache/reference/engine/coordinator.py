@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from flat_kvcache._types import KVCacheSpec
+from flat_kvcache._types import STATE, ArenaPlan, KVCacheSpec
 from flat_kvcache.errors import UnknownRequestError
 from flat_kvcache.events import BlockRemoved, BlockStored, KVCacheEvent
 from flat_kvcache.reference._checks import ceil_div
@@ -79,6 +79,49 @@ class PrefixMatch:
         object.__setattr__(self, "num_hit_pages", as_counts(self.num_hit_pages, "num_hit_pages"))
 
 
+def arena_geometry(
+    arena: object, specs: Sequence[KVCacheSpec], group_ids: Sequence[str]
+) -> tuple[int, int, list[int]]:
+    """The ``arena=`` argument over the cache's groups: ``(unit_bytes, num_units, page_bytes)``
+    with one page size per group in group order (a state group's page is the whole unit).
+
+    ``arena`` must be an :class:`ArenaPlan` (TypeError); each plan group must be one of the
+    cache's groups and each cache group must be in the plan with the layout of its kind
+    (ValueError)."""
+    if not isinstance(arena, ArenaPlan):
+        raise TypeError(f"arena must be an ArenaPlan (from plan_arena), got {type(arena).__name__}")
+    unit_bytes = as_count(arena.unit_bytes, "arena.unit_bytes")
+    num_units = as_count(arena.num_units, "arena.num_units")
+    planned: list[tuple[str, str, int]] = []
+    for i, group in enumerate(batch_items(arena.groups, "arena.groups", "ArenaGroup")):
+        item_bytes = as_count(getattr(group, "item_bytes"), f"arena.groups[{i}].item_bytes")  # noqa: B009
+        texts = []
+        for name in ("group_id", "kind"):
+            value = getattr(group, name)
+            if not isinstance(value, str):
+                raise TypeError(f"arena.groups[{i}].{name} must be a str, got {type(value).__name__}")
+            texts.append(value)
+        planned.append((texts[0], texts[1], item_bytes))
+    for gid, _, _ in planned:
+        if gid not in group_ids:
+            raise ValueError(
+                f"arena: the plan's group {debug_str(gid[:80])} is not one of the cache's groups"
+            )
+    page_bytes = []
+    for gid, spec in zip(group_ids, specs, strict=True):
+        found = next((p for p in planned if p[0] == gid), None)
+        if found is None:
+            raise ValueError(f"arena: the plan has no group {debug_str(gid[:80])} (a group of specs)")
+        want = "state" if spec.kind == STATE else "pages"
+        if found[1] != want:
+            raise ValueError(
+                f"arena: group {debug_str(gid[:80])} is a {spec.kind} group but the plan lays it "
+                f"out as {debug_str(found[1][:80])}"
+            )
+        page_bytes.append(unit_bytes if spec.kind == STATE else found[2])
+    return unit_bytes, num_units, page_bytes
+
+
 class Coordinator:
     """The cache's state and the calls that span every group (SPEC 7).
 
@@ -91,8 +134,9 @@ class Coordinator:
     def __init__(
         self,
         specs: Sequence[KVCacheSpec],
-        num_pages: int,
+        num_pages: int | None = None,
         *,
+        arena: ArenaPlan | None = None,
         enable_caching: bool = True,
         eviction_order: str = "hybrid",
         enable_kv_events: bool = False,
@@ -112,10 +156,36 @@ class Coordinator:
         spec_list = [as_group_spec(index, spec) for index, spec in enumerate(spec_items)]
         if not spec_list:
             raise ValueError("specs must hold at least one group")
-        total = as_pool_size(num_pages, "num_pages")
         group_ids = [
             spec.group_id if spec.group_id is not None else f"g{i}" for i, spec in enumerate(spec_list)
         ]
+        geometry: tuple[int, int, list[int]] | None = None
+        if num_pages is not None and arena is not None:
+            raise ValueError(
+                f"num_pages must be None with arena= (the arena sizes the pool), got {num_pages!r}"
+            )
+        if num_pages is None and arena is None:
+            raise TypeError(
+                "num_pages must be an int (the pages in the pool, page 0 included) unless arena= is "
+                "given, got None"
+            )
+        if arena is None:
+            total = as_pool_size(num_pages, "num_pages")
+        else:
+            as_flag(enable_caching, "enable_caching")
+            as_flag(enable_kv_events, "enable_kv_events")
+            as_flag(reuse_uncached_first, "reuse_uncached_first")
+            geometry = arena_geometry(arena, spec_list, group_ids)
+            if num_host > 0:
+                raise ValueError(
+                    f"host_pages must be 0 with arena storage (a host tier over an arena is not "
+                    f"supported yet), got {num_host}"
+                )
+            if not reuse_uncached_first:
+                raise ValueError(
+                    "reuse_uncached_first must be True with arena storage (an arena reuses a "
+                    "unit's free pages first)"
+                )
         for index, spec in enumerate(spec_list):
             chunk = spec.chunk_size
             if chunk is not None and chunk % spec.page_size != 0:
@@ -136,9 +206,21 @@ class Coordinator:
         self._lcm = lcm
         self._enable_caching = as_flag(enable_caching, "enable_caching")
         self._eviction_order = eviction_order
-        self._pool = BlockPool(
-            total, enable_caching=self._enable_caching, reuse_uncached_first=reuse_uncached_first
-        )
+        if geometry is None:
+            self._pool = BlockPool(
+                total, enable_caching=self._enable_caching, reuse_uncached_first=reuse_uncached_first
+            )
+        else:
+            states = [gid for gid, spec in zip(group_ids, spec_list, strict=True) if spec.kind == STATE]
+            if len(states) > 1:
+                shown = "[" + ", ".join(debug_str(gid) for gid in states) + "]"
+                raise ValueError(
+                    f"arena: at most one state group (one state slot holds every state layer), got {shown}"
+                )
+            unit_bytes, num_units, page_bytes = geometry
+            self._pool = BlockPool.with_arena(
+                unit_bytes, num_units, page_bytes, enable_caching=self._enable_caching
+            )
         self._managers: list[GroupManager] = [
             new_manager(index, spec, self._base, self._pool) for index, spec in enumerate(spec_list)
         ]
@@ -363,10 +445,16 @@ class Coordinator:
             for page in pages:
                 self._pool.touch(page)
 
+    def _view_ids(self, group: int, pages: Sequence[int]) -> list[int]:
+        """``pages`` of ``group`` as indices of the group's view: a pool id ``p > 0`` is page
+        ``p - group_base(group)`` (arena storage; the same id without one), 0 stays 0."""
+        base = self._pool.group_base(group)
+        return [page - base if page else 0 for page in pages]
+
     def _acquire(self, tables: list[Table], count: int) -> bool:
         """:meth:`acquire` on a request's tables and a checked count."""
-        needed = sum(m.blocks_needed_for(t, count) for m, t in zip(self._managers, tables, strict=True))
-        if needed > self._pool.num_free:
+        needs = [m.blocks_needed_for(t, count) for m, t in zip(self._managers, tables, strict=True)]
+        if not self._pool.fits(needs):
             return False
         for manager, table in zip(self._managers, tables, strict=True):
             ok = manager.acquire(table, count)
@@ -450,10 +538,16 @@ class Coordinator:
         return hit - first
 
     def _tiered_claim_cost(self, pages: list[list[int]]) -> tuple[int, int]:
-        """(distinct device pages with count 0, host hits) of a tiered match's pages."""
-        device = {p for group in pages for p in group if p != 0 and not p & HOST_BIT}
+        """(distinct device pages with count 0, each counted as its group's page cost, host
+        hits) of a tiered match's pages."""
+        device: dict[int, int] = {}
+        for g, group in enumerate(pages):
+            for p in group:
+                if p != 0 and not p & HOST_BIT:
+                    device.setdefault(p, g)
         loads = sum(1 for group in pages for p in group if p & HOST_BIT)
-        return sum(1 for p in device if self._pool.ref_count(p) == 0), loads
+        cost = sum(self._pool.page_cost(g) for p, g in device.items() if self._pool.ref_count(p) == 0)
+        return cost, loads
 
     def _claim_tiered(self, key: RequestId, pages: list[list[int]], state: TokenState) -> None:
         """Claim a tiered match for the new request ``key``: a reference on each device hit,

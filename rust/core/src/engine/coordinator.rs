@@ -16,7 +16,7 @@ use crate::engine::events::{EventLog, KvEvent};
 use crate::engine::group::{GroupKind, GroupManager, RegisterPlan, RegisterRange};
 use crate::engine::hash::{fold_run, ContentHash, GroupKey};
 use crate::engine::host::{Device, HostStore, HostTier, LoadEvent, Transfer};
-use crate::engine::pool::{BlockPool, NULL_PAGE};
+use crate::engine::pool::{ArenaGeometry, BlockPool, NULL_PAGE};
 use crate::engine::table::Table;
 use crate::error::{CoreError, CoreResult};
 use crate::num::Divisor;
@@ -185,6 +185,47 @@ pub struct Coordinator {
 impl Coordinator {
     /// A coordinator over `specs` (at least one) with a pool of `num_pages` pages.
     pub fn new(specs: Vec<GroupSpec>, num_pages: u64, enable_caching: bool) -> CoreResult<Self> {
+        Self::check_specs(&specs)?;
+        let pool = BlockPool::new(num_pages, enable_caching)?;
+        Self::over_pool(specs, pool)
+    }
+
+    /// A coordinator whose pages live in an arena (SPEC 13.2; the `pool::arena` module):
+    /// `geometry.page_bytes` names one page size per group, in group order; a state group's
+    /// page is a whole unit (one state slot), and at most one group may be a state group.
+    pub fn with_arena(specs: Vec<GroupSpec>, geometry: &ArenaGeometry, enable_caching: bool) -> CoreResult<Self> {
+        Self::check_specs(&specs)?;
+        if geometry.page_bytes.len() != specs.len() {
+            return Err(CoreError::invalid(format!(
+                "arena: page_bytes names {} groups, the cache has {}",
+                geometry.page_bytes.len(),
+                specs.len()
+            )));
+        }
+        let states: Vec<&str> = specs
+            .iter()
+            .filter(|s| s.kind == GroupKind::State)
+            .map(|s| s.group_id.as_str())
+            .collect();
+        if states.len() > 1 {
+            return Err(CoreError::invalid(format!(
+                "arena: at most one state group (one state slot holds every state layer), got {states:?}"
+            )));
+        }
+        for (spec, &bytes) in specs.iter().zip(&geometry.page_bytes) {
+            if spec.kind == GroupKind::State && bytes != geometry.unit_bytes {
+                return Err(CoreError::invalid(format!(
+                    "arena: state group {:?} must have page_bytes = unit_bytes = {} (a state page is one unit), got {bytes}",
+                    spec.group_id, geometry.unit_bytes
+                )));
+            }
+        }
+        let pool = BlockPool::with_arena(geometry, enable_caching)?;
+        Self::over_pool(specs, pool)
+    }
+
+    /// Check group specs (see [`Self::new`]).
+    fn check_specs(specs: &[GroupSpec]) -> CoreResult<()> {
         if specs.is_empty() {
             return Err(CoreError::invalid("specs must hold at least one group"));
         }
@@ -215,6 +256,17 @@ impl Coordinator {
                 )));
             }
         }
+        let mut lcm = 1u64;
+        for s in specs {
+            lcm = (lcm / gcd(lcm, s.page_size))
+                .checked_mul(s.page_size)
+                .ok_or_else(|| CoreError::overflow("specs"))?;
+        }
+        Ok(())
+    }
+
+    /// The coordinator of checked `specs` over `pool`.
+    fn over_pool(specs: Vec<GroupSpec>, pool: BlockPool<GroupKey>) -> CoreResult<Self> {
         let base = specs.iter().fold(0, |g, s| gcd(g, s.page_size));
         let mut lcm = 1u64;
         for s in &specs {
@@ -241,7 +293,7 @@ impl Coordinator {
             lcm: Divisor::new(lcm),
             state_grain,
             match_order,
-            pool: BlockPool::new(num_pages, enable_caching)?,
+            pool,
             in_use: vec![0; groups],
             events: EventLog::new(false),
             no_extra_keys: Arc::from(Vec::new()),
@@ -608,7 +660,7 @@ impl Coordinator {
         for (g, manager) in self.managers.iter().enumerate() {
             let table = tables.map_or(&fresh, |ts| &ts[g]);
             sum = sum
-                .checked_add(manager.blocks_needed(table, n))
+                .checked_add(manager.blocks_needed(table, n).saturating_mul(self.pool.page_cost(g)))
                 .ok_or_else(|| CoreError::overflow("num_tokens"))?;
         }
         Ok(sum)
@@ -618,21 +670,28 @@ impl Coordinator {
     /// all groups exceed the free pages, nothing is allocated and `false` is returned.
     /// Groups allocate in index order.
     pub fn acquire(&mut self, tables: &mut [Table], n: u64) -> bool {
-        // Saturating is exact here: a saturated sum exceeds any free count, which is the answer.
-        let needed = self
+        // Saturating is exact here: a saturated need exceeds any free count, which is the answer.
+        let needs = self
             .managers
             .iter()
             .zip(tables.iter())
-            .fold(0u64, |acc, (m, t)| acc.saturating_add(m.blocks_needed(t, n)));
-        if needed > u64::try_from(self.pool.num_free()).unwrap_or(u64::MAX) {
+            .map(|(m, t)| m.blocks_needed(t, n));
+        if !self.pool.fits(needs) {
             return false;
         }
         let recording = self.pool.records_evictions();
-        for ((manager, table), in_use) in self.managers.iter().zip(tables.iter_mut()).zip(&mut self.in_use) {
-            let before = table.len();
-            let ok = manager.acquire(&mut self.pool, table, n);
+        for (g, ((manager, table), in_use)) in self
+            .managers
+            .iter()
+            .zip(tables.iter_mut())
+            .zip(&mut self.in_use)
+            .enumerate()
+        {
+            // Pages, not slots: a state group's new slots are holes but its last.
+            let pages = usize::try_from(manager.blocks_needed(table, n)).unwrap_or(usize::MAX);
+            let ok = manager.acquire(&mut self.pool, g, table, n);
             debug_assert!(ok, "acquire failed after the check");
-            *in_use += table.len() - before;
+            *in_use += pages;
             if recording {
                 Self::record_evictions(&mut self.pool, &mut self.events);
             }
@@ -916,18 +975,23 @@ impl Coordinator {
         hit - first
     }
 
-    /// What claiming a tiered match takes: (distinct device pages with count 0, host hits).
+    /// What claiming a tiered match takes: (distinct device pages with count 0, each counted
+    /// as its group's [`BlockPool::page_cost`], host hits).
     pub fn tiered_claim_cost(&self, m: &PrefixMatch) -> (usize, usize) {
-        let mut device: Vec<u32> = m
+        let mut device: Vec<(u32, usize)> = m
             .pages
             .iter()
-            .flatten()
-            .copied()
-            .filter(|&page| page != NULL_PAGE && self.pool.refs_of(page) == 0)
+            .enumerate()
+            .flat_map(|(g, pages)| pages.iter().map(move |&page| (page, g)))
+            .filter(|&(page, _)| page != NULL_PAGE && self.pool.refs_of(page) == 0)
             .collect();
         device.sort_unstable();
-        device.dedup();
-        (device.len(), m.host_hits.len())
+        device.dedup_by_key(|&mut (page, _)| page);
+        let cost = device
+            .iter()
+            .map(|&(_, g)| self.pool.page_cost(g))
+            .fold(0u64, u64::saturating_add);
+        (usize::try_from(cost).unwrap_or(usize::MAX), m.host_hits.len())
     }
 
     /// Claim a tiered match for a new request (empty `tables`): take a reference on every

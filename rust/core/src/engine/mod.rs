@@ -47,6 +47,7 @@ pub mod calls;
 pub use calls::rows::{RowDelta, RowLayout};
 pub use calls::stats::{CacheStats, HostStats, PoolStats};
 pub use calls::tables::{FlatTable, TableOut};
+pub use pool::{ArenaGeometry, ArenaStats};
 
 #[cfg(test)]
 mod testing;
@@ -156,7 +157,31 @@ impl FlatCache {
 
     /// An engine over `specs` with a pool of `num_pages` pages (page 0 included).
     pub fn with_options(specs: Vec<GroupSpec>, num_pages: u64, options: CacheOptions) -> CoreResult<Self> {
-        let mut coord = Coordinator::new(specs, num_pages, options.enable_caching)?;
+        let coord = Coordinator::new(specs, num_pages, options.enable_caching)?;
+        Self::over(coord, options)
+    }
+
+    /// An engine over `specs` whose pages live in an arena of `geometry` (SPEC 13.2; see
+    /// [`Coordinator::with_arena`]). A host tier and `reuse_uncached_first = false` are not
+    /// supported there yet and are refused.
+    pub fn with_arena(specs: Vec<GroupSpec>, geometry: &ArenaGeometry, options: CacheOptions) -> CoreResult<Self> {
+        if options.host_pages > 0 {
+            return Err(CoreError::invalid(format!(
+                "host_pages must be 0 with arena storage (a host tier over an arena is not supported yet), got {}",
+                options.host_pages
+            )));
+        }
+        if !options.reuse_uncached_first {
+            return Err(CoreError::invalid(
+                "reuse_uncached_first must be True with arena storage (an arena reuses a unit's free pages first)",
+            ));
+        }
+        let coord = Coordinator::with_arena(specs, geometry, options.enable_caching)?;
+        Self::over(coord, options)
+    }
+
+    /// The engine over `coord` with `options` applied.
+    fn over(mut coord: Coordinator, options: CacheOptions) -> CoreResult<Self> {
         coord.set_kv_events(options.enable_kv_events);
         coord.set_reuse_uncached_first(options.reuse_uncached_first);
         if options.host_pages > 0 {

@@ -32,6 +32,10 @@ class Invariants(Coordinator):
                         raise InvariantError(
                             f"group {self._group_ids[group]} holds page {page} outside the pool"
                         )
+                    if pool.is_arena and pool._arena_group_of(page) != group:
+                        raise InvariantError(
+                            f"group {self._group_ids[group]} holds page {page} of another group's units"
+                        )
                     first_group = owner.setdefault(page, group)
                     if first_group != group:
                         raise InvariantError(
@@ -47,6 +51,18 @@ class Invariants(Coordinator):
                     f"page {page} has ref count {pool.ref_count(page)} "
                     f"but {references[page]} table and transfer references"
                 )
+        for key, pages in pool._key_map().items():
+            for page in pages:
+                if pool._key_held_by(page) != key:
+                    raise InvariantError(
+                        f"key map entry {key!r} points at page {page}, which does not hold it"
+                    )
+        if pool.is_arena:
+            # The arena's lists and unit counts (its free pages live in units, not on one list).
+            problem = pool._arena_check()
+            if problem is not None:
+                raise InvariantError(problem)
+            return
         free_list = pool._free_list()
         free_set = set(free_list)
         if len(free_set) != len(free_list) or 0 in free_set:
@@ -57,12 +73,6 @@ class Invariants(Coordinator):
                 raise InvariantError(f"page {page} has count 0 but is missing from the free list")
             if count > 0 and page in free_set:
                 raise InvariantError(f"page {page} has count {count} but is on the free list")
-        for key, pages in pool._key_map().items():
-            for page in pages:
-                if pool._key_held_by(page) != key:
-                    raise InvariantError(
-                        f"key map entry {key!r} points at page {page}, which does not hold it"
-                    )
         in_use = sum(1 for page in range(1, total) if pool.ref_count(page) > 0)
         if pool.num_free + in_use + 1 != total:
             raise InvariantError(f"accounting: free {pool.num_free} + in use {in_use} + 1 != {total} pages")

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from flat_kvcache.reference.engine._args import (
+    U64_MAX,
     RequestId,
     as_content_hashes,
     as_count,
@@ -69,8 +70,13 @@ class PageTables(BlockTables):
         """Pages an acquire of ``count`` tokens on ``tables`` would allocate (None: fresh tables)."""
         if tables is None:
             tables = [Table() for _ in self._managers]
-        needed = sum(m.blocks_needed_for(t, count) for m, t in zip(self._managers, tables, strict=True))
-        return check_u64_total(needed, "num_tokens")  # the native sum is a checked u64
+        # Each group's pages times its arena credit (1 without an arena), saturating at u64 as
+        # the native product does; the sum is a checked u64 there.
+        needed = sum(
+            min(m.blocks_needed_for(t, count) * self._pool.page_cost(m.index), U64_MAX)
+            for m, t in zip(self._managers, tables, strict=True)
+        )
+        return check_u64_total(needed, "num_tokens")
 
 
 class PageApi(PageTables):
@@ -89,7 +95,7 @@ class PageApi(PageTables):
 
     def page_ids(self, req: RequestId) -> list[list[int]]:
         """Each group's table of the request (0 = hole)."""
-        return [list(table.pages) for table in self._tables(req)]
+        return [self._view_ids(g, table.pages) for g, table in enumerate(self._tables(req))]
 
     def tail_available(self, req: RequestId) -> list[int]:
         """Each group's free token slots in the request's last page."""

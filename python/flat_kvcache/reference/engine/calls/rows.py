@@ -243,7 +243,7 @@ class Rows(Coordinator):
                         f"update_rows: tables[{group_id!r}] has {cols} columns but request {shown_id(key)} "
                         f"(row {row}) has {len(pages)} pages in that group"
                     )
-                visible = pages[offset:]
+                visible = self._view_ids(group, pages[offset:])
                 wanted[group][0][row, : len(visible)] = visible
                 window = wanted[group][1]
                 if window is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from flat_kvcache._types import CacheStats, PoolStats
 from flat_kvcache.reference.engine.coordinator import Coordinator
 
@@ -22,11 +24,28 @@ class Stats(Coordinator):
             "num_cached_pinned": pool.num_cached_pinned,
         }
 
+    def arena_stats(self) -> dict[str, Any] | None:
+        """The arena's occupancy, or None without arena storage (docs/architecture.md
+        "Allocation, as built"): units total, free, idle and bound per group, free pages of busy
+        units per group, and their bytes (``stranded_bytes``)."""
+        raw = self._pool.arena_stats()
+        if raw is None:
+            return None
+        return {
+            "unit_bytes": raw["unit_bytes"],
+            "units_total": raw["units_total"],
+            "units_free": raw["units_free"],
+            "units_idle": raw["units_idle"],
+            "units_bound": dict(zip(self._group_ids, raw["units_bound"], strict=True)),
+            "pages_free": dict(zip(self._group_ids, raw["pages_free"], strict=True)),
+            "stranded_bytes": raw["stranded_bytes"],
+        }
+
     def stats(self) -> CacheStats:
         """The metrics of docs/requests-api.md, with their stable names."""
         pool = self._pool
         host = self._host
-        total = pool.num_blocks - 1
+        total = pool.num_total
         in_use_by_group = {}
         for group, group_id in enumerate(self._group_ids):
             pages = {page for tables in self._requests.values() for page in tables[group].pages if page != 0}

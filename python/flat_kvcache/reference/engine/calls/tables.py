@@ -91,11 +91,10 @@ class BlockTables(Coordinator):
             self._fill_rows(array, rows, group)
         return out
 
-    @staticmethod
-    def _fill_rows(array: npt.NDArray[np.int32], rows: list[list[Table]], group: int) -> None:
+    def _fill_rows(self, array: npt.NDArray[np.int32], rows: list[list[Table]], group: int) -> None:
         """Row ``r`` of ``array`` gets request ``r``'s pages in ``group`` (holes 0), then -1."""
         for row, tables in enumerate(rows):
-            pages = tables[group].pages
+            pages = self._view_ids(group, tables[group].pages)
             array[row, : len(pages)] = pages
             array[row, len(pages) :] = -1
 

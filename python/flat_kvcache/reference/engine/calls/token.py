@@ -218,7 +218,8 @@ class TokenApi(PageTables, Rows):
 
     def page_ids(self, slot: int) -> list[list[int]]:
         """Each group's table of the request in ``slot`` (0 = hole)."""
-        return [list(table.pages) for table in self._requests[self._slot_request("page_ids", slot)]]
+        tables = self._requests[self._slot_request("page_ids", slot)]
+        return [self._view_ids(g, table.pages) for g, table in enumerate(tables)]
 
     def tail_available(self, slot: int) -> list[int]:
         """Each group's free token slots in the last page of the request in ``slot``."""
@@ -280,6 +281,11 @@ class TokenApi(PageTables, Rows):
         ahead = as_count(lookahead, "lookahead")
         if len(counts) != len(indices):
             raise ValueError(f"num_new_tokens has {len(counts)} entries but slots has {len(indices)}")
+        if ahead > 0 and any(spec.kind == STATE for spec in self._specs):
+            raise ValueError(
+                "schedule: lookahead must be 0 for a model with state groups (their state is kept "
+                f"only after computed tokens, SPEC 13.4), got {ahead}"
+            )
         keys: list[RequestId] = []
         asked: dict[RequestId, int] = {}
         for slot, count in zip(indices, counts, strict=True):
@@ -292,6 +298,48 @@ class TokenApi(PageTables, Rows):
             check_u64_total(state.computed + asked[key] + ahead, "lookahead")
         results = [self._schedule_checked(key, count, ahead) for key, count in zip(keys, counts, strict=True)]
         return np.array(results, dtype=np.bool_)
+
+    def state_slots(
+        self, slots: SlotArray, num_new_tokens: Counts
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+        """The read and write state slots of a step (SPEC 13.4), after ``schedule(slots,
+        num_new_tokens)``: the page of the state group holding the state after the request's
+        last token before the step (0, the null slot, for a fresh request) and after its last
+        new token, as ids of the state group's view.
+
+        Checked first: the lengths, exactly one state group, each slot holding a request, each
+        count at most the request's computed tokens."""
+        method = "state_slots"
+        indices = as_slots(slots)
+        counts = as_counts(num_new_tokens, "num_new_tokens")
+        if len(counts) != len(indices):
+            raise ValueError(f"num_new_tokens has {len(counts)} entries but slots has {len(indices)}")
+        states = [g for g, spec in enumerate(self._specs) if spec.kind == STATE]
+        if len(states) != 1:
+            raise ValueError(f"{method}: the model must have exactly one state group, it has {len(states)}")
+        group = states[0]
+        page_size = self._specs[group].page_size
+        read: list[int] = []
+        write: list[int] = []
+        for slot, count in zip(indices, counts, strict=True):
+            key = self._held(method, slot)
+            tables, state = self._token_state(key)
+            start = state.computed - count
+            if start < 0:
+                raise ValueError(
+                    f"{method}: num_new_tokens {count} exceeds the {state.computed} computed tokens of "
+                    f"request {self._named(key)} (call it after schedule, with the same counts)"
+                )
+            pages = self._view_ids(group, tables[group].pages)
+            for tokens, out in ((start, read), (state.computed, write)):
+                page = pages[(tokens - 1) // page_size] if tokens > 0 else 0
+                if tokens > 0 and page == 0:
+                    raise ValueError(
+                        f"{method}: request {self._named(key)} kept no state after token {tokens - 1} "
+                        "(num_new_tokens must be the count its last schedule gave it)"
+                    )
+                out.append(page)
+        return np.array(read, dtype=np.int32), np.array(write, dtype=np.int32)
 
     def _schedule_checked(self, key: RequestId, count: int, ahead: int) -> bool:
         tables, state = self._token_state(key)

@@ -30,17 +30,24 @@ class GroupManager:
         self.fold = spec.page_size // base_page_size
         self.pool = pool
 
+    #: Whether the group keeps only the state after a range's last token (SPEC 13.4): its
+    #: acquire allocates the page of the last new slot only and leaves the slots before it holes.
+    sparse = False
+
     def blocks_needed_for(self, table: Table, num_tokens: int) -> int:
         """Exact dry run of :meth:`acquire`: pages it would allocate."""
         if num_tokens <= table.tail_avail:
             return 0
+        if self.sparse:
+            return 1
         return ceil_div(num_tokens - table.tail_avail, self.page_size)
 
     def acquire(self, table: Table, num_tokens: int) -> bool:
         """Room for ``num_tokens`` more tokens: the tail first, then new pages, all or nothing.
 
         After allocating for ``over = n - tail_avail`` tokens the new tail has
-        ``0 if over % P == 0 else P - over % P`` free slots.
+        ``0 if over % P == 0 else P - over % P`` free slots. Pages come from this group's own
+        pages (the arena's units bound to it, SPEC 13.2) when the pool is an arena.
         """
         if num_tokens <= 0:
             return True
@@ -48,9 +55,12 @@ class GroupManager:
             table.tail_avail -= num_tokens
             return True
         over = num_tokens - table.tail_avail
-        pages = self.pool.allocate(ceil_div(over, self.page_size))
+        count = ceil_div(over, self.page_size)
+        pages = self.pool.allocate(1 if self.sparse else count, group=self.index)
         if not pages:
             return False
+        if self.sparse:
+            table.pages.extend([0] * (count - 1))
         table.pages.extend(pages)
         table.tail_avail = 0 if over % self.page_size == 0 else self.page_size - over % self.page_size
         return True

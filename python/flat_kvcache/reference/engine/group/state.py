@@ -19,6 +19,9 @@ class StateManager(SlidingWindowManager):
     interior boundaries never received a state write.
     """
 
+    #: SPEC 13.4: a range's state lives in the page of its last token only.
+    sparse = True
+
     @staticmethod
     def window_of(spec: KVCacheSpec) -> int:
         """Always 2: the state after token ``n - 1`` is all a resumed request needs."""

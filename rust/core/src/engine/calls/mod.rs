@@ -8,6 +8,7 @@
 //! - `admission`: capped prefix probes, admission cost, reserves and budget (SPEC 9);
 //! - [`tables`]: flat block tables, returned or written into caller buffers (SPEC 8, 10);
 //! - [`rows`]: persistent block-table rows updated by deltas;
+//! - `state`: the read and write state slots of a step (SPEC 13.4);
 //! - `host`: the host tier's transfers as the cache's calls (loads tied to requests);
 //! - [`stats`]: metrics and the event log;
 //! - `invariants`: the SPEC 1 bookkeeping checks.
@@ -17,6 +18,7 @@ mod host;
 mod invariants;
 mod page;
 pub mod rows;
+mod state;
 pub mod stats;
 pub mod tables;
 mod token;

@@ -144,7 +144,7 @@ impl FlatCache {
 
     /// `req`'s page ids per group (holes 0).
     pub fn page_ids(&self, req: RequestIdRef<'_>) -> CoreResult<Vec<Vec<u32>>> {
-        Ok(self.tables(req)?.iter().map(|t| t.pages().to_vec()).collect())
+        Ok(self.view_ids(self.tables(req)?))
     }
 
     /// `req`'s free token slots in the last page, per group.
@@ -155,7 +155,20 @@ impl FlatCache {
     /// The page ids per group (holes 0) of the request in `slot`.
     pub fn page_ids_in(&self, slot: u64) -> CoreResult<Vec<Vec<u32>>> {
         let at = self.held("page_ids", slot)?;
-        Ok(self.entries[at].tables.iter().map(|t| t.pages().to_vec()).collect())
+        Ok(self.view_ids(&self.entries[at].tables))
+    }
+
+    /// The page ids of `tables` as indices of each group's view (pool ids without an arena).
+    fn view_ids(&self, tables: &[Table]) -> Vec<Vec<u32>> {
+        let pool = self.coord.pool();
+        tables
+            .iter()
+            .enumerate()
+            .map(|(g, t)| {
+                let base = pool.group_base(g);
+                t.pages().iter().map(|&p| p.saturating_sub(base)).collect()
+            })
+            .collect()
     }
 
     /// The free token slots in the last page, per group, of the request in `slot`.

@@ -201,6 +201,8 @@ fn put_one(dst: &mut i32, delta: &mut RowDelta, row: i32, col: usize, value: i32
 /// One row of one group's buffer, and where its changes are recorded.
 struct Cell<'a> {
     row: i32,
+    /// The group's first pool id (see `tables::write_row`).
+    base: u32,
     buf: &'a mut [i32],
     delta: &'a mut RowDelta,
 }
@@ -209,7 +211,8 @@ struct Cell<'a> {
 /// its mark; returns the row's page offset. Only the cells the mark says can differ are
 /// visited (all of them with `full`).
 fn write_row(at: Cell<'_>, layout: RowLayout, table: Option<&Table>, mark: &mut Mark, full: bool) -> usize {
-    let Cell { row, buf, delta } = at;
+    let Cell { row, base, buf, delta } = at;
+    let cell = |page: u32| cell(page.saturating_sub(base));
     let (len, holes_below) = table.map_or((0, 0), |t| (t.len(), t.holes_below()));
     // Checked by `check_rows` before anything is written.
     let offset = table.and_then(|t| choose_offset(layout, t, mark.offset)).unwrap_or(0);
@@ -492,6 +495,7 @@ impl FlatCache {
                 let cols = layout.cols;
                 let at = Cell {
                     row: r,
+                    base: self.coord.pool().group_base(g),
                     buf: &mut outs[g].data[row * cols..(row + 1) * cols],
                     delta: &mut b.deltas[g],
                 };

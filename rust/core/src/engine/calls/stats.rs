@@ -85,7 +85,7 @@ impl FlatCache {
     /// The metrics of `stats()`.
     pub fn stats(&self) -> CacheStats {
         let pool = self.coord.pool();
-        let total = pool.num_blocks() - 1;
+        let total = pool.num_total();
         CacheStats {
             pages_total: total,
             pages_free: pool.num_free(),

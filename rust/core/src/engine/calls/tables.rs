@@ -38,13 +38,14 @@ fn page_i32(page: u32) -> i32 {
 }
 
 /// Write one table as a flat row (`row.len() >= table.len()`): the page ids (holes 0), then
-/// -1 padding.
+/// -1 padding. `base` is the group's first pool id (`BlockPool::group_base`; 0 without an
+/// arena): a pool id `p > 0` is page `p - base` of the group's view, and 0 stays 0.
 #[inline]
-fn write_row(row: &mut [i32], table: &Table) {
+fn write_row(row: &mut [i32], table: &Table, base: u32) {
     let pages = table.pages();
     let (head, tail) = row.split_at_mut(pages.len());
     for (dst, &p) in head.iter_mut().zip(pages) {
-        *dst = page_i32(p);
+        *dst = page_i32(p.saturating_sub(base));
     }
     tail.fill(-1);
 }
@@ -94,7 +95,7 @@ impl FlatCache {
             for ts in rows {
                 let start = data.len();
                 data.resize(start + cols, 0);
-                write_row(&mut data[start..], &ts[g]);
+                write_row(&mut data[start..], &ts[g], self.coord.pool().group_base(g));
             }
             out.push(FlatTable {
                 rows: rows.len(),
@@ -190,8 +191,9 @@ fn write_tables(
         if cols == 0 {
             continue;
         }
+        let base = cache.coord.pool().group_base(g);
         for (row, ts) in out.data.chunks_exact_mut(cols).zip(rows) {
-            write_row(row, &ts[g]);
+            write_row(row, &ts[g], base);
         }
     }
     Ok(())

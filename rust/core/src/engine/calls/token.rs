@@ -81,7 +81,7 @@ impl FlatCache {
     /// The slot of a token-level request (`UnknownSlot` if it holds none, `InvalidArgument`
     /// if its request is page-level).
     #[inline]
-    fn token_slot(&self, method: &str, slot: u64) -> CoreResult<usize> {
+    pub(in crate::engine) fn token_slot(&self, method: &str, slot: u64) -> CoreResult<usize> {
         let at = self.held(method, slot)?;
         if self.entries[at].tokens.is_none() {
             return Err(page_level(method, self.id_ref_at(at)));
@@ -333,6 +333,12 @@ impl FlatCache {
                 "num_new_tokens has {} entries but slots has {}",
                 ns.len(),
                 slots.len()
+            )));
+        }
+        if lookahead > 0 && self.coord.state_grain().is_some() {
+            return Err(CoreError::invalid(format!(
+                "schedule: lookahead must be 0 for a model with state groups (their state is kept \
+                 only after computed tokens, SPEC 13.4), got {lookahead}"
             )));
         }
         self.with_scratch(|this, at| {
@@ -1401,7 +1407,8 @@ mod tests {
             prop_oneof![
                 (0u8..4, 0u8..3, 1u16..80).prop_map(|(r, p, l)| Op::Add(r, p, l)),
                 (0u8..4, 1u8..9).prop_map(|(r, k)| Op::Append(r, k)),
-                (0u8..4, 0u16..40, 0u8..6).prop_map(|(r, n, a)| Op::Schedule(r, n, a)),
+                // No lookahead: the model has a state group, which refuses it (SPEC 13.4).
+                (0u8..4, 0u16..40).prop_map(|(r, n)| Op::Schedule(r, n, 0)),
                 Just(Op::Batch),
                 (0u8..4, 0u8..20).prop_map(|(r, t)| Op::Reserve(r, t)),
                 (0u8..4).prop_map(Op::Finish),

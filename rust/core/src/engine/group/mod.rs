@@ -163,14 +163,19 @@ impl GroupManager {
     pub fn blocks_needed(&self, table: &Table, n: u64) -> u64 {
         if n <= table.tail_avail {
             0
+        } else if self.kind == GroupKind::State {
+            // Sparse state (SPEC 13.4): one page, for the last token, however many slots.
+            1
         } else {
             self.page.ceil_div(n - table.tail_avail)
         }
     }
 
-    /// Make room for `n` more tokens: use the tail, then allocate whole pages all or nothing.
-    /// Returns false (and changes nothing) when the pool has too few free pages.
-    pub fn acquire<K: Clone + Eq + Hash>(&self, pool: &mut BlockPool<K>, table: &mut Table, n: u64) -> bool {
+    /// Make room for `n` more tokens: use the tail, then allocate whole pages all or nothing
+    /// from group `g`'s pages. A state group allocates only the page of the last new slot
+    /// (the state after the range's last token) and leaves the slots before it holes (SPEC
+    /// 13.4). Returns false (and changes nothing) when the pool has too few free pages.
+    pub fn acquire<K: Clone + Eq + Hash>(&self, pool: &mut BlockPool<K>, g: usize, table: &mut Table, n: u64) -> bool {
         if n <= table.tail_avail {
             table.tail_avail -= n;
             return true;
@@ -179,7 +184,14 @@ impl GroupManager {
         let Ok(count) = usize::try_from(self.page.ceil_div(over)) else {
             return false;
         };
-        if !pool.allocate_into(&mut table.pages, count) {
+        if self.kind == GroupKind::State {
+            let mut page = Vec::with_capacity(1);
+            if !pool.allocate_group_into(&mut page, g, 1) {
+                return false;
+            }
+            table.pages.resize(table.pages.len() + count - 1, NULL_PAGE);
+            table.pages.push(page[0]);
+        } else if !pool.allocate_group_into(&mut table.pages, g, count) {
             return false;
         }
         let rem = self.page.remainder(over);
@@ -419,20 +431,20 @@ mod tests {
         let g = GroupManager::new(GroupKind::Full, 4);
         let mut t = Table::default();
         assert_eq!(g.blocks_needed(&t, 0), 0);
-        assert!(g.acquire(&mut pool, &mut t, 0));
+        assert!(g.acquire(&mut pool, 0, &mut t, 0));
         assert_eq!(g.blocks_needed(&t, 5), 2);
-        assert!(g.acquire(&mut pool, &mut t, 5));
+        assert!(g.acquire(&mut pool, 0, &mut t, 5));
         assert_eq!((t.pages(), t.tail_avail()), (&[1, 2][..], 3));
         assert_eq!(g.blocks_needed(&t, 3), 0);
-        assert!(g.acquire(&mut pool, &mut t, 3));
+        assert!(g.acquire(&mut pool, 0, &mut t, 3));
         assert_eq!(t.tail_avail(), 0);
-        assert!(g.acquire(&mut pool, &mut t, 8));
+        assert!(g.acquire(&mut pool, 0, &mut t, 8));
         assert_eq!((t.len(), t.tail_avail()), (4, 0));
         // 6 free pages; 7 pages are not available: nothing changes.
         assert_eq!(g.blocks_needed(&t, 25), 7);
-        assert!(!g.acquire(&mut pool, &mut t, 25));
+        assert!(!g.acquire(&mut pool, 0, &mut t, 25));
         assert_eq!((t.len(), t.tail_avail(), pool.num_free()), (4, 0, 5));
-        assert!(!g.acquire(&mut pool, &mut t, u64::MAX));
+        assert!(!g.acquire(&mut pool, 0, &mut t, u64::MAX));
     }
 
     #[test]
@@ -440,7 +452,7 @@ mod tests {
         let mut pool = Pool::new(10, true).unwrap();
         let g = GroupManager::new(GroupKind::Full, 4);
         let mut t = Table::default();
-        assert!(g.acquire(&mut pool, &mut t, 14)); // 4 pages, tail 2
+        assert!(g.acquire(&mut pool, 0, &mut t, 14)); // 4 pages, tail 2
         pool.cache_unchecked(t.pages()[1], 100);
         t.pages[0] = 0; // a hole (the test owns the page; counts do not matter here)
         let mut asked = Vec::new();
@@ -460,7 +472,7 @@ mod tests {
         pool.set_reuse_uncached_first(false); // SPEC 5's order: released pages join the back
         let g = GroupManager::new(GroupKind::Full, 1);
         let mut t = Table::default();
-        assert!(g.acquire(&mut pool, &mut t, 3));
+        assert!(g.acquire(&mut pool, 0, &mut t, 3));
         assert_eq!(g.free(&mut pool, &mut t), 3);
         assert!(t.is_empty());
         assert_eq!(pool.free_list().collect::<Vec<_>>(), vec![4, 5, 3, 2, 1]);

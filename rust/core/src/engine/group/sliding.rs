@@ -129,7 +129,7 @@ mod tests {
         pool.set_reuse_uncached_first(false); // SPEC 5's order: released pages join the back
         let g = sliding(4, 5); // W = 5
         let mut t = Table::default();
-        assert!(g.acquire(&mut pool, &mut t, 20)); // pages 1..=5
+        assert!(g.acquire(&mut pool, 0, &mut t, 20)); // pages 1..=5
         let hole_page = t.pages[2];
         pool.release(hole_page); // a hole in the middle (host tier)
         t.pages[2] = 0;
@@ -173,7 +173,7 @@ mod tests {
         let mut pool = Pool::new(10, true).unwrap();
         let g = sliding(2, 3);
         let mut t = Table::default();
-        assert!(g.acquire(&mut pool, &mut t, 6)); // pages 1, 2, 3
+        assert!(g.acquire(&mut pool, 0, &mut t, 6)); // pages 1, 2, 3
         pool.retain(1); // shared with another table
         pool.cache_unchecked(2, 7);
         // n = 6: k = (6 - 2) // 2 = 2 -> slots 0, 1; page 1 is shared.
