@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flat_kvcache import plan_arena
 from flat_kvcache.presets import get_preset
 from flat_kvcache.simulate import (
     DEFAULT_MAX_RUNNING,
@@ -111,6 +112,54 @@ def _attention_only(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**cfg, "layer_types": layers, "num_hidden_layers": len(layers)}
 
 
+def _run_arena(
+    label: str,
+    cfg: dict[str, Any],
+    budget: int,
+    trace: list[Any],
+    prompt_tokens: int,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """One run on the SPEC 13 storage: the arena ``plan_arena`` lays out for ``budget`` bytes,
+    16-token attention pages, state pages (checkpoints) of ``--grain`` tokens."""
+    shape = ModelShape.from_config(cfg)
+    try:
+        arena = plan_arena(shape.components(), args.page_size, budget)
+    except ValueError as exc:  # the budget holds fewer than two units (a tiny trace)
+        return {"model": label, "budget_bytes": budget, "error": str(exc), "hit_rate": 0.0}
+    config = SimulationConfig(
+        model=cfg,
+        page_size=args.page_size,
+        max_running=args.max_running,
+        arena=arena,
+        state_page_size=args.grain,
+    )
+    start = time.perf_counter()
+    summary = simulate(trace, config).summary
+    seconds = time.perf_counter() - start
+    hits = int(summary["prefix_hits_tokens"])
+    pages_per_unit = {g.group_id: g.per_unit for g in arena.groups}
+    return {
+        "model": label,
+        "storage": "arena",
+        "budget_bytes": budget,
+        "page_size": args.page_size,
+        "unit_bytes": arena.unit_bytes,
+        "num_units": arena.num_units,
+        "pages_per_unit": pages_per_unit,
+        "prompt_tokens": prompt_tokens,
+        "prefix_hits_tokens": hits,
+        "hit_rate": hits / prompt_tokens,
+        "simulator_hit_rate": summary["prefix_hit_rate"],
+        "stranded_share_max": summary["arena"]["stranded_share_max"],
+        "stranded_share_mean": summary["arena"]["stranded_share_mean"],
+        "preemptions": summary["preemptions"],
+        "aborted": summary["aborted"],
+        "steps": summary["steps"],
+        "seconds": round(seconds, 2),
+    }
+
+
 def _run(
     label: str,
     cfg: dict[str, Any],
@@ -119,6 +168,8 @@ def _run(
     prompt_tokens: int,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
+    if args.storage == "arena":
+        return _run_arena(label, cfg, budget, trace, prompt_tokens, args)
     shape = ModelShape.from_config(cfg)
     try:
         plan = plan_kv_memory(
@@ -140,6 +191,7 @@ def _run(
     hits = int(summary["prefix_hits_tokens"])
     return {
         "model": label,
+        "storage": "equalized",
         "budget_bytes": budget,
         "page_size": plan.page_size,
         "bytes_per_page": plan.bytes_per_page,
@@ -177,6 +229,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         budgets.append({"fraction": fraction, "budget_bytes": budget, "ratio": ratio, "runs": runs})
     return {
         "trace": str(trace_path),
+        "storage": args.storage,
         "requests": len(trace),
         "ms_per_step": args.ms_per_step,
         "unique_blocks": blocks,
@@ -191,15 +244,25 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"trace {result['trace']}: {result['requests']} requests, {result['prompt_tokens']} prompt tokens, "
         f"{result['unique_blocks']} unique {MOONCAKE_BLOCK_TOKENS}-token blocks; attention-only K/V "
-        f"{result['attention_kv_bytes_per_token']} bytes/token",
+        f"{result['attention_kv_bytes_per_token']} bytes/token; storage {result['storage']}",
         f"{'budget':<18} {'model':<30} {'page':>5} {'pages':>7} {'tokens fit':>10} {'hit rate':>9} "
-        f"{'preempt':>7} {'aborted':>7} {'time':>7}",
+        f"{'preempt':>7} {'aborted':>7} {'time':>7}"
+        + ("  stranded max / mean" if result["storage"] == "arena" else ""),
     ]
     for entry in result["budgets"]:
         name = f"B{round(entry['fraction'] * 100)} {entry['budget_bytes'] / 2**30:.2f} GiB"
         for run in entry["runs"]:
             if "error" in run:
                 lines.append(f"{name:<18} {run['model']:<30} does not fit: {run['error']}")
+                continue
+            if run["storage"] == "arena":
+                lines.append(
+                    f"{name:<18} {run['model']:<30} {run['page_size']:>5} {run['num_units']:>7} "
+                    f"{'units':>10} {100 * run['hit_rate']:>8.2f}% "
+                    f"{run['preemptions']:>7} {run['aborted']:>7} "
+                    f"{run['seconds']:>6.1f}s  {100 * run['stranded_share_max']:.2f}% / "
+                    f"{100 * run['stranded_share_mean']:.2f}%"
+                )
                 continue
             lines.append(
                 f"{name:<18} {run['model']:<30} {run['page_size']:>5} {run['num_pages']:>7} "
@@ -224,6 +287,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ms-per-step", type=float, default=DEFAULT_MS_PER_STEP, help="trace ms per step")
     parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="requested page size (16)")
     parser.add_argument("--max-running", type=int, default=DEFAULT_MAX_RUNNING, help="max running requests")
+    parser.add_argument(
+        "--storage",
+        choices=("arena", "equalized"),
+        default="arena",
+        help="arena: SPEC 13 storage (plan_arena, 16-token pages, state checkpoints every --grain "
+        "tokens; the default); equalized: the SPEC 3 storage (plan_kv_memory's equal pages)",
+    )
+    parser.add_argument("--grain", type=int, default=64, help="state checkpoint grain G in tokens (64)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--smoke", action="store_true", help="100 requests: does it run (CI)")
     args = parser.parse_args(argv)

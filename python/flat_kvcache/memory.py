@@ -297,9 +297,10 @@ def plan_tensors(components: Sequence[ComponentSpec], block_size: int, budget_by
 def plan_arena(
     components: Sequence[ComponentSpec], page_size: int, budget_bytes: int, *, alignment: int = 256
 ) -> ArenaPlan:
-    """The arena of the SPEC 13 storage (docs/sizing-api.md "Arena plan"; not used by the engine
-    yet): ``num_units`` units of ``unit_bytes`` (unit 0 null), each bound to one group while in
-    use.
+    """The arena of the SPEC 13 storage (docs/sizing-api.md "Arena plan"): ``num_units`` units
+    of ``unit_bytes`` (unit 0 null), each bound to one group while in use. Pass it to
+    ``FlatKVCache(specs, arena=plan)`` (the engine allocates from it) and to
+    ``flat_kvcache.torch.allocate_arena`` (the tensor views over it).
 
     Page groups (per-token components) get pages of ``page_size * sum(bytes_per_slot)`` bytes,
     addressed by byte offset (page ``p`` at byte ``p * page_bytes``), their components side by

@@ -217,6 +217,41 @@ def test_native_equals_reference_under_memory_pressure(order: str, reuse_uncache
     assert reference["peak_pages_in_use"] <= 239
 
 
+@pytest.mark.parametrize("budget_gib", [1, 4])
+def test_native_equals_reference_on_the_arena(budget_gib: int) -> None:
+    """The SPEC 13 storage (``SimulationConfig(arena=...)``, state checkpoints every 64 tokens)
+    on the qwen3.5-like preset: 30 requests, 15 of them sharing a 256-token prefix. At 1 GiB
+    (12 usable units of 77 MB: the state slot) requests are preempted and units evicted; at
+    4 GiB nothing is preempted and a prompt whose body ends at 256 leaves the shared prefix's
+    checkpoint, so later requests hit it. Both engines must give the same summary."""
+    from flat_kvcache import plan_arena
+    from flat_kvcache.presets import get_preset
+    from flat_kvcache.torch import ModelShape
+
+    cfg = get_preset("qwen3.5-like")
+    arena = plan_arena(ModelShape.from_config(cfg).components(), 16, budget_gib * 2**30)
+    trace = default_trace(30, seed=1, prompt_len=(128, 512), shared_prefix_len=256, output_len=32)
+    summaries = [
+        simulate(
+            trace,
+            SimulationConfig(model=cfg, engine=engine, page_size=16, arena=arena, state_page_size=64),  # type: ignore[arg-type]
+        ).summary
+        for engine in ENGINES
+    ]
+    native, reference = (without_timing(s) for s in summaries)
+    assert native == reference
+    assert (reference["finished"], reference["aborted"]) == (30, 0)
+    assert reference["num_pages"] is None
+    assert reference["arena"]["units"] == arena.num_units - 1
+    assert 0 <= reference["arena"]["stranded_share_mean"] <= reference["arena"]["stranded_share_max"] < 1
+    # A state model hits only at its checkpoints: whole 64-token grains.
+    assert reference["prefix_hits_tokens"] % 64 == 0
+    if budget_gib == 1:
+        assert reference["preemptions"] > 0 and reference["evictions"] > 0
+    else:
+        assert reference["preemptions"] == 0 and reference["prefix_hits_tokens"] >= 256
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_requests_that_never_fit_are_aborted(engine: str) -> None:
     # 59 usable pages; the smallest prompt (512 tokens) needs 32 pages in each of the 2 groups.

@@ -50,6 +50,7 @@ deterministic and the native engine and the reference give the same summary (tim
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -192,6 +193,11 @@ class SimulationConfig:
     tables: Literal["rows", "full"] = "rows"
     #: Host-memory tier pages (0: none); its transfers are acknowledged as soon as emitted.
     host_pages: int = 0
+    #: SPEC 13 storage: an ``ArenaPlan`` (``plan_arena``) the engine's pages live in, instead of
+    #: ``num_pages`` equal pages (``FlatKVCache(specs, arena=...)``).
+    arena: Any = None
+    #: The state groups' page size in tokens, their checkpoint grain ``G`` (None: ``page_size``).
+    state_page_size: int | None = None
 
 
 @dataclass
@@ -230,10 +236,19 @@ class _Loop:
         self.config = config
         cfg = load_model_config(config.model)
         self.specs = engine_specs(module, cfg, config.page_size)
+        if config.state_page_size is not None:
+            self.specs = [
+                dataclasses.replace(spec, page_size=config.state_page_size) if spec.kind == "state" else spec
+                for spec in self.specs
+            ]
         # Only state groups make next_chunk cut a chunk; without them it is a call for nothing.
         self.cuts_chunks = any(spec.kind == "state" for spec in self.specs)
-        self.num_pages = (
-            default_num_pages(trace, self.specs, config.max_running)
+        if config.arena is not None and config.num_pages is not None:
+            raise ValueError("num_pages must be None with arena (the arena sizes the pool)")
+        self.num_pages: int | None = (
+            None
+            if config.arena is not None
+            else default_num_pages(trace, self.specs, config.max_running)
             if config.num_pages is None
             else config.num_pages
         )
@@ -245,14 +260,19 @@ class _Loop:
         }
         # The native engine is built as a user builds it; the reference from its own sizing.
         self.cache: Any = (
-            cache_from_config(cfg, num_pages=self.num_pages, page_size=config.page_size, **options)
-            if config.engine == "native"
+            module.FlatKVCache(self.specs, arena=config.arena, **options)
+            if config.arena is not None
+            else cache_from_config(cfg, num_pages=self.num_pages, page_size=config.page_size, **options)
+            if config.engine == "native" and config.state_page_size is None
             else module.FlatKVCache(self.specs, self.num_pages, **options)
         )
         # The pool must hold one token of a request (a page in every group) besides the null
         # page, or no request is ever scheduled and every one is aborted.
         one_token = int(self.cache.pages_needed(1))
-        if self.num_pages - 1 < one_token:
+        if self.num_pages is None:
+            if int(self.cache.budget()) < one_token:
+                raise ValueError(f"the arena is too small: one token of a request needs {one_token} credits")
+        elif self.num_pages - 1 < one_token:
             raise ValueError(
                 f"num_pages={self.num_pages} is too small: one token of a request needs {one_token} "
                 f"pages (one per group) besides the null page 0, so num_pages must be >= {one_token + 1}"
@@ -287,6 +307,8 @@ class _Loop:
         self.decode_step_ns: list[int] = []
         self.running_series: list[int] = []
         self.pages_series: dict[str, list[int]] = {gid: [] for gid in self.group_ids}
+        # Arena storage: the share of the arena stranded (free pages of busy units) per step.
+        self.stranded_series: list[float] = []
 
     def _charge(self, kind: str, start_ns: int) -> None:
         """Add the time since ``start_ns`` to the step and to ``kind``."""
@@ -505,10 +527,25 @@ class _Loop:
         for gid in self.group_ids:
             self.pages_series[gid].append(int(by_group[gid]))
         self.running_series.append(len(self.running))
+        arena = self.cache.arena_stats() if self.config.arena is not None else None
+        if arena is not None:
+            size = arena["units_total"] * arena["unit_bytes"]
+            self.stranded_series.append(arena["stranded_bytes"] / size if size else 0.0)
         self.step_cache_ns.append(self.step_ns)
         if decode_only:
             self.decode_step_ns.append(self.step_ns)
         self.step += 1
+
+    def _arena_summary(self) -> dict[str, Any]:
+        """The arena's size and the stranded share of it over the run (arena storage only)."""
+        arena = self.cache.arena_stats()
+        series = self.stranded_series
+        return {
+            "unit_bytes": arena["unit_bytes"],
+            "units": arena["units_total"],
+            "stranded_share_max": round(max(series, default=0.0), 6),
+            "stranded_share_mean": round(sum(series) / len(series), 6) if series else 0.0,
+        }
 
     def _summary(self, wall_ns: int) -> dict[str, Any]:
         stats = self.cache.stats()
@@ -530,6 +567,7 @@ class _Loop:
                 for gid, spec in zip(self.group_ids, self.specs, strict=True)
             ],
             "num_pages": self.num_pages,
+            "arena": None if config.arena is None else self._arena_summary(),
             "max_scheduled_tokens": config.max_scheduled_tokens,
             "max_running": config.max_running,
             "requests": self.total,

@@ -56,7 +56,16 @@ def format_summary(summary: dict[str, Any]) -> str:
             + ("reused first)" if summary["reuse_uncached_first"] else "appended)"),
         ),
         ("model", f"{summary['model']}: {groups}"),
-        ("pool", f"{summary['num_pages']} pages (page 0 is the null page)"),
+        (
+            ("pool", f"{summary['num_pages']} pages (page 0 is the null page)")
+            if summary.get("arena") is None
+            else (
+                "arena",
+                f"{summary['arena']['units']} units of {summary['arena']['unit_bytes']} bytes; stranded "
+                f"{summary['arena']['stranded_share_max']:.2%} at most, "
+                f"{summary['arena']['stranded_share_mean']:.2%} on average",
+            )
+        ),
         ("limits", f"{summary['max_scheduled_tokens']} tokens per step, {summary['max_running']} running"),
         ("requests", f"{summary['requests']}: {summary['finished']} finished, {summary['aborted']} aborted"),
         ("steps", str(summary["steps"])),
@@ -116,7 +125,8 @@ def plot_result(result: SimulationResult, path: str | os.PathLike[str]) -> None:
     figure, (pages_axis, running_axis) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
     for gid in result.group_ids:
         pages_axis.plot(steps, result.pages_by_group[gid], label=gid, linewidth=1)
-    pages_axis.axhline(summary["num_pages"] - 1, color="grey", linestyle="--", linewidth=1, label="pool")
+    if summary["num_pages"] is not None:
+        pages_axis.axhline(summary["num_pages"] - 1, color="grey", linestyle="--", linewidth=1, label="pool")
     pages_axis.set_ylabel("pages in use")
     pages_axis.legend(loc="center right")
     pages_axis.set_title(
