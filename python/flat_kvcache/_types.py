@@ -333,3 +333,7 @@ class CacheStats(TypedDict):
     host_loads: int
     host_evictions: int
     host_transfers_in_flight: int
+    #: State checkpoints (SPEC 13.5); all 0 without state groups.
+    checkpoints_written: int
+    checkpoints_hit: int
+    checkpoints_evicted: int

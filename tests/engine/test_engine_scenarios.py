@@ -1107,3 +1107,36 @@ def test_check_invariants_detects_a_broken_pool() -> None:
     cache._pool._ref_counts[1] = 2
     with pytest.raises(RuntimeError, match="page 1"):
         cache.check_invariants()
+
+
+def test_checkpoint_counters_follow_written_hit_and_evicted(api: ModuleType) -> None:
+    """SPEC 13.5 checkpoints, counted in ``stats()``. Full P = 4 next to state P = 8 over 11
+    usable pages; the figures below are worked out from the rules, not read from a run."""
+    specs = [api.KVCacheSpec("full", 4, group_id="full"), api.KVCacheSpec("state", 8, group_id="state")]
+    cache = api.FlatKVCache(specs, 12)
+
+    def counts() -> tuple[int, int, int]:
+        s = cache.stats()
+        return s["checkpoints_written"], s["checkpoints_hit"], s["checkpoints_evicted"]
+
+    slot, hit = cache.add_request("a", list(range(20)))
+    assert hit == 0 and counts() == (0, 0, 0)
+    # Chunk 16 ends on the state grain: its state page (slot 1) is the checkpoint at 16, keyed
+    # when the next schedule registers what was computed (the step has run by then).
+    assert cache.schedule([slot], [16]).tolist() == [True]
+    assert counts() == (0, 0, 0)
+    assert cache.schedule([slot], [4]).tolist() == [True]
+    assert counts() == (1, 0, 0)
+    # 20 is not a multiple of 8: finishing keys no state page (only full pages 0..4).
+    cache.finish([slot])
+    assert counts() == (1, 0, 0)
+    # B shares the 20 tokens: the deepest checkpoint on the path is 16; one hit restores it.
+    slot_b, hit_b = cache.add_request("b", [*range(20), 99, 99, 99, 99])
+    assert hit_b == 16 and counts() == (1, 1, 0)
+    cache.finish([slot_b])
+    # C, 40 new tokens, needs 10 full pages and 1 state page: all 11, so every key is evicted,
+    # the 5 full pages' and the one checkpoint's.
+    slot_c, _ = cache.add_request("c", [500 + i for i in range(40)])
+    assert cache.schedule([slot_c], [40]).tolist() == [True]
+    assert cache.stats()["evictions"] == 6
+    assert counts() == (1, 1, 1)

@@ -1,5 +1,5 @@
 """``next_chunk`` and the first chunk of ``admit``: where a scheduler cuts its chunks so that the
-state groups' snapshots are kept (SPEC 13.5a-b with today's snapshot grain, the lcm of the
+state groups' snapshots are kept (SPEC 13.5a-c with today's snapshot grain, the lcm of the
 state groups' page sizes; docs/requests-api.md).
 
 Expectations are worked out from the rule, by hand or by ``slots.chunk_cut`` (an independent
@@ -58,6 +58,48 @@ def test_the_snapshot_at_the_body_end_is_a_hit_for_the_next_turn(api: ModuleType
         cache.finish([slot])
         _, hit = cache.add_request("b", [*first, 7, 8, 9])
         assert hit == (256 if cut else 0)
+
+
+def run_prompt(cache: Any, slot: int, limit: int = 1000) -> None:
+    """Schedule a request's prompt to the end, chunk by chunk as ``next_chunk`` cuts it."""
+    while (n := cache.next_chunk(slot, limit)) > 0:
+        assert cache.schedule([slot], [n]).tolist() == [True]
+
+
+@pytest.mark.parametrize("use_admit", [False, True])
+def test_a_branch_point_gets_a_checkpoint(api: ModuleType, use_admit: bool) -> None:
+    """SPEC 13.5c. Full P = 16, state P = 64. A (300 tokens) leaves checkpoints at 256 (its
+    body end) only. B shares A's first 200 tokens: its full pages match 12 pages (192 tokens,
+    a multiple of 64), but no checkpoint lies at or below 192 on its path, so its hit is 0 and
+    192 is a branch point: B's first chunk ends there (not at its body end, 320), and the
+    checkpoint written there is C's hit, C sharing the same 200 tokens."""
+    a = list(range(300))
+    cache = hybrid(api)
+    slot, _ = cache.add_request("a", a)
+    run_prompt(cache, slot)
+    cache.finish([slot])
+    b = [*a[:200], *range(5000, 5150)]
+    # Limits: the branch point when it lies within the limit, else the usual cut within it.
+    probe, _ = cache.add_request("probe", b)
+    assert [cache.next_chunk(probe, m) for m in (100, 191, 192, 1000)] == [64, 128, 192, 192]
+    cache.finish([probe])
+    if use_admit:
+        admitted = cache.admit("b", b, 1000)
+        assert admitted is not None
+        slot_b, hit_b, chunk = admitted
+    else:
+        slot_b, hit_b = cache.add_request("b", b)
+        chunk = cache.next_chunk(slot_b, 1000)
+    assert (hit_b, chunk) == (0, 192)
+    assert chunk != chunk_cut(0, len(b), 1000, 64)  # 320 without the branch point
+    # Past the branch point the rule is the usual one: B's body ends at 320.
+    assert cache.schedule([slot_b], [chunk]).tolist() == [True]
+    assert cache.next_chunk(slot_b, 1000) == 320 - 192
+    run_prompt(cache, slot_b)
+    cache.finish([slot_b])
+    _, hit_c = cache.add_request("c", [*a[:200], *range(9000, 9100)])
+    assert hit_c == 192
+    assert cache.stats()["checkpoints_hit"] == 1
 
 
 def test_admit_cuts_the_first_chunk_the_same_way(api: ModuleType) -> None:

@@ -217,10 +217,13 @@ def test_stats_have_the_documented_names() -> None:
         "host_loads",
         "host_evictions",
         "host_transfers_in_flight",
+        "checkpoints_written",
+        "checkpoints_hit",
+        "checkpoints_evicted",
     }
     assert set(stats) == set(CacheStats.__annotations__)
-    # Without a host tier every host figure is 0.
-    assert all(value == 0 for name, value in stats.items() if name.startswith("host_"))
+    # Without a host tier every host figure is 0; without state groups every checkpoint one.
+    assert all(value == 0 for name, value in stats.items() if name.startswith(("host_", "checkpoints_")))
     assert stats["pages_total"] == 63 and stats["requests"] == 1
     assert stats["pages_in_use_by_group"] == {"full": 3, "swa": 3}  # ceil(9 / 4) each
     assert stats["pages_free"] + stats["pages_in_use"] == stats["pages_total"]

@@ -20,7 +20,7 @@ from flat_kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVC
 from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from slots import as_slot_array, chunk_cut, lowest_free, outcome_of, state_grain
+from slots import as_slot_array, chunk_choices, lowest_free, outcome_of, state_grain
 from strategies import (
     DOCUMENTS,
     EXTRA_KEYS,
@@ -193,34 +193,46 @@ class RequestsMachine(RuleBasedStateMachine):
     ) -> None:
         """``admit`` is the SPEC 9 admission the probes describe: the hit, the first chunk and
         its fit check, then ``add_request`` (the lowest free slot); nothing changes when it does
-        not fit."""
+        not fit. The chunk is ``next_chunk``'s rule or, with state groups, a branch point cut
+        (:func:`slots.chunk_choices`); with it the probes' fit check must pass. In arena mode
+        the credit is an estimate: admit may refuse what it lets through (the units decide)."""
         native = self.caches[0]
         prompt = DOCUMENTS[doc][:length]
         keys = list(extra)
-        expected: Any = None
+        fits: dict[int, bool] = {}
+        hit = 0
         if prompt and req not in self.live:
             hit = native.prefix_hit_tokens(prompt, extra_keys=keys) if use_cache else 0
-            chunk = chunk_cut(hit, len(prompt), limit, state_grain(self.config["groups"]))
-            reserve = 1 if hit + chunk == len(prompt) else 0
-            need = (
-                native.pages_needed_to_admit(prompt, chunk, reserve, extra_keys=keys)
-                if use_cache
-                else native.pages_needed(chunk + reserve)
-            )
-            expected = [self.next_slot(), hit, chunk] if need <= native.budget() else None
+            for chunk in chunk_choices(hit, len(prompt), limit, state_grain(self.config["groups"])):
+                reserve = 1 if hit + chunk == len(prompt) else 0
+                need = (
+                    native.pages_needed_to_admit(prompt, chunk, reserve, extra_keys=keys)
+                    if use_cache
+                    else native.pages_needed(chunk + reserve)
+                )
+                fits[chunk] = need <= native.budget()
+        slot = self.next_slot()
         before = native.stats()
         outcome = self.both("admit", req, prompt, limit, extra_keys=keys, use_prefix_cache=use_cache)
         if outcome[0] == "raise":
             assert not prompt or req in self.live, f"admit refused a new request: {outcome}"
             return
-        assert outcome[1] == expected, f"admit gave {outcome[1]}, the probes say {expected}"
-        if expected is None:
+        if outcome[1] is None:
             event("admit: does not fit")
             assert native.stats() == before
-        else:
-            event("admit: added")
-            self.added(req, prompt, outcome, admit=True)
-            assert native.num_computed_tokens(expected[0]) == expected[1]
+            first = next(iter(fits))
+            if len(fits) == 1 and native.arena_stats() is None:
+                assert not fits[first], f"admit gave None, the probes say chunk {first} fits"
+            return
+        got_slot, got_hit, got_chunk = outcome[1]
+        assert [got_slot, got_hit] == [slot, hit], f"admit gave {outcome[1]}, the probes say {slot}, {hit}"
+        assert got_chunk in fits, f"admit cut {got_chunk}, not one of {list(fits)}"
+        assert fits[got_chunk], f"admit took chunk {got_chunk}, which the probes say does not fit"
+        if got_chunk != next(iter(fits)):
+            event("admit: cut at a branch point")
+        event("admit: added")
+        self.added(req, prompt, outcome, admit=True)
+        assert native.num_computed_tokens(slot) == hit
 
     @precondition(lambda self: self.live)
     @rule(
@@ -330,7 +342,10 @@ class RequestsMachine(RuleBasedStateMachine):
         native = self.caches[0]
         computed, known = native.num_computed_tokens(slot), native.num_tokens(slot)
         outcome = self.both("next_chunk", slot, limit)
-        assert outcome == ("ok", chunk_cut(computed, known, limit, state_grain(self.config["groups"])))
+        choices = chunk_choices(computed, known, limit, state_grain(self.config["groups"]))
+        assert outcome[0] == "ok" and outcome[1] in choices, (outcome, choices)
+        if outcome[1] != choices[0]:
+            event("next_chunk: cut at a branch point")
         if take and outcome[1]:
             self.both("schedule", [slot], [outcome[1]])
 

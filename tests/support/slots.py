@@ -71,6 +71,18 @@ def chunk_cut(computed: int, known: int, limit: int, grain: int | None) -> int:
     return boundaries[-1] - computed if boundaries else take
 
 
+def chunk_choices(computed: int, known: int, limit: int, grain: int | None) -> list[int]:
+    """The chunks ``next_chunk`` (and ``admit``) may answer: :func:`chunk_cut` first, then with
+    state groups every cut at a branch point (SPEC 13.5c: a multiple of ``grain`` ahead, within
+    ``limit``, before the last known token), which depends on what the cache holds beyond the
+    hit (hand-derived cases pin it down: tests/requests/test_next_chunk.py)."""
+    first = chunk_cut(computed, known, limit, grain)
+    if grain is None:
+        return [first]
+    branches = [b - computed for b in range(computed + 1, known) if b % grain == 0 and b - computed <= limit]
+    return [first, *(n for n in branches if n != first)]
+
+
 def state_grain(groups: list[tuple[str, int, int | None]]) -> int | None:
     """The snapshot grain of a machine config's groups: the lcm of the state groups' pages."""
     import math

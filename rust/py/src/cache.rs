@@ -223,8 +223,9 @@ impl PyPagedCache {
 
     /// Metrics with stable names: `pages_total pages_free pages_in_use pages_cached
     /// pages_cached_free requests prefix_queries_tokens prefix_hits_tokens evictions
-    /// preemptions`, `pages_in_use_by_group` (`{group_id: pages}`) and the host tier's
-    /// `host_*` figures (all 0 without a host tier).
+    /// preemptions`, `pages_in_use_by_group` (`{group_id: pages}`), the host tier's
+    /// `host_*` figures (all 0 without a host tier) and the state checkpoints'
+    /// `checkpoints_written checkpoints_hit checkpoints_evicted` (all 0 without state groups).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = lock(&self.inner)?.stats();
         let d = PyDict::new(py);
@@ -252,6 +253,10 @@ impl PyPagedCache {
         d.set_item("host_loads", h.loads)?;
         d.set_item("host_evictions", h.evictions)?;
         d.set_item("host_transfers_in_flight", h.transfers_in_flight)?;
+        let c = s.checkpoints.unwrap_or_default();
+        d.set_item("checkpoints_written", c.written)?;
+        d.set_item("checkpoints_hit", c.hit)?;
+        d.set_item("checkpoints_evicted", c.evicted)?;
         Ok(d)
     }
 

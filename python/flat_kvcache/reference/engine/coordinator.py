@@ -244,7 +244,11 @@ class Coordinator:
             "prefix_hits_tokens": 0,
             "preemptions": 0,
             "host_hits_tokens": 0,
+            "checkpoints_written": 0,
+            "checkpoints_hit": 0,
         }
+        # A key is the content hash then the group index in hex: count evictions per group.
+        self._pool._key_group = lambda key: int(key[HASH_HEX_LEN:], 16)
         self._events_enabled = as_flag(enable_kv_events, "enable_kv_events")
         self._events: list[KVCacheEvent] = []
         self._pool._record_evictions = self._events_enabled
@@ -377,13 +381,15 @@ class Coordinator:
 
     def _match(
         self, hashes: list[str], *, tiered: bool
-    ) -> tuple[int, list[list[int]], list[list[str | None]]]:
-        """:meth:`match_prefix` on checked hashes: ``(bound, pages, keys)``. With ``tiered`` (and
-        a host tier) a key missing on the device is looked up on the host, and a host hit is
-        ``HOST_BIT | host page``."""
+    ) -> tuple[int, list[list[int]], list[list[str | None]], int]:
+        """:meth:`match_prefix` on checked hashes: ``(bound, pages, keys, branch)``. With
+        ``tiered`` (and a host tier) a key missing on the device is looked up on the host, and a
+        host hit is ``HOST_BIT | host page``. ``branch`` is the bound once the full-attention
+        groups are matched (``bound`` without them, never below it): where the prompt leaves
+        the cached path (SPEC 13.5c)."""
         count = len(self._managers)
         if not self._enable_caching:
-            return 0, [[] for _ in range(count)], [[] for _ in range(count)]
+            return 0, [[] for _ in range(count)], [[] for _ in range(count)], 0
         host = self._host if tiered else None
 
         def lookup(key: str) -> int | None:
@@ -404,8 +410,11 @@ class Coordinator:
             extent = len(results[index]) * manager.page_size
             bound = min(bound, align_down(extent, self._lcm))
 
+        closed: int | None = None
         for index in self._match_order:
             match_group(index)
+            if self._managers[index].prefix_closed:
+                closed = bound
         changed = True
         while changed:
             changed = False
@@ -418,7 +427,7 @@ class Coordinator:
             [keys[group][slot] if page != 0 else None for slot, page in enumerate(group_pages)]
             for group, group_pages in enumerate(pages)
         ]
-        return bound, pages, matched_keys
+        return bound, pages, matched_keys, bound if closed is None else max(closed, bound)
 
     def _claim(self, method: str, key: RequestId, checked: PrefixMatch) -> None:
         """:meth:`claim` of a checked match, errors naming ``method`` (token-level requests
@@ -490,6 +499,8 @@ class Coordinator:
             plan.append((manager, table, chosen_keys, chosen_slot))
         for manager, table, chosen_keys, chosen_slot in plan:
             stored = manager.register(table, chosen_keys, chosen_slot)
+            if self._specs[manager.index].kind == STATE:
+                self._counters["checkpoints_written"] += len(stored)
             if self._host is not None and self._host.policy == "write_through":
                 for slot, key in stored:
                     self._store_to_host(table.pages[slot], key)

@@ -260,6 +260,9 @@ class BlockPool:
         self._evictions = 0
         self._record_evictions = False
         self._evicted: list[str] = []
+        # The group of a key, when the owning cache counts evictions per group, and the counts.
+        self._key_group: Callable[[str], int] | None = None
+        self._evictions_by_group: dict[int, int] = {}
         # While the owning cache has a store-on-eviction host tier: cached pages whose count
         # dropped to 0, in release order.
         self._record_released = False
@@ -597,6 +600,9 @@ class BlockPool:
         if key is None:
             return
         self._evictions += 1
+        if self._key_group is not None:
+            group = self._key_group(key)
+            self._evictions_by_group[group] = self._evictions_by_group.get(group, 0) + 1
         if self._record_evictions:
             self._evicted.append(key)
 

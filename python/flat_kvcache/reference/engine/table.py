@@ -34,3 +34,6 @@ class TokenState:
     extra_keys: list[str]
     computed: int = 0
     registered: int = 0
+    #: The branch point (SPEC 13.5c): a multiple of the state grain beyond the hit where the
+    #: prompt left the cached path; a chunk ends there to write a checkpoint. 0 if none.
+    branch: int = 0

@@ -60,6 +60,11 @@ pub struct PrefixMatch {
     /// The slots served by the host tier (a tiered match only), groups in index order, slots
     /// ascending; `pages` holds 0 at each of them.
     pub host_hits: Vec<HostHit>,
+    /// Tokens the full-attention groups matched (a multiple of the lcm page size, at least
+    /// `num_common_tokens`; `num_common_tokens` when there are none): where the prompt leaves
+    /// the cached path. Beyond `num_common_tokens` only a state checkpoint was missing, so a
+    /// request cuts a chunk there to write one (the branch point of SPEC 13.5c).
+    pub branch_tokens: u64,
 }
 
 impl PrefixMatch {
@@ -71,6 +76,7 @@ impl PrefixMatch {
             num_hit_pages: vec![0; groups],
             keys: Some(vec![Vec::new(); groups]),
             host_hits: Vec::new(),
+            branch_tokens: 0,
         }
     }
 
@@ -82,6 +88,7 @@ impl PrefixMatch {
             num_hit_pages,
             keys: None,
             host_hits: Vec::new(),
+            branch_tokens: num_common_tokens,
         }
     }
 }
@@ -180,6 +187,8 @@ pub struct Coordinator {
     no_extra_keys: Arc<[String]>,
     /// The host-memory tier, if any (`host.rs`).
     host: Option<HostTier>,
+    /// State pages that took a key (checkpoints written, SPEC 13.5).
+    checkpoints_written: u64,
 }
 
 impl Coordinator {
@@ -266,7 +275,8 @@ impl Coordinator {
     }
 
     /// The coordinator of checked `specs` over `pool`.
-    fn over_pool(specs: Vec<GroupSpec>, pool: BlockPool<GroupKey>) -> CoreResult<Self> {
+    fn over_pool(specs: Vec<GroupSpec>, mut pool: BlockPool<GroupKey>) -> CoreResult<Self> {
+        pool.count_evictions_by(|key| key.group as usize);
         let base = specs.iter().fold(0, |g, s| gcd(g, s.page_size));
         let mut lcm = 1u64;
         for s in &specs {
@@ -298,7 +308,20 @@ impl Coordinator {
             events: EventLog::new(false),
             no_extra_keys: Arc::from(Vec::new()),
             host: None,
+            checkpoints_written: 0,
         })
+    }
+
+    /// Checkpoints written (state pages that took a key) and evicted (state keys dropped
+    /// because their page was handed out again), over every state group; `None` without state
+    /// groups.
+    pub fn checkpoint_counts(&self) -> Option<(u64, u64)> {
+        self.state_grain?;
+        let evicted = (0..self.specs.len())
+            .filter(|&g| self.specs[g].kind == GroupKind::State)
+            .map(|g| self.pool.evictions_of_group(g))
+            .fold(0, u64::saturating_add);
+        Some((self.checkpoints_written, evicted))
     }
 
     /// Record KV events from now on (or stop, dropping the unread ones).
@@ -519,9 +542,13 @@ impl Coordinator {
         if host.is_some() {
             on_host.resize(groups, Vec::new());
         }
+        let mut closed_bound = None;
         for &g in &self.match_order {
             found[g] = self.match_group(g, bound, hashes, &mut memo[g], host.zip(on_host.get_mut(g)));
             bound = bound.min(self.lcm.align_down(extent(found[g].len(), self.specs[g].page_size)));
+            if self.specs[g].kind.is_prefix_closed() {
+                closed_bound = Some(bound);
+            }
         }
         loop {
             let mut changed = false;
@@ -565,6 +592,7 @@ impl Coordinator {
             num_hit_pages,
             keys: Some(keys),
             host_hits,
+            branch_tokens: closed_bound.map_or(bound, |b| b.max(bound)),
         })
     }
 
@@ -635,6 +663,20 @@ impl Coordinator {
             }
             *table = Table::from_claim(pages.clone());
         }
+    }
+
+    /// Whether a new request that claims `m` (none: no hit) and then acquires `n` tokens finds
+    /// its pages, exactly as the claim and the allocation would take them (in arena mode the
+    /// units are counted as they would be bound, which the free credit only estimates).
+    pub fn fits_claim_then_acquire(&self, m: Option<&PrefixMatch>, n: u64) -> bool {
+        let mut claimed = Vec::new();
+        let mut needs = Vec::with_capacity(self.managers.len());
+        for (g, manager) in self.managers.iter().enumerate() {
+            let pages = m.map_or_else(Vec::new, |m| m.pages[g].clone());
+            claimed.extend(pages.iter().copied().filter(|&p| p != NULL_PAGE));
+            needs.push(manager.blocks_needed(&Table::from_claim(pages), n));
+        }
+        self.pool.fits_after_claim(&claimed, &needs)
     }
 
     /// Pages a claim of `m` takes off the free list: distinct real pages with count 0.
@@ -797,6 +839,7 @@ impl Coordinator {
             let recording = self.events.enabled();
             let write_through = self.host.as_ref().is_some_and(HostTier::stores_on_register);
             let mut stored: Vec<(usize, ContentHash)> = Vec::new();
+            let cached_before = self.pool.num_cached();
             manager.register(&mut self.pool, table, plan.start, plan.count, |j| {
                 let at = plan.skip + j * m;
                 let hash = if m == 1 {
@@ -809,6 +852,10 @@ impl Coordinator {
                 }
                 GroupKey::new(hash, group)
             });
+            if self.specs[g].kind == GroupKind::State {
+                let written = (self.pool.num_cached() - cached_before) as u64;
+                self.checkpoints_written = self.checkpoints_written.saturating_add(written);
+            }
             if let Some((host, mut dev)) = self.tier().filter(|_| write_through) {
                 for &(slot, hash) in &stored {
                     host.store(&mut dev, table.pages()[slot], GroupKey::new(hash, group));

@@ -114,6 +114,8 @@ struct Counters {
     /// Of `prefix_hits_tokens`, those at or after the first page any group loads from the
     /// host tier.
     host_hits_tokens: u64,
+    /// Prefix hits that restored a state checkpoint (a hit > 0 with state groups).
+    checkpoints_hit: u64,
 }
 
 /// The page engine of one model: a coordinator plus each live request.

@@ -25,6 +25,9 @@ pub(super) struct TokenState {
     /// While the position is below this, scheduling registers and reclaims nothing (the
     /// decode fast path of `schedule`); 0 until the first schedule works it out.
     pub(super) fast_until: u64,
+    /// The branch point (SPEC 13.5c): where the prompt left the cached path beyond its hit,
+    /// a multiple of the state grain at which a chunk ends to write a checkpoint; 0 if none.
+    pub(super) branch: u64,
 }
 
 /// A prompt hashed into base pages for a cache with a given base page size. Built (and

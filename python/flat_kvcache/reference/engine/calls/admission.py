@@ -17,6 +17,7 @@ from flat_kvcache.reference.engine._args import (
     check_u64_total,
 )
 from flat_kvcache.reference.engine.calls.token import TokenApi
+from flat_kvcache.reference.engine.table import Table
 
 __all__ = ["Admission"]
 
@@ -42,7 +43,7 @@ class Admission(TokenApi):
         count = as_count(num_new_tokens, "num_new_tokens")
         extra = as_count(reserve_tokens, "reserve_tokens")
         tokens, hashes, _ = self._hash_prompt(prompt_token_ids, extra_keys)
-        _, pages = self._capped_match(hashes, len(tokens))
+        _, pages, _ = self._capped_match(hashes, len(tokens))
         total = self.pages_needed(check_u64_total(count + extra, "num_new_tokens + reserve_tokens"))
         device, loads = self._tiered_claim_cost(pages)
         return check_u64_total(total + device + loads, "num_new_tokens + reserve_tokens")
@@ -68,15 +69,29 @@ class Admission(TokenApi):
         self._check_new_request("admit", key, tokens)
         if not self._slot_available():
             return None
-        hit, pages = self._capped_match(hashes, len(tokens)) if use_cache else (0, None)
-        chunk = self._cut(hit, len(tokens), limit)
+        hit, pages, branch = self._capped_match(hashes, len(tokens)) if use_cache else (0, None, 0)
+        chunk = self._cut(hit, len(tokens), limit, branch)
         reserve = 1 if hit + chunk == len(tokens) else 0
         # pages_needed_to_admit(prompt, chunk, reserve); without the prefix cache, no claim.
         device, loads = (0, 0) if pages is None else self._tiered_claim_cost(pages)
         if self.pages_needed(chunk + reserve) + device + loads > self.budget():
             return None
+        # In arena mode the credit only estimates: a group's pages come from its own units.
+        if self._pool.is_arena and not self._fits_claim_then_acquire(pages, chunk + reserve):
+            return None
         slot, hit = self._add_checked(key, tokens, hashes, keys, use_cache)
         return slot, hit, chunk
+
+    def _fits_claim_then_acquire(self, pages: list[list[int]] | None, count: int) -> bool:
+        """Whether a new request claiming ``pages`` (per group; None: no hit) and then taking
+        ``count`` tokens finds its pages, as the pool would hand them out."""
+        claimed: list[int] = []
+        needs: list[int] = []
+        for g, manager in enumerate(self._managers):
+            group_pages = [] if pages is None else list(pages[g])
+            claimed += [page for page in group_pages if page != 0]
+            needs.append(manager.blocks_needed_for(Table(pages=group_pages), count))
+        return self._pool.fits_after_claim(claimed, needs)
 
     def reserve(self, slots: SlotArray, tokens: Counts) -> None:
         """Promise ``pages_needed(tokens[i], slots[i])`` pages to the next decode of the request

@@ -131,7 +131,7 @@ class PageApi(PageTables):
         Finally truncate every group to the bound. With caching off the match is empty.
         """
         hashes = as_content_hashes(content_hashes)
-        bound, pages, matched_keys = self._match(hashes, tiered=False)
+        bound, pages, matched_keys, _ = self._match(hashes, tiered=False)
         hits = [sum(1 for page in group_pages if page != 0) for group_pages in pages]
         return PrefixMatch(bound, pages, hits, matched_keys)
 

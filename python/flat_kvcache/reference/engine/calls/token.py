@@ -24,6 +24,7 @@ from flat_kvcache.reference.engine._args import (
     RequestId,
     SlotArray,
     TokenIds,
+    align_down,
     as_count,
     as_counts,
     as_extra_keys,
@@ -67,21 +68,32 @@ class TokenApi(PageTables, Rows):
 
     # -- adding a request -----------------------------------------------------------------------
 
-    def _capped_match(self, hashes: list[str], num_tokens: int) -> tuple[int, list[list[int]]]:
+    def _capped_match(self, hashes: list[str], num_tokens: int) -> tuple[int, list[list[int]], int]:
         """The prefix match over the first ``max((len - 1) // base, 0)`` base pages (SPEC 9):
-        the last prompt token is always recomputed. Returns ``(hit tokens, pages)``.
+        the last prompt token is always recomputed. Returns ``(hit tokens, pages, branch
+        point)``, the branch point as :meth:`_branch_point` makes it.
 
         With a host tier the lookups answer device-or-host (a host hit is ``HOST_BIT | host
         page``), unless the free pages do not cover the claim plus one page per load: then the
         device-only match."""
         capped = hashes[: max(num_tokens - 1, 0) // self._base]
         if self._host is not None:
-            bound, pages, _ = self._match(capped, tiered=True)
+            bound, pages, _, closed = self._match(capped, tiered=True)
             device, loads = self._tiered_claim_cost(pages)
             if loads == 0 or device + loads <= self._pool.num_free:
-                return bound, pages
-        bound, pages, _ = self._match(capped, tiered=False)
-        return bound, pages
+                return bound, pages, self._branch_point(bound, closed)
+        bound, pages, _, closed = self._match(capped, tiered=False)
+        return bound, pages, self._branch_point(bound, closed)
+
+    def _branch_point(self, hit: int, closed: int) -> int:
+        """SPEC 13.5c: the tokens the full-attention groups matched (``closed``), aligned down
+        to the state grain, when beyond the hit (a checkpoint was missing there), else 0; 0
+        without state groups. A chunk of the request ends there to write the checkpoint."""
+        state_sizes = [spec.page_size for spec in self._specs if spec.kind == STATE]
+        if not state_sizes:
+            return 0
+        branch = align_down(closed, math.lcm(*state_sizes))
+        return branch if branch > hit else 0
 
     def _hash_prompt(
         self, prompt_token_ids: object, extra_keys: object
@@ -129,11 +141,13 @@ class TokenApi(PageTables, Rows):
         self._token_states[key] = state
         slot = self._take_slot(key)
         if use_cache and self._enable_caching:
-            hit, pages = self._capped_match(hashes, len(tokens))
+            hit, pages, state.branch = self._capped_match(hashes, len(tokens))
             self._claim_tiered(key, pages, state)
             self._counters["prefix_queries_tokens"] += len(tokens)
             self._counters["prefix_hits_tokens"] += hit
             self._counters["host_hits_tokens"] += self._host_hit_tokens(pages, hit)
+            if hit > 0 and any(spec.kind == STATE for spec in self._specs):
+                self._counters["checkpoints_hit"] += 1
         state.computed = hit
         state.registered = hit // self._base
         return slot, hit
@@ -191,18 +205,21 @@ class TokenApi(PageTables, Rows):
         key = self._slot_request("next_chunk", slot)
         limit = as_count(max_tokens, "max_tokens")
         state = self._token_states[key]
-        return self._cut(state.computed, len(state.tokens), limit)
+        return self._cut(state.computed, len(state.tokens), limit, state.branch)
 
-    def _cut(self, computed: int, known: int, limit: int) -> int:
+    def _cut(self, computed: int, known: int, limit: int, branch: int = 0) -> int:
         """The tokens to schedule from ``computed`` of ``known``, at most ``limit``: all that are
         left without state groups; with state groups, cut at their snapshot grain ``g`` (the lcm
-        of their page sizes): when the rest fits, at the last multiple of ``g`` before the last
-        known token (the body; the tail follows next), else at the last multiple of ``g`` within
-        ``limit``; no cut when no boundary lies ahead."""
+        of their page sizes): first at the branch point ``branch`` while it lies ahead within
+        ``limit`` and before the last known token; then, when the rest fits, at the last
+        multiple of ``g`` before the last known token (the body; the tail follows next), else at
+        the last multiple of ``g`` within ``limit``; no cut when no boundary lies ahead."""
         rest = max(known - computed, 0)
         state_sizes = [spec.page_size for spec in self._specs if spec.kind == STATE]
         if not state_sizes:
             return min(rest, limit)
+        if computed < branch < known and branch - computed <= limit:
+            return branch - computed
         grain = math.lcm(*state_sizes)
         end = known - 1 if rest <= limit else computed + limit
         boundary = end - end % grain

@@ -46,6 +46,20 @@ pub struct CacheStats {
     pub pages_in_use_by_group: Vec<usize>,
     /// The host tier's figures (`None` without a host tier).
     pub host: Option<HostStats>,
+    /// The state checkpoints' figures (`None` without state groups).
+    pub checkpoints: Option<CheckpointStats>,
+}
+
+/// The state checkpoints' part of `stats()` (SPEC 13.5; docs/architecture.md, "Hybrid
+/// storage").
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CheckpointStats {
+    /// State pages that took a key: checkpoints a later prefix hit can restore.
+    pub written: u64,
+    /// Prefix hits (`add_request`, `admit`) that restored one.
+    pub hit: u64,
+    /// Checkpoints whose key was dropped because their page was handed out again.
+    pub evicted: u64,
 }
 
 /// The host tier's part of `stats()` (docs/requests-api.md, "Host-memory tier").
@@ -108,6 +122,14 @@ impl FlatCache {
                 evictions: h.counters.evictions,
                 transfers_in_flight: h.num_in_flight(),
             }),
+            checkpoints: self
+                .coord
+                .checkpoint_counts()
+                .map(|(written, evicted)| CheckpointStats {
+                    written,
+                    hit: self.counters.checkpoints_hit,
+                    evicted,
+                }),
         }
     }
 

@@ -138,6 +138,7 @@ impl FlatCache {
         m: Option<PrefixMatch>,
     ) -> CoreResult<(usize, u64)> {
         let hit = m.as_ref().map_or(0, |m| m.num_common_tokens);
+        let branch = self.branch_of(m.as_ref());
         let registered = usize::try_from(self.coord.base_div().quotient(hit)).unwrap_or(usize::MAX);
         let prompt_len = u64::try_from(prompt.tokens.len()).unwrap_or(u64::MAX);
         // The request's own growable copies, with room for some generated tokens so the
@@ -152,6 +153,7 @@ impl FlatCache {
             registered,
             pending: 0,
             fast_until: 0,
+            branch,
         };
         let at = self.insert(req, Some(state));
         if let Some(m) = m {
@@ -170,6 +172,9 @@ impl FlatCache {
             c.prefix_queries_tokens = c.prefix_queries_tokens.saturating_add(prompt_len);
             c.prefix_hits_tokens = c.prefix_hits_tokens.saturating_add(hit);
             c.host_hits_tokens = c.host_hits_tokens.saturating_add(host_hit);
+            if hit > 0 && self.coord.state_grain().is_some() {
+                c.checkpoints_hit = c.checkpoints_hit.saturating_add(1);
+            }
         }
         Ok((at, hit))
     }
@@ -197,11 +202,15 @@ impl FlatCache {
         let hit = m.as_ref().map_or(0, |m| m.num_common_tokens);
         let len = u64::try_from(prompt.tokens.len()).unwrap_or(u64::MAX);
         // hit < len: the capped match never covers the last prompt token.
-        let chunk = self.cut(hit, len, max_new_tokens);
+        let chunk = self.cut(hit, len, max_new_tokens, self.branch_of(m.as_ref()));
         let reserve = u64::from(hit + chunk == len);
         // chunk + reserve <= len <= usize::MAX, so the sum cannot overflow u64.
         let need = self.pages_to_admit(m.as_ref(), chunk + reserve, "max_new_tokens")?;
         if i128::from(need) > self.budget(None)? {
+            return Ok(None);
+        }
+        // In arena mode the credit only estimates: a group's pages come from its own units.
+        if self.coord.pool().is_arena() && !self.coord.fits_claim_then_acquire(m.as_ref(), chunk + reserve) {
             return Ok(None);
         }
         let (at, hit) = self.add_matched(req, prompt, m)?;
@@ -277,7 +286,7 @@ impl FlatCache {
             return Ok(0);
         };
         let known = u64::try_from(state.tokens.len()).unwrap_or(u64::MAX);
-        Ok(self.cut(state.computed, known, max_tokens))
+        Ok(self.cut(state.computed, known, max_tokens, state.branch))
     }
 
     /// The tokens to schedule from position `c` of `known` known tokens, at most `max`.
@@ -287,11 +296,17 @@ impl FlatCache {
     /// token (the body, whose end is snapshotted; the tail follows next step); otherwise the
     /// chunk ends at the last multiple of `g` within `max`; when neither boundary lies ahead,
     /// no cut.
-    fn cut(&self, c: u64, known: u64, max: u64) -> u64 {
+    ///
+    /// A branch point `branch` (see [`Self::branch_of`]) comes first: while it lies ahead
+    /// within `max` and before the last known token, the chunk ends there.
+    fn cut(&self, c: u64, known: u64, max: u64, branch: u64) -> u64 {
         let rest = known.saturating_sub(c);
         let Some(grain) = self.coord.state_grain() else {
             return rest.min(max);
         };
+        if branch > c && branch < known && branch - c <= max {
+            return branch - c;
+        }
         let end = if rest <= max {
             known.saturating_sub(1)
         } else {
@@ -301,6 +316,23 @@ impl FlatCache {
         match boundary.checked_sub(c) {
             Some(n) if n > 0 => n,
             _ => rest.min(max),
+        }
+    }
+
+    /// The branch point of a request admitted with match `m` (SPEC 13.5c): the tokens its
+    /// full-attention pages matched, aligned down to the state grain, when that is beyond the
+    /// hit (a checkpoint was missing there); else 0. Always 0 without state groups.
+    fn branch_of(&self, m: Option<&PrefixMatch>) -> u64 {
+        match (m, self.coord.state_grain()) {
+            (Some(m), Some(grain)) => {
+                let branch = m.branch_tokens - m.branch_tokens % grain;
+                if branch > m.num_common_tokens {
+                    branch
+                } else {
+                    0
+                }
+            }
+            _ => 0,
         }
     }
 

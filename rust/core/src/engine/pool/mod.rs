@@ -87,6 +87,10 @@ pub struct BlockPool<K> {
     num_cached_free: usize,
     /// Keys dropped because their page was handed out again (the `evictions` metric).
     evictions: u64,
+    /// The group a key belongs to, when the owner counts evictions per group
+    /// ([`BlockPool::count_evictions_by`]), and those counts.
+    key_group: Option<fn(&K) -> usize>,
+    evictions_by_group: Vec<u64>,
     /// Whether evicted keys are kept in `evicted` (for KV events).
     record_evictions: bool,
     /// Keys evicted since the last [`BlockPool::take_evicted`], in eviction order.
@@ -167,6 +171,8 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
             num_cached: 0,
             num_cached_free: 0,
             evictions: 0,
+            key_group: None,
+            evictions_by_group: Vec::new(),
             record_evictions: false,
             evicted: Vec::new(),
             record_released: false,
@@ -335,6 +341,16 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
         self.evictions
     }
 
+    /// Count evictions per group from now on, `group(key)` telling a key's group.
+    pub fn count_evictions_by(&mut self, group: fn(&K) -> usize) {
+        self.key_group = Some(group);
+    }
+
+    /// Evictions of group `g`'s keys (0 unless [`Self::count_evictions_by`] was called).
+    pub fn evictions_of_group(&self, g: usize) -> u64 {
+        self.evictions_by_group.get(g).copied().unwrap_or(0)
+    }
+
     /// Keep (or stop keeping) the keys that allocations evict, for [`Self::take_evicted`].
     pub fn set_record_evictions(&mut self, on: bool) {
         self.record_evictions = on;
@@ -484,6 +500,13 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
         if let Some(key) = self.drop_key(page) {
             // A u64 counter of single increments cannot overflow in practice; saturate anyway.
             self.evictions = self.evictions.saturating_add(1);
+            if let Some(group_of) = self.key_group {
+                let g = group_of(&key);
+                if g >= self.evictions_by_group.len() {
+                    self.evictions_by_group.resize(g + 1, 0);
+                }
+                self.evictions_by_group[g] = self.evictions_by_group[g].saturating_add(1);
+            }
             if self.record_evictions {
                 self.evicted.push(key);
             }
