@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import flat_kvcache
-from flat_kvcache import simulate
+from flat_kvcache import plan_arena, simulate
 from flat_kvcache.config import (
     group_specs_from_config,
     layer_types_from_config,
@@ -435,6 +435,22 @@ def _add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
         help="add a host-memory tier of N pages (write-through; transfers acknowledged at once; "
         "default 0, none)",
     )
+    storage = parser.add_argument_group(f"SPEC 13 storage (needs {_extra('torch')})")
+    storage.add_argument(
+        "--arena",
+        type=_byte_size,
+        metavar="SIZE",
+        help="lay the pages out in a SPEC 13 arena of SIZE bytes (e.g. 40GiB; plan_arena over the "
+        "model's K/V and state at bf16 / fp32) instead of --num-pages equal pages; the summary adds "
+        "the stranded memory and the state checkpoints",
+    )
+    storage.add_argument(
+        "--state-grain",
+        type=positive,
+        metavar="G",
+        help="state groups' page size in tokens: their checkpoint grain (default 64 with --arena, "
+        "else the page size)",
+    )
     parser.add_argument("--no-prefix-caching", action="store_true", help="run with prefix caching off")
     parser.add_argument("--no-block-tables", action="store_true", help="skip the per-step block_tables call")
     parser.add_argument(
@@ -482,6 +498,12 @@ def _run_simulate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         _print_error(str(exc))
         return 1
+    if args.arena is not None and (args.num_pages is not None or args.host_pages):
+        _print_error(
+            "--arena sizes the pool itself: it cannot be combined with "
+            + ("--num-pages" if args.num_pages is not None else "--host-pages (no host tier over an arena)")
+        )
+        return 2
     if args.num_pages is not None and args.num_pages < len(groups) + 1:
         _print_error(
             f"--num-pages {args.num_pages} is too small: one token of a request needs a page in each "
@@ -490,6 +512,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
         )
         return 2
     try:
+        arena = None if args.arena is None else _simulate_arena(cfg, args)
+        grain = args.state_grain if args.state_grain is not None or arena is None else DEFAULT_STATE_GRAIN
         trace = _simulate_trace(args)
         config = simulate.SimulationConfig(
             model=(args.preset or DEFAULT_PRESET) if args.config is None else Path(args.config),
@@ -504,6 +528,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
             block_tables=not args.no_block_tables,
             tables=args.tables,
             host_pages=args.host_pages,
+            arena=arena,
+            state_page_size=grain,
         )
         show = args.progress or sys.stderr.isatty()
         result = simulate.simulate(
@@ -513,6 +539,13 @@ def _run_simulate(args: argparse.Namespace) -> int:
         _print_error(_option_names(str(exc), _SIMULATE_OPTIONS))
         return 1
     summary = result.summary
+    if summary["finished"] == 0 and summary["aborted"] > 0 and arena is not None:
+        _print_error(
+            f"--arena {args.arena}: no request finished; all {summary['aborted']} were aborted because "
+            f"none fits the arena's {arena.num_units - 1} units of {arena.unit_bytes} bytes alone; give "
+            "a larger --arena"
+        )
+        return 1
     if summary["finished"] == 0 and summary["aborted"] > 0:
         # Every request was aborted as out of memory: the run measured nothing.
         _print_error(
@@ -636,6 +669,29 @@ def _option_names(message: str, options: dict[str, str] | None = None) -> str:
     names = _OPTION_OF_KEYWORD if options is None else options
     pattern = r"\b(" + "|".join(names) + r")\b(=(?=\S))?"
     return re.sub(pattern, lambda m: names[m.group(1)] + (" " if m.group(2) else ""), message)
+
+
+#: The state checkpoint grain of ``simulate --arena`` (SPEC 13: a prefix hit every 64 tokens).
+DEFAULT_STATE_GRAIN = 64
+
+
+def _simulate_arena(cfg: dict[str, Any], args: argparse.Namespace) -> Any:
+    """The ``ArenaPlan`` of ``simulate --arena``: ``plan_arena`` over the model's components
+    (K/V at the model's dtype, state at ``ModelShape``'s defaults) for ``--arena`` bytes.
+
+    torch is imported here, only when asked for: it is an optional extra."""
+    try:
+        from flat_kvcache.torch import ModelShape
+    except ImportError:
+        raise ValueError(f"--arena: the arena plan needs PyTorch, {_extra('torch')}") from None
+    try:
+        shape = ModelShape.from_config(cfg)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+    try:
+        return plan_arena(shape.components(), args.page_size, args.arena)
+    except ValueError as exc:
+        raise ValueError(f"--arena {args.arena}: {exc}") from None
 
 
 def _memory_plan(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:

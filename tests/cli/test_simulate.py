@@ -495,3 +495,48 @@ def test_persistent_rows_follow_every_step_and_change_nothing_else(engine: str) 
     assert without_timing(rows) == without_timing(full)
     assert (rows["tables"], full["tables"]) == ("rows", "full")
     assert rows["preemptions"] > 0 and rows["finished"] == 24
+
+
+def test_simulate_arena_reports_stranded_memory_and_checkpoints(capsys: pytest.CaptureFixture[str]) -> None:
+    """``simulate --arena SIZE``: the SPEC 13 storage over SIZE bytes (state grain 64 by
+    default); the summary has the arena's units and stranded memory and the checkpoint counts,
+    the native and the reference engine agreeing on them."""
+    need("torch")
+    argv = ["simulate", "--preset", "qwen3.5-like", "--num-requests", "12", "--arena", "6GiB", "--json"]
+    status, out, err = run_cli(capsys, *argv)
+    assert status == 0, err
+    native = json.loads(out)
+    status, out, err = run_cli(capsys, *argv, "--engine", "reference")
+    assert status == 0, err
+    assert without_timing(json.loads(out)) == without_timing(native)
+    assert native["num_pages"] is None and native["arena"]["units"] > 0
+    assert {g["group_id"]: g["page_size"] for g in native["groups"]} == {
+        "linear_attention": 64,
+        "full_attention": 16,
+    }
+    assert native["checkpoints"]["written"] > 0
+    status, out, _ = run_cli(capsys, *argv[:-1])
+    assert status == 0
+    assert re.search(r"^arena +\d+ units of \d+ bytes; stranded", out, re.M)
+    assert re.search(r"^checkpoints +\d+ written, \d+ hit, \d+ evicted", out, re.M)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--num-pages", "100"], "--arena sizes the pool itself: it cannot be combined with --num-pages"),
+        (["--host-pages", "4"], "cannot be combined with --host-pages"),
+    ],
+)
+def test_simulate_arena_conflicts_are_named(
+    capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    status, _, err = run_cli(capsys, "simulate", "--num-requests", "2", "--arena", "6GiB", *extra)
+    assert status == 2 and message in err
+
+
+def test_simulate_arena_too_small_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    need("torch")
+    argv = ["simulate", "--preset", "qwen3.5-like", "--num-requests", "2", "--arena", "1MiB"]
+    status, _, err = run_cli(capsys, *argv)
+    assert status == 1 and "--arena 1048576: budget_bytes=1048576 gives 0 units" in err

@@ -587,6 +587,11 @@ class _Loop:
             "host_stores": int(stats["host_stores"]),
             "host_loads": int(stats["host_loads"]),
             "host_evictions": int(stats["host_evictions"]),
+            "checkpoints": (
+                {key: int(stats[f"checkpoints_{key}"]) for key in ("written", "hit", "evicted")}
+                if self.cuts_chunks
+                else None
+            ),
             "peak_running": max(self.running_series, default=0),
             "peak_pages_by_group": {gid: max(self.pages_series[gid], default=0) for gid in self.group_ids},
             "peak_pages_in_use": max(

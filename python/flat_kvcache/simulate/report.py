@@ -79,6 +79,17 @@ def format_summary(summary: dict[str, Any]) -> str:
         *(
             [
                 (
+                    "checkpoints",
+                    f"{summary['checkpoints']['written']} written, {summary['checkpoints']['hit']} hit, "
+                    f"{summary['checkpoints']['evicted']} evicted",
+                )
+            ]
+            if summary.get("checkpoints") is not None
+            else []
+        ),
+        *(
+            [
+                (
                     "host tier",
                     f"{summary['host_pages']} pages: {summary['host_hits_tokens']} hit tokens from host, "
                     f"{summary['host_stores']} stores, {summary['host_loads']} loads, "
