@@ -231,6 +231,25 @@ def test_an_idle_unit_is_evicted_whole_when_another_group_needs_a_unit(api: Modu
     assert (pool.lookup("a"), pool.lookup("b"), pool.num_cached, pool.num_free) == (None, None, 0, 0)
 
 
+def test_a_free_unit_goes_before_a_cached_page_of_a_busy_unit(api: ModuleType) -> None:
+    """Taking spends what holds no data before a cached prefix: a page without a key, then a
+    free unit, then a cached page of a busy unit, then an idle unit."""
+    pool = record(api.BlockPool.with_arena(4, 4, [4, 2]))
+    g1 = bases(4, 4, [4, 2])[1]
+    u1, u2, u3 = (unit_ids(4, 2, g1, u) for u in (1, 2, 3))
+    assert pool.allocate(2, group=1) == u1
+    pool.cache(u1[1], "k")
+    pool.free([u1[1]])  # unit 1 stays busy (u1[0] held); u1[1] is a cached free page
+    assert pool.allocate(1, group=1) == [u2[0]]  # the free unit 2, not the cached page
+    assert pool.allocate(1, group=1) == [u2[1]]  # unit 2's page without a key
+    assert pool.allocate(1, group=1) == [u3[0]]  # then unit 3
+    assert (pool.lookup("k"), pool._take_evicted()) == (u1[1], [])
+    assert pool.fits([0, 2]) is True  # u3[1], then the cached page
+    assert pool.fits([0, 3]) is False
+    assert pool.allocate(2, group=1) == [u3[1], u1[1]]
+    assert (pool.lookup("k"), pool._take_evicted()) == (None, ["k"])
+
+
 def test_a_hit_on_an_idle_unit_keeps_it(api: ModuleType) -> None:
     pool = record(api.BlockPool.with_arena(*SMALL))
     assert pool.allocate(2, group=1) == [4, 5]

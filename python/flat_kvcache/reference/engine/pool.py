@@ -14,22 +14,25 @@ Lists (``OrderedDict``s, front first, like the free list):
 - the free units: unbound units;
 - the idle units: bound units none of whose pages is referenced but some hold a key, least
   recently idle first; their pages are on no list;
-- per group, the free pages: the pages of count 0 in the group's *busy* units (units with a
-  referenced page): uncached pages at the front, cached ones at the back in release order.
+- per group, the free pages and the cached pages: the pages of count 0 in the group's *busy*
+  units (units with a referenced page), those without a key (released ones at the front, a newly
+  bound unit's in id order) and those with one (least recently released first).
 
-Taking a page for group ``g`` (all or nothing over a call, checked first): the front of the
-group's free pages (an uncached page, else its least recently released cached page, whose key is
-evicted); else the front free unit, bound to ``g``; else the least recently idle unit, whose keys
-are all evicted, bound to ``g``. A unit whose last referenced page is released leaves the free
-pages: to the free units (front) when it holds no key, else to the back of the idle units; a
-prefix hit on a page of an idle unit makes it busy again (its other pages join the group's free
-pages, uncached ones at the front in id order, cached ones at the back).
+Taking a page for group ``g`` (all or nothing over a call, checked first) spends what holds no
+data before what holds a cached prefix: the front of the group's free pages; else the front free
+unit, bound to ``g``; else the front of the group's cached pages (its key is evicted); else the
+least recently idle unit, whose keys are all evicted, bound to ``g``. A unit whose last
+referenced page is released leaves the page lists: to the free units (front) when it holds no
+key, else to the back of the idle units; a prefix hit on a page of an idle unit makes it busy
+again (its other pages join the group's free pages at the front in id order, or the back of its
+cached pages). A page that gains a key moves to the back of the cached pages; one whose key is
+cleared, to the back of the free pages.
 
 Accounting: a page of group ``g`` costs ``L / kmin[g]`` credits, where ``kmin[g]`` is the fewest
 pages of ``g`` a unit holds and ``L`` the lcm of the ``kmin``s; the free credit (``num_free`` in
-arena mode) is ``L`` per free or idle unit plus each group's free pages at their cost. Whether an
-allocation fits is decided exactly (:meth:`BlockPool.fits`): by following the greedy taking
-through the units it would bind, each holding what it holds of its group.
+arena mode) is ``L`` per free or idle unit plus each group's listed pages at their cost. Whether
+an allocation fits is decided exactly (:meth:`BlockPool.fits`): by following the taking through
+the pages and units it would use, each unit holding what it holds of its group.
 """
 
 from __future__ import annotations
@@ -189,6 +192,7 @@ class _Arena:
         self.free_units: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_units))
         self.idle_units: OrderedDict[int, None] = OrderedDict()
         self.free_pages: list[OrderedDict[int, None]] = [OrderedDict() for _ in page_bytes]
+        self.cached_pages: list[OrderedDict[int, None]] = [OrderedDict() for _ in page_bytes]
 
     def ids_of_unit(self, g: int, unit: int) -> range:
         """The pool ids of group ``g``'s pages in ``unit``, ascending."""
@@ -196,19 +200,33 @@ class _Arena:
         return range(self.base[g] + lo, self.base[g] + hi)
 
     def units_suffice(
-        self, needs: Sequence[int], listed: Callable[[int], int] | None = None, woken: Iterable[int] = ()
+        self,
+        needs: Sequence[int],
+        listed: Callable[[int], tuple[int, int]] | None = None,
+        woken: Iterable[int] = (),
     ) -> bool:
-        """Whether the greedy taking of ``needs[g]`` pages per group (in group order) finds its
-        units: ``listed(g)`` free pages of group ``g`` on hand (default: the lists'), then the
-        free units front first, then the idle units least recently idle first but those in
+        """Whether the taking of ``needs[g]`` pages per group (in group order) finds them, as
+        :meth:`BlockPool._arena_take` takes: ``listed(g)`` = (free pages, cached pages) of group
+        ``g`` on hand (default: the lists'); the free pages, then the free units front first,
+        then the cached pages, then the idle units least recently idle first but those in
         ``woken`` (a claim made them busy), each unit giving ``g`` every page it holds of it."""
-        have = listed if listed is not None else (lambda g: len(self.free_pages[g]))
+        have = (
+            listed if listed is not None else (lambda g: (len(self.free_pages[g]), len(self.cached_pages[g])))
+        )
         skip = set(woken)
-        units = itertools.chain(self.free_units, (u for u in self.idle_units if u not in skip))
+        free_units = iter(self.free_units)
+        idle_units = (u for u in self.idle_units if u not in skip)
         for g, need in enumerate(needs):
-            short = need - have(g)
+            fresh, cached = have(g)
+            short = need - fresh
             while short > 0:
-                unit = next(units, None)
+                unit = next(free_units, None)
+                if unit is None:
+                    break
+                short -= len(self.ids_of_unit(g, unit))
+            short -= cached
+            while short > 0:
+                unit = next(idle_units, None)
                 if unit is None:
                     return False
                 short -= len(self.ids_of_unit(g, unit))
@@ -220,7 +238,9 @@ class _Arena:
 
     def credit(self) -> int:
         """The free credit: ``scale`` per free or idle unit plus each group's listed pages."""
-        pages = sum(len(free) * cost for free, cost in zip(self.free_pages, self.cost, strict=True))
+        pages = sum(
+            (len(self.free_pages[g]) + len(self.cached_pages[g])) * cost for g, cost in enumerate(self.cost)
+        )
         return self.units_available() * self.scale + pages
 
 
@@ -336,7 +356,9 @@ class BlockPool:
         for g in arena.group_of_unit[1:]:
             if g != _UNBOUND:
                 units_bound[g] += 1
-        pages_free = [len(free) for free in arena.free_pages]
+        pages_free = [
+            len(free) + len(cached) for free, cached in zip(arena.free_pages, arena.cached_pages, strict=True)
+        ]
         return {
             "unit_bytes": arena.unit_bytes,
             "units_total": len(arena.group_of_unit) - 1,
@@ -416,18 +438,30 @@ class BlockPool:
             self._check_claimable(page)
         free = sorted({(arena.unit_of[page], page) for page in pages if self._ref_counts[page] == 0})
         groups = len(arena.free_pages)
-        taken, added = [0] * groups, [0] * groups
+        # Per group and per list (0: without a key, 1: with one), pages the claim takes / adds.
+        taken = [[0, 0] for _ in range(groups)]
+        added = [[0, 0] for _ in range(groups)]
         woken: list[int] = []
         for unit, members in itertools.groupby(free, key=lambda item: item[0]):
             g = arena.group_of_unit[unit]
-            claimed_here = sum(1 for _ in members)
+            claimed_here = {page for _, page in members}
             if arena.live[unit] == 0:
-                # An idle unit becomes busy: its other pages join the group's free pages.
+                # An idle unit becomes busy: its other pages join the group's lists.
                 woken.append(unit)
-                added[g] += len(arena.ids_of_unit(g, unit)) - claimed_here
+                for page in arena.ids_of_unit(g, unit):
+                    if page not in claimed_here:
+                        added[g][int(self._key_of[page] is not None)] += 1
             else:
-                taken[g] += claimed_here
-        return arena.units_suffice(values, lambda g: len(arena.free_pages[g]) + added[g] - taken[g], woken)
+                for page in claimed_here:
+                    taken[g][int(self._key_of[page] is not None)] += 1
+
+        def listed(g: int) -> tuple[int, int]:
+            return (
+                len(arena.free_pages[g]) + added[g][0] - taken[g][0],
+                len(arena.cached_pages[g]) + added[g][1] - taken[g][1],
+            )
+
+        return arena.units_suffice(values, listed, woken)
 
     def ref_count(self, page: int) -> int:
         """The reference count of ``page``."""
@@ -660,7 +694,12 @@ class BlockPool:
         concatenated in group order, each front first. The pages of idle units (count 0 too)
         are on no list; :meth:`_arena_check` checks the arena's lists."""
         if self._arena is not None:
-            return [page for free in self._arena.free_pages for page in free]
+            arena = self._arena
+            return [
+                page
+                for g in range(len(arena.free_pages))
+                for page in (*arena.free_pages[g], *arena.cached_pages[g])
+            ]
         return list(self._free)
 
     def _key_map(self) -> dict[str, list[int]]:
@@ -678,22 +717,24 @@ class BlockPool:
     # -- arena mode (the native arena.rs, operation for operation) ------------------------------
 
     def _arena_take(self, g: int) -> int:
-        """Take one page for group ``g`` (the caller checked that one can be taken)."""
+        """Take one page for group ``g`` (the caller checked that one can be taken): a free page,
+        a free unit, a cached page, an idle unit, in this order (module doc)."""
         arena = self._arena
         assert arena is not None
-        free = arena.free_pages[g]
-        if free:
-            page = _front(free)
-        else:
+        source = arena.free_pages[g]
+        if not source:
             if arena.free_units:
                 unit, _unused = arena.free_units.popitem(last=False)
+                self._arena_bind(unit, g)
+            elif arena.cached_pages[g]:
+                source = arena.cached_pages[g]
             else:
                 unit, _unused = arena.idle_units.popitem(last=False)
                 self._arena_evict_unit(unit)
-            self._arena_bind(unit, g)
-            page = _front(free)
+                self._arena_bind(unit, g)
+        page = _front(source)
         had_key = self._key_of[page] is not None
-        del free[page]
+        del source[page]
         self._evict(page)
         self._ref_counts[page] = 1
         unit = arena.unit_of[page]
@@ -720,9 +761,9 @@ class BlockPool:
             _push_front(arena.free_pages[g], page)
 
     def _arena_on_take(self, page: int) -> None:
-        """A page of count 0 takes a reference: off its group's free pages, or its idle unit
-        becomes busy (its other pages join the group's free pages: uncached ones at the front
-        in id order, cached ones at the back in id order)."""
+        """A page of count 0 takes a reference: off its group's list, or its idle unit becomes
+        busy (its other pages join the group's lists: uncached ones at the front of the free
+        pages in id order, cached ones at the back of the cached pages in id order)."""
         arena = self._arena
         assert arena is not None
         unit = arena.unit_of[page]
@@ -735,16 +776,22 @@ class BlockPool:
                     _push_front(arena.free_pages[g], other)
             for other in ids:
                 if other != page and self._key_of[other] is not None:
-                    arena.free_pages[g][other] = None
+                    arena.cached_pages[g][other] = None
         else:
-            del arena.free_pages[g][page]
+            self._arena_list_of(g, page).pop(page)
         arena.live[unit] += 1
 
+    def _arena_list_of(self, g: int, page: int) -> OrderedDict[int, None]:
+        """The list of group ``g`` a listed ``page`` is on: by whether it holds a key."""
+        arena = self._arena
+        assert arena is not None
+        return arena.free_pages[g] if self._key_of[page] is None else arena.cached_pages[g]
+
     def _arena_on_free(self, page: int) -> None:
-        """A page's count dropped to 0: to its group's free pages (front when uncached, back when
-        cached) while its unit is busy; the unit's last referenced page takes the unit's pages
-        off the list and sends the unit to the front of the free units (no key) or the back of
-        the idle units."""
+        """A page's count dropped to 0: while its unit is busy, to the front of its group's free
+        pages (uncached) or the back of its cached pages; the unit's last referenced page takes
+        the unit's pages off the lists and sends the unit to the front of the free units (no
+        key) or the back of the idle units."""
         arena = self._arena
         assert arena is not None
         cached = self._key_of[page] is not None
@@ -753,13 +800,13 @@ class BlockPool:
         arena.live[unit] -= 1
         if arena.live[unit] > 0:
             if cached:
-                arena.free_pages[g][page] = None
+                arena.cached_pages[g][page] = None
             else:
                 _push_front(arena.free_pages[g], page)
             return
         for other in arena.ids_of_unit(g, unit):
             if other != page:
-                del arena.free_pages[g][other]
+                self._arena_list_of(g, other).pop(other)
         if arena.cached[unit] == 0:
             arena.group_of_unit[unit] = _UNBOUND
             _push_front(arena.free_units, unit)
@@ -767,32 +814,39 @@ class BlockPool:
             arena.idle_units[unit] = None
 
     def _arena_on_cache(self, page: int) -> None:
-        """A page gained a key: counted in its unit; a listed free page moves to the back."""
+        """A page gained a key: counted in its unit; a listed free page moves to the back of the
+        cached pages."""
         arena = self._arena
         assert arena is not None
         unit = arena.unit_of[page]
         arena.cached[unit] += 1
         if self._ref_counts[page] == 0 and arena.live[unit] > 0:
-            arena.free_pages[arena.group_of_unit[unit]].move_to_end(page)
+            g = arena.group_of_unit[unit]
+            del arena.free_pages[g][page]
+            arena.cached_pages[g][page] = None
 
     def _arena_on_uncache(self, page: int) -> None:
-        """A free page lost its key (not by eviction): an idle unit left with no key is free
-        again, at the front of the free units."""
+        """A free page lost its key (not by eviction): a listed one moves to the back of the free
+        pages; an idle unit left with no key is free again, at the front of the free units."""
         arena = self._arena
         assert arena is not None
         unit = arena.unit_of[page]
         arena.cached[unit] -= 1
+        if arena.live[unit] > 0:
+            g = arena.group_of_unit[unit]
+            del arena.cached_pages[g][page]
+            arena.free_pages[g][page] = None
         if arena.cached[unit] == 0 and arena.live[unit] == 0 and arena.group_of_unit[unit] != _UNBOUND:
             del arena.idle_units[unit]
             arena.group_of_unit[unit] = _UNBOUND
             _push_front(arena.free_units, unit)
 
     def _arena_cached_free(self) -> list[int]:
-        """Every cached page of count 0, in arena order: each group's free pages, then the idle
+        """Every cached page of count 0, in arena order: each group's cached pages, then the idle
         units least recently idle first, ids ascending."""
         arena = self._arena
         assert arena is not None
-        pages = [page for free in arena.free_pages for page in free if self._key_of[page] is not None]
+        pages = [page for cached in arena.cached_pages for page in cached]
         for unit in arena.idle_units:
             ids = arena.ids_of_unit(arena.group_of_unit[unit], unit)
             pages.extend(page for page in ids if self._key_of[page] is not None)
@@ -832,9 +886,13 @@ class BlockPool:
                 if arena.unit_of[page] != unit or arena.group_of[page] != g:
                     return f"page {page} is not mapped to unit {unit} of group {g}"
                 want = not referenced and arena.live[unit] > 0
-                listed = page in arena.free_pages[g]
-                if listed != want:
-                    return f"page {page} of unit {unit}: listed {listed} but should be {want}"
+                has_key = self._key_of[page] is not None
+                on_free, on_cached = page in arena.free_pages[g], page in arena.cached_pages[g]
+                if on_free != (want and not has_key) or on_cached != (want and has_key):
+                    return (
+                        f"page {page} of unit {unit} (key: {has_key}): on the free pages {on_free}, "
+                        f"on the cached pages {on_cached}, but listed should be {want}"
+                    )
             if live != arena.live[unit] or cached != arena.cached[unit]:
                 return (
                     f"unit {unit}: counts live {arena.live[unit]}/{live}, "
@@ -842,8 +900,8 @@ class BlockPool:
                 )
             if unit in arena.free_units or (unit in arena.idle_units) != (live == 0) or live == cached == 0:
                 return f"bound unit {unit} (live {live}, cached {cached}) is on the wrong unit list"
-        for g, free in enumerate(arena.free_pages):
-            for page in free:
+        for g in range(len(arena.free_pages)):
+            for page in (*arena.free_pages[g], *arena.cached_pages[g]):
                 unit = arena.unit_of[page] if 0 < page < self._num_blocks else 0
                 if (
                     unit == 0

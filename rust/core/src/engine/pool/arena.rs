@@ -11,20 +11,24 @@
 //! - `free_units`: unbound units, front first;
 //! - `idle_units`: bound units none of whose pages is referenced but some hold a key, least
 //!   recently idle first; their pages are on no list;
-//! - `free_pages[g]`: the pages of count 0 in group `g`'s *busy* units (units with a
-//!   referenced page): uncached pages at the front, cached ones at the back in release order.
+//! - `free_pages[g]` and `cached_pages[g]`: the pages of count 0 in group `g`'s *busy* units
+//!   (units with a referenced page), those without a key (front first: released ones at the
+//!   front, a newly bound unit's in id order) and those with one (least recently released
+//!   first).
 //!
-//! Taking a page for group `g` (all or nothing over a call, checked first): the front of
-//! `free_pages[g]` (an uncached page, else its least recently released cached page, whose key
-//! is evicted); else the front free unit, bound to `g`; else the least recently idle unit,
-//! whose keys are all evicted, bound to `g`. A unit whose last referenced page is released
-//! leaves `free_pages`: to `free_units` (front) when it holds no key, else to the back of
-//! `idle_units`; a prefix hit on a page of an idle unit makes it busy again (its other pages
-//! join `free_pages[g]`, uncached ones at the front in id order, cached ones at the back).
+//! Taking a page for group `g` (all or nothing over a call, checked first) spends what holds
+//! no data before what holds a cached prefix: the front of `free_pages[g]`; else the front
+//! free unit, bound to `g`; else the front of `cached_pages[g]` (its key is evicted); else the
+//! least recently idle unit, whose keys are all evicted, bound to `g`. A unit whose last
+//! referenced page is released leaves the page lists: to `free_units` (front) when it holds no
+//! key, else to the back of `idle_units`; a prefix hit on a page of an idle unit makes it busy
+//! again (its other pages join `free_pages[g]` at the front in id order, or the back of
+//! `cached_pages[g]`). A page that gains a key moves to the back of `cached_pages[g]`; one whose
+//! key is cleared, to the back of `free_pages[g]`.
 //!
 //! Accounting: a page of group `g` costs `L / kmin[g]` credits, where `kmin[g]` is the fewest
 //! pages of `g` a unit holds and `L` the lcm of the `kmin`s; the free credit is `L` per free or
-//! idle unit plus each group's pages on `free_pages`. The credit is what `num_free`,
+//! idle unit plus each group's listed pages. The credit is what `num_free`,
 //! `pages_needed` and `budget` count in arena mode (an estimate that ignores rounding to whole
 //! units); whether an allocation fits is decided exactly by [`Arena::units_suffice`], which
 //! walks the units the greedy taking would bind when the `kmin` count alone cannot tell.
@@ -140,8 +144,11 @@ pub(super) struct Arena {
     pub(super) cached: Vec<u32>,
     pub(super) free_units: LruList,
     pub(super) idle_units: LruList,
-    /// Per group, the free pages of its busy units (pool ids as nodes).
+    /// Per group, the free pages of its busy units that hold no key (pool ids as nodes).
     pub(super) free_pages: Vec<LruList>,
+    /// Per group, the free pages of its busy units that hold a key, least recently released
+    /// first.
+    pub(super) cached_pages: Vec<LruList>,
 }
 
 impl Arena {
@@ -224,8 +231,10 @@ impl Arena {
         let last_id = u32::try_from(total - 1).unwrap_or(u32::MAX);
         let list = |cap: u32| LruList::empty(cap).map_err(|_| CoreError::OutOfMemory("arena lists".to_owned()));
         let mut free_pages = Vec::with_capacity(page_bytes.len());
+        let mut cached_pages = Vec::with_capacity(page_bytes.len());
         for _ in page_bytes {
             free_pages.push(list(last_id)?);
+            cached_pages.push(list(last_id)?);
         }
         let arena = Self {
             unit_bytes,
@@ -243,6 +252,7 @@ impl Arena {
             free_units: LruList::filled(units - 1).map_err(|_| CoreError::OutOfMemory("arena lists".to_owned()))?,
             idle_units: list(units - 1)?,
             free_pages,
+            cached_pages,
         };
         Ok((arena, n))
     }
@@ -256,23 +266,26 @@ impl Arena {
     }
 
     /// Whether the greedy taking of `needs[g]` pages per group (in group order, `needs` no
-    /// longer than the groups) finds its units, with `listed(g)` free pages of group `g` on
-    /// hand and the idle units in `woken` (sorted; a claim made them busy) not available.
+    /// longer than the groups) finds its pages, with `listed(g)` = (free pages without a key,
+    /// free pages with one) of group `g` on hand and the idle units in `woken` (sorted; a claim
+    /// made them busy) not available.
     ///
-    /// Decided at once when every unit counted at its group's fewest pages suffices, or when
-    /// even units of `unit_bytes / page_bytes` pages do not; otherwise by walking the units the
-    /// greedy would bind (the free units front first, then the idle ones least recently idle
-    /// first), each holding what it holds of the group it is bound to.
-    pub(super) fn units_suffice(&self, needs: &[u64], listed: impl Fn(usize) -> u64, woken: &[u32]) -> bool {
+    /// Decided at once when every unit counted at its group's fewest pages suffices without
+    /// the cached pages, or when even units of `unit_bytes / page_bytes` pages do not with
+    /// them; otherwise by following the taking: the pages without a key, the free units front
+    /// first, the cached pages, then the idle units least recently idle first, each unit
+    /// giving what it holds of the group.
+    pub(super) fn units_suffice(&self, needs: &[u64], listed: impl Fn(usize) -> (u64, u64), woken: &[u32]) -> bool {
         let Some(available) = self.units_available().checked_sub(woken.len() as u64) else {
             return false;
         };
-        let deficit = |g: usize| needs[g].saturating_sub(listed(g));
         let (mut surely, mut at_least) = (0u64, 0u64);
-        for g in 0..needs.len() {
-            let d = deficit(g);
-            surely = surely.saturating_add(d.div_ceil(self.kmin[g]));
-            at_least = at_least.saturating_add(d.div_ceil(self.unit_bytes / self.page_bytes[g]));
+        for (g, &need) in needs.iter().enumerate() {
+            let (fresh, cached) = listed(g);
+            let past_fresh = need.saturating_sub(fresh);
+            surely = surely.saturating_add(past_fresh.div_ceil(self.kmin[g]));
+            let most = self.unit_bytes / self.page_bytes[g];
+            at_least = at_least.saturating_add(past_fresh.saturating_sub(cached).div_ceil(most));
         }
         if surely <= available {
             return true;
@@ -280,20 +293,31 @@ impl Arena {
         if at_least > available {
             return false;
         }
-        let mut units = self
-            .free_units
-            .iter()
-            .chain(self.idle_units.iter().filter(|u| woken.binary_search(u).is_err()));
-        for g in 0..needs.len() {
-            let mut d = deficit(g);
-            while d > 0 {
-                let Some(u) = units.next() else {
+        let mut free = self.free_units.iter();
+        let mut idle = self.idle_units.iter().filter(|u| woken.binary_search(u).is_err());
+        for (g, &need) in needs.iter().enumerate() {
+            let (fresh, cached) = listed(g);
+            let mut short = need.saturating_sub(fresh);
+            while short > 0 {
+                let Some(u) = free.next() else {
+                    break;
+                };
+                short = short.saturating_sub(self.ids_of_unit(g, u).len() as u64);
+            }
+            short = short.saturating_sub(cached);
+            while short > 0 {
+                let Some(u) = idle.next() else {
                     return false;
                 };
-                d = d.saturating_sub(self.ids_of_unit(g, u).len() as u64);
+                short = short.saturating_sub(self.ids_of_unit(g, u).len() as u64);
             }
         }
         true
+    }
+
+    /// The listed pages of group `g`: (without a key, with one).
+    pub(super) fn listed(&self, g: usize) -> (u64, u64) {
+        (self.free_pages[g].len() as u64, self.cached_pages[g].len() as u64)
     }
 
     /// Units that can be bound now: free plus idle.
@@ -303,11 +327,11 @@ impl Arena {
 
     /// The free credit: `scale` per free or idle unit plus each group's listed pages.
     pub(super) fn credit(&self) -> u64 {
-        let pages: u64 = self
-            .free_pages
-            .iter()
-            .zip(&self.cost)
-            .map(|(l, &c)| (l.len() as u64).saturating_mul(c))
+        let pages: u64 = (0..self.cost.len())
+            .map(|g| {
+                let (fresh, cached) = self.listed(g);
+                (fresh + cached).saturating_mul(self.cost[g])
+            })
             .fold(0, u64::saturating_add);
         self.units_available().saturating_mul(self.scale).saturating_add(pages)
     }
@@ -325,7 +349,7 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
         let a = self.arena.as_deref().expect("arena mode");
         let mut needs = vec![0u64; g + 1];
         needs[g] = n as u64;
-        if !a.units_suffice(&needs, |h| a.free_pages[h].len() as u64, &[]) {
+        if !a.units_suffice(&needs, |h| a.listed(h), &[]) {
             return false;
         }
         out.reserve(n);
@@ -336,33 +360,39 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
         true
     }
 
-    /// Take one page for group `g` (the caller checked that one can be taken).
+    /// Take one page for group `g` (the caller checked that one can be taken): a page without
+    /// a key, a free unit, a cached page, an idle unit, in this order (module doc).
     fn arena_take(&mut self, g: usize) -> u32 {
-        let front = self.arena_mut().free_pages[g].front();
-        let page = if let Some(page) = front {
+        let a = self.arena_mut();
+        let page = if let Some(page) = a.free_pages[g].front() {
+            a.free_pages[g].unlink(page);
+            page
+        } else if let Some(u) = a.free_units.pop_front() {
+            self.arena_take_from_new_unit(u, g)
+        } else if let Some(page) = a.cached_pages[g].front() {
+            a.cached_pages[g].unlink(page);
             page
         } else {
-            let a = self.arena_mut();
-            let u = if let Some(u) = a.free_units.pop_front() {
-                u
-            } else {
-                let u = a.idle_units.pop_front().expect("a unit checked to be available");
-                self.arena_evict_unit(u);
-                u
-            };
-            self.arena_bind(u, g);
-            self.arena_mut().free_pages[g]
-                .front()
-                .expect("a bound unit holds a page")
+            let u = a.idle_units.pop_front().expect("a unit checked to be available");
+            self.arena_evict_unit(u);
+            self.arena_take_from_new_unit(u, g)
         };
         let had_key = self.keys[page as usize].is_some();
-        self.arena_mut().free_pages[g].unlink(page);
         self.evict(page);
         self.refs[page as usize] = 1;
         let a = self.arena_mut();
         let u = a.unit_of[page as usize] as usize;
         a.live[u] += 1;
         a.cached[u] -= u32::from(had_key);
+        page
+    }
+
+    /// Bind unbound unit `u` to group `g` and take its first page off the list.
+    fn arena_take_from_new_unit(&mut self, u: u32, g: usize) -> u32 {
+        self.arena_bind(u, g);
+        let list = &mut self.arena_mut().free_pages[g];
+        let page = list.front().expect("a bound unit holds a page");
+        list.unlink(page);
         page
     }
 
@@ -406,9 +436,11 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
             }
             for p in ids {
                 if p != page && keys[p as usize].is_some() {
-                    a.free_pages[g].push_back(p);
+                    a.cached_pages[g].push_back(p);
                 }
             }
+        } else if self.keys[page as usize].is_some() {
+            self.arena_mut().cached_pages[g].unlink(page);
         } else {
             self.arena_mut().free_pages[g].unlink(page);
         }
@@ -424,16 +456,21 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
         a.live[u as usize] -= 1;
         if a.live[u as usize] > 0 {
             if cached {
-                a.free_pages[g].push_back(page);
+                a.cached_pages[g].push_back(page);
             } else {
                 a.free_pages[g].push_front(page);
             }
             return;
         }
-        // The unit's last referenced page: its other pages leave the free pages.
+        // The unit's last referenced page: its other pages leave the page lists.
+        let keys = &self.keys;
         for p in a.ids_of_unit(g, u) {
             if p != page {
-                a.free_pages[g].unlink(p);
+                if keys[p as usize].is_some() {
+                    a.cached_pages[g].unlink(p);
+                } else {
+                    a.free_pages[g].unlink(p);
+                }
             }
         }
         if a.cached[u as usize] == 0 {
@@ -445,7 +482,7 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
     }
 
     /// A page gained a key (arena bookkeeping of `cache_unchecked`): counted in its unit; a
-    /// listed free page moves to the back with the cached ones.
+    /// listed free page moves to the back of the cached pages.
     pub(super) fn arena_on_cache(&mut self, page: u32) {
         let free = self.refs[page as usize] == 0;
         let a = self.arena.as_deref_mut().expect("arena mode");
@@ -454,16 +491,22 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
         if free && a.live[u as usize] > 0 {
             let g = a.class[u as usize] as usize;
             a.free_pages[g].unlink(page);
-            a.free_pages[g].push_back(page);
+            a.cached_pages[g].push_back(page);
         }
     }
 
-    /// A page lost its key (arena bookkeeping of `drop_key`): an idle unit left with no key
-    /// is free again.
+    /// A free page's key was cleared (arena bookkeeping of `clear_cached_free`): a listed
+    /// page moves to the back of the pages without a key; an idle unit left with no key is
+    /// free again.
     pub(super) fn arena_on_uncache(&mut self, page: u32) {
         let a = self.arena.as_deref_mut().expect("arena mode");
         let u = a.unit_of[page as usize];
         a.cached[u as usize] -= 1;
+        if a.live[u as usize] > 0 {
+            let g = a.class[u as usize] as usize;
+            a.cached_pages[g].unlink(page);
+            a.free_pages[g].push_back(page);
+        }
         if a.cached[u as usize] == 0 && a.live[u as usize] == 0 && a.class[u as usize] != UNBOUND {
             a.idle_units.unlink(u);
             a.class[u as usize] = UNBOUND;
@@ -471,16 +514,11 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
         }
     }
 
-    /// The keys of every cached page of count 0, in arena order (each group's free pages,
+    /// The keys of every cached page of count 0, in arena order (each group's cached pages,
     /// then the idle units least recently idle first, ids ascending); arena mode.
     pub(super) fn arena_cached_free(&self) -> Vec<u32> {
         let a = self.arena.as_deref().expect("arena mode");
-        let mut pages: Vec<u32> = a
-            .free_pages
-            .iter()
-            .flat_map(LruList::iter)
-            .filter(|&p| self.keys[p as usize].is_some())
-            .collect();
+        let mut pages: Vec<u32> = a.cached_pages.iter().flat_map(LruList::iter).collect();
         for u in &a.idle_units {
             let g = a.class[u as usize] as usize;
             pages.extend(a.ids_of_unit(g, u).filter(|&p| self.keys[p as usize].is_some()));
@@ -493,9 +531,10 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
         let a = self.arena.as_deref().expect("arena mode");
         let free_units = a.free_units.check("free units")?;
         let idle_units = a.idle_units.check("idle units")?;
-        let mut listed = Vec::with_capacity(a.free_pages.len());
-        for (g, l) in a.free_pages.iter().enumerate() {
-            listed.push(l.check(&format!("free pages of group {g}"))?);
+        let (mut listed, mut listed_cached) = (Vec::new(), Vec::new());
+        for (g, (fresh, cached)) in a.free_pages.iter().zip(&a.cached_pages).enumerate() {
+            listed.push(fresh.check(&format!("free pages of group {g}"))?);
+            listed_cached.push(cached.check(&format!("cached pages of group {g}"))?);
         }
         for u in 1..a.class.len() {
             let u32_ = u32::try_from(u).unwrap_or(u32::MAX);
@@ -517,10 +556,12 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
                     return Err(format!("page {p} is not mapped to unit {u} of group {g}"));
                 }
                 let want = !refd && a.live[u] > 0;
-                if listed[g][i] != want {
+                let has_key = self.keys[i].is_some();
+                let (on_fresh, on_cached) = (listed[g][i], listed_cached[g][i]);
+                if on_fresh != (want && !has_key) || on_cached != (want && has_key) {
                     return Err(format!(
-                        "page {p} of unit {u}: listed {} but should be {want}",
-                        listed[g][i]
+                        "page {p} of unit {u} (key: {has_key}): on the free pages {on_fresh}, on the \
+                         cached pages {on_cached}, but listed should be {want}"
                     ));
                 }
             }
@@ -536,10 +577,11 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
                 ));
             }
         }
-        for (g, l) in listed.iter().enumerate() {
-            let stray = l.iter().enumerate().find(|&(p, &on)| on && a.group_of[p] as usize != g);
+        for (g, (fresh, cached)) in listed.iter().zip(&listed_cached).enumerate() {
+            let on = fresh.iter().zip(cached).map(|(&x, &y)| x || y);
+            let stray = on.enumerate().find(|&(p, on)| on && a.group_of[p] as usize != g);
             if let Some((p, _)) = stray {
-                return Err(format!("page {p} is on the free pages of group {g} but not its page"));
+                return Err(format!("page {p} is on the page lists of group {g} but not its page"));
             }
         }
         let referenced = self.refs.iter().filter(|&&c| c > 0).count();

@@ -223,7 +223,7 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
             None => needs.fold(0u64, u64::saturating_add) <= self.free.len() as u64,
             Some(a) => {
                 let needs: Vec<u64> = needs.collect();
-                a.units_suffice(&needs, |g| a.free_pages[g].len() as u64, &[])
+                a.units_suffice(&needs, |g| a.listed(g), &[])
             }
         }
     }
@@ -251,22 +251,41 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
         free.sort_unstable();
         free.dedup();
         let groups = arena.free_pages.len();
-        let (mut taken, mut added) = (vec![0u64; groups], vec![0u64; groups]);
+        // Per group, listed pages (without a key, with one) the claim takes and adds.
+        let (mut taken, mut added) = (vec![(0u64, 0u64); groups], vec![(0u64, 0u64); groups]);
         let mut woken = Vec::new();
+        let tally = |counts: &mut (u64, u64), page: u32| {
+            if self.keys[page as usize].is_some() {
+                counts.1 += 1;
+            } else {
+                counts.0 += 1;
+            }
+        };
         for run in free.chunk_by(|x, y| x.0 == y.0) {
             let unit = run[0].0;
             let group = arena.class[unit as usize] as usize;
-            let claimed_here = run.len() as u64;
             if arena.live[unit as usize] == 0 {
-                // An idle unit becomes busy: its other pages join the group's free pages.
+                // An idle unit becomes busy: its other pages join the group's lists.
                 woken.push(unit);
-                added[group] += arena.ids_of_unit(group, unit).len() as u64 - claimed_here;
+                for page in arena.ids_of_unit(group, unit) {
+                    if run.binary_search(&(unit, page)).is_err() {
+                        tally(&mut added[group], page);
+                    }
+                }
             } else {
-                taken[group] += claimed_here;
+                for &(_, page) in run {
+                    tally(&mut taken[group], page);
+                }
             }
         }
-        // Taken pages were listed, so the difference is >= 0; `free` is sorted by unit.
-        let listed = |g: usize| (arena.free_pages[g].len() as u64 + added[g]).saturating_sub(taken[g]);
+        // Taken pages were listed, so the differences are >= 0; `free` is sorted by unit.
+        let listed = |g: usize| {
+            let (fresh, cached) = arena.listed(g);
+            (
+                (fresh + added[g].0).saturating_sub(taken[g].0),
+                (cached + added[g].1).saturating_sub(taken[g].1),
+            )
+        };
         arena.units_suffice(needs, listed, &woken)
     }
 
@@ -304,7 +323,12 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
                 *n += 1;
             }
         }
-        let pages_free: Vec<usize> = a.free_pages.iter().map(LruList::len).collect();
+        let pages_free: Vec<usize> = a
+            .free_pages
+            .iter()
+            .zip(&a.cached_pages)
+            .map(|(fresh, cached)| fresh.len() + cached.len())
+            .collect();
         let stranded = pages_free
             .iter()
             .zip(&a.page_bytes)
