@@ -700,9 +700,14 @@ def test_state_group_registers_only_boundary_snapshots(api: ModuleType) -> None:
 
 def test_state_reclaim_keeps_the_page_of_the_last_token(api: ModuleType) -> None:
     cache = make_cache(api, [("state", 4)], 10)
-    # One slot per chunk, so that every slot holds a page (a longer chunk gets only its last).
-    for _ in range(3):
-        assert cache.acquire("r", 4)
+    hs = fake_hashes(2)
+    # One slot per chunk, each chunk's end keyed (a checkpoint), so that every slot holds a
+    # page: a checkpoint stays where it is and the next slot gets a new page.
+    assert cache.acquire("r", 4)
+    cache.register("r", hs[:1], end_tokens=4)
+    assert cache.acquire("r", 4)
+    cache.register("r", hs[:2], end_tokens=8)
+    assert cache.acquire("r", 4)
     assert cache.page_ids("r") == [[1, 2, 3]]
     # W = 2: k = (n - 1) // 4. n = 8: k = 1 (token 7 is in slot 1, kept).
     cache.reclaim("r", 8)
@@ -710,10 +715,17 @@ def test_state_reclaim_keeps_the_page_of_the_last_token(api: ModuleType) -> None
     # n = 9: k = 2 (token 8 lives in slot 2).
     cache.reclaim("r", 9)
     assert cache.page_ids("r") == [[0, 0, 3]]
-    # SPEC 13.4: a 12-token chunk at once allocates the page of its last slot only: the
-    # reclaimed uncached pages went to the front of the free list (1, then 2 before it).
+    # The reclaimed pages are cached: they went to the back of the free list, so a 12-token
+    # chunk at once (SPEC 13.4: the page of its last slot only) takes the front page, 4.
     assert cache.acquire("s", 12)
-    assert cache.page_ids("s") == [[0, 0, 2]]
+    assert cache.page_ids("s") == [[0, 0, 4]]
+    # Without a key the working page moves on: one page however many slots are passed.
+    assert cache.acquire("t", 4)
+    assert cache.page_ids("t") == [[5]]
+    assert cache.acquire("t", 4)
+    assert cache.acquire("t", 8)
+    assert cache.page_ids("t") == [[0, 0, 0, 5]]
+    assert cache.pages_needed(4, "t") == 0  # the next slot costs nothing either
     cache.check_invariants()
 
 

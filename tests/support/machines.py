@@ -534,9 +534,9 @@ class ArenaRequestsMachine(RequestsMachine):
     @rule(index=st.integers(0, 10), back=st.integers(0, 3), over=st.booleans())
     def state_slots(self, index: int, back: int, over: bool) -> None:
         """The read and write slots of a step that scheduled up to the request's computed
-        tokens: a count other than the last schedule's may find no state kept (sparse state,
-        SPEC 13.4), and one more than computed is refused; both caches must refuse alike. A
-        model without exactly one state group refuses."""
+        tokens: a count other than the last schedule's is refused (the slots are what that
+        schedule did), and so is one more than computed; both caches must refuse alike. A model
+        without exactly one state group refuses."""
         slot = self.slot(index)
         computed = self.caches[0].num_computed_tokens(slot)
         n = computed + 1 if over else max(computed - back, 0)

@@ -652,11 +652,12 @@ impl PyFlatKVCache {
     /// The step reads the state after the request's last token before the step from
     /// `read[i]` (0, the all-zero null slot, for a fresh request) and writes the state after
     /// its new tokens to `write[i]`: where they differ, copy `read[i]` into `write[i]` first
-    /// and run the step in place on `write[i]`; `read[i]` may be a checkpoint and must stay
-    /// as it is. The model must have exactly one state group (`ValueError` otherwise); a slot
-    /// that holds no request is `UnknownRequestError`; `num_new_tokens[i]` above the
-    /// request's computed tokens, or a count other than its last `schedule`'s that finds no
-    /// state kept (state is kept sparsely, SPEC 13.4), is `ValueError`.
+    /// and run the step in place on `write[i]`; `read[i]` is then a checkpoint and must stay
+    /// as it is. They are equal while a request keeps its working slot (decode, and chunks
+    /// after one that wrote no checkpoint). The model must have exactly one state group
+    /// (`ValueError` otherwise); a slot that holds no request is `UnknownRequestError`;
+    /// `num_new_tokens[i]` above the request's computed tokens, or other than what its last
+    /// `schedule` gave it, is `ValueError`.
     #[pyo3(signature = (slots, num_new_tokens), text_signature = "(self, slots, num_new_tokens)")]
     fn state_slots<'py>(
         slf: &Bound<'py, Self>,

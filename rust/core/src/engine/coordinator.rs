@@ -176,6 +176,8 @@ pub struct Coordinator {
     lcm: Divisor,
     /// The lcm of the state groups' page sizes (`None` without state groups).
     state_grain: Option<u64>,
+    /// The state group, when there is exactly one.
+    single_state: Option<usize>,
     /// Full groups first, then the others, each in index order.
     match_order: Vec<usize>,
     pool: BlockPool<GroupKey>,
@@ -295,7 +297,12 @@ impl Coordinator {
             .filter(|s| s.kind == GroupKind::State)
             .map(|s| s.page_size)
             .reduce(|a, b| a / gcd(a, b) * b);
+        let states: Vec<usize> = (0..specs.len())
+            .filter(|&g| specs[g].kind == GroupKind::State)
+            .collect();
+        let single_state = if let [g] = states.as_slice() { Some(*g) } else { None };
         Ok(Self {
+            single_state,
             specs,
             managers,
             mult,
@@ -411,6 +418,11 @@ impl Coordinator {
     /// page sizes (`None` without state groups).
     pub fn state_grain(&self) -> Option<u64> {
         self.state_grain
+    }
+
+    /// The state group, when the model has exactly one.
+    pub fn single_state_group(&self) -> Option<usize> {
+        self.single_state
     }
 
     /// The lcm of the groups' page sizes.
@@ -674,7 +686,8 @@ impl Coordinator {
         for (g, manager) in self.managers.iter().enumerate() {
             let pages = m.map_or_else(Vec::new, |m| m.pages[g].clone());
             claimed.extend(pages.iter().copied().filter(|&p| p != NULL_PAGE));
-            needs.push(manager.blocks_needed(&Table::from_claim(pages), n));
+            let table = Table::from_claim(pages);
+            needs.push(manager.blocks_needed(&table, n, manager.state_movable(&self.pool, &table)));
         }
         self.pool.fits_after_claim(&claimed, &needs)
     }
@@ -702,7 +715,11 @@ impl Coordinator {
         for (g, manager) in self.managers.iter().enumerate() {
             let table = tables.map_or(&fresh, |ts| &ts[g]);
             sum = sum
-                .checked_add(manager.blocks_needed(table, n).saturating_mul(self.pool.page_cost(g)))
+                .checked_add(
+                    manager
+                        .blocks_needed(table, n, manager.state_movable(&self.pool, table))
+                        .saturating_mul(self.pool.page_cost(g)),
+                )
                 .ok_or_else(|| CoreError::overflow("num_tokens"))?;
         }
         Ok(sum)
@@ -717,7 +734,7 @@ impl Coordinator {
             .managers
             .iter()
             .zip(tables.iter())
-            .map(|(m, t)| m.blocks_needed(t, n));
+            .map(|(m, t)| m.blocks_needed(t, n, m.state_movable(&self.pool, t)));
         if !self.pool.fits(needs) {
             return false;
         }
@@ -730,7 +747,8 @@ impl Coordinator {
             .enumerate()
         {
             // Pages, not slots: a state group's new slots are holes but its last.
-            let pages = usize::try_from(manager.blocks_needed(table, n)).unwrap_or(usize::MAX);
+            let movable = manager.state_movable(&self.pool, table);
+            let pages = usize::try_from(manager.blocks_needed(table, n, movable)).unwrap_or(usize::MAX);
             let ok = manager.acquire(&mut self.pool, g, table, n);
             debug_assert!(ok, "acquire failed after the check");
             *in_use += pages;

@@ -28,6 +28,22 @@ pub(super) struct TokenState {
     /// The branch point (SPEC 13.5c): where the prompt left the cached path beyond its hit,
     /// a multiple of the state grain at which a chunk ends to write a checkpoint; 0 if none.
     pub(super) branch: u64,
+    /// Tokens of the prompt the request was added with: state checkpoints are written only
+    /// within it (decode writes none, SPEC 13.5e).
+    pub(super) prompt_len: u64,
+    /// The state slots of the last `schedule` (models with one state group): see
+    /// [`StepSlots`].
+    pub(super) step: Option<StepSlots>,
+}
+
+/// What the last `schedule` of a token-level request did to its state group (SPEC 13.4):
+/// `n` tokens, the state read from pool page `read` (0: the null slot) and written to `write`
+/// (the same page when the working page stayed or moved, a new one after a checkpoint).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct StepSlots {
+    pub(super) n: u64,
+    pub(super) read: u32,
+    pub(super) write: u32,
 }
 
 /// A prompt hashed into base pages for a cache with a given base page size. Built (and

@@ -137,7 +137,7 @@ class TokenApi(PageTables, Rows):
         """``add_request`` once its arguments are checked (a slot is free); returns ``(slot, hit)``."""
         hit = 0
         self._requests[key] = [Table() for _ in self._managers]
-        state = TokenState(tokens, hashes, keys)
+        state = TokenState(tokens, hashes, keys, prompt_len=len(tokens))
         self._token_states[key] = state
         slot = self._take_slot(key)
         if use_cache and self._enable_caching:
@@ -322,10 +322,11 @@ class TokenApi(PageTables, Rows):
         """The read and write state slots of a step (SPEC 13.4), after ``schedule(slots,
         num_new_tokens)``: the page of the state group holding the state after the request's
         last token before the step (0, the null slot, for a fresh request) and after its last
-        new token, as ids of the state group's view.
+        new token, as ids of the state group's view; equal when the working page stayed or
+        moved, different when the step starts from a checkpoint.
 
         Checked first: the lengths, exactly one state group, each slot holding a request, each
-        count at most the request's computed tokens."""
+        count at most the request's computed tokens and equal to its last schedule's."""
         method = "state_slots"
         indices = as_slots(slots)
         counts = as_counts(num_new_tokens, "num_new_tokens")
@@ -335,31 +336,53 @@ class TokenApi(PageTables, Rows):
         if len(states) != 1:
             raise ValueError(f"{method}: the model must have exactly one state group, it has {len(states)}")
         group = states[0]
-        page_size = self._specs[group].page_size
         read: list[int] = []
         write: list[int] = []
         for slot, count in zip(indices, counts, strict=True):
             key = self._held(method, slot)
-            tables, state = self._token_state(key)
+            _, state = self._token_state(key)
             start = state.computed - count
             if start < 0:
                 raise ValueError(
                     f"{method}: num_new_tokens {count} exceeds the {state.computed} computed tokens of "
                     f"request {self._named(key)} (call it after schedule, with the same counts)"
                 )
-            pages = self._view_ids(group, tables[group].pages)
-            for tokens, out in ((start, read), (state.computed, write)):
-                page = pages[(tokens - 1) // page_size] if tokens > 0 else 0
-                if tokens > 0 and page == 0:
-                    raise ValueError(
-                        f"{method}: request {self._named(key)} kept no state after token {tokens - 1} "
-                        "(num_new_tokens must be the count its last schedule gave it)"
-                    )
-                out.append(page)
+            if state.step is None or state.step[0] != count:
+                last = "no schedule yet" if state.step is None else f"its last gave {state.step[0]}"
+                raise ValueError(
+                    f"{method}: num_new_tokens {count} is not what the last schedule of request "
+                    f"{self._named(key)} gave it ({last})"
+                )
+            read_page, write_page = self._view_ids(group, list(state.step[1:]))
+            read.append(read_page)
+            write.append(write_page)
         return np.array(read, dtype=np.int32), np.array(write, dtype=np.int32)
 
     def _schedule_checked(self, key: RequestId, count: int, ahead: int) -> bool:
+        """One request's step; with exactly one state group it records the step's state pages
+        (read before the step, written after it) for :meth:`state_slots`."""
         tables, state = self._token_state(key)
+        states = [g for g, spec in enumerate(self._specs) if spec.kind == STATE]
+        read = self._state_page(tables, state, states[0]) if len(states) == 1 else 0
+        scheduled = self._schedule_tokens(tables, state, key, count, ahead)
+        if len(states) == 1:
+            write = self._state_page(tables, state, states[0])
+            state.step = (count, read, write) if scheduled else None
+        return scheduled
+
+    def _state_page(self, tables: list[Table], state: TokenState, group: int) -> int:
+        """The page of ``group`` holding the state after the request's computed tokens (0 before
+        any token)."""
+        if state.computed == 0:
+            return 0
+        pages = tables[group].pages
+        slot = (state.computed - 1) // self._specs[group].page_size
+        return pages[slot] if slot < len(pages) else 0
+
+    def _schedule_tokens(
+        self, tables: list[Table], state: TokenState, key: RequestId, count: int, ahead: int
+    ) -> bool:
+        """Register, reclaim, then acquire: the step itself."""
         self._register_computed(tables, state)
         position = state.computed
         self._reclaim(tables, position)
@@ -383,7 +406,9 @@ class TokenApi(PageTables, Rows):
             return
         step = self._lcm // self._base
         first = state.registered - state.registered % step
-        self._register(tables, state.hashes[first:full], first, state.computed, state)
+        # State checkpoints only within the prompt: decode writes none (SPEC 13.5e).
+        end = state.computed if state.computed <= state.prompt_len else None
+        self._register(tables, state.hashes[first:full], first, end, state)
         state.registered = full
 
     # -- ending requests ------------------------------------------------------------------------

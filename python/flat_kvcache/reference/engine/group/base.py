@@ -39,8 +39,19 @@ class GroupManager:
         if num_tokens <= table.tail_avail:
             return 0
         if self.sparse:
-            return 1
+            return 0 if self.working_page_moves(table) else 1
         return ceil_div(num_tokens - table.tail_avail, self.page_size)
+
+    def working_page_moves(self, table: Table) -> bool:
+        """A sparse (state) table's working page moves to the next slot it needs, rather than a
+        page being allocated there, when its last page is real and holds no key: no checkpoint,
+        and no other request holds it (SPEC 13.4)."""
+        return (
+            self.sparse
+            and bool(table.pages)
+            and table.pages[-1] != 0
+            and not self.pool.is_cached(table.pages[-1])
+        )
 
     def acquire(self, table: Table, num_tokens: int) -> bool:
         """Room for ``num_tokens`` more tokens: the tail first, then new pages, all or nothing.
@@ -56,7 +67,11 @@ class GroupManager:
             return True
         over = num_tokens - table.tail_avail
         count = ceil_div(over, self.page_size)
-        pages = self.pool.allocate(1 if self.sparse else count, group=self.index)
+        if self.working_page_moves(table):
+            pages = [table.pages[-1]]
+            table.pages[-1] = 0  # the slot it leaves is a hole
+        else:
+            pages = self.pool.allocate(1 if self.sparse else count, group=self.index)
         if not pages:
             return False
         if self.sparse:

@@ -236,9 +236,13 @@ fn write_row(at: Cell<'_>, layout: RowLayout, table: Option<&Table>, mark: &mut 
             put_one(dst, delta, row, first_pad + col, PAD);
         }
     } else if let Some(t) = table {
-        // New holes among the slots already shown, then new slots.
+        // New holes among the slots already shown, the slot that was last (a state group's
+        // working page moves on from it, leaving a hole), then new slots.
         for slot in mark.holes_below.max(offset)..holes_below.min(mark.len) {
             put(buf, delta, row, slot - offset, 0);
+        }
+        if let Some(last) = mark.len.checked_sub(1).filter(|&s| s >= offset) {
+            put(buf, delta, row, last - offset, cell(t.pages()[last]));
         }
         for (slot, &page) in t.pages().iter().enumerate().skip(mark.len) {
             put(buf, delta, row, slot - offset, cell(page));

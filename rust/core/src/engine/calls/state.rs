@@ -2,24 +2,26 @@
 //! state group, the slot its step reads the state from and the slot it writes the state to.
 //!
 //! A state group keeps the state after a range's last token in the page of that token's slot
-//! (its acquire allocates only that page, `group` module). After `schedule` moved a request
-//! from `c` to `c + n` computed tokens, the step reads the state after token `c - 1` (the page
-//! of its slot: the previous step's write, or the checkpoint a prefix hit restored; the null
-//! slot, all zeros, when `c = 0`) and writes the state after token `c + n - 1`. When the two
-//! differ the runner copies the read slot into the write slot before the step (a fresh request
-//! copies zeros) and runs the step in place on the write slot. The read slot is left as it
-//! was: when the previous chunk ended on a page boundary it holds a registered checkpoint.
+//! and leaves the slots before it holes (the `group` module). A request holds one working
+//! page: when a step passes into a new slot, the working page moves there, unless it holds a
+//! checkpoint (a key: a chunk ended on the grain within the prompt), in which case a new page
+//! is taken and the checkpoint stays. `schedule` records, per request, the page the step reads
+//! (the state after its computed tokens before the step: the working page, the checkpoint a
+//! prefix hit restored, or the null slot, all zeros, for a fresh request) and the page it
+//! writes. When the two differ the runner copies the read slot into the write slot before the
+//! step (a fresh request copies zeros) and runs the step in place on the write slot; the read
+//! slot is left as it was.
 
 use crate::engine::group::GroupKind;
-use crate::engine::pool::NULL_PAGE;
 use crate::engine::FlatCache;
 use crate::error::{CoreError, CoreResult};
 
 impl FlatCache {
     /// The read and write state slots (page ids of the state group's view) of the requests in
-    /// `slots` after a `schedule` that gave them `ns[i]` new tokens. Everything is checked
-    /// first: the lengths, the model's one state group, each slot holding a token-level
-    /// request, `ns[i]` at most its computed tokens.
+    /// `slots` as their last `schedule` left them, which gave them `ns[i]` new tokens.
+    /// Everything is checked first: the lengths, the model's one state group, each slot
+    /// holding a token-level request, `ns[i]` at most its computed tokens and equal to what
+    /// its last schedule gave it.
     pub fn state_slots(&self, slots: &[u64], ns: &[u64]) -> CoreResult<(Vec<i32>, Vec<i32>)> {
         const METHOD: &str = "state_slots";
         if slots.len() != ns.len() {
@@ -29,47 +31,41 @@ impl FlatCache {
                 slots.len()
             )));
         }
-        let specs = self.coord.specs();
-        let states: Vec<usize> = (0..specs.len())
-            .filter(|&g| specs[g].kind == GroupKind::State)
-            .collect();
-        let &[g] = states.as_slice() else {
+        let Some(g) = self.coord.single_state_group() else {
+            let states = self.coord.specs().iter().filter(|s| s.kind == GroupKind::State).count();
             return Err(CoreError::invalid(format!(
-                "{METHOD}: the model must have exactly one state group, it has {}",
-                states.len()
+                "{METHOD}: the model must have exactly one state group, it has {states}"
             )));
         };
-        let page = self.coord.managers()[g].page();
         let base = self.coord.pool().group_base(g);
+        let view = |page: u32| i32::try_from(page.saturating_sub(base)).unwrap_or(i32::MAX);
         let (mut read, mut write) = (Vec::with_capacity(slots.len()), Vec::with_capacity(slots.len()));
         for (&slot, &n) in slots.iter().zip(ns) {
             let at = self.token_slot(METHOD, slot)?;
-            let computed = self.entries[at].tokens.as_ref().map_or(0, |s| s.computed);
-            let Some(start) = computed.checked_sub(n) else {
+            let state = self.entries[at].tokens.as_ref();
+            let computed = state.map_or(0, |s| s.computed);
+            if n > computed {
                 return Err(CoreError::invalid(format!(
                     "{METHOD}: num_new_tokens {n} exceeds the {computed} computed tokens of request {} \
                      (call it after schedule, with the same counts)",
                     self.labeled(at)
                 )));
-            };
-            let table = &self.entries[at].tables[g];
-            let slot_of = |tokens: u64| -> CoreResult<i32> {
-                if tokens == 0 {
-                    return Ok(0);
+            }
+            match state.and_then(|s| s.step) {
+                Some(step) if step.n == n => {
+                    // The null page is 0 in every view.
+                    read.push(if step.read == 0 { 0 } else { view(step.read) });
+                    write.push(if step.write == 0 { 0 } else { view(step.write) });
                 }
-                let k = usize::try_from(page.quotient(tokens - 1)).unwrap_or(usize::MAX);
-                match table.pages().get(k) {
-                    Some(&p) if p != NULL_PAGE => Ok(i32::try_from(p - base).unwrap_or(i32::MAX)),
-                    _ => Err(CoreError::invalid(format!(
-                        "{METHOD}: request {} kept no state after token {} (num_new_tokens must be \
-                         the count its last schedule gave it)",
-                        self.labeled(at),
-                        tokens - 1
-                    ))),
+                step => {
+                    let last = step.map_or_else(|| "no schedule yet".to_owned(), |s| format!("its last gave {}", s.n));
+                    return Err(CoreError::invalid(format!(
+                        "{METHOD}: num_new_tokens {n} is not what the last schedule of request {} gave \
+                         it ({last})",
+                        self.labeled(at)
+                    )));
                 }
-            };
-            read.push(slot_of(start)?);
-            write.push(slot_of(computed)?);
+            }
         }
         Ok((read, write))
     }

@@ -11,8 +11,9 @@
 use crate::engine::coordinator::{Coordinator, PrefixMatch, TokenContext};
 use crate::engine::hash::hash_page;
 use crate::engine::ids::RequestIdRef;
+use crate::engine::pool::NULL_PAGE;
 use crate::engine::table::Table;
-use crate::engine::tokens::{Prompt, TokenState};
+use crate::engine::tokens::{Prompt, StepSlots, TokenState};
 use crate::engine::FlatCache;
 use crate::error::{CoreError, CoreResult};
 
@@ -154,6 +155,8 @@ impl FlatCache {
             pending: 0,
             fast_until: 0,
             branch,
+            prompt_len,
+            step: None,
         };
         let at = self.insert(req, Some(state));
         if let Some(m) = m {
@@ -447,8 +450,35 @@ impl FlatCache {
         Ok(())
     }
 
-    /// One request's step of [`Self::schedule`], for a validated request in slot `at`.
+    /// One request's step of [`Self::schedule`], for a validated request in slot `at`; with
+    /// one state group, the step's state slots are recorded for `state_slots`.
     fn schedule_at(&mut self, at: usize, n: u64, lookahead: u64) -> CoreResult<bool> {
+        let Some(g) = self.coord.single_state_group() else {
+            return self.schedule_tokens(at, n, lookahead);
+        };
+        let read = self.state_page_after(at, g, 0);
+        let scheduled = self.schedule_tokens(at, n, lookahead)?;
+        let write = self.state_page_after(at, g, 0);
+        if let Some(state) = self.entries[at].tokens.as_mut() {
+            state.step = scheduled.then_some(StepSlots { n, read, write });
+        }
+        Ok(scheduled)
+    }
+
+    /// The pool page of state group `g` holding the state after the request's computed tokens
+    /// less `back` (0, the null page, before any token or where the table has a hole).
+    fn state_page_after(&self, at: usize, g: usize, back: u64) -> u32 {
+        let entry = &self.entries[at];
+        let tokens = entry.tokens.as_ref().map_or(0, |s| s.computed).saturating_sub(back);
+        if tokens == 0 {
+            return NULL_PAGE;
+        }
+        let slot = usize::try_from(self.coord.managers()[g].page().quotient(tokens - 1)).unwrap_or(usize::MAX);
+        entry.tables[g].pages().get(slot).copied().unwrap_or(NULL_PAGE)
+    }
+
+    /// [`Self::schedule_at`] without the record.
+    fn schedule_tokens(&mut self, at: usize, n: u64, lookahead: u64) -> CoreResult<bool> {
         let entry = &mut self.entries[at];
         let Some(state) = entry.tokens.as_mut() else {
             return Ok(false);
@@ -606,11 +636,13 @@ fn register_computed(coord: &mut Coordinator, tables: &[Table], state: &mut Toke
         hashes: &state.hashes,
         extra_keys: &state.extra_keys,
     };
+    // State checkpoints only within the prompt: decode writes none (SPEC 13.5e).
+    let end_tokens = (state.computed <= state.prompt_len).then_some(state.computed);
     coord.register_with(
         tables,
         &state.hashes[first..full],
         u64::try_from(first).unwrap_or(u64::MAX),
-        Some(state.computed),
+        end_tokens,
         Some(ctx),
     )?;
     state.registered = full;
@@ -1393,19 +1425,19 @@ mod tests {
             pool.lookup(&crate::engine::hash::GroupKey::new(fold_run(&h[2..4]), 1)),
             Some(ids[1][1])
         );
-        // The state group snapshots on its page boundaries: slot 0 at c = 8 (reclaimed since,
-        // a hole in the table but still cached and free) and slot 1 at c = 16.
-        assert_eq!(ids[2][0], 0);
-        assert!(pool
-            .lookup(&crate::engine::hash::GroupKey::new(fold_run(&h[0..2]), 2))
-            .is_some());
-        assert_eq!(
-            pool.lookup(&crate::engine::hash::GroupKey::new(fold_run(&h[2..4]), 2)),
-            Some(ids[2][1])
-        );
-        // The whole 16-token prefix comes back for a 17-token prompt.
+        // Decode writes no state checkpoint (SPEC 13.5e): the working page moved from slot to
+        // slot (holes behind it) and no state key was registered.
+        assert_eq!(ids[2].len(), 3);
+        assert_eq!((ids[2][0], ids[2][1]), (0, 0));
+        assert_ne!(ids[2][2], 0);
+        for run in [&h[0..2], &h[2..4]] {
+            assert!(pool
+                .lookup(&crate::engine::hash::GroupKey::new(fold_run(run), 2))
+                .is_none());
+        }
+        // So a 17-token prompt sharing the 16 tokens finds no state to resume from.
         c.finish(&[sa]).unwrap();
-        assert_eq!(c.prefix_hit_tokens(&prompt(&c, toks(0..17))).unwrap(), 16);
+        assert_eq!(c.prefix_hit_tokens(&prompt(&c, toks(0..17))).unwrap(), 0);
         c.check_invariants().unwrap();
     }
 

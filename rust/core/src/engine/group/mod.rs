@@ -160,21 +160,36 @@ impl GroupManager {
     }
 
     /// Pages [`Self::acquire`] would allocate for `n` more tokens (its exact dry run).
-    pub fn blocks_needed(&self, table: &Table, n: u64) -> u64 {
+    pub fn blocks_needed(&self, table: &Table, n: u64, movable: bool) -> u64 {
         if n <= table.tail_avail {
             0
         } else if self.kind == GroupKind::State {
-            // Sparse state (SPEC 13.4): one page, for the last token, however many slots.
-            1
+            // Sparse state (SPEC 13.4): one page, for the last token, however many slots; none
+            // when the working page moves there.
+            u64::from(!movable)
         } else {
             self.page.ceil_div(n - table.tail_avail)
         }
     }
 
+    /// Whether a state table's working page moves to a later slot when the request passes
+    /// into it, instead of a page being allocated there: its last page is real and holds no
+    /// key (it is no checkpoint, and only this request references it). Always false for the
+    /// other kinds.
+    pub fn state_movable<K: Clone + Eq + Hash>(&self, pool: &BlockPool<K>, table: &Table) -> bool {
+        self.kind == GroupKind::State
+            && table
+                .pages
+                .last()
+                .is_some_and(|&p| p != NULL_PAGE && pool.key_of(p).is_none())
+    }
+
     /// Make room for `n` more tokens: use the tail, then allocate whole pages all or nothing
-    /// from group `g`'s pages. A state group allocates only the page of the last new slot
-    /// (the state after the range's last token) and leaves the slots before it holes (SPEC
-    /// 13.4). Returns false (and changes nothing) when the pool has too few free pages.
+    /// from group `g`'s pages. A state group puts only a page in the last new slot (the state
+    /// after the range's last token) and leaves the slots before it holes (SPEC 13.4): its
+    /// working page, moved there when [`Self::state_movable`] (the slot it leaves becomes a
+    /// hole), else a new one. Returns false (and changes nothing) when the pool has too few
+    /// free pages.
     pub fn acquire<K: Clone + Eq + Hash>(&self, pool: &mut BlockPool<K>, g: usize, table: &mut Table, n: u64) -> bool {
         if n <= table.tail_avail {
             table.tail_avail -= n;
@@ -185,12 +200,18 @@ impl GroupManager {
             return false;
         };
         if self.kind == GroupKind::State {
-            let mut page = Vec::with_capacity(1);
-            if !pool.allocate_group_into(&mut page, g, 1) {
-                return false;
-            }
+            let page = if self.state_movable(pool, table) {
+                let last = table.pages.len() - 1;
+                std::mem::replace(&mut table.pages[last], NULL_PAGE)
+            } else {
+                let mut page = Vec::with_capacity(1);
+                if !pool.allocate_group_into(&mut page, g, 1) {
+                    return false;
+                }
+                page[0]
+            };
             table.pages.resize(table.pages.len() + count - 1, NULL_PAGE);
-            table.pages.push(page[0]);
+            table.pages.push(page);
         } else if !pool.allocate_group_into(&mut table.pages, g, count) {
             return false;
         }
@@ -430,18 +451,18 @@ mod tests {
         let mut pool = Pool::new(10, true).unwrap();
         let g = GroupManager::new(GroupKind::Full, 4);
         let mut t = Table::default();
-        assert_eq!(g.blocks_needed(&t, 0), 0);
+        assert_eq!(g.blocks_needed(&t, 0, false), 0);
         assert!(g.acquire(&mut pool, 0, &mut t, 0));
-        assert_eq!(g.blocks_needed(&t, 5), 2);
+        assert_eq!(g.blocks_needed(&t, 5, false), 2);
         assert!(g.acquire(&mut pool, 0, &mut t, 5));
         assert_eq!((t.pages(), t.tail_avail()), (&[1, 2][..], 3));
-        assert_eq!(g.blocks_needed(&t, 3), 0);
+        assert_eq!(g.blocks_needed(&t, 3, false), 0);
         assert!(g.acquire(&mut pool, 0, &mut t, 3));
         assert_eq!(t.tail_avail(), 0);
         assert!(g.acquire(&mut pool, 0, &mut t, 8));
         assert_eq!((t.len(), t.tail_avail()), (4, 0));
         // 6 free pages; 7 pages are not available: nothing changes.
-        assert_eq!(g.blocks_needed(&t, 25), 7);
+        assert_eq!(g.blocks_needed(&t, 25, false), 7);
         assert!(!g.acquire(&mut pool, 0, &mut t, 25));
         assert_eq!((t.len(), t.tail_avail(), pool.num_free()), (4, 0, 5));
         assert!(!g.acquire(&mut pool, 0, &mut t, u64::MAX));
