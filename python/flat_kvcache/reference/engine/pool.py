@@ -20,8 +20,9 @@ Lists (``OrderedDict``s, front first, like the free list):
 
 Taking a page for group ``g`` (all or nothing over a call, checked first) spends what holds no
 data before what holds a cached prefix: the front of the group's free pages; else the front free
-unit, bound to ``g``; else the front of the group's cached pages (its key is evicted); else the
-least recently idle unit, whose keys are all evicted, bound to ``g``. A unit whose last
+unit, bound to ``g``; else the older of the front of the group's cached pages (its key is
+evicted) and the least recently idle unit (its keys are all evicted; bound to ``g``), by when each
+joined its list (one clock for both). A unit whose last
 referenced page is released leaves the page lists: to the free units (front) when it holds no
 key, else to the back of the idle units; a prefix hit on a page of an idle unit makes it busy
 again (its other pages join the group's free pages at the front in id order, or the back of its
@@ -40,7 +41,8 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from flat_kvcache.reference._checks import as_int
@@ -193,43 +195,59 @@ class _Arena:
         self.idle_units: OrderedDict[int, None] = OrderedDict()
         self.free_pages: list[OrderedDict[int, None]] = [OrderedDict() for _ in page_bytes]
         self.cached_pages: list[OrderedDict[int, None]] = [OrderedDict() for _ in page_bytes]
+        #: When each cached page and each idle unit joined its list, on one clock: taking
+        #: compares the oldest of both.
+        self.clock = 0
+        self.page_age: dict[int, int] = {}
+        self.unit_age: dict[int, int] = {}
+
+    def tick(self) -> int:
+        """The next time of the clock."""
+        self.clock += 1
+        return self.clock
 
     def ids_of_unit(self, g: int, unit: int) -> range:
         """The pool ids of group ``g``'s pages in ``unit``, ascending."""
         lo, hi = _unit_pages(self.unit_bytes, self.page_bytes[g], unit)
         return range(self.base[g] + lo, self.base[g] + hi)
 
-    def units_suffice(
-        self,
-        needs: Sequence[int],
-        listed: Callable[[int], tuple[int, int]] | None = None,
-        woken: Iterable[int] = (),
-    ) -> bool:
+    def units_suffice(self, needs: Sequence[int], claim: ClaimEffect | None = None) -> bool:
         """Whether the taking of ``needs[g]`` pages per group (in group order) finds them, as
-        :meth:`BlockPool._arena_take` takes: ``listed(g)`` = (free pages, cached pages) of group
-        ``g`` on hand (default: the lists'); the free pages, then the free units front first,
-        then the cached pages, then the idle units least recently idle first but those in
-        ``woken`` (a claim made them busy), each unit giving ``g`` every page it holds of it."""
-        have = (
-            listed if listed is not None else (lambda g: (len(self.free_pages[g]), len(self.cached_pages[g])))
-        )
-        skip = set(woken)
+        :meth:`BlockPool._arena_take` takes, once ``claim`` (None: nothing) is made: the free
+        pages, then the free units front first, then the cached pages and the idle units, the
+        one that joined its list earlier first (the idle units ``claim`` woke are not there;
+        the cached pages it adds came last and are taken last), each unit giving ``g`` every
+        page it holds of it."""
+        effect = claim if claim is not None else ClaimEffect()
         free_units = iter(self.free_units)
-        idle_units = (u for u in self.idle_units if u not in skip)
+        idle = [u for u in self.idle_units if u not in effect.woken]
+        next_idle = 0
         for g, need in enumerate(needs):
-            fresh, cached = have(g)
-            short = need - fresh
+            short = need - (
+                len(self.free_pages[g]) + effect.added_free.get(g, 0) - effect.taken_free.get(g, 0)
+            )
             while short > 0:
                 unit = next(free_units, None)
                 if unit is None:
                     break
                 short -= len(self.ids_of_unit(g, unit))
-            short -= cached
+            cached = [page for page in self.cached_pages[g] if page not in effect.taken_cached]
+            next_page = 0
             while short > 0:
-                unit = next(idle_units, None)
-                if unit is None:
-                    return False
-                short -= len(self.ids_of_unit(g, unit))
+                has_page, has_unit = next_page < len(cached), next_idle < len(idle)
+                if has_page and (
+                    not has_unit or self.page_age[cached[next_page]] <= self.unit_age[idle[next_idle]]
+                ):
+                    next_page += 1
+                    short -= 1
+                elif has_unit:
+                    short -= len(self.ids_of_unit(g, idle[next_idle]))
+                    next_idle += 1
+                else:
+                    break
+            short -= effect.added_cached.get(g, 0)
+            if short > 0:
+                return False
         return True
 
     def units_available(self) -> int:
@@ -242,6 +260,19 @@ class _Arena:
             (len(self.free_pages[g]) + len(self.cached_pages[g])) * cost for g, cost in enumerate(self.cost)
         )
         return self.units_available() * self.scale + pages
+
+
+@dataclass
+class ClaimEffect:
+    """What a claim does to an arena's lists before the allocation after it: per group, pages
+    it takes off and adds to the free pages and the cached pages, the cached pages it takes,
+    and the idle units it wakes."""
+
+    taken_free: dict[int, int] = field(default_factory=dict)
+    taken_cached: set[int] = field(default_factory=set)
+    added_free: dict[int, int] = field(default_factory=dict)
+    added_cached: dict[int, int] = field(default_factory=dict)
+    woken: set[int] = field(default_factory=set)
 
 
 class BlockPool:
@@ -437,31 +468,24 @@ class BlockPool:
         for page in pages:
             self._check_claimable(page)
         free = sorted({(arena.unit_of[page], page) for page in pages if self._ref_counts[page] == 0})
-        groups = len(arena.free_pages)
-        # Per group and per list (0: without a key, 1: with one), pages the claim takes / adds.
-        taken = [[0, 0] for _ in range(groups)]
-        added = [[0, 0] for _ in range(groups)]
-        woken: list[int] = []
+        effect = ClaimEffect()
         for unit, members in itertools.groupby(free, key=lambda item: item[0]):
             g = arena.group_of_unit[unit]
             claimed_here = {page for _, page in members}
             if arena.live[unit] == 0:
                 # An idle unit becomes busy: its other pages join the group's lists.
-                woken.append(unit)
+                effect.woken.add(unit)
                 for page in arena.ids_of_unit(g, unit):
                     if page not in claimed_here:
-                        added[g][int(self._key_of[page] is not None)] += 1
+                        into = effect.added_free if self._key_of[page] is None else effect.added_cached
+                        into[g] = into.get(g, 0) + 1
             else:
                 for page in claimed_here:
-                    taken[g][int(self._key_of[page] is not None)] += 1
-
-        def listed(g: int) -> tuple[int, int]:
-            return (
-                len(arena.free_pages[g]) + added[g][0] - taken[g][0],
-                len(arena.cached_pages[g]) + added[g][1] - taken[g][1],
-            )
-
-        return arena.units_suffice(values, listed, woken)
+                    if self._key_of[page] is None:
+                        effect.taken_free[g] = effect.taken_free.get(g, 0) + 1
+                    else:
+                        effect.taken_cached.add(page)
+        return arena.units_suffice(values, effect)
 
     def ref_count(self, page: int) -> int:
         """The reference count of ``page``."""
@@ -723,11 +747,15 @@ class BlockPool:
         assert arena is not None
         source = arena.free_pages[g]
         if not source:
+            cached = arena.cached_pages[g]
             if arena.free_units:
                 unit, _unused = arena.free_units.popitem(last=False)
                 self._arena_bind(unit, g)
-            elif arena.cached_pages[g]:
-                source = arena.cached_pages[g]
+            elif cached and (
+                not arena.idle_units
+                or arena.page_age[_front(cached)] <= arena.unit_age[_front(arena.idle_units)]
+            ):
+                source = cached
             else:
                 unit, _unused = arena.idle_units.popitem(last=False)
                 self._arena_evict_unit(unit)
@@ -777,6 +805,7 @@ class BlockPool:
             for other in ids:
                 if other != page and self._key_of[other] is not None:
                     arena.cached_pages[g][other] = None
+                    arena.page_age[other] = arena.tick()
         else:
             self._arena_list_of(g, page).pop(page)
         arena.live[unit] += 1
@@ -801,6 +830,7 @@ class BlockPool:
         if arena.live[unit] > 0:
             if cached:
                 arena.cached_pages[g][page] = None
+                arena.page_age[page] = arena.tick()
             else:
                 _push_front(arena.free_pages[g], page)
             return
@@ -812,6 +842,7 @@ class BlockPool:
             _push_front(arena.free_units, unit)
         else:
             arena.idle_units[unit] = None
+            arena.unit_age[unit] = arena.tick()
 
     def _arena_on_cache(self, page: int) -> None:
         """A page gained a key: counted in its unit; a listed free page moves to the back of the
@@ -824,6 +855,7 @@ class BlockPool:
             g = arena.group_of_unit[unit]
             del arena.free_pages[g][page]
             arena.cached_pages[g][page] = None
+            arena.page_age[page] = arena.tick()
 
     def _arena_on_uncache(self, page: int) -> None:
         """A free page lost its key (not by eviction): a listed one moves to the back of the free

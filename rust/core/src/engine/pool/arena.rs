@@ -18,8 +18,9 @@
 //!
 //! Taking a page for group `g` (all or nothing over a call, checked first) spends what holds
 //! no data before what holds a cached prefix: the front of `free_pages[g]`; else the front
-//! free unit, bound to `g`; else the front of `cached_pages[g]` (its key is evicted); else the
-//! least recently idle unit, whose keys are all evicted, bound to `g`. A unit whose last
+//! free unit, bound to `g`; else the older of the front of `cached_pages[g]` (its key is
+//! evicted) and the least recently idle unit (its keys are all evicted; bound to `g`), by the
+//! time each joined its list (a page released cached, a unit gone idle: one clock for both). A unit whose last
 //! referenced page is released leaves the page lists: to `free_units` (front) when it holds no
 //! key, else to the back of `idle_units`; a prefix hit on a page of an idle unit makes it busy
 //! again (its other pages join `free_pages[g]` at the front in id order, or the back of
@@ -65,6 +66,39 @@ fn unit_pages(unit_bytes: u64, page_bytes: u64, u: u64) -> (u64, u64) {
         u64::try_from(lo).unwrap_or(u64::MAX),
         u64::try_from(hi).unwrap_or(u64::MAX),
     )
+}
+
+/// Per pool id (`n` of them), the unit that holds it wholly (0 for a straddling page and the
+/// null id) and its group.
+fn id_tables(
+    unit_bytes: u64,
+    page_bytes: &[u64],
+    base: &[u32],
+    num_ids: &[u32],
+    n: usize,
+) -> CoreResult<(Vec<u32>, Vec<u32>)> {
+    let oom = |_| CoreError::OutOfMemory(format!("arena: {n} page ids do not fit in memory"));
+    let mut unit_of = Vec::new();
+    unit_of.try_reserve_exact(n).map_err(oom)?;
+    unit_of.resize(n, 0u32);
+    let mut group_of = Vec::new();
+    group_of.try_reserve_exact(n).map_err(oom)?;
+    group_of.resize(n, 0u32);
+    for (g, &s) in page_bytes.iter().enumerate() {
+        let g32 = u32::try_from(g).unwrap_or(u32::MAX);
+        for p in 1..num_ids[g] {
+            let id = (base[g] + p) as usize;
+            group_of[id] = g32;
+            // The unit that holds page p wholly, if any (a straddling page keeps 0).
+            let u = u128::from(p) * u128::from(s) / u128::from(unit_bytes);
+            let u = u64::try_from(u).unwrap_or(0);
+            let (lo, hi) = unit_pages(unit_bytes, s, u);
+            if u > 0 && (lo..hi).contains(&u64::from(p)) {
+                unit_of[id] = u32::try_from(u).unwrap_or(0);
+            }
+        }
+    }
+    Ok((unit_of, group_of))
 }
 
 /// The error of an arena whose groups' page ids overflow the int32 id space.
@@ -117,6 +151,33 @@ fn gcd(a: u64, b: u64) -> u64 {
     }
 }
 
+/// What a claim does to the arena before an allocation that follows it (see
+/// `BlockPool::fits_after_claim`): per group, listed pages it takes and adds (without a key,
+/// with one), the cached pages it takes (sorted), and the idle units it wakes (sorted).
+#[derive(Clone, Debug, Default)]
+pub(super) struct ClaimEffect {
+    pub(super) taken: Vec<(u64, u64)>,
+    pub(super) added: Vec<(u64, u64)>,
+    pub(super) taken_cached: Vec<u32>,
+    pub(super) woken: Vec<u32>,
+}
+
+impl ClaimEffect {
+    /// Group `g`'s listed pages (without a key, with one) once the claim is made.
+    fn listed(&self, arena: &Arena, g: usize) -> (u64, u64) {
+        let (fresh, cached) = arena.listed(g);
+        let (taken, added) = (
+            self.taken.get(g).copied().unwrap_or_default(),
+            self.added.get(g).copied().unwrap_or_default(),
+        );
+        // Taken pages were listed, so the differences are >= 0.
+        (
+            (fresh + added.0).saturating_sub(taken.0),
+            (cached + added.1).saturating_sub(taken.1),
+        )
+    }
+}
+
 /// The arena bookkeeping of a [`super::BlockPool`] in arena mode.
 #[derive(Clone, Debug)]
 pub(super) struct Arena {
@@ -149,6 +210,13 @@ pub(super) struct Arena {
     /// Per group, the free pages of its busy units that hold a key, least recently released
     /// first.
     pub(super) cached_pages: Vec<LruList>,
+    /// The clock of `stamp` and `unit_stamp`: one tick per page joining `cached_pages` or unit
+    /// joining `idle_units`.
+    pub(super) clock: u64,
+    /// Per pool id, when it joined its group's `cached_pages` (meaningful while it is there).
+    pub(super) stamp: Vec<u64>,
+    /// Per unit, when it joined `idle_units` (meaningful while it is there).
+    pub(super) unit_stamp: Vec<u64>,
 }
 
 impl Arena {
@@ -207,27 +275,7 @@ impl Arena {
         }
         let cost = kmin.iter().map(|&k| scale / k).collect();
         let n = usize::try_from(total).map_err(|_| CoreError::overflow("arena"))?;
-        let oom = |_| CoreError::OutOfMemory(format!("arena: {n} page ids do not fit in memory"));
-        let mut unit_of = Vec::new();
-        unit_of.try_reserve_exact(n).map_err(oom)?;
-        unit_of.resize(n, 0u32);
-        let mut group_of = Vec::new();
-        group_of.try_reserve_exact(n).map_err(oom)?;
-        group_of.resize(n, 0u32);
-        for (g, &s) in page_bytes.iter().enumerate() {
-            let g32 = u32::try_from(g).unwrap_or(u32::MAX);
-            for p in 1..num_ids[g] {
-                let id = (base[g] + p) as usize;
-                group_of[id] = g32;
-                // The unit that holds page p wholly, if any (a straddling page keeps 0).
-                let u = u128::from(p) * u128::from(s) / u128::from(unit_bytes);
-                let u = u64::try_from(u).unwrap_or(0);
-                let (lo, hi) = unit_pages(unit_bytes, s, u);
-                if u > 0 && (lo..hi).contains(&u64::from(p)) {
-                    unit_of[id] = u32::try_from(u).unwrap_or(0);
-                }
-            }
-        }
+        let (unit_of, group_of) = id_tables(unit_bytes, page_bytes, &base, &num_ids, n)?;
         let last_id = u32::try_from(total - 1).unwrap_or(u32::MAX);
         let list = |cap: u32| LruList::empty(cap).map_err(|_| CoreError::OutOfMemory("arena lists".to_owned()));
         let mut free_pages = Vec::with_capacity(page_bytes.len());
@@ -253,6 +301,9 @@ impl Arena {
             idle_units: list(units - 1)?,
             free_pages,
             cached_pages,
+            clock: 0,
+            stamp: vec![0; n],
+            unit_stamp: vec![0; units as usize],
         };
         Ok((arena, n))
     }
@@ -265,20 +316,20 @@ impl Arena {
         (b + u32::try_from(lo).unwrap_or(0))..(b + u32::try_from(hi).unwrap_or(0))
     }
 
-    /// Whether the greedy taking of `needs[g]` pages per group (in group order, `needs` no
-    /// longer than the groups) finds its pages, with `listed(g)` = (free pages without a key,
-    /// free pages with one) of group `g` on hand and the idle units in `woken` (sorted; a claim
-    /// made them busy) not available.
+    /// Whether the taking of `needs[g]` pages per group (in group order, `needs` no longer
+    /// than the groups) finds its pages, as `arena_take` takes them, after the changes of a
+    /// claim in `claim` (none for a plain allocation).
     ///
     /// Decided at once when every unit counted at its group's fewest pages suffices without
     /// the cached pages, or when even units of `unit_bytes / page_bytes` pages do not with
     /// them; otherwise by following the taking: the pages without a key, the free units front
-    /// first, the cached pages, then the idle units least recently idle first, each unit
-    /// giving what it holds of the group.
-    pub(super) fn units_suffice(&self, needs: &[u64], listed: impl Fn(usize) -> (u64, u64), woken: &[u32]) -> bool {
-        let Some(available) = self.units_available().checked_sub(woken.len() as u64) else {
+    /// first, then the cached pages and the idle units older first (the pages a claim adds to
+    /// the cached pages are the newest), each unit giving what it holds of the group.
+    pub(super) fn units_suffice(&self, needs: &[u64], claim: &ClaimEffect) -> bool {
+        let Some(available) = self.units_available().checked_sub(claim.woken.len() as u64) else {
             return false;
         };
+        let listed = |g: usize| claim.listed(self, g);
         let (mut surely, mut at_least) = (0u64, 0u64);
         for (g, &need) in needs.iter().enumerate() {
             let (fresh, cached) = listed(g);
@@ -294,9 +345,13 @@ impl Arena {
             return false;
         }
         let mut free = self.free_units.iter();
-        let mut idle = self.idle_units.iter().filter(|u| woken.binary_search(u).is_err());
+        let mut idle = self
+            .idle_units
+            .iter()
+            .filter(|u| claim.woken.binary_search(u).is_err())
+            .peekable();
         for (g, &need) in needs.iter().enumerate() {
-            let (fresh, cached) = listed(g);
+            let (fresh, _) = listed(g);
             let mut short = need.saturating_sub(fresh);
             while short > 0 {
                 let Some(u) = free.next() else {
@@ -304,12 +359,31 @@ impl Arena {
                 };
                 short = short.saturating_sub(self.ids_of_unit(g, u).len() as u64);
             }
-            short = short.saturating_sub(cached);
+            let mut cached = self.cached_pages[g]
+                .iter()
+                .filter(|p| claim.taken_cached.binary_search(p).is_err())
+                .peekable();
+            let mut added = claim.added.get(g).map_or(0, |a| a.1);
             while short > 0 {
-                let Some(u) = idle.next() else {
-                    return false;
+                let page_first = match (cached.peek(), idle.peek()) {
+                    (Some(&p), Some(&u)) => self.stamp[p as usize] <= self.unit_stamp[u as usize],
+                    (Some(_), None) => true,
+                    (None, Some(_)) => false,
+                    (None, None) => break,
                 };
-                short = short.saturating_sub(self.ids_of_unit(g, u).len() as u64);
+                if page_first {
+                    cached.next();
+                    short -= 1;
+                } else if let Some(u) = idle.next() {
+                    short = short.saturating_sub(self.ids_of_unit(g, u).len() as u64);
+                }
+            }
+            // The pages a claim woke are the newest: taken after every older page and unit.
+            let from_added = short.min(added);
+            short -= from_added;
+            added -= from_added;
+            if short > 0 {
+                return false;
             }
         }
         true
@@ -349,7 +423,7 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
         let a = self.arena.as_deref().expect("arena mode");
         let mut needs = vec![0u64; g + 1];
         needs[g] = n as u64;
-        if !a.units_suffice(&needs, |h| a.listed(h), &[]) {
+        if !a.units_suffice(&needs, &ClaimEffect::default()) {
             return false;
         }
         out.reserve(n);
@@ -369,13 +443,21 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
             page
         } else if let Some(u) = a.free_units.pop_front() {
             self.arena_take_from_new_unit(u, g)
-        } else if let Some(page) = a.cached_pages[g].front() {
-            a.cached_pages[g].unlink(page);
-            page
         } else {
-            let u = a.idle_units.pop_front().expect("a unit checked to be available");
-            self.arena_evict_unit(u);
-            self.arena_take_from_new_unit(u, g)
+            let page_first = match (a.cached_pages[g].front(), a.idle_units.front()) {
+                (Some(p), Some(u)) => a.stamp[p as usize] <= a.unit_stamp[u as usize],
+                (Some(_), None) => true,
+                (None, _) => false,
+            };
+            if page_first {
+                let page = a.cached_pages[g].front().expect("checked above");
+                a.cached_pages[g].unlink(page);
+                page
+            } else {
+                let u = a.idle_units.pop_front().expect("a unit checked to be available");
+                self.arena_evict_unit(u);
+                self.arena_take_from_new_unit(u, g)
+            }
         };
         let had_key = self.keys[page as usize].is_some();
         self.evict(page);
@@ -436,6 +518,8 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
             }
             for p in ids {
                 if p != page && keys[p as usize].is_some() {
+                    a.clock += 1;
+                    a.stamp[p as usize] = a.clock;
                     a.cached_pages[g].push_back(p);
                 }
             }
@@ -456,6 +540,8 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
         a.live[u as usize] -= 1;
         if a.live[u as usize] > 0 {
             if cached {
+                a.clock += 1;
+                a.stamp[page as usize] = a.clock;
                 a.cached_pages[g].push_back(page);
             } else {
                 a.free_pages[g].push_front(page);
@@ -477,6 +563,8 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
             a.class[u as usize] = UNBOUND;
             a.free_units.push_front(u);
         } else {
+            a.clock += 1;
+            a.unit_stamp[u as usize] = a.clock;
             a.idle_units.push_back(u);
         }
     }
@@ -491,6 +579,8 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
         if free && a.live[u as usize] > 0 {
             let g = a.class[u as usize] as usize;
             a.free_pages[g].unlink(page);
+            a.clock += 1;
+            a.stamp[page as usize] = a.clock;
             a.cached_pages[g].push_back(page);
         }
     }

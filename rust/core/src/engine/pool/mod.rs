@@ -23,8 +23,8 @@ use crate::error::{CoreError, CoreResult};
 
 mod arena;
 
-use arena::Arena;
 pub use arena::ArenaGeometry;
+use arena::{Arena, ClaimEffect};
 
 /// The null page: never free, never cached, never counted.
 pub const NULL_PAGE: u32 = 0;
@@ -223,7 +223,7 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
             None => needs.fold(0u64, u64::saturating_add) <= self.free.len() as u64,
             Some(a) => {
                 let needs: Vec<u64> = needs.collect();
-                a.units_suffice(&needs, |g| a.listed(g), &[])
+                a.units_suffice(&needs, &ClaimEffect::default())
             }
         }
     }
@@ -251,9 +251,11 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
         free.sort_unstable();
         free.dedup();
         let groups = arena.free_pages.len();
-        // Per group, listed pages (without a key, with one) the claim takes and adds.
-        let (mut taken, mut added) = (vec![(0u64, 0u64); groups], vec![(0u64, 0u64); groups]);
-        let mut woken = Vec::new();
+        let mut effect = ClaimEffect {
+            taken: vec![(0, 0); groups],
+            added: vec![(0, 0); groups],
+            ..ClaimEffect::default()
+        };
         let tally = |counts: &mut (u64, u64), page: u32| {
             if self.keys[page as usize].is_some() {
                 counts.1 += 1;
@@ -266,27 +268,24 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
             let group = arena.class[unit as usize] as usize;
             if arena.live[unit as usize] == 0 {
                 // An idle unit becomes busy: its other pages join the group's lists.
-                woken.push(unit);
+                effect.woken.push(unit);
                 for page in arena.ids_of_unit(group, unit) {
                     if run.binary_search(&(unit, page)).is_err() {
-                        tally(&mut added[group], page);
+                        tally(&mut effect.added[group], page);
                     }
                 }
             } else {
                 for &(_, page) in run {
-                    tally(&mut taken[group], page);
+                    tally(&mut effect.taken[group], page);
+                    if self.keys[page as usize].is_some() {
+                        effect.taken_cached.push(page);
+                    }
                 }
             }
         }
-        // Taken pages were listed, so the differences are >= 0; `free` is sorted by unit.
-        let listed = |g: usize| {
-            let (fresh, cached) = arena.listed(g);
-            (
-                (fresh + added[g].0).saturating_sub(taken[g].0),
-                (cached + added[g].1).saturating_sub(taken[g].1),
-            )
-        };
-        arena.units_suffice(needs, listed, &woken)
+        // `free` is sorted by unit: `woken` is sorted; `taken_cached` is sorted here.
+        effect.taken_cached.sort_unstable();
+        arena.units_suffice(needs, &effect)
     }
 
     // ----- probes -------------------------------------------------------------------------
