@@ -153,6 +153,8 @@ def _run_arena(
         "simulator_hit_rate": summary["prefix_hit_rate"],
         "stranded_share_max": summary["arena"]["stranded_share_max"],
         "stranded_share_mean": summary["arena"]["stranded_share_mean"],
+        "cached_busy_share_max": summary["arena"]["cached_busy_share_max"],
+        "cached_busy_share_mean": summary["arena"]["cached_busy_share_mean"],
         "preemptions": summary["preemptions"],
         "aborted": summary["aborted"],
         "steps": summary["steps"],
@@ -247,7 +249,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['attention_kv_bytes_per_token']} bytes/token; storage {result['storage']}",
         f"{'budget':<18} {'model':<30} {'page':>5} {'pages':>7} {'tokens fit':>10} {'hit rate':>9} "
         f"{'preempt':>7} {'aborted':>7} {'time':>7}"
-        + ("  stranded max / mean" if result["storage"] == "arena" else ""),
+        + ("  stranded max / mean  cached in busy units max / mean" if result["storage"] == "arena" else ""),
     ]
     for entry in result["budgets"]:
         name = f"B{round(entry['fraction'] * 100)} {entry['budget_bytes'] / 2**30:.2f} GiB"
@@ -261,7 +263,8 @@ def format_table(result: dict[str, Any]) -> str:
                     f"{'units':>10} {100 * run['hit_rate']:>8.2f}% "
                     f"{run['preemptions']:>7} {run['aborted']:>7} "
                     f"{run['seconds']:>6.1f}s  {100 * run['stranded_share_max']:.2f}% / "
-                    f"{100 * run['stranded_share_mean']:.2f}%"
+                    f"{100 * run['stranded_share_mean']:.2f}%  {100 * run['cached_busy_share_max']:.2f}% / "
+                    f"{100 * run['cached_busy_share_mean']:.2f}%"
                 )
                 continue
             lines.append(

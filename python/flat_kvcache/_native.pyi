@@ -378,9 +378,11 @@ class BlockPool:
 
     def arena_stats(self) -> dict[str, Any] | None:
         """The arena's occupancy, or None without an arena: ``unit_bytes``, ``units_total``,
-        ``units_free``, ``units_idle``, ``stranded_bytes``, and ``units_bound`` and
-        ``pages_free`` (lists, one entry per group: the units bound to it, idle ones included,
-        and the free pages of its busy units, usable by it only)."""
+        ``units_free``, ``units_idle``, ``stranded_bytes``, ``cached_bytes``, and
+        ``units_bound``, ``pages_free`` and ``pages_cached`` (lists, one entry per group: the
+        units bound to it, idle ones included, and the free pages of its busy units, usable by
+        it only, without a key and with one; ``stranded_bytes`` and ``cached_bytes`` are their
+        bytes)."""
 
     @property
     def is_arena(self) -> bool:
@@ -561,9 +563,10 @@ class _PagedCacheBase:
 
     def arena_stats(self) -> dict[str, Any] | None:
         """The arena's occupancy, or None without arena storage: ``unit_bytes``,
-        ``units_total``, ``units_free``, ``units_idle``, ``units_bound`` and ``pages_free``
-        (``{group_id: n}``; a group's free pages are those of its busy units, usable by it
-        only) and ``stranded_bytes`` (their bytes)."""
+        ``units_total``, ``units_free``, ``units_idle``, ``units_bound``, ``pages_free`` and
+        ``pages_cached`` (``{group_id: n}``; a group's free pages are those of its busy units,
+        usable by it only: without a key and with one), ``stranded_bytes`` and ``cached_bytes``
+        (their bytes)."""
 
     def stats(self) -> CacheStats:
         """Metrics with stable names (see :class:`flat_kvcache._types.CacheStats`)."""

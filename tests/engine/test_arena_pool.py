@@ -97,6 +97,8 @@ def test_arena_geometry_probes(api: ModuleType) -> None:
         "units_bound": [0, 0, 0],
         "pages_free": [0, 0, 0],
         "stranded_bytes": 0,
+        "pages_cached": [0, 0, 0],
+        "cached_bytes": 0,
     }
     for g in (3, 10):
         with pytest.raises(ValueError, match=r"^g must be < 3 \(the arena's groups\), got "):
@@ -240,6 +242,9 @@ def test_a_free_unit_goes_before_a_cached_page_of_a_busy_unit(api: ModuleType) -
     assert pool.allocate(2, group=1) == u1
     pool.cache(u1[1], "k")
     pool.free([u1[1]])  # unit 1 stays busy (u1[0] held); u1[1] is a cached free page
+    stats = pool.arena_stats()  # it holds data: cached, not stranded
+    assert (stats["pages_free"], stats["stranded_bytes"]) == ([0, 0], 0)
+    assert (stats["pages_cached"], stats["cached_bytes"]) == ([0, 1], 2)
     assert pool.allocate(1, group=1) == [u2[0]]  # the free unit 2, not the cached page
     assert pool.allocate(1, group=1) == [u2[1]]  # unit 2's page without a key
     assert pool.allocate(1, group=1) == [u3[0]]  # then unit 3

@@ -309,6 +309,9 @@ class _Loop:
         self.pages_series: dict[str, list[int]] = {gid: [] for gid in self.group_ids}
         # Arena storage: the share of the arena stranded (free pages of busy units) per step.
         self.stranded_series: list[float] = []
+        # ... and the share held by cached pages of busy units (cached prefixes that only their
+        # own group can reuse or evict).
+        self.cached_busy_series: list[float] = []
 
     def _charge(self, kind: str, start_ns: int) -> None:
         """Add the time since ``start_ns`` to the step and to ``kind``."""
@@ -531,20 +534,28 @@ class _Loop:
         if arena is not None:
             size = arena["units_total"] * arena["unit_bytes"]
             self.stranded_series.append(arena["stranded_bytes"] / size if size else 0.0)
+            self.cached_busy_series.append(arena["cached_bytes"] / size if size else 0.0)
         self.step_cache_ns.append(self.step_ns)
         if decode_only:
             self.decode_step_ns.append(self.step_ns)
         self.step += 1
 
     def _arena_summary(self) -> dict[str, Any]:
-        """The arena's size and the stranded share of it over the run (arena storage only)."""
+        """The arena's size, and over the run the shares of it stranded (free pages of busy
+        units that hold nothing) and cached in busy units (arena storage only)."""
         arena = self.cache.arena_stats()
-        series = self.stranded_series
+
+        def share(series: list[float]) -> tuple[float, float]:
+            return round(max(series, default=0.0), 6), round(sum(series) / len(series), 6) if series else 0.0
+
+        stranded, cached = share(self.stranded_series), share(self.cached_busy_series)
         return {
             "unit_bytes": arena["unit_bytes"],
             "units": arena["units_total"],
-            "stranded_share_max": round(max(series, default=0.0), 6),
-            "stranded_share_mean": round(sum(series) / len(series), 6) if series else 0.0,
+            "stranded_share_max": stranded[0],
+            "stranded_share_mean": stranded[1],
+            "cached_busy_share_max": cached[0],
+            "cached_busy_share_mean": cached[1],
         }
 
     def _summary(self, wall_ns: int) -> dict[str, Any]:

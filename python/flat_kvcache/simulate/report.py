@@ -63,7 +63,8 @@ def format_summary(summary: dict[str, Any]) -> str:
                 "arena",
                 f"{summary['arena']['units']} units of {summary['arena']['unit_bytes']} bytes; stranded "
                 f"{summary['arena']['stranded_share_max']:.2%} at most, "
-                f"{summary['arena']['stranded_share_mean']:.2%} on average",
+                f"{summary['arena']['stranded_share_mean']:.2%} on average; cached in busy units "
+                f"{summary['arena']['cached_busy_share_max']:.2%} at most",
             )
         ),
         ("limits", f"{summary['max_scheduled_tokens']} tokens per step, {summary['max_running']} running"),

@@ -261,9 +261,10 @@ impl PyPagedCache {
     }
 
     /// The arena's occupancy, or None without arena storage: `unit_bytes units_total
-    /// units_free units_idle stranded_bytes`, `units_bound` and `pages_free` (`{group_id: n}`;
-    /// a group's free pages are those of its busy units, usable by it only: their bytes are
-    /// `stranded_bytes`).
+    /// units_free units_idle stranded_bytes cached_bytes`, `units_bound`, `pages_free` and
+    /// `pages_cached` (`{group_id: n}`; a group's free pages are those of its busy units,
+    /// usable by it only: those without a key are `pages_free`, their bytes `stranded_bytes`;
+    /// those with one `pages_cached`, their bytes `cached_bytes`).
     fn arena_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let Some(a) = lock(&self.inner)?.coordinator().pool().arena_stats() else {
             return Ok(None);
@@ -275,13 +276,17 @@ impl PyPagedCache {
         d.set_item("units_idle", a.units_idle)?;
         let bound = PyDict::new(py);
         let free = PyDict::new(py);
-        for ((gid, units), pages) in self.gids().zip(&a.units_bound).zip(&a.pages_free) {
+        let cached = PyDict::new(py);
+        for (((gid, units), pages), keyed) in self.gids().zip(&a.units_bound).zip(&a.pages_free).zip(&a.pages_cached) {
             bound.set_item(gid, units)?;
             free.set_item(gid, pages)?;
+            cached.set_item(gid, keyed)?;
         }
         d.set_item("units_bound", bound)?;
         d.set_item("pages_free", free)?;
         d.set_item("stranded_bytes", a.stranded_bytes)?;
+        d.set_item("pages_cached", cached)?;
+        d.set_item("cached_bytes", a.cached_bytes)?;
         Ok(Some(d))
     }
 

@@ -174,6 +174,8 @@ impl PyBlockPool {
         d.set_item("units_bound", a.units_bound)?;
         d.set_item("pages_free", a.pages_free)?;
         d.set_item("stranded_bytes", a.stranded_bytes)?;
+        d.set_item("pages_cached", a.pages_cached)?;
+        d.set_item("cached_bytes", a.cached_bytes)?;
         Ok(Some(d))
     }
 

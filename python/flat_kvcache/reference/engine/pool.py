@@ -377,8 +377,9 @@ class BlockPool:
         """The arena's occupancy, or None without an arena: ``unit_bytes``, ``units_total``
         (units but the null one), ``units_free`` (bound to no group), ``units_idle`` (bound,
         nothing referenced, some key held), ``units_bound`` (per group, idle ones included),
-        ``pages_free`` (per group, the free pages of its busy units, usable by it only) and
-        ``stranded_bytes`` (their bytes)."""
+        ``pages_free`` (per group, the free pages of its busy units that hold no key, usable by
+        it only), ``stranded_bytes`` (their bytes), ``pages_cached`` (per group, those that
+        hold a key) and ``cached_bytes`` (their bytes)."""
         arena = self._arena
         if arena is None:
             return None
@@ -387,9 +388,8 @@ class BlockPool:
         for g in arena.group_of_unit[1:]:
             if g != _UNBOUND:
                 units_bound[g] += 1
-        pages_free = [
-            len(free) + len(cached) for free, cached in zip(arena.free_pages, arena.cached_pages, strict=True)
-        ]
+        pages_free = [len(free) for free in arena.free_pages]
+        pages_cached = [len(cached) for cached in arena.cached_pages]
         return {
             "unit_bytes": arena.unit_bytes,
             "units_total": len(arena.group_of_unit) - 1,
@@ -398,6 +398,8 @@ class BlockPool:
             "units_bound": units_bound,
             "pages_free": pages_free,
             "stranded_bytes": sum(n * size for n, size in zip(pages_free, arena.page_bytes, strict=True)),
+            "pages_cached": pages_cached,
+            "cached_bytes": sum(n * size for n, size in zip(pages_cached, arena.page_bytes, strict=True)),
         }
 
     @property

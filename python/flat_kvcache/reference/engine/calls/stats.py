@@ -26,8 +26,9 @@ class Stats(Coordinator):
 
     def arena_stats(self) -> dict[str, Any] | None:
         """The arena's occupancy, or None without arena storage (docs/architecture.md
-        "Allocation, as built"): units total, free, idle and bound per group, free pages of busy
-        units per group, and their bytes (``stranded_bytes``)."""
+        "Allocation, as built"): units total, free, idle and bound per group, the free pages of
+        busy units per group without a key (``pages_free``; their bytes ``stranded_bytes``) and
+        with one (``pages_cached``; ``cached_bytes``)."""
         raw = self._pool.arena_stats()
         if raw is None:
             return None
@@ -39,6 +40,8 @@ class Stats(Coordinator):
             "units_bound": dict(zip(self._group_ids, raw["units_bound"], strict=True)),
             "pages_free": dict(zip(self._group_ids, raw["pages_free"], strict=True)),
             "stranded_bytes": raw["stranded_bytes"],
+            "pages_cached": dict(zip(self._group_ids, raw["pages_cached"], strict=True)),
+            "cached_bytes": raw["cached_bytes"],
         }
 
     def stats(self) -> CacheStats:

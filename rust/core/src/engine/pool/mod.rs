@@ -116,11 +116,17 @@ pub struct ArenaStats {
     pub units_idle: usize,
     /// Per group, the units bound to it (idle ones included).
     pub units_bound: Vec<usize>,
-    /// Per group, the free pages of its busy units (usable by that group only).
+    /// Per group, the free pages of its busy units that hold no key (usable by that group
+    /// only).
     pub pages_free: Vec<usize>,
-    /// Bytes of those pages: memory only their own group can use until their unit empties
-    /// (the stranded memory of docs/architecture.md).
+    /// Bytes of those pages: memory that holds nothing and only its own group can use until
+    /// its unit empties (the stranded memory of docs/architecture.md).
     pub stranded_bytes: u64,
+    /// Per group, the free pages of its busy units that hold a key (cached prefixes, evictable
+    /// for that group only).
+    pub pages_cached: Vec<usize>,
+    /// Bytes of those pages.
+    pub cached_bytes: u64,
 }
 
 /// Allocate a vector of `n` copies of `value`, reporting allocation failure as an error.
@@ -322,17 +328,16 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
                 *n += 1;
             }
         }
-        let pages_free: Vec<usize> = a
-            .free_pages
-            .iter()
-            .zip(&a.cached_pages)
-            .map(|(fresh, cached)| fresh.len() + cached.len())
-            .collect();
-        let stranded = pages_free
-            .iter()
-            .zip(&a.page_bytes)
-            .map(|(&n, &b)| (n as u64).saturating_mul(b))
-            .fold(0u64, u64::saturating_add);
+        let pages_free: Vec<usize> = a.free_pages.iter().map(LruList::len).collect();
+        let pages_cached: Vec<usize> = a.cached_pages.iter().map(LruList::len).collect();
+        let bytes = |pages: &[usize]| {
+            pages
+                .iter()
+                .zip(&a.page_bytes)
+                .map(|(&n, &b)| (n as u64).saturating_mul(b))
+                .fold(0u64, u64::saturating_add)
+        };
+        let (stranded, cached_bytes) = (bytes(&pages_free), bytes(&pages_cached));
         Some(ArenaStats {
             unit_bytes: a.unit_bytes,
             units_total: a.class.len() - 1,
@@ -341,6 +346,8 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
             units_bound,
             pages_free,
             stranded_bytes: stranded,
+            pages_cached,
+            cached_bytes,
         })
     }
 
