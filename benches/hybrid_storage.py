@@ -8,25 +8,48 @@ recurrent state) and an 80 GiB budget, with one request of 16,384 prompt tokens 
   equalized page, one row per page id in every layer's tensor) gives the page size, the bytes
   per page and the pool; the request runs through a real ``FlatKVCache`` over the plan's groups,
   and its pages are counted after every schedule.
-- **SPEC 13 design (projected)**: the arena of docs/architecture.md ("Hybrid storage"), planned
-  by ``flat_kvcache.plan_arena`` (docs/sizing-api.md "Arena plan"; the engine does not allocate
-  from it yet): its unit (one state slot, each state component aligned to 256 bytes, or,
-  without state groups, the lcm of the attention pages' bytes when that is at most 4 pages,
-  else the largest page), its 16-token attention pages per unit, one working state slot per
-  request (plus, during prefill, one while a checkpoint is written). The attention pages are
-  counted by the same ``FlatKVCache`` run with 16-token pages and the model's attention groups
-  only.
+- **SPEC 13 (built)**: the arena of docs/architecture.md ("Hybrid storage"), planned by
+  ``flat_kvcache.plan_arena`` (docs/sizing-api.md "Arena plan") and measured: the load runs
+  through ``FlatKVCache(specs, arena=plan)`` (the plan's groups; 16-token attention pages, state
+  pages of the checkpoint grain ``G = 64``, with prefix caching on), its prefill chunks cut by
+  ``next_chunk(slot, 8,192)`` as a scheduler cuts them (8,192 + 8,128 + 64 for the state models:
+  a chunk ends on a multiple of ``G``, the prompt's last token follows alone), then one decode
+  step. The unit is one state slot (each state component aligned to 256 bytes) or, without
+  state groups, the lcm of the attention pages' bytes when that is at most 4 pages, else the
+  largest page.
 
-Definitions (both columns), for the request's pages after the load (the figures of the issue
-this reproduces), with the peak during prefill beside them in ``--json``: *padding* is the
-share of the bytes the request holds that cannot hold its K/V or state (a page's tokens not yet
-written, rows of other groups, slack of a unit); *tokens that fit* is
-``floor(pool / held) * 16,384``, the pool and what the request holds in the units the storage
-hands out (pages today; units in the design, the request's attention pages counted as the
-fraction of a unit they fill, since fullest-first placement packs pages of many requests into
-shared units); the *smallest prefix hit* is the grain a prefix match ends on (the groups' lcm
-page size today; the checkpoint grain ``G = 64`` for state models in the design, the attention
-pages' lcm otherwise).
+Definitions, for what the request holds after the load (the figures of the issue this
+reproduces), with the peak over the load's schedules beside them in ``--json``:
+
+- *padding* is the share of the bytes the request holds that cannot hold its K/V or state.
+  Today: its pages (one row per page id in every layer's tensor): tokens not yet written, rows
+  of other groups. Built: the distinct real ids in its ``page_ids`` tables, an attention page at
+  its page bytes (``ArenaGroup.item_bytes``) and a state slot at a unit; what is not padding is
+  the K/V of the tokens written in its attention pages and the state's own bytes in each state
+  slot (so a page's unwritten token slots and a slot's alignment are padding). The slack of the
+  units the attention pages lie in (under a page per unit) is left out of ``padding`` (it is not
+  the request's page bytes) and counted in ``padding_with_unit_slack`` (``--json``) and in the
+  units behind *tokens that fit*.
+- *tokens that fit* is ``floor(pool / held) * 16,384``, the pool and what the request holds in
+  the units the storage hands out: pages today (the pool is the plan's pages but the null
+  one); units built (the pool ``arena_stats()["units_total"]``, the plan's units but the null
+  one; a state slot one unit, an attention page ``1 / pages_per_unit`` of one, since
+  fullest-first placement packs the pages of many requests into shared units). The units the
+  engine bound for this one request (``units_bound``, idle units of cached pages included) and
+  the stranded bytes are in ``--json``.
+- *smallest prefix hit*: today, the grain a prefix match ends on (the groups' lcm page size).
+  Built, measured: after the load finishes, a second request shares its first ``G`` tokens (the
+  attention pages' lcm without state groups) and one more; its chunks are cut by
+  ``next_chunk(slot, G)`` (its first ends at ``G``), it finishes, and the column is
+  ``prefix_hit_tokens`` of a third prompt sharing those tokens and one more. The second
+  request's own hit at admission is ``hit_after_load`` in ``--json`` (0 for the state models:
+  the load wrote no checkpoint at ``G``).
+
+One state-model detail the built column shows: after the decode step the request still holds
+the checkpoint its last prefill chunk wrote (a state group is a 2-token window, and the step
+read it) beside its working slot, 2 state slots; it leaves the request's table at the next
+step. ``--json`` gives that next step's units and tokens that fit
+(``units_held_next_decode``, ``tokens_that_fit_next_decode``).
 
 vLLM 0.33's column comes from its own planning code and its own ``KVCacheManager`` in a side
 environment: ``benches/vllm_storage.py`` (its docstring says how to install it); ``--vllm-json
@@ -49,6 +72,7 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # spinning BLAS threads steal a core (benches/README.md)
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -74,8 +98,6 @@ PROMPT = 16_384
 CHUNK = 8_192
 PAGE = 16
 CHECKPOINT_GRAIN = 64
-#: Working slot plus the one a checkpoint is copied into while it is written.
-STATE_SLOTS_AT_PEAK = 2
 
 
 def _configs() -> dict[str, Callable[[], dict[str, Any]]]:
@@ -165,48 +187,155 @@ def today(shape: ModelShape) -> dict[str, Any]:
     }
 
 
-def design(shape: ModelShape) -> dict[str, Any]:
-    """The SPEC 13 arena, planned by ``plan_arena`` and loaded by a 16-token-page engine run."""
-    _, state = _layer_bytes(shape)
+def _arena_specs(shape: ModelShape, plan: fk.ArenaPlan) -> list[fk.KVCacheSpec]:
+    """The engine specs over the plan's groups: 16-token attention pages, state pages of the
+    checkpoint grain (as ``simulate``'s ``engine_specs`` + ``state_page_size`` build them)."""
+    groups = fk.group_specs_from_layer_types(list(shape.layer_types), shape.sliding_window, page_size=PAGE)
+    specs = [
+        dataclasses.replace(spec, page_size=CHECKPOINT_GRAIN) if spec.kind == "state" else spec
+        for spec in fk.kv_cache_specs(groups)
+    ]
+    if [spec.group_id for spec in specs] != [group.group_id for group in plan.groups]:
+        raise RuntimeError(
+            f"the engine's groups {[s.group_id for s in specs]} are not the arena plan's "
+            f"{[g.group_id for g in plan.groups]}"
+        )
+    return specs
+
+
+class _Held:
+    """What the request in ``slot`` holds now, read from the engine: its real page ids per group
+    (distinct, holes 0 left out) and the bytes they take."""
+
+    def __init__(self, cache: fk.FlatKVCache, slot: int, plan: fk.ArenaPlan, per_token: dict[str, int]):
+        groups = plan.groups
+        unit = plan.unit_bytes
+        state_bytes = {
+            g.group_id: sum(c.nbytes for c in plan.components if c.group_id == g.group_id)
+            for g in groups
+            if g.kind == "state"
+        }
+        tokens = cache.num_computed_tokens(slot)
+        #: Real ids per group (attention pages or state slots).
+        self.ids: dict[str, int] = {}
+        self.held_bytes = 0  # pages at their page bytes, state slots at a unit each
+        self.useful_bytes = 0  # K/V of the tokens written in the pages, the state's own bytes
+        self.units = 0.0  # state slots whole, attention pages as the share of a unit they fill
+        for group, table in zip(groups, cache.page_ids(slot), strict=True):
+            real = {i: page for i, page in enumerate(table) if page}
+            n = len(set(real.values()))
+            self.ids[group.group_id] = n
+            if group.kind == "state":
+                self.held_bytes += n * unit
+                self.useful_bytes += n * state_bytes[group.group_id]  # each slot holds one state
+                self.units += n
+            else:
+                self.held_bytes += n * group.item_bytes
+                written = sum(min(tokens, (i + 1) * PAGE) - i * PAGE for i in real)
+                self.useful_bytes += written * per_token[group.group_id]
+                self.units += n / group.per_unit
+        #: The same bytes with each attention page's share of its unit's slack added.
+        self.unit_bytes_held = self.units * unit
+
+    @property
+    def padding(self) -> float:
+        return 1 - self.useful_bytes / self.held_bytes
+
+    @property
+    def padding_with_unit_slack(self) -> float:
+        return 1 - self.useful_bytes / self.unit_bytes_held
+
+
+def _run_chunks(cache: fk.FlatKVCache, slot: int, limit: int, after: Callable[[], None]) -> list[int]:
+    """Prefill the request in ``slot`` in the chunks ``next_chunk(slot, limit)`` cuts, calling
+    ``after`` after each schedule; returns the chunks."""
+    chunks = []
+    while (chunk := cache.next_chunk(slot, limit)) > 0:
+        if not cache.schedule([slot], [chunk]).all():
+            raise RuntimeError("the arena cannot hold the reference request")
+        chunks.append(chunk)
+        after()
+    return chunks
+
+
+def built(shape: ModelShape) -> dict[str, Any]:
+    """The SPEC 13 arena, measured: the load runs through ``FlatKVCache(specs, arena=plan)``."""
     plan = fk.plan_arena(shape.components(), PAGE, BUDGET)
-    unit = plan.unit_bytes
-    page_bytes = {g.group_id: g.item_bytes for g in plan.groups if g.kind == "pages"}
-    per_unit = {g.group_id: g.per_unit for g in plan.groups if g.kind == "pages"}
-    groups = fk.group_specs_from_layer_types(
-        [label for label in shape.layer_types if label != fk.LINEAR_ATTENTION],
-        _attention_window(shape),
-        page_size=PAGE,
-    )
-    specs = fk.kv_cache_specs(groups)
-    held = _run_load(specs, 1 << 20)
+    specs = _arena_specs(shape, plan)
+    per_token, _ = _layer_bytes(shape)
+    has_state = any(spec.kind == "state" for spec in specs)
+    cache = fk.FlatKVCache(specs, arena=plan)
 
-    def units(pages: list[int], state_slots: int) -> float:
-        attention = sum(n / per_unit[spec.group_id or ""] for spec, n in zip(specs, pages, strict=True))
-        return attention + (state_slots if state else 0)
+    def arena() -> dict[str, Any]:
+        stats = cache.arena_stats()
+        if stats is None:
+            raise RuntimeError("FlatKVCache(arena=...) reported no arena")
+        return stats
 
-    after = units(held[-1], 1)
-    peak = max(units(h, STATE_SLOTS_AT_PEAK) for h in held)
-    num_units = plan.num_units
-    useful = sum(n * page_bytes[spec.group_id or ""] for spec, n in zip(specs, held[-1], strict=True))
-    useful += state  # the working slot's state bytes (0 without state groups), alignment not counted
+    prompt = list(range(PROMPT))
+    slot, _ = cache.add_request("load", prompt)
+    steps: list[_Held] = []
+    stranded: list[int] = []
+
+    def record() -> None:
+        steps.append(_Held(cache, slot, plan, per_token))
+        stranded.append(arena()["stranded_bytes"])
+
+    chunks = _run_chunks(cache, slot, CHUNK, record)
+    cache.append_tokens([slot], [PROMPT])
+    if not cache.schedule([slot], [1]).all():
+        raise RuntimeError("the arena cannot hold the reference request's decode step")
+    record()
+    after, stats = steps[-1], arena()
+    pool = stats["units_total"]  # the units but the null one: num_units - 1
+    at_peak = max(steps, key=lambda step: step.units)
+    peak = at_peak.units
+    # One decode step more: the state checkpoint of the prompt's end slides out of the request's
+    # table (a state group is a 2-token window), leaving its working slot.
+    cache.append_tokens([slot], [PROMPT + 1])
+    if not cache.schedule([slot], [1]).all():
+        raise RuntimeError("the arena cannot hold the reference request's second decode step")
+    next_decode = _Held(cache, slot, plan, per_token)
+    cache.finish([slot])
+
+    # Smallest prefix hit: a second request sharing the load's first `grain` tokens and one more.
+    grain = CHECKPOINT_GRAIN if has_state else math.lcm(*(s.page_size for s in specs if s.kind != "state"))
+    second = [*prompt[:grain], PROMPT + 2]
+    slot, hit_after_load = cache.add_request("second", second)
+    probe_chunks = _run_chunks(cache, slot, grain, lambda: None)
+    cache.finish([slot])
+    smallest_hit = cache.prefix_hit_tokens([*prompt[:grain], PROMPT + 3])
     return {
-        "unit_bytes": unit,
-        "pages_per_unit": per_unit,
-        "num_units": num_units,
-        "units_held": after,
+        "unit_bytes": plan.unit_bytes,
+        "num_units": plan.num_units,
+        "units_total": pool,
+        "pages_per_unit": {g.group_id: g.per_unit for g in plan.groups if g.kind == "pages"},
+        "page_bytes": {g.group_id: g.item_bytes for g in plan.groups if g.kind == "pages"},
+        "state_page_tokens": CHECKPOINT_GRAIN if has_state else None,
+        "chunks": chunks,
+        "ids_held": after.ids,
+        "held_bytes": after.held_bytes,
+        "useful_bytes": after.useful_bytes,
+        "padding": after.padding,
+        "padding_with_unit_slack": after.padding_with_unit_slack,
+        "padding_at_peak": at_peak.padding,
+        "units_held": after.units,
         "units_held_peak": peak,
-        "padding": 1 - useful / (after * unit),
-        "tokens_that_fit": int(num_units // after) * PROMPT,
-        "tokens_that_fit_at_peak": int(num_units // peak) * PROMPT,
-        "smallest_hit": CHECKPOINT_GRAIN if state else math.lcm(*(s.page_size for s in specs)),
+        "tokens_that_fit": int(pool // after.units) * PROMPT,
+        "tokens_that_fit_at_peak": int(pool // peak) * PROMPT,
+        "units_held_next_decode": next_decode.units,
+        "tokens_that_fit_next_decode": int(pool // next_decode.units) * PROMPT,
+        "units_bound": stats["units_bound"],
+        "units_idle": stats["units_idle"],
+        "units_free": stats["units_free"],
+        "pages_free": stats["pages_free"],
+        "stranded_bytes": stats["stranded_bytes"],
+        "stranded_bytes_peak": max(stranded),
+        "hit_probe_tokens": grain,
+        "hit_after_load": hit_after_load,
+        "hit_probe_chunks": probe_chunks,
+        "smallest_hit": smallest_hit,
     }
-
-
-def _attention_window(shape: ModelShape) -> int | list[int | None] | None:
-    window = shape.sliding_window
-    if isinstance(window, Sequence) and not isinstance(window, str):
-        return [w for w, label in zip(window, shape.layer_types, strict=True) if label != fk.LINEAR_ATTENTION]
-    return window
 
 
 def measure(names: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
@@ -224,7 +353,7 @@ def measure(names: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
                 sorted({label: layers.layer_types.count(label) for label in layers.layer_types}.items())
             ),
             "today": today(shape),
-            "design": design(shape),
+            "built": built(shape),
         }
     return out
 
@@ -234,15 +363,12 @@ def _millions(tokens: int) -> str:
 
 
 def table(results: dict[str, dict[str, Any]], vllm: dict[str, dict[str, Any]] | None) -> str:
-    head = (
-        "| model | today: page, smallest hit, padding, fit "
-        "| SPEC 13 design (projected): unit, hit, padding, fit |"
-    )
+    head = "| model | today: page, smallest hit, padding, fit | SPEC 13 (built): unit, hit, padding, fit |"
     rows = [head, "|---|---|---|" + ("---|" if vllm else "")]
     if vllm:
         rows[0] = head + " vLLM 0.33: block, hit, padding, fit |"
     for name, r in results.items():
-        t, d = r["today"], r["design"]
+        t, d = r["today"], r["built"]
         line = (
             f"| {name} | {t['page_tokens']:,} tokens, {t['smallest_hit']:,}, {t['padding']:.1%}, "
             f"{_millions(t['tokens_that_fit'])} | {d['unit_bytes'] / 2**20:.2f} MiB, {d['smallest_hit']}, "
