@@ -229,13 +229,15 @@ def plan_arena(
     budget_bytes: SupportsIndex,
     *,
     alignment: SupportsIndex = 256,
+    max_live_requests: SupportsIndex = 0,
 ) -> tuple[int, int, int, int, list[tuple[int, str, int, int, int, int]], list[tuple[int, int]]]:
     """The arena plan of the SPEC 13 storage (docs/sizing-api.md "Arena plan").
 
     Returns ``(page_size, alignment, unit_bytes, num_units, groups, components)``: per group
     ``(index of its first component, kind, item_bytes, per_unit, num_ids, slack_bytes)``, per
     component ``(offset, nbytes)``. Raises ``TypeError`` / ``ValueError`` / ``OverflowError``
-    naming a malformed argument or the size that does not fit.
+    naming a malformed argument or the size that does not fit, and ``ConfigError`` when a
+    model with state groups gets fewer units than ``max_live_requests`` (0: not checked).
     """
 
 # ----- page engine (SPEC 4-8, docs/engine-api.md) ----------------------------------------------

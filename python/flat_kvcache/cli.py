@@ -49,6 +49,7 @@ from flat_kvcache.config import (
     max_context_len_from_config,
     sliding_window_from_config,
 )
+from flat_kvcache.errors import ConfigError
 from flat_kvcache.families import read_model_layers
 from flat_kvcache.presets import DEFAULT_PRESET, PRESETS, get_preset, preset_names
 
@@ -641,6 +642,13 @@ def _run_plan(args: argparse.Namespace) -> int:
         _print_error(f"{option}: {message}" if message.startswith("config ") else message)
         return 1
     if memory is not None:
+        try:
+            memory["arena"] = _arena_memory(
+                cfg, args, memory["budget_bytes"] - memory["allocator_slack_bytes"]
+            )
+        except ConfigError as exc:
+            _print_error(_option_names(str(exc)))
+            return 1
         plan["memory"] = memory
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
     return 0
@@ -692,6 +700,66 @@ def _simulate_arena(cfg: dict[str, Any], args: argparse.Namespace) -> Any:
         return plan_arena(shape.components(), args.page_size, args.arena)
     except ValueError as exc:
         raise ValueError(f"--arena {args.arena}: {exc}") from None
+
+
+#: The request ``plan --memory`` sizes the arena's padding and tokens that fit for.
+ARENA_REFERENCE_TOKENS = 16_384
+
+
+def _arena_memory(cfg: dict[str, Any], args: argparse.Namespace, budget: int) -> dict[str, Any]:
+    """The SPEC 13 storage of the same budget (``plan_arena``; ``FlatKVCache(arena=)``): the
+    unit, per group its page or slot, and for one request of ``ARENA_REFERENCE_TOKENS`` tokens
+    (all of it in full groups, a window's pages in sliding ones, one working state slot) the
+    padding of what it holds and how many tokens of such requests fit.
+
+    ``ConfigError`` when a state model's arena has fewer units than ``--max-live-requests``."""
+    from flat_kvcache.torch import ModelShape  # the memory plan imported it already
+
+    shape = ModelShape.from_config(cfg, kv_dtype=args.kv_dtype)
+    arena = plan_arena(shape.components(), args.page_size, budget, max_live_requests=args.max_live_requests)
+    specs = {spec.group_id: spec for spec in simulate.engine_specs(flat_kvcache, cfg, args.page_size)}
+    tokens = ARENA_REFERENCE_TOKENS
+    state_bytes = sum(
+        c.nbytes
+        for c in arena.components
+        if any(g.group_id == c.group_id and g.kind == "state" for g in arena.groups)
+    )
+    held = useful = 0
+    groups = []
+    for group in arena.groups:
+        spec = specs[group.group_id]
+        if group.kind == "state":
+            count, written = 1, state_bytes
+            held += arena.unit_bytes
+        else:
+            page = arena.page_size
+            count = -(-tokens // page)
+            if spec.sliding_window is not None:
+                count = min(count, -(-(spec.sliding_window - 1) // page) + 1)
+            kept = min(tokens, count * page)
+            written = kept * group.item_bytes // page
+            held += count * group.item_bytes
+        useful += written
+        groups.append(
+            {
+                "group_id": group.group_id,
+                "kind": group.kind,
+                "item_bytes": group.item_bytes,
+                "per_unit": group.per_unit,
+                "unit_slack_bytes": group.slack_bytes,
+                "held": count,
+            }
+        )
+    pool = (arena.num_units - 1) * arena.unit_bytes
+    return {
+        "unit_bytes": arena.unit_bytes,
+        "num_units": arena.num_units,
+        "groups": groups,
+        "reference_tokens": tokens,
+        "reference_held_bytes": held,
+        "reference_padding": round(1 - useful / held, 6) if held else 0.0,
+        "reference_tokens_that_fit": pool // held * tokens if held else 0,
+    }
 
 
 def _memory_plan(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -1051,4 +1119,30 @@ def _format_memory(memory: dict[str, Any], pool: dict[str, Any], settings: dict[
         ("K/V layout", layout),
     ]
     width = max(len(name) for name, _ in rows)
-    return ["memory:", *(f"  {name:<{width}}  {value}" for name, value in rows)]
+    lines = ["memory:", *(f"  {name:<{width}}  {value}" for name, value in rows)]
+    if "arena" in memory:
+        lines += ["", *_format_arena(memory["arena"])]
+    return lines
+
+
+def _format_arena(arena: dict[str, Any]) -> list[str]:
+    """The SPEC 13 storage's lines for :func:`format_plan` (``FlatKVCache(arena=)``)."""
+    lines = [
+        "arena (SPEC 13 storage, FlatKVCache(specs, arena=plan_arena(...)); same budget):",
+        f"  unit             {arena['unit_bytes']} bytes, {arena['num_units']} units (unit 0 is null)",
+    ]
+    for group in arena["groups"]:
+        item = "state slot" if group["kind"] == "state" else "page"
+        per_unit = "1 per unit" if group["kind"] == "state" else f"{group['per_unit']} per unit"
+        lines.append(
+            f"  {group['group_id']:<16} {item} of {group['item_bytes']} bytes, {per_unit} "
+            f"({group['unit_slack_bytes']} bytes of a unit left over)"
+        )
+    tokens = arena["reference_tokens"]
+    held = ", ".join(f"{group['held']} {group['group_id']}" for group in arena["groups"])
+    lines.append(
+        f"  a {tokens}-token request holds {arena['reference_held_bytes']} bytes ({held}), "
+        f"padding {arena['reference_padding']:.2%}; {arena['reference_tokens_that_fit']} tokens of such "
+        "requests fit"
+    )
+    return lines

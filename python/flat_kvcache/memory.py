@@ -295,7 +295,12 @@ def plan_tensors(components: Sequence[ComponentSpec], block_size: int, budget_by
 
 
 def plan_arena(
-    components: Sequence[ComponentSpec], page_size: int, budget_bytes: int, *, alignment: int = 256
+    components: Sequence[ComponentSpec],
+    page_size: int,
+    budget_bytes: int,
+    *,
+    alignment: int = 256,
+    max_live_requests: int = 0,
 ) -> ArenaPlan:
     """The arena of the SPEC 13 storage (docs/sizing-api.md "Arena plan"): ``num_units`` units
     of ``unit_bytes`` (unit 0 null), each bound to one group while in use. Pass it to
@@ -319,6 +324,10 @@ def plan_arena(
         Bytes available, >= 0.
     alignment : int
         Alignment of the state components and the unit, > 0.
+    max_live_requests : int
+        Requests live at once, >= 0 (0: not checked). Each live request of a model with state
+        groups holds a working state slot, one unit: a budget with fewer units than that is a
+        ``ConfigError`` with the numbers, not a plan that cannot run.
 
     Returns
     -------
@@ -331,6 +340,8 @@ def plan_arena(
     ValueError
         A bad argument, no components, a group that mixes per-token and constant components or
         holds no bytes, or a budget that gives fewer than 2 units.
+    ConfigError
+        State groups and fewer units (the null one aside) than ``max_live_requests``.
     TypeError
         A non-int argument or component field.
     OverflowError
@@ -338,7 +349,7 @@ def plan_arena(
     """
     comps = list(components)
     page, align, unit, units, groups, placed = _native.plan_arena(
-        comps, page_size, budget_bytes, alignment=alignment
+        comps, page_size, budget_bytes, alignment=alignment, max_live_requests=max_live_requests
     )
     return ArenaPlan(
         page_size=page,

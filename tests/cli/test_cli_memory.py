@@ -111,3 +111,57 @@ def test_widths_are_the_capture_buffers(capsys: pytest.CaptureFixture[str], cont
             assert group["windowed_width"] == windowed.width(gid) == -(-(128 + 1) // 16) + 1
         else:
             assert group["windowed_width"] is None and windowed.width(gid) == group["table_width"]
+
+
+def test_the_arena_section_for_gpt_oss(capsys: pytest.CaptureFixture[str]) -> None:
+    """The SPEC 13 storage of the same 80 GiB: pages of 16 x 12 layers x 2 (K, V) x 8 heads x
+    64 x 2 bytes = 393216 bytes in both groups, so the unit is one page (the lcm): 218453 units.
+    A 16,384-token request holds 1024 full pages and ceil(127 / 16) + 1 = 9 sliding ones (its
+    window of 128 plus the token being written), all written to: no padding; 218452 usable
+    units // 1033 = 211 such requests fit."""
+    status, out, err = run_cli(capsys, "plan", "--preset", "gpt-oss-like", "--memory", "80GiB", "--json")
+    assert status == 0, err
+    arena = json.loads(out)["memory"]["arena"]
+    assert (arena["unit_bytes"], arena["num_units"]) == (393216, 218453)
+    assert {g["group_id"]: g["held"] for g in arena["groups"]} == {
+        "sliding_attention": 9,
+        "full_attention": 1024,
+    }
+    assert arena["reference_held_bytes"] == 1033 * 393216
+    assert arena["reference_padding"] == 0
+    assert arena["reference_tokens_that_fit"] == 211 * 16384
+
+
+def test_the_arena_section_for_a_state_model(capsys: pytest.CaptureFixture[str]) -> None:
+    """qwen3.5-like: the unit is the state slot (every state component of the 36 linear layers,
+    each aligned); a 16,384-token request holds one working slot and 1024 full pages."""
+    status, out, err = run_cli(capsys, "plan", "--preset", "qwen3.5-like", "--memory", "80GiB", "--json")
+    assert status == 0, err
+    arena = json.loads(out)["memory"]["arena"]
+    unit = arena["unit_bytes"]
+    page = next(g["item_bytes"] for g in arena["groups"] if g["kind"] == "pages")
+    # 12 full layers x 2 (K, V) x 16 tokens x kv heads x head dim x 2 bytes, from the preset.
+    cfg = get_preset("qwen3.5-like")
+    assert page == 12 * 2 * 16 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    assert {g["group_id"]: g["held"] for g in arena["groups"]} == {
+        "linear_attention": 1,
+        "full_attention": 1024,
+    }
+    held = unit + 1024 * page
+    assert arena["reference_held_bytes"] == held
+    assert arena["reference_tokens_that_fit"] == (arena["num_units"] - 1) * unit // held * 16384
+
+
+def test_a_budget_without_a_working_slot_per_live_request_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """10 GiB of the qwen3.5-like arena is 138 units: 137 working state slots for 256 live
+    requests. The error names the options."""
+    status, _, err = run_cli(capsys, "plan", "--preset", "qwen3.5-like", "--memory", "10GiB")
+    assert status == 1
+    assert "--memory 10737418240 gives 138 units" in err
+    assert "137 working state slots, fewer than --max-live-requests 256" in err
+    status, _, err = run_cli(
+        capsys, "plan", "--preset", "qwen3.5-like", "--memory", "10GiB", "--max-live-requests", "137"
+    )
+    assert status == 0, err

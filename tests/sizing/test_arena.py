@@ -20,6 +20,7 @@ import flat_kvcache.reference as reference
 import numpy as np
 import pytest
 from flat_kvcache._types import ArenaComponent, ArenaGroup, ArenaPlan, ComponentSpec
+from flat_kvcache.errors import ConfigError
 from helpers import Outcome, outcome
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -310,6 +311,28 @@ def test_one_state_group(api: ModuleType) -> None:
         (ArenaGroup(LINEAR, "state", 1024, 1, 2, 0),),
         (ArenaComponent(LINEAR, 0, "ssm", 0, 1000),),
     )
+
+
+def test_a_budget_without_a_working_slot_per_live_request_is_a_config_error(api: ModuleType) -> None:
+    # slot 1024 = the unit; 5 * 1024 bytes = 5 units: 4 working state slots (unit 0 is null).
+    comps = [kv(FULL, 0, 10), const(LINEAR, 1, "ssm", 1000)]
+    for live in (0, 1, 4):
+        assert api.plan_arena(comps, 16, 5 * 1024, max_live_requests=live).num_units == 5
+    with pytest.raises(ConfigError) as err:
+        api.plan_arena(comps, 16, 5 * 1024 + 1023, max_live_requests=5)
+    assert str(err.value) == (
+        "budget_bytes=6143 gives 5 units of 1024 bytes: 4 working state slots, fewer than "
+        "max_live_requests=5 live requests need (one each); give budget_bytes >= 6144 or fewer "
+        "live requests"
+    )
+    with pytest.raises(ConfigError, match=r"max_live_requests=1180591620717411303424 live"):
+        api.plan_arena(comps, 16, 5 * 1024, max_live_requests=2**70)
+    # Without state groups nothing holds a working slot: any count passes.
+    assert api.plan_arena([kv(FULL, 0, 10)], 16, 5 * 160, max_live_requests=10**6).num_units == 5
+    with pytest.raises(ValueError, match=r"^max_live_requests must be >= 0, got -1$"):
+        api.plan_arena(comps, 16, 5 * 1024, max_live_requests=-1)
+    with pytest.raises(TypeError, match="max_live_requests"):
+        api.plan_arena(comps, 16, 5 * 1024, max_live_requests="4")
 
 
 def test_state_slot_offsets_are_aligned(api: ModuleType) -> None:

@@ -22,6 +22,7 @@ from flat_kvcache._types import (
     LayerBinding,
     TensorPlan,
 )
+from flat_kvcache.errors import ConfigError
 from flat_kvcache.reference._checks import as_int, ceil_div, is_sequence, non_negative, positive
 from flat_kvcache.reference.sizing import layer_group_ids, layer_labels
 
@@ -262,7 +263,12 @@ _U64_MAX = (1 << 64) - 1
 
 
 def plan_arena(
-    components: Sequence[ComponentSpec], page_size: int, budget_bytes: int, *, alignment: int = 256
+    components: Sequence[ComponentSpec],
+    page_size: int,
+    budget_bytes: int,
+    *,
+    alignment: int = 256,
+    max_live_requests: int = 0,
 ) -> ArenaPlan:
     """SPEC 13 storage: one arena of ``num_units`` units of ``unit_bytes`` (unit 0 is null).
 
@@ -272,11 +278,14 @@ def plan_arena(
     one state slot (each component at an ``alignment``-aligned offset, in order). A unit holds
     the state slot and the largest page (rounded up to ``alignment``) when there are state
     groups; otherwise it is the lcm of the pages when that is at most 4 of the largest page,
-    else the largest page. ``num_units = budget_bytes // unit_bytes`` must be at least 2.
+    else the largest page. ``num_units = budget_bytes // unit_bytes`` must be at least 2, and with
+    state groups at least ``max_live_requests + 1`` (a working state slot per live request;
+    ``ConfigError`` otherwise; 0 checks nothing).
     """
     page = positive(page_size, "page_size")
     budget = non_negative(budget_bytes, "budget_bytes")
     align = positive(alignment, "alignment")
+    live = non_negative(max_live_requests, "max_live_requests")
     checked = _checked_components(components)
     if not checked:
         raise ValueError("components must not be empty")
@@ -332,6 +341,12 @@ def plan_arena(
             "need at least 2 (unit 0 is null)"
         )
     _fits_u64(num_units, "num_units = budget_bytes // unit_bytes")
+    if has_state and num_units - 1 < live:
+        raise ConfigError(
+            f"budget_bytes={budget} gives {num_units} units of {unit_bytes} bytes: {num_units - 1} working "
+            f"state slots, fewer than max_live_requests={live} live requests need (one each); give "
+            f"budget_bytes >= {(live + 1) * unit_bytes} or fewer live requests"
+        )
 
     arena_groups: list[ArenaGroup] = []
     for group_id in groups:

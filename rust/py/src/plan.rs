@@ -259,8 +259,8 @@ pub fn plan_tensors<'py>(
 /// the groups and components from the input.
 #[pyfunction]
 #[pyo3(
-    signature = (components, page_size, budget_bytes, *, alignment = IntParam::of(256)),
-    text_signature = "(components, page_size, budget_bytes, *, alignment=256)"
+    signature = (components, page_size, budget_bytes, *, alignment = IntParam::of(256), max_live_requests = IntParam::of(0)),
+    text_signature = "(components, page_size, budget_bytes, *, alignment=256, max_live_requests=0)"
 )]
 pub fn plan_arena<'py>(
     py: Python<'py>,
@@ -268,9 +268,16 @@ pub fn plan_arena<'py>(
     page_size: IntParam,
     budget_bytes: IntParam,
     alignment: IntParam,
+    max_live_requests: IntParam,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let (args, _) = component_args(components, true)?;
-    let plan = core(arena::plan_arena(&args, &page_size.0, &budget_bytes.0, &alignment.0))?;
+    let plan = core(arena::plan_arena(
+        &args,
+        &page_size.0,
+        &budget_bytes.0,
+        &alignment.0,
+        &max_live_requests.0,
+    ))?;
     let groups: Vec<_> = plan
         .groups
         .iter()

@@ -189,10 +189,12 @@ pub fn plan_arena(
     page_size: &IntArg,
     budget_bytes: &IntArg,
     alignment: &IntArg,
+    max_live_requests: &IntArg,
 ) -> CoreResult<ArenaPlan> {
     let page = page_size.positive("page_size")?;
     let budget = budget_bytes.non_negative("budget_bytes")?;
     let align = alignment.positive("alignment")?;
+    let live = max_live_requests.non_negative("max_live_requests")?;
     let checked = check_components(components)?;
     if checked.is_empty() {
         return Err(CoreError::invalid("components must not be empty"));
@@ -211,6 +213,16 @@ pub fn plan_arena(
         )));
     }
     let num_units = units.u64("num_units = budget_bytes // unit_bytes")?;
+    // Every live request of a state model holds a working state slot, one unit each.
+    let slots = Int::from(num_units - 1);
+    if page_bytes.iter().any(Option::is_none) && slots < *live {
+        let needed = live.add(&Int::from(1u64)).mul(&Int::from(unit));
+        return Err(CoreError::Config(format!(
+            "budget_bytes={budget} gives {num_units} units of {unit} bytes: {slots} working state slots, fewer \
+             than max_live_requests={live} live requests need (one each); give budget_bytes >= {needed} or \
+             fewer live requests"
+        )));
+    }
     let arena = u128::from(num_units) * u128::from(unit);
     let mut planned = Vec::with_capacity(groups.len());
     for (g, bytes) in groups.iter().zip(&page_bytes) {
@@ -265,6 +277,7 @@ mod tests {
             &IntArg::Int(Int::from(page)),
             &IntArg::Int(Int::from(budget)),
             &IntArg::Int(Int::from(256u64)),
+            &IntArg::Int(Int::zero()),
         )
     }
 
