@@ -34,7 +34,7 @@ def default_config(model_type: str) -> dict[str, Any] | None:
 def test_memory_plan_or_a_clear_refusal(family: Any, model_type: str) -> None:
     torch = need("torch")
     from flat_kvcache.config import load_model_config
-    from flat_kvcache.torch import ModelShape, plan_kv_memory
+    from flat_kvcache.torch import ModelShape, plan_arena_memory, plan_kv_memory
 
     cfg = default_config(model_type)
     if cfg is None:
@@ -60,8 +60,14 @@ def test_memory_plan_or_a_clear_refusal(family: Any, model_type: str) -> None:
         return
     assert shape.layer_types == layers.layer_types
     assert shape.model_layers == layers.model_layers
+    # The SPEC 13 storage plans every family, pure state models too: every cache layer has its
+    # place in the arena, and 64 live requests have their working state slots.
+    limits = {"max_live_requests": 64, "max_scheduled_tokens": 8192, "max_context_len": 32768}
+    arena = plan_arena_memory(shape, page_size=16, budget_bytes=80 << 30, **limits).arena
+    assert {c.layer for c in arena.components} == set(range(len(layers.layer_types)))
+    assert arena.num_units >= 65 and arena.num_units * arena.unit_bytes <= 80 << 30
     if all(label == "linear_attention" for label in layers.layer_types):
-        with pytest.raises(ModelConfigError, match="pure state model cannot be planned yet"):
+        with pytest.raises(ModelConfigError, match="pure state model cannot be planned by it"):
             plan_kv_memory(
                 shape,
                 page_size=16,

@@ -473,3 +473,27 @@ def test_a_plan_of_another_shape_is_refused() -> None:
         allocate_arena(got.shape, object(), "cpu")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="the arena is 10 bytes"):
         ArenaBuffers(got.shape, got.plan, torch.zeros(10, dtype=torch.uint8))
+
+
+def test_plan_arena_memory_is_plan_arena_of_the_budget() -> None:
+    """``plan_arena_memory`` plans what ``plan_arena`` plans for the same components, page size
+    and budget (on the CPU no allocator slack is set aside), and ``allocate_kv_buffers`` gives
+    the same views as ``allocate_arena``."""
+    from flat_kvcache.torch import ArenaMemoryPlan, allocate_kv_buffers, plan_arena_memory
+
+    shape = hybrid(torch.float16)
+    limits = {"max_live_requests": 4, "max_scheduled_tokens": 64, "max_context_len": 256}
+    plan = plan_arena_memory(shape, page_size=PAGE, budget_bytes=1 << 20, **limits)
+    assert isinstance(plan, ArenaMemoryPlan)
+    assert plan.arena == flat_kvcache.plan_arena(shape.components(), PAGE, 1 << 20)
+    assert (plan.allocator_slack_bytes, plan.page_size) == (0, PAGE)
+    assert plan.total_bytes == plan.arena.num_units * plan.arena.unit_bytes <= 1 << 20
+    buffers = allocate_kv_buffers(plan, "cpu")
+    assert isinstance(buffers, ArenaBuffers) and buffers.plan == plan.arena
+    assert buffers.arena.numel() == plan.total_bytes
+    with pytest.raises(flat_kvcache.errors.ConfigError, match="max_live_requests=10000 live requests"):
+        plan_arena_memory(
+            shape, page_size=PAGE, budget_bytes=1 << 20, **{**limits, "max_live_requests": 10000}
+        )
+    with pytest.raises(ValueError, match="only CUDA devices report free memory"):
+        plan_arena_memory(shape, page_size=PAGE, device="cpu", **limits)

@@ -131,8 +131,8 @@ def test_state_layers_have_no_kv_and_attention_layers_no_state() -> None:
 
 
 def test_allocate_checks_its_plan() -> None:
-    with pytest.raises(TypeError, match="plan must be a KVMemoryPlan"):
-        allocate_kv_buffers("plan", "cpu")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="plan must be a KVMemoryPlan or an ArenaMemoryPlan, not str"):
+        allocate_kv_buffers("plan", "cpu")  # type: ignore[call-overload]
     assert isinstance(allocate_kv_buffers(plan(make_shape()), "cpu"), KVBuffers)
 
 

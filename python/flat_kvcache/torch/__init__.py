@@ -22,12 +22,16 @@ Attention over the pages: :func:`paged_attention` and :func:`write_kv` are the e
 definition of the layout a kernel must match (docs/model-runner.md); ``flat_kvcache.torch.runner``
 runs a ``transformers`` model on them (needs the ``model`` extra).
 
-The SPEC 13 arena (docs/architecture.md "Hybrid storage"), not used by the engine yet:
-:func:`allocate_arena` allocates ``flat_kvcache.plan_arena``'s units as one byte buffer and
-:class:`ArenaBuffers` gives its per-layer K/V and state views (one page stride per layer)::
+The SPEC 13 arena (docs/architecture.md "Hybrid storage"), the storage for state models:
+``plan_arena_memory`` plans it (an :class:`ArenaMemoryPlan`),
+``allocate_kv_buffers`` allocates its units as one byte buffer and :class:`ArenaBuffers` gives
+its per-layer K/V and state views (one page stride per layer); the engine allocates from the
+same plan::
 
-    plan = flat_kvcache.plan_arena(shape.components(), 16, budget_bytes)
-    arena = allocate_arena(shape, plan, "cuda")          # arena.k(i)[page_id], .state(i, "ssm")[slot]
+    plan = plan_arena_memory(shape, page_size=16, device="cuda", max_live_requests=256,
+                             max_scheduled_tokens=8192, max_context_len=32768)
+    arena = allocate_kv_buffers(plan, "cuda")            # arena.k(i)[page_id], .state(i, "ssm")[slot]
+    cache = flat_kvcache.FlatKVCache(specs, arena=plan.arena)
 
 A host-memory tier (``FlatKVCache(..., host_pages=N)``): :class:`HostKVBuffers` are its pages in
 CPU memory (pinned when CUDA is available), mirroring the device buffers, and
@@ -62,12 +66,21 @@ from flat_kvcache.torch.arena import ArenaBuffers, allocate_arena
 from flat_kvcache.torch.attention import paged_attention, write_kv
 from flat_kvcache.torch.capture import CaptureBuffers, extend_locations, write_locations
 from flat_kvcache.torch.host import HostKVBuffers, TransferCache, TransferCounts, TransferExecutor
-from flat_kvcache.torch.plan import KVBuffers, KVMemoryPlan, TensorSpec, allocate_kv_buffers, plan_kv_memory
+from flat_kvcache.torch.plan import (
+    ArenaMemoryPlan,
+    KVBuffers,
+    KVMemoryPlan,
+    TensorSpec,
+    allocate_kv_buffers,
+    plan_arena_memory,
+    plan_kv_memory,
+)
 from flat_kvcache.torch.rows import DeviceRows
 from flat_kvcache.torch.shape import ModelShape
 
 __all__ = [
     "ArenaBuffers",
+    "ArenaMemoryPlan",
     "CaptureBuffers",
     "DeviceRows",
     "HostKVBuffers",
@@ -82,6 +95,7 @@ __all__ = [
     "allocate_kv_buffers",
     "extend_locations",
     "paged_attention",
+    "plan_arena_memory",
     "plan_kv_memory",
     "write_kv",
     "write_locations",

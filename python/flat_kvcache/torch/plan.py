@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from types import MappingProxyType
+from typing import overload
 
 import torch
 
@@ -20,15 +21,25 @@ from flat_kvcache import (
     equalized_block_size,
     group_specs_from_layer_types,
     hybrid_slab_group_size,
+    plan_arena,
     plan_component_tensors,
     plan_tensors,
 )
-from flat_kvcache._types import STATE_LAYER_TYPES, FlatMemoryPlan, TensorPlan
+from flat_kvcache._types import STATE_LAYER_TYPES, ArenaPlan, FlatMemoryPlan, TensorPlan
 from flat_kvcache.errors import ModelConfigError
 from flat_kvcache.torch._checks import DeviceLike, as_device, as_int
+from flat_kvcache.torch.arena import ArenaBuffers, allocate_arena
 from flat_kvcache.torch.shape import ModelShape
 
-__all__ = ["KVBuffers", "KVMemoryPlan", "TensorSpec", "allocate_kv_buffers", "plan_kv_memory"]
+__all__ = [
+    "ArenaMemoryPlan",
+    "KVBuffers",
+    "KVMemoryPlan",
+    "TensorSpec",
+    "allocate_kv_buffers",
+    "plan_arena_memory",
+    "plan_kv_memory",
+]
 
 #: The caching allocator rounds each large block up to 2 MiB and may carve medium blocks out of a
 #: fresh 20 MiB segment; a plan for a CUDA device sets this much aside so that the memory actually
@@ -118,6 +129,43 @@ class KVMemoryPlan:
         }
 
 
+@dataclass(frozen=True)
+class ArenaMemoryPlan:
+    """A memory plan of the SPEC 13 storage (:func:`plan_arena_memory`): the
+    arena ``flat_kvcache.plan_arena`` lays out for the budget (less the CUDA allocator's slack)
+    with a working state slot per live request. Build the cache with
+    ``FlatKVCache(specs, arena=plan.arena)`` and the buffers with :func:`allocate_kv_buffers`
+    (an :class:`~flat_kvcache.torch.ArenaBuffers` over one byte buffer)."""
+
+    shape: ModelShape = field(repr=False)
+    arena: ArenaPlan = field(repr=False)
+    budget_bytes: int
+    allocator_slack_bytes: int
+    max_live_requests: int
+    max_scheduled_tokens: int
+    max_context_len: int
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per attention page."""
+        return self.arena.page_size
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the arena: ``num_units * unit_bytes``."""
+        return self.arena.num_units * self.arena.unit_bytes
+
+    def summary(self) -> dict[str, int | None]:
+        """The headline numbers."""
+        return {
+            "budget_bytes": self.budget_bytes,
+            "page_size": self.page_size,
+            "unit_bytes": self.arena.unit_bytes,
+            "num_units": self.arena.num_units,
+            "total_bytes": self.total_bytes,
+        }
+
+
 def plan_kv_memory(
     shape: ModelShape,
     *,
@@ -144,12 +192,15 @@ def plan_kv_memory(
     attention layers (``chunked_attention``, Llama 4) keep K/V rows like sliding layers; their
     group has retention ``chunked_window`` and the page counts of a sliding window of its chunk.
 
+    :func:`plan_arena_memory` plans the SPEC 13 storage from the same arguments.
+
     Raises
     ------
     ValueError
         A bad argument, no budget to read, or a budget that fits fewer than two pages.
     ModelConfigError
-        A model whose every layer keeps a state (not planned by SPEC 3's geometry yet).
+        A model whose every layer keeps a state (SPEC 3's geometry cannot size it;
+        :func:`plan_arena_memory` can).
     """
     if not isinstance(shape, ModelShape):
         raise TypeError(f"shape must be a ModelShape, not {type(shape).__name__}")
@@ -157,7 +208,7 @@ def plan_kv_memory(
         raise ModelConfigError(
             f"every one of the {shape.num_layers} cache layers keeps a recurrent state and none keeps "
             "K/V: the SPEC 3 page geometry sizes a state page in tokens of K/V, so a pure state model "
-            "cannot be planned yet (the hybrid storage of SPEC 13 will plan it)"
+            "cannot be planned by it (plan_arena_memory plans it on the SPEC 13 storage)"
         )
     requested = as_int(page_size, "page_size", minimum=1)
     for name, value in (
@@ -228,6 +279,62 @@ def plan_kv_memory(
         max_scheduled_tokens=int(max_scheduled_tokens),
         max_context_len=int(max_context_len),
         allocator_slack_bytes=slack,
+    )
+
+
+def plan_arena_memory(
+    shape: ModelShape,
+    *,
+    page_size: int,
+    budget_bytes: int | None = None,
+    device: DeviceLike | None = None,
+    utilization: float = 0.9,
+    max_live_requests: int,
+    max_scheduled_tokens: int,
+    max_context_len: int,
+) -> ArenaMemoryPlan:
+    """Plan the SPEC 13 storage of ``shape`` for a memory budget, as :func:`plan_kv_memory`
+    plans the SPEC 3 one from the same arguments: ``flat_kvcache.plan_arena`` over
+    ``shape.components()`` with ``page_size``-token attention pages, the budget (``budget_bytes``,
+    else read from a CUDA ``device``; less the caching allocator's slack for one buffer there)
+    and a working state slot per live request. Pure state models are planned too.
+
+    Raises
+    ------
+    ValueError
+        A bad argument, no budget to read, or a budget that fits fewer than two units.
+    ConfigError
+        State layers and fewer units than ``max_live_requests`` working slots.
+    """
+    if not isinstance(shape, ModelShape):
+        raise TypeError(f"shape must be a ModelShape, not {type(shape).__name__}")
+    requested = as_int(page_size, "page_size", minimum=1)
+    live = as_int(max_live_requests, "max_live_requests", minimum=0)
+    scheduled = as_int(max_scheduled_tokens, "max_scheduled_tokens", minimum=0)
+    context = as_int(max_context_len, "max_context_len", minimum=0)
+    target = None if device is None else as_device(device)
+    slack = _CUDA_SLACK_FIXED + _CUDA_SLACK_PER_TENSOR if _is_cuda(target) else 0
+    if budget_bytes is not None:
+        budget = as_int(budget_bytes, "budget_bytes", minimum=0)
+        origin = f"budget_bytes={budget}"
+    else:
+        budget, origin = _device_budget(target, utilization)
+    try:
+        arena = plan_arena(shape.components(), requested, max(budget - slack, 0), max_live_requests=live)
+    except ValueError as exc:
+        if budget_bytes is not None and not slack:
+            raise
+        raise ValueError(
+            f"{origin}{f' less {slack} bytes of CUDA allocator slack' if slack else ''}: {exc}"
+        ) from exc
+    return ArenaMemoryPlan(
+        shape=shape,
+        arena=arena,
+        budget_bytes=budget,
+        allocator_slack_bytes=slack,
+        max_live_requests=live,
+        max_scheduled_tokens=scheduled,
+        max_context_len=context,
     )
 
 
@@ -412,10 +519,22 @@ class KVBuffers:
         )
 
 
-def allocate_kv_buffers(plan: KVMemoryPlan, device: DeviceLike) -> KVBuffers:
-    """Allocate the zero-initialised buffers of ``plan`` on ``device``."""
+@overload
+def allocate_kv_buffers(plan: KVMemoryPlan, device: DeviceLike) -> KVBuffers: ...
+
+
+@overload
+def allocate_kv_buffers(plan: ArenaMemoryPlan, device: DeviceLike) -> ArenaBuffers: ...
+
+
+def allocate_kv_buffers(plan: KVMemoryPlan | ArenaMemoryPlan, device: DeviceLike) -> KVBuffers | ArenaBuffers:
+    """Allocate the zero-initialised buffers of ``plan`` on ``device``: the per-layer (or slab)
+    tensors of a :class:`KVMemoryPlan`, or the arena of an :class:`ArenaMemoryPlan` with its
+    per-layer views (:func:`~flat_kvcache.torch.allocate_arena`)."""
+    if isinstance(plan, ArenaMemoryPlan):
+        return allocate_arena(plan.shape, plan.arena, device)
     if not isinstance(plan, KVMemoryPlan):
-        raise TypeError(f"plan must be a KVMemoryPlan, not {type(plan).__name__}")
+        raise TypeError(f"plan must be a KVMemoryPlan or an ArenaMemoryPlan, not {type(plan).__name__}")
     target = as_device(device)
     tensors = {spec.name: torch.zeros(spec.shape, dtype=spec.dtype, device=target) for spec in plan.tensors}
     return KVBuffers(plan, tensors)
