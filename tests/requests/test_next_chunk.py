@@ -151,3 +151,22 @@ def test_next_chunk_follows_the_rule(
         assert cache.schedule([slot], [computed]).tolist() == [True]
         results.append(cache.next_chunk(slot, limit))
     assert results[0] == results[1] == chunk_cut(min(done, prompt), prompt, limit, grain)
+
+
+def test_the_tail_end_and_decode_write_no_checkpoint(api: ModuleType) -> None:
+    """SPEC 13.5b, e: a 128-token prompt (state P = 64) is cut into its body (64, checkpointed)
+    and its tail (64 tokens, ending on the grain but at the prompt's end: no checkpoint), and
+    decode writes none; so a prompt sharing all 128 tokens resumes at 64, and the request holds
+    one state slot throughout after its first chunk."""
+    cache = hybrid(api)
+    slot, _ = cache.add_request("a", list(range(128)))
+    run_prompt(cache, slot)
+    state = list(cache.group_ids).index("s0")
+    for token in range(70):  # decode past the boundaries at 192
+        cache.append_tokens([slot], [1000 + token])
+        assert cache.schedule([slot], [1]).tolist() == [True]
+        assert sum(1 for page in cache.page_ids(slot)[state] if page) == 1
+    assert cache.stats()["checkpoints_written"] == 1
+    cache.finish([slot])
+    _, hit = cache.add_request("b", [*range(128), *range(1000, 1070), 5])
+    assert hit == 64

@@ -406,8 +406,9 @@ class TokenApi(PageTables, Rows):
             return
         step = self._lcm // self._base
         first = state.registered - state.registered % step
-        # State checkpoints only within the prompt: decode writes none (SPEC 13.5e).
-        end = state.computed if state.computed <= state.prompt_len else None
+        # State checkpoints only before the prompt's last token (SPEC 13.5a-c); the tail's end
+        # and decode write none (13.5b, e).
+        end = state.computed if state.computed < state.prompt_len else None
         self._register(tables, state.hashes[first:full], first, end, state)
         state.registered = full
 

@@ -636,8 +636,9 @@ fn register_computed(coord: &mut Coordinator, tables: &[Table], state: &mut Toke
         hashes: &state.hashes,
         extra_keys: &state.extra_keys,
     };
-    // State checkpoints only within the prompt: decode writes none (SPEC 13.5e).
-    let end_tokens = (state.computed <= state.prompt_len).then_some(state.computed);
+    // State checkpoints only before the prompt's last token (SPEC 13.5a-c: chunk ends, the
+    // body's end, branch points); the tail's end and decode write none (13.5b, e).
+    let end_tokens = (state.computed < state.prompt_len).then_some(state.computed);
     coord.register_with(
         tables,
         &state.hashes[first..full],
