@@ -12,10 +12,10 @@ slots ``add_request`` returned. One step is what a scheduler loop calls once per
 - the hybrid only: ``state_slots(slots, ones)`` (the slots its step reads and writes);
 - ``append_tokens(slots, tokens)`` (the sampled tokens).
 
-Prompt lengths spread over one 64-token grain, so about one request in 64 passes into a new
-state slot each step (its working slot moves on: decode writes no checkpoint, SPEC 13.5e) and
-one in 16 into a new attention page. Target (issue 21): the hybrid's median step at most twice
-the attention-only one.
+Prompt lengths spread over one 64-token grain, so about one request in 64 ends a step on the
+grain each step (its latest decode checkpoint: the next step takes a new slot and the previous
+checkpoint is dropped, SPEC 13.5d) and one in 16 passes into a new attention page. Target
+(issue 21): the hybrid's median step at most twice the attention-only one.
 
 Run with a release build (``maturin develop --release``)::
 

@@ -716,7 +716,7 @@ class FlatKVCache(_PagedCacheBase):
         (0, the all-zero null slot, for a fresh request) and writes the state after its new
         tokens to ``write[i]``; where they differ, copy ``read[i]`` into ``write[i]`` first and
         run the step in place on ``write[i]`` (``read[i]`` is then a checkpoint: leave it).
-        They are equal while the request keeps its working slot (decode writes no checkpoint).
+        They are equal while the request keeps its working slot (no checkpoint behind it).
         ``ValueError`` unless the model has exactly one state group, or for a count above the
         request's computed tokens or other than its last ``schedule``'s; ``UnknownRequestError``
         for a free slot.

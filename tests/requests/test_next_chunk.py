@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from slots import chunk_cut
 
 
-def hybrid(api: ModuleType, state_pages: tuple[int, ...] = (64,)) -> Any:
+def hybrid(api: ModuleType, state_pages: tuple[int, ...] = (64,), **options: Any) -> Any:
     specs = [api.KVCacheSpec("full", 16)]
     specs += [api.KVCacheSpec("state", size, group_id=f"s{i}") for i, size in enumerate(state_pages)]
-    return api.FlatKVCache(specs, 4096)
+    return api.FlatKVCache(specs, 4096, **options)
 
 
 def test_a_prompt_is_cut_at_its_body_then_its_tail(api: ModuleType) -> None:
@@ -153,20 +153,26 @@ def test_next_chunk_follows_the_rule(
     assert results[0] == results[1] == chunk_cut(min(done, prompt), prompt, limit, grain)
 
 
-def test_the_tail_end_and_decode_write_no_checkpoint(api: ModuleType) -> None:
-    """SPEC 13.5b, e: a 128-token prompt (state P = 64) is cut into its body (64, checkpointed)
-    and its tail (64 tokens, ending on the grain but at the prompt's end: no checkpoint), and
-    decode writes none; so a prompt sharing all 128 tokens resumes at 64, and the request holds
-    one state slot throughout after its first chunk."""
-    cache = hybrid(api)
+def test_the_tail_end_writes_no_checkpoint_and_decode_keeps_its_latest(api: ModuleType) -> None:
+    """SPEC 13.5b, d. A 128-token prompt (state P = 64) is cut into its body (64, checkpointed)
+    and its tail (64 tokens, ending on the grain but at the prompt's end: no checkpoint). Decode
+    checkpoints where a step ends on the grain but keeps only its latest: after 150 generated
+    tokens (278 in all) the checkpoint at 192 was dropped for the one at 256. A request never
+    holds more than two state slots (the checkpoint a step reads and its working slot)."""
+    cache = hybrid(api, enable_kv_events=True)
     slot, _ = cache.add_request("a", list(range(128)))
     run_prompt(cache, slot)
     state = list(cache.group_ids).index("s0")
-    for token in range(70):  # decode past the boundaries at 192
-        cache.append_tokens([slot], [1000 + token])
+    generated = [1000 + t for t in range(150)]
+    for token in generated:
+        cache.append_tokens([slot], [token])
         assert cache.schedule([slot], [1]).tolist() == [True]
-        assert sum(1 for page in cache.page_ids(slot)[state] if page) == 1
-    assert cache.stats()["checkpoints_written"] == 1
+        assert sum(1 for page in cache.page_ids(slot)[state] if page) <= 2
+    assert cache.stats()["checkpoints_written"] == 3  # 64, 192, 256
+    removed = [e for e in cache.take_events() if type(e).__name__ == "BlockRemoved"]
+    assert len(removed) == 1 and removed[0].group_index == state  # 192's, dropped for 256's
     cache.finish([slot])
-    _, hit = cache.add_request("b", [*range(128), *range(1000, 1070), 5])
-    assert hit == 64
+    turn = [*range(128), *generated]
+    # The next turn resumes at 256; a prompt leaving the path at 200 finds 64, not 192.
+    assert cache.add_request("b", [*turn, 5])[1] == 256
+    assert cache.add_request("c", [*turn[:200], 7, 7])[1] == 64

@@ -372,21 +372,22 @@ def test_values_written_at_the_engines_ids_read_back_at_a_prefix_hit(engine: Mod
     assert (a, hit) == (0, 0)
     # chunks of at most 12 tokens cut on the grain: 8 at a time, then the tail 2
     assert [run.step(a, 12) for _ in range(7)] == [8] * 6 + [2]
-    # decode 8 tokens (positions 50..57): in place on the tail's slot; decode writes no
-    # checkpoint (SPEC 13.5e), so at position 56 the working slot moves on and is read in place
+    # decode 8 tokens (positions 50..57): in place on the tail's slot up to 55; the step that
+    # ended at 56 left the request's decode checkpoint (SPEC 13.5d: its latest), so the step of
+    # position 56 reads it and writes a new slot
     for i in range(8):
         run.decode(a, 900 + i)
-    # every chunk after the first started from a checkpoint (8, 16, ..., 48); no decode step did
-    assert run.reads["fresh"] > 0 and run.reads["checkpoint"] == 6
+    # every chunk after the first (8, 16, ..., 48), and the decode step at 56, started from one
+    assert run.reads["fresh"] > 0 and run.reads["checkpoint"] == 7
     run.finish(a)
     run.check()
     assert run.cache.stats()["checkpoints_written"] >= 6
 
-    # C: A's prompt and decoded tokens as a prompt: the deepest checkpoint is the end of A's
-    # last full chunk, 48 (its decode left none)
+    # C: A's prompt and decoded tokens as a prompt (the conversation's next turn): the deepest
+    # checkpoint is the one A's decode left at 56
     prompt_c = prompt_a + [900 + i for i in range(8)] + [5]
     c, hit = run.add("C", prompt_c)
-    assert hit == 6 * G
+    assert hit == 7 * G
     run.prefill(c, 12)
     run.decode(c, 1)
     run.finish(c)

@@ -658,8 +658,8 @@ impl PyFlatKVCache {
     /// `read[i]` (0, the all-zero null slot, for a fresh request) and writes the state after
     /// its new tokens to `write[i]`: where they differ, copy `read[i]` into `write[i]` first
     /// and run the step in place on `write[i]`; `read[i]` is then a checkpoint and must stay
-    /// as it is. They are equal while a request keeps its working slot (decode, and chunks
-    /// after one that wrote no checkpoint). The model must have exactly one state group
+    /// as it is. They are equal while a request keeps its working slot (steps after one that
+    /// wrote no checkpoint). The model must have exactly one state group
     /// (`ValueError` otherwise); a slot that holds no request is `UnknownRequestError`;
     /// `num_new_tokens[i]` above the request's computed tokens, or other than what its last
     /// `schedule` gave it, is `ValueError`.

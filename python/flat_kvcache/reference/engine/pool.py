@@ -678,6 +678,17 @@ class BlockPool:
             del self._pages_by_key[key]
         return key
 
+    def _drop_free_key(self, page: int) -> str | None:
+        """Drop the key of ``page``, a page of count 0 holding one (it stays free where it is);
+        returns the key, or None (nothing changes) when it is referenced or holds no key. Not
+        an eviction."""
+        if self._ref_counts[page] != 0 or self._key_of[page] is None:
+            return None
+        key = self._drop_key(page)
+        if self._arena is not None:
+            self._arena_on_uncache(page)
+        return key
+
     def _set_record_evictions(self, on: bool) -> None:
         """Keep (or stop keeping, dropping those kept) the keys allocations evict."""
         self._record_evictions = as_flag(on, "on")

@@ -37,7 +37,10 @@ class TokenState:
     #: The branch point (SPEC 13.5c): a multiple of the state grain beyond the hit where the
     #: prompt left the cached path; a chunk ends there to write a checkpoint. 0 if none.
     branch: int = 0
-    #: The prompt's length: state checkpoints are written within it only (SPEC 13.5e).
+    #: The prompt's length: its end is never a state checkpoint, and beyond it decode keeps
+    #: only its latest (SPEC 13.5b, d).
     prompt_len: int = 0
     #: The last schedule's ``(n, read page, write page)`` of the one state group, if any.
     step: tuple[int, int, int] | None = None
+    #: The latest checkpoint decode wrote, ``(page, key)`` (SPEC 13.5d keeps one).
+    decode_checkpoint: tuple[int, str] | None = None

@@ -331,6 +331,23 @@ impl Coordinator {
         Some((self.checkpoints_written, evicted))
     }
 
+    /// Forget the checkpoint `key` held by `page` (a request's previous decode checkpoint,
+    /// SPEC 13.5d keeps only its latest) when the page still holds exactly that key and nobody
+    /// references it: the page stays free, a `BlockRemoved` is recorded. Returns whether it
+    /// was dropped.
+    pub fn drop_checkpoint(&mut self, page: u32, key: GroupKey) -> bool {
+        if self.pool.key_of(page) != Some(&key) {
+            return false;
+        }
+        let Some(dropped) = self.pool.drop_free_key(page) else {
+            return false;
+        };
+        if self.events.enabled() {
+            Self::push_removed(vec![dropped], &mut self.events);
+        }
+        true
+    }
+
     /// Record KV events from now on (or stop, dropping the unread ones).
     pub fn set_kv_events(&mut self, on: bool) {
         self.events = EventLog::new(on);

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::hash::{hash_pages, ContentHash};
+use super::hash::{hash_pages, ContentHash, GroupKey};
 use crate::error::{CoreError, CoreResult};
 
 /// The token state of a request created by `add_request`.
@@ -28,12 +28,15 @@ pub(super) struct TokenState {
     /// The branch point (SPEC 13.5c): where the prompt left the cached path beyond its hit,
     /// a multiple of the state grain at which a chunk ends to write a checkpoint; 0 if none.
     pub(super) branch: u64,
-    /// Tokens of the prompt the request was added with: state checkpoints are written only
-    /// within it (decode writes none, SPEC 13.5e).
+    /// Tokens of the prompt the request was added with: its end is never a state checkpoint,
+    /// and beyond it decode keeps only its latest (SPEC 13.5b, d).
     pub(super) prompt_len: u64,
     /// The state slots of the last `schedule` (models with one state group): see
     /// [`StepSlots`].
     pub(super) step: Option<StepSlots>,
+    /// The latest checkpoint decode wrote (its page and key): SPEC 13.5d keeps one, the
+    /// previous is dropped when the next is written.
+    pub(super) decode_checkpoint: Option<(u32, GroupKey)>,
 }
 
 /// What the last `schedule` of a token-level request did to its state group (SPEC 13.4):

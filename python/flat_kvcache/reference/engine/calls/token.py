@@ -38,6 +38,7 @@ from flat_kvcache.reference.engine._args import (
 )
 from flat_kvcache.reference.engine.calls.page import PageTables
 from flat_kvcache.reference.engine.calls.rows import Rows
+from flat_kvcache.reference.engine.events import removed_events
 from flat_kvcache.reference.engine.hash import hash_page, hash_pages
 from flat_kvcache.reference.engine.table import Table, TokenState
 
@@ -406,11 +407,30 @@ class TokenApi(PageTables, Rows):
             return
         step = self._lcm // self._base
         first = state.registered - state.registered % step
-        # State checkpoints only before the prompt's last token (SPEC 13.5a-c); the tail's end
-        # and decode write none (13.5b, e).
-        end = state.computed if state.computed < state.prompt_len else None
+        # State checkpoints where a step ended on the grain (SPEC 13.5a-c; in decode the latest
+        # only, 13.5d), not at the prompt's end (the tail's end, 13.5b).
+        end = state.computed if state.computed != state.prompt_len else None
         self._register(tables, state.hashes[first:full], first, end, state)
         state.registered = full
+        if state.computed > state.prompt_len:
+            self._keep_latest_decode_checkpoint(tables, state)
+
+    def _keep_latest_decode_checkpoint(self, tables: list[Table], state: TokenState) -> None:
+        """SPEC 13.5d: when the state page of the last computed token took a key in decode, it
+        is the request's decode checkpoint; the previous one is dropped unless referenced."""
+        states = [g for g, spec in enumerate(self._specs) if spec.kind == STATE]
+        if len(states) != 1:
+            return
+        page = self._state_page(tables, state, states[0])
+        key = self._pool._key_held_by(page) if page else None
+        if key is None:
+            return
+        previous, state.decode_checkpoint = state.decode_checkpoint, (page, key)
+        if previous is not None and previous != (page, key):
+            old_page, old_key = previous
+            dropped = self._pool._key_held_by(old_page) == old_key and self._pool._drop_free_key(old_page)
+            if dropped and self._events_enabled:
+                self._events.extend(removed_events([old_key]))
 
     # -- ending requests ------------------------------------------------------------------------
 

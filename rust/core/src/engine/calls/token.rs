@@ -157,6 +157,7 @@ impl FlatCache {
             branch,
             prompt_len,
             step: None,
+            decode_checkpoint: None,
         };
         let at = self.insert(req, Some(state));
         if let Some(m) = m {
@@ -636,9 +637,10 @@ fn register_computed(coord: &mut Coordinator, tables: &[Table], state: &mut Toke
         hashes: &state.hashes,
         extra_keys: &state.extra_keys,
     };
-    // State checkpoints only before the prompt's last token (SPEC 13.5a-c: chunk ends, the
-    // body's end, branch points); the tail's end and decode write none (13.5b, e).
-    let end_tokens = (state.computed < state.prompt_len).then_some(state.computed);
+    // State checkpoints where a step ended on the grain (SPEC 13.5a-c: chunk ends, the
+    // body's end, branch points; 13.5d: in decode, the latest only), but not at the prompt's
+    // end (the tail's end, 13.5b).
+    let end_tokens = (state.computed != state.prompt_len).then_some(state.computed);
     coord.register_with(
         tables,
         &state.hashes[first..full],
@@ -647,7 +649,31 @@ fn register_computed(coord: &mut Coordinator, tables: &[Table], state: &mut Toke
         Some(ctx),
     )?;
     state.registered = full;
+    if state.computed > state.prompt_len {
+        keep_latest_decode_checkpoint(coord, tables, state);
+    }
     Ok(())
+}
+
+/// SPEC 13.5d: after a registration in decode, if the state page of the last computed token
+/// took a key (a decode step ended on the grain), it is the request's decode checkpoint and
+/// the previous one, no longer its latest, is dropped (when nobody else holds it).
+fn keep_latest_decode_checkpoint(coord: &mut Coordinator, tables: &[Table], state: &mut TokenState) {
+    let Some(g) = coord.single_state_group() else {
+        return;
+    };
+    let slot = usize::try_from(coord.managers()[g].page().quotient(state.computed - 1)).unwrap_or(usize::MAX);
+    let Some(&page) = tables[g].pages().get(slot).filter(|&&p| p != NULL_PAGE) else {
+        return;
+    };
+    let Some(&key) = coord.pool().key_of(page) else {
+        return;
+    };
+    if let Some((old_page, old_key)) = state.decode_checkpoint.replace((page, key)) {
+        if (old_page, old_key) != (page, key) {
+            coord.drop_checkpoint(old_page, old_key);
+        }
+    }
 }
 
 /// The first position at which scheduling would register or reclaim something, given the
@@ -1426,19 +1452,22 @@ mod tests {
             pool.lookup(&crate::engine::hash::GroupKey::new(fold_run(&h[2..4]), 1)),
             Some(ids[1][1])
         );
-        // Decode writes no state checkpoint (SPEC 13.5e): the working page moved from slot to
-        // slot (holes behind it) and no state key was registered.
+        // Decode keeps only its latest checkpoint (SPEC 13.5d): the one at 8 was dropped when
+        // the step that ended at 16 left one; the page of 16 stays while the step of token 16,
+        // which reads it, runs in a new working page.
         assert_eq!(ids[2].len(), 3);
-        assert_eq!((ids[2][0], ids[2][1]), (0, 0));
+        assert_eq!(ids[2][0], 0);
+        assert!(pool
+            .lookup(&crate::engine::hash::GroupKey::new(fold_run(&h[0..2]), 2))
+            .is_none());
+        assert_eq!(
+            pool.lookup(&crate::engine::hash::GroupKey::new(fold_run(&h[2..4]), 2)),
+            Some(ids[2][1])
+        );
         assert_ne!(ids[2][2], 0);
-        for run in [&h[0..2], &h[2..4]] {
-            assert!(pool
-                .lookup(&crate::engine::hash::GroupKey::new(fold_run(run), 2))
-                .is_none());
-        }
-        // So a 17-token prompt sharing the 16 tokens finds no state to resume from.
+        // So a 17-token prompt sharing the 16 tokens resumes at 16: the next turn.
         c.finish(&[sa]).unwrap();
-        assert_eq!(c.prefix_hit_tokens(&prompt(&c, toks(0..17))).unwrap(), 0);
+        assert_eq!(c.prefix_hit_tokens(&prompt(&c, toks(0..17))).unwrap(), 16);
         c.check_invariants().unwrap();
     }
 

@@ -523,6 +523,20 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
         Some(key)
     }
 
+    /// Drop the key of `page`, a page of count 0 that holds one (it stays free where it is);
+    /// returns the key, or `None` (and nothing changes) when the page is referenced or holds
+    /// no key. Not counted as an eviction.
+    pub fn drop_free_key(&mut self, page: u32) -> Option<K> {
+        if self.refs_of(page) != 0 || self.key_of(page).is_none() {
+            return None;
+        }
+        let key = self.drop_key(page);
+        if self.arena.is_some() {
+            self.arena_on_uncache(page);
+        }
+        key
+    }
+
     /// Drop the key of `page` (a page being handed out again): counted, and kept for KV
     /// events when recording.
     #[inline]
