@@ -6,7 +6,8 @@ Public through :mod:`flat_kvcache.torch`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
 from types import MappingProxyType
@@ -225,24 +226,14 @@ def plan_kv_memory(
     num_tensors = 2 * slab_group_size if slab_group_size else _count_tensors(components)
     slack = _CUDA_SLACK_FIXED + num_tensors * _CUDA_SLACK_PER_TENSOR if _is_cuda(target) else 0
 
-    if budget_bytes is not None:
-        budget = as_int(budget_bytes, "budget_bytes", minimum=0)
-        origin = f"budget_bytes={budget}"
-    else:
-        budget, origin = _device_budget(target, utilization)
+    budget, origin = _budget(budget_bytes, target, utilization)
     usable = max(budget - slack, 0)
-    try:
+    with _naming_the_budget(budget_bytes, origin, slack):
         native = (
             plan_tensors(components, block_size, usable)
             if slab_group_size
             else plan_component_tensors(components, block_size, usable)
         )
-    except ValueError as exc:
-        if budget_bytes is not None and not slack:
-            raise  # the native message names budget_bytes already
-        if slack:
-            origin += f" less {slack} bytes of CUDA allocator slack"
-        raise ValueError(f"{origin}: {exc}") from exc
 
     num_pages = native.geometry.num_blocks
     tensors = _tensor_specs(shape, native, block_size, slabs=bool(slab_group_size))
@@ -314,19 +305,9 @@ def plan_arena_memory(
     context = as_int(max_context_len, "max_context_len", minimum=0)
     target = None if device is None else as_device(device)
     slack = _CUDA_SLACK_FIXED + _CUDA_SLACK_PER_TENSOR if _is_cuda(target) else 0
-    if budget_bytes is not None:
-        budget = as_int(budget_bytes, "budget_bytes", minimum=0)
-        origin = f"budget_bytes={budget}"
-    else:
-        budget, origin = _device_budget(target, utilization)
-    try:
+    budget, origin = _budget(budget_bytes, target, utilization)
+    with _naming_the_budget(budget_bytes, origin, slack):
         arena = plan_arena(shape.components(), requested, max(budget - slack, 0), max_live_requests=live)
-    except ValueError as exc:
-        if budget_bytes is not None and not slack:
-            raise
-        raise ValueError(
-            f"{origin}{f' less {slack} bytes of CUDA allocator slack' if slack else ''}: {exc}"
-        ) from exc
     return ArenaMemoryPlan(
         shape=shape,
         arena=arena,
@@ -336,6 +317,27 @@ def plan_arena_memory(
         max_scheduled_tokens=scheduled,
         max_context_len=context,
     )
+
+
+def _budget(budget_bytes: int | None, device: torch.device | None, utilization: float) -> tuple[int, str]:
+    """The budget (``budget_bytes``, else read from ``device``) and where it came from."""
+    if budget_bytes is not None:
+        budget = as_int(budget_bytes, "budget_bytes", minimum=0)
+        return budget, f"budget_bytes={budget}"
+    return _device_budget(device, utilization)
+
+
+@contextmanager
+def _naming_the_budget(budget_bytes: int | None, origin: str, slack: int) -> Iterator[None]:
+    """A planner's ``ValueError`` about the budget, restated with where the budget came from
+    and the slack set aside (a given budget with no slack: the planner's message names it)."""
+    try:
+        yield
+    except ValueError as exc:
+        if budget_bytes is not None and not slack:
+            raise
+        less = f" less {slack} bytes of CUDA allocator slack" if slack else ""
+        raise ValueError(f"{origin}{less}: {exc}") from exc
 
 
 def _is_cuda(device: torch.device | None) -> bool:
