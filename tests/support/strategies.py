@@ -222,17 +222,4 @@ def arena_plan(config: dict[str, Any]) -> Any:
 
 def both_arena_caches(config: dict[str, Any], **options: Any) -> list[Any]:
     """The native and the reference cache of an :func:`arena_configs` draw, native first."""
-    plan = arena_plan(config)
-    caches = []
-    for module in (flat_kvcache, flat_kvcache.reference):
-        specs = [group_spec(module, *group) for group in config["groups"]]
-        caches.append(
-            module.FlatKVCache(
-                specs,
-                arena=plan,
-                enable_caching=config["enable_caching"],
-                eviction_order=config["eviction_order"],
-                **options,
-            )
-        )
-    return caches
+    return both_caches({**config, "num_pages": None}, arena=arena_plan(config), **options)
