@@ -74,11 +74,10 @@ class Loop:
         ]
         self.hybrid = any(spec.kind == "state" for spec in specs)
         # Room for every request's pages and slots (state: the working slot), with slack.
-        attention_bytes = sum(
-            g.item_bytes for g in plan_arena(shape.components(), PAGE, 1 << 40).groups if g.kind == "pages"
-        )
+        layout = plan_arena(shape.components(), PAGE, 1 << 40)  # the unit and pages of any budget
+        attention_bytes = sum(g.item_bytes for g in layout.groups if g.kind == "pages")
         pages_per_request = -(-(context + GRAIN + steps + 1) // PAGE)
-        unit = plan_arena(shape.components(), PAGE, 1 << 40).unit_bytes
+        unit = layout.unit_bytes
         budget = requests * (pages_per_request * attention_bytes + (2 * unit if self.hybrid else 0)) * 5 // 4
         self.plan = plan_arena(shape.components(), PAGE, budget + 4 * unit)
         self.cache = flat_kvcache.FlatKVCache(specs, arena=self.plan)

@@ -719,11 +719,8 @@ def _arena_memory(cfg: dict[str, Any], args: argparse.Namespace, budget: int) ->
     arena = plan_arena(shape.components(), args.page_size, budget, max_live_requests=args.max_live_requests)
     specs = {spec.group_id: spec for spec in simulate.engine_specs(flat_kvcache, cfg, args.page_size)}
     tokens = ARENA_REFERENCE_TOKENS
-    state_bytes = sum(
-        c.nbytes
-        for c in arena.components
-        if any(g.group_id == c.group_id and g.kind == "state" for g in arena.groups)
-    )
+    state_ids = {g.group_id for g in arena.groups if g.kind == "state"}
+    state_bytes = sum(c.nbytes for c in arena.components if c.group_id in state_ids)
     held = useful = 0
     groups = []
     for group in arena.groups:
