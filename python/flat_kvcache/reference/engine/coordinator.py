@@ -201,6 +201,8 @@ class Coordinator:
             raise OverflowError(f"specs: the lcm of the page sizes {sizes} does not fit in u64")
 
         self._specs = spec_list
+        #: The state groups' indices (read per request per step).
+        self._state_groups = [g for g, spec in enumerate(spec_list) if spec.kind == STATE]
         self._group_ids = group_ids
         self._base = math.gcd(*sizes)
         self._lcm = lcm

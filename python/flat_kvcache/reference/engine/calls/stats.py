@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flat_kvcache._types import STATE, CacheStats, PoolStats
+from flat_kvcache._types import CacheStats, PoolStats
 from flat_kvcache.reference.engine.coordinator import Coordinator
 
 __all__ = ["Stats"]
@@ -77,7 +77,5 @@ class Stats(Coordinator):
             "host_transfers_in_flight": len(host.ops) if host is not None else 0,
             "checkpoints_written": self._counters["checkpoints_written"],
             "checkpoints_hit": self._counters["checkpoints_hit"],
-            "checkpoints_evicted": sum(
-                pool._evictions_by_group.get(g, 0) for g, spec in enumerate(self._specs) if spec.kind == STATE
-            ),
+            "checkpoints_evicted": sum(pool._evictions_by_group.get(g, 0) for g in self._state_groups),
         }

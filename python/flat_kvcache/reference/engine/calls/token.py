@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from flat_kvcache._types import STATE
 from flat_kvcache.reference.engine._args import (
     Counts,
     RequestId,
@@ -90,7 +89,7 @@ class TokenApi(PageTables, Rows):
         """SPEC 13.5c: the tokens the full-attention groups matched (``closed``), aligned down
         to the state grain, when beyond the hit (a checkpoint was missing there), else 0; 0
         without state groups. A chunk of the request ends there to write the checkpoint."""
-        state_sizes = [spec.page_size for spec in self._specs if spec.kind == STATE]
+        state_sizes = [self._specs[g].page_size for g in self._state_groups]
         if not state_sizes:
             return 0
         branch = align_down(closed, math.lcm(*state_sizes))
@@ -147,7 +146,7 @@ class TokenApi(PageTables, Rows):
             self._counters["prefix_queries_tokens"] += len(tokens)
             self._counters["prefix_hits_tokens"] += hit
             self._counters["host_hits_tokens"] += self._host_hit_tokens(pages, hit)
-            if hit > 0 and any(spec.kind == STATE for spec in self._specs):
+            if hit > 0 and self._state_groups:
                 self._counters["checkpoints_hit"] += 1
         state.computed = hit
         state.registered = hit // self._base
@@ -216,7 +215,7 @@ class TokenApi(PageTables, Rows):
         multiple of ``g`` before the last known token (the body; the tail follows next), else at
         the last multiple of ``g`` within ``limit``; no cut when no boundary lies ahead."""
         rest = max(known - computed, 0)
-        state_sizes = [spec.page_size for spec in self._specs if spec.kind == STATE]
+        state_sizes = [self._specs[g].page_size for g in self._state_groups]
         if not state_sizes:
             return min(rest, limit)
         if computed < branch < known and branch - computed <= limit:
@@ -299,7 +298,7 @@ class TokenApi(PageTables, Rows):
         ahead = as_count(lookahead, "lookahead")
         if len(counts) != len(indices):
             raise ValueError(f"num_new_tokens has {len(counts)} entries but slots has {len(indices)}")
-        if ahead > 0 and any(spec.kind == STATE for spec in self._specs):
+        if ahead > 0 and self._state_groups:
             raise ValueError(
                 "schedule: lookahead must be 0 for a model with state groups (their state is kept "
                 f"only after computed tokens, SPEC 13.4), got {ahead}"
@@ -333,7 +332,7 @@ class TokenApi(PageTables, Rows):
         counts = as_counts(num_new_tokens, "num_new_tokens")
         if len(counts) != len(indices):
             raise ValueError(f"num_new_tokens has {len(counts)} entries but slots has {len(indices)}")
-        states = [g for g, spec in enumerate(self._specs) if spec.kind == STATE]
+        states = self._state_groups
         if len(states) != 1:
             raise ValueError(f"{method}: the model must have exactly one state group, it has {len(states)}")
         group = states[0]
@@ -363,7 +362,7 @@ class TokenApi(PageTables, Rows):
         """One request's step; with exactly one state group it records the step's state pages
         (read before the step, written after it) for :meth:`state_slots`."""
         tables, state = self._token_state(key)
-        states = [g for g, spec in enumerate(self._specs) if spec.kind == STATE]
+        states = self._state_groups
         read = self._state_page(tables, state, states[0]) if len(states) == 1 else 0
         scheduled = self._schedule_tokens(tables, state, key, count, ahead)
         if len(states) == 1:
@@ -418,7 +417,7 @@ class TokenApi(PageTables, Rows):
     def _keep_latest_decode_checkpoint(self, tables: list[Table], state: TokenState) -> None:
         """SPEC 13.5d: when the state page of the last computed token took a key in decode, it
         is the request's decode checkpoint; the previous one is dropped unless referenced."""
-        states = [g for g, spec in enumerate(self._specs) if spec.kind == STATE]
+        states = self._state_groups
         if len(states) != 1:
             return
         page = self._state_page(tables, state, states[0])
