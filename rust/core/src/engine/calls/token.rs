@@ -457,25 +457,14 @@ impl FlatCache {
         let Some(g) = self.coord.single_state_group() else {
             return self.schedule_tokens(at, n, lookahead);
         };
-        let read = self.state_page_after(at, g, 0);
+        let computed = |c: &Self| c.entries[at].tokens.as_ref().map_or(0, |s| s.computed);
+        let read = state_page(&self.coord, &self.entries[at].tables, g, computed(self));
         let scheduled = self.schedule_tokens(at, n, lookahead)?;
-        let write = self.state_page_after(at, g, 0);
+        let write = state_page(&self.coord, &self.entries[at].tables, g, computed(self));
         if let Some(state) = self.entries[at].tokens.as_mut() {
             state.step = scheduled.then_some(StepSlots { n, read, write });
         }
         Ok(scheduled)
-    }
-
-    /// The pool page of state group `g` holding the state after the request's computed tokens
-    /// less `back` (0, the null page, before any token or where the table has a hole).
-    fn state_page_after(&self, at: usize, g: usize, back: u64) -> u32 {
-        let entry = &self.entries[at];
-        let tokens = entry.tokens.as_ref().map_or(0, |s| s.computed).saturating_sub(back);
-        if tokens == 0 {
-            return NULL_PAGE;
-        }
-        let slot = usize::try_from(self.coord.managers()[g].page().quotient(tokens - 1)).unwrap_or(usize::MAX);
-        entry.tables[g].pages().get(slot).copied().unwrap_or(NULL_PAGE)
     }
 
     /// [`Self::schedule_at`] without the record.
@@ -655,6 +644,16 @@ fn register_computed(coord: &mut Coordinator, tables: &[Table], state: &mut Toke
     Ok(())
 }
 
+/// The pool page of state group `g` holding the state after `computed` tokens: the page of
+/// the last one's slot (0, the null page, before any token or where the table has a hole).
+fn state_page(coord: &Coordinator, tables: &[Table], g: usize, computed: u64) -> u32 {
+    let Some(last) = computed.checked_sub(1) else {
+        return NULL_PAGE;
+    };
+    let slot = usize::try_from(coord.managers()[g].page().quotient(last)).unwrap_or(usize::MAX);
+    tables[g].pages().get(slot).copied().unwrap_or(NULL_PAGE)
+}
+
 /// SPEC 13.5d: after a registration in decode, if the state page of the last computed token
 /// took a key (a decode step ended on the grain), it is the request's decode checkpoint and
 /// the previous one, no longer its latest, is dropped (when nobody else holds it).
@@ -662,10 +661,10 @@ fn keep_latest_decode_checkpoint(coord: &mut Coordinator, tables: &[Table], stat
     let Some(g) = coord.single_state_group() else {
         return;
     };
-    let slot = usize::try_from(coord.managers()[g].page().quotient(state.computed - 1)).unwrap_or(usize::MAX);
-    let Some(&page) = tables[g].pages().get(slot).filter(|&&p| p != NULL_PAGE) else {
+    let page = state_page(coord, tables, g, state.computed);
+    if page == NULL_PAGE {
         return;
-    };
+    }
     let Some(&key) = coord.pool().key_of(page) else {
         return;
     };
