@@ -25,7 +25,13 @@ except ImportError as exc:
 
 import flat_kvcache as fk
 from flat_kvcache._types import SLIDING_WINDOW
-from flat_kvcache.torch import CaptureBuffers, HostKVBuffers, TransferExecutor, allocate_kv_buffers
+from flat_kvcache.torch import (
+    CaptureBuffers,
+    HostKVBuffers,
+    KVBuffers,
+    TransferExecutor,
+    allocate_kv_buffers,
+)
 from flat_kvcache.torch.rows import DeviceRows
 from flat_kvcache.torch.runner import (
     PagedModelRunner,
@@ -52,6 +58,12 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def kv_buffers(runner: PagedModelRunner) -> KVBuffers:
+    """The runner's SPEC 3 buffers (every runner of this file has them, none an arena)."""
+    assert isinstance(runner.buffers, KVBuffers)
+    return runner.buffers
 
 
 def gpt_oss(layers: int = 4) -> Any:
@@ -438,9 +450,9 @@ def with_host_tier(
     runner = setup(
         model, page_size=page_size, num_pages=num_pages, host_pages=host_pages, host_store=host_store
     )
-    host = HostKVBuffers(runner.buffers.plan, host_pages)
+    host = HostKVBuffers(kv_buffers(runner).plan, host_pages)
     assert not host.pinned or torch.cuda.is_available()
-    return runner, TransferExecutor(runner.cache, runner.buffers, host)
+    return runner, TransferExecutor(runner.cache, kv_buffers(runner), host)
 
 
 def evicting_prompts(shared: list[int], fillers: int, seed: int) -> dict[str, list[int]]:
@@ -501,7 +513,7 @@ def test_host_tier_without_the_copies_is_caught() -> None:
 
     model = gpt_oss(layers=2)
     runner, executor = with_host_tier(model, num_pages=24, host_pages=128)
-    broken = AckOnly(runner.cache, runner.buffers, executor.host)
+    broken = AckOnly(runner.cache, kv_buffers(runner), executor.host)
     records = run_greedy(runner, evicting_prompts(prompt(30, 11), 3, 20), 6, max_running=1, transfers=broken)
     assert runner.cache.stats()["host_loads"] >= 1
     assert max_logit_error(model, records) > TOLERANCE
@@ -543,9 +555,9 @@ def test_a_request_with_loads_in_flight_is_not_scheduled_until_they_are_acked() 
 def test_host_buffers_mirror_the_device_buffers_and_check_their_arguments() -> None:
     model = gpt_oss(layers=2)
     runner, executor = with_host_tier(model, num_pages=24, host_pages=10)
-    host, plan = executor.host, runner.buffers.plan
-    assert list(host.tensors) == list(runner.buffers.tensors)  # the same slabs, by name
-    for name, device in runner.buffers.tensors.items():
+    host, plan = executor.host, kv_buffers(runner).plan
+    assert list(host.tensors) == list(kv_buffers(runner).tensors)  # the same slabs, by name
+    for name, device in kv_buffers(runner).tensors.items():
         assert host.tensors[name].shape[1:] == device.shape[1:]
         assert host.tensors[name].shape[0] == 10 * plan.page_size
         assert host.tensors[name].dtype == device.dtype and host.tensors[name].device.type == "cpu"
@@ -558,17 +570,17 @@ def test_host_buffers_mirror_the_device_buffers_and_check_their_arguments() -> N
     with pytest.raises(TypeError, match="pin_memory"):
         HostKVBuffers(plan, 4, pin_memory="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="host tier of 10 pages"):
-        TransferExecutor(runner.cache, runner.buffers, HostKVBuffers(plan, 4))
+        TransferExecutor(runner.cache, kv_buffers(runner), HostKVBuffers(plan, 4))
     with pytest.raises(TypeError, match="host"):
-        TransferExecutor(runner.cache, runner.buffers, runner.buffers)  # type: ignore[arg-type]
+        TransferExecutor(runner.cache, kv_buffers(runner), kv_buffers(runner))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="cache"):
-        TransferExecutor(object(), runner.buffers, host)  # type: ignore[arg-type]
+        TransferExecutor(object(), kv_buffers(runner), host)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="device pages"):
         TransferExecutor(
             fk.FlatKVCache(fk.kv_cache_specs(plan.groups), plan.num_pages + 1, host_pages=10),
-            runner.buffers,
+            kv_buffers(runner),
             host,
         )
     no_tier = fk.FlatKVCache(fk.kv_cache_specs(plan.groups), plan.num_pages)
     with pytest.raises(ValueError, match="host tier of 0 pages"):
-        TransferExecutor(no_tier, runner.buffers, host)
+        TransferExecutor(no_tier, kv_buffers(runner), host)

@@ -223,3 +223,47 @@ def test_capture_buffers_keep_chunked_tables_absolute(sliding_offsets: bool) -> 
     assert buffers.width("chunked_attention") == buffers.width("full_attention") == -(-(1024 + 1) // 16)
     with pytest.raises(KeyError, match="only sliding-window groups"):
         buffers.page_offsets("chunked_attention")
+
+
+def strided_pages(cache: torch.Tensor) -> torch.Tensor:
+    """``cache`` as ``[pages, PAGE, kv_heads, head_dim]`` with a page stride of its own (pages
+    inside a wider buffer, as the SPEC 13 arena lays them out), holding the same values."""
+    pages = cache.shape[0] // PAGE
+    wide = torch.full((pages, 3 * PAGE, KV_HEADS, HEAD_DIM), 7.0)
+    view = wide[:, PAGE : 2 * PAGE]
+    view.copy_(cache.view(pages, PAGE, KV_HEADS, HEAD_DIM))
+    return view
+
+
+@pytest.mark.parametrize(("seq_lens", "query_lens"), BATCHES)
+def test_arena_page_views_read_and_write_like_flat_slots(seq_lens: list[int], query_lens: list[int]) -> None:
+    """The arena's ``[pages, P, kv_heads, head_dim]`` views: slot ``s`` is row ``s % P`` of page
+    ``s // P``, for the attention and for :func:`write_kv` alike."""
+    from flat_kvcache.torch import write_kv
+
+    query, keys, values = case(seq_lens, query_lens, seed=11)
+    k_cache, v_cache, table = paged(keys, values)
+    seq, qlen = lens(seq_lens, query_lens)
+    k_pages, v_pages = strided_pages(k_cache), strided_pages(v_cache)
+    assert not k_pages.is_contiguous()
+    for window, chunk in ((None, None), (5, None), (None, 8)):
+        flat = paged_attention(
+            query, k_cache, v_cache, table, seq, qlen, PAGE, sliding_window=window, chunk_size=chunk
+        )
+        got = paged_attention(
+            query, k_pages, v_pages, table, seq, qlen, PAGE, sliding_window=window, chunk_size=chunk
+        )
+        torch.testing.assert_close(got, flat, atol=0, rtol=0)
+    slots = torch.tensor([5, 9, 14, 2])
+    new_k, new_v = torch.randn(4, KV_HEADS, HEAD_DIM), torch.randn(4, KV_HEADS, HEAD_DIM)
+    write_kv(k_cache, v_cache, slots, new_k, new_v)
+    write_kv(k_pages, v_pages, slots, new_k, new_v)
+    # NaN marks the slots nobody wrote, in both forms alike
+    torch.testing.assert_close(
+        k_pages.reshape(-1, KV_HEADS, HEAD_DIM), k_cache, atol=0, rtol=0, equal_nan=True
+    )
+    torch.testing.assert_close(
+        v_pages.reshape(-1, KV_HEADS, HEAD_DIM), v_cache, atol=0, rtol=0, equal_nan=True
+    )
+    with pytest.raises(ValueError, match="pages of 4 rows, page_size is 2"):
+        paged_attention(query, k_pages, v_pages, table, seq, qlen, 2)

@@ -8,7 +8,10 @@ This module is the executable definition of the page layout that an attention ke
 (SPEC 1, 8 and 11):
 
 * K/V buffers are ``[num_pages * P, kv_heads, head_dim]``; with hybrid slabs several layers
-  share one tensor, which is safe because a page belongs to one group at a time.
+  share one tensor, which is safe because a page belongs to one group at a time. The SPEC 13
+  arena's views (:meth:`~flat_kvcache.torch.ArenaBuffers.k`) are ``[num_pages, P, kv_heads,
+  head_dim]`` with a page stride of their own; every function here takes either form, a slot
+  ``s`` being row ``s % P`` of page ``s // P`` in the second.
 * The cache slot of token position ``pos`` of request ``r`` is
   ``table[r, pos // P] * P + pos % P``, where ``table`` is the request's row of its layer's group
   (int32; holes are the null page 0, padding past the row is -1).
@@ -61,13 +64,30 @@ def write_kv(
             f"key and value must both be [tokens, kv_heads, head_dim] with tokens = {flat.shape[0]} "
             f"(the slots), got {tuple(key.shape)} and {tuple(value.shape)}"
         )
-    if k_cache.shape[1:] != key.shape[1:] or v_cache.shape[1:] != value.shape[1:]:
+    _check_paged_pair(k_cache, v_cache)
+    if k_cache.shape[-2:] != key.shape[1:] or v_cache.shape[-2:] != value.shape[1:]:
         raise ValueError(
-            f"cache rows are {tuple(k_cache.shape[1:])} / {tuple(v_cache.shape[1:])}, "
+            f"cache rows are {tuple(k_cache.shape[-2:])} / {tuple(v_cache.shape[-2:])}, "
             f"the new rows {tuple(key.shape[1:])}"
         )
-    k_cache.index_copy_(0, flat.long(), key.to(k_cache.dtype))
-    v_cache.index_copy_(0, flat.long(), value.to(v_cache.dtype))
+    index = flat.long()
+    if k_cache.dim() == 4:  # [pages, P, kv_heads, head_dim]: slot s is row s % P of page s // P
+        size = int(k_cache.shape[1])
+        at = (index // size, index % size)
+        k_cache.index_put_(at, key.to(k_cache.dtype))
+        v_cache.index_put_(at, value.to(v_cache.dtype))
+        return
+    k_cache.index_copy_(0, index, key.to(k_cache.dtype))
+    v_cache.index_copy_(0, index, value.to(v_cache.dtype))
+
+
+def _check_paged_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """K and V caches of one of the two forms (module docstring), the same shape."""
+    if k_cache.dim() not in (3, 4) or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be [slots, kv_heads, head_dim] or [pages, page_size, "
+            f"kv_heads, head_dim], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
 
 
 def paged_attention(
@@ -94,7 +114,8 @@ def paged_attention(
         ``[tokens, heads, head_dim]``: the queries of every request, concatenated in row order
         (``tokens == sum(query_lens)``).
     k_cache, v_cache
-        ``[num_pages * page_size, kv_heads, head_dim]`` (``KVBuffers.k(layer)`` / ``.v(layer)``);
+        ``[num_pages * page_size, kv_heads, head_dim]`` (``KVBuffers.k(layer)`` / ``.v(layer)``)
+        or ``[num_pages, page_size, kv_heads, head_dim]`` (``ArenaBuffers.k(layer)``);
         ``heads`` must be a multiple of ``kv_heads`` (grouped-query attention).
     block_table
         int ``[rows, cols]``: the layer's group table (``FlatKVCache.block_tables`` or a
@@ -127,17 +148,15 @@ def paged_attention(
     size = as_int(page_size, "page_size", minimum=1)
     if query.dim() != 3:
         raise ValueError(f"query must be [tokens, heads, head_dim], got shape {tuple(query.shape)}")
-    if k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"k_cache and v_cache must both be [slots, kv_heads, head_dim], got "
-            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
+    _check_paged_pair(k_cache, v_cache)
+    if k_cache.dim() == 4 and int(k_cache.shape[1]) != size:
+        raise ValueError(f"k_cache holds pages of {int(k_cache.shape[1])} rows, page_size is {size}")
     tokens, heads, head_dim = (int(d) for d in query.shape)
-    kv_heads = int(k_cache.shape[1])
-    if int(k_cache.shape[2]) != head_dim or heads % kv_heads:
+    kv_heads = int(k_cache.shape[-2])
+    if int(k_cache.shape[-1]) != head_dim or heads % kv_heads:
         raise ValueError(
             f"query has {heads} heads of {head_dim}; the cache has {kv_heads} heads of "
-            f"{int(k_cache.shape[2])} "
+            f"{int(k_cache.shape[-1])} "
             "(heads must be a multiple of kv_heads, head dims equal)"
         )
     if block_table.dim() != 2:
@@ -182,8 +201,12 @@ def paged_attention(
             f"{pos // size} holds {what}"
         )
 
-    keys = k_cache[slots].to(torch.float32)  # [rows, span, kv_heads, head_dim]
-    values = v_cache[slots].to(torch.float32)
+    if k_cache.dim() == 4:
+        at = (pages.clamp(min=0), (k_pos % size)[None, :].expand(rows, span))
+        keys, values = k_cache[at].to(torch.float32), v_cache[at].to(torch.float32)
+    else:
+        keys = k_cache[slots].to(torch.float32)  # [rows, span, kv_heads, head_dim]
+        values = v_cache[slots].to(torch.float32)
     group = heads // kv_heads
     keys = keys.repeat_interleave(group, dim=2)[row_of]  # [tokens, span, heads, head_dim]
     values = values.repeat_interleave(group, dim=2)[row_of]

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -30,9 +32,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from flat_kvcache import FlatKVCache, layer_group_ids
-from flat_kvcache._types import CHUNKED_WINDOW, SLIDING_WINDOW, STATE
+from flat_kvcache import (
+    ArenaPlan,
+    FlatKVCache,
+    KVCacheSpec,
+    group_specs_from_layer_types,
+    kv_cache_specs,
+    layer_group_ids,
+    plan_arena,
+)
+from flat_kvcache._types import CHUNKED_WINDOW, SLIDING_WINDOW, STATE, STATE_LAYER_TYPES
 from flat_kvcache.torch._checks import as_int
+from flat_kvcache.torch.arena import ArenaBuffers
 from flat_kvcache.torch.attention import paged_attention, write_kv
 from flat_kvcache.torch.capture import CaptureBuffers, extend_locations
 from flat_kvcache.torch.host import TransferExecutor
@@ -46,6 +57,8 @@ __all__ = [
     "DecodeGraph",
     "PagedModelRunner",
     "RequestRecord",
+    "arena_for_units",
+    "arena_specs",
     "max_logit_error",
     "model_shape",
     "plan_for_pages",
@@ -59,9 +72,18 @@ __all__ = [
 ATTN_IMPLEMENTATION = "flat_kvcache_paged"
 
 
+#: The device buffers a runner reads and writes: SPEC 3 buffers, or the SPEC 13 arena (the only
+#: storage of state groups).
+Buffers = KVBuffers | ArenaBuffers
+
+#: The state components the runner moves between the arena and a model's own cache layer: the
+#: conv inputs (``kernel - 1`` columns here, ``kernel`` in ``transformers``) and the recurrent state.
+_STATE_COMPONENTS = ("conv", "ssm")
+
+
 @dataclass
 class _StepContext:
-    buffers: KVBuffers
+    buffers: Buffers
     cache_layer: Mapping[int, int]
     group_of_layer: Sequence[str]
     windows: Mapping[str, int | None]
@@ -209,10 +231,12 @@ def model_shape(config: Any, kv_dtype: torch.dtype = torch.float32) -> ModelShap
 
 
 #: The ``kind`` names :func:`tiny_model` builds.
-TINY_MODEL_KINDS = ("gpt-oss", "qwen2", "llama", "gemma2", "mistral", "llama4")
+TINY_MODEL_KINDS = ("gpt-oss", "qwen2", "llama", "gemma2", "mistral", "llama4", "qwen3-next", "bamba")
 
 # The budget of the one-page plan that :func:`plan_for_pages` reads ``bytes_per_page`` from.
 _PROBE_BUDGET_BYTES = 1 << 24
+# The budget of the probe arena that :func:`arena_for_units` reads ``unit_bytes`` from.
+_ARENA_PROBE_BYTES = 1 << 30
 
 
 def tiny_model(
@@ -245,9 +269,16 @@ def tiny_model(
       ``attention_chunk_size=window`` (RoPE and QK L2-norm) in every layer but the last, which
       is full attention without RoPE (NoPE, with the default query temperature tuning, a scale
       of 1 below position 8191); head dim 8, dense MLPs of size 48 unless given (no MoE layer).
+    - ``"qwen3-next"``: Qwen3-Next (``Qwen3NextForCausalLM``): Gated DeltaNet and full
+      attention alternating (GDN first), GDN with 2 key and 4 value heads of 8, conv kernel 4,
+      attention head dim 8, dense MLPs of size 48 unless given (no MoE layer); ``window`` is
+      not used. Its GDN runs ``transformers``' torch path on the CPU.
+    - ``"bamba"``: Bamba (``BambaForCausalLM``): mamba2 and full attention alternating (mamba2
+      first), mamba2 with 4 heads of 16, state 8, 1 group, conv kernel 4, scan chunk 16; MLP
+      size 48 unless given; ``window`` is not used.
 
-    The alternating kinds have ``sliding_window=window`` and need an even ``num_layers``;
-    ``"llama4"`` needs at least 2 layers.
+    The alternating kinds (``"qwen3-next"`` and ``"bamba"`` too) need an even ``num_layers``,
+    the sliding ones have ``sliding_window=window``; ``"llama4"`` needs at least 2 layers.
     Needs ``transformers``.
     """
     if kind not in TINY_MODEL_KINDS:
@@ -259,7 +290,7 @@ def tiny_model(
     else:
         mlp = as_int(intermediate_size, "intermediate_size", minimum=1)
     alternating = kind in ("gpt-oss", "qwen2", "gemma2")
-    if alternating and num_layers % 2:
+    if (alternating or kind in ("qwen3-next", "bamba")) and num_layers % 2:
         raise ValueError(
             f"a {kind} model alternates sliding and full layers: num_layers must be even, got {num_layers}"
         )
@@ -313,6 +344,33 @@ def tiny_model(
         model = transformers.Llama4ForCausalLM(llama4)
     elif kind == "mistral":
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=window))
+    elif kind == "qwen3-next":
+        qwen3_next = transformers.Qwen3NextConfig(
+            **common,
+            head_dim=8,
+            layer_types=["linear_attention", "full_attention"] * (num_layers // 2),
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            num_experts=0,
+            mlp_only_layers=list(range(num_layers)),  # every layer a dense MLP
+        )
+        model = transformers.Qwen3NextForCausalLM(qwen3_next)
+    elif kind == "bamba":
+        bamba = transformers.BambaConfig(
+            **common,
+            attn_layer_indices=list(range(1, num_layers, 2)),
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_n_groups=1,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=16,
+        )
+        model = transformers.BambaForCausalLM(bamba)
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     return model.eval().to(device)
@@ -361,39 +419,80 @@ def plan_for_pages(
     return plan
 
 
+def arena_for_units(
+    shape: ModelShape, *, page_size: int, num_units: int, max_live_requests: int = 1
+) -> ArenaPlan:
+    """A :func:`flat_kvcache.plan_arena` plan of exactly ``num_units`` units (unit 0 included)
+    instead of a byte budget: a probe plan gives the unit's bytes, the real plan's budget is
+    ``num_units`` of them."""
+    units = as_int(num_units, "num_units", minimum=2)
+    components = shape.components()
+    unit_bytes = plan_arena(components, page_size, _ARENA_PROBE_BYTES).unit_bytes
+    plan = plan_arena(components, page_size, unit_bytes * units, max_live_requests=max_live_requests)
+    if plan.num_units != units:  # pragma: no cover - a budget of n units plans n units
+        raise RuntimeError(f"asked for {units} units, the plan has {plan.num_units}")
+    return plan
+
+
+def arena_specs(shape: ModelShape, *, page_size: int, state_grain: int) -> list[KVCacheSpec]:
+    """The engine's group specs of ``shape`` over an arena: every group pages ``page_size``
+    tokens, except the state groups, whose page (a checkpoint's spacing) is ``state_grain``
+    tokens (SPEC 13.5)."""
+    grain = as_int(state_grain, "state_grain", minimum=1)
+    groups = group_specs_from_layer_types(shape.layer_types, shape.sliding_window, page_size=page_size)
+    return [
+        dataclasses.replace(spec, page_size=grain) if spec.kind == "state" else spec
+        for spec in kv_cache_specs(groups)
+    ]
+
+
 class PagedModelRunner:
     """Runs ``model`` over a :class:`~flat_kvcache.FlatKVCache`'s pages and ``buffers``.
+
+    Attention-only models run every step as one packed forward. A model with state layers
+    (Qwen3-Next's Gated DeltaNet, mamba2 hybrids such as Bamba and Granite 4.0) runs on the
+    SPEC 13 arena (:class:`~flat_kvcache.torch.ArenaBuffers`): each scheduled request then gets
+    a forward of its own, whose state layers start from the state slot ``cache.state_slots``
+    says the step reads (copied into the slot it writes where they differ, SPEC 13.4) and leave
+    the state after the step in the write slot. The state travels through the model's own
+    ``transformers`` cache layer (loaded before, read back after), so the model's own recurrence
+    code computes it; the arena keeps the conv inputs' last ``kernel - 1`` columns, where that
+    layer keeps ``kernel`` (the first is never read again).
 
     Parameters
     ----------
     model
         A ``transformers`` causal LM whose attention layers call the attention-function registry
-        (Llama, Qwen2, Mistral, Gemma, GPT-OSS...). Its ``layer_types`` / ``sliding_window`` must
-        be those ``buffers`` were planned for.
+        (Llama, Qwen2, Mistral, Gemma, GPT-OSS, Qwen3-Next, Bamba...). Its layers must be those
+        ``buffers`` were planned for.
     cache
-        The page manager, built from ``buffers.plan.groups``.
+        The page manager, built from the same groups (``buffers.plan.groups``; with an arena,
+        ``FlatKVCache(specs, arena=buffers.plan)``).
     buffers
-        The K/V buffers (per layer or hybrid slabs).
+        The K/V buffers (per layer or hybrid slabs), or the arena's views.
     capture
-        Optional :class:`CaptureBuffers`: every step fills them and the attention reads their rows
-        (in windowed mode, ``sliding_offsets=True``, with the row offsets applied).
+        Optional :class:`CaptureBuffers` (attention-only models): every step fills them and the
+        attention reads their rows (in windowed mode, ``sliding_offsets=True``, with the row
+        offsets applied).
     rows
-        Optional :class:`~flat_kvcache.torch.rows.DeviceRows` bound to ``cache``: row ``s`` is
-        the request in slot ``s``, every step applies ``update_rows()``'s deltas to the device
-        tables and the attention reads those rows (windowed groups with their offsets applied).
-        Not with ``capture``.
+        Optional :class:`~flat_kvcache.torch.rows.DeviceRows` bound to ``cache`` (attention-only
+        models): row ``s`` is the request in slot ``s``, every step applies ``update_rows()``'s
+        deltas to the device tables and the attention reads those rows (windowed groups with
+        their offsets applied). Not with ``capture``.
     check
         Check write locations and attended slots (ValueError on a hole or padding).
     poison_new_pages
-        Fill every page a request gets from the pool with NaN before its first use (claimed
+        Fill every K/V page a request gets from the pool with NaN before its first use (claimed
         prefix-hit pages keep their content), so a read of an unwritten slot shows up as NaN.
+        (State slots: poison the arena once, ``buffers.arena[plan.unit_bytes:].fill_(255)``;
+        a step never reads a slot it did not get from the cache.)
     """
 
     def __init__(
         self,
         model: Any,
         cache: FlatKVCache,
-        buffers: KVBuffers,
+        buffers: Buffers,
         *,
         capture: CaptureBuffers | None = None,
         rows: DeviceRows | None = None,
@@ -412,11 +511,23 @@ class PagedModelRunner:
         self.capture = capture
         self.check = check
         self.poison_new_pages = poison_new_pages
-        plan = buffers.plan
-        self.page_size = plan.page_size
-        shape = plan.shape
-        if any(spec.family == STATE for spec in plan.groups):
-            raise ValueError("PagedModelRunner drives attention layers only; the plan has a state group")
+        if isinstance(buffers, ArenaBuffers):
+            shape = buffers.shape
+            self.page_size = buffers.plan.page_size
+            groups = group_specs_from_layer_types(
+                shape.layer_types, shape.sliding_window, page_size=self.page_size
+            )
+            self.device = buffers.arena.device
+        else:
+            shape = buffers.plan.shape
+            self.page_size = buffers.plan.page_size
+            groups = list(buffers.plan.groups)
+            if any(spec.family == STATE for spec in groups):
+                raise ValueError(
+                    "the plan has a state group: state layers run on the SPEC 13 arena "
+                    "(buffers from allocate_kv_buffers(plan_arena_memory(...)) or allocate_arena)"
+                )
+            self.device = next(iter(buffers.tensors.values())).device
         expected = model_shape(model.config, shape.kv_dtype)
         mine = (expected.layer_types, expected.sliding_window, expected.model_layers)
         if mine != (shape.layer_types, shape.sliding_window, shape.model_layers):
@@ -424,31 +535,56 @@ class PagedModelRunner:
                 f"the model's layers {expected.layer_types} (window {expected.sliding_window}) are not "
                 f"those the buffers were planned for: {shape.layer_types} (window {shape.sliding_window})"
             )
-        if list(cache.group_ids) != [spec.group_id for spec in plan.groups]:
+        if list(cache.group_ids) != [spec.group_id for spec in groups]:
             raise ValueError(
                 f"cache groups {list(cache.group_ids)} differ from the plan's "
-                f"{[spec.group_id for spec in plan.groups]}"
+                f"{[spec.group_id for spec in groups]}"
             )
         self.group_of_layer = layer_group_ids(shape.layer_types, shape.sliding_window)
         model_layers = shape.model_layers or tuple(range(len(shape.layer_types)))
-        self.cache_layer = {model: cache for cache, model in enumerate(model_layers)}
+        #: Model layer -> its attention cache layer, and (cache layer, model layer) of each state layer.
+        self.cache_layer: dict[int, int] = {}
+        self.state_layers: list[tuple[int, int]] = []
+        for layer, (label, model_layer) in enumerate(zip(shape.layer_types, model_layers, strict=True)):
+            if label in STATE_LAYER_TYPES:
+                self.state_layers.append((layer, model_layer))
+            else:
+                self.cache_layer[model_layer] = layer
+        if self.state_layers:
+            self._check_state_model(shape, capture, rows)
         self.windows: dict[str, int | None] = {
             spec.group_id: spec.sliding_window_tokens if spec.retention == SLIDING_WINDOW else None
-            for spec in plan.groups
+            for spec in groups
         }
         # A chunked group's chunk is its window entry (SPEC 6): what its layers attend.
         self.chunks: dict[str, int | None] = {
             spec.group_id: spec.sliding_window_tokens if spec.retention == CHUNKED_WINDOW else None
-            for spec in plan.groups
+            for spec in groups
         }
         # Chunked tables are absolute in every source: CaptureBuffers never windows them and
         # bind_rows refuses offsets for them (the chunk mask needs absolute positions).
+        #: The attention layers of each attention group (state groups have no table to read).
         self.layers_of_group: dict[str, list[int]] = {}
-        for layer, group in enumerate(self.group_of_layer):
-            self.layers_of_group.setdefault(group, []).append(layer)
+        for layer in sorted(self.cache_layer.values()):
+            self.layers_of_group.setdefault(self.group_of_layer[layer], []).append(layer)
         # Per slot: the pages of each group it has seen (poisoned once, when first seen).
         self._known: dict[int, dict[str, set[int]]] = {}
-        self.device = next(iter(buffers.tensors.values())).device
+
+    def _check_state_model(
+        self, shape: ModelShape, capture: CaptureBuffers | None, rows: DeviceRows | None
+    ) -> None:
+        """Refuse what the per-request state path does not do, naming it."""
+        if capture is not None or rows is not None:
+            raise ValueError(
+                "a model with state layers runs one forward per request from its state slots: "
+                "capture= and rows= are for attention-only models"
+            )
+        components = tuple(sorted(shape.state_shapes or {}))
+        if components != _STATE_COMPONENTS:
+            raise ValueError(
+                f"the runner moves conv + ssm states (Gated DeltaNet, mamba2); this model's state "
+                f"components are {list(components)}"
+            )
 
     # -- request bookkeeping ------------------------------------------------------------------
 
@@ -479,20 +615,83 @@ class PagedModelRunner:
         finally:
             self.model.set_attn_implementation(previous)
 
+    def _page_rows(self, tensor: torch.Tensor, page: int) -> torch.Tensor:
+        """The rows of ``page`` in a K or V cache of either form (``paged_attention``'s)."""
+        if tensor.dim() == 4:
+            return tensor[page]
+        return tensor[page * self.page_size : (page + 1) * self.page_size]
+
     def _poison(self, slots: Sequence[int], tables: Mapping[str, np.ndarray]) -> None:
-        size = self.page_size
         for row, slot in enumerate(slots):
             known = self._known.setdefault(slot, {})
-            for group, table in tables.items():
+            for group, layers in self.layers_of_group.items():
                 seen = known.setdefault(group, set())
-                for page in (int(p) for p in table[row] if p > 0):
+                for page in (int(p) for p in tables[group][row] if p > 0):
                     if page in seen:
                         continue
                     seen.add(page)
                     if self.poison_new_pages:
-                        for layer in self.layers_of_group[group]:
-                            self.buffers.k(layer)[page * size : (page + 1) * size] = math.nan
-                            self.buffers.v(layer)[page * size : (page + 1) * size] = math.nan
+                        for layer in layers:
+                            self._page_rows(self.buffers.k(layer), page).fill_(math.nan)
+                            self._page_rows(self.buffers.v(layer), page).fill_(math.nan)
+
+    # -- state slots --------------------------------------------------------------------------
+
+    def _arena(self) -> ArenaBuffers:
+        assert isinstance(self.buffers, ArenaBuffers)  # checked at construction for state models
+        return self.buffers
+
+    def _load_state(self, read: int, write: int) -> Any:
+        """The model's own cache for one request's step: its state layers hold the state of slot
+        ``read`` (copied into ``write`` first where they differ; none for a fresh request, read
+        0), its attention layers nothing (the pages hold their K/V)."""
+        from transformers import DynamicCache
+        from transformers.cache_utils import LinearAttentionLayer
+
+        arena = self._arena()
+        if read != write and read != 0:
+            for layer, _ in self.state_layers:
+                for component in _STATE_COMPONENTS:
+                    view = arena.state(layer, component)
+                    view[write] = view[read]
+        own = DynamicCache(config=self.model.config)
+        if read == 0:
+            return own
+        for layer, model_layer in self.state_layers:
+            target = own.layers[model_layer]
+            if not isinstance(target, LinearAttentionLayer):
+                raise TypeError(
+                    f"model layer {model_layer} is a state layer here but its transformers cache layer "
+                    f"is a {type(target).__name__}, not a LinearAttentionLayer"
+                )
+            conv = arena.state(layer, "conv")[write]
+            ssm = arena.state(layer, "ssm")[write]
+            kernel_inputs = torch.zeros(
+                (1, conv.shape[0], conv.shape[1] + 1), dtype=conv.dtype, device=conv.device
+            )
+            kernel_inputs[0, :, 1:] = conv  # column 0 (the oldest input) is never read again
+            target.lazy_initialization(
+                conv_states=kernel_inputs, recurrent_states=ssm[None], conv_kernel_size=conv.shape[1] + 1
+            )
+            conv_state, recurrent_state = target.conv_states[0], target.recurrent_states[0]
+            assert conv_state is not None and recurrent_state is not None  # initialized just above
+            conv_state.copy_(kernel_inputs)
+            recurrent_state.copy_(ssm[None])
+            target.has_previous_state[0] = True
+        return own
+
+    def _store_state(self, own: Any, write: int) -> None:
+        """Slot ``write`` takes the state the step left in the model's own cache layers."""
+        arena = self._arena()
+        for layer, model_layer in self.state_layers:
+            source = own.layers[model_layer]
+            if not (source.is_conv_states_initialized[0] and source.is_recurrent_states_initialized[0]):
+                raise RuntimeError(f"model layer {model_layer} left no state in its cache layer")
+            conv = arena.state(layer, "conv")
+            columns = int(conv.shape[-1])
+            inputs = source.conv_states[0][0]
+            conv[write] = inputs[:, inputs.shape[-1] - columns :]
+            arena.state(layer, "ssm")[write] = source.recurrent_states[0][0]
 
     # -- one forward --------------------------------------------------------------------------
 
@@ -510,6 +709,22 @@ class PagedModelRunner:
         lens = [len(t) for t in new_tokens]
         if min(lens) < 1:
             raise ValueError("every scheduled request needs at least one new token")
+        if not self.state_layers:
+            return self._forward(slots, new_tokens, None)
+        read, write = self.cache.state_slots(list(slots), lens)
+        out: list[torch.Tensor] = []
+        for i, slot in enumerate(slots):
+            own = self._load_state(int(read[i]), int(write[i]))
+            out.extend(self._forward([slot], [new_tokens[i]], own))
+            self._store_state(own, int(write[i]))
+        return out
+
+    def _forward(
+        self, slots: Sequence[int], new_tokens: Sequence[Sequence[int]], own: Any
+    ) -> list[torch.Tensor]:
+        """One forward over the packed new tokens of ``slots``; ``own`` is the model's own cache
+        holding the state layers' state (a single request), or None (no state layers)."""
+        lens = [len(t) for t in new_tokens]
         computed = [self.cache.num_computed_tokens(s) for s in slots]
         _check_temperature_tuning(self.model.config, sum(lens), max(computed) - 1)
         tables_np = self.cache.block_tables(list(slots))
@@ -563,25 +778,54 @@ class PagedModelRunner:
         token = _ACTIVE.set(context)
         try:
             with self._paged(), torch.no_grad():
-                out = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False)
+                if own is None:
+                    out = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False)
+                else:
+                    out = self.model(
+                        input_ids=ids[None], position_ids=positions[None], past_key_values=own, use_cache=True
+                    )
         finally:
             _ACTIVE.reset(token)
         logits: torch.Tensor = out.logits[0].float()
         return list(torch.split(logits, lens))
 
 
-def reference_logits(model: Any, tokens: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
-    """``[len(tokens), vocab]``: the model's own forward over the whole sequence (eager attention)."""
+def reference_logits(
+    model: Any, tokens: Sequence[int], device: torch.device | str = "cpu", *, cuts: Sequence[int] = ()
+) -> torch.Tensor:
+    """``[len(tokens), vocab]``: the model's own forward (eager attention).
+
+    Without ``cuts``, one forward over the whole sequence. With ``cuts`` (positions in
+    ``1 .. len(tokens) - 1``), one forward per piece between them, in order, the model's own
+    ``DynamicCache`` carrying K/V and recurrent state from piece to piece: the same cuts as a
+    paged run, where a chunked recurrence (Gated DeltaNet, mamba2) would otherwise round
+    differently.
+    """
+    bounds = sorted({0, len(tokens), *(as_int(c, "cuts[i]", minimum=0) for c in cuts)})
+    if bounds[-1] != len(tokens):
+        raise ValueError(f"cuts must lie inside the {len(tokens)} tokens, got {list(cuts)}")
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
         with torch.no_grad():
             ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
-            out = model(input_ids=ids, use_cache=False)
+            if len(bounds) <= 2:
+                out = model(input_ids=ids, use_cache=False)
+                logits: torch.Tensor = out.logits[0].float()
+                return logits
+            from transformers import DynamicCache
+
+            own = DynamicCache(config=model.config)
+            pieces = []
+            for start, end in itertools.pairwise(bounds):
+                positions = torch.arange(start, end, device=device)[None]
+                out = model(
+                    input_ids=ids[:, start:end], position_ids=positions, past_key_values=own, use_cache=True
+                )
+                pieces.append(out.logits[0].float())
     finally:
         model.set_attn_implementation(previous)
-    logits: torch.Tensor = out.logits[0].float()
-    return logits
+    return torch.cat(pieces)
 
 
 @dataclass
@@ -618,7 +862,8 @@ def run_greedy(
     Requests are admitted in order while fewer than ``max_running`` run, each keeping the slot
     ``add_request`` returned (``RequestRecord.slot``); each step schedules
     ``min(chunk_size, tokens not computed)`` tokens per running request with one
-    ``schedule(slots, ns)`` call; a request that does not fit is preempted (its folded tokens
+    ``schedule(slots, ns)`` call (for a model with state layers, cut by ``cache.next_chunk`` so
+    that checkpoints land on the grain); a request that does not fit is preempted (its folded tokens
     re-added later, a prefix hit), and when none fits the newest running request is retracted
     to make room (SPEC 9), no request being admitted until a step schedules again; only a
     request that does not fit alone fails the run. The sampled tokens go
@@ -659,6 +904,8 @@ def run_greedy(
             min(chunk_size, len(records[r].tokens) - runner.cache.num_computed_tokens(s))
             for r, s in zip(running, slots, strict=True)
         ]
+        if runner.state_layers:  # cut where the state groups keep checkpoints (SPEC 13.5)
+            ns = [int(runner.cache.next_chunk(s, n)) for s, n in zip(slots, ns, strict=True)]
         ok = runner.cache.schedule(slots, ns).tolist()
         failed = [r for r, good in zip(running, ok, strict=True) if not good]
         scheduled = [(r, n) for r, n, good in zip(running, ns, ok, strict=True) if good]
@@ -710,10 +957,15 @@ def run_greedy(
 def max_logit_error(
     model: Any, records: Mapping[str, RequestRecord], device: torch.device | str = "cpu"
 ) -> float:
-    """Largest ``|paged - reference|`` over every computed position of every request."""
+    """Largest ``|paged - reference|`` over every computed position of every request.
+
+    For a model with state layers, the reference runs in pieces cut where the paged run's
+    forwards started (:func:`reference_logits` ``cuts``)."""
+    stateful = model_shape(model.config).state_shapes is not None
     worst = 0.0
     for record in records.values():
-        reference = reference_logits(model, record.tokens, device)
+        cuts = sorted({positions[0] for positions, _ in record.computed}) if stateful else []
+        reference = reference_logits(model, record.tokens, device, cuts=cuts)
         for positions, logits in record.computed:
             diff = (logits.to(reference.device) - reference[positions]).abs().max()
             worst = max(worst, float(diff) if bool(torch.isfinite(diff)) else math.inf)

@@ -1,0 +1,261 @@
+"""State hybrids computed through the SPEC 13 arena match their own forward.
+
+A tiny Qwen3-Next (Gated DeltaNet + full attention, ``transformers``' torch path on the CPU) and
+a tiny Bamba (mamba2 + full attention) run on ``FlatKVCache(arena=)`` through
+``flat_kvcache.torch.runner``: attention layers write and read their K/V in the arena's pages,
+state layers start each step from the state slot ``state_slots`` names (copied into the write
+slot where they differ) and leave their state there. Nothing else carries state from step to
+step, so logits equal to the model's own forward (its own ``DynamicCache``, cut where the paged
+run's forwards started) prove the slots, checkpoints and tables right. The arena starts
+NaN-poisoned (all but unit 0, the null page and slot), so a read of a slot nobody wrote shows.
+
+Expectations come from SPEC 13: checkpoints every ``G`` tokens where chunks end (13.5a), at a
+branch point (13.5c), a hit resumes at the latest checkpoint on the prompt's path, never at its
+last token; they do not come from the engine's answers. Both engines run every case.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import pytest
+from helpers import missing
+
+try:
+    import torch
+    import transformers  # noqa: F401  (tiny_model builds its models)
+except ImportError as exc:
+    missing(exc.name or "torch/transformers", exc)
+
+import flat_kvcache
+import flat_kvcache.reference
+from flat_kvcache.torch import ArenaBuffers, allocate_arena
+from flat_kvcache.torch.runner import (
+    PagedModelRunner,
+    RequestRecord,
+    arena_for_units,
+    arena_specs,
+    max_logit_error,
+    model_shape,
+    run_greedy,
+    tiny_model,
+)
+
+pytestmark = [
+    pytest.mark.torch,
+    pytest.mark.skipif(not flat_kvcache.FLAT_KVCACHE, reason="needs the flat build"),
+]
+
+#: float32 models; the GDN and mamba2 chunked kernels round a little differently per cut.
+TOLERANCE = 1e-3
+#: Tokens per K/V page and the state checkpoint grain.
+P = 4
+G = 8
+KINDS = ["qwen3-next", "bamba"]
+ENGINES = [
+    pytest.param(flat_kvcache, id="native"),
+    pytest.param(flat_kvcache.reference, id="reference"),
+]
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models run far faster (and steadier on a shared machine) on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+_MODELS: dict[str, Any] = {}
+
+
+def model_of(kind: str) -> Any:
+    if kind not in _MODELS:
+        _MODELS[kind] = tiny_model(kind, num_layers=4, seed=0)
+    return _MODELS[kind]
+
+
+@dataclass
+class Setup:
+    model: Any
+    cache: Any
+    arena: ArenaBuffers
+    runner: PagedModelRunner
+
+
+def setup(kind: str, engine: ModuleType, num_units: int = 64, *, max_live: int = 1) -> Setup:
+    model = model_of(kind)
+    shape = model_shape(model.config)
+    plan = arena_for_units(shape, page_size=P, num_units=num_units, max_live_requests=max_live)
+    arena = allocate_arena(shape, plan, "cpu")
+    arena.arena[plan.unit_bytes :].fill_(0xFF)  # NaN in float32; unit 0 (null page and slot) stays 0
+    cache = engine.FlatKVCache(arena_specs(shape, page_size=P, state_grain=G), arena=plan)
+    runner = PagedModelRunner(model, cache, arena, poison_new_pages=True)
+    return Setup(model, cache, arena, runner)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def starts(record: RequestRecord) -> list[int]:
+    """The first position of each forward that computed some of the request."""
+    return [positions[0] for positions, _ in record.computed]
+
+
+def exact(s: Setup, records: dict[str, RequestRecord]) -> None:
+    error = max_logit_error(s.model, records)
+    assert error <= TOLERANCE, error
+    s.cache.check_invariants()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_request_greedy_in_one_prefill(kind: str, engine: ModuleType) -> None:
+    s = setup(kind, engine)
+    records = run_greedy(s.runner, {"a": tokens(1, 21)}, 8)
+    # no chunk limit, but the prefill is cut at the body's end, the last multiple of G before
+    # the last prompt token (13.5b: 16 of 21), then one forward per decoded token but the last
+    assert starts(records["a"]) == [0, 16, *range(21, 28)]
+    exact(s, records)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunked_prefill_writes_checkpoints_on_the_grain(kind: str, engine: ModuleType) -> None:
+    s = setup(kind, engine)
+    records = run_greedy(s.runner, {"a": tokens(2, 30)}, 4, chunk_size=12)
+    # a 12-token limit is cut to the last grain boundary: chunks end at 8, 16, 24, then the rest
+    assert starts(records["a"])[:4] == [0, 8, 16, 24]
+    # checkpoints where chunks end on the grain before the last prompt token (13.5a-b: 8, 16,
+    # 24), and in decode (positions 30, 31, 32 computed) the step that leaves 32 computed (13.5d)
+    assert s.cache.stats()["checkpoints_written"] == 4
+    exact(s, records)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_second_request_resumes_from_a_checkpoint_and_computes_only_the_rest(
+    kind: str, engine: ModuleType
+) -> None:
+    s = setup(kind, engine)
+    base = tokens(3, 30)
+    prompts = {"a": base, "b": [*base[:27], 5, 6, 7]}
+    records = run_greedy(s.runner, prompts, 3, chunk_size=12, max_running=1)
+    # b shares 27 tokens; a left checkpoints at 8, 16 and 24: b resumes at 24
+    assert records["b"].hits == [24]
+    assert starts(records["b"])[0] == 24
+    assert s.cache.stats()["checkpoints_hit"] == 1
+    exact(s, records)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_branch_point_is_checkpointed_and_hit_by_a_third_request(kind: str, engine: ModuleType) -> None:
+    s = setup(kind, engine)
+    base = tokens(4, 30)
+    b = base[:20] + tokens(40, 6)
+    c = b[:18] + tokens(41, 5)
+    records = run_greedy(s.runner, {"a": base, "b": b, "c": c}, 2, max_running=1)
+    # a is prefilled without a chunk limit: its only prompt checkpoint is at its body's end, 24
+    assert starts(records["a"])[:2] == [0, 24]
+    # b leaves a's path at 20: its K/V pages match 20 tokens, but no checkpoint lies on the
+    # path below 24, so it starts from nothing; its first chunk ends at the branch point, 20
+    # aligned down to the grain, and leaves a checkpoint there (13.5c), then its body end 24
+    assert records["b"].hits == [0]
+    assert starts(records["b"])[:3] == [0, 16, 24]
+    # c follows b for 18 tokens: it resumes from the branch point's checkpoint
+    assert records["c"].hits == [16]
+    assert starts(records["c"])[0] == 16
+    exact(s, records)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_preemption_under_a_tight_arena_resumes_exactly(kind: str, engine: ModuleType) -> None:
+    s = setup(kind, engine, num_units=10, max_live=4)
+    prompts = {f"r{i}": tokens(50 + i, 18 + 3 * i) for i in range(5)}
+    records = run_greedy(s.runner, prompts, 10, chunk_size=8, max_running=4)
+    assert sum(r.preemptions for r in records.values()) > 0
+    assert s.cache.stats()["preemptions"] > 0
+    exact(s, records)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_evicted_checkpoint_falls_back_to_an_earlier_one(kind: str, engine: ModuleType) -> None:
+    s = setup(kind, engine, num_units=12, max_live=1)
+    base = tokens(6, 30)
+    # a leaves checkpoints at 8, 16, 24; b (sharing 10) hits 8 and makes it the most recent;
+    # an unrelated request x then fills the arena, evicting the least recently used cached data
+    prompts = {"a": base, "b": base[:10] + tokens(60, 10)}
+    prompts["x"] = tokens(70, 30)
+    prompts["c"] = [*base[:28], 1, 2]
+    records = run_greedy(s.runner, prompts, 2, chunk_size=12, max_running=1)
+    assert records["b"].hits == [8]
+    stats = s.cache.stats()
+    assert stats["checkpoints_evicted"] > 0
+    # without eviction c would resume at 24; its hit is an earlier checkpoint that survived
+    (hit,) = records["c"].hits
+    assert hit % G == 0 and 0 < hit < 24, hit
+    assert starts(records["c"])[0] == hit
+    exact(s, records)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fresh_state_slots_are_poisoned_until_written(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = setup(kind, flat_kvcache)
+    fresh: list[bool] = []
+    seen: set[int] = set()
+    load = s.runner._load_state
+
+    def checked(read: int, write: int) -> Any:
+        if write not in seen:  # a slot's first step: poison, unless a K/V page used its unit
+            seen.add(write)
+            layer = s.runner.state_layers[0][0]
+            fresh.append(bool(torch.isnan(s.arena.state(layer, "ssm")[write]).all()))
+        return load(read, write)
+
+    monkeypatch.setattr(s.runner, "_load_state", checked)
+    base = tokens(7, 30)
+    records = run_greedy(s.runner, {"a": base, "b": [*base[:26], 3]}, 2, chunk_size=12, max_running=1)
+    # b starts from a's checkpoint at 24; a's and b's first steps write slots of units no
+    # one used before (the arena hands out never-used units first): they hold the poison
+    assert records["b"].hits == [24]
+    assert fresh[:2] == [True, True]
+    exact(s, records)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_shifted_state_slot_is_caught(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = setup(kind, flat_kvcache.reference)  # a Python object: its state_slots can be wrapped
+    slots = s.cache.state_slots
+
+    def shifted(slot_list: Any, counts: Any) -> Any:
+        read, write = slots(slot_list, counts)
+        moved = read.copy()
+        moved[moved > 0] += 1  # the slot next to the checkpoint: not this request's state
+        return moved, write
+
+    monkeypatch.setattr(s.cache, "state_slots", shifted)
+    base = tokens(8, 30)
+    records = run_greedy(s.runner, {"a": base, "b": [*base[:26], 3]}, 2, chunk_size=12, max_running=1)
+    assert max_logit_error(s.model, records) > TOLERANCE
+
+
+def test_a_kv_plan_with_a_state_group_is_refused_by_the_runner() -> None:
+    from flat_kvcache.torch import allocate_kv_buffers
+    from flat_kvcache.torch.runner import plan_for_pages
+
+    model = model_of("qwen3-next")
+    shape = model_shape(model.config)
+    plan = plan_for_pages(
+        shape, page_size=16, num_pages=8, max_live_requests=1, max_scheduled_tokens=16, max_context_len=64
+    )
+    cache = flat_kvcache.FlatKVCache(list(flat_kvcache.kv_cache_specs(plan.groups)), plan.num_pages)
+    with pytest.raises(ValueError, match="SPEC 13 arena"):
+        PagedModelRunner(model, cache, allocate_kv_buffers(plan, "cpu"))
