@@ -2,11 +2,16 @@
 
 ``flat-kvcache demo`` or ``python -m flat_kvcache.demo`` (needs torch and transformers, the ``model``
 extra: ``pip install '.[model]'`` in the source tree).
-A GPT-OSS-style model with alternating sliding-window and full-attention layers runs on the CPU
-with paged attention over ``FlatKVCache``'s block tables and hybrid-slab K/V buffers. Two
-requests share a prefix; per step the demo prints the scheduled tokens, each request's prefix
-hit, pages allocated, holes (slid-out sliding pages), free pages, and at the end the largest
-logit difference to the model's own forward.
+By default (``--model gpt-oss``) a GPT-OSS-style model with alternating sliding-window and
+full-attention layers runs on the CPU with paged attention over ``FlatKVCache``'s block tables
+and hybrid-slab K/V buffers. Two requests share a prefix; per step the demo prints the scheduled
+tokens, each request's prefix hit, pages allocated, holes (slid-out sliding pages), free pages,
+and at the end the largest logit difference to the model's own forward.
+
+``--model qwen3-next`` (Gated DeltaNet + full attention) and ``--model bamba`` (mamba2 + full
+attention) are state hybrids on the SPEC 13 arena (``FlatKVCache(arena=)``): per step the demo
+prints each request's state slots (the one read, the one written) and the checkpoints written
+so far; the second request resumes from the first one's checkpoint.
 """
 
 from __future__ import annotations
@@ -23,6 +28,13 @@ MAX_CONTEXT_LEN = 1024
 #: The largest pool and the most memory its K/V buffers may take.
 MAX_NUM_PAGES = 1 << 20
 MAX_BUFFER_BYTES = 1 << 30
+#: The models: the attention-only default, and the state hybrids (on the SPEC 13 arena).
+MODELS = ("gpt-oss", "qwen3-next", "bamba")
+STATE_MODELS = ("qwen3-next", "bamba")
+#: The state hybrids' defaults: arena units and the state checkpoint grain (tokens).
+DEFAULT_NUM_UNITS = 48
+DEFAULT_STATE_GRAIN = 8
+MAX_NUM_UNITS = 1 << 16
 
 
 def longest_prompt(page_size: int) -> int:
@@ -61,24 +73,68 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--seed", type=int, default=0, metavar="S", help="seed of the random weights and prompts (0)"
     )
+    parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default="gpt-oss",
+        help="gpt-oss (sliding + full attention, the default), or a state hybrid on the SPEC 13 "
+        "arena: qwen3-next (Gated DeltaNet + full attention) or bamba (mamba2 + full attention)",
+    )
     parser.add_argument("--page-size", type=int, default=4, metavar="P", help="tokens per page (4)")
-    parser.add_argument("--window", type=int, default=8, metavar="W", help="sliding window in tokens (8)")
+    parser.add_argument(
+        "--window", type=int, default=None, metavar="W", help="sliding window in tokens (8; gpt-oss only)"
+    )
     parser.add_argument(
         "--num-pages",
         type=int,
-        default=48,
+        default=None,
         metavar="N",
-        help="pages in the pool, page 0 included (48); at least what the longer request needs alone",
+        help="pages in the pool, page 0 included (48; gpt-oss only); at least what the longer "
+        "request needs alone",
+    )
+    parser.add_argument(
+        "--num-units",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"arena units, unit 0 included ({DEFAULT_NUM_UNITS}; state hybrids only)",
+    )
+    parser.add_argument(
+        "--state-grain",
+        type=int,
+        default=None,
+        metavar="G",
+        help=f"tokens between state checkpoints, a multiple of --page-size ({DEFAULT_STATE_GRAIN}; "
+        "state hybrids only)",
     )
     return parser
 
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse, before any work, arguments the run could not finish with (``parser.error``: one
-    line naming the option, exit status 2)."""
-    for name in ("steps", "page_size", "window", "num_pages"):
+    line naming the option, exit status 2). Fills in the defaults of the model's options."""
+    state = args.model in STATE_MODELS
+    mine, others = (("num_units", "state_grain"), ("window", "num_pages"))
+    if not state:
+        mine, others = others, mine
+    for name in others:
+        if getattr(args, name) is not None:
+            parser.error(f"--{name.replace('_', '-')} is not an option of --model {args.model}")
+    defaults = {
+        "window": 8,
+        "num_pages": 48,
+        "num_units": DEFAULT_NUM_UNITS,
+        "state_grain": DEFAULT_STATE_GRAIN,
+    }
+    for name in mine:
+        if getattr(args, name) is None:
+            setattr(args, name, defaults[name])
+    for name in ("steps", "page_size", *mine):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if state:
+        _check_state(parser, args)
+        return
     if args.num_pages > MAX_NUM_PAGES:
         parser.error(f"--num-pages must be <= {MAX_NUM_PAGES}, got {args.num_pages}")
     longest = longest_prompt(args.page_size) + args.steps
@@ -97,6 +153,119 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         )
 
 
+def _check_state(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The state hybrids' arguments (the arena is sized by ``--num-units``; a pool too small
+    for request A alone is reported when the run finds it)."""
+    if args.num_units < 4 or args.num_units > MAX_NUM_UNITS:
+        parser.error(f"--num-units must be in 4..{MAX_NUM_UNITS}, got {args.num_units}")
+    if args.state_grain % args.page_size:
+        parser.error(
+            f"--state-grain {args.state_grain} must be a multiple of --page-size {args.page_size} "
+            "(a checkpoint lies on a page boundary)"
+        )
+    longest = longest_prompt(args.page_size) + args.steps
+    if longest > MAX_CONTEXT_LEN:
+        parser.error(
+            f"--page-size {args.page_size} and --steps {args.steps}: the longer request would hold "
+            f"{longest} tokens; the demo plans for at most {MAX_CONTEXT_LEN}"
+        )
+
+
+def _run_state_model(args: argparse.Namespace) -> int:
+    """The state hybrid demo: the model on the SPEC 13 arena, its state slots per step."""
+    import torch
+
+    import flat_kvcache as fk
+    from flat_kvcache.torch import allocate_arena
+    from flat_kvcache.torch.runner import (
+        PagedModelRunner,
+        RequestRecord,
+        arena_for_units,
+        arena_specs,
+        max_logit_error,
+        model_shape,
+        run_greedy,
+        tiny_model,
+    )
+
+    model = tiny_model(args.model, num_layers=4, seed=args.seed, max_position_embeddings=4096)
+    shape = model_shape(model.config)
+    plan = arena_for_units(shape, page_size=args.page_size, num_units=args.num_units, max_live_requests=1)
+    if plan.num_units * plan.unit_bytes > MAX_BUFFER_BYTES:
+        print(
+            f"demo: --num-units {args.num_units}: the arena would take {plan.num_units * plan.unit_bytes} "
+            f"bytes, more than the demo allows ({MAX_BUFFER_BYTES})",
+            file=sys.stderr,
+        )
+        return 2
+    arena = allocate_arena(shape, plan, "cpu")
+    arena.arena[plan.unit_bytes :].fill_(0xFF)  # NaN: a read of a slot nobody wrote would show
+    cache = fk.FlatKVCache(
+        arena_specs(shape, page_size=args.page_size, state_grain=args.state_grain), arena=plan
+    )
+    runner = PagedModelRunner(model, cache, arena, poison_new_pages=True)
+    kinds = sorted(set(shape.layer_types))
+    print(
+        f"model: a tiny random {args.model} model, {shape.num_layers} layers "
+        f"({', '.join(shape.layer_types)}); "
+        f"state components {dict(shape.state_shapes or {})}"
+    )
+    print(
+        f"arena: {plan.num_units} units of {plan.unit_bytes} bytes (a unit is one state slot or "
+        f"several K/V pages of {args.page_size} tokens); state checkpoint every {args.state_grain} "
+        f"tokens; layer kinds {', '.join(kinds)}"
+    )
+    generator = torch.Generator().manual_seed(args.seed)
+    shared = [int(t) for t in torch.randint(1, 64, (4 * args.page_size,), generator=generator)]
+    prompts = {req: [*shared, *own] for req, own in OWN_TOKENS.items()}
+    slot_of: dict[str, int] = {}  # a request's slot, kept after it finished (its last step)
+
+    def on_step(
+        step: int, reqs: Sequence[str], ns: Sequence[int], records: Mapping[str, RequestRecord]
+    ) -> None:
+        parts = []
+        for req, n in zip(reqs, ns, strict=True):
+            record = records[req]
+            text = f"{req}: +{n} tok"
+            if len(record.computed) == 1:
+                text += f" (prefix hit {record.hits[-1]})"
+            if record.slot is not None:
+                slot_of[req] = record.slot
+            slots = runner.last_state_slots.get(slot_of[req])
+            if slots is not None:
+                read, write = slots
+                source = "none (fresh)" if read == 0 else ("checkpoint " if read != write else "") + str(read)
+                text += f" | state read {source}, written {write}"
+            parts.append(text)
+        stats = cache.stats()
+        print(
+            f"step {step:3d}: "
+            + "; ".join(parts)
+            + f"  [checkpoints written {stats['checkpoints_written']}, "
+            f"hit {stats['checkpoints_hit']}]"
+        )
+
+    try:
+        records = run_greedy(runner, prompts, args.steps, max_running=1, on_step=on_step)
+    except RuntimeError as exc:
+        print(f"demo: --num-units {args.num_units} is too small: {exc}", file=sys.stderr)
+        return 2
+    for req, record in records.items():
+        print(f"{req}: prompt {len(record.prompt)} tokens, generated {record.tokens[len(record.prompt) :]}")
+    error = max_logit_error(model, records)
+    stats = cache.stats()
+    print(
+        f"checkpoints written {stats['checkpoints_written']}, hit {stats['checkpoints_hit']}, "
+        f"evicted {stats['checkpoints_evicted']}"
+    )
+    print(f"prefix hits {stats['prefix_hits_tokens']} of {stats['prefix_queries_tokens']} prompt tokens")
+    print(f"largest logit difference to the model's own forward: {error:.2e}")
+    if not error <= 1e-3:
+        print("demo: the paged model does not match its own forward", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns the exit status (0 on success)."""
     parser = _parser()
@@ -111,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    if args.model in STATE_MODELS:
+        return _run_state_model(args)
 
     import flat_kvcache as fk
     from flat_kvcache.torch import allocate_kv_buffers

@@ -569,6 +569,8 @@ class PagedModelRunner:
             self.layers_of_group.setdefault(self.group_of_layer[layer], []).append(layer)
         # Per slot: the pages of each group it has seen (poisoned once, when first seen).
         self._known: dict[int, dict[str, set[int]]] = {}
+        #: The ``(read, write)`` state slots of each request (by cache slot) of the last step.
+        self.last_state_slots: dict[int, tuple[int, int]] = {}
 
     def _check_state_model(
         self, shape: ModelShape, capture: CaptureBuffers | None, rows: DeviceRows | None
@@ -712,6 +714,7 @@ class PagedModelRunner:
         if not self.state_layers:
             return self._forward(slots, new_tokens, None)
         read, write = self.cache.state_slots(list(slots), lens)
+        self.last_state_slots = {int(s): (int(r), int(w)) for s, r, w in zip(slots, read, write, strict=True)}
         out: list[torch.Tensor] = []
         for i, slot in enumerate(slots):
             own = self._load_state(int(read[i]), int(write[i]))
