@@ -992,6 +992,16 @@ def _tokens_that_fit(
     return low
 
 
+def _cache_layer_count(num_layers: int, num_cache_layers: int) -> str:
+    """How the cache layers differ from the model's layers, for :func:`format_plan`: fewer
+    (MLP-only layers keep none), or more (a layer holding both K/V and a state is two)."""
+    if num_cache_layers < num_layers:
+        return f", {num_cache_layers} with a cache"
+    if num_cache_layers > num_layers:
+        return f", {num_cache_layers} cache layers (a layer holding both K/V and a state is two)"
+    return ""
+
+
 def format_plan(plan: dict[str, Any]) -> str:
     """A plan from :func:`build_plan` as a readable, aligned table with what its numbers are."""
     model, settings, pool = plan["model"], plan["settings"], plan["pool"]
@@ -999,11 +1009,7 @@ def format_plan(plan: dict[str, Any]) -> str:
     lines = [
         f"model: {model['source']} ({model['model_type'] or 'unknown type'}, read as {model['family']}), "
         f"{model['num_layers']} layers"
-        + (
-            f", {model['num_cache_layers']} with a cache"
-            if model["num_cache_layers"] != model["num_layers"]
-            else ""
-        )
+        + _cache_layer_count(model["num_layers"], model["num_cache_layers"])
         + f": {mix}"
         + (f" ({model['state_kind']} state)" if model["state_kind"] else ""),
         "settings: " + ", ".join(f"{key}={value}" for key, value in settings.items()),

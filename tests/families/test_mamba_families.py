@@ -1,14 +1,17 @@
-"""The mamba families (Jamba, Mamba, Mamba2, Bamba, Nemotron-H, Granite 4.0; Falcon-H1 and Zamba2
-refused) and the mamba1 / mamba2 state kinds, checked against transformers itself.
+"""The mamba families (Jamba, Mamba, Mamba2, Bamba, Nemotron-H, Granite 4.0, and Falcon-H1 and
+Zamba2, whose hybrid layers hold attention K/V and a mamba2 state together) and the mamba1 /
+mamba2 state kinds, checked against transformers itself.
 
 - Layers: each family in the form transformers writes (``SomeConfig(...).to_dict()``) and the form
   Hub checkpoints ship (a trimmed ``config.json`` of a named public checkpoint, read from a file),
   both against the layout transformers builds from the same values (its ``layers_block_type`` /
-  ``layer_types``, computed by the model's own rule).
+  ``layer_types``, computed by the model's own rule); the hybrid families' layouts also by hand.
+  A ``hybrid`` layer is two cache layers with its index: its attention's, then its state's.
 - Refusals name the field.
 - States: a tiny model of each family runs a few tokens on CPU with a cache; the state tensors
   that cache allocates are compared with the state kind's components, and the cache's layer
-  classes with the family's reading of the layers.
+  classes with the family's reading of the layers; for the hybrid families also the K/V the
+  cache holds, against ``ModelShape.from_config``'s heads and head dim.
 """
 
 from __future__ import annotations
@@ -21,26 +24,39 @@ from typing import Any
 import pytest
 from flat_kvcache.config import load_model_config
 from flat_kvcache.errors import ModelConfigError
-from flat_kvcache.families import STATE_KINDS, family_of, read_model_layers, state_components
-from helpers import need
+from flat_kvcache.families import (
+    STATE_KINDS,
+    Family,
+    Layer,
+    family_of,
+    kv_shape,
+    read_model_layers,
+    state_components,
+)
+from flat_kvcache.families._base import model_layers
+from helpers import need, run_cli
 
 transformers = need("transformers")
 
-#: transformers' labels (5.x and legacy) as cache labels; MLP-only blocks keep no cache (None).
-_LABEL = {
-    "linear_attention": "linear_attention",
-    "mamba": "linear_attention",
-    "full_attention": "full_attention",
-    "attention": "full_attention",
-    "moe": None,
-    "mlp": None,
+FULL, LINEAR = "full_attention", "linear_attention"
+
+#: transformers' labels (5.x and legacy) as cache labels: MLP-only blocks keep no cache, and a
+#: ``hybrid`` block (attention and a mamba2 mixer) keeps K/V and a state, its attention's first.
+_LABEL: dict[str, tuple[str, ...]] = {
+    "linear_attention": (LINEAR,),
+    "mamba": (LINEAR,),
+    "full_attention": (FULL,),
+    "attention": (FULL,),
+    "hybrid": (FULL, LINEAR),
+    "moe": (),
+    "mlp": (),
 }
 
 
 def _expected(blocks: Sequence[str]) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The cache labels and model layer indices of transformers' per-layer block list."""
-    kept = [(i, _LABEL[block]) for i, block in enumerate(blocks) if _LABEL[block] is not None]
-    return tuple(str(label) for _, label in kept), tuple(i for i, _ in kept)
+    kept = [(i, label) for i, block in enumerate(blocks) for label in _LABEL[block]]
+    return tuple(label for _, label in kept), tuple(i for i, _ in kept)
 
 
 def _write(tmp_path: Path, cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -154,6 +170,62 @@ GRANITE_4_H_TINY = {
 }
 
 
+# tiiuae/Falcon-H1-0.5B-Instruct (its published config.json, trimmed; written from the checkpoint's
+# values: 36 layers of attention + mamba2, 8 query / 2 K/V heads of head_dim 64 where
+# hidden_size // num_attention_heads would be 128, a mamba2 mixer of mamba_d_ssm = 24 x 64 = 1536
+# channels rather than mamba_expand * hidden_size = 2048; no sliding window, attn_layer_indices null)
+FALCON_H1_05B = {
+    "model_type": "falcon_h1",
+    "num_hidden_layers": 36,
+    "hidden_size": 1024,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "attn_layer_indices": None,
+    "mamba_d_ssm": 1536,
+    "mamba_n_heads": 24,
+    "mamba_d_head": 64,
+    "mamba_n_groups": 1,
+    "mamba_d_state": 128,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "max_position_embeddings": 16384,
+}
+
+#: The hybrid layers of Zyphra/Zamba2-1.2B: its shared attention block runs before the mamba2
+#: mixer of every sixth layer.
+ZAMBA2_12B_HYBRID = [6, 12, 18, 24, 30, 36]
+
+# Zyphra/Zamba2-1.2B (its published config.json, trimmed; written from the checkpoint's values:
+# 38 layers with the legacy labels "mamba" / "hybrid" and hybrid_layer_ids; the shared attention
+# has 32 heads of attention_head_dim = 2 * 2048 / 32 = 128 over attention_hidden_size = 4096, not
+# kv_channels = 64; 64 mamba2 heads of mamba_headdim 64 over mamba_expand * hidden_size = 4096)
+ZAMBA2_12B = {
+    "model_type": "zamba2",
+    "num_hidden_layers": 38,
+    "layers_block_type": ["hybrid" if i in ZAMBA2_12B_HYBRID else "mamba" for i in range(38)],
+    "hybrid_layer_ids": ZAMBA2_12B_HYBRID,
+    "hidden_size": 2048,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "attention_hidden_size": 4096,
+    "attention_head_dim": 128,
+    "kv_channels": 64,
+    "num_query_groups": 32,
+    "num_mem_blocks": 1,
+    "use_shared_attention_adapter": True,
+    "adapter_rank": 128,
+    "use_mem_rope": False,
+    "mamba_d_state": 128,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "mamba_ngroups": 1,
+    "n_mamba_heads": 64,
+    "mamba_headdim": 64,
+    "max_position_embeddings": 4096,
+}
+
+
 def _blocks_jamba(c: Any) -> list[str]:
     return list(c.layers_block_type)
 
@@ -170,6 +242,8 @@ FAMILY_CASES: list[tuple[str, str, dict[str, Any], Callable[[Any], list[str]], s
     ("bamba", "BambaConfig", BAMBA_9B, _blocks_jamba, "mamba2"),
     ("nemotron_h", "NemotronHConfig", NEMOTRON_H_8B, _blocks_jamba, "mamba2"),
     ("granitemoehybrid", "GraniteMoeHybridConfig", GRANITE_4_H_TINY, _blocks_jamba, "mamba2"),
+    ("falcon_h1", "FalconH1Config", FALCON_H1_05B, _blocks_jamba, "mamba2"),
+    ("zamba2", "Zamba2Config", ZAMBA2_12B, _blocks_jamba, "mamba2"),
 ]
 FAMILY_IDS = [case[0] for case in FAMILY_CASES]
 
@@ -377,17 +451,57 @@ REFUSALS: list[tuple[str, dict[str, Any], Sequence[str]]] = [
         ["num_hidden_layers"],
     ),
     (
-        "falcon_h1",
-        _refused("falcon_h1", "FalconH1Config"),
-        ["falcon_h1", "layers_block_type", "hybrid", "both"],
+        "falcon_h1-window",
+        {**FALCON_H1_05B, "sliding_window": 4096},
+        ["sliding_window = 4096", "Falcon-H1", "whole history", "null or missing"],
     ),
-    ("zamba2", _refused("zamba2", "Zamba2Config"), ["zamba2", "layers_block_type", "hybrid", "same layer"]),
     (
-        # Zyphra/Zamba2-1.2B ships legacy labels; trimmed to its first 7 layers.
-        "zamba2-hub",
-        {"model_type": "zamba2", "num_hidden_layers": 7, "layers_block_type": ["mamba"] * 6 + ["hybrid"]},
-        ["zamba2", "layers_block_type", "hybrid"],
+        "falcon_h1-default-window",
+        {**_refused("falcon_h1", "FalconH1Config"), "sliding_window": 512},
+        ["sliding_window = 512", "Falcon-H1"],
     ),
+    (
+        "falcon_h1-attn-indices",
+        {**FALCON_H1_05B, "attn_layer_indices": [1, 2]},
+        ["attn_layer_indices = [1, 2]", "every layer"],
+    ),
+    (
+        "falcon_h1-label",
+        {**FALCON_H1_05B, "num_hidden_layers": 2, "layers_block_type": ["hybrid", "mamba"]},
+        ["layers_block_type[1] = 'mamba'", "supported labels: hybrid"],
+    ),
+    (
+        "falcon_h1-list-count",
+        {**FALCON_H1_05B, "layer_types": ["hybrid"] * 35},
+        ["layer_types has 35 entries", "num_hidden_layers is 36"],
+    ),
+    ("falcon_h1-layers", {**FALCON_H1_05B, "num_hidden_layers": None}, ["num_hidden_layers", "missing"]),
+    (
+        "zamba2-label",
+        {**ZAMBA2_12B, "layers_block_type": ["mamba", "attention"] * 19},
+        ["layers_block_type[1] = 'attention'", "hybrid, linear_attention, mamba"],
+    ),
+    (
+        "zamba2-hybrid-ids",
+        {**ZAMBA2_12B, "hybrid_layer_ids": [6, 12]},
+        ["hybrid_layer_ids = [6, 12]", "layers_block_type", "[6, 12, 18, 24, 30, 36]"],
+    ),
+    (
+        "zamba2-missing",
+        {**ZAMBA2_12B, "layers_block_type": None},
+        ["layers_block_type (or layer_types) is missing", "54-layer default"],
+    ),
+    (
+        "zamba2-count",
+        {**ZAMBA2_12B, "num_hidden_layers": 40},
+        ["layers_block_type has 38 entries", "num_hidden_layers is 40"],
+    ),
+    (
+        "zamba2-two-lists",
+        {**ZAMBA2_12B, "layer_types": ["mamba"] * 38},
+        ["layers_block_type", "disagrees with layer_types"],
+    ),
+    ("zamba2-window", {**ZAMBA2_12B, "sliding_window": 2048}, ["sliding_window = 2048", "Zamba2"]),
 ]
 
 
@@ -403,11 +517,10 @@ def test_a_config_the_family_cannot_read_right_is_refused_naming_the_field(
         assert field in str(info.value)
 
 
-def test_falcon_h1_and_zamba2_are_refused_as_families() -> None:
+def test_falcon_h1_and_zamba2_are_read_as_families() -> None:
     for model_type in ("falcon_h1", "zamba2"):
         family = family_of({"model_type": model_type})
-        assert family.refused is not None
-        assert "layers_block_type" in family.refused
+        assert family.refused is None
         assert family.state == "mamba2"
 
 
@@ -447,7 +560,50 @@ STATE_REFUSALS: list[tuple[str, str, dict[str, Any], Sequence[str]]] = [
         {**NEMOTRON_H_8B, "mamba_ssm_cache_dtype": "fp8"},
         ["mamba_ssm_cache_dtype", "'fp8'"],
     ),
-    ("mamba2-falcon", "mamba2", _refused("falcon_h1", "FalconH1Config"), ["model_type", "'falcon_h1'"]),
+    (
+        "mamba2-type",
+        "mamba2",
+        {**FALCON_H1_05B, "model_type": "jamba"},
+        ["model_type", "'jamba'", "falcon_h1", "zamba2"],
+    ),
+    (
+        "falcon_h1-d-ssm",
+        "mamba2",
+        {**FALCON_H1_05B, "mamba_d_head": 32},
+        ["mamba_n_heads = 24 times mamba_d_head = 32 is 768", "inner size 1536"],
+    ),
+    (
+        "falcon_h1-auto",
+        "mamba2",
+        {**FALCON_H1_05B, "mamba_d_head": "auto", "mamba_n_heads": 100},
+        ["mamba_n_heads = 100", "mamba_d_ssm = 1536"],
+    ),
+    (
+        "falcon_h1-auto-expand",
+        "mamba2",
+        {**FALCON_H1_05B, "mamba_d_ssm": None, "mamba_d_head": "auto", "mamba_n_heads": 100},
+        ["mamba_n_heads = 100", "mamba_expand * hidden_size = 2048"],
+    ),
+    ("falcon_h1-groups", "mamba2", {**FALCON_H1_05B, "mamba_n_groups": 5}, ["mamba_n_groups = 5"]),
+    (
+        "zamba2-heads",
+        "mamba2",
+        {**ZAMBA2_12B, "mamba_headdim": None, "n_mamba_heads": 100},
+        ["n_mamba_heads = 100", "mamba_expand * hidden_size = 4096"],
+    ),
+    (
+        "zamba2-head-dim",
+        "mamba2",
+        {**ZAMBA2_12B, "mamba_headdim": 32},
+        ["n_mamba_heads = 64 times mamba_headdim = 32 is 2048", "inner size 4096"],
+    ),
+    (
+        "zamba2-groups",
+        "mamba2",
+        {**ZAMBA2_12B, "mamba_ngroups": 3},
+        ["mamba_ngroups = 3", "n_mamba_heads = 64"],
+    ),
+    ("zamba2-missing", "mamba2", {**ZAMBA2_12B, "mamba_d_state": None}, ["mamba_d_state is missing"]),
 ]
 
 
@@ -483,6 +639,28 @@ def test_state_components_of_checkpoints_by_the_modeling_formulas() -> None:
             {**GRANITE_4_H_TINY, "mamba_d_head": "auto"},
             (3072 + 256, 3),
             (48, 64, 128),
+        ),
+        # FalconH1Mixer: inner size mamba_d_ssm (1536), not mamba_expand * hidden_size (2048).
+        "falcon_h1": ("mamba2", FALCON_H1_05B, (1536 + 2 * 1 * 128, 3), (24, 64, 128)),
+        "falcon_h1-auto": (
+            "mamba2",
+            {**FALCON_H1_05B, "mamba_d_head": "auto"},
+            (1536 + 2 * 1 * 128, 3),
+            (24, 64, 128),
+        ),
+        "falcon_h1-no-d-ssm": (
+            "mamba2",
+            {**FALCON_H1_05B, "mamba_d_ssm": None, "mamba_d_head": "auto", "mamba_n_heads": 32},
+            (2048 + 2 * 1 * 128, 3),
+            (32, 64, 128),
+        ),
+        # Zamba2MambaMixer: inner size mamba_expand * hidden_size (4096), mamba_headdim 64.
+        "zamba2": ("mamba2", ZAMBA2_12B, (4096 + 2 * 1 * 128, 3), (64, 64, 128)),
+        "zamba2-no-head-dim": (
+            "mamba2",
+            {**ZAMBA2_12B, "mamba_headdim": None},
+            (4096 + 2 * 1 * 128, 3),
+            (64, 64, 128),
         ),
     }
     for name, (kind, cfg, conv, ssm) in table.items():
@@ -619,14 +797,32 @@ TINY: dict[str, tuple[str, dict[str, Any], str]] = {
         },
         "Zamba2ForCausalLM",
     ),
+    # mamba_d_ssm 48 (4 heads of 12) is not mamba_expand * hidden_size = 64, and head_dim 16 is not
+    # hidden_size // num_attention_heads = 8: the readers must take the fields the model takes.
     "falcon_h1": (
         "FalconH1Config",
         {
             **_SMALL_ATTENTION,
+            "head_dim": 16,
             "num_hidden_layers": 2,
             "intermediate_size": 16,
-            "mamba_d_ssm": 64,
             **_SMALL_MAMBA2,
+            "mamba_d_ssm": 48,
+            "mamba_d_head": 12,
+            "mamba_chunk_size": 4,
+        },
+        "FalconH1ForCausalLM",
+    ),
+    # No head_dim: hidden_size // num_attention_heads; mamba_d_head "auto": mamba_d_ssm // heads.
+    "falcon_h1-derived": (
+        "FalconH1Config",
+        {
+            **_SMALL_ATTENTION,
+            "num_hidden_layers": 3,
+            "intermediate_size": 16,
+            **_SMALL_MAMBA2,
+            "mamba_d_ssm": 48,
+            "mamba_d_head": "auto",
             "mamba_chunk_size": 4,
         },
         "FalconH1ForCausalLM",
@@ -688,18 +884,230 @@ def test_state_components_match_the_states_the_models_own_cache_allocates(name: 
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("name", ["zamba2", "falcon_h1"])
-def test_the_refused_families_keep_attention_and_mamba2_state_in_one_cache_layer(name: str) -> None:
-    """Why Falcon-H1 and Zamba2 are refused: their hybrid layers are one cache layer holding both
-    K/V and a mamba2 state."""
+@pytest.mark.parametrize("name", ["zamba2", "falcon_h1", "falcon_h1-derived"])
+def test_a_hybrid_layer_is_its_attention_then_its_state_as_the_models_own_cache_holds_them(
+    name: str,
+) -> None:
+    """The model's own cache keeps a hybrid layer's K/V and mamba2 state in one cache layer (a
+    LinearAttentionAndFullAttentionLayer); the reading is two cache layers with its index, the
+    attention's first, whose K/V heads / head dim and state shapes are those the cache holds."""
+    torch = need("torch")
     cache_utils = need("transformers.cache_utils")
+    shape_module = need("flat_kvcache.torch")
     config, layers = _run_tiny(name)
-    hybrid = [i for i, block in enumerate(config.layers_block_type) if block == "hybrid"]
-    assert hybrid
-    for i in hybrid:
-        layer = layers[i]
-        assert isinstance(layer, cache_utils.LinearAttentionAndFullAttentionLayer)
-        assert layer.conv_states[0] is not None and layer.recurrent_states[0] is not None
-        assert layer.keys is not None and layer.keys.numel() > 0
-    with pytest.raises(ModelConfigError, match="layers_block_type"):
-        read_model_layers(load_model_config(config.to_dict()))
+    cfg = load_model_config(config.to_dict())
+    read = read_model_layers(cfg)
+    assert read.num_model_layers == len(layers)
+    assert read.state_kind == "mamba2"
+    shape = shape_module.ModelShape.from_config(cfg, kv_dtype=torch.bfloat16)
+    assert shape.model_layers == read.model_layers
+    components = {c.name: c for c in state_components("mamba2", cfg)}
+    hybrid = 0
+    for i, layer in enumerate(layers):
+        found = shape.cache_layers(i)
+        labels = tuple(read.layer_types[j] for j in found)
+        conv, ssm = layer.conv_states[0], layer.recurrent_states[0]
+        channels, kernel = conv.shape[1:]
+        assert components["conv"].shape == (channels, kernel - 1)  # layout: kernel - 1 columns
+        assert conv.dtype == torch.bfloat16 and components["conv"].dtype == "model"
+        assert components["ssm"].shape == tuple(ssm.shape[1:])
+        assert components["ssm"].dtype == str(ssm.dtype).removeprefix("torch.")
+        if type(layer) is cache_utils.LinearAttentionAndFullAttentionLayer:
+            hybrid += 1
+            assert labels == (FULL, LINEAR), i
+            assert (shape.cache_layer(i, "attention"), shape.cache_layer(i, "state")) == found
+            # K/V as the cache holds them: [batch, K/V heads, tokens, head dim], 6 tokens so far.
+            assert tuple(layer.keys.shape) == (1, shape.num_kv_heads, 6, shape.head_dim), i
+            assert tuple(layer.values.shape) == tuple(layer.keys.shape)
+        else:
+            assert type(layer) is cache_utils.LinearAttentionLayer, i
+            assert labels == (LINEAR,), i
+    assert hybrid == sum(1 for label in read.layer_types if label == FULL) > 0
+
+
+def test_the_hybrid_layouts_by_hand() -> None:
+    """The layouts spelled out from what the configs mean: a Falcon-H1 layer is attention +
+    mamba2, every one of them; a Zamba2 layer is attention + mamba2 where its block is hybrid."""
+    falcon = read_model_layers(load_model_config(FALCON_H1_05B))
+    assert falcon.layer_types == (FULL, LINEAR) * 36
+    assert falcon.model_layers == tuple(i for layer in range(36) for i in (layer, layer))
+    assert (falcon.num_model_layers, falcon.sliding_window, falcon.state_kind) == (36, None, "mamba2")
+    falcon_default = read_model_layers(load_model_config(transformers.FalconH1Config().to_dict()))
+    assert falcon_default.layer_types == (FULL, LINEAR) * 32  # FalconH1Config: 32 layers
+    assert falcon_default.model_layers == tuple(i // 2 for i in range(64))
+
+    zamba = read_model_layers(load_model_config(ZAMBA2_12B))
+    labels: list[str] = []
+    indices: list[int] = []
+    for layer in range(38):
+        kept = [FULL, LINEAR] if layer in (6, 12, 18, 24, 30, 36) else [LINEAR]
+        labels += kept
+        indices += [layer] * len(kept)
+    assert zamba.layer_types == tuple(labels)
+    assert zamba.model_layers == tuple(indices)
+    assert (zamba.num_model_layers, len(zamba.layer_types), zamba.state_kind) == (38, 44, "mamba2")
+    # Zamba2Config's default (Zamba2-2.7B): 54 layers, hybrid at 6, 12, ..., 42, then 47 and 51.
+    zamba_default = read_model_layers(load_model_config(transformers.Zamba2Config().to_dict()))
+    attention_at = [
+        i for i, t in zip(zamba_default.model_layers, zamba_default.layer_types, strict=True) if t == FULL
+    ]
+    assert attention_at == [6, 12, 18, 24, 30, 36, 42, 47, 51]
+    assert (zamba_default.num_model_layers, len(zamba_default.layer_types)) == (54, 63)
+
+
+def test_the_layer_list_may_come_under_either_key() -> None:
+    """Zamba2Config writes ``layers_block_type`` (its ``layer_types`` is an alias, never
+    written); FalconH1Config writes neither (a read-only ``layers_block_type`` property). Either
+    key, or both when they agree, reads the same; legacy and transformers 5 labels alike."""
+    written = transformers.Zamba2Config(
+        **{k: v for k, v in ZAMBA2_12B.items() if k != "model_type"}
+    ).to_dict()
+    assert "layer_types" not in written
+    assert written["layers_block_type"][:7] == ["linear_attention"] * 6 + ["hybrid"]
+    hub = read_model_layers(load_model_config(ZAMBA2_12B))
+    blocks = written["layers_block_type"]
+    for listed in (
+        {"layers_block_type": blocks},
+        {"layers_block_type": None, "layer_types": blocks},
+        {"layers_block_type": blocks, "layer_types": ZAMBA2_12B["layers_block_type"]},
+    ):
+        assert read_model_layers(load_model_config({**written, **listed})) == hub
+    falcon = transformers.FalconH1Config(
+        **{k: v for k, v in FALCON_H1_05B.items() if k != "model_type"}
+    ).to_dict()
+    assert "layer_types" not in falcon and "layers_block_type" not in falcon
+    expected = read_model_layers(load_model_config(FALCON_H1_05B))
+    assert read_model_layers(load_model_config(falcon)) == expected
+    assert read_model_layers(load_model_config({**falcon, "layers_block_type": ["hybrid"] * 36})) == expected
+
+
+def test_the_hybrid_families_attention_shapes() -> None:
+    """Falcon-H1 keeps the Hugging Face conventions (its ``head_dim``, here not ``hidden_size //
+    num_attention_heads``); Zamba2's shared attention reads its own fields."""
+    assert kv_shape(load_model_config(FALCON_H1_05B)) is None
+    assert kv_shape(load_model_config(ZAMBA2_12B)) == (32, 128)
+    # Missing: 2 * hidden_size // num_attention_heads, not kv_channels; K/V heads default to the heads.
+    derived = {**ZAMBA2_12B, "attention_head_dim": None, "num_key_value_heads": None}
+    assert kv_shape(load_model_config(derived)) == (32, 128)
+    assert kv_shape(load_model_config({**derived, "head_dim": 96})) == (32, 96)  # the alias
+
+
+@pytest.mark.parametrize(
+    ("edit", "fields"),
+    [
+        ({"head_dim": 64}, ["head_dim = 64", "attention_head_dim = 128"]),
+        ({"num_key_value_heads": 5}, ["num_key_value_heads = 5", "num_attention_heads = 32"]),
+        ({"attention_head_dim": 0}, ["attention_head_dim = 0"]),
+        (
+            {"attention_head_dim": None, "hidden_size": 8, "num_key_value_heads": 16},
+            ["num_attention_heads = 32", "head dim of 0"],
+        ),
+    ],
+)
+def test_a_zamba2_attention_shape_that_cannot_be_read_right_is_refused(
+    edit: dict[str, Any], fields: Sequence[str]
+) -> None:
+    with pytest.raises(ModelConfigError) as info:
+        kv_shape(load_model_config({**ZAMBA2_12B, **edit}))
+    for field in fields:
+        assert field in str(info.value)
+
+
+def test_a_layer_that_holds_both_is_its_attention_then_its_state() -> None:
+    """``model_layers`` on a family of every layer kind: a sliding + state layer's attention
+    cache layer carries its window, its state cache layer none."""
+    family = Family("toy", ("toy",), lambda cfg: [], "", state="mamba2")
+    kinds = [
+        Layer("full+state"),
+        Layer("none"),
+        Layer("sliding+state", 64),
+        Layer("state"),
+        Layer("sliding", 32),
+        Layer("full"),
+    ]
+    read = model_layers(family, "toy", kinds)
+    assert read.layer_types == (FULL, LINEAR, "sliding_attention", LINEAR, LINEAR, "sliding_attention", FULL)
+    assert read.model_layers == (0, 0, 2, 2, 3, 4, 5)
+    assert read.sliding_window == (None, None, 64, None, None, 32, None)
+    assert (read.state_kind, read.num_model_layers) == ("mamba2", 6)
+    one_window = model_layers(family, "toy", [Layer("sliding+state", 64), Layer("sliding", 64)])
+    assert one_window.sliding_window == 64
+    assert one_window.layer_types == ("sliding_attention", LINEAR, "sliding_attention")
+
+
+# --- plan --config, with and without --memory --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("hub", "class_name", "counts"),
+    [
+        (FALCON_H1_05B, "FalconH1Config", {FULL: 36, LINEAR: 36}),
+        (ZAMBA2_12B, "Zamba2Config", {LINEAR: 38, FULL: 6}),
+    ],
+    ids=["falcon_h1", "zamba2"],
+)
+@pytest.mark.parametrize("form", ["hub", "transformers"])
+def test_plan_config_reads_the_hybrid_families(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    hub: dict[str, Any],
+    class_name: str,
+    counts: dict[str, int],
+    form: str,
+) -> None:
+    cfg = hub if form == "hub" else _config_of(class_name, hub).to_dict()
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}), encoding="utf-8")
+    status, out, err = run_cli(capsys, "plan", "--json", "--config", str(path))
+    assert (status, err) == (0, "")
+    plan = json.loads(out)
+    assert plan["model"]["num_layers"] == hub["num_hidden_layers"]
+    assert plan["model"]["num_cache_layers"] == sum(counts.values())
+    assert plan["model"]["layer_types"] == counts
+    assert plan["model"]["state_kind"] == "mamba2"
+    assert {g["group_id"]: (g["family"], g["num_layers"]) for g in plan["groups"]} == {
+        FULL: ("history", counts[FULL]),
+        LINEAR: ("state", counts[LINEAR]),
+    }
+    status, out, err = run_cli(capsys, "plan", "--config", str(path))
+    assert (status, err) == (0, "")
+    assert "a layer holding both K/V and a state is two" in out.splitlines()[0]
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize(
+    ("hub", "class_name"),
+    [(FALCON_H1_05B, "FalconH1Config"), (ZAMBA2_12B, "Zamba2Config")],
+    ids=["falcon_h1", "zamba2"],
+)
+@pytest.mark.parametrize("form", ["hub", "transformers"])
+def test_plan_memory_sizes_both_cache_layers_of_a_hybrid_layer(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, hub: dict[str, Any], class_name: str, form: str
+) -> None:
+    """``--memory 8GiB``: a page holds K and V (bf16) of every attention cache layer, by the
+    family's heads and head dim (Falcon-H1-0.5B: 2 x 64; Zamba2-1.2B: 32 x 128), and the mamba2
+    state (conv in bf16, ssm in fp32) of every state cache layer: both halves of each hybrid
+    layer."""
+    need("torch")
+    cfg = hub if form == "hub" else _config_of(class_name, hub).to_dict()
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}), encoding="utf-8")
+    argv = ["plan", "--json", "--config", str(path), "--memory", "8GiB", "--max-live-requests", "16"]
+    status, out, err = run_cli(capsys, *argv)
+    assert (status, err) == (0, "")
+    plan = json.loads(out)
+    read = read_model_layers(load_model_config(hub))
+    attention = read.layer_types.count(FULL)
+    heads, head_dim = (2, 64) if hub is FALCON_H1_05B else (32, 128)
+    page = plan["memory"]["page_size"]
+    # One page: K and V of every attention layer (bf16), and one mamba2 state per state layer.
+    conv, ssm = (c.shape for c in state_components("mamba2", load_model_config(hub)))
+    state_bytes = conv[0] * conv[1] * 2 + ssm[0] * ssm[1] * ssm[2] * 4
+    assert plan["memory"]["bytes_per_page"] == (
+        attention * page * 2 * heads * head_dim * 2 + read.layer_types.count(LINEAR) * state_bytes
+    )
+    assert plan["memory"]["num_pages"] > 1
+    assert plan["memory"]["arena"] is not None
+    status, out, err = run_cli(capsys, *[a for a in argv if a != "--json"])
+    assert (status, err) == (0, "")
+    assert "memory:" in out and "arena" in out

@@ -14,6 +14,10 @@ from helpers import need
 #: Model types whose config class is not in transformers.
 REMOTE_CODE_TYPES = {"minimax_text_01", "minimax_m1"}
 
+#: Model types whose hybrid layers hold attention K/V and a state together (two cache layers
+#: each): their default configs must be planned, never refused.
+HOLDS_BOTH = {"falcon_h1", "zamba2"}
+
 CASES = [
     pytest.param(family, model_type, id=model_type)
     for family in FAMILIES
@@ -48,11 +52,13 @@ def test_memory_plan_or_a_clear_refusal(family: Any, model_type: str) -> None:
     except ModelConfigError as exc:
         # Only a family refused as a whole, or a default that lacks its hybrid layout, refuses
         # here; the message names a config field.
+        assert model_type not in HOLDS_BOTH, str(exc)
         assert "config " in str(exc), str(exc)
         return
     try:
         shape = ModelShape.from_config(loaded, kv_dtype=torch.bfloat16)
     except ModelConfigError as exc:
+        assert model_type not in HOLDS_BOTH, str(exc)
         assert "config " in str(exc) or " state: " in str(exc), str(exc)
         if layers.state_kind is not None and STATE_KINDS[layers.state_kind].components is None:
             refused = STATE_KINDS[layers.state_kind].refused
@@ -60,6 +66,17 @@ def test_memory_plan_or_a_clear_refusal(family: Any, model_type: str) -> None:
         return
     assert shape.layer_types == layers.layer_types
     assert shape.model_layers == layers.model_layers
+    if model_type in HOLDS_BOTH:
+        # Each hybrid layer is its attention cache layer and then its state cache layer, and
+        # both have their place in the plans below (every cache layer is checked there).
+        both = [i for i in range(layers.num_model_layers) if len(shape.cache_layers(i)) == 2]
+        assert both
+        for i in both:
+            attention, state = shape.cache_layers(i)
+            assert (layers.layer_types[attention], layers.layer_types[state]) == (
+                "full_attention",
+                "linear_attention",
+            )
     # The SPEC 13 storage plans every family, pure state models too: every cache layer has its
     # place in the arena, and 64 live requests have their working state slots.
     limits = {"max_live_requests": 64, "max_scheduled_tokens": 8192, "max_context_len": 32768}

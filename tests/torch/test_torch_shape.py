@@ -162,6 +162,83 @@ def test_state_fields_are_read_only_and_sized_natively() -> None:
     )
 
 
+# -- model layers: MLP-only layers keep none, a layer that holds both keeps two --------------------
+
+STATE = {"state_shapes": {"conv": (8, 3), "ssm": (2, 4, 4)}, "state_dtypes": {"conv": "bf16", "ssm": "fp32"}}
+
+#: Model layers 0 and 3 hold attention + a state, 1 a state, 2 nothing (MLP), 4 attention.
+BOTH = ("full_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention")
+BOTH_MODEL_LAYERS = (0, 0, 1, 3, 3)
+
+
+def both_shape(**overrides: Any) -> ModelShape:
+    fields: dict[str, Any] = {"layer_types": BOTH, "sliding_window": None, "model_layers": BOTH_MODEL_LAYERS}
+    return shape(**{**fields, **STATE, **overrides})
+
+
+def test_a_model_layer_that_holds_both_is_two_cache_layers() -> None:
+    made = both_shape()
+    assert made.model_layers == BOTH_MODEL_LAYERS
+    assert [made.cache_layers(i) for i in range(5)] == [(0, 1), (2,), (), (3, 4), ()]
+    assert (made.cache_layer(0, "attention"), made.cache_layer(0, "state")) == (0, 1)
+    assert (made.cache_layer(3, kind="attention"), made.cache_layer(3, kind="state")) == (3, 4)
+    # A model layer of one cache layer: that one, asked for by its kind or by none.
+    assert made.cache_layer(1) == made.cache_layer(1, "state") == 2
+    # Without model_layers, cache layer i is model layer i.
+    plain = shape()
+    assert plain.cache_layer(5) == plain.cache_layer(5, "attention") == 5
+    assert plain.cache_layers(6) == ()
+
+
+@pytest.mark.parametrize(
+    ("model_layer", "kind", "match"),
+    [
+        (
+            0,
+            None,
+            r"model layer 0 holds both attention K/V \(cache layer 0\) and a state \(cache layer 1\): "
+            r"pass kind='attention' or kind='state'",
+        ),
+        (1, "attention", r"model layer 1 keeps no attention K/V .*cache layer \(2, linear_attention\)"),
+        (2, None, "model layer 2 keeps no KV cache or state"),
+        (2, "state", "model layer 2 keeps no KV cache or state"),
+        (7, "attention", "model layer 7 keeps no KV cache or state"),
+        (0, "kv", "kind must be 'attention', 'state' or None, got 'kv'"),
+    ],
+)
+def test_cache_layer_never_picks_one_of_two(model_layer: int, kind: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        both_shape().cache_layer(model_layer, kind)
+
+
+@pytest.mark.parametrize(
+    ("layer_types", "model_layers", "match"),
+    [
+        # The state first, then the attention: not the order of a layer that holds both.
+        (
+            ("linear_attention", "full_attention"),
+            (0, 0),
+            r"model_layers\[0\] = 0 \(linear_attention\) and model_layers\[1\] = 0 \(full_attention\)",
+        ),
+        (("full_attention", "full_attention"), (2, 2), r"model_layers\[0\] = 2 \(full_attention\)"),
+        (("linear_attention", "linear_attention"), (2, 2), "an index repeated only by a model layer"),
+        (
+            ("full_attention", "linear_attention", "linear_attention"),
+            (1, 1, 1),
+            r"model_layers\[1\] = 1 \(linear_attention\) and model_layers\[2\] = 1",
+        ),
+        (("full_attention", "linear_attention"), (3, 1), "must be increasing"),
+        (("full_attention", "linear_attention"), (0,), "model_layers has 1 entries but layer_types has 2"),
+    ],
+)
+def test_model_layers_repeat_only_as_attention_then_state(
+    layer_types: tuple[str, ...], model_layers: tuple[int, ...], match: str
+) -> None:
+    state = STATE if "linear_attention" in layer_types else {"state_shapes": None, "state_dtypes": None}
+    with pytest.raises(ValueError, match=match):
+        both_shape(layer_types=layer_types, model_layers=model_layers, **state)
+
+
 # -- loaders ----------------------------------------------------------------------------------
 
 
@@ -227,6 +304,61 @@ def test_from_config_hf_defaults() -> None:
     assert (
         ModelShape.from_config({**cfg, "torch_dtype": None}, kv_dtype="fp8").kv_dtype is torch.float8_e4m3fn
     )
+
+
+#: Small hybrid configs, as transformers writes them (the fields ModelShape reads).
+FALCON_H1 = {
+    "model_type": "falcon_h1",
+    "num_hidden_layers": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "mamba_d_ssm": 48,
+    "mamba_n_heads": 4,
+    "mamba_d_head": 12,
+    "mamba_n_groups": 2,
+    "mamba_d_state": 8,
+    "mamba_d_conv": 3,
+    "mamba_expand": 2,
+    "torch_dtype": "bfloat16",
+}
+ZAMBA2 = {
+    "model_type": "zamba2",
+    "num_hidden_layers": 3,
+    "layers_block_type": ["linear_attention", "hybrid", "linear_attention"],
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "mamba_d_state": 8,
+    "mamba_d_conv": 3,
+    "mamba_expand": 2,
+    "mamba_ngroups": 2,
+    "n_mamba_heads": 4,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_from_config_of_the_families_whose_layers_hold_both() -> None:
+    falcon = ModelShape.from_config(FALCON_H1)
+    assert falcon.layer_types == ("full_attention", "linear_attention") * 2
+    assert falcon.model_layers == (0, 0, 1, 1)
+    # Hugging Face conventions: head_dim defaults to hidden_size // num_attention_heads.
+    assert (falcon.num_kv_heads, falcon.head_dim) == (2, 8)
+    assert ModelShape.from_config({**FALCON_H1, "head_dim": 16}).head_dim == 16
+    # mamba2 over mamba_d_ssm = 48 channels: conv over 48 + 2 * 2 * 8, ssm of 4 heads of 12.
+    assert dict(falcon.state_shapes or {}) == {"conv": (80, 2), "ssm": (4, 12, 8)}
+    assert dict(falcon.state_dtypes or {}) == {"conv": torch.bfloat16, "ssm": torch.float32}
+    assert (falcon.cache_layer(1, "attention"), falcon.cache_layer(1, "state")) == (2, 3)
+
+    zamba = ModelShape.from_config(ZAMBA2)
+    assert zamba.layer_types == ("linear_attention", "full_attention", "linear_attention", "linear_attention")
+    assert zamba.model_layers == (0, 1, 1, 2)
+    # The shared attention attends over 2 * hidden_size: head dim 2 * 32 // 4 = 16, not 8.
+    assert (zamba.num_kv_heads, zamba.head_dim) == (2, 16)
+    assert ModelShape.from_config({**ZAMBA2, "attention_head_dim": 24}).head_dim == 24
+    # mamba2 over mamba_expand * hidden_size = 64 channels: 4 heads of 16.
+    assert dict(zamba.state_shapes or {}) == {"conv": (96, 2), "ssm": (4, 16, 8)}
+    assert zamba.kv_bytes_per_slot == 2 * 2 * 16 * 2
 
 
 @pytest.mark.parametrize(

@@ -49,6 +49,7 @@ __all__ = [
     "StateKind",
     "family_of",
     "family_table_markdown",
+    "kv_shape",
     "read_model_layers",
     "state_components",
     "supported_model_types",
@@ -123,6 +124,14 @@ def read_model_layers(cfg: Config) -> ModelLayers:
     if all(layer.kind == "none" for layer in layers):
         raise ModelConfigError(f"no layer of this {family.name} config keeps a KV cache or a state")
     return model_layers(family, model_type if isinstance(model_type, str) else None, layers)
+
+
+def kv_shape(cfg: Config) -> tuple[int, int] | None:
+    """``(K/V heads, head dim)`` of the attention layers of ``cfg`` as its family reads them
+    (:attr:`Family.kv_shape`: Zamba2's shared attention block, for one), or None where the
+    family follows the Hugging Face conventions (``num_key_value_heads``, ``head_dim``)."""
+    family = family_of(cfg)
+    return None if family.kv_shape is None else family.kv_shape(cfg)
 
 
 def state_components(state_kind: str, cfg: Config) -> tuple[StateComponent, ...]:

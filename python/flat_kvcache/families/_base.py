@@ -3,8 +3,9 @@ and how a config is turned into cache layers.
 
 A *family* maps the config fields of one kind of model (by ``model_type``) to a kind per model
 layer: full attention, sliding-window attention with its window, chunked local attention with
-its chunk (Llama 4), a recurrent state of a named *state kind*, or no cache at all (an MLP-only
-layer). The readers never guess: a field they need
+its chunk (Llama 4), a recurrent state of a named *state kind*, attention and a state together
+(a layer that runs both, as in Falcon-H1 and Zamba2: it becomes two cache layers), or no cache
+at all (an MLP-only layer). The readers never guess: a field they need
 that is missing or holds a value they do not know is a :class:`~flat_kvcache.errors.ModelConfigError`
 naming the field, the value and what is supported.
 
@@ -41,14 +42,17 @@ __all__ = [
 #: A loaded model config (``text_config`` already merged over the top level).
 Config = Mapping[str, Any]
 
-#: What a model layer keeps between steps.
-LayerKind = Literal["full", "sliding", "chunked", "state", "none"]
+#: What a model layer keeps between steps. ``"full+state"`` and ``"sliding+state"`` are a layer
+#: that runs attention and a recurrent mixer side by side and keeps both K/V and a state: it
+#: becomes two cache layers, its attention's and then its state's (:func:`model_layers`).
+LayerKind = Literal["full", "sliding", "chunked", "state", "full+state", "sliding+state", "none"]
 
 
 @dataclass(frozen=True)
 class Layer:
-    """One model layer as the cache sees it: its kind, and its window when sliding (its
-    attention chunk ``C`` when chunked: the token at ``t`` attends ``[t - t % C, t]``)."""
+    """One model layer as the cache sees it: its kind, and its window when sliding (also
+    ``"sliding+state"``: its attention's window) or its attention chunk ``C`` when chunked (the
+    token at ``t`` attends ``[t - t % C, t]``)."""
 
     kind: LayerKind
     window: int | None = None
@@ -91,8 +95,11 @@ class Family:
     ``layers`` reads every model layer's kind from a config of this family (both the form
     ``transformers`` writes and the form Hub checkpoints ship); ``reads`` names the fields it
     reads, for the documentation table; ``state`` is the family's state kind, if it has state
-    layers. A family that cannot be served yet has ``refused`` set: reading its config raises
-    :class:`~flat_kvcache.errors.ModelConfigError` with that reason.
+    layers. ``kv_shape`` gives ``(K/V heads, head dim)`` of its attention layers where the
+    Hugging Face conventions (``num_key_value_heads``, else ``num_attention_heads``;
+    ``head_dim``, else ``hidden_size // num_attention_heads``) are not what its model stores;
+    None where they are. A family that cannot be served yet has ``refused`` set: reading its
+    config raises :class:`~flat_kvcache.errors.ModelConfigError` with that reason.
     """
 
     name: str
@@ -101,18 +108,24 @@ class Family:
     reads: str
     state: str | None = None
     refused: str | None = None
+    kv_shape: Callable[[Config], tuple[int, int]] | None = None
 
 
 @dataclass(frozen=True)
 class ModelLayers:
     """The cache layers of a model config: the result of :func:`flat_kvcache.families.read_model_layers`.
 
-    ``layer_types`` has one label per layer that keeps a cache (``full_attention``,
-    ``sliding_attention``, ``chunked_attention``, ``linear_attention``), in model order;
-    ``model_layers`` the model's index of each (MLP-only layers have none); ``sliding_window`` is
-    None, one int for every sliding and chunked layer, or one entry per cache layer (a chunked
-    layer's entry is its chunk, as the sizing API reads it); ``state_kind`` names the state of
-    the ``linear_attention`` layers.
+    ``layer_types`` has one label per *cache layer* (``full_attention``, ``sliding_attention``,
+    ``chunked_attention``, ``linear_attention``), in model order; ``model_layers`` the model's
+    layer index of each. A model layer that keeps one cache is one cache layer; an MLP-only layer
+    is none (its index is missing); a model layer that holds both attention K/V and a state
+    (Falcon-H1, Zamba2's hybrid layers) is two adjacent cache layers with the same index: its
+    attention's (``full_attention`` or ``sliding_attention``) first, then its state's
+    (``linear_attention``). So ``model_layers`` is increasing, an index repeated only by such a
+    pair. ``sliding_window`` is None, one int for every sliding and chunked layer, or one entry
+    per cache layer (a chunked layer's entry is its chunk, as the sizing API reads it);
+    ``state_kind`` names the state of the ``linear_attention`` layers. ``num_model_layers``
+    counts the model's layers (MLP-only ones included).
     """
 
     family: str
@@ -137,25 +150,42 @@ _LABEL_OF_KIND: dict[str, str] = {
 #: The kinds whose layers carry a window entry: a sliding window, or an attention chunk.
 _WINDOWED_KINDS = frozenset({"sliding", "chunked"})
 
+#: The cache layers of a model layer of each kind, in order: a layer that holds both is its
+#: attention's cache layer, then its state's.
+_CACHE_KINDS: Mapping[str, tuple[str, ...]] = {
+    "full": ("full",),
+    "sliding": ("sliding",),
+    "chunked": ("chunked",),
+    "state": ("state",),
+    "full+state": ("full", "state"),
+    "sliding+state": ("sliding", "state"),
+    "none": (),
+}
+
 
 def model_layers(family: Family, model_type: str | None, layers: Sequence[Layer]) -> ModelLayers:
     """Cache layers from every model layer's kind (windows collapsed to one int when they agree;
-    a chunked layer's entry is its chunk)."""
-    kept = [(i, layer) for i, layer in enumerate(layers) if layer.kind != "none"]
-    windows = {layer.window for _, layer in kept if layer.kind in _WINDOWED_KINDS}
+    a chunked layer's entry is its chunk). A layer that holds both becomes two cache layers with
+    its index: its attention's (with its window, if it slides), then its state's."""
+    kept = [
+        (i, kind, layer.window if kind in _WINDOWED_KINDS else None)
+        for i, layer in enumerate(layers)
+        for kind in _CACHE_KINDS[layer.kind]
+    ]
+    windows = {entry for _, kind, entry in kept if kind in _WINDOWED_KINDS}
     window: int | tuple[int | None, ...] | None
     if not windows:
         window = None
     elif len(windows) == 1:
         window = next(iter(windows))
     else:
-        window = tuple(layer.window if layer.kind in _WINDOWED_KINDS else None for _, layer in kept)
-    has_state = any(layer.kind == "state" for _, layer in kept)
+        window = tuple(entry for _, _, entry in kept)
+    has_state = any(kind == "state" for _, kind, _ in kept)
     return ModelLayers(
         family=family.name,
         model_type=model_type,
-        layer_types=tuple(_LABEL_OF_KIND[layer.kind] for _, layer in kept),
-        model_layers=tuple(i for i, _ in kept),
+        layer_types=tuple(_LABEL_OF_KIND[kind] for _, kind, _ in kept),
+        model_layers=tuple(i for i, _, _ in kept),
         sliding_window=window,
         state_kind=family.state if has_state else None,
         num_model_layers=len(layers),

@@ -1,5 +1,6 @@
-"""Families with mamba layers (mamba1 or mamba2 mixers, alone or next to attention), and the two
-mamba state kinds: the per-layer state as the model's own cache stores it.
+"""Families with mamba layers (mamba1 or mamba2 mixers, alone, next to attention, or in the same
+layer as attention: Falcon-H1, Zamba2's hybrid layers), and the two mamba state kinds: the
+per-layer state as the model's own cache stores it.
 
 Layer layouts follow each model's own rule in ``transformers`` (its config class and modeling
 file), in both config forms: the one ``transformers`` writes (``SomeConfig().to_dict()``) and the
@@ -7,6 +8,9 @@ one Hub checkpoints ship (legacy fields such as ``hybrid_override_pattern``, leg
 ``mamba`` / ``attention``, which ``transformers`` remaps to ``linear_attention`` /
 ``full_attention``). State shapes are those the mixers hand to the model's cache
 (``transformers.cache_utils.LinearAttentionLayer``: ``conv_states`` and ``recurrent_states``).
+A layer that runs attention and a mamba2 mixer (``transformers`` labels it ``hybrid``; its cache
+layer is a ``LinearAttentionAndFullAttentionLayer`` holding both) is read as ``"full+state"``:
+two cache layers, its attention's and then its state's.
 """
 
 from __future__ import annotations
@@ -191,30 +195,110 @@ def _granite_moe_hybrid(cfg: Config) -> list[Layer]:
     return [Layer("state")] * num_layers(cfg)
 
 
-_FALCON_H1_REFUSED = (
-    "every layer runs attention and a mamba2 mixer in parallel (FalconH1Config.layers_block_type is "
-    "'hybrid' for each of the num_hidden_layers layers; no config field makes a layer one or the "
-    "other), so each layer holds attention K/V and a mamba2 state together, and the engine has no "
-    "layer kind that holds both yet"
-)
+def _no_window(cfg: Config, family: str) -> None:
+    """Refuse a ``sliding_window``: the family's attention attends the whole history in
+    ``transformers`` (a full causal mask, a ``hybrid`` cache layer, never ``hybrid_sliding``),
+    so what a window in its config would mean cannot be known."""
+    value = cfg.get("sliding_window")
+    if value is not None:
+        raise refuse(
+            "sliding_window",
+            value,
+            f"{family}'s attention attends the whole history in transformers (its cache layers are "
+            f"'hybrid', never 'hybrid_sliding'); a windowed {family} is not supported (null or "
+            f"missing is)",
+        )
 
-_ZAMBA2_REFUSED = (
-    "the 'hybrid' layers of layers_block_type (Hub form: layers_block_type with 'mamba' / 'hybrid', "
-    "hybrid_layer_ids) run a shared attention block before their mamba2 mixer, and the model's cache "
-    "keeps that block's K/V and the mamba2 state in the same layer (LinearAttentionAndFullAttentionLayer "
-    "in transformers); the engine has no layer kind that holds both yet, and one model layer cannot be "
-    "two cache layers"
-)
+
+#: Falcon-H1's per-layer labels: every layer is ``hybrid`` (``FalconH1Config.layers_block_type``).
+_FALCON_H1_LABELS: dict[str, LayerKind] = {"hybrid": "full+state"}
 
 
-def _refused(reason: str) -> Callable[[Config], list[Layer]]:
-    """The reader of a refused family (never reached: the refusal comes first)."""
+def _falcon_h1(cfg: Config) -> list[Layer]:
+    """Every one of the ``num_hidden_layers`` layers runs attention and a mamba2 mixer side by
+    side (``FalconH1DecoderLayer``; ``FalconH1Config.layers_block_type`` is ``'hybrid'`` for each,
+    and no field makes a layer one or the other). A ``layers_block_type`` / ``layer_types`` list,
+    which ``FalconH1Config`` cannot take (a read-only property), may only say so too; an
+    ``attn_layer_indices`` that is not null is refused (the model ignores it and runs attention
+    in every layer), as is a ``sliding_window``."""
+    _no_window(cfg, "Falcon-H1")
+    indices = cfg.get("attn_layer_indices")
+    if indices is not None:
+        raise refuse(
+            "attn_layer_indices",
+            indices,
+            "Falcon-H1 runs attention and a mamba2 mixer in every layer (FalconH1Config has no such "
+            "field and the model ignores it), so which layers it would pick cannot be known; null "
+            "or missing is supported",
+        )
+    listed = _listed(cfg, _FALCON_H1_LABELS)
+    if listed is not None:
+        return listed[1]
+    return [Layer("full+state")] * num_layers(cfg)
 
-    def read(cfg: Config) -> list[Layer]:
-        del cfg
-        raise ModelConfigError(reason)
 
-    return read
+#: Zamba2's ``layers_block_type`` labels: ``hybrid`` (its shared attention block, then a mamba2
+#: mixer), and a mamba2 layer under its ``transformers`` 5 name and the legacy one Hub
+#: checkpoints ship (``Zamba2Config`` remaps ``mamba`` to ``linear_attention``).
+_ZAMBA2_LABELS: dict[str, LayerKind] = {
+    "linear_attention": "state",
+    "mamba": "state",
+    "hybrid": "full+state",
+}
+
+
+def _zamba2(cfg: Config) -> list[Layer]:
+    """``layers_block_type`` (or its alias ``layer_types``): ``hybrid`` layers run the shared
+    attention block (its K/V cached per hybrid layer: ``Zamba2Attention`` updates the cache at the
+    layer's own index) and then a mamba2 mixer; ``mamba`` / ``linear_attention`` layers the mixer
+    alone (``Zamba2Model.get_layers``). A missing list is refused (``Zamba2Config`` would build
+    Zamba2-2.7B's 54-layer default whatever ``num_hidden_layers`` says); the Hub form's
+    ``hybrid_layer_ids``, which the model's adapters are keyed by, must name the same layers."""
+    _no_window(cfg, "Zamba2")
+    listed = _listed(cfg, _ZAMBA2_LABELS)
+    if listed is None:
+        raise ModelConfigError(
+            "config layers_block_type (or layer_types) is missing: which Zamba2 layers are 'hybrid' "
+            "(shared attention + mamba2) and which 'mamba' cannot be known (Zamba2Config would build "
+            "Zamba2-2.7B's 54-layer default, whatever num_hidden_layers and hybrid_layer_ids say)"
+        )
+    key, layers = listed
+    hybrid = [i for i, layer in enumerate(layers) if layer.kind == "full+state"]
+    ids = config_int_list(cfg, "hybrid_layer_ids")
+    if ids is not None and ids != hybrid:
+        raise refuse(
+            "hybrid_layer_ids",
+            ids,
+            f"it disagrees with {key}, whose 'hybrid' layers are {hybrid} (the model builds its "
+            f"layers from {key} and keys its shared-attention adapters by hybrid_layer_ids)",
+        )
+    return layers
+
+
+#: Zamba2's attention head dim and its alias (``Zamba2Config.attribute_map``).
+_ZAMBA2_HEAD_DIM_KEYS = ("attention_head_dim", "head_dim")
+
+
+def _zamba2_kv_shape(cfg: Config) -> tuple[int, int]:
+    """``Zamba2Attention``'s K/V: ``num_key_value_heads`` heads (default ``num_attention_heads``)
+    of ``attention_head_dim`` (alias ``head_dim``), which ``Zamba2Config`` sets to
+    ``2 * hidden_size // num_attention_heads`` when the config does not give it: the shared block
+    attends over the hidden state concatenated with the embeddings (``attention_hidden_size =
+    2 * hidden_size``), not over ``hidden_size``."""
+    heads = config_int(cfg, "num_attention_heads", minimum=1)
+    kv_heads = config_int(cfg, "num_key_value_heads", minimum=1, default=heads)
+    if heads % kv_heads:
+        raise refuse("num_key_value_heads", kv_heads, f"it must divide num_attention_heads = {heads}")
+    if any(cfg.get(key) is not None for key in _ZAMBA2_HEAD_DIM_KEYS):
+        return kv_heads, _aliased_int(cfg, _ZAMBA2_HEAD_DIM_KEYS)
+    hidden = config_int(cfg, "hidden_size", minimum=1)
+    if 2 * hidden < heads:
+        raise refuse(
+            "num_attention_heads",
+            heads,
+            f"2 * hidden_size = {2 * hidden} over it is a head dim of 0 (give attention_head_dim)",
+        )
+    return kv_heads, 2 * hidden // heads
 
 
 MAMBA_FAMILIES: tuple[Family, ...] = (
@@ -267,18 +351,21 @@ MAMBA_FAMILIES: tuple[Family, ...] = (
     Family(
         "Falcon-H1",
         ("falcon_h1",),
-        _refused(_FALCON_H1_REFUSED),
-        "`num_hidden_layers` (every layer attention + mamba2)",
+        _falcon_h1,
+        "`num_hidden_layers`, both forms: every layer attention + mamba2, two cache layers each "
+        "(full, then state); `sliding_window` and `attn_layer_indices` refused unless null",
         state="mamba2",
-        refused=_FALCON_H1_REFUSED,
     ),
     Family(
         "Zamba2",
         ("zamba2",),
-        _refused(_ZAMBA2_REFUSED),
-        "`layers_block_type` (`mamba` / `linear_attention`, `hybrid`)",
+        _zamba2,
+        "`layers_block_type` (or `layer_types`; required), both forms: `mamba` / `linear_attention` "
+        "mamba2, `hybrid` shared attention + mamba2 (two cache layers: full, then state); a "
+        "`hybrid_layer_ids` must agree; K/V heads of `attention_head_dim` (default `2 * hidden_size "
+        "// num_attention_heads`)",
         state="mamba2",
-        refused=_ZAMBA2_REFUSED,
+        kv_shape=_zamba2_kv_shape,
     ),
 )
 
@@ -353,14 +440,25 @@ def _mamba1(cfg: Config) -> tuple[StateComponent, ...]:
     )
 
 
-def _mamba2_head_dim(cfg: Config, inner: int, heads: int) -> int:
-    """``mamba_d_head`` (Bamba, Granite): an int, or ``"auto"`` (the default when missing) for
-    ``inner // mamba_n_heads``, as the configs' ``__post_init__`` computes it."""
-    if cfg.get("mamba_d_head") in (None, "auto"):
+def _mamba2_head_dim(
+    cfg: Config,
+    inner: int,
+    heads: int,
+    *,
+    key: str = "mamba_d_head",
+    heads_key: str = "mamba_n_heads",
+    inner_name: str = "mamba_expand * hidden_size",
+    auto: bool = True,
+) -> int:
+    """The mixer's head dim ``cfg[key]`` (``mamba_d_head`` in Bamba, Granite and Falcon-H1): an
+    int, or when missing (or ``"auto"``, where ``auto``) ``inner // heads``, as the configs'
+    ``__post_init__`` computes it; ``heads`` must then divide ``inner``."""
+    value = cfg.get(key)
+    if value is None or (auto and value == "auto"):
         if inner % heads:
-            raise refuse("mamba_n_heads", heads, f"it must divide mamba_expand * hidden_size = {inner}")
+            raise refuse(heads_key, heads, f"it must divide {inner_name} = {inner}")
         return inner // heads
-    return config_int(cfg, "mamba_d_head", minimum=1)
+    return config_int(cfg, key, minimum=1)
 
 
 def _bamba_sizes(cfg: Config) -> tuple[int, int, int, int, int, int]:
@@ -372,6 +470,39 @@ def _bamba_sizes(cfg: Config) -> tuple[int, int, int, int, int, int]:
         heads,
         _mamba2_head_dim(cfg, inner, heads),
         config_int(cfg, "mamba_n_groups", minimum=1),
+        config_int(cfg, "mamba_d_state", minimum=1),
+        config_int(cfg, "mamba_d_conv", minimum=2),
+    )
+
+
+def _falcon_h1_sizes(cfg: Config) -> tuple[int, int, int, int, int, int]:
+    # FalconH1Mixer: intermediate_size = mamba_d_ssm, or int(mamba_expand * hidden_size) when it is
+    # null; otherwise Bamba's fields.
+    if cfg.get("mamba_d_ssm") is not None:
+        inner, inner_name = config_int(cfg, "mamba_d_ssm", minimum=1), "mamba_d_ssm"
+    else:
+        inner, inner_name = _expanded(cfg, "mamba_expand"), "mamba_expand * hidden_size"
+    heads = config_int(cfg, "mamba_n_heads", minimum=1)
+    return (
+        inner,
+        heads,
+        _mamba2_head_dim(cfg, inner, heads, inner_name=inner_name),
+        config_int(cfg, "mamba_n_groups", minimum=1),
+        config_int(cfg, "mamba_d_state", minimum=1),
+        config_int(cfg, "mamba_d_conv", minimum=2),
+    )
+
+
+def _zamba2_sizes(cfg: Config) -> tuple[int, int, int, int, int, int]:
+    # Zamba2MambaMixer: intermediate_size = int(mamba_expand * hidden_size), n_mamba_heads heads of
+    # mamba_headdim (Zamba2Config: that size // n_mamba_heads when missing), mamba_ngroups groups.
+    inner = _expanded(cfg, "mamba_expand")
+    heads = config_int(cfg, "n_mamba_heads", minimum=1)
+    return (
+        inner,
+        heads,
+        _mamba2_head_dim(cfg, inner, heads, key="mamba_headdim", heads_key="n_mamba_heads", auto=False),
+        config_int(cfg, "mamba_ngroups", minimum=1),
         config_int(cfg, "mamba_d_state", minimum=1),
         config_int(cfg, "mamba_d_conv", minimum=2),
     )
@@ -406,6 +537,8 @@ _MAMBA2_SIZES: dict[str, Callable[[Config], tuple[int, int, int, int, int, int]]
     "bamba": _bamba_sizes,
     "granitemoehybrid": _bamba_sizes,
     "nemotron_h": _nemotron_h_sizes,
+    "falcon_h1": _falcon_h1_sizes,
+    "zamba2": _zamba2_sizes,
 }
 
 
@@ -415,12 +548,14 @@ _MAMBA2_FIELDS: dict[str, tuple[str, str, str]] = {
     "bamba": ("mamba_n_heads", "mamba_d_head", "mamba_n_groups"),
     "granitemoehybrid": ("mamba_n_heads", "mamba_d_head", "mamba_n_groups"),
     "nemotron_h": ("mamba_num_heads", "mamba_head_dim", "n_groups"),
+    "falcon_h1": ("mamba_n_heads", "mamba_d_head", "mamba_n_groups"),
+    "zamba2": ("n_mamba_heads", "mamba_headdim", "mamba_ngroups"),
 }
 
 
 def _mamba2(cfg: Config) -> tuple[StateComponent, ...]:
-    """Mamba2 (Mamba2, Bamba, Nemotron-H, Granite 4.0): a causal-conv window over x, B and C
-    (``inner + 2 * groups * state`` channels), and the SSD state per head."""
+    """Mamba2 (Mamba2, Bamba, Nemotron-H, Granite 4.0, Falcon-H1, Zamba2): a causal-conv window
+    over x, B and C (``inner + 2 * groups * state`` channels), and the SSD state per head."""
     model_type = _model_type(cfg, "mamba2", _MAMBA2_SIZES)
     inner, heads, head_dim, groups, state, kernel = _MAMBA2_SIZES[model_type](cfg)
     heads_key, head_dim_key, groups_key = _MAMBA2_FIELDS[model_type]

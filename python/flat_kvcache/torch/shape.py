@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import torch
 
@@ -23,7 +23,7 @@ from flat_kvcache import (
 )
 from flat_kvcache.config import load_model_config
 from flat_kvcache.errors import ModelConfigError
-from flat_kvcache.families import read_model_layers, state_components
+from flat_kvcache.families import kv_shape, read_model_layers, state_components
 from flat_kvcache.presets import PRESETS, get_preset, preset_names
 from flat_kvcache.torch._checks import as_dtype, as_int, storage_dtype
 
@@ -32,6 +32,9 @@ __all__ = ["ModelShape"]
 #: A sliding window: None, one int for every sliding (and chunked) layer, or one entry per layer
 #: (a chunked layer's entry is its attention chunk).
 SlidingWindow: TypeAlias = "int | Sequence[int | None] | None"
+
+#: Which of a model layer's cache layers :meth:`ModelShape.cache_layer` is asked for.
+CacheLayerKind: TypeAlias = Literal["attention", "state"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +60,12 @@ class ModelShape:
         For models with ``linear_attention`` layers: per state component (e.g. ``"conv"``,
         ``"ssm"``, in this order) the per-layer shape and dtype. Both mappings must name the same
         components.
+    model_layers
+        None (cache layer ``i`` is model layer ``i``), or the model's layer index of each cache
+        layer: increasing, MLP-only model layers missing, and an index repeated only by a model
+        layer that holds both attention K/V and a state (Falcon-H1, Zamba2's hybrid layers),
+        which is two adjacent cache layers, its attention's first and then its state's
+        (:class:`flat_kvcache.families.ModelLayers`). :meth:`cache_layer` maps back.
     """
 
     layer_types: tuple[str, ...]
@@ -88,29 +97,72 @@ class ModelShape:
         shapes, dtypes = self._state_fields(layer_types)
         set_(self, "state_shapes", shapes)
         set_(self, "state_dtypes", dtypes)
-        set_(self, "model_layers", self._model_layers(len(layer_types)))
+        set_(self, "model_layers", self._model_layers(layer_types))
 
-    def _model_layers(self, count: int) -> tuple[int, ...] | None:
+    def _model_layers(self, layer_types: tuple[str, ...]) -> tuple[int, ...] | None:
         if self.model_layers is None:
             return None
         if isinstance(self.model_layers, str) or not isinstance(self.model_layers, Sequence):
             raise TypeError("model_layers must be a sequence of ints")
         indices = tuple(as_int(v, f"model_layers[{i}]", minimum=0) for i, v in enumerate(self.model_layers))
-        if len(indices) != count:
-            raise ValueError(f"model_layers has {len(indices)} entries but layer_types has {count}")
-        if any(b <= a for a, b in itertools.pairwise(indices)):
-            raise ValueError(f"model_layers must be strictly increasing, got {list(indices)}")
+        if len(indices) != len(layer_types):
+            raise ValueError(
+                f"model_layers has {len(indices)} entries but layer_types has {len(layer_types)}"
+            )
+        for i, (a, b) in enumerate(itertools.pairwise(indices)):
+            if b > a:
+                continue
+            both = (
+                b == a and layer_types[i] not in STATE_LAYER_TYPES and layer_types[i + 1] in STATE_LAYER_TYPES
+            )
+            if not both:
+                raise ValueError(
+                    f"model_layers must be increasing, an index repeated only by a model layer that "
+                    f"holds both K/V and a state (its attention cache layer, then its state cache "
+                    f"layer); got model_layers[{i}] = {a} ({layer_types[i]}) and model_layers[{i + 1}] "
+                    f"= {b} ({layer_types[i + 1]}) in {list(indices)}"
+                )
         return indices
 
-    def cache_layer(self, model_layer: int) -> int:
-        """The index in ``layer_types`` of model layer ``model_layer`` (a ``ValueError`` for a
-        layer that keeps no cache)."""
+    def cache_layers(self, model_layer: int) -> tuple[int, ...]:
+        """The indices in ``layer_types`` of model layer ``model_layer``'s cache layers: none for
+        a layer that keeps no cache, one, or two for a layer that holds both (its attention's,
+        then its state's)."""
         if self.model_layers is None:
-            if 0 <= model_layer < len(self.layer_types):
-                return model_layer
-        elif model_layer in self.model_layers:
-            return self.model_layers.index(model_layer)
-        raise ValueError(f"model layer {model_layer} keeps no KV cache or state in this model")
+            return (model_layer,) if 0 <= model_layer < len(self.layer_types) else ()
+        return tuple(i for i, index in enumerate(self.model_layers) if index == model_layer)
+
+    def cache_layer(self, model_layer: int, kind: CacheLayerKind | None = None) -> int:
+        """The index in ``layer_types`` of model layer ``model_layer``'s cache layer.
+
+        ``kind`` asks for its attention cache layer (``"attention"``: a full, sliding or chunked
+        label) or its state cache layer (``"state"``: ``linear_attention``); None takes its only
+        cache layer, whichever it is. A ``ValueError`` for a layer that keeps no cache, none of
+        ``kind``, or, with ``kind`` None, two (a layer that holds both: which one is meant cannot
+        be known).
+        """
+        if kind not in (None, "attention", "state"):
+            raise ValueError(f"kind must be 'attention', 'state' or None, got {kind!r}")
+        found = self.cache_layers(model_layer)
+        if not found:
+            raise ValueError(f"model layer {model_layer} keeps no KV cache or state in this model")
+        if kind is None:
+            if len(found) > 1:
+                raise ValueError(
+                    f"model layer {model_layer} holds both attention K/V (cache layer {found[0]}) and a "
+                    f"state (cache layer {found[1]}): pass kind='attention' or kind='state'"
+                )
+            return found[0]
+        wanted = [i for i in found if (self.layer_types[i] in STATE_LAYER_TYPES) == (kind == "state")]
+        if not wanted:
+            kept, missing = (
+                ("a state", "attention K/V") if kind == "attention" else ("attention K/V", "state")
+            )
+            raise ValueError(
+                f"model layer {model_layer} keeps no {missing} in this model: its one cache layer "
+                f"({found[0]}, {self.layer_types[found[0]]}) holds {kept}"
+            )
+        return wanted[0]
 
     def _state_fields(
         self, layer_types: tuple[str, ...]
@@ -190,13 +242,14 @@ class ModelShape:
         The layers, windows and state kind are the config's family's reading
         (:func:`flat_kvcache.families.read_model_layers`); state shapes come from the state
         kind (:data:`flat_kvcache.families.STATE_KINDS`), so an unsupported family or state is
-        a ``ModelConfigError`` (a ``ValueError``) naming the field. ``num_key_value_heads``
-        defaults to ``num_attention_heads`` and ``head_dim`` to ``hidden_size //
-        num_attention_heads`` (the Hugging Face conventions). The K/V dtype is ``kv_dtype`` if
-        given (e.g. ``"fp8_e4m3"``), else the model dtype (``torch_dtype``, or ``dtype`` in newer
-        configs). A config without a model dtype (as ``transformers`` writes one built in code)
-        needs ``kv_dtype``, which then is the dtype of the state components kept in the model
-        dtype too, unless it is a one-byte (fp8) type.
+        a ``ModelConfigError`` (a ``ValueError``) naming the field. The K/V heads and head dim
+        are the family's where it reads them itself (:func:`flat_kvcache.families.kv_shape`:
+        Zamba2), else ``num_key_value_heads`` defaulting to ``num_attention_heads`` and
+        ``head_dim`` to ``hidden_size // num_attention_heads`` (the Hugging Face conventions).
+        The K/V dtype is ``kv_dtype`` if given (e.g. ``"fp8_e4m3"``), else the model dtype
+        (``torch_dtype``, or ``dtype`` in newer configs). A config without a model dtype (as
+        ``transformers`` writes one built in code) needs ``kv_dtype``, which then is the dtype of
+        the state components kept in the model dtype too, unless it is a one-byte (fp8) type.
         """
         cfg = load_model_config(source)
         layers = read_model_layers(cfg)
@@ -213,11 +266,17 @@ class ModelShape:
                 f"config kv_lora_rank = {cfg['kv_lora_rank']!r}: the attention layers are multi-head "
                 f"latent attention (MLA), whose latent K/V this library does not size yet"
             )
+        num_kv_heads, head_dim = 1, 1
+        if has_attention:
+            own = kv_shape(cfg)
+            num_kv_heads, head_dim = (
+                own if own is not None else (_config_kv_heads(cfg), _config_head_dim(cfg))
+            )
         return cls(
             layer_types=layers.layer_types,
             sliding_window=layers.sliding_window,
-            num_kv_heads=_config_kv_heads(cfg) if has_attention else 1,
-            head_dim=_config_head_dim(cfg) if has_attention else 1,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
             kv_dtype=kv,
             state_shapes=state_shapes,
             state_dtypes=state_dtypes,
