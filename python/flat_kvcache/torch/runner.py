@@ -231,7 +231,17 @@ def model_shape(config: Any, kv_dtype: torch.dtype = torch.float32) -> ModelShap
 
 
 #: The ``kind`` names :func:`tiny_model` builds.
-TINY_MODEL_KINDS = ("gpt-oss", "qwen2", "llama", "gemma2", "mistral", "llama4", "qwen3-next", "bamba")
+TINY_MODEL_KINDS = (
+    "gpt-oss",
+    "qwen2",
+    "llama",
+    "gemma2",
+    "mistral",
+    "llama4",
+    "qwen3-next",
+    "bamba",
+    "falcon-h1",
+)
 
 # The budget of the one-page plan that :func:`plan_for_pages` reads ``bytes_per_page`` from.
 _PROBE_BUDGET_BYTES = 1 << 24
@@ -276,6 +286,10 @@ def tiny_model(
     - ``"bamba"``: Bamba (``BambaForCausalLM``): mamba2 and full attention alternating (mamba2
       first), mamba2 with 4 heads of 16, state 8, 1 group, conv kernel 4, scan chunk 16; MLP
       size 48 unless given; ``window`` is not used.
+    - ``"falcon-h1"``: Falcon-H1 (``FalconH1ForCausalLM``): every layer runs full attention
+      (head dim 8) and a mamba2 mixer (``mamba_d_ssm`` 32: 4 heads of 8, state 8, 1 group, conv
+      kernel 4, scan chunk 16) side by side, two cache layers per model layer; MLP size 48
+      unless given; ``window`` is not used.
 
     The alternating kinds (``"qwen3-next"`` and ``"bamba"`` too) need an even ``num_layers``,
     the sliding ones have ``sliding_window=window``; ``"llama4"`` needs at least 2 layers.
@@ -358,6 +372,19 @@ def tiny_model(
             mlp_only_layers=list(range(num_layers)),  # every layer a dense MLP
         )
         model = transformers.Qwen3NextForCausalLM(qwen3_next)
+    elif kind == "falcon-h1":
+        falcon = transformers.FalconH1Config(
+            **common,
+            head_dim=8,
+            mamba_d_ssm=32,
+            mamba_n_heads=4,
+            mamba_d_head=8,
+            mamba_n_groups=1,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_chunk_size=16,
+        )
+        model = transformers.FalconH1ForCausalLM(falcon)
     elif kind == "bamba":
         bamba = transformers.BambaConfig(
             **common,
