@@ -210,12 +210,28 @@ def test_minimax_hub_form_attn_type_list() -> None:
     # vLLM's and SGLang's, make layer i lightning attention when attn_type_list[i] == 0.
     types = ([0] * 7 + [1]) * 10
     labels = ["linear_attention" if t == 0 else "full_attention" for t in types]
-    for model_type in ("minimax_text_01", "minimax_m1", "minimax"):
+    for model_type in ("minimax_text_01", "minimax_m1"):
         _check(
             {"model_type": model_type, "num_hidden_layers": 80, "attn_type_list": types},
             labels,
             state_kind="lightning",
         )
+
+
+def test_minimax_attn_type_list_that_transformers_would_ignore_is_refused() -> None:
+    # model_type minimax is transformers' MiniMaxConfig: it has no attn_type_list and builds its
+    # own alternation (layer i full attention when i is even), whatever the list says.
+    types = ([0] * 7 + [1]) * 10
+    with pytest.raises(ModelConfigError, match=r"attn_type_list = .*ignores attn_type_list"):
+        read_model_layers({"model_type": "minimax", "num_hidden_layers": 80, "attn_type_list": types})
+    # A list that says what the class builds is read.
+    agreeing = [1 - i % 2 for i in range(6)]
+    hub = {"model_type": "minimax", "num_hidden_layers": 6}
+    _check(
+        {**hub, "attn_type_list": agreeing},
+        transformers.MiniMaxConfig(**hub).layer_types,
+        state_kind="lightning",
+    )
 
 
 def test_minimax_hub_form_without_either_list_is_the_class_default() -> None:

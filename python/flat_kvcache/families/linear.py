@@ -187,6 +187,15 @@ def _minimax(cfg: Config) -> list[Layer]:
                 f"attn_type_list[{i}]", kind, "0 (lightning attention) or 1 (softmax attention) is needed"
             )
         out.append(attention if kind == 1 else Layer("state"))
+    if cfg.get("model_type") == "minimax" and types != [1 - i % 2 for i in range(count)]:
+        # transformers' MiniMaxConfig has no attn_type_list: it builds its default alternation.
+        raise refuse(
+            "attn_type_list",
+            types,
+            "model_type 'minimax' is transformers' MiniMaxConfig, which ignores attn_type_list and "
+            "builds even layers full attention, odd layers lightning; the model it runs would not "
+            "have these layers (give layer_types, or the remote-code model_type minimax_text_01)",
+        )
     return out
 
 
@@ -287,7 +296,8 @@ LINEAR_FAMILIES: tuple[Family, ...] = (
         "MiniMax",
         ("minimax", "minimax_text_01", "minimax_m1"),
         _minimax,
-        "`layer_types`; Hub form: `attn_type_list` (0 lightning, 1 softmax); `sliding_window` "
+        "`layer_types`; Hub form: `attn_type_list` (0 lightning, 1 softmax; with `model_type` "
+        "`minimax`, transformers' class, only the class's own alternation); `sliding_window` "
         "windows the softmax layers when set",
         state="lightning",
     ),

@@ -373,9 +373,8 @@ def tiny_model(
         )
         model = transformers.Qwen3NextForCausalLM(qwen3_next)
     elif kind == "falcon-h1":
-        falcon = transformers.FalconH1Config(
+        falcon = transformers.FalconH1Config(  # head dim hidden_size // heads = 8
             **common,
-            head_dim=8,
             mamba_d_ssm=32,
             mamba_n_heads=4,
             mamba_d_head=8,
