@@ -581,7 +581,10 @@ class _PagedCacheBase:
         ``{"store": {group_id: (ids, src, dst)}, "load": {group_id: (ids, src, dst)}}``, int64
         arrays, groups in index order (only groups with transfers), transfers in emission
         order. A store copies device page ``src[i]`` to host page ``dst[i]`` in the layers of
-        that group; a load copies host page ``src[i]`` to device page ``dst[i]``. A device page
+        that group; a load copies host page ``src[i]`` to device page ``dst[i]``. Over an arena
+        a device page is the index in the group's view (as in its block tables and
+        ``state_slots``) and a host page one of the group's own host pages ``[0, n_g)``; without
+        one, host pages are shared by every group. A device page
         being stored is never handed out again until the store is acknowledged; a load's
         destination is already in its request's block tables, and that request cannot be
         scheduled until every load into it is acknowledged. ``{"store": {}, "load": {}}``
@@ -636,7 +639,7 @@ class FlatKVCache(_PagedCacheBase):
         eviction_order: _EvictionOrder = "hybrid",
         enable_kv_events: bool = False,
         reuse_uncached_first: bool = True,
-        host_pages: int | None = 0,
+        host_pages: int | Mapping[str, int] | None = 0,
         host_store: _HostStore = "write_through",
     ) -> FlatKVCache:
         """The token-level engine over ``specs`` (non-empty) with a pool of ``num_pages >= 1`` pages.
@@ -658,8 +661,13 @@ class FlatKVCache(_PagedCacheBase):
         ``arena`` (an :class:`ArenaPlan` from ``plan_arena``, instead of ``num_pages``): the
         pages live in the plan's arena of units (SPEC 13.2, docs/architecture.md "Hybrid
         storage"); each group's page ids index its own view of the arena, and ``budget``,
-        ``pages_needed`` and ``stats()["num_free"]`` count arena credits. Not combinable with a
-        host tier or ``reuse_uncached_first=False``.
+        ``pages_needed`` and ``stats()["num_free"]`` count arena credits. Not combinable with
+        ``reuse_uncached_first=False``. Over an arena the host tier is per group: group ``g``
+        has host pages ``[0, n_g)`` of its own page geometry (a state group's: whole state
+        slots, so checkpoints are stored and loaded back too); ``host_pages`` is an int (that
+        many for every group) or a mapping ``{group_id: n}`` (groups not named get none and are
+        not tiered; an unknown group id is a ``ValueError``, a mapping without an arena a
+        ``TypeError``); ``stats()``'s ``host_*`` figures are totals over the groups.
         """
 
     def add_request(

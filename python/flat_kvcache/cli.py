@@ -499,11 +499,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         _print_error(str(exc))
         return 1
-    if args.arena is not None and (args.num_pages is not None or args.host_pages):
-        _print_error(
-            "--arena sizes the pool itself: it cannot be combined with "
-            + ("--num-pages" if args.num_pages is not None else "--host-pages (no host tier over an arena)")
-        )
+    if args.arena is not None and args.num_pages is not None:
+        # --host-pages N with --arena is a host tier of N pages per group (each of its own geometry).
+        _print_error("--arena sizes the pool itself: it cannot be combined with --num-pages")
         return 2
     if args.num_pages is not None and args.num_pages < len(groups) + 1:
         _print_error(

@@ -1,11 +1,14 @@
-"""The token-level state machine shared by the stateful cross-checks (requests, host tier).
+"""The token-level state machines shared by the stateful cross-checks (requests, arena, host tier).
 
 :class:`RequestsMachine` drives the native ``FlatKVCache`` and the pure-Python reference side by
 side with the same random scheduler-loop operations on slots (docs/requests-api.md, "Slots")
 and compares them after every step (tests/requests/test_requests_stateful.py says what it
-covers and runs it; tests/host/test_host_stateful.py extends it with a host tier). The model
-keeps each live request's slot (the lowest free one when it entered, checked against both
-engines) and its tokens. :func:`replay` applies KV events to an index as a router would.
+covers and runs it). The model keeps each live request's slot (the lowest free one when it
+entered, checked against both engines) and its tokens. :func:`replay` applies KV events to an
+index as a router would. The variants: :class:`ArenaRequestsMachine` over the SPEC 13 arena
+(tests/requests/test_arena_stateful.py), :class:`HostMachine` with a host tier
+(tests/host/test_host_stateful.py), and :class:`ArenaHostMachine`, both at once: a host tier
+per group over an arena (tests/host/test_arena_host.py).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from strategies import (
     EXTRA_KEYS,
     REQUEST_IDS,
     arena_configs,
+    arena_host_pages,
     both_arena_caches,
     both_caches,
     configs,
@@ -547,3 +551,203 @@ class ArenaRequestsMachine(RequestsMachine):
     def arena_agrees(self) -> None:
         if self.caches:
             self.both("arena_stats")
+
+
+def transfer_ids(taken: Any) -> list[int]:
+    """Every id in a normalized ``take_transfers`` result."""
+    ids: list[int] = []
+    for per_group in taken.values():
+        for arrays in per_group.values():
+            ids.extend(arrays[0][3])  # ("ndarray", dtype, shape, values)
+    return ids
+
+
+class HostMachine(RequestsMachine):
+    """The requests machine with a host tier and the transfer rules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.handed_out: list[int] = []
+        self.host_index: Counter[tuple[int, bytes]] = Counter()
+
+    def check_more_events(self, taken: list[Any]) -> None:
+        """The CPU-medium events, replayed, name exactly the findable host pages' keys; the
+        host figures of ``stats()`` (compared between engines by the base machine) add up."""
+        replay(self.host_index, taken, medium="CPU")
+        host = self.caches[1]._host  # None when no group has host pages (an arena's mapping)
+        findable: Counter[tuple[int, bytes]] = Counter(
+            (int(key[64:], 16), bytes.fromhex(key[:64]))
+            for page, key in enumerate([] if host is None else host.keys)
+            if key is not None and host.ready[page]
+        )
+        assert self.host_index == findable, "the CPU-medium events disagree with the host tier"
+        stats = self.caches[1].stats()
+        assert stats["host_pages_used"] <= stats["host_pages_total"]
+        assert stats["host_hits_tokens"] <= stats["prefix_hits_tokens"]
+        assert stats["host_evictions"] <= stats["host_stores"]
+        if stats["host_hits_tokens"]:
+            event("host hits counted")
+        if stats["host_evictions"]:
+            event("host evictions")
+
+    @initialize(
+        config=configs(),
+        host_pages=st.integers(1, 40),
+        host_store=st.sampled_from(["write_through", "evict"]),
+        prompts=st.lists(st.tuples(st.integers(0, len(DOCUMENTS) - 1), st.integers(1, 40)), max_size=3),
+    )
+    def build(
+        self, config: dict[str, Any], host_pages: int, host_store: str, prompts: list[tuple[int, int]]
+    ) -> None:
+        self.config = config
+        self.caches.extend(
+            both_caches(config, enable_kv_events=True, host_pages=host_pages, host_store=host_store)
+        )
+        self.add_initial(prompts)
+
+    @rule()
+    def take_transfers(self) -> None:
+        taken = self.both("take_transfers")[1]
+        ids = transfer_ids(taken)
+        if taken["load"]:
+            event("loads handed out")
+        if taken["store"]:
+            event("stores handed out")
+        self.handed_out.extend(ids)
+
+    def ack_all(self, data: st.DataObject) -> None:
+        """Take every transfer emitted and acknowledge every one handed out, in a random order."""
+        self.take_transfers()
+        order = data.draw(st.permutations(self.handed_out))
+        self.both("ack_transfers", list(order))
+        self.handed_out.clear()
+
+    @precondition(lambda self: self.handed_out)
+    @rule(data=st.data())
+    def ack_some(self, data: st.DataObject) -> None:
+        chosen = data.draw(st.lists(st.sampled_from(self.handed_out), unique=True, max_size=8))
+        order = data.draw(st.permutations(chosen))
+        status, _ = self.both("ack_transfers", list(order))
+        assert status == "ok"
+        for op_id in order:
+            self.handed_out.remove(op_id)
+
+    @rule(data=st.data())
+    def ack_bad(self, data: st.DataObject) -> None:
+        """Unknown, repeated or not-yet-handed-out ids: refused alike, nothing changes."""
+        bad = data.draw(st.sampled_from(["unknown", "twice", "untaken"]))
+        if bad == "twice" and self.handed_out:
+            op_id = self.handed_out[0]
+            self.both("ack_transfers", [op_id, op_id])
+        elif bad == "untaken":
+            pending = self.caches[0].transfers_in_flight()
+            # The next id any cache would emit has not been handed out.
+            self.both("ack_transfers", [10**6 + pending])
+        else:
+            self.both("ack_transfers", [10**9])
+
+    @rule(doc=st.integers(0, len(DOCUMENTS) - 1), length=st.integers(2, 40), data=st.data())
+    def round_trip(self, doc: int, length: int, data: st.DataObject) -> None:
+        """Compute and finish a prompt, acknowledge what is handed out, push its pages off the
+        device (a request takes every free page by lookahead, then finishes; or, where a
+        lookahead is refused, as with state groups, or drawn so, ``reset_prefix_cache``), and
+        re-add the prompt: the hit now comes from the host (loads), if the host kept the pages.
+        The prompt is computed in ``next_chunk``'s chunks, so a state group writes its
+        checkpoints (SPEC 13.5) and a re-added prompt resumes from one loaded back."""
+        free_ids = [r for r in REQUEST_IDS if r not in self.live]
+        if not free_ids:
+            return
+        req = data.draw(st.sampled_from(free_ids))
+        prompt = DOCUMENTS[doc][:length]
+        if not self.added(req, prompt, self.both("add_request", req, prompt)):
+            return
+        slot = self.live[req]
+        self.ack_all(data)  # the prompt's own hit may have loads in flight
+        ran = ("ok", ("ndarray", "bool", (1,), [True]))
+        for _ in range(8):
+            status, chunk = self.both("next_chunk", slot, 10**6)
+            if status != "ok" or not chunk or self.both("schedule", [slot], [chunk]) != ran:
+                break
+        if self.remaining(slot) == 0:
+            self.both("finish", [slot])
+            self.released([slot])
+        self.ack_all(data)
+        evicted = False
+        if data.draw(st.booleans()):
+            # The evictor computes nothing (so registers nothing): its lookahead takes the pages.
+            lcm = self.caches[1].lcm_page_size
+            added = self.both("add_request", "evictor", [0], use_prefix_cache=False)
+            assert added[0] == "ok" and added[1][0] == self.next_slot(), added
+            evictor = added[1][0]
+            for k in range(1, 65):
+                took = self.both("schedule", [evictor], [0], lookahead=k * lcm)
+                if took != ran:
+                    break
+                evicted = True
+            self.both("finish", [evictor])
+        if not evicted:
+            self.both("reset_prefix_cache")
+        if req in self.live:
+            return
+        if data.draw(st.booleans()):
+            # admit sizes the claim's loads like pages_needed_to_admit, then adds as add_request.
+            back = self.added(req, prompt, self.both("admit", req, prompt, data.draw(st.integers(0, 48))))
+        else:
+            back = self.added(req, prompt, self.both("add_request", req, prompt))
+        if back and self.caches[0].loads_in_flight(self.live[req]):
+            event("hit loaded from the host")
+
+    @invariant()
+    def transfers_agree(self) -> None:
+        if not self.caches:
+            return
+        self.both("transfers_in_flight")
+        for slot in self.live.values():
+            status, loads = self.both("loads_in_flight", slot)
+            assert status == "ok"
+            if loads:
+                event("request waiting for loads")
+                refused = self.both("schedule", [slot], [0])
+                assert refused[0] == "raise" and refused[1].startswith("ValueError"), refused
+
+
+class ArenaHostMachine(HostMachine, ArenaRequestsMachine):
+    """:class:`HostMachine` over the SPEC 13 arena: the host tier is per group, each group's
+    host pages of its own page geometry (``host_pages`` an int for every group, or a mapping
+    naming some groups, the others untiered), and :class:`ArenaRequestsMachine`'s state slots
+    and ``arena_stats()`` must agree too. A state group's checkpoints are stored and loaded
+    back like any other page, and a re-added prompt must resume from a loaded checkpoint."""
+
+    @initialize(
+        config=arena_configs(),
+        more_units=st.integers(0, 12),
+        host_pages=arena_host_pages(),
+        host_store=st.sampled_from(["write_through", "evict"]),
+        prompts=st.lists(st.tuples(st.integers(0, len(DOCUMENTS) - 1), st.integers(1, 40)), max_size=3),
+    )
+    def build(
+        self,
+        config: dict[str, Any],
+        more_units: int,
+        host_pages: Any,
+        host_store: str,
+        prompts: list[tuple[int, int]],
+    ) -> None:
+        # Loads need device room beside the requests: up to 24 units rather than 12; and a tier
+        # does nothing without the prefix cache (the host machine covers that case).
+        config = {**config, "num_units": config["num_units"] + more_units, "enable_caching": True}
+        self.config = config
+        if isinstance(host_pages, dict):
+            # Only the cache's groups: an unknown id is refused (tests/host/test_arena_host.py).
+            host_pages = {gid: n for gid, n in host_pages.items() if int(gid[1:]) < len(config["groups"])}
+        self.caches.extend(
+            both_arena_caches(config, enable_kv_events=True, host_pages=host_pages, host_store=host_store)
+        )
+        self.add_initial(prompts)
+
+    def check_more_events(self, taken: list[Any]) -> None:
+        super().check_more_events(taken)
+        host = self.caches[1]._host
+        states = [g for g, group in enumerate(self.config["groups"]) if group[0] == "state"]
+        if host is not None and any(op.kind == "load" and op.group in states for op in host.ops.values()):
+            event("a state checkpoint loading from the host")

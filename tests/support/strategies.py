@@ -8,7 +8,8 @@ imports another and no strategy is defined twice).
   :data:`mostly_valid`, at and far past the edges of the native types.
 - Token-level caches for the state machines (requests, host tier, rows): :func:`configs` draws a
   hybrid spec mix (full, sliding, state and chunked groups) and :func:`both_caches` builds the
-  native and the reference cache from it;
+  native and the reference cache from it (:func:`arena_configs` / :func:`both_arena_caches`
+  over an arena, :func:`arena_host_pages` for a host tier there);
   prompts are cut from :data:`DOCUMENTS`, requests are named from :data:`REQUEST_IDS`.
 """
 
@@ -223,3 +224,14 @@ def arena_plan(config: dict[str, Any]) -> Any:
 def both_arena_caches(config: dict[str, Any], **options: Any) -> list[Any]:
     """The native and the reference cache of an :func:`arena_configs` draw, native first."""
     return both_caches({**config, "num_pages": None}, arena=arena_plan(config), **options)
+
+
+@st.composite
+def arena_host_pages(draw: st.DrawFn) -> int | dict[str, int]:
+    """The ``host_pages`` of a host tier over an :func:`arena_configs` cache: mostly an int
+    (every group's host pages, 1 to 12), else a mapping naming some of ``g0`` to ``g2`` (0 to 12 each; the
+    caller keeps the cache's own groups, the others are untiered)."""
+    if draw(st.integers(0, 2)):
+        return draw(st.integers(1, 12))
+    named = draw(st.lists(st.sampled_from(["g0", "g1", "g2"]), unique=True, max_size=3))
+    return {gid: draw(st.integers(0, 12)) for gid in named}

@@ -41,6 +41,14 @@ CPU memory (pinned when CUDA is available), mirroring the device buffers, and
     executor = TransferExecutor(cache, buffers, host)
     executor.run()   # after each forward and before scheduling requests with loads in flight
 
+Over the arena the host tier is per group (each group's host pages of its own geometry: a page
+group's page, a state group's whole slot, so checkpoints offload too); :class:`ArenaHostBuffers`
+holds them, with ``host_pages`` as the cache got it (an int for every group, or
+``{group_id: pages}``)::
+
+    cache = flat_kvcache.FlatKVCache(specs, arena=plan.arena, host_pages={"linear_attention": 64})
+    executor = TransferExecutor(cache, arena, ArenaHostBuffers(plan, {"linear_attention": 64}))
+
 Every size comes from the native memory plan (``flat_kvcache.components_from_layers``,
 ``equalized_block_size``, ``plan_tensors`` / ``plan_component_tensors``), computed in Rust with
 checked arithmetic; this module turns the planned byte counts into tensor shapes and checks
@@ -65,7 +73,13 @@ except ModuleNotFoundError as exc:
 from flat_kvcache.torch.arena import ArenaBuffers, allocate_arena
 from flat_kvcache.torch.attention import paged_attention, write_kv
 from flat_kvcache.torch.capture import CaptureBuffers, extend_locations, write_locations
-from flat_kvcache.torch.host import HostKVBuffers, TransferCache, TransferCounts, TransferExecutor
+from flat_kvcache.torch.host import (
+    ArenaHostBuffers,
+    HostKVBuffers,
+    TransferCache,
+    TransferCounts,
+    TransferExecutor,
+)
 from flat_kvcache.torch.plan import (
     ArenaMemoryPlan,
     KVBuffers,
@@ -80,6 +94,7 @@ from flat_kvcache.torch.shape import ModelShape
 
 __all__ = [
     "ArenaBuffers",
+    "ArenaHostBuffers",
     "ArenaMemoryPlan",
     "CaptureBuffers",
     "DeviceRows",

@@ -57,8 +57,10 @@ class ArenaBuffers:
       ``unit_bytes / itemsize``: slot ``s`` is unit ``s``, the component at its planned offset
       inside the slot.
 
-    These are the views the engine will index once it allocates from the arena (it does not
-    yet); :meth:`pages_of_unit` / :meth:`unit_of` map between a group's ids and the units.
+    These are the views the engine's ids index (``FlatKVCache(specs, arena=plan)``: its block
+    tables and ``state_slots``); :meth:`pages_of_unit` / :meth:`unit_of` map between a group's
+    ids and the units, and :meth:`pages` gives a group's pages as raw bytes (what the host tier
+    copies, :class:`~flat_kvcache.torch.ArenaHostBuffers`).
     """
 
     def __init__(self, shape: ModelShape, plan: ArenaPlan, arena: torch.Tensor) -> None:
@@ -210,6 +212,17 @@ class ArenaBuffers:
         if index >= bound:
             raise IndexError(f"{name} {index} out of range: there are {bound}")
         return index
+
+    def pages(self, group_id: str) -> torch.Tensor:
+        """Every page (or state slot) of ``group_id`` as raw bytes: a ``uint8`` view
+        ``[num_ids, item_bytes]`` of the arena whose row ``p`` is the group's id ``p``, all of
+        the group's layers (and, for a state group, all of the slot's state components) at their
+        planned offsets; the rows step ``item_bytes`` (a page group's page) or ``unit_bytes`` (a
+        state slot is a unit, ``num_ids`` = ``num_units``). Row 0 is the null page or slot."""
+        group = self._group(group_id)
+        stride = group.item_bytes if group.kind == "pages" else self._plan.unit_bytes
+        rows = group.num_ids if group.kind == "pages" else self._plan.num_units
+        return torch.as_strided(self._arena, (rows, group.item_bytes), (stride, 1))
 
     def pages_of_unit(self, group_id: str, unit: int) -> range:
         """The ids of ``group_id`` that lie in ``unit`` while it is bound to the group: for a page

@@ -29,13 +29,13 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::args::{
-    arena_geometry, count, counts, id_to_py, opt_count, tokens, CountParam, EvictionArg, ExtraKeys, FlagParam,
-    GroupSpecs, RequestId,
+    arena_geometry, count, counts, id_to_py, tokens, CountParam, EvictionArg, ExtraKeys, FlagParam, GroupSpecs,
+    RequestId,
 };
 use crate::convert::{clip, is_masked, signed, IntArg};
 use crate::errors::{core, lock};
 use crate::events::events_to_py;
-use crate::host::{transfer_ids, transfers_to_py, HostStoreArg};
+use crate::host::{host_pages_count, transfer_ids, transfers_to_py, HostPagesArg, HostStoreArg};
 use crate::rows::{as_outs, check_bind, copy_deltas, deltas_to_py, no_deltas, BoundBuffers};
 use crate::tables::{borrow_out, table_outs};
 use flat_kvcache_core::engine::host::HostStore;
@@ -121,7 +121,8 @@ impl PyPagedCache {
                 host_store: host_store.0,
             })
         };
-        let num_pages = match (num_pages.filter(|n| !n.is_none()), arena.filter(|a| !a.is_none())) {
+        let arena = arena.filter(|a| !a.is_none());
+        let num_pages = match (num_pages.filter(|n| !n.is_none()), arena) {
             (Some(n), None) => n,
             (Some(n), Some(_)) => {
                 return Err(PyValueError::new_err(format!(
@@ -133,9 +134,12 @@ impl PyPagedCache {
                 "num_pages must be an int (the pages in the pool, page 0 included) unless arena= is given, got None",
             )),
             (None, Some(plan)) => {
-                let options = options(opt_count(host_pages, "host_pages")?.unwrap_or(0))?;
+                let host = HostPagesArg::extract(host_pages)?;
+                let options = options(0)?;
                 let geometry = arena_geometry(plan, &specs.0)?;
-                return Ok(Self::over(core(FlatCache::with_arena(specs.0, &geometry, options))?));
+                let per_group = host.per_group(&specs.0)?;
+                let cache = FlatCache::with_arena_host_pages(specs.0, &geometry, options, &per_group);
+                return Ok(Self::over(core(cache)?));
             }
         };
         // The pool holds page 0, so its size is >= 1 (a negative size says so too, as in the
@@ -153,7 +157,7 @@ impl PyPagedCache {
                 "num_pages must be <= {MAX_BLOCKS} (page ids are int32), got {num_pages}"
             )));
         }
-        let host_pages = opt_count(host_pages, "host_pages")?.unwrap_or(0);
+        let host_pages = host_pages_count(host_pages)?;
         let cache = core(FlatCache::with_options(specs.0, num_pages, options(host_pages)?))?;
         Ok(Self::over(cache))
     }
@@ -423,7 +427,13 @@ impl PyFlatKVCache {
     /// `arena` (an `ArenaPlan` from `plan_arena`, instead of `num_pages`): the pages live in
     /// the plan's arena of units (SPEC 13.2), each group's page ids index its own view; the
     /// free counts (`budget`, `pages_needed`, `stats()["num_free"]`) are then arena credits.
-    /// Not combinable with a host tier or `reuse_uncached_first=False` (`ValueError`).
+    /// Not combinable with `reuse_uncached_first=False` (`ValueError`).
+    ///
+    /// `host_pages` adds a host-memory tier (`take_transfers`). Without an arena it is an int:
+    /// that many host pages of the pool's page geometry, shared by every group. Over an arena
+    /// the tier is per group, each group's host pages of its own page geometry with ids of
+    /// their own: an int gives every group that many, a mapping `{group_id: pages}` the groups
+    /// it names (the others none: they are not tiered).
     #[new]
     #[pyo3(
         signature = (specs, num_pages = None, *, arena = None, enable_caching = FlagParam::OMITTED, eviction_order = EvictionArg(EvictionOrder::Hybrid), enable_kv_events = FlagParam::OMITTED, reuse_uncached_first = FlagParam::OMITTED, host_pages = None, host_store = HostStoreArg(HostStore::WriteThrough)),

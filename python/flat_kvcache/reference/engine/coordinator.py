@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +122,22 @@ def arena_geometry(
     return unit_bytes, num_units, page_bytes
 
 
+def host_pages_per_group(host_pages: Mapping[Any, Any], group_ids: Sequence[str]) -> list[int]:
+    """The host pages of each group, in group order, from a ``{group_id: pages}`` mapping (the
+    groups it does not name get 0): a key that is not a str is a TypeError, one that names no
+    group a ValueError, a bad count the error of ``as_count`` naming ``host_pages[<group id>]``."""
+    pages = [0] * len(group_ids)
+    for gid, value in host_pages.items():
+        if not isinstance(gid, str):
+            raise TypeError(f"host_pages keys must be group ids (str), got {type(gid).__name__}")
+        if gid not in group_ids:
+            raise ValueError(
+                f"host_pages names group {debug_str(gid[:80])}, which is not one of the cache's groups"
+            )
+        pages[group_ids.index(gid)] = as_count(value, f"host_pages[{debug_str(gid[:80])}]")
+    return pages
+
+
 class Coordinator:
     """The cache's state and the calls that span every group (SPEC 7).
 
@@ -141,7 +157,7 @@ class Coordinator:
         eviction_order: str = "hybrid",
         enable_kv_events: bool = False,
         reuse_uncached_first: bool = DEFAULT_REUSE_UNCACHED_FIRST,
-        host_pages: int | None = 0,
+        host_pages: int | Mapping[str, int] | None = 0,
         host_store: str = "write_through",
     ) -> None:
         if not isinstance(eviction_order, str) or eviction_order not in EVICTION_ORDERS:
@@ -151,7 +167,16 @@ class Coordinator:
         if not isinstance(host_store, str) or host_store not in HOST_STORES:
             shown = clipped_repr(host_store)
             raise ValueError(f"host_store must be 'write_through' or 'evict', got {shown}")
-        num_host = 0 if host_pages is None else as_count(host_pages, "host_pages")
+        host_map: Mapping[Any, Any] | None = None
+        if isinstance(host_pages, Mapping):
+            if arena is None:
+                raise TypeError(
+                    "host_pages must be an int without arena= (a {group_id: pages} mapping gives each "
+                    f"group of an arena its own host pages), got {type(host_pages).__name__}"
+                )
+            host_map, num_host = host_pages, 0
+        else:
+            num_host = 0 if host_pages is None else as_count(host_pages, "host_pages")
         # Each spec is read field by field, as the native engine reads it (_args.as_group_spec).
         spec_list = [as_group_spec(index, spec) for index, spec in enumerate(spec_items)]
         if not spec_list:
@@ -160,6 +185,7 @@ class Coordinator:
             spec.group_id if spec.group_id is not None else f"g{i}" for i, spec in enumerate(spec_list)
         ]
         geometry: tuple[int, int, list[int]] | None = None
+        host_per_group: list[int] = []
         if num_pages is not None and arena is not None:
             raise ValueError(
                 f"num_pages must be None with arena= (the arena sizes the pool), got {num_pages!r}"
@@ -176,11 +202,9 @@ class Coordinator:
             as_flag(enable_kv_events, "enable_kv_events")
             as_flag(reuse_uncached_first, "reuse_uncached_first")
             geometry = arena_geometry(arena, spec_list, group_ids)
-            if num_host > 0:
-                raise ValueError(
-                    f"host_pages must be 0 with arena storage (a host tier over an arena is not "
-                    f"supported yet), got {num_host}"
-                )
+            host_per_group = (
+                [num_host] * len(group_ids) if host_map is None else host_pages_per_group(host_map, group_ids)
+            )
             if not reuse_uncached_first:
                 raise ValueError(
                     "reuse_uncached_first must be True with arena storage (an arena reuses a "
@@ -257,12 +281,22 @@ class Coordinator:
         # The host-memory tier (host.py), and per token-level request its loads in flight.
         self._host: HostTier | None = None
         self._loading: dict[RequestId, int] = {}
-        if num_host > 0:
+        if geometry is not None and any(host_per_group):
+            # Over an arena the tier is per group: each group's host pages of its own geometry.
+            total = sum(host_per_group)
+            if total > MAX_HOST_PAGES:
+                raise ValueError(
+                    f"host_pages: the groups' host pages add up to {total}, which must be in "
+                    f"[1, {MAX_HOST_PAGES}] for a host tier (host page ids are int32)"
+                )
+            self._host = HostTier(host_per_group, host_store)
+        elif geometry is None and num_host > 0:
             if num_host > MAX_HOST_PAGES:
                 raise ValueError(
                     f"host_pages must be in [1, {MAX_HOST_PAGES}] for a host tier, got {num_host}"
                 )
             self._host = HostTier(num_host, host_store)
+        if self._host is not None:
             self._pool._record_released = host_store == "evict"
 
     # -- properties -----------------------------------------------------------------------------
@@ -551,20 +585,32 @@ class Coordinator:
         return hit - first
 
     def _tiered_claim_cost(self, pages: list[list[int]]) -> tuple[int, int]:
-        """(distinct device pages with count 0, each counted as its group's page cost, host
-        hits) of a tiered match's pages."""
+        """What claiming a tiered match's ``pages`` takes, each page counted as its group's page
+        cost (1 without an arena): (distinct device pages with count 0, one device page per
+        host hit)."""
         device: dict[int, int] = {}
         for g, group in enumerate(pages):
             for p in group:
                 if p != 0 and not p & HOST_BIT:
                     device.setdefault(p, g)
-        loads = sum(1 for group in pages for p in group if p & HOST_BIT)
+        loads = sum(self._pool.page_cost(g) for g, group in enumerate(pages) for p in group if p & HOST_BIT)
         cost = sum(self._pool.page_cost(g) for p, g in device.items() if self._pool.ref_count(p) == 0)
         return cost, loads
 
+    def _tiered_claim_fits(self, pages: list[list[int]]) -> bool:
+        """Whether a new request can claim a tiered match's ``pages``: its device hits, then one
+        device page of its group per host hit, group by group in index order. Without an arena
+        the free pages cover both; in arena mode exactly as the units would be bound."""
+        if not self._pool.is_arena:
+            device, loads = self._tiered_claim_cost(pages)
+            return device + loads <= self._pool.num_free
+        claimed = [p for group in pages for p in group if p != 0 and not p & HOST_BIT]
+        needs = [sum(1 for p in group if p & HOST_BIT) for group in pages]
+        return self._pool.fits_after_claim(claimed, needs)
+
     def _claim_tiered(self, key: RequestId, pages: list[list[int]], state: TokenState) -> None:
         """Claim a tiered match for the new request ``key``: a reference on each device hit,
-        then one allocation of a device page per host hit (groups in index order, slots
+        then a device page per host hit (allocated group by group in index order, slots
         ascending), each put in the table, pinned, and loaded from the host."""
         tables = self._requests[key]
         wanted = []
@@ -574,7 +620,11 @@ class Coordinator:
                     wanted.append((group, slot, page & ~HOST_BIT))
                 elif page != 0:
                     self._pool.touch(page)
-        dest = self._pool.allocate(len(wanted)) if wanted else []
+        dest: list[int] = []
+        for group, group_pages in enumerate(pages):
+            count = sum(1 for page in group_pages if page & HOST_BIT)
+            if count:
+                dest += self._pool.allocate(count, group)
         assert len(dest) == len(wanted), "the caller checked the free pages"
         self._record_evictions()
         filled = [list(group_pages) for group_pages in pages]
@@ -608,17 +658,22 @@ class Coordinator:
         """The transfers emitted since the last call: ``{"store": {group_id: (ids, src, dst)},
         "load": {...}}`` with int64 arrays, groups in index order (only those with transfers).
         A store copies device page ``src`` to host page ``dst``; a load host ``src`` to device
-        ``dst``. The engine runs them, then calls :meth:`ack_transfers`."""
-        taken = self._host.take() if self._host is not None else []
+        ``dst``: device pages are indices of the group's view (arena storage; the pool's ids
+        without one), host pages those of the group's host space (shared by every group
+        without an arena). The engine runs them, then calls :meth:`ack_transfers`."""
+        host = self._host
+        taken = host.take() if host is not None else []
         out: dict[str, dict[str, tuple[Any, Any, Any]]] = {}
         for kind in ("store", "load"):
             per_group: dict[str, tuple[Any, Any, Any]] = {}
             for group, group_id in enumerate(self._group_ids):
                 ops = [(op_id, op) for op_id, op in taken if op.kind == kind and op.group == group]
-                if not ops:
+                if not ops or host is None:
                     continue
-                src = [op.device if kind == "store" else op.host for _, op in ops]
-                dst = [op.host if kind == "store" else op.device for _, op in ops]
+                # Device pages as the group's view indices, host pages in the group's space.
+                devices = self._view_ids(group, [op.device for _, op in ops])
+                hosts = [host.space_page(group, op.host) for _, op in ops]
+                src, dst = (devices, hosts) if kind == "store" else (hosts, devices)
                 per_group[group_id] = (
                     np.array([op_id for op_id, _ in ops], dtype=np.int64),
                     np.array(src, dtype=np.int64),

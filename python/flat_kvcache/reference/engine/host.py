@@ -11,21 +11,29 @@ any order:
   the acknowledgement registers ``d`` under the key and drops both pins. A request with loads
   in flight cannot be scheduled.
 
+Host pages live in *spaces*: over a pool of equal pages one space serves every group; over an
+arena, whose groups' pages differ, each group with host pages has a space of its own, of pages
+of its geometry, and a group without any is not tiered (nothing of it is stored). A space's
+pages are numbered ``[0, size)`` in transfers; here the spaces are laid end to end in one list
+of pages (``keys``, ``ready``, ``readers``), so the key map and the transfers are shared, and
+each space keeps its never-used pages and its LRU list.
+
 Store policy: ``"write_through"`` stores each page as it is registered; ``"evict"`` stores a
 cached page when its last reference goes (when it would become evictable). A store takes a
-never-used host page first, else the least recently used findable page no load reads (its key
-is dropped); with neither the store is skipped. A key already on the host is never stored twice.
+never-used page of its group's space first, else the least recently used findable page of that
+space no load reads (its key is dropped); with neither the store is skipped. A key already on
+the host is never stored twice.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from flat_kvcache.events import BlockStored
 
-__all__ = ["HOST_BIT", "HOST_STORES", "HostTier", "Op"]
+__all__ = ["HOST_BIT", "HOST_STORES", "HostTier", "Op", "Space"]
 
 #: Tag of a host page id inside a tiered match (device page ids are below 2**31).
 HOST_BIT = 1 << 31
@@ -33,7 +41,7 @@ HOST_BIT = 1 << 31
 #: The ``host_store`` policies.
 HOST_STORES = ("write_through", "evict")
 
-#: Largest host tier (host page ids stay below ``HOST_BIT``).
+#: Largest host tier, every space together (host page ids stay below ``HOST_BIT``).
 MAX_HOST_PAGES = HOST_BIT - 1
 
 
@@ -54,19 +62,45 @@ class Op:
     event: BlockStored | None = None
 
 
-class HostTier:
-    """Host pages ``[0, num_pages)``; each holds at most one key, each key at most one page."""
+@dataclass
+class Space:
+    """Host pages ``[base, base + size)`` of the tier's list: the pages never used yet are
+    ``[base + next_unused, base + size)``; ``lru`` holds the findable ones no load reads, front
+    = least recently used = next to evict."""
 
-    def __init__(self, num_pages: int, policy: str) -> None:
+    base: int
+    size: int
+    next_unused: int = 0
+    lru: OrderedDict[int, None] = field(default_factory=OrderedDict)
+
+
+class HostTier:
+    """Host pages in spaces; each page holds at most one key, each key at most one page.
+
+    ``pages`` is an int: one space of that many pages shared by every group; or a list: group
+    ``g`` has a space of ``pages[g]`` pages (none when 0), the tier over an arena.
+    """
+
+    def __init__(self, pages: int | list[int], policy: str) -> None:
         self.policy = policy
-        self.num_pages = num_pages
-        self.keys: list[str | None] = [None] * num_pages
-        self.ready = [False] * num_pages
-        self.readers = [0] * num_pages
+        sizes = [pages] if isinstance(pages, int) else [n for n in pages if n > 0]
+        self.spaces: list[Space] = []
+        base = 0
+        for size in sizes:
+            self.spaces.append(Space(base, size))
+            base += size
+        space_of: list[int | None] | None = None
+        if not isinstance(pages, int):
+            space_of = []
+            for n in pages:
+                space_of.append(None if n == 0 else sum(1 for m in space_of if m is not None))
+        #: Per group, its space (None: no host pages); None for one space shared by all groups.
+        self.space_of = space_of
+        self.num_pages = base
+        self.keys: list[str | None] = [None] * base
+        self.ready = [False] * base
+        self.readers = [0] * base
         self.map: dict[str, int] = {}
-        # Findable pages no load reads, front = least recently used = next to evict.
-        self.lru: OrderedDict[int, None] = OrderedDict()
-        self.next_unused = 0
         self.ops: dict[int, Op] = {}
         self.untaken: list[int] = []
         self.next_id = 1
@@ -81,18 +115,29 @@ class HostTier:
             "evictions": 0,
         }
 
+    def space(self, group: int) -> Space | None:
+        """The space serving ``group``, if it has host pages."""
+        if self.space_of is None:
+            return self.spaces[0]
+        index = self.space_of[group]
+        return None if index is None else self.spaces[index]
+
+    def on_lru(self, page: int) -> bool:
+        """Whether host ``page`` is on the LRU list of the space it lies in."""
+        return any(page in space.lru for space in self.spaces if space.base <= page < space.base + space.size)
+
     def lookup(self, key: str) -> int | None:
         """The findable host page holding ``key``, or None."""
         page = self.map.get(key)
         return page if page is not None and self.ready[page] else None
 
-    def _take_page(self) -> int | None:
-        if self.next_unused < self.num_pages:
-            self.next_unused += 1
-            return self.next_unused - 1
-        if not self.lru:
+    def _take_page(self, space: Space) -> int | None:
+        if space.next_unused < space.size:
+            space.next_unused += 1
+            return space.base + space.next_unused - 1
+        if not space.lru:
             return None
-        page, _ = self.lru.popitem(last=False)
+        page, _ = space.lru.popitem(last=False)
         key = self.keys[page]
         assert key is not None, "a page on the LRU list holds a key"
         del self.map[key]
@@ -108,10 +153,12 @@ class HostTier:
         self.next_id += 1
 
     def store(self, device: int, key: str, group: int) -> bool:
-        """Emit a store unless the key is on the host or no page is free; True if emitted."""
-        if key in self.map:
+        """Emit a store unless the group has no host pages, the key is on the host, or no page
+        of the group's space is free; True if emitted."""
+        space = self.space(group)
+        if space is None or key in self.map:
             return False
-        host = self._take_page()
+        host = self._take_page(space)
         if host is None:
             self.counters["stores_skipped"] += 1
             return False
@@ -125,10 +172,12 @@ class HostTier:
         """Emit a load of findable ``host`` into ``device`` and pin ``host``."""
         key = self.keys[host]
         assert key is not None and self.ready[host], "loads read findable pages only"
-        self.lru.pop(host, None)
+        group = int(key[-8:], 16)
+        space = self.space(group)
+        assert space is not None, "a host page lies in its group's space"
+        space.lru.pop(host, None)
         self.readers[host] += 1
         self.counters["loads"] += 1
-        group = int(key[-8:], 16)
         self._push(Op("load", group, device, host, key, owner_key=owner_key, owner=owner, event=event))
 
     def take(self) -> list[tuple[int, Op]]:
@@ -168,6 +217,13 @@ class HostTier:
         else:
             self.readers[op.host] -= 1
             self.counters["loads_done"] += 1
-        if self.ready[op.host] and self.readers[op.host] == 0 and op.host not in self.lru:
-            self.lru[op.host] = None
+        space = self.space(op.group)
+        assert space is not None, "a transfer's host page lies in its group's space"
+        if self.ready[op.host] and self.readers[op.host] == 0 and op.host not in space.lru:
+            space.lru[op.host] = None
         return op
+
+    def space_page(self, group: int, page: int) -> int:
+        """Host ``page`` (of the tier's list) as a page of ``group``'s space, as transfers name it."""
+        space = self.space(group)
+        return page if space is None else page - space.base

@@ -354,10 +354,30 @@ impl Coordinator {
         self.pool.set_record_evictions(on);
     }
 
-    /// Give the cache a host tier of `num_pages` pages with store `policy` (before any
-    /// request exists).
+    /// Give the cache a host tier of `num_pages` pages of the device pages' geometry, shared
+    /// by every group, with store `policy` (before any request exists).
     pub fn set_host(&mut self, num_pages: u64, policy: HostStore) -> CoreResult<()> {
         let tier = HostTier::new(num_pages, policy)?;
+        self.pool.set_record_released(tier.stores_on_release());
+        self.host = Some(tier);
+        Ok(())
+    }
+
+    /// Give the cache a host tier in which group `g` has `pages[g]` host pages of its own page
+    /// geometry (the tier over an arena, whose groups' pages differ; [`HostTier::per_group`]),
+    /// with store `policy` (before any request exists). No tier when every count is 0.
+    pub fn set_host_per_group(&mut self, pages: &[u64], policy: HostStore) -> CoreResult<()> {
+        if pages.len() != self.specs.len() {
+            return Err(CoreError::invalid(format!(
+                "host_pages names {} groups, the cache has {}",
+                pages.len(),
+                self.specs.len()
+            )));
+        }
+        if pages.iter().all(|&n| n == 0) {
+            return Ok(());
+        }
+        let tier = HostTier::per_group(pages, policy)?;
         self.pool.set_record_released(tier.stores_on_release());
         self.host = Some(tier);
         Ok(())
@@ -696,7 +716,10 @@ impl Coordinator {
 
     /// Whether a new request that claims `m` (none: no hit) and then acquires `n` tokens finds
     /// its pages, exactly as the claim and the allocation would take them (in arena mode the
-    /// units are counted as they would be bound, which the free credit only estimates).
+    /// units are counted as they would be bound, which the free credit only estimates). A
+    /// host hit of a tiered match counts as one more page of its group, taken with the
+    /// group's acquire (the load's destination is taken earlier, at the claim: an estimate
+    /// there).
     pub fn fits_claim_then_acquire(&self, m: Option<&PrefixMatch>, n: u64) -> bool {
         let mut claimed = Vec::new();
         let mut needs = Vec::with_capacity(self.managers.len());
@@ -704,7 +727,9 @@ impl Coordinator {
             let pages = m.map_or_else(Vec::new, |m| m.pages[g].clone());
             claimed.extend(pages.iter().copied().filter(|&p| p != NULL_PAGE));
             let table = Table::from_claim(pages);
-            needs.push(manager.blocks_needed(&table, n, manager.state_movable(&self.pool, &table)));
+            let loads = m.map_or(0, |m| m.host_hits.iter().filter(|h| h.group == g).count());
+            let need = manager.blocks_needed(&table, n, manager.state_movable(&self.pool, &table));
+            needs.push(need.saturating_add(loads as u64));
         }
         self.pool.fits_after_claim(&claimed, &needs)
     }
@@ -1057,8 +1082,9 @@ impl Coordinator {
         hit - first
     }
 
-    /// What claiming a tiered match takes: (distinct device pages with count 0, each counted
-    /// as its group's [`BlockPool::page_cost`], host hits).
+    /// What claiming a tiered match takes, each page counted as its group's
+    /// [`BlockPool::page_cost`] (1 without an arena): (distinct device pages with count 0, one
+    /// device page per host hit).
     pub fn tiered_claim_cost(&self, m: &PrefixMatch) -> (usize, usize) {
         let mut device: Vec<(u32, usize)> = m
             .pages
@@ -1073,14 +1099,45 @@ impl Coordinator {
             .iter()
             .map(|&(_, g)| self.pool.page_cost(g))
             .fold(0u64, u64::saturating_add);
-        (usize::try_from(cost).unwrap_or(usize::MAX), m.host_hits.len())
+        let loads = m
+            .host_hits
+            .iter()
+            .map(|h| self.pool.page_cost(h.group))
+            .fold(0u64, u64::saturating_add);
+        (
+            usize::try_from(cost).unwrap_or(usize::MAX),
+            usize::try_from(loads).unwrap_or(usize::MAX),
+        )
+    }
+
+    /// Host hits of `m` per group, in group order.
+    fn loads_per_group(&self, m: &PrefixMatch) -> Vec<usize> {
+        let mut loads = vec![0usize; self.specs.len()];
+        for hit in &m.host_hits {
+            loads[hit.group] += 1;
+        }
+        loads
+    }
+
+    /// Whether a new request can claim the tiered match `m`: its device hits, then one device
+    /// page of its group per host hit (the loads' destinations, taken group by group in index
+    /// order). Without an arena: the free pages cover both; in arena mode, exactly as the
+    /// units would be bound ([`BlockPool::fits_after_claim`]).
+    pub fn tiered_claim_fits(&self, m: &PrefixMatch) -> bool {
+        if !self.pool.is_arena() {
+            let (device, loads) = self.tiered_claim_cost(m);
+            return device.saturating_add(loads) <= self.pool.num_free();
+        }
+        let claimed: Vec<u32> = m.pages.iter().flatten().copied().filter(|&p| p != NULL_PAGE).collect();
+        let needs: Vec<u64> = self.loads_per_group(m).iter().map(|&n| n as u64).collect();
+        self.pool.fits_after_claim(&claimed, &needs)
     }
 
     /// Claim a tiered match for a new request (empty `tables`): take a reference on every
-    /// device hit, then allocate one device page per host hit in one allocation (in the
-    /// order of [`PrefixMatch::host_hits`]), put it in the table, pin it and emit its load.
-    /// Returns the number of loads. The caller checked that the pages are free
-    /// ([`Self::tiered_claim_cost`]); if not, nothing changes and this is an error.
+    /// device hit, then allocate one device page per host hit, group by group in index order
+    /// (in the order of [`PrefixMatch::host_hits`]), put it in the table, pin it and emit its
+    /// load. Returns the number of loads. The caller checked that the pages are free
+    /// ([`Self::tiered_claim_fits`]); if not, nothing changes and this is an error.
     pub(crate) fn claim_tiered(
         &mut self,
         tables: &mut [Table],
@@ -1088,8 +1145,8 @@ impl Coordinator {
         owner: (usize, u64),
         ctx: TokenContext<'_>,
     ) -> CoreResult<usize> {
-        let (device, loads) = self.tiered_claim_cost(m);
-        if device.saturating_add(loads) > self.pool.num_free() || (loads > 0 && self.host.is_none()) {
+        let loads = m.host_hits.len();
+        if loads > 0 && (self.host.is_none() || !self.tiered_claim_fits(m)) {
             return Err(CoreError::Invariant(
                 "claim: not enough free pages for the host loads of a match".to_owned(),
             ));
@@ -1103,7 +1160,17 @@ impl Coordinator {
             }
         }
         let mut dest = Vec::with_capacity(loads);
-        self.pool.allocate_into(&mut dest, loads);
+        for (g, &n) in self.loads_per_group(m).iter().enumerate() {
+            if n > 0 {
+                let ok = self.pool.allocate_group_into(&mut dest, g, n);
+                debug_assert!(ok, "the loads' pages were checked to fit");
+            }
+        }
+        if dest.len() != loads {
+            return Err(CoreError::Invariant(
+                "claim: the host loads' pages did not fit after the check".to_owned(),
+            ));
+        }
         if self.pool.records_evictions() {
             Self::record_evictions(&mut self.pool, &mut self.events);
         }
@@ -1164,9 +1231,17 @@ impl Coordinator {
         host.finish(&mut dev, id)
     }
 
-    /// Hand out the transfers emitted since the last call (empty without a host tier).
+    /// Hand out the transfers emitted since the last call (empty without a host tier), each
+    /// device page as the index in its group's view (`BlockPool::group_base`; the pool's id
+    /// without an arena) and each host page in its group's host space.
     pub fn take_transfers(&mut self) -> Vec<Transfer> {
-        self.host.as_mut().map_or_else(Vec::new, HostTier::take)
+        let mut out = self.host.as_mut().map_or_else(Vec::new, HostTier::take);
+        if self.pool.is_arena() {
+            for t in &mut out {
+                t.device -= self.pool.group_base(t.group as usize);
+            }
+        }
+        out
     }
 }
 

@@ -10,9 +10,18 @@
 //! acknowledgement finishes a transfer (`HostTier::finish`). The cache's public calls
 //! (`take_transfers`, `ack_transfers`, ...) are in `engine/calls/host.rs`.
 //!
-//! The tier holds `num_pages` host pages of the device pages' geometry; host page ids are
-//! their own space `[0, num_pages)` (no null page). Each host page holds at most one group key
-//! (the same [`GroupKey`] as the device pool's key map); a key is held by at most one host page.
+//! Host pages live in *spaces*. Over a pool of equal pages ([`HostTier::new`]) one space of
+//! `num_pages` host pages of the device pages' geometry serves every group. Over an arena
+//! (SPEC 13), where each group has its own page geometry (a state group's page is a whole state
+//! slot), each group with host pages has its own space of pages of its geometry
+//! ([`HostTier::per_group`]); a group without any is not tiered (nothing of it is stored or
+//! looked up). A space's page ids are its own, `[0, len)` (no null page): that is what a
+//! [`Transfer`] names, with its group telling the space. Inside the tier the pages of all
+//! spaces are one array (space `s` holds `[base_s, base_s + len_s)`), so the key map, the
+//! transfers and the counters are shared; the never-used pages and the LRU list are per space,
+//! so a store of one group only ever takes (and evicts) a page of its own space. Each host page
+//! holds at most one group key (the same [`GroupKey`] as the device pool's key map); a key is
+//! held by at most one host page.
 //!
 //! The cache never copies memory itself: it emits transfer operations that the engine runs
 //! and then acknowledges, in any order.
@@ -34,11 +43,12 @@
 //!   evictable; it joins the device free list only once the store is acknowledged. Pages that
 //!   are hit again while still held are never copied.
 //!
-//! Host eviction: a store takes a never-used host page first, else the least recently used
-//! findable host page that no load is reading (its key is dropped); with neither, the store
-//! is skipped (counted). Storing a key the host already holds (findable or in flight) is
-//! skipped silently. The LRU list is the same [`LruList`] as the device free list: host page
-//! `h` is its node `h + 1`, and it holds exactly the findable pages no load reads.
+//! Host eviction: a store takes a never-used page of its space first, else the least recently
+//! used findable page of its space that no load is reading (its key is dropped); with neither,
+//! the store is skipped (counted). Storing a key the host already holds (findable or in flight)
+//! is skipped silently, and so is a store of a group without host pages. The LRU lists are the
+//! same [`LruList`] as the device free list: a space's page `h` is its node `h + 1`, and each
+//! holds exactly the space's findable pages no load reads.
 
 use hashbrown::HashMap;
 use rustc_hash::FxBuildHasher;
@@ -50,7 +60,8 @@ use crate::engine::lru::LruList;
 use crate::engine::pool::{BlockPool, MAX_BLOCKS};
 use crate::error::{CoreError, CoreResult};
 
-/// Largest host tier: host page ids stay in the device pool's range (below `2**31`).
+/// Largest host tier, all spaces together: host page ids stay in the device pool's range
+/// (below `2**31`).
 pub const MAX_HOST_PAGES: u64 = MAX_BLOCKS;
 
 /// When registered device pages are copied to the host tier.
@@ -98,11 +109,13 @@ pub struct Transfer {
     pub id: u64,
     /// Store or load.
     pub kind: TransferKind,
-    /// The group index (whose layers' buffers are copied).
+    /// The group index (whose layers' buffers are copied, and whose host space `host` is in).
     pub group: u32,
-    /// The device page (source of a store, destination of a load).
+    /// The device page (source of a store, destination of a load). [`HostTier::take`] gives
+    /// the pool's id; the cache's `take_transfers` gives the index in the group's view (the
+    /// same id without an arena).
     pub device: u32,
-    /// The host page (destination of a store, source of a load).
+    /// The host page (destination of a store, source of a load), in the group's host space.
     pub host: u32,
 }
 
@@ -120,6 +133,7 @@ struct Op {
     kind: TransferKind,
     group: u32,
     device: u32,
+    /// The host page in the tier's one array (not the space's id).
     host: u32,
     key: GroupKey,
     /// Handed out by `take_transfers` (only those can be acknowledged).
@@ -155,14 +169,14 @@ impl Device<'_> {
     }
 }
 
-/// Counters of the tier (exposed through `stats()`).
+/// Counters of the tier, over every space (exposed through `stats()`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct HostCounters {
     /// Stores emitted.
     pub stores: u64,
     /// Stores acknowledged.
     pub stores_done: u64,
-    /// Stores skipped because every host page was in flight or being read.
+    /// Stores skipped because every page of their space was in flight or being read.
     pub stores_skipped: u64,
     /// Loads emitted (one per page hit on the host).
     pub loads: u64,
@@ -172,23 +186,55 @@ pub struct HostCounters {
     pub evictions: u64,
 }
 
-/// The host tier: host pages, their keys, an LRU of findable pages, and the transfers in
-/// flight.
+/// One host page space: the pages `[base, base + len)` of the tier's arrays, with its own
+/// never-used tail and LRU list.
+#[derive(Clone, Debug)]
+struct Space {
+    base: u32,
+    len: u32,
+    /// The space's pages never used yet are `[next_unused, len)` (space ids).
+    next_unused: u32,
+    /// Findable pages no load reads, front = next to evict; space page `h` is node `h + 1`.
+    lru: LruList,
+}
+
+impl Space {
+    fn new(base: u32, len: u32) -> CoreResult<Self> {
+        let lru = LruList::empty(len)
+            .map_err(|_| CoreError::OutOfMemory(format!("host_pages = {len}: the host tier does not fit in memory")))?;
+        Ok(Self {
+            base,
+            len,
+            next_unused: 0,
+            lru,
+        })
+    }
+}
+
+/// Which space serves each group.
+#[derive(Clone, Debug)]
+enum Layout {
+    /// Space 0 serves every group (a pool of equal pages).
+    Shared,
+    /// Per group, its space (`None`: the group has no host pages).
+    PerGroup(Vec<Option<u32>>),
+}
+
+/// The host tier: host pages in spaces, their keys, an LRU list per space of findable pages,
+/// and the transfers in flight.
 #[derive(Clone, Debug)]
 pub struct HostTier {
     policy: HostStore,
-    /// The key each host page holds (in flight or findable).
+    layout: Layout,
+    spaces: Vec<Space>,
+    /// The key each host page holds (in flight or findable), over every space.
     keys: Vec<Option<GroupKey>>,
     /// Whether the page's store was acknowledged (the page is findable).
     ready: Vec<bool>,
     /// Loads in flight reading each page.
     readers: Vec<u32>,
-    /// Key -> host page.
+    /// Key -> host page (in the tier's one array).
     map: HashMap<GroupKey, u32, FxBuildHasher>,
-    /// Findable pages no load reads, front = next to evict; page `h` is node `h + 1`.
-    lru: LruList,
-    /// Host pages never used yet are `[next_unused, num_pages)`.
-    next_unused: u32,
     ops: HashMap<u64, Op, FxBuildHasher>,
     /// Ids emitted but not taken, in emission order.
     untaken: Vec<u64>,
@@ -196,33 +242,79 @@ pub struct HostTier {
     pub(crate) counters: HostCounters,
 }
 
-/// The LRU node of host page `page` (< `MAX_HOST_PAGES`, so it fits).
+/// The LRU node of space page `page` (< `MAX_HOST_PAGES`, so it fits).
 #[inline]
 fn node(page: u32) -> u32 {
     page + 1
 }
 
+/// A vector of `n` copies of `value`, allocation failure reported as an error.
+fn filled<T: Clone>(n: usize, value: T) -> CoreResult<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n)
+        .map_err(|_| CoreError::OutOfMemory(format!("host_pages = {n}: the host tier does not fit in memory")))?;
+    v.resize(n, value);
+    Ok(v)
+}
+
 impl HostTier {
-    /// A tier of `num_pages` host pages (> 0) with the store `policy`.
+    /// A tier of `num_pages` host pages (> 0) with the store `policy`, one space serving
+    /// every group (a pool of equal pages).
     pub fn new(num_pages: u64, policy: HostStore) -> CoreResult<Self> {
         if num_pages == 0 || num_pages > MAX_HOST_PAGES {
             return Err(CoreError::invalid(format!(
                 "host_pages must be in [1, {MAX_HOST_PAGES}] for a host tier, got {num_pages}"
             )));
         }
-        // num_pages < 2**31: both conversions hold.
-        let n = usize::try_from(num_pages).map_err(|_| CoreError::overflow("host_pages"))?;
-        let capacity = u32::try_from(num_pages).map_err(|_| CoreError::overflow("host_pages"))?;
-        let lru = LruList::empty(capacity)
-            .map_err(|_| CoreError::OutOfMemory(format!("host_pages = {n}: the host tier does not fit in memory")))?;
+        // num_pages < 2**31: the conversion holds.
+        let len = u32::try_from(num_pages).map_err(|_| CoreError::overflow("host_pages"))?;
+        Self::with_spaces(policy, Layout::Shared, &[len])
+    }
+
+    /// A tier whose group `g` has a space of `pages[g]` host pages of its own geometry (0: the
+    /// group is not tiered), with the store `policy`: the host tier over an arena. At least one
+    /// group has pages, and all of them together at most [`MAX_HOST_PAGES`].
+    pub fn per_group(pages: &[u64], policy: HostStore) -> CoreResult<Self> {
+        let total: u128 = pages.iter().map(|&n| u128::from(n)).sum();
+        if total == 0 || total > u128::from(MAX_HOST_PAGES) {
+            return Err(CoreError::invalid(format!(
+                "host_pages: the groups' host pages add up to {total}, which must be in [1, {MAX_HOST_PAGES}] \
+                 for a host tier (host page ids are int32)"
+            )));
+        }
+        let mut of_group = Vec::with_capacity(pages.len());
+        let mut lens = Vec::new();
+        for &n in pages {
+            if n == 0 {
+                of_group.push(None);
+            } else {
+                // Each count is at most the total, below 2**31.
+                of_group.push(Some(
+                    u32::try_from(lens.len()).map_err(|_| CoreError::overflow("host_pages"))?,
+                ));
+                lens.push(u32::try_from(n).map_err(|_| CoreError::overflow("host_pages"))?);
+            }
+        }
+        Self::with_spaces(policy, Layout::PerGroup(of_group), &lens)
+    }
+
+    /// The tier of spaces of `lens` pages (each > 0, their sum < 2**31), laid out in order.
+    fn with_spaces(policy: HostStore, layout: Layout, lens: &[u32]) -> CoreResult<Self> {
+        let mut spaces = Vec::with_capacity(lens.len());
+        let mut base = 0u32;
+        for &len in lens {
+            spaces.push(Space::new(base, len)?);
+            base = base.checked_add(len).ok_or_else(|| CoreError::overflow("host_pages"))?;
+        }
+        let n = base as usize;
         Ok(Self {
             policy,
-            keys: vec![None; n],
-            ready: vec![false; n],
-            readers: vec![0; n],
+            layout,
+            spaces,
+            keys: filled(n, None)?,
+            ready: filled(n, false)?,
+            readers: filled(n, 0)?,
             map: HashMap::default(),
-            lru,
-            next_unused: 0,
             ops: HashMap::default(),
             untaken: Vec::new(),
             next_id: 1,
@@ -235,9 +327,23 @@ impl HostTier {
         self.policy
     }
 
-    /// Number of host pages.
+    /// Number of host pages, every space together.
     pub fn num_pages(&self) -> usize {
         self.keys.len()
+    }
+
+    /// The space serving `group`, if it has one.
+    #[inline]
+    fn space_of(&self, group: u32) -> Option<usize> {
+        match &self.layout {
+            Layout::Shared => Some(0),
+            Layout::PerGroup(of) => of.get(group as usize).copied().flatten().map(|s| s as usize),
+        }
+    }
+
+    /// Host pages `group` can use: its space's (shared by every group without an arena).
+    pub fn pages_of_group(&self, group: u32) -> usize {
+        self.space_of(group).map_or(0, |s| self.spaces[s].len as usize)
     }
 
     /// Host pages holding a key (findable or being stored).
@@ -260,27 +366,32 @@ impl HostTier {
         self.policy == HostStore::Evict
     }
 
-    /// The findable host page holding `key`, if any (read-only).
+    /// The findable host page holding `key`, if any (read-only; a page of the tier's one
+    /// array, as [`Self::load`] takes it).
     #[inline]
     pub fn lookup(&self, key: &GroupKey) -> Option<u32> {
         let &page = self.map.get(key)?;
         self.ready[page as usize].then_some(page)
     }
 
-    /// The LRU list, front (next to evict) first.
-    pub fn lru_order(&self) -> Vec<u32> {
-        self.lru.iter().map(|n| n - 1).collect()
+    /// `group`'s LRU list, front (next to evict) first, as pages of its space.
+    pub fn lru_order(&self, group: u32) -> Vec<u32> {
+        self.space_of(group)
+            .map_or_else(Vec::new, |s| self.spaces[s].lru.iter().map(|n| n - 1).collect())
     }
 
-    /// A host page for a new store: a never-used one, else the LRU front (its key dropped,
-    /// with a `HostRemoved` event); `None` when every page is in flight or being read.
-    fn take_page(&mut self, events: &mut EventLog) -> Option<u32> {
-        if (self.next_unused as usize) < self.keys.len() {
-            let page = self.next_unused;
-            self.next_unused += 1;
-            return Some(page);
-        }
-        let page = self.lru.pop_front()? - 1;
+    /// A host page of space `s` for a new store: a never-used one, else the LRU front (its
+    /// key dropped, with a `HostRemoved` event); `None` when every page of the space is in
+    /// flight or being read. The page is returned in the tier's one array.
+    fn take_page(&mut self, s: usize, events: &mut EventLog) -> Option<u32> {
+        let space = &mut self.spaces[s];
+        let local = if space.next_unused < space.len {
+            space.next_unused += 1;
+            space.next_unused - 1
+        } else {
+            space.lru.pop_front()? - 1
+        };
+        let page = space.base + local;
         if let Some(key) = self.keys[page as usize].take() {
             self.map.remove(&key);
             events.push(KvEvent::HostRemoved {
@@ -302,13 +413,17 @@ impl HostTier {
         id
     }
 
-    /// Emit a store of device page `device` (holding `key`) unless the host holds the key or
-    /// has no page for it; an emitted store pins `device` until it is acknowledged.
+    /// Emit a store of device page `device` (holding `key`) unless the host holds the key, the
+    /// key's group has no host pages, or its space has no page for it; an emitted store pins
+    /// `device` until it is acknowledged.
     pub(crate) fn store(&mut self, dev: &mut Device<'_>, device: u32, key: GroupKey) {
+        let Some(s) = self.space_of(key.group) else {
+            return;
+        };
         if self.map.contains_key(&key) {
             return;
         }
-        let Some(host) = self.take_page(dev.events) else {
+        let Some(host) = self.take_page(s, dev.events) else {
             self.counters.stores_skipped = self.counters.stores_skipped.saturating_add(1);
             return;
         };
@@ -345,13 +460,17 @@ impl HostTier {
         }
     }
 
-    /// Emit a load of findable host page `host` into device page `device` (already allocated
-    /// and pinned by the caller); pins `host` until acknowledged.
+    /// Emit a load of findable host page `host` (from [`Self::lookup`]) into device page
+    /// `device` (already allocated and pinned by the caller); pins `host` until acknowledged.
     pub(crate) fn load(&mut self, host: u32, device: u32, owner: (usize, u64), event: LoadEvent) {
         let key = self.keys[host as usize].unwrap_or_else(|| unreachable!("a findable host page holds a key"));
-        // A findable page is on the LRU list exactly while no load reads it.
+        let s = self
+            .space_of(key.group)
+            .unwrap_or_else(|| unreachable!("a host page lies in its group's space"));
+        // A findable page is on its space's LRU list exactly while no load reads it.
         if self.readers[host as usize] == 0 {
-            self.lru.unlink(node(host));
+            let space = &mut self.spaces[s];
+            space.lru.unlink(node(host - space.base));
         }
         self.readers[host as usize] += 1;
         self.counters.loads = self.counters.loads.saturating_add(1);
@@ -367,21 +486,25 @@ impl HostTier {
         });
     }
 
-    /// Hand out the transfers emitted since the last call, in emission order.
+    /// Hand out the transfers emitted since the last call, in emission order; each names its
+    /// host page in its group's space, and its device page by the pool's id.
     pub fn take(&mut self) -> Vec<Transfer> {
         let ids = std::mem::take(&mut self.untaken);
         let mut out = Vec::with_capacity(ids.len());
         for id in ids {
-            if let Some(op) = self.ops.get_mut(&id) {
-                op.taken = true;
-                out.push(Transfer {
-                    id,
-                    kind: op.kind,
-                    group: op.group,
-                    device: op.device,
-                    host: op.host,
-                });
-            }
+            let Some(op) = self.ops.get_mut(&id) else {
+                continue;
+            };
+            op.taken = true;
+            let (kind, group, device, host) = (op.kind, op.group, op.device, op.host);
+            let base = self.space_of(group).map_or(0, |s| self.spaces[s].base);
+            out.push(Transfer {
+                id,
+                kind,
+                group,
+                device,
+                host: host - base,
+            });
         }
         out
     }
@@ -413,11 +536,11 @@ impl HostTier {
     }
 
     /// Finish transfer `id` (checked by [`Self::check_ack`]; an unknown id does nothing and
-    /// returns `None`). A store makes its host page findable (most recently used, with a
-    /// `HostStored` event); a load unpins its source and registers its destination under
-    /// the key (a device hit from now on, with its `BlockStored` event) unless caching is
-    /// off or the page holds a key already. Either way the device page's pin is dropped.
-    /// Returns a load's owner. Call [`Self::store_released`] after a batch of these.
+    /// returns `None`). A store makes its host page findable (most recently used in its
+    /// space, with a `HostStored` event); a load unpins its source and registers its
+    /// destination under the key (a device hit from now on, with its `BlockStored` event)
+    /// unless caching is off or the page holds a key already. Either way the device page's pin
+    /// is dropped. Returns a load's owner. Call [`Self::store_released`] after a batch of these.
     pub(crate) fn finish(&mut self, dev: &mut Device<'_>, id: u64) -> Option<(usize, u64)> {
         let mut op = self.ops.remove(&id)?;
         let h = op.host as usize;
@@ -437,7 +560,10 @@ impl HostTier {
         }
         // A store's page was not findable, a load's was read: neither is on the LRU list.
         if self.ready[h] && self.readers[h] == 0 {
-            self.lru.push_back(node(op.host));
+            if let Some(s) = self.space_of(op.group) {
+                let space = &mut self.spaces[s];
+                space.lru.push_back(node(op.host - space.base));
+            }
         }
         if op.kind == TransferKind::Load && dev.pool.caching_enabled() && dev.pool.key_of(op.device).is_none() {
             dev.pool.cache_unchecked(op.device, op.key);
@@ -479,35 +605,52 @@ impl HostTier {
                 return Err(format!("host page {h} does not hold the key of its transfer"));
             }
         }
-        // Membership per node: host page p is node p + 1.
-        let on_lru = self.lru.check("host LRU list")?;
-        for p in 0..n {
-            if readers[p] != self.readers[p] {
-                return Err(format!(
-                    "host page {p} counts {} readers but {} loads read it",
-                    self.readers[p], readers[p]
-                ));
+        let mut covered = 0usize;
+        for (s, space) in self.spaces.iter().enumerate() {
+            if space.base as usize != covered || space.next_unused > space.len {
+                return Err(format!("host space {s} is misplaced or past its end"));
             }
-            if storing[p] == self.ready[p] && self.keys[p].is_some() {
-                return Err(format!("host page {p} is both findable and being stored, or neither"));
-            }
-            if readers[p] > 0 && !self.ready[p] {
-                return Err(format!("host page {p} is read before its store was acknowledged"));
-            }
-            let want = self.ready[p] && readers[p] == 0;
-            if on_lru[p + 1] != want {
-                return Err(format!(
-                    "host page {p} is on the LRU list: {}, expected {want}",
-                    on_lru[p + 1]
-                ));
-            }
-            if let Some(k) = &self.keys[p] {
-                if self.map.get(k) != Some(&u32::try_from(p).unwrap_or(u32::MAX)) {
-                    return Err(format!("host key map does not point at host page {p}"));
+            covered += space.len as usize;
+            // Membership per node: space page p is node p + 1.
+            let on_lru = space.lru.check("host LRU list")?;
+            for local in 0..space.len as usize {
+                let p = space.base as usize + local;
+                if let Some(k) = &self.keys[p] {
+                    if self.space_of(k.group) != Some(s) {
+                        return Err(format!(
+                            "host page {p} holds a key of group {}, not of its space",
+                            k.group
+                        ));
+                    }
+                    if self.map.get(k) != Some(&u32::try_from(p).unwrap_or(u32::MAX)) {
+                        return Err(format!("host key map does not point at host page {p}"));
+                    }
+                } else if local < space.next_unused as usize {
+                    return Err(format!("host page {p} is used but holds no key"));
                 }
-            } else if p < self.next_unused as usize {
-                return Err(format!("host page {p} is used but holds no key"));
+                if readers[p] != self.readers[p] {
+                    return Err(format!(
+                        "host page {p} counts {} readers but {} loads read it",
+                        self.readers[p], readers[p]
+                    ));
+                }
+                if storing[p] == self.ready[p] && self.keys[p].is_some() {
+                    return Err(format!("host page {p} is both findable and being stored, or neither"));
+                }
+                if readers[p] > 0 && !self.ready[p] {
+                    return Err(format!("host page {p} is read before its store was acknowledged"));
+                }
+                let want = self.ready[p] && readers[p] == 0;
+                if on_lru[local + 1] != want {
+                    return Err(format!(
+                        "host page {p} is on the LRU list: {}, expected {want}",
+                        on_lru[local + 1]
+                    ));
+                }
             }
+        }
+        if covered != n {
+            return Err("host spaces do not cover the host pages".to_owned());
         }
         if self.map.len() != self.keys.iter().filter(|k| k.is_some()).count() {
             return Err("host key map and host pages disagree".to_owned());
@@ -593,7 +736,7 @@ mod tests {
         assert_eq!(tier.finish(&mut rig.dev(), 1), None);
         assert_eq!(tier.finish(&mut rig.dev(), 1), None, "an unknown id does nothing");
         assert_eq!((tier.lookup(&k1), tier.lookup(&k2)), (Some(0), Some(1)));
-        assert_eq!(tier.lru_order(), vec![1, 0]);
+        assert_eq!(tier.lru_order(0), vec![1, 0]);
         assert_eq!((rig.pool.refs_of(d1), rig.pool.refs_of(d2)), (1, 1));
         assert_eq!(
             rig.events.take(),
@@ -630,7 +773,7 @@ mod tests {
         let dest = rig.pool.allocate(1)[0];
         rig.pool.retain(dest);
         tier.load(0, dest, (5, 6), load_event());
-        assert_eq!(tier.lru_order(), vec![1]);
+        assert_eq!(tier.lru_order(0), vec![1]);
         // A store evicts the LRU front (k2), never the page being read; then nothing is left.
         let d3 = rig.cached(k3);
         tier.store(&mut rig.dev(), d3, k3);
@@ -658,7 +801,7 @@ mod tests {
         // The load's acknowledgement registers its destination and unpins both sides.
         assert_eq!(tier.finish(&mut rig.dev(), t[0].id), Some((5, 6)));
         assert_eq!((rig.pool.key_of(dest), rig.pool.refs_of(dest)), (Some(&k1), 1));
-        assert_eq!(tier.lru_order(), vec![0]);
+        assert_eq!(tier.lru_order(0), vec![0]);
         assert_eq!(
             rig.events.take(),
             vec![KvEvent::Stored {
@@ -702,8 +845,99 @@ mod tests {
         assert!(HostTier::new(MAX_HOST_PAGES + 1, HostStore::Evict).is_err());
         let tier = HostTier::new(3, HostStore::Evict).unwrap();
         assert_eq!(
-            (tier.num_pages(), tier.policy(), tier.lru_order()),
+            (tier.num_pages(), tier.policy(), tier.lru_order(0)),
             (3, HostStore::Evict, vec![])
         );
+    }
+
+    #[test]
+    fn per_group_spaces_have_their_own_ids_pages_and_lru() {
+        // Group 0: 2 host pages, group 1: none, group 2: 1 page (the tier's pages 2 of its array).
+        let mut rig = Rig::new(16);
+        rig.in_use = vec![0; 3];
+        let mut tier = HostTier::per_group(&[2, 0, 1], HostStore::WriteThrough).unwrap();
+        assert_eq!(tier.num_pages(), 3);
+        assert_eq!(
+            (tier.pages_of_group(0), tier.pages_of_group(1), tier.pages_of_group(2)),
+            (2, 0, 1)
+        );
+        let (a1, a2, a3) = (key(1, 0), key(2, 0), key(3, 0));
+        let (b1, c1, c2) = (key(4, 1), key(5, 2), key(6, 2));
+        let pages: Vec<u32> = [a1, a2, b1, c1].iter().map(|&k| rig.cached(k)).collect();
+        for (&d, k) in pages.iter().zip([a1, a2, b1, c1]) {
+            tier.store(&mut rig.dev(), d, k);
+        }
+        // Group 1 is not tiered: its store is neither emitted nor counted, nor pinned.
+        assert_eq!((tier.counters.stores, tier.counters.stores_skipped), (3, 0));
+        assert_eq!(
+            pages.iter().map(|&d| rig.pool.refs_of(d)).collect::<Vec<_>>(),
+            vec![2, 2, 1, 2]
+        );
+        // Group 2's second key finds its one page in flight: skipped, although group 0's space
+        // will have a findable page; and group 0's third key waits for its own space too.
+        let d = rig.cached(c2);
+        tier.store(&mut rig.dev(), d, c2);
+        let d = rig.cached(a3);
+        tier.store(&mut rig.dev(), d, a3);
+        assert_eq!(tier.counters.stores_skipped, 2);
+        let t = tier.take();
+        // Host ids are per space: group 2's first page is its page 0.
+        assert_eq!(
+            t.iter().map(|x| (x.group, x.host)).collect::<Vec<_>>(),
+            vec![(0, 0), (0, 1), (2, 0)]
+        );
+        for x in &t {
+            tier.finish(&mut rig.dev(), x.id);
+        }
+        assert_eq!(
+            (tier.lru_order(0), tier.lru_order(1), tier.lru_order(2)),
+            (vec![0, 1], vec![], vec![0])
+        );
+        assert_eq!((tier.lookup(&a1), tier.lookup(&c1)), (Some(0), Some(2)));
+        tier.check().unwrap();
+        rig.events.take();
+        // A store of group 2 evicts group 2's page, never group 0's least recently used one.
+        let d = rig.cached(c2);
+        tier.store(&mut rig.dev(), d, c2);
+        assert_eq!(
+            rig.events.take(),
+            vec![KvEvent::HostRemoved {
+                hash: c1.hash,
+                group: 2
+            }]
+        );
+        assert_eq!((tier.lookup(&a1), tier.lookup(&c1)), (Some(0), None));
+        let t = tier.take();
+        assert_eq!((t[0].group, t[0].host, t[0].device), (2, 0, d));
+        // A load of group 0's page 1 takes it off group 0's list only.
+        let dest = rig.pool.allocate(1)[0];
+        rig.pool.retain(dest);
+        tier.load(tier.lookup(&a2).unwrap(), dest, (0, 0), load_event());
+        assert_eq!((tier.lru_order(0), tier.lru_order(2)), (vec![0], vec![]));
+        let loads = tier.take();
+        assert_eq!(
+            (loads[0].kind, loads[0].group, loads[0].host),
+            (TransferKind::Load, 0, 1)
+        );
+        tier.check().unwrap();
+        tier.finish(&mut rig.dev(), t[0].id);
+        tier.finish(&mut rig.dev(), loads[0].id);
+        assert_eq!((tier.lru_order(0), tier.lru_order(2)), (vec![0, 1], vec![0]));
+        tier.check().unwrap();
+        rig.pool.check().unwrap();
+    }
+
+    #[test]
+    fn per_group_sizes_are_checked() {
+        assert!(HostTier::per_group(&[0, 0], HostStore::Evict).is_err());
+        assert!(HostTier::per_group(&[], HostStore::Evict).is_err());
+        assert!(HostTier::per_group(&[MAX_HOST_PAGES, 1], HostStore::Evict).is_err());
+        assert!(HostTier::per_group(&[u64::MAX, u64::MAX], HostStore::Evict).is_err());
+        let tier = HostTier::per_group(&[3, 0, 1], HostStore::Evict).unwrap();
+        assert_eq!(
+            (tier.num_pages(), tier.pages_of_group(1), tier.pages_of_group(9)),
+            (4, 0, 0)
+        );
+        tier.check().unwrap();
     }
 }

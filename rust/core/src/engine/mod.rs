@@ -64,7 +64,8 @@ pub struct CacheOptions {
     /// A released page that holds no key joins the front of the free list (reused before any
     /// cached page) instead of the back; see [`pool::BlockPool::set_reuse_uncached_first`].
     pub reuse_uncached_first: bool,
-    /// Pages of the host-memory tier (0: no tier; see [`host`]).
+    /// Pages of the host-memory tier (0: no tier; see [`host`]); over an arena, the pages of
+    /// every group's own host space ([`FlatCache::with_arena`]).
     pub host_pages: u64,
     /// When pages are copied to the host tier.
     pub host_store: host::HostStore,
@@ -159,37 +160,47 @@ impl FlatCache {
 
     /// An engine over `specs` with a pool of `num_pages` pages (page 0 included).
     pub fn with_options(specs: Vec<GroupSpec>, num_pages: u64, options: CacheOptions) -> CoreResult<Self> {
-        let coord = Coordinator::new(specs, num_pages, options.enable_caching)?;
-        Self::over(coord, options)
+        let mut coord = Coordinator::new(specs, num_pages, options.enable_caching)?;
+        if options.host_pages > 0 {
+            coord.set_host(options.host_pages, options.host_store)?;
+        }
+        Ok(Self::over(coord, options))
     }
 
     /// An engine over `specs` whose pages live in an arena of `geometry` (SPEC 13.2; see
-    /// [`Coordinator::with_arena`]). A host tier and `reuse_uncached_first = false` are not
-    /// supported there yet and are refused.
+    /// [`Coordinator::with_arena`]), with `options.host_pages` host pages for every group
+    /// (see [`Self::with_arena_host_pages`]). `reuse_uncached_first = false` is not supported
+    /// there and is refused.
     pub fn with_arena(specs: Vec<GroupSpec>, geometry: &ArenaGeometry, options: CacheOptions) -> CoreResult<Self> {
-        if options.host_pages > 0 {
-            return Err(CoreError::invalid(format!(
-                "host_pages must be 0 with arena storage (a host tier over an arena is not supported yet), got {}",
-                options.host_pages
-            )));
-        }
+        let pages = vec![options.host_pages; specs.len()];
+        Self::with_arena_host_pages(specs, geometry, options, &pages)
+    }
+
+    /// [`Self::with_arena`] with a host tier of `host_pages[g]` pages of group `g`'s own page
+    /// geometry for each group `g` (0: that group is not tiered; all 0: no tier); the host
+    /// tier over an arena is per group ([`host`], [`Coordinator::set_host_per_group`]).
+    /// `options.host_pages` is not read.
+    pub fn with_arena_host_pages(
+        specs: Vec<GroupSpec>,
+        geometry: &ArenaGeometry,
+        options: CacheOptions,
+        host_pages: &[u64],
+    ) -> CoreResult<Self> {
         if !options.reuse_uncached_first {
             return Err(CoreError::invalid(
                 "reuse_uncached_first must be True with arena storage (an arena reuses a unit's free pages first)",
             ));
         }
-        let coord = Coordinator::with_arena(specs, geometry, options.enable_caching)?;
-        Self::over(coord, options)
+        let mut coord = Coordinator::with_arena(specs, geometry, options.enable_caching)?;
+        coord.set_host_per_group(host_pages, options.host_store)?;
+        Ok(Self::over(coord, options))
     }
 
-    /// The engine over `coord` with `options` applied.
-    fn over(mut coord: Coordinator, options: CacheOptions) -> CoreResult<Self> {
+    /// The engine over `coord` (its host tier, if any, set) with `options` applied.
+    fn over(mut coord: Coordinator, options: CacheOptions) -> Self {
         coord.set_kv_events(options.enable_kv_events);
         coord.set_reuse_uncached_first(options.reuse_uncached_first);
-        if options.host_pages > 0 {
-            coord.set_host(options.host_pages, options.host_store)?;
-        }
-        Ok(Self {
+        Self {
             coord,
             index: HashMap::default(),
             entries: Vec::new(),
@@ -200,7 +211,7 @@ impl FlatCache {
             scratch: Vec::new(),
             rows: None,
             next_serial: 0,
-        })
+        }
     }
 
     /// The coordinator (groups, page sizes, pool).

@@ -17,6 +17,7 @@ from flat_kvcache.reference.engine._args import (
     check_u64_total,
 )
 from flat_kvcache.reference.engine.calls.token import TokenApi
+from flat_kvcache.reference.engine.host import HOST_BIT
 from flat_kvcache.reference.engine.table import Table
 
 __all__ = ["Admission"]
@@ -84,13 +85,17 @@ class Admission(TokenApi):
 
     def _fits_claim_then_acquire(self, pages: list[list[int]] | None, count: int) -> bool:
         """Whether a new request claiming ``pages`` (per group; None: no hit) and then taking
-        ``count`` tokens finds its pages, as the pool would hand them out."""
+        ``count`` tokens finds its pages, as the pool would hand them out. A host hit (a tiered
+        match's ``HOST_BIT`` entry) is a hole of the table and one more page of its group, taken
+        with the group's acquire (an estimate: the claim takes it first)."""
         claimed: list[int] = []
         needs: list[int] = []
         for g, manager in enumerate(self._managers):
             group_pages = [] if pages is None else list(pages[g])
+            loads = sum(1 for page in group_pages if page & HOST_BIT)
+            group_pages = [0 if page & HOST_BIT else page for page in group_pages]
             claimed += [page for page in group_pages if page != 0]
-            needs.append(manager.blocks_needed_for(Table(pages=group_pages), count))
+            needs.append(manager.blocks_needed_for(Table(pages=group_pages), count) + loads)
         return self._pool.fits_after_claim(claimed, needs)
 
     def reserve(self, slots: SlotArray, tokens: Counts) -> None:

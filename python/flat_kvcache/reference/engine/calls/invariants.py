@@ -105,7 +105,7 @@ class Invariants(Coordinator):
                 )
             if readers[page] and not host.ready[page]:
                 raise InvariantError(f"host page {page} is read before its store was acknowledged")
-            on_lru = page in host.lru
+            on_lru = host.on_lru(page)
             if on_lru != (host.ready[page] and readers[page] == 0):
                 raise InvariantError(f"host page {page} is on the LRU list: {on_lru}")
             key = host.keys[page]
@@ -113,3 +113,12 @@ class Invariants(Coordinator):
                 raise InvariantError(f"the host key map does not point at host page {page}")
         if len(host.map) != sum(1 for key in host.keys if key is not None):
             raise InvariantError("the host key map and the host pages disagree")
+        for space in host.spaces:
+            if any(not space.base <= page < space.base + space.size for page in space.lru):
+                raise InvariantError("a host LRU list holds a page of another space")
+        for page, key in enumerate(host.keys):
+            if key is None:
+                continue
+            serving = host.space(int(key[-8:], 16))
+            if serving is None or not serving.base <= page < serving.base + serving.size:
+                raise InvariantError(f"host page {page} holds a key of a group it does not serve")

@@ -39,6 +39,7 @@ from flat_kvcache.reference.engine.calls.page import PageTables
 from flat_kvcache.reference.engine.calls.rows import Rows
 from flat_kvcache.reference.engine.events import removed_events
 from flat_kvcache.reference.engine.hash import hash_page, hash_pages
+from flat_kvcache.reference.engine.host import HOST_BIT
 from flat_kvcache.reference.engine.table import Table, TokenState
 
 __all__ = ["TokenApi"]
@@ -74,13 +75,13 @@ class TokenApi(PageTables, Rows):
         point)``, the branch point as :meth:`_branch_point` makes it.
 
         With a host tier the lookups answer device-or-host (a host hit is ``HOST_BIT | host
-        page``), unless the free pages do not cover the claim plus one page per load: then the
-        device-only match."""
+        page``), unless the free pages do not cover the claim plus one page per load (in arena
+        mode: the units they would bind): then the device-only match."""
         capped = hashes[: max(num_tokens - 1, 0) // self._base]
         if self._host is not None:
             bound, pages, _, closed = self._match(capped, tiered=True)
-            device, loads = self._tiered_claim_cost(pages)
-            if loads == 0 or device + loads <= self._pool.num_free:
+            loads = any(page & HOST_BIT for group in pages for page in group)
+            if not loads or self._tiered_claim_fits(pages):
                 return bound, pages, self._branch_point(bound, closed)
         bound, pages, _, closed = self._match(capped, tiered=False)
         return bound, pages, self._branch_point(bound, closed)

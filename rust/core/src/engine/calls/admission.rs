@@ -30,10 +30,10 @@ impl FlatCache {
             return self.coord.match_prefix(hashes);
         }
         // Host tier: device-or-host hits, unless the pool lacks the free pages the claim and
-        // the loads take; then the device-only match (host.rs).
+        // the loads take (in arena mode: the units they would bind); then the device-only
+        // match (host.rs).
         let m = self.coord.match_prefix_tiered(hashes)?;
-        let (device, loads) = self.coord.tiered_claim_cost(&m);
-        if loads == 0 || device.saturating_add(loads) <= self.coord.pool().num_free() {
+        if m.host_hits.is_empty() || self.coord.tiered_claim_fits(&m) {
             return Ok(m);
         }
         self.coord.match_prefix(hashes)
@@ -45,7 +45,8 @@ impl FlatCache {
     }
 
     /// Pages admitting `prompt` would take: the capped match's claim (its free cached pages,
-    /// and with a host tier one device page per page loaded back) plus the pages of `num_new_tokens + reserve_tokens` on fresh tables.
+    /// and with a host tier one device page per page loaded back) plus the pages of
+    /// `num_new_tokens + reserve_tokens` on fresh tables (in arena mode: credits).
     pub fn pages_needed_to_admit(&self, prompt: &Prompt, num_new_tokens: u64, reserve_tokens: u64) -> CoreResult<u64> {
         let m = self.capped_match(prompt)?;
         let what = "num_new_tokens + reserve_tokens";

@@ -40,7 +40,9 @@ impl FlatCache {
     }
 
     /// The transfers emitted since the last call, in emission order (empty without a host
-    /// tier). The engine runs them, then acknowledges them with [`Self::ack_transfers`].
+    /// tier), each device page as the index in its group's view (the pool's id without an
+    /// arena) and each host page in its group's host space. The engine runs them, then
+    /// acknowledges them with [`Self::ack_transfers`].
     pub fn take_transfers(&mut self) -> Vec<Transfer> {
         self.coord.take_transfers()
     }
@@ -308,6 +310,153 @@ mod tests {
         c.ack_transfers(&ids(&mine)).unwrap();
         assert_eq!(c.loads_in_flight_in(sd).unwrap(), 0);
         assert!(sched(&mut c, sd, 1, 0).unwrap());
+        c.check_invariants().unwrap();
+    }
+
+    /// Full attention (P = 4, 40-byte pages: 3 per 120-byte unit) and one state group (P = G =
+    /// 8, a slot is a unit) over 8 units, with `host` host pages per group (full, state).
+    fn arena_tiered(host: [u64; 2], policy: HostStore) -> FlatCache {
+        let geometry = crate::engine::pool::ArenaGeometry {
+            unit_bytes: 120,
+            num_units: 8,
+            page_bytes: vec![40, 120],
+        };
+        let specs = vec![
+            spec("full", crate::engine::group::GroupKind::Full, 4),
+            spec("state", crate::engine::group::GroupKind::State, 8),
+        ];
+        let options = CacheOptions {
+            host_store: policy,
+            ..CacheOptions::default()
+        };
+        FlatCache::with_arena_host_pages(specs, &geometry, options, &host).unwrap()
+    }
+
+    #[test]
+    fn an_arena_checkpoint_comes_back_from_the_host_as_the_first_step_reads_it() {
+        let mut c = arena_tiered([8, 2], HostStore::WriteThrough);
+        assert_eq!(c.coordinator().host().map(HostTier::num_pages), Some(10));
+        let (sa, _) = add(&mut c, A, toks(0..20));
+        // 16 tokens, then 4: the second schedule registers the 4 full pages and the state
+        // checkpoint at 16 (slot 1: the state page of unit 3), storing each at once.
+        assert!(sched(&mut c, sa, 16, 0).unwrap());
+        assert!(sched(&mut c, sa, 4, 0).unwrap());
+        assert_eq!(c.page_ids_in(sa).unwrap(), vec![vec![3, 4, 5, 6, 7], vec![0, 3, 4]]);
+        let stores = c.take_transfers();
+        // Device pages are view indices, host pages per group's space.
+        assert_eq!(
+            stores
+                .iter()
+                .map(|t| (t.kind, t.group, t.device, t.host))
+                .collect::<Vec<_>>(),
+            vec![
+                (TransferKind::Store, 0, 3, 0),
+                (TransferKind::Store, 0, 4, 1),
+                (TransferKind::Store, 0, 5, 2),
+                (TransferKind::Store, 0, 6, 3),
+                (TransferKind::Store, 1, 3, 0),
+            ]
+        );
+        c.finish(&[sa]).unwrap(); // registers the 5th full page (a store), not the prompt's end
+        let more = c.take_transfers();
+        assert_eq!((more.len(), more[0].group, more[0].host), (1, 0, 4));
+        c.check_invariants().unwrap();
+        c.ack_transfers(&ids(&stores)).unwrap();
+        c.ack_transfers(&ids(&more)).unwrap();
+        // Evict everything on the device; the host keeps its keys.
+        assert_eq!(c.reset_prefix_cache(), 6);
+        c.check_invariants().unwrap();
+        // A prompt sharing the 20 tokens: full attention finds 5 pages on the host, the deepest
+        // checkpoint (16) is there too: the hit, with 4 full loads and the checkpoint's load.
+        let (sb, hit) = add(&mut c, B, toks(0..24));
+        assert_eq!(hit, 16);
+        assert_eq!(c.loads_in_flight_in(sb).unwrap(), 5);
+        assert!(
+            sched(&mut c, sb, 8, 0).is_err(),
+            "nothing reads a page before its load lands"
+        );
+        let loads = c.take_transfers();
+        assert!(loads.iter().all(|t| t.kind == TransferKind::Load));
+        let tables = c.page_ids_in(sb).unwrap();
+        let state_load = loads.iter().find(|t| t.group == 1).unwrap();
+        assert_eq!((state_load.host, tables[1][..1].to_vec()), (0, vec![0]));
+        assert_eq!(
+            tables[1][1], state_load.device,
+            "the checkpoint's load lands in the state slot"
+        );
+        assert_eq!(
+            loads
+                .iter()
+                .filter(|t| t.group == 0)
+                .map(|t| t.device)
+                .collect::<Vec<_>>(),
+            tables[0]
+        );
+        assert_eq!(
+            loads
+                .iter()
+                .filter(|t| t.group == 0)
+                .map(|t| t.host)
+                .collect::<Vec<_>>(),
+            vec![0, 1, 2, 3]
+        );
+        c.check_invariants().unwrap();
+        let mut order = ids(&loads);
+        order.reverse();
+        c.ack_transfers(&order).unwrap();
+        // The first step reads the loaded checkpoint and writes a new slot.
+        assert!(sched(&mut c, sb, 8, 0).unwrap());
+        let (read, write) = c.state_slots(&[sb], &[8]).unwrap();
+        assert_eq!(read, vec![i32::try_from(state_load.device).unwrap()]);
+        assert_ne!(write, read);
+        let s = c.stats();
+        let host = s.host.unwrap();
+        assert_eq!((host.loads, host.hits_tokens, s.checkpoints.unwrap().hit), (5, 16, 1));
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn an_arena_group_without_host_pages_is_not_tiered() {
+        // The state group has no host pages: its checkpoint is never stored, so after the
+        // device forgets it a prompt hits nothing, although its full pages are on the host.
+        let mut c = arena_tiered([8, 0], HostStore::WriteThrough);
+        let (sa, _) = add(&mut c, A, toks(0..20));
+        assert!(sched(&mut c, sa, 16, 0).unwrap());
+        assert!(sched(&mut c, sa, 4, 0).unwrap());
+        c.finish(&[sa]).unwrap();
+        let stores = c.take_transfers();
+        assert!(stores.iter().all(|t| t.group == 0) && stores.len() == 5);
+        assert_eq!(c.coordinator().host().unwrap().counters.stores_skipped, 0);
+        c.ack_transfers(&ids(&stores)).unwrap();
+        c.reset_prefix_cache();
+        let (sb, hit) = add(&mut c, B, toks(0..24));
+        assert_eq!((hit, c.loads_in_flight_in(sb).unwrap()), (0, 0));
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn the_evict_policy_stores_an_arena_checkpoint_when_it_is_released() {
+        let mut c = arena_tiered([8, 2], HostStore::Evict);
+        let (sa, _) = add(&mut c, A, toks(0..20));
+        assert!(sched(&mut c, sa, 16, 0).unwrap());
+        assert!(sched(&mut c, sa, 4, 0).unwrap());
+        // Everything is held: nothing stored yet.
+        assert!(c.take_transfers().is_empty());
+        c.finish(&[sa]).unwrap();
+        let stores = c.take_transfers();
+        let groups: Vec<u32> = stores.iter().map(|t| t.group).collect();
+        assert_eq!(
+            groups.iter().filter(|&&g| g == 1).count(),
+            1,
+            "the checkpoint: {groups:?}"
+        );
+        assert_eq!(groups.len(), 6);
+        c.check_invariants().unwrap();
+        c.ack_transfers(&ids(&stores)).unwrap();
+        c.check_invariants().unwrap();
+        c.reset_prefix_cache();
+        let (sb, hit) = add(&mut c, B, toks(0..24));
+        assert_eq!((hit, c.loads_in_flight_in(sb).unwrap()), (16, 5));
         c.check_invariants().unwrap();
     }
 }

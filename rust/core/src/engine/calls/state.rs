@@ -142,14 +142,22 @@ mod tests {
             num_units: 8,
             page_bytes,
         };
-        // A state page that is not the unit, a group count that differs, a host tier.
+        // A state page that is not the unit, a group count that differs, host pages that
+        // name another number of groups or add up past the host page ids.
         assert!(FlatCache::with_arena(specs(), &geometry(vec![40, 100]), CacheOptions::default()).is_err());
         assert!(FlatCache::with_arena(specs(), &geometry(vec![40]), CacheOptions::default()).is_err());
-        let host = CacheOptions {
-            host_pages: 4,
+        let options = CacheOptions::default();
+        assert!(FlatCache::with_arena_host_pages(specs(), &geometry(vec![40, 120]), options, &[1]).is_err());
+        let huge = CacheOptions {
+            host_pages: 1 << 31,
             ..CacheOptions::default()
         };
-        assert!(FlatCache::with_arena(specs(), &geometry(vec![40, 120]), host).is_err());
+        assert!(FlatCache::with_arena(specs(), &geometry(vec![40, 120]), huge).is_err());
+        let no_reuse = CacheOptions {
+            reuse_uncached_first: false,
+            ..CacheOptions::default()
+        };
+        assert!(FlatCache::with_arena(specs(), &geometry(vec![40, 120]), no_reuse).is_err());
         // Two state groups would need two slots per unit.
         let two = vec![spec("a", GroupKind::State, 8), spec("b", GroupKind::State, 8)];
         assert!(FlatCache::with_arena(two, &geometry(vec![120, 120]), CacheOptions::default()).is_err());
