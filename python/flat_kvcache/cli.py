@@ -433,8 +433,8 @@ def _add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
         type=_int_at_least(0),
         default=0,
         metavar="N",
-        help="add a host-memory tier of N pages (write-through; transfers acknowledged at once; "
-        "default 0, none)",
+        help="add a host-memory tier of N pages, N per group with --arena (write-through; "
+        "transfers acknowledged at once; default 0, none)",
     )
     storage = parser.add_argument_group(f"SPEC 13 storage (needs {_extra('torch')})")
     storage.add_argument(

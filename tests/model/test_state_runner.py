@@ -33,7 +33,7 @@ except ImportError as exc:
 
 import flat_kvcache
 import flat_kvcache.reference
-from flat_kvcache.torch import ArenaBuffers, allocate_arena
+from flat_kvcache.torch import ArenaBuffers, ArenaHostBuffers, TransferExecutor, allocate_arena
 from flat_kvcache.torch.runner import (
     PagedModelRunner,
     RequestRecord,
@@ -88,15 +88,28 @@ class Setup:
     runner: PagedModelRunner
 
 
-def setup(kind: str, engine: ModuleType, num_units: int = 64, *, max_live: int = 1) -> Setup:
+def setup(
+    kind: str, engine: ModuleType, num_units: int = 64, *, max_live: int = 1, host_pages: int = 0
+) -> Setup:
     model = model_of(kind)
     shape = model_shape(model.config)
     plan = arena_for_units(shape, page_size=P, num_units=num_units, max_live_requests=max_live)
     arena = allocate_arena(shape, plan, "cpu")
     arena.arena[plan.unit_bytes :].fill_(0xFF)  # NaN in float32; unit 0 (null page and slot) stays 0
-    cache = engine.FlatKVCache(arena_specs(shape, page_size=P, state_grain=G), arena=plan)
+    specs = arena_specs(shape, page_size=P, state_grain=G)
+    cache = engine.FlatKVCache(specs, arena=plan, host_pages=host_pages)
     runner = PagedModelRunner(model, cache, arena, poison_new_pages=True)
     return Setup(model, cache, arena, runner)
+
+
+def host_executor(
+    s: Setup, host_pages: int, executor: type[TransferExecutor] = TransferExecutor
+) -> TransferExecutor:
+    """The executor of ``s``'s host tier: ``host_pages`` pages per group, NaN-poisoned."""
+    host = ArenaHostBuffers(s.arena.plan, host_pages)
+    for tensor in host.tensors.values():
+        tensor.fill_(0xFF)
+    return executor(s.cache, s.arena, host)
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -260,3 +273,46 @@ def test_a_kv_plan_with_a_state_group_is_refused_by_the_runner() -> None:
     cache = flat_kvcache.FlatKVCache(list(flat_kvcache.kv_cache_specs(plan.groups)), plan.num_pages)
     with pytest.raises(ValueError, match="SPEC 13 arena"):
         PagedModelRunner(model, cache, allocate_kv_buffers(plan, "cpu"))
+
+
+#: Device evictions under a host tier: a, then an unrelated request that evicts a's cached pages
+#: and checkpoints from 12 units, then c, which shares 28 of a's tokens.
+def evicted_then_resumed(seed: int) -> dict[str, list[int]]:
+    base = tokens(seed, 30)
+    return {"a": base, "x": tokens(seed + 1, 30), "y": tokens(seed + 2, 30), "c": [*base[:28], 1, 2]}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_checkpoints_offloaded_to_the_host_tier_come_back_exactly(kind: str, engine: ModuleType) -> None:
+    s = setup(kind, engine, num_units=12, host_pages=64)
+    executor = host_executor(s, 64)
+    records = run_greedy(
+        s.runner, evicted_then_resumed(9), 2, chunk_size=12, max_running=1, transfers=executor
+    )
+    stats = s.cache.stats()
+    # a's checkpoints (8, 16, 24) and pages were stored write-through; the device lost them to
+    # x and y, and c resumes at 24 (the deepest checkpoint on its 28 shared tokens) from host
+    assert stats["checkpoints_evicted"] > 0
+    assert records["c"].hits == [24]
+    assert stats["host_loads"] > 0 and stats["host_hits_tokens"] > 0
+    assert starts(records["c"])[0] == 24
+    exact(s, records)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_host_load_acknowledged_without_its_copy_is_caught(kind: str) -> None:
+    class AckOnly(TransferExecutor):
+        """Stores for real, acknowledges loads without copying (the device keeps its poison or
+        whatever the unit held)."""
+
+        def _copy(self, stores: Any, loads: Any, ids: list[Any]) -> tuple[int, int]:
+            moved = super()._copy(stores, {}, ids)
+            ids.extend(group_ids for group_ids, _, _ in loads.values())
+            return moved
+
+    s = setup(kind, flat_kvcache, num_units=12, host_pages=64)
+    broken = host_executor(s, 64, AckOnly)
+    records = run_greedy(s.runner, evicted_then_resumed(9), 2, chunk_size=12, max_running=1, transfers=broken)
+    assert records["c"].hits == [24] and s.cache.stats()["host_loads"] > 0
+    assert max_logit_error(s.model, records) > TOLERANCE
