@@ -20,6 +20,10 @@ import argparse
 import math
 import sys
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flat_kvcache.torch.runner import RequestRecord
 
 #: Each request's prompt: a prefix of four pages that both share, then these tokens of its own.
 OWN_TOKENS = {"A": [5, 6, 7], "B": [9]}
@@ -153,6 +157,40 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         )
 
 
+def _prompts(page_size: int, seed: int) -> dict[str, list[int]]:
+    """Each request's prompt: a shared prefix of four pages of random tokens, then its own."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    shared = [int(t) for t in torch.randint(1, 64, (4 * page_size,), generator=generator)]
+    return {req: [*shared, *own] for req, own in OWN_TOKENS.items()}
+
+
+def _scheduled(req: str, n: int, record: RequestRecord) -> str:
+    """A step's line for one request: its tokens, and its prefix hit on its first forward."""
+    text = f"{req}: +{n} tok"
+    if len(record.computed) == 1:
+        text += f" (prefix hit {record.hits[-1]})"
+    return text
+
+
+def _report(
+    records: Mapping[str, RequestRecord], error: float, stats: Mapping[str, Any], bound: float, *extra: str
+) -> int:
+    """Print what each request generated, ``extra`` lines, the hits and ``error``; 1 (and a line
+    on stderr) when ``error`` is above ``bound``, else 0."""
+    for req, record in records.items():
+        print(f"{req}: prompt {len(record.prompt)} tokens, generated {record.tokens[len(record.prompt) :]}")
+    for line in extra:
+        print(line)
+    print(f"prefix hits {stats['prefix_hits_tokens']} of {stats['prefix_queries_tokens']} prompt tokens")
+    print(f"largest logit difference to the model's own forward: {error:.2e}")
+    if not error <= bound:
+        print("demo: the paged model does not match its own forward", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _check_state(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The state hybrids' arguments (the arena is sized by ``--num-units``; a pool too small
     for request A alone is reported when the run finds it)."""
@@ -173,13 +211,11 @@ def _check_state(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
 
 def _run_state_model(args: argparse.Namespace) -> int:
     """The state hybrid demo: the model on the SPEC 13 arena, its state slots per step."""
-    import torch
 
     import flat_kvcache as fk
     from flat_kvcache.torch import allocate_arena
     from flat_kvcache.torch.runner import (
         PagedModelRunner,
-        RequestRecord,
         arena_for_units,
         arena_specs,
         max_logit_error,
@@ -215,9 +251,7 @@ def _run_state_model(args: argparse.Namespace) -> int:
         f"several K/V pages of {args.page_size} tokens); state checkpoint every {args.state_grain} "
         f"tokens; layer kinds {', '.join(kinds)}"
     )
-    generator = torch.Generator().manual_seed(args.seed)
-    shared = [int(t) for t in torch.randint(1, 64, (4 * args.page_size,), generator=generator)]
-    prompts = {req: [*shared, *own] for req, own in OWN_TOKENS.items()}
+    prompts = _prompts(args.page_size, args.seed)
     slot_of: dict[str, int] = {}  # a request's slot, kept after it finished (its last step)
 
     def on_step(
@@ -226,9 +260,7 @@ def _run_state_model(args: argparse.Namespace) -> int:
         parts = []
         for req, n in zip(reqs, ns, strict=True):
             record = records[req]
-            text = f"{req}: +{n} tok"
-            if len(record.computed) == 1:
-                text += f" (prefix hit {record.hits[-1]})"
+            text = _scheduled(req, n, record)
             if record.slot is not None:
                 slot_of[req] = record.slot
             slots = runner.last_state_slots.get(slot_of[req])
@@ -250,20 +282,12 @@ def _run_state_model(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"demo: --num-units {args.num_units} is too small: {exc}", file=sys.stderr)
         return 2
-    for req, record in records.items():
-        print(f"{req}: prompt {len(record.prompt)} tokens, generated {record.tokens[len(record.prompt) :]}")
-    error = max_logit_error(model, records)
     stats = cache.stats()
-    print(
+    checkpoints = (
         f"checkpoints written {stats['checkpoints_written']}, hit {stats['checkpoints_hit']}, "
         f"evicted {stats['checkpoints_evicted']}"
     )
-    print(f"prefix hits {stats['prefix_hits_tokens']} of {stats['prefix_queries_tokens']} prompt tokens")
-    print(f"largest logit difference to the model's own forward: {error:.2e}")
-    if not error <= 1e-3:
-        print("demo: the paged model does not match its own forward", file=sys.stderr)
-        return 1
-    return 0
+    return _report(records, max_logit_error(model, records), stats, 1e-3, checkpoints)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _check(parser, args)
     try:
-        import torch
+        import torch  # noqa: F401  (checked here, used by the helpers)
         import transformers  # noqa: F401  (the runner's models need it)
     except ModuleNotFoundError as exc:
         print(
@@ -287,7 +311,6 @@ def main(argv: list[str] | None = None) -> int:
     from flat_kvcache.torch import allocate_kv_buffers
     from flat_kvcache.torch.runner import (
         PagedModelRunner,
-        RequestRecord,
         max_logit_error,
         model_shape,
         plan_for_pages,
@@ -325,9 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"pool: {plan.num_pages} pages of {plan.page_size} tokens, groups {', '.join(groups)}; {layout}")
 
-    generator = torch.Generator().manual_seed(args.seed)
-    shared = [int(t) for t in torch.randint(1, 64, (4 * plan.page_size,), generator=generator)]
-    prompts = {req: [*shared, *own] for req, own in OWN_TOKENS.items()}
+    prompts = _prompts(plan.page_size, args.seed)
     held: dict[str, dict[str, set[int]]] = {}
 
     def on_step(
@@ -336,9 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         parts = []
         for req, n in zip(reqs, ns, strict=True):
             record = records[req]
-            text = f"{req}: +{n} tok"
-            if len(record.computed) == 1:
-                text += f" (prefix hit {record.hits[-1]})"
+            text = _scheduled(req, n, record)
             slot = cache.slot_of(req)  # None once it finished
             if slot is not None:
                 tables = cache.block_tables([slot])
@@ -355,16 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"step {step:3d}: " + "; ".join(parts) + f"  [free pages {cache.num_free_pages}]")
 
     records = run_greedy(runner, prompts, args.steps, max_running=1, on_step=on_step)
-    for req, record in records.items():
-        print(f"{req}: prompt {len(record.prompt)} tokens, generated {record.tokens[len(record.prompt) :]}")
-    error = max_logit_error(model, records)
-    stats = cache.stats()
-    print(f"prefix hits {stats['prefix_hits_tokens']} of {stats['prefix_queries_tokens']} prompt tokens")
-    print(f"largest logit difference to the model's own forward: {error:.2e}")
-    if not error <= 1e-4:
-        print("demo: the paged model does not match its own forward", file=sys.stderr)
-        return 1
-    return 0
+    return _report(records, max_logit_error(model, records), cache.stats(), 1e-4)
 
 
 if __name__ == "__main__":

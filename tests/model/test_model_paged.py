@@ -11,11 +11,11 @@ through flat_kvcache.torch.TransferExecutor, and the logits must still match.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
-from helpers import missing
+from helpers import missing, one_thread  # noqa: F401  (an autouse fixture)
 
 try:
     import torch
@@ -49,15 +49,6 @@ pytestmark = [pytest.mark.torch, pytest.mark.skipif(not fk.FLAT_KVCACHE, reason=
 
 TOLERANCE = 1e-4
 WINDOW = 8
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models run far faster (and steadier on a shared machine) on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def kv_buffers(runner: PagedModelRunner) -> KVBuffers:

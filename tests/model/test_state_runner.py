@@ -17,13 +17,12 @@ last token; they do not come from the engine's answers. Both engines run every c
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import pytest
-from helpers import missing
+from helpers import missing, one_thread  # noqa: F401  (an autouse fixture)
 
 try:
     import torch
@@ -60,15 +59,6 @@ ENGINES = [
     pytest.param(flat_kvcache, id="native"),
     pytest.param(flat_kvcache.reference, id="reference"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models run far faster (and steadier on a shared machine) on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 _MODELS: dict[str, Any] = {}
