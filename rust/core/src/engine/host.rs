@@ -367,7 +367,7 @@ impl HostTier {
     }
 
     /// The findable host page holding `key`, if any (read-only; a page of the tier's one
-    /// array, as [`Self::load`] takes it).
+    /// array, as `load` takes it).
     #[inline]
     pub fn lookup(&self, key: &GroupKey) -> Option<u32> {
         let &page = self.map.get(key)?;
