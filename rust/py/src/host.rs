@@ -14,7 +14,7 @@ use crate::args::{count, counts};
 use crate::convert::{clip, type_name};
 
 /// The `host_pages` keyword as given: a count (`None` or left out: 0), or a mapping
-/// `{group_id: count}` (arena storage only; resolved against the groups by [`per_group`]).
+/// `{group_id: count}` (arena storage only; resolved against the groups by `HostPagesArg::per_group`).
 pub enum HostPagesArg<'py> {
     /// Host pages: the tier's without an arena, each group's over one.
     Count(u64),
