@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from flat_kvcache import plan_arena
 from flat_kvcache.presets import get_preset
@@ -58,7 +58,7 @@ from flat_kvcache.torch import ModelShape, plan_kv_memory
 
 TRACE_NAME = "mooncake_conversation.jsonl"
 PRESET = "qwen3.5-like"
-FRACTIONS = (0.25, 0.50)
+FRACTIONS = (0.10, 0.25, 0.50)
 
 
 def _find_trace() -> Path | None:
@@ -119,6 +119,7 @@ def _run_arena(
     trace: list[Any],
     prompt_tokens: int,
     args: argparse.Namespace,
+    policy: Literal["lru", "reuse"] = "lru",
 ) -> dict[str, Any]:
     """One run on the SPEC 13 storage: the arena ``plan_arena`` lays out for ``budget`` bytes,
     16-token attention pages, state pages (checkpoints) of ``--grain`` tokens."""
@@ -133,6 +134,7 @@ def _run_arena(
         max_running=args.max_running,
         arena=arena,
         state_page_size=args.grain,
+        eviction_policy=policy,
     )
     start = time.perf_counter()
     summary = simulate(trace, config).summary
@@ -169,9 +171,10 @@ def _run(
     trace: list[Any],
     prompt_tokens: int,
     args: argparse.Namespace,
+    policy: Literal["lru", "reuse"] = "lru",
 ) -> dict[str, Any]:
     if args.storage == "arena":
-        return _run_arena(label, cfg, budget, trace, prompt_tokens, args)
+        return _run_arena(label, cfg, budget, trace, prompt_tokens, args, policy)
     shape = ModelShape.from_config(cfg)
     try:
         plan = plan_kv_memory(
@@ -228,7 +231,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             _run(f"{PRESET} attention only", attention, budget, trace, prompt_tokens, args),
         ]
         ratio = runs[0]["hit_rate"] / runs[1]["hit_rate"] if runs[1]["hit_rate"] else None
-        budgets.append({"fraction": fraction, "budget_bytes": budget, "ratio": ratio, "runs": runs})
+        entry: dict[str, Any] = {"fraction": fraction, "budget_bytes": budget, "ratio": ratio, "runs": runs}
+        if args.storage == "arena":
+            # SPEC 13.8: the reuse policy against LRU, for the hybrid and for the attention
+            # layers alone (which have no checkpoint, so the policy must change nothing there).
+            reuse = [
+                _run(f"{PRESET} (hybrid), reuse", hybrid, budget, trace, prompt_tokens, args, "reuse"),
+                _run(f"{PRESET} attention, reuse", attention, budget, trace, prompt_tokens, args, "reuse"),
+            ]
+            runs.extend(reuse)
+            entry["reuse_over_lru"] = (
+                reuse[0]["hit_rate"] / runs[0]["hit_rate"] if runs[0]["hit_rate"] else None
+            )
+            entry["attention_reuse_over_lru"] = (
+                reuse[1]["hit_rate"] / runs[1]["hit_rate"] if runs[1]["hit_rate"] else None
+            )
+        budgets.append(entry)
     return {
         "trace": str(trace_path),
         "storage": args.storage,
@@ -275,6 +293,13 @@ def format_table(result: dict[str, Any]) -> str:
             )
         ratio = "n/a" if entry["ratio"] is None else f"{entry['ratio']:.3f}"
         lines.append(f"{name:<18} {'ratio hybrid / attention only':<30} {ratio:>46}")
+        for key, text in (
+            ("reuse_over_lru", "hybrid: reuse / lru"),
+            ("attention_reuse_over_lru", "attention: reuse / lru"),
+        ):
+            if key in entry:
+                value = "n/a" if entry[key] is None else f"{entry[key]:.3f}"
+                lines.append(f"{name:<18} {text:<30} {value:>46}")
     return "\n".join(lines)
 
 

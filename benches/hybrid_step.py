@@ -12,6 +12,9 @@ slots ``add_request`` returned. One step is what a scheduler loop calls once per
 - the hybrid only: ``state_slots(slots, ones)`` (the slots its step reads and writes);
 - ``append_tokens(slots, tokens)`` (the sampled tokens).
 
+The hybrid runs twice, with ``eviction_policy="lru"`` and ``"reuse"`` (SPEC 13.8), to show what
+the policy costs per step (target, issue 23: within 1.2x).
+
 Prompt lengths spread over one 64-token grain, so about one request in 64 ends a step on the
 grain each step (its latest decode checkpoint: the next step takes a new slot and the previous
 checkpoint is dropped, SPEC 13.5d) and one in 16 passes into a new attention page. Target
@@ -66,7 +69,9 @@ def prompt(n: int, seed: int) -> np.ndarray:
 class Loop:
     """``requests`` decoding requests of one model on its arena, with bound rows."""
 
-    def __init__(self, cfg: dict[str, Any], requests: int, context: int, steps: int) -> None:
+    def __init__(
+        self, cfg: dict[str, Any], requests: int, context: int, steps: int, policy: str = "lru"
+    ) -> None:
         shape = ModelShape.from_config(cfg)
         specs = [
             dataclasses.replace(spec, page_size=GRAIN) if spec.kind == "state" else spec
@@ -80,7 +85,7 @@ class Loop:
         unit = layout.unit_bytes
         budget = requests * (pages_per_request * attention_bytes + (2 * unit if self.hybrid else 0)) * 5 // 4
         self.plan = plan_arena(shape.components(), PAGE, budget + 4 * unit)
-        self.cache = flat_kvcache.FlatKVCache(specs, arena=self.plan)
+        self.cache = flat_kvcache.FlatKVCache(specs, arena=self.plan, eviction_policy=policy)
         self.ones = np.ones(requests, dtype=np.int64)
         group_ids = list(self.cache.group_ids)
         self.tables = {
@@ -127,6 +132,7 @@ def run(requests: int, context: int, steps: int) -> dict[str, dict[str, float]]:
     loops = {
         "hybrid": Loop(cfg, requests, context, steps),
         "attention only": Loop(attention_only(cfg), requests, context, steps),
+        "hybrid, reuse policy": Loop(cfg, requests, context, steps, "reuse"),
     }
     times: dict[str, list[int]] = {name: [] for name in loops}
     for _ in range(steps):
@@ -166,6 +172,8 @@ def main(argv: list[str]) -> None:
             f"| {figures['mean_us']:.1f} us |"
         )
     print(f"hybrid / attention-only median: {hybrid['median_us'] / attention['median_us']:.2f} (target <= 2)")
+    reuse = result["hybrid, reuse policy"]
+    print(f"hybrid reuse / lru policy median: {reuse['median_us'] / hybrid['median_us']:.2f} (target <= 1.2)")
 
 
 if __name__ == "__main__":

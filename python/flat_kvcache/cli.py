@@ -420,6 +420,14 @@ def _add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
         "default) or group by group (group, the reference design's)",
     )
     parser.add_argument(
+        "--eviction-policy",
+        choices=("lru", "reuse"),
+        default="lru",
+        help="which state checkpoints the cache keeps (SPEC 13.8): every one until evicted "
+        "(lru, default) or where reuse is likely (reuse: the body's end on the sharing grain "
+        "learned from the prompts seen, probationary checkpoints dropped at finish)",
+    )
+    parser.add_argument(
         "--reuse-uncached-first",
         action=argparse.BooleanOptionalAction,
         default=simulate.DEFAULT_REUSE_UNCACHED_FIRST,
@@ -518,6 +526,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
             model=(args.preset or DEFAULT_PRESET) if args.config is None else Path(args.config),
             engine=args.engine,
             eviction_order=args.eviction_order,
+            eviction_policy=args.eviction_policy,
             reuse_uncached_first=args.reuse_uncached_first,
             num_pages=args.num_pages,
             page_size=args.page_size,

@@ -161,6 +161,7 @@ class CacheOptions(TypedDict, total=False):
     host_pages: int | None
     host_store: Literal["write_through", "evict"]
     arena: ArenaPlan | None
+    eviction_policy: Literal["lru", "reuse"]
 
 
 def cache_from_config(
@@ -188,7 +189,7 @@ def cache_from_config(
         carry their page size, raised where a state layer needed it).
     **options
         ``enable_caching``, ``eviction_order``, ``enable_kv_events``, ``reuse_uncached_first``,
-        ``host_pages``, ``host_store``, ``arena``: passed to ``FlatKVCache`` as given
+        ``host_pages``, ``host_store``, ``arena``, ``eviction_policy``: passed to ``FlatKVCache`` as given
         (:class:`CacheOptions`). With ``arena=`` (a plan from ``plan_arena`` for the same model),
         leave ``num_pages`` out: the arena sizes the pool (SPEC 13).
 

@@ -423,6 +423,7 @@ def test_native_runs_build_the_cache_with_cache_from_config(monkeypatch: pytest.
         "eviction_order": "hybrid",
         "reuse_uncached_first": True,
         "host_pages": 7,
+        "eviction_policy": "lru",
     }
 
 

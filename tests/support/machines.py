@@ -528,10 +528,12 @@ class ArenaRequestsMachine(RequestsMachine):
     @initialize(
         config=arena_configs(),
         prompts=st.lists(st.tuples(st.integers(0, len(DOCUMENTS) - 1), st.integers(1, 40)), max_size=3),
+        policy=st.sampled_from(["lru", "reuse"]),
     )
-    def build(self, config: dict[str, Any], prompts: list[tuple[int, int]]) -> None:
+    def build(self, config: dict[str, Any], prompts: list[tuple[int, int]], policy: str) -> None:
         self.config = config
-        self.caches.extend(both_arena_caches(config, enable_kv_events=True))
+        event(f"eviction_policy {policy}")
+        self.caches.extend(both_arena_caches(config, enable_kv_events=True, eviction_policy=policy))
         self.add_initial(prompts)
 
     @precondition(lambda self: self.live)

@@ -181,6 +181,8 @@ class SimulationConfig:
     model: Model = DEFAULT_PRESET
     engine: Engine = "native"
     eviction_order: EvictionOrder = "hybrid"
+    #: Which state checkpoints the cache keeps (SPEC 13.8): ``"lru"`` or ``"reuse"``.
+    eviction_policy: Literal["lru", "reuse"] = "lru"
     reuse_uncached_first: bool = DEFAULT_REUSE_UNCACHED_FIRST
     num_pages: int | None = None
     page_size: int = DEFAULT_PAGE_SIZE
@@ -257,6 +259,7 @@ class _Loop:
             "eviction_order": config.eviction_order,
             "reuse_uncached_first": config.reuse_uncached_first,
             "host_pages": config.host_pages,
+            "eviction_policy": config.eviction_policy,
         }
         # The native engine is built as a user builds it; the reference from its own sizing.
         self.cache: Any = (
@@ -566,6 +569,7 @@ class _Loop:
             "engine": config.engine,
             "model": _model_name(config.model),
             "eviction_order": config.eviction_order,
+            "eviction_policy": config.eviction_policy,
             "reuse_uncached_first": config.reuse_uncached_first,
             "tables": config.tables,
             "groups": [

@@ -6,6 +6,7 @@ use flat_kvcache_core::engine::coordinator::{EvictionOrder, GroupSpec};
 use flat_kvcache_core::engine::group::{GroupKind, KindError};
 use flat_kvcache_core::engine::hash::{parse_hash_lower, parse_hex, ContentHash};
 use flat_kvcache_core::engine::ids::RequestIdRef;
+use flat_kvcache_core::engine::policy::EvictionPolicy;
 use flat_kvcache_core::engine::pool::{ArenaGeometry, MAX_BLOCKS};
 use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -726,6 +727,28 @@ impl<'a, 'py> FromPyObject<'a, 'py> for EvictionArg {
             Some(order) => Ok(Self(order)),
             None => Err(PyValueError::new_err(format!(
                 "eviction_order must be 'hybrid' or 'group', got {}",
+                clip(&obj.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string()))
+            ))),
+        }
+    }
+}
+
+/// The `eviction_policy` argument: `"lru"` or `"reuse"`; anything else is a `ValueError`.
+#[derive(Clone, Copy)]
+pub struct PolicyArg(pub EvictionPolicy);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for PolicyArg {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let named = obj
+            .cast::<PyString>()
+            .ok()
+            .and_then(|s| s.to_str().ok().and_then(EvictionPolicy::from_name));
+        match named {
+            Some(policy) => Ok(Self(policy)),
+            None => Err(PyValueError::new_err(format!(
+                "eviction_policy must be 'lru' or 'reuse', got {}",
                 clip(&obj.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string()))
             ))),
         }

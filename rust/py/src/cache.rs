@@ -17,6 +17,7 @@ use std::sync::Mutex;
 
 use flat_kvcache_core::engine::coordinator::{EvictionOrder, GroupSpec};
 use flat_kvcache_core::engine::ids::RequestIdRef;
+use flat_kvcache_core::engine::policy::EvictionPolicy;
 use flat_kvcache_core::engine::pool::{DEFAULT_REUSE_UNCACHED_FIRST, MAX_BLOCKS};
 use flat_kvcache_core::engine::tokens::Prompt;
 use flat_kvcache_core::engine::FlatTable;
@@ -30,7 +31,7 @@ use pyo3::types::{PyDict, PyList};
 
 use crate::args::{
     arena_geometry, count, counts, id_to_py, tokens, CountParam, EvictionArg, ExtraKeys, FlagParam, GroupSpecs,
-    RequestId,
+    PolicyArg, RequestId,
 };
 use crate::convert::{clip, is_masked, signed, IntArg};
 use crate::errors::{core, lock};
@@ -119,6 +120,7 @@ impl PyPagedCache {
                 reuse_uncached_first: reuse_uncached_first.or(DEFAULT_REUSE_UNCACHED_FIRST, "reuse_uncached_first")?,
                 host_pages,
                 host_store: host_store.0,
+                eviction_policy: EvictionPolicy::Lru,
             })
         };
         let arena = arena.filter(|a| !a.is_none());
@@ -434,10 +436,15 @@ impl PyFlatKVCache {
     /// the tier is per group, each group's host pages of its own page geometry with ids of
     /// their own: an int gives every group that many, a mapping `{group_id: pages}` the groups
     /// it names (the others none: they are not tiered).
+    ///
+    /// `eviction_policy` says which state checkpoints are kept (SPEC 13.8): `"lru"` (every
+    /// checkpoint SPEC 13.5 writes, until the pool evicts it) or `"reuse"` (where reuse is
+    /// likely: the body's end on the sharing grain learned from the prompts seen, probationary
+    /// prompt checkpoints dropped at finish, decode checkpoints kept on evidence of reuse).
     #[new]
     #[pyo3(
-        signature = (specs, num_pages = None, *, arena = None, enable_caching = FlagParam::OMITTED, eviction_order = EvictionArg(EvictionOrder::Hybrid), enable_kv_events = FlagParam::OMITTED, reuse_uncached_first = FlagParam::OMITTED, host_pages = None, host_store = HostStoreArg(HostStore::WriteThrough)),
-        text_signature = "(specs, num_pages=None, *, arena=None, enable_caching=True, eviction_order='hybrid', enable_kv_events=False, reuse_uncached_first=True, host_pages=0, host_store='write_through')"
+        signature = (specs, num_pages = None, *, arena = None, enable_caching = FlagParam::OMITTED, eviction_order = EvictionArg(EvictionOrder::Hybrid), enable_kv_events = FlagParam::OMITTED, reuse_uncached_first = FlagParam::OMITTED, host_pages = None, host_store = HostStoreArg(HostStore::WriteThrough), eviction_policy = PolicyArg(EvictionPolicy::Lru)),
+        text_signature = "(specs, num_pages=None, *, arena=None, enable_caching=True, eviction_order='hybrid', enable_kv_events=False, reuse_uncached_first=True, host_pages=0, host_store='write_through', eviction_policy='lru')"
     )]
     #[allow(clippy::too_many_arguments, reason = "the Python constructor's keyword arguments")]
     fn new(
@@ -450,6 +457,7 @@ impl PyFlatKVCache {
         reuse_uncached_first: FlagParam<'_>,
         host_pages: Option<&Bound<'_, PyAny>>,
         host_store: HostStoreArg,
+        eviction_policy: PolicyArg,
     ) -> PyResult<PyClassInitializer<Self>> {
         let cache = PyPagedCache::build(
             specs,
@@ -462,6 +470,7 @@ impl PyFlatKVCache {
             host_store,
             arena,
         )?;
+        lock(&cache.inner)?.set_eviction_policy(eviction_policy.0);
         let own = Self {
             last_prompt: Mutex::new(None),
             rows: Mutex::new(None),

@@ -45,6 +45,7 @@ from flat_kvcache.reference.engine.events import removed_events, stored_event
 from flat_kvcache.reference.engine.group import GroupManager, new_manager
 from flat_kvcache.reference.engine.hash import fold_hashes, group_key
 from flat_kvcache.reference.engine.host import HOST_BIT, HOST_STORES, MAX_HOST_PAGES, HostTier
+from flat_kvcache.reference.engine.policy import EVICTION_POLICIES, ReuseEvidence
 from flat_kvcache.reference.engine.pool import DEFAULT_REUSE_UNCACHED_FIRST, BlockPool
 from flat_kvcache.reference.engine.table import Table, TokenState
 
@@ -159,10 +160,16 @@ class Coordinator:
         reuse_uncached_first: bool = DEFAULT_REUSE_UNCACHED_FIRST,
         host_pages: int | Mapping[str, int] | None = 0,
         host_store: str = "write_through",
+        eviction_policy: str = "lru",
     ) -> None:
         if not isinstance(eviction_order, str) or eviction_order not in EVICTION_ORDERS:
             shown = clipped_repr(eviction_order)
             raise ValueError(f"eviction_order must be 'hybrid' or 'group', got {shown}")
+        if not isinstance(eviction_policy, str) or eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy must be 'lru' or 'reuse', got {clipped_repr(eviction_policy)}")
+        #: Which state checkpoints are kept (SPEC 13.8, ``policy``), and what ``reuse`` learned.
+        self._policy = eviction_policy
+        self._evidence = ReuseEvidence()
         spec_items = batch_items(specs, "specs", "KVCacheSpec")
         if not isinstance(host_store, str) or host_store not in HOST_STORES:
             shown = clipped_repr(host_store)
@@ -227,6 +234,10 @@ class Coordinator:
         self._specs = spec_list
         #: The state groups' indices (read per request per step).
         self._state_groups = [g for g, spec in enumerate(spec_list) if spec.kind == STATE]
+        #: The lcm of the state groups' page sizes (None without state groups).
+        self._state_grain = (
+            math.lcm(*(spec_list[g].page_size for g in self._state_groups)) if self._state_groups else None
+        )
         self._group_ids = group_ids
         self._base = math.gcd(*sizes)
         self._lcm = lcm
@@ -300,6 +311,15 @@ class Coordinator:
             self._pool._record_released = host_store == "evict"
 
     # -- properties -----------------------------------------------------------------------------
+
+    def _sharing_grain(self) -> int | None:
+        """The grain prompts share at (SPEC 13.8): the state grain under ``lru``, the learned
+        sharing grain under ``reuse``; None without state groups."""
+        if self._state_grain is None:
+            return None
+        if self._policy == "lru":
+            return self._state_grain
+        return self._evidence.sharing_grain(self._state_grain)
 
     @property
     def base_page_size(self) -> int:

@@ -16,6 +16,7 @@ use crate::engine::events::{EventLog, KvEvent};
 use crate::engine::group::{GroupKind, GroupManager, RegisterPlan, RegisterRange};
 use crate::engine::hash::{fold_run, ContentHash, GroupKey};
 use crate::engine::host::{Device, HostStore, HostTier, LoadEvent, Transfer};
+use crate::engine::policy::{EvictionPolicy, ReuseEvidence};
 use crate::engine::pool::{ArenaGeometry, BlockPool, NULL_PAGE};
 use crate::engine::table::Table;
 use crate::error::{CoreError, CoreResult};
@@ -191,6 +192,9 @@ pub struct Coordinator {
     host: Option<HostTier>,
     /// State pages that took a key (checkpoints written, SPEC 13.5).
     checkpoints_written: u64,
+    /// Which checkpoints are kept (SPEC 13.8, `policy.rs`), and what `reuse` learned.
+    policy: EvictionPolicy,
+    evidence: ReuseEvidence,
 }
 
 impl Coordinator {
@@ -316,6 +320,8 @@ impl Coordinator {
             no_extra_keys: Arc::from(Vec::new()),
             host: None,
             checkpoints_written: 0,
+            policy: EvictionPolicy::Lru,
+            evidence: ReuseEvidence::default(),
         })
     }
 
@@ -455,6 +461,36 @@ impl Coordinator {
     /// page sizes (`None` without state groups).
     pub fn state_grain(&self) -> Option<u64> {
         self.state_grain
+    }
+
+    /// Which checkpoints are kept (SPEC 13.8).
+    pub fn eviction_policy(&self) -> EvictionPolicy {
+        self.policy
+    }
+
+    /// Set the checkpoint policy (before any request exists).
+    pub fn set_eviction_policy(&mut self, policy: EvictionPolicy) {
+        self.policy = policy;
+    }
+
+    /// What the `reuse` policy learned (read-only).
+    pub fn evidence(&self) -> &ReuseEvidence {
+        &self.evidence
+    }
+
+    /// What the `reuse` policy learned.
+    pub fn evidence_mut(&mut self) -> &mut ReuseEvidence {
+        &mut self.evidence
+    }
+
+    /// The grain prompts share at (SPEC 13.8): the state grain under `lru`, the learned
+    /// sharing grain under `reuse`; `None` without state groups.
+    pub fn sharing_grain(&self) -> Option<u64> {
+        let grain = self.state_grain?;
+        Some(match self.policy {
+            EvictionPolicy::Lru => grain,
+            EvictionPolicy::Reuse => self.evidence.sharing_grain(grain),
+        })
     }
 
     /// The state group, when the model has exactly one.

@@ -38,6 +38,7 @@ pub mod hash;
 pub mod host;
 pub mod ids;
 pub mod lru;
+pub mod policy;
 pub mod pool;
 pub mod table;
 pub mod tokens;
@@ -69,6 +70,8 @@ pub struct CacheOptions {
     pub host_pages: u64,
     /// When pages are copied to the host tier.
     pub host_store: host::HostStore,
+    /// Which state checkpoints are kept (SPEC 13.8, [`policy`]).
+    pub eviction_policy: policy::EvictionPolicy,
 }
 
 impl Default for CacheOptions {
@@ -80,6 +83,7 @@ impl Default for CacheOptions {
             reuse_uncached_first: pool::DEFAULT_REUSE_UNCACHED_FIRST,
             host_pages: 0,
             host_store: host::HostStore::WriteThrough,
+            eviction_policy: policy::EvictionPolicy::Lru,
         }
     }
 }
@@ -200,6 +204,7 @@ impl FlatCache {
     fn over(mut coord: Coordinator, options: CacheOptions) -> Self {
         coord.set_kv_events(options.enable_kv_events);
         coord.set_reuse_uncached_first(options.reuse_uncached_first);
+        coord.set_eviction_policy(options.eviction_policy);
         Self {
             coord,
             index: HashMap::default(),
@@ -212,6 +217,12 @@ impl FlatCache {
             rows: None,
             next_serial: 0,
         }
+    }
+
+    /// Set which state checkpoints are kept (SPEC 13.8; before any request exists, as the
+    /// constructor's option).
+    pub fn set_eviction_policy(&mut self, policy: policy::EvictionPolicy) {
+        self.coord.set_eviction_policy(policy);
     }
 
     /// The coordinator (groups, page sizes, pool).

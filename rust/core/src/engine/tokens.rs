@@ -37,6 +37,9 @@ pub(super) struct TokenState {
     /// The latest checkpoint decode wrote (its page and key): SPEC 13.5d keeps one, the
     /// previous is dropped when the next is written.
     pub(super) decode_checkpoint: Option<(u32, GroupKey)>,
+    /// The checkpoints written while computing the prompt (page, key, tokens), for the
+    /// `reuse` policy's probation (SPEC 13.8; empty under `lru`).
+    pub(super) prompt_checkpoints: Vec<(u32, GroupKey, u64)>,
 }
 
 /// What the last `schedule` of a token-level request did to its state group (SPEC 13.4):

@@ -44,7 +44,7 @@ class Admission(TokenApi):
         count = as_count(num_new_tokens, "num_new_tokens")
         extra = as_count(reserve_tokens, "reserve_tokens")
         tokens, hashes, _ = self._hash_prompt(prompt_token_ids, extra_keys)
-        _, pages, _ = self._capped_match(hashes, len(tokens))
+        _, pages, _, _ = self._capped_match(hashes, len(tokens))
         total = self.pages_needed(check_u64_total(count + extra, "num_new_tokens + reserve_tokens"))
         device, loads = self._tiered_claim_cost(pages)
         return check_u64_total(total + device + loads, "num_new_tokens + reserve_tokens")
@@ -70,7 +70,7 @@ class Admission(TokenApi):
         self._check_new_request("admit", key, tokens)
         if not self._slot_available():
             return None
-        hit, pages, branch = self._capped_match(hashes, len(tokens)) if use_cache else (0, None, 0)
+        hit, pages, branch, _ = self._capped_match(hashes, len(tokens)) if use_cache else (0, None, 0, 0)
         chunk = self._cut(hit, len(tokens), limit, branch)
         reserve = 1 if hit + chunk == len(tokens) else 0
         # pages_needed_to_admit(prompt, chunk, reserve); without the prefix cache, no claim.

@@ -69,10 +69,11 @@ class TokenApi(PageTables, Rows):
 
     # -- adding a request -----------------------------------------------------------------------
 
-    def _capped_match(self, hashes: list[str], num_tokens: int) -> tuple[int, list[list[int]], int]:
+    def _capped_match(self, hashes: list[str], num_tokens: int) -> tuple[int, list[list[int]], int, int]:
         """The prefix match over the first ``max((len - 1) // base, 0)`` base pages (SPEC 9):
         the last prompt token is always recomputed. Returns ``(hit tokens, pages, branch
-        point)``, the branch point as :meth:`_branch_point` makes it.
+        point, closed)``, the branch point as :meth:`_branch_point` makes it from ``closed``,
+        the tokens the full-attention groups matched.
 
         With a host tier the lookups answer device-or-host (a host hit is ``HOST_BIT | host
         page``), unless the free pages do not cover the claim plus one page per load (in arena
@@ -82,9 +83,9 @@ class TokenApi(PageTables, Rows):
             bound, pages, _, closed = self._match(capped, tiered=True)
             loads = any(page & HOST_BIT for group in pages for page in group)
             if not loads or self._tiered_claim_fits(pages):
-                return bound, pages, self._branch_point(bound, closed)
+                return bound, pages, self._branch_point(bound, closed), closed
         bound, pages, _, closed = self._match(capped, tiered=False)
-        return bound, pages, self._branch_point(bound, closed)
+        return bound, pages, self._branch_point(bound, closed), closed
 
     def _branch_point(self, hit: int, closed: int) -> int:
         """SPEC 13.5c: the tokens the full-attention groups matched (``closed``), aligned down
@@ -142,13 +143,23 @@ class TokenApi(PageTables, Rows):
         self._token_states[key] = state
         slot = self._take_slot(key)
         if use_cache and self._enable_caching:
-            hit, pages, state.branch = self._capped_match(hashes, len(tokens))
+            hit, pages, state.branch, closed = self._capped_match(hashes, len(tokens))
+            cap = (len(tokens) - 1) // self._base * self._base
+            if self._policy == "reuse" and self._state_grain is not None and 0 < closed < cap:
+                # SPEC 13.8: the match left a cached path here (a divergence point).
+                self._evidence.observe(closed, self._state_grain)
             self._claim_tiered(key, pages, state)
             self._counters["prefix_queries_tokens"] += len(tokens)
             self._counters["prefix_hits_tokens"] += hit
             self._counters["host_hits_tokens"] += self._host_hit_tokens(pages, hit)
             if hit > 0 and self._state_groups:
                 self._counters["checkpoints_hit"] += 1
+                if len(self._state_groups) == 1:
+                    state.computed = hit
+                    page = self._state_page(self._requests[key], state, self._state_groups[0])
+                    held = self._pool._key_held_by(page) if page else None
+                    if held is not None:
+                        self._evidence.note_hit(page, held)
         state.computed = hit
         state.registered = hit // self._base
         return slot, hit
@@ -223,6 +234,12 @@ class TokenApi(PageTables, Rows):
             return branch - computed
         grain = math.lcm(*state_sizes)
         end = known - 1 if rest <= limit else computed + limit
+        # The body's end lies on the sharing grain (SPEC 13.8; the state grain under lru); with
+        # none ahead the rest is one chunk. A chunk cut by the limit: on the state grain.
+        sharing = self._sharing_grain() or grain
+        if rest <= limit and sharing > grain:
+            body = end - end % sharing
+            return body - computed if body > computed else rest
         boundary = end - end % grain
         return boundary - computed if boundary > computed else min(rest, limit)
 
@@ -414,6 +431,46 @@ class TokenApi(PageTables, Rows):
         state.registered = full
         if state.computed > state.prompt_len:
             self._keep_latest_decode_checkpoint(tables, state)
+        elif self._policy == "reuse":
+            self._note_prompt_checkpoint(tables, state)
+
+    def _checkpoint_at(self, tables: list[Table], state: TokenState) -> tuple[int, str] | None:
+        """The checkpoint at the request's position, if its state page took a key."""
+        if len(self._state_groups) != 1:
+            return None
+        page = self._state_page(tables, state, self._state_groups[0])
+        key = self._pool._key_held_by(page) if page else None
+        return None if key is None else (page, key)
+
+    def _note_prompt_checkpoint(self, tables: list[Table], state: TokenState) -> None:
+        """SPEC 13.8 (reuse): remember a checkpoint written while computing the prompt."""
+        found = self._checkpoint_at(tables, state)
+        if found is None:
+            return
+        if not state.prompt_checkpoints or state.prompt_checkpoints[-1][:2] != found:
+            state.prompt_checkpoints.append((found[0], found[1], state.computed))
+
+    def _drop_checkpoint(self, page: int, key: str) -> None:
+        """Drop checkpoint ``key`` from ``page`` if it still holds it and nobody holds the page."""
+        dropped = self._pool._key_held_by(page) == key and self._pool._drop_free_key(page)
+        if dropped and self._events_enabled:
+            self._events.extend(removed_events([key]))
+
+    def _end_of_request(self, state: TokenState) -> None:
+        """SPEC 13.8 (reuse), when a request finished (its pages released): drop its
+        probationary prompt checkpoints and, without evidence of reuse, its decode checkpoint."""
+        sharing = self._sharing_grain()
+        if self._policy != "reuse" or sharing is None:
+            return
+        for page, key, tokens in state.prompt_checkpoints:
+            if tokens % sharing and tokens != state.branch:
+                self._drop_checkpoint(page, key)
+        if state.decode_checkpoint is not None:
+            page, key = state.decode_checkpoint
+            if self._evidence.keep_decode():
+                self._evidence.kept_decode(page, key)
+            else:
+                self._drop_checkpoint(page, key)
 
     def _keep_latest_decode_checkpoint(self, tables: list[Table], state: TokenState) -> None:
         """SPEC 13.5d: when the state page of the last computed token took a key in decode, it
@@ -427,10 +484,7 @@ class TokenApi(PageTables, Rows):
             return
         previous, state.decode_checkpoint = state.decode_checkpoint, (page, key)
         if previous is not None and previous != (page, key):
-            old_page, old_key = previous
-            dropped = self._pool._key_held_by(old_page) == old_key and self._pool._drop_free_key(old_page)
-            if dropped and self._events_enabled:
-                self._events.extend(removed_events([old_key]))
+            self._drop_checkpoint(*previous)
 
     # -- ending requests ------------------------------------------------------------------------
 
@@ -463,5 +517,7 @@ class TokenApi(PageTables, Rows):
             tables, state = self._token_state(key)
             self._register_computed(tables, state)
             self._release(key)
+            if method == "finish":
+                self._end_of_request(state)
             ended.append(state.tokens)
         return ended

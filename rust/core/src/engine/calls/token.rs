@@ -9,8 +9,9 @@
 //! every group), so page-level calls on a token-level request cannot desynchronise it.
 
 use crate::engine::coordinator::{Coordinator, PrefixMatch, TokenContext};
-use crate::engine::hash::hash_page;
+use crate::engine::hash::{hash_page, GroupKey};
 use crate::engine::ids::RequestIdRef;
+use crate::engine::policy::EvictionPolicy;
 use crate::engine::pool::NULL_PAGE;
 use crate::engine::table::Table;
 use crate::engine::tokens::{Prompt, StepSlots, TokenState};
@@ -158,8 +159,18 @@ impl FlatCache {
             prompt_len,
             step: None,
             decode_checkpoint: None,
+            prompt_checkpoints: Vec::new(),
         };
         let at = self.insert(req, Some(state));
+        if let (Some(m), Some(grain)) = (m.as_ref(), self.coord.state_grain()) {
+            // SPEC 13.8: a full-attention match that stops before the capped prompt left a
+            // cached path there (a divergence point): evidence of where prompts share.
+            let base = self.coord.base_page_size();
+            let cap = prompt_len.saturating_sub(1) / base * base;
+            if self.coord.eviction_policy() == EvictionPolicy::Reuse && m.branch_tokens > 0 && m.branch_tokens < cap {
+                self.coord.evidence_mut().observe(m.branch_tokens, grain);
+            }
+        }
         if let Some(m) = m {
             // A match just made under the lock is never stale and the tables are empty.
             let mut host_hit = 0;
@@ -178,6 +189,12 @@ impl FlatCache {
             c.host_hits_tokens = c.host_hits_tokens.saturating_add(host_hit);
             if hit > 0 && self.coord.state_grain().is_some() {
                 c.checkpoints_hit = c.checkpoints_hit.saturating_add(1);
+                if let Some(g) = self.coord.single_state_group() {
+                    let page = state_page(&self.coord, &self.entries[at].tables, g, hit);
+                    if let Some(&key) = self.coord.pool().key_of(page) {
+                        self.coord.evidence_mut().note_hit(page, &key);
+                    }
+                }
             }
         }
         Ok((at, hit))
@@ -316,6 +333,13 @@ impl FlatCache {
         } else {
             c.saturating_add(max)
         };
+        // The body's end lies on the sharing grain (SPEC 13.8: the state grain under `lru`);
+        // with none ahead the rest is one chunk. A chunk cut by the limit: on the state grain.
+        let sharing = self.coord.sharing_grain().unwrap_or(grain);
+        if rest <= max && sharing > grain {
+            let body = end - end % sharing;
+            return if body > c { body - c } else { rest };
+        }
         let boundary = end - end % grain;
         match boundary.checked_sub(c) {
             Some(n) if n > 0 => n,
@@ -543,17 +567,27 @@ impl FlatCache {
     /// the eviction order, release its reserve and free its slot and id. Everything is
     /// validated first (a slot that holds no token-level request, a slot listed twice).
     pub fn finish(&mut self, slots: &[u64]) -> CoreResult<()> {
-        self.release_slots("finish", slots, |_, _| {})
+        self.release_slots(
+            "finish",
+            slots,
+            |this, state| end_of_request(&mut this.coord, state),
+            |_, _| {},
+        )
     }
 
     /// [`Self::finish`], counted as one preemption per request; returns each request's whole
     /// token list (prompt plus generated), in order, to re-add for recompute.
     pub fn preempt(&mut self, slots: &[u64]) -> CoreResult<Vec<Vec<u32>>> {
         let mut out = Vec::with_capacity(slots.len());
-        self.release_slots("preempt", slots, |this, tokens| {
-            this.counters.preemptions = this.counters.preemptions.saturating_add(1);
-            out.push(tokens);
-        })?;
+        self.release_slots(
+            "preempt",
+            slots,
+            |_, _| {},
+            |this, tokens| {
+                this.counters.preemptions = this.counters.preemptions.saturating_add(1);
+                out.push(tokens);
+            },
+        )?;
         Ok(out)
     }
 
@@ -562,6 +596,7 @@ impl FlatCache {
         &mut self,
         method: &str,
         slots: &[u64],
+        mut released: impl FnMut(&mut Self, &TokenState),
         mut then: impl FnMut(&mut Self, Vec<u32>),
     ) -> CoreResult<()> {
         self.with_scratch(|this, at| {
@@ -571,8 +606,11 @@ impl FlatCache {
                 if let Some(state) = entry.tokens.as_mut() {
                     register_computed(&mut this.coord, &entry.tables, state)?;
                 }
-                let tokens = this.release(i).map(|s| s.tokens).unwrap_or_default();
-                then(this, tokens);
+                let state = this.release(i);
+                if let Some(state) = state.as_ref() {
+                    released(this, state);
+                }
+                then(this, state.map(|s| s.tokens).unwrap_or_default());
             }
             Ok(())
         })
@@ -640,8 +678,59 @@ fn register_computed(coord: &mut Coordinator, tables: &[Table], state: &mut Toke
     state.registered = full;
     if state.computed > state.prompt_len {
         keep_latest_decode_checkpoint(coord, tables, state);
+    } else if coord.eviction_policy() == EvictionPolicy::Reuse {
+        note_prompt_checkpoint(coord, tables, state);
     }
     Ok(())
+}
+
+/// The checkpoint at the request's position, if its state page took a key: `(page, key)`.
+fn checkpoint_at(coord: &Coordinator, tables: &[Table], state: &TokenState) -> Option<(u32, GroupKey)> {
+    let g = coord.single_state_group()?;
+    let page = state_page(coord, tables, g, state.computed);
+    if page == NULL_PAGE {
+        return None;
+    }
+    coord.pool().key_of(page).map(|&key| (page, key))
+}
+
+/// SPEC 13.8 (`reuse`): a checkpoint written while computing the prompt is remembered, for
+/// the probation at finish.
+fn note_prompt_checkpoint(coord: &Coordinator, tables: &[Table], state: &mut TokenState) {
+    let Some((page, key)) = checkpoint_at(coord, tables, state) else {
+        return;
+    };
+    if state
+        .prompt_checkpoints
+        .last()
+        .is_none_or(|&(p, k, _)| (p, k) != (page, key))
+    {
+        state.prompt_checkpoints.push((page, key, state.computed));
+    }
+}
+
+/// SPEC 13.8 (`reuse`), when a request finishes (its pages released): drop its probationary
+/// prompt checkpoints (not on the sharing grain, not its branch point) and, without evidence
+/// of reuse, its decode checkpoint; each only if nobody holds it.
+fn end_of_request(coord: &mut Coordinator, state: &TokenState) {
+    if coord.eviction_policy() != EvictionPolicy::Reuse {
+        return;
+    }
+    let Some(sharing) = coord.sharing_grain() else {
+        return;
+    };
+    for &(page, key, tokens) in &state.prompt_checkpoints {
+        if tokens % sharing != 0 && tokens != state.branch {
+            coord.drop_checkpoint(page, key);
+        }
+    }
+    if let Some((page, key)) = state.decode_checkpoint {
+        if coord.evidence_mut().keep_decode() {
+            coord.evidence_mut().kept_decode(page, key);
+        } else {
+            coord.drop_checkpoint(page, key);
+        }
+    }
 }
 
 /// The pool page of state group `g` holding the state after `computed` tokens: the page of
