@@ -1,8 +1,9 @@
 """State hybrids computed through the SPEC 13 arena match their own forward.
 
 A tiny Qwen3-Next (Gated DeltaNet + full attention, ``transformers``' torch path on the CPU), a
-tiny Bamba (mamba2 + full attention) and a tiny Falcon-H1 (attention and mamba2 in every layer:
-two cache layers per model layer) run on ``FlatKVCache(arena=)`` through
+tiny Bamba (mamba2 + full attention), a tiny Falcon-H1 (attention and mamba2 in every layer:
+two cache layers per model layer) and a tiny Zamba2 (mamba2 layers, and hybrid layers that run
+one shared attention block before their mamba2 mixer) run on ``FlatKVCache(arena=)`` through
 ``flat_kvcache.torch.runner``: attention layers write and read their K/V in the arena's pages,
 state layers start each step from the state slot ``state_slots`` names (copied into the write
 slot where they differ) and leave their state there. Nothing else carries state from step to
@@ -54,7 +55,7 @@ TOLERANCE = 1e-3
 #: Tokens per K/V page and the state checkpoint grain.
 P = 4
 G = 8
-KINDS = ["qwen3-next", "bamba", "falcon-h1"]
+KINDS = ["qwen3-next", "bamba", "falcon-h1", "zamba2"]
 ENGINES = [
     pytest.param(flat_kvcache, id="native"),
     pytest.param(flat_kvcache.reference, id="reference"),

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import inspect
 import itertools
 import math
 from collections import deque
@@ -100,6 +101,19 @@ _ACTIVE: contextvars.ContextVar[_StepContext | None] = contextvars.ContextVar(
     "flat_kvcache_step", default=None
 )
 
+#: The model layer a shared attention block runs for (Zamba2: one attention module, whose
+#: ``layer_idx`` is -1, serves every hybrid layer; the hybrid layer passes its own index).
+_SHARED_LAYER: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "flat_kvcache_shared_layer", default=None
+)
+
+
+def _note_shared_layer(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Forward pre-hook of a layer that runs a shared attention block: remember its index (its
+    ``layer_idx`` argument, positional or by name)."""
+    index = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments.get("layer_idx")
+    _SHARED_LAYER.set(int(index) if index is not None else None)
+
 
 #: Keyword arguments ``transformers`` passes to an attention function that cannot change its
 #: result here: positions and masks the paged tables already encode, and flags of other kernels.
@@ -165,6 +179,13 @@ def _paged_attention_forward(
     if query.shape[0] != 1:
         raise ValueError(f"the paged forward packs every request into batch 1, got batch {query.shape[0]}")
     model_layer = int(module.layer_idx)
+    if model_layer < 0:  # a shared block: the hybrid layer running it said which (_note_shared_layer)
+        shared = _SHARED_LAYER.get()
+        if shared is None:
+            raise ValueError(
+                f"{type(module).__name__} has layer_idx {model_layer} and no layer said it runs it"
+            )
+        model_layer = shared
     if model_layer not in step.cache_layer:
         raise ValueError(f"model layer {model_layer} attends, but its config gives it no KV cache")
     layer = step.cache_layer[model_layer]
@@ -241,6 +262,7 @@ TINY_MODEL_KINDS = (
     "qwen3-next",
     "bamba",
     "falcon-h1",
+    "zamba2",
 )
 
 # The budget of the one-page plan that :func:`plan_for_pages` reads ``bytes_per_page`` from.
@@ -290,6 +312,12 @@ def tiny_model(
       (head dim 8) and a mamba2 mixer (``mamba_d_ssm`` 32: 4 heads of 8, state 8, 1 group, conv
       kernel 4, scan chunk 16) side by side, two cache layers per model layer; MLP size 48
       unless given; ``window`` is not used.
+    - ``"zamba2"``: Zamba2 (``Zamba2ForCausalLM``): mamba2 and hybrid layers alternating (mamba2
+      first); a hybrid layer runs the one shared attention block (4 heads of 16 over the hidden
+      state concatenated with the embeddings, RoPE) and then its mamba2 mixer (4 heads of 16,
+      state 8, 1 group, conv kernel 4, scan chunk 16), two cache layers per hybrid layer; MLP
+      size 48 unless given; ``window`` is not used. The shared block's ``layer_idx`` is -1:
+      the runner learns the layer from the hybrid layer that runs it.
 
     The alternating kinds (``"qwen3-next"`` and ``"bamba"`` too) need an even ``num_layers``,
     the sliding ones have ``sliding_window=window``; ``"llama4"`` needs at least 2 layers.
@@ -304,7 +332,7 @@ def tiny_model(
     else:
         mlp = as_int(intermediate_size, "intermediate_size", minimum=1)
     alternating = kind in ("gpt-oss", "qwen2", "gemma2")
-    if (alternating or kind in ("qwen3-next", "bamba")) and num_layers % 2:
+    if (alternating or kind in ("qwen3-next", "bamba", "zamba2")) and num_layers % 2:
         raise ValueError(
             f"a {kind} model alternates sliding and full layers: num_layers must be even, got {num_layers}"
         )
@@ -384,6 +412,21 @@ def tiny_model(
             mamba_chunk_size=16,
         )
         model = transformers.FalconH1ForCausalLM(falcon)
+    elif kind == "zamba2":
+        zamba = transformers.Zamba2Config(
+            **{**common, "num_key_value_heads": 4},
+            layers_block_type=["mamba", "hybrid"] * (num_layers // 2),
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            n_mamba_heads=4,
+            mamba_ngroups=1,
+            chunk_size=16,
+            num_mem_blocks=1,
+            use_shared_attention_adapter=False,
+            use_mem_rope=True,
+        )
+        model = transformers.Zamba2ForCausalLM(zamba)
     elif kind == "bamba":
         bamba = transformers.BambaConfig(
             **common,
@@ -638,9 +681,17 @@ class PagedModelRunner:
     def _paged(self) -> Iterator[None]:
         previous = self.model.config._attn_implementation
         self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        # Layers that run a shared attention block (Zamba2's hybrid layers) say which they are.
+        hooks = [
+            module.register_forward_pre_hook(_note_shared_layer, with_kwargs=True)
+            for module in self.model.modules()
+            if hasattr(module, "shared_transformer")
+        ]
         try:
             yield
         finally:
+            for hook in hooks:
+                hook.remove()
             self.model.set_attn_implementation(previous)
 
     def _page_rows(self, tensor: torch.Tensor, page: int) -> torch.Tensor:
