@@ -711,6 +711,26 @@ fn kind_choices() -> String {
     }
 }
 
+/// A keyword argument that names one of a few choices (a `str` that `from_name` knows); anything
+/// else is a `ValueError` naming `arg` and listing `choices`.
+pub fn named_choice<T>(
+    obj: Borrowed<'_, '_, PyAny>,
+    arg: &str,
+    choices: &str,
+    from_name: impl Fn(&str) -> Option<T>,
+) -> PyResult<T> {
+    let named = obj
+        .cast::<PyString>()
+        .ok()
+        .and_then(|s| s.to_str().ok().and_then(&from_name));
+    named.ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "{arg} must be {choices}, got {}",
+            clip(&obj.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string()))
+        ))
+    })
+}
+
 /// The `eviction_order` argument: `"hybrid"` or `"group"`; anything else is a `ValueError`.
 #[derive(Clone, Copy)]
 pub struct EvictionArg(pub EvictionOrder);
@@ -719,17 +739,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for EvictionArg {
     type Error = PyErr;
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        let named = obj
-            .cast::<PyString>()
-            .ok()
-            .and_then(|s| s.to_str().ok().and_then(EvictionOrder::from_name));
-        match named {
-            Some(order) => Ok(Self(order)),
-            None => Err(PyValueError::new_err(format!(
-                "eviction_order must be 'hybrid' or 'group', got {}",
-                clip(&obj.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string()))
-            ))),
-        }
+        named_choice(obj, "eviction_order", "'hybrid' or 'group'", EvictionOrder::from_name).map(Self)
     }
 }
 
@@ -741,17 +751,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for PolicyArg {
     type Error = PyErr;
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        let named = obj
-            .cast::<PyString>()
-            .ok()
-            .and_then(|s| s.to_str().ok().and_then(EvictionPolicy::from_name));
-        match named {
-            Some(policy) => Ok(Self(policy)),
-            None => Err(PyValueError::new_err(format!(
-                "eviction_policy must be 'lru' or 'reuse', got {}",
-                clip(&obj.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string()))
-            ))),
-        }
+        named_choice(obj, "eviction_policy", "'lru' or 'reuse'", EvictionPolicy::from_name).map(Self)
     }
 }
 

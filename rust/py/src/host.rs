@@ -10,7 +10,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyMapping, PyString, PyTuple};
 
-use crate::args::{count, counts};
+use crate::args::{count, counts, named_choice};
 use crate::convert::{clip, type_name};
 
 /// The `host_pages` keyword as given: a count (`None` or left out: 0), or a mapping
@@ -86,16 +86,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for HostStoreArg {
     type Error = PyErr;
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        let named = obj
-            .cast::<PyString>()
-            .ok()
-            .and_then(|s| s.to_str().ok().and_then(HostStore::from_name));
-        named.map(Self).ok_or_else(|| {
-            PyValueError::new_err(format!(
-                "host_store must be 'write_through' or 'evict', got {}",
-                clip(&obj.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string()))
-            ))
-        })
+        named_choice(obj, "host_store", "'write_through' or 'evict'", HostStore::from_name).map(Self)
     }
 }
 
