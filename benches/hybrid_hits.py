@@ -19,6 +19,7 @@ Build the extension first (``maturin develop --release``), then::
 
     python benches/hybrid_hits.py                    # 3000 requests, both budgets, a table
     python benches/hybrid_hits.py --json             # machine-readable
+    python benches/hybrid_hits.py --plot hits.png    # and a bar chart (matplotlib)
     python benches/hybrid_hits.py --smoke            # 100 requests: does it run (CI)
 
 The trace is ``FLAT_KVCACHE_MOONCAKE_TRACE`` or ``shared/traces/mooncake_conversation.jsonl`` in or
@@ -303,6 +304,32 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Token hit rate per budget: the hybrid under each checkpoint policy and its attention layers
+    alone (bars), as a PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = result["budgets"]
+    names = [run["model"] for run in budgets[0]["runs"]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        rates = [100 * next(r["hit_rate"] for r in b["runs"] if r["model"] == name) for b in budgets]
+        xs = [j + i * width for j in range(len(budgets))]
+        ax.bar(xs, rates, width, label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(budgets))])
+    ax.set_xticklabels([f"B{round(100 * b['fraction'])}" for b in budgets])
+    ax.set_ylabel("token hit rate (%)")
+    ax.set_title(f"Mooncake {result['requests']} requests: hits per budget and checkpoint policy")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -324,8 +351,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--grain", type=int, default=64, help="state checkpoint grain G in tokens (64)")
     parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="write a PNG of the hit rates per budget and policy (matplotlib)",
+    )
     parser.add_argument("--smoke", action="store_true", help="100 requests: does it run (CI)")
     args = parser.parse_args(argv)
+    if args.plot is not None and not args.plot.parent.is_dir():
+        parser.error(f"--plot: folder {args.plot.parent} does not exist")
     if args.smoke:
         args.max_requests = min(args.max_requests, 100)
     start = time.perf_counter()
@@ -344,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(format_table(result))
         print(f"total {result['total_seconds']:.1f} s")
+    if args.plot is not None:
+        plot(result, args.plot)
     return 0
 
 
