@@ -460,6 +460,27 @@ def _add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
         help="state groups' page size in tokens: their checkpoint grain (default 64 with --arena, "
         "else the page size)",
     )
+    cluster = parser.add_argument_group("many engines behind a router (docs/routing.md)")
+    cluster.add_argument(
+        "--workers",
+        type=positive,
+        default=1,
+        metavar="N",
+        help="replay the trace over N engines in lockstep, each with 1/N of --num-pages or --arena "
+        "(default 1: one engine)",
+    )
+    cluster.add_argument(
+        "--router",
+        choices=("round-robin", "kv"),
+        help="how requests are spread over the workers: round-robin (the default), or kv: to the "
+        "best prefix hit predicted by Dynamo's radix indexer from every worker's KV events (needs "
+        f"{_extra('dynamo')}; models with one full-attention group and at most one state group)",
+    )
+    cluster.add_argument(
+        "--worker-memory",
+        metavar="SIZE",
+        help="each worker's memory instead of 1/N: pages, or bytes (e.g. 20GiB) with --arena",
+    )
     parser.add_argument("--no-prefix-caching", action="store_true", help="run with prefix caching off")
     parser.add_argument("--no-block-tables", action="store_true", help="skip the per-step block_tables call")
     parser.add_argument(
@@ -540,6 +561,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
             state_page_size=grain,
         )
         show = args.progress or sys.stderr.isatty()
+        if args.workers > 1 or args.router is not None or args.worker_memory is not None:
+            return _run_cluster(args, cfg, trace, config, show)
         result = simulate.simulate(
             trace, config, progress=simulate.ProgressBar(sys.stderr) if show and trace else None
         )
@@ -570,6 +593,66 @@ def _run_simulate(args: argparse.Namespace) -> int:
             _print_error(f"--plot {args.plot}: {exc.strerror or exc}")
             return 1
     print(simulate.summary_json(summary) if args.json else simulate.format_summary(summary))
+    return 0
+
+
+def _run_cluster(
+    args: argparse.Namespace,
+    cfg: dict[str, Any],
+    trace: list[simulate.TraceRequest],
+    config: simulate.SimulationConfig,
+    show: bool,
+) -> int:
+    """``simulate --workers N``: ``config`` split per worker, then ``simulate_cluster``."""
+    router = args.router or "round-robin"
+    if args.engine != "native":
+        raise ValueError("--workers: a cluster runs the native engine only (leave out --engine)")
+    if args.plot is not None:
+        raise ValueError("--plot draws one engine's run: it cannot be combined with --workers")
+    if router == "kv" and args.host_pages:
+        raise ValueError("--router kv does not model a host-memory tier: leave out --host-pages")
+    workers = args.workers
+    if config.arena is not None:
+        if args.worker_memory is not None:
+            try:
+                per_worker = _byte_size(args.worker_memory)
+            except argparse.ArgumentTypeError as exc:
+                raise ValueError(f"--worker-memory: {exc}") from None
+        else:
+            per_worker = args.arena // workers
+        arena = _simulate_arena(cfg, argparse.Namespace(**{**vars(args), "arena": per_worker}))
+        config = dataclasses.replace(config, arena=arena)
+    else:
+        pages: int | None = None
+        if args.worker_memory is not None:
+            try:
+                pages = int(args.worker_memory)
+            except ValueError:
+                pages = 0
+            if pages < 2:
+                raise ValueError(
+                    f"--worker-memory {args.worker_memory}: without --arena it is each worker's page "
+                    "count, an integer >= 2"
+                )
+        elif args.num_pages is not None:
+            pages = 1 + math.ceil((args.num_pages - 1) / workers)
+        config = dataclasses.replace(config, num_pages=pages)
+    try:
+        result = simulate.simulate_cluster(
+            trace,
+            config,
+            workers=workers,
+            router=router,
+            progress=simulate.ProgressBar(sys.stderr) if show and trace else None,
+        )
+    except ImportError as exc:
+        raise ValueError(f"--router kv: {exc}") from None
+    summary = result.summary
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        width = max(len(key) for key in summary)
+        print("\n".join(f"{key:<{width}}  {value}" for key, value in summary.items()))
     return 0
 
 

@@ -6,12 +6,15 @@ Three parts, one concern each:
 - :mod:`flat_kvcache.simulate.loop`: the scheduler loop that drives the cache step by step
   (its docstring describes one step) and times the cache calls;
 - :mod:`flat_kvcache.simulate.report`: the run's result, its summary as a table or JSON, the
-  plot and the progress bar.
+  plot and the progress bar;
+- :mod:`flat_kvcache.simulate.cluster`: the same loop on N engines in lockstep behind a router
+  (``simulate --workers N``, docs/routing.md).
 
 The command line (argument parsing, exit statuses) is :mod:`flat_kvcache.cli`; this package
 takes plain values.
 """
 
+from flat_kvcache.simulate.cluster import Admission, ClusterResult, simulate_cluster
 from flat_kvcache.simulate.loop import (
     CALL_KINDS,
     DEFAULT_MAX_RUNNING,
@@ -56,6 +59,8 @@ __all__ = [
     "DEFAULT_REUSE_UNCACHED_FIRST",
     "MOONCAKE_BLOCK_TOKENS",
     "VOCAB",
+    "Admission",
+    "ClusterResult",
     "Engine",
     "EvictionOrder",
     "ProgressBar",
@@ -71,5 +76,6 @@ __all__ = [
     "mooncake_block",
     "plot_result",
     "simulate",
+    "simulate_cluster",
     "summary_json",
 ]
