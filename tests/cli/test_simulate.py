@@ -479,7 +479,7 @@ def test_persistent_rows_follow_every_step_and_change_nothing_else(engine: str) 
     full = simulate(trace, SimulationConfig(tables="full", **config)).summary  # type: ignore[arg-type]
     loop = _Loop(trace, SimulationConfig(tables="rows", **config))  # type: ignore[arg-type]
     while loop.pending or loop.waiting or loop.running:
-        loop._one_step()
+        loop.one_step()
         loop.cache.update_rows()  # rows of requests not scheduled this step may lag one update
         owners = {live.slot: live.rid for live in loop.running}
         assert len(owners) == len(loop.running), "two running requests share a slot"

@@ -197,7 +197,7 @@ def simulate_cluster(
         for worker, loop in enumerate(loops):
             if busy(loop):
                 loop.step = step
-                loop._one_step()
+                loop.one_step()
                 drain(worker)
         step += 1
         if progress is not None and step - last_report >= 50:

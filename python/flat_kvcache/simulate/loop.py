@@ -330,7 +330,7 @@ class _Loop:
         wall_start = _perf()
         last_report = 0
         while self.pending or self.waiting or self.running:
-            self._one_step()
+            self.one_step()
             if progress is not None and self.step - last_report >= 50:
                 last_report = self.step
                 progress(self.step, self.done, self.total, len(self.running))
@@ -341,7 +341,10 @@ class _Loop:
             self._summary(wall_ns), self.step_cache_ns, self.running_series, self.pages_series, self.group_ids
         )
 
-    def _one_step(self) -> None:
+    def one_step(self) -> None:
+        """One scheduler step: arrivals, the running requests' chunks, admissions, the cache
+        calls and the sampled tokens (:meth:`run` calls it until the trace is done; a cluster,
+        ``simulate.cluster``, drives each worker's loop step by step)."""
         self._arrivals()
         self.step_ns = 0
         scheduled, decodes, tokens_left = self._schedule_running(self.config.max_scheduled_tokens)
