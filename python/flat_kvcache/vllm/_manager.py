@@ -1,0 +1,475 @@
+"""The KV-cache manager vLLM's scheduler talks to, over flat-kvcache's page-level engine.
+
+vLLM 0.33's ``Scheduler`` calls its ``kv_cache_manager`` once per request (``allocate_slots``
+per running request per step, ``get_computed_blocks`` per admission); this class answers those
+calls with the same results as vLLM's own ``KVCacheManager`` (the same block ids, hits and
+refusals, checked step by step by tests/vllm), keeping per request only what the scheduler reads
+back: the ``KVCacheBlock`` lists of its tables. The pages, their counts, the free list and the
+prefix-cache keys live in :class:`flat_kvcache.PageCache`. Content hashes are vLLM's own
+``request.block_hashes`` (so salts, LoRA and multimodal keys are vLLM's), as 64-digit hex.
+
+A step in which no running request crosses a page boundary makes no native call at all: a full
+table only grows, so the pages a request needs are counted here (``cdiv(tokens, P) - len``), and
+the engine is asked only to allocate (``acquire``), to register newly full pages (``register``),
+to look up a waiting request's prefix (``match_prefix``) and to free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # type: ignore[import-not-found]
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # type: ignore[import-not-found]
+from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found]
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+)
+from vllm.v1.metrics.stats import PrefixCacheStats  # type: ignore[import-not-found]
+from vllm.v1.request import RequestStatus  # type: ignore[import-not-found]
+
+from flat_kvcache import KVCacheSpec, PageCache
+
+# Exactly these spec types are served; their subclasses (sink, hidden-state, RSWA, ...) behave
+# differently in vLLM and are refused.
+_FULL_SPECS = (FullAttentionSpec, MLAAttentionSpec)
+
+
+class UnsupportedVllmConfigError(ValueError):
+    """A vLLM configuration :class:`FlatScheduler` does not serve; raised at construction."""
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _group_label(group: Any, index: int) -> str:
+    names = list(getattr(group, "layer_names", ()))
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return f"KV cache group {index} ({type(group.kv_cache_spec).__name__}, layers [{shown}])"
+
+
+def check_supported(
+    vllm_config: Any, kv_cache_config: Any, block_size: int, hash_block_size: int | None
+) -> None:
+    """Raise :class:`UnsupportedVllmConfigError` naming the first feature flat-kvcache does not serve.
+
+    Everything refused here would otherwise reach a ``kv_cache_manager`` call or attribute this
+    adapter does not answer the way vLLM's manager does, so it is refused before anything runs.
+    """
+
+    def refuse(what: str) -> None:
+        raise UnsupportedVllmConfigError(f"flat_kvcache.vllm.FlatScheduler does not support {what}")
+
+    if vllm_config.kv_transfer_config is not None:
+        refuse("KV connectors (kv_transfer_config is set)")
+    if vllm_config.speculative_config is not None:
+        refuse("speculative decoding (speculative_config is set)")
+    if vllm_config.ec_transfer_config is not None:
+        refuse("encoder-cache connectors (ec_transfer_config is set)")
+    events = vllm_config.kv_events_config
+    if events is not None and events.enable_kv_cache_events:
+        refuse("KV cache events (kv_events_config.enable_kv_cache_events)")
+    if vllm_config.observability_config.kv_cache_metrics:
+        refuse("KV cache residency metrics (observability_config.kv_cache_metrics)")
+    if vllm_config.aux_output_config.enabled:
+        refuse("aux output connectors (aux_output_config.enabled)")
+    if vllm_config.model_config.is_encoder_decoder:
+        refuse("encoder-decoder models (cross-attention groups)")
+    parallel = vllm_config.parallel_config
+    if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
+        refuse("decode/prefill context parallelism (sharded blocks)")
+    if getattr(vllm_config, "num_hash_lookahead_tokens", 0) or getattr(
+        vllm_config, "num_prefill_lookahead_tokens", 0
+    ):
+        refuse("hash or prefill lookahead tokens (multi-token-prediction drafting)")
+    if hash_block_size is not None and hash_block_size != block_size:
+        refuse(
+            f"a hash block size ({hash_block_size}) other than the block size ({block_size}): "
+            "partial-block prefix hits"
+        )
+    if kv_cache_config.hisparse_host_num_blocks is not None:
+        refuse("HiSparse host pools (hisparse_host_num_blocks is set)")
+    if not kv_cache_config.kv_cache_groups:
+        refuse("a model with no KV cache groups")
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            refuse(
+                f"{_group_label(group, index)}: mamba / linear-attention (GDN) state groups; "
+                "flat-kvcache serves them through its own arena (docs/vllm.md), not this adapter"
+            )
+        if type(spec) not in _FULL_SPECS:
+            refuse(f"{_group_label(group, index)}: only full-attention groups are served")
+        if spec.block_size != block_size:
+            refuse(
+                f"{_group_label(group, index)}: its block size {spec.block_size} differs from the "
+                f"scheduler's {block_size}"
+            )
+
+
+class _ManagerView:
+    """What vLLM reads off ``coordinator.single_type_managers[i]`` outside the manager."""
+
+    __slots__ = ("block_size", "kv_cache_group_id", "kv_cache_spec")
+
+    def __init__(self, spec: Any, group_id: int) -> None:
+        self.kv_cache_spec = spec
+        self.block_size = spec.block_size
+        self.kv_cache_group_id = group_id
+
+
+class _CoordinatorView:
+    """The coordinator attributes vLLM's scheduler and engine core read at construction."""
+
+    def __init__(self, kv_cache_config: Any) -> None:
+        self.single_type_managers = [
+            _ManagerView(group.kv_cache_spec, i) for i, group in enumerate(kv_cache_config.kv_cache_groups)
+        ]
+        self.enable_partial_hash_hits = False
+        self.eagle_group_ids: tuple[int, ...] = ()
+        self.num_reprefillable_tokens = 0
+
+    def get_num_blocks_to_allocate(self, *args: Any, **kwargs: Any) -> int:
+        # Called only for async KV loads, which need a KV connector (refused at construction).
+        raise NotImplementedError("flat_kvcache.vllm: KV connectors are not supported")
+
+
+class _Tables:
+    """One request's tables as vLLM sees them, and how far they are sized and registered."""
+
+    __slots__ = ("blocks", "capacity", "num_cached", "slots")
+
+    def __init__(self, num_groups: int) -> None:
+        self.blocks: list[list[Any]] = [[] for _ in range(num_groups)]
+        self.slots = 0  # tokens the engine's tables were asked for (claimed + acquired)
+        self.capacity = 0  # tokens the pages hold: len(table) * page size, every group alike
+        self.num_cached = 0  # full pages registered (vLLM's ``num_cached_block``)
+
+
+class FlatKVCacheManager:
+    """vLLM's ``KVCacheManager`` interface (the part its scheduler uses) over a ``PageCache``."""
+
+    def __init__(
+        self,
+        kv_cache_config: Any,
+        *,
+        max_model_len: int,
+        block_size: int,
+        enable_caching: bool = True,
+        log_stats: bool = False,
+        watermark: float = 0.0,
+    ) -> None:
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = False
+        self.log_stats = log_stats
+        self.use_eagle = False
+        self.mamba_shared_prefix_checkpoint = False
+        self.block_size = block_size
+        self.num_blocks: int = kv_cache_config.num_blocks
+        self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
+        self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
+        # Without a watermark a running request that needs no new page always fits.
+        self._fast_path = self.watermark_blocks == 0
+        self.prefix_cache_stats: Any = PrefixCacheStats() if log_stats else None
+        self.coordinator = _CoordinatorView(kv_cache_config)
+        # With these two options freed pages return to the free list where vLLM's pool puts them
+        # (keyless ones excepted, which only shows with prefix caching off: docs/vllm.md).
+        self.cache = PageCache(
+            [KVCacheSpec("full", block_size, group_id=f"g{i}") for i in range(self.num_kv_cache_groups)],
+            kv_cache_config.num_blocks,
+            enable_caching=enable_caching,
+            eviction_order="group",
+            reuse_uncached_first=True,
+        )
+        # One vLLM block object per page id, handed out in every KVCacheBlocks; page 0 is the
+        # null block. Only ``block_id`` (and ``is_null``) is meaningful on them.
+        self._page_blocks = [KVCacheBlock(block_id=i) for i in range(kv_cache_config.num_blocks)]
+        self._page_blocks[0].is_null = True
+        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
+        self._tables: dict[str, _Tables] = {}
+        # request id -> (the KVCacheBlocks get_computed_blocks returned, its PrefixMatch)
+        self._pending_hits: dict[str, tuple[Any, Any]] = {}
+        # request id -> its block hashes as hex, converted once each
+        self._hex: dict[str, list[str]] = {}
+        self._record_new_block_ids = bool(kv_cache_config.needs_kv_cache_zeroing)
+        self._new_block_ids: list[int] = []
+
+    # -- hashes --------------------------------------------------------------------------------
+
+    def _hex_hashes(self, request: Any, count: int) -> list[str]:
+        """The first ``count`` of ``request.block_hashes`` as 64-digit lowercase hex."""
+        done = self._hex.get(request.request_id)
+        source = request.block_hashes
+        if done is None or len(done) > len(source):
+            done = self._hex[request.request_id] = []
+        if len(done) < count:
+            for raw in source[len(done) : count]:
+                data = bytes(raw)
+                done.append(data.hex() if len(data) == 32 else hashlib.sha256(data).hexdigest())
+        return done if len(done) == count else done[:count]
+
+    # -- stats, usage, events ------------------------------------------------------------------
+
+    @property
+    def usage(self) -> float:
+        total = self.num_blocks - 1
+        if not total:
+            return 0
+        return 1.0 - (self.cache.num_free_pages / total)
+
+    def make_prefix_cache_stats(self) -> Any:
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        return stats
+
+    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
+        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+            return
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens, num_hits=num_hits, preempted=request.num_preemptions > 0
+        )
+
+    def take_events(self) -> list[Any]:
+        return []  # KV cache events are refused at construction
+
+    def take_new_block_ids(self) -> list[int]:
+        ids = self._new_block_ids
+        self._new_block_ids = []
+        return ids
+
+    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
+        return [], []  # copies come from partial hits and mamba groups, neither served
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        return {}
+
+    def new_step_starts(self) -> None:
+        pass
+
+    # -- lookup --------------------------------------------------------------------------------
+
+    def get_computed_blocks(
+        self, request: Any, max_cache_hit_length: int | None = None
+    ) -> tuple[Any, int, int]:
+        """The cached prefix of a waiting request: (blocks, hit tokens, shared-prefix boundary 0)."""
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        count = min(max_cache_hit_length // self.block_size, len(request.block_hashes))
+        if count <= 0:
+            return self.empty_kv_cache_blocks, 0, 0
+        match = self.cache.match_prefix(self._hex_hashes(request, count))
+        hit = match.num_common_tokens
+        if hit == 0:
+            return self.empty_kv_cache_blocks, 0, 0
+        pages = self._page_blocks
+        blocks = KVCacheBlocks(tuple([pages[p] for p in group] for group in match.pages))
+        self._pending_hits[request.request_id] = (blocks, match)
+        return blocks, hit, 0
+
+    # -- allocation ----------------------------------------------------------------------------
+
+    def _pages_to_allocate(self, tables: _Tables | None, held: Sequence[int], num_tokens: int) -> int:
+        need = 0
+        for g in range(self.num_kv_cache_groups):
+            have = len(tables.blocks[g]) if tables is not None else held[g]
+            need += max(_cdiv(num_tokens, self.block_size) - have, 0)
+        return need
+
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Any = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> Any:
+        """Room for ``num_new_tokens`` more tokens (after a prefix hit): the new blocks, or None."""
+        request_id = request.request_id
+        tables = self._tables.get(request_id)
+        if (
+            tables is not None
+            and self._fast_path
+            and num_new_tokens > 0
+            and not (
+                num_new_computed_tokens
+                or reserved_blocks
+                or full_sequence_must_fit
+                or num_external_computed_tokens
+                or num_encoder_tokens
+                or delay_cache_blocks
+            )
+            and request.num_computed_tokens + num_new_tokens + num_lookahead_tokens <= tables.capacity
+        ):
+            # A running request whose last page has room (the common case, once per request per
+            # step): nothing to check and no native call, unless pages became full.
+            if len(request.block_hashes) > tables.num_cached:
+                computed = min(request.num_computed_tokens, self.max_model_len)
+                self._cache_full_pages(request, tables, min(computed + num_new_tokens, request.num_tokens))
+            return self.empty_kv_cache_blocks
+        if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
+            raise ValueError(
+                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
+            )
+        if num_external_computed_tokens or num_encoder_tokens or delay_cache_blocks:
+            raise NotImplementedError(
+                "flat_kvcache.vllm: external (connector) tokens and cross-attention are not supported"
+            )
+        match = None
+        held: Sequence[int] = (0,) * self.num_kv_cache_groups
+        if new_computed_blocks is not None and any(new_computed_blocks.blocks):
+            pending = self._pending_hits.pop(request_id, None)
+            if pending is None or pending[0] is not new_computed_blocks or tables is not None:
+                raise RuntimeError(
+                    f"flat_kvcache.vllm: blocks for {request_id!r} do not come from get_computed_blocks"
+                )
+            match = pending[1]
+            held = [len(group) for group in new_computed_blocks.blocks]
+
+        num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        total_computed_tokens = min(num_local_computed_tokens, self.max_model_len)
+        watermark_blocks = 0
+        if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            watermark_blocks = self.watermark_blocks
+        num_free = self.cache.num_free_pages
+        # Hit pages nobody holds are on the free list: claiming them takes them off it.
+        evictable = self.cache.pages_consumed_by_claim(match) if match is not None else 0
+        if full_sequence_must_fit:
+            full_num_tokens = min(request.num_tokens, self.max_model_len)
+            needed = self._pages_to_allocate(tables, held, full_num_tokens) + evictable
+            if needed + watermark_blocks > num_free:
+                return None
+        num_tokens_main_model = total_computed_tokens + num_new_tokens
+        num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
+        needed = self._pages_to_allocate(tables, held, num_tokens_need_slot) + evictable
+        if needed + watermark_blocks > num_free - reserved_blocks:
+            return None
+
+        cache = self.cache
+        if tables is None:
+            tables = self._tables[request_id] = _Tables(self.num_kv_cache_groups)
+        if match is not None:
+            cache.claim(request_id, match)
+            tables.blocks = [list(group) for group in new_computed_blocks.blocks]
+            tables.num_cached = held[0]
+            tables.slots = tables.capacity = held[0] * self.block_size
+        new_blocks: tuple[list[Any], ...] | None = None
+        if num_tokens_need_slot > tables.capacity:
+            # The engine's tables hold ``slots`` tokens and room to the end of their last page;
+            # asking for the difference allocates exactly cdiv(need, P) - len pages per group.
+            if not cache.acquire(request_id, num_tokens_need_slot - tables.slots):
+                raise RuntimeError("flat_kvcache.vllm: acquire failed after the free-page check")
+            tables.slots = num_tokens_need_slot
+            tables.capacity = _cdiv(num_tokens_need_slot, self.block_size) * self.block_size
+            pages = self._page_blocks
+            grown = []
+            for group_blocks, ids in zip(tables.blocks, cache.page_ids(request_id), strict=True):
+                new_ids = ids[len(group_blocks) :]
+                fresh = [pages[p] for p in new_ids]
+                group_blocks.extend(fresh)
+                grown.append(fresh)
+                if self._record_new_block_ids:
+                    self._new_block_ids.extend(new_ids)
+            if any(grown):
+                new_blocks = tuple(grown)
+
+        if not delay_cache_blocks:
+            self._cache_full_pages(
+                request, tables, min(total_computed_tokens + num_new_tokens, request.num_tokens)
+            )
+        if new_blocks is None:
+            return self.empty_kv_cache_blocks
+        return KVCacheBlocks(new_blocks)
+
+    def _cache_full_pages(self, request: Any, tables: _Tables, num_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        num_full = min(num_tokens, len(request.block_hashes) * self.block_size) // self.block_size
+        start = tables.num_cached
+        if num_full <= start:
+            return
+        hashes = self._hex_hashes(request, num_full)
+        filled = num_full * self.block_size
+        if filled > tables.slots:
+            # The engine registers a table's last page only once it counts it full: hand it the
+            # tokens that filled it (room the pages already have, so nothing is allocated).
+            self.cache.acquire(request.request_id, filled - tables.slots)
+            tables.slots = filled
+        self.cache.register(request.request_id, hashes[start:num_full], first_slot=start)
+        tables.num_cached = num_full
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        """Register the request's pages made full by ``num_computed_tokens`` (async scheduling)."""
+        tables = self._tables.get(request.request_id)
+        if tables is not None and len(request.block_hashes) > tables.num_cached:
+            self._cache_full_pages(request, tables, num_computed_tokens)
+
+    # -- reading and freeing -------------------------------------------------------------------
+
+    def get_blocks(self, request_id: str) -> Any:
+        tables = self._tables.get(request_id)
+        if tables is None or not any(tables.blocks):
+            return self.empty_kv_cache_blocks
+        return KVCacheBlocks(tuple(tables.blocks))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return tuple([block.block_id for block in group] for group in self.get_blocks(request_id).blocks)
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> tuple[list[int], ...]:
+        keep = _cdiv(num_computed_tokens, self.block_size)
+        return tuple(ids[:keep] for ids in self.get_block_ids(request_id))
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        return [0] * self.num_kv_cache_groups
+
+    def estimate_cached_tokens(self, request: Any) -> int:
+        tables = self._tables.get(request.request_id)
+        return tables.num_cached * self.block_size if tables is not None else 0
+
+    def remove_skipped_blocks(
+        self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        pass  # full attention skips nothing
+
+    def free(self, request: Any) -> None:
+        """Release the request's pages, each table tail first, group 0 first (vLLM's order)."""
+        request_id = request.request_id
+        self._pending_hits.pop(request_id, None)
+        self._hex.pop(request_id, None)
+        if self._tables.pop(request_id, None) is not None:
+            self.cache.free(request_id)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; refused (False) while any page is held, as in vLLM."""
+        if self.cache.num_free_pages != self.num_blocks - 1:
+            return False
+        self.cache.reset_prefix_cache()
+        if self.log_stats:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def pop_blocks_for_free(self, request: Any) -> list[Any]:
+        raise NotImplementedError("flat_kvcache.vllm: deferred frees need a KV connector (not supported)")
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        raise NotImplementedError("flat_kvcache.vllm: evicting by block id needs a KV connector")

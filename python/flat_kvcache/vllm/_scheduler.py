@@ -1,0 +1,41 @@
+"""``FlatScheduler``: vLLM's default (async) scheduler with flat-kvcache as its KV-cache manager."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # type: ignore[import-not-found]
+from vllm.v1.core.sched.scheduler import Scheduler  # type: ignore[import-not-found]
+
+from flat_kvcache.vllm._manager import FlatKVCacheManager, check_supported
+
+# vLLM's engine passes these by keyword; binding them finds the configs whatever the form.
+_INIT_SIGNATURE = inspect.signature(Scheduler.__init__)
+
+
+class FlatScheduler(AsyncScheduler):  # type: ignore[misc]
+    """vLLM's ``AsyncScheduler`` scheduling over :class:`FlatKVCacheManager`.
+
+    Pass it as ``scheduler_cls`` (``LLM(..., scheduler_cls="flat_kvcache.vllm.FlatScheduler")``).
+    The configuration is checked first (:func:`flat_kvcache.vllm.check_supported`): a feature
+    this adapter does not serve is an :class:`UnsupportedVllmConfigError` naming it. vLLM's own
+    manager is then built by the base class (it derives a few settings from it) and replaced.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bound = _INIT_SIGNATURE.bind(None, *args, **kwargs)
+        bound.apply_defaults()
+        vllm_config = bound.arguments["vllm_config"]
+        kv_cache_config = bound.arguments["kv_cache_config"]
+        block_size = bound.arguments["block_size"]
+        check_supported(vllm_config, kv_cache_config, block_size, bound.arguments["hash_block_size"])
+        super().__init__(*args, **kwargs)
+        self.kv_cache_manager = FlatKVCacheManager(
+            kv_cache_config,
+            max_model_len=self.max_model_len,
+            block_size=block_size,
+            enable_caching=bool(self.cache_config.enable_prefix_caching),
+            log_stats=self.log_stats,
+            watermark=self.scheduler_config.watermark,
+        )

@@ -1,0 +1,296 @@
+"""Drive vLLM's scheduler on the CPU with no model: hand-built configs and fake model outputs.
+
+Used by the differential tests (tests/vllm) and the scheduler benchmark
+(benches/vllm_scheduler.py) to feed vLLM's scheduler, with its own KV-cache manager or with
+flat-kvcache's, one request stream, and to record what each step decided. Nothing here runs a
+model: a ``ModelConfig`` is read from a tiny local ``config.json`` (tokenizer skipped), and each
+scheduled request that finished its prefill "samples" a token chosen from its id and position,
+so two schedulers that decide the same things see the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.config import (  # type: ignore[import-not-found]
+    CacheConfig,
+    DeviceConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.sampling_params import SamplingParams  # type: ignore[import-not-found]
+from vllm.utils.hashing import sha256  # type: ignore[import-not-found]
+from vllm.v1.core.kv_cache_utils import (  # type: ignore[import-not-found]
+    get_request_block_hasher,
+    init_none_hash,
+)
+from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found]
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.outputs import ModelRunnerOutput  # type: ignore[import-not-found]
+from vllm.v1.request import Request, RequestStatus  # type: ignore[import-not-found]
+from vllm.v1.structured_output import StructuredOutputManager  # type: ignore[import-not-found]
+
+VOCAB = 32000
+
+
+def tiny_model_dir(folder: Path) -> Path:
+    """Write a small Llama ``config.json`` into ``folder`` (no weights, no tokenizer) and return it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 32768,
+        "torch_dtype": "float16",
+        "rms_norm_eps": 1e-5,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@dataclass(frozen=True)
+class SchedulerSetup:
+    """One scheduler configuration: pool, budgets, groups."""
+
+    model_dir: Path
+    num_blocks: int = 2048
+    block_size: int = 16
+    num_groups: int = 1
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int = 8192
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0
+    watermark: float = 0.0
+    policy: str = "fcfs"
+    log_stats: bool = True
+
+
+def build_scheduler(cls: type, setup: SchedulerSetup) -> Any:
+    """A vLLM scheduler of class ``cls`` (``AsyncScheduler`` or a subclass) built on the CPU."""
+    init_none_hash(sha256)
+    model = ModelConfig(
+        model=str(setup.model_dir),
+        skip_tokenizer_init=True,
+        max_model_len=setup.max_model_len,
+        dtype="float16",
+        seed=0,
+    )
+    scheduler = SchedulerConfig(
+        max_num_seqs=setup.max_num_seqs,
+        max_num_batched_tokens=setup.max_num_batched_tokens,
+        max_model_len=setup.max_model_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+        long_prefill_token_threshold=setup.long_prefill_token_threshold,
+        watermark=setup.watermark,
+        policy=setup.policy,
+    )
+    cache = CacheConfig(
+        block_size=setup.block_size,
+        gpu_memory_utilization=0.9,
+        cache_dtype="auto",
+        enable_prefix_caching=setup.enable_prefix_caching,
+    )
+    cache.num_gpu_blocks = setup.num_blocks
+    vllm_config = VllmConfig(
+        model_config=model, scheduler_config=scheduler, cache_config=cache, device_config=DeviceConfig("cpu")
+    )
+    groups = [
+        KVCacheGroupSpec(
+            [f"model.layers.{g}.self_attn.attn"],
+            FullAttentionSpec(block_size=setup.block_size, num_kv_heads=2, head_size=16, dtype=torch.float16),
+        )
+        for g in range(setup.num_groups)
+    ]
+    kv_cache_config = KVCacheConfig(num_blocks=setup.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    return cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=setup.block_size,
+        log_stats=setup.log_stats,
+    )
+
+
+@dataclass(frozen=True)
+class StreamRequest:
+    """One request of a stream: when it arrives, its prompt, its output length, when (if) it is aborted."""
+
+    request_id: str
+    arrival_step: int
+    prompt: tuple[int, ...]
+    max_tokens: int
+    abort_step: int | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+
+
+def make_stream(
+    num_requests: int,
+    *,
+    seed: int = 0,
+    num_prefixes: int = 12,
+    prefix_len: tuple[int, int] = (16, 600),
+    suffix_len: tuple[int, int] = (1, 400),
+    output_len: tuple[int, int] = (1, 160),
+    arrivals_per_step: float = 2.0,
+    abort_fraction: float = 0.05,
+    salt_fraction: float = 0.05,
+) -> list[StreamRequest]:
+    """A seeded stream: shared prefixes (some a prefix of another), unique suffixes, aborts, salts."""
+    rng = random.Random(seed)
+    prefixes: list[list[int]] = []
+    for _ in range(num_prefixes):
+        if prefixes and rng.random() < 0.3:
+            base = rng.choice(prefixes)
+            prefixes.append(base + [rng.randrange(VOCAB) for _ in range(rng.randint(*prefix_len) // 2)])
+        else:
+            prefixes.append([rng.randrange(VOCAB) for _ in range(rng.randint(*prefix_len))])
+    stream = []
+    step = 0.0
+    for i in range(num_requests):
+        step += rng.expovariate(arrivals_per_step)
+        prefix = rng.choice(prefixes) if rng.random() < 0.8 else []
+        if prefix and rng.random() < 0.3:
+            prefix = prefix[: rng.randint(1, len(prefix))]
+        prompt = prefix + [rng.randrange(VOCAB) for _ in range(rng.randint(*suffix_len))]
+        arrival = int(step)
+        abort = arrival + rng.randint(0, 40) if rng.random() < abort_fraction else None
+        salt = f"salt{rng.randrange(3)}" if rng.random() < salt_fraction else None
+        priority = rng.randrange(4)
+        stream.append(
+            StreamRequest(f"r{i}", arrival, tuple(prompt), rng.randint(*output_len), abort, salt, priority)
+        )
+    return stream
+
+
+def sampled_token(request_id: str, position: int) -> int:
+    """The token a request "samples" at ``position``: the same under any scheduler."""
+    return zlib.crc32(f"{request_id}:{position}".encode()) % VOCAB
+
+
+@dataclass
+class StepRecord:
+    """What one ``schedule()`` decided, in a form two schedulers' records compare equal on."""
+
+    scheduled: list[tuple[str, int]]
+    new_requests: list[tuple[str, int, tuple[tuple[int, ...], ...]]]
+    cached_requests: list[tuple[str, int, tuple[tuple[int, ...], ...] | None, bool]]
+    preempted: list[str]
+    finished: list[str]
+    tables: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
+    cached_tokens: dict[str, int] = field(default_factory=dict)
+    usage: float = 0.0
+    num_running: int = 0
+    num_waiting: int = 0
+
+
+def _ids(block_ids: Any) -> tuple[tuple[int, ...], ...] | None:
+    return None if block_ids is None else tuple(tuple(group) for group in block_ids)
+
+
+def record_step(scheduler: Any, output: Any, *, tables: bool) -> StepRecord:
+    """The step's decisions, and (with ``tables``) every live request's block ids per group."""
+    cached = output.scheduled_cached_reqs
+    record = StepRecord(
+        scheduled=list(output.num_scheduled_tokens.items()),
+        new_requests=[
+            (r.req_id, r.num_computed_tokens, _ids(r.block_ids) or ()) for r in output.scheduled_new_reqs
+        ],
+        cached_requests=[
+            (rid, cached.num_computed_tokens[i], _ids(cached.new_block_ids[i]), rid in cached.resumed_req_ids)
+            for i, rid in enumerate(cached.req_ids)
+        ],
+        preempted=sorted(output.preempted_req_ids or ()),
+        finished=sorted(output.finished_req_ids),
+        usage=scheduler.kv_cache_manager.usage,
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting) + len(getattr(scheduler, "skipped_waiting", ())),
+    )
+    if tables:
+        manager = scheduler.kv_cache_manager
+        requests = scheduler.requests
+        record.tables = {rid: _ids(manager.get_block_ids(rid)) or () for rid in sorted(requests)}
+        record.cached_tokens = {
+            rid: manager.estimate_cached_tokens(requests[rid]) for rid in sorted(requests)
+        }
+    return record
+
+
+def fake_model_output(scheduler: Any, output: Any) -> Any:
+    """A ``ModelRunnerOutput`` sampling one token for every request past its prefill."""
+    req_ids = list(output.num_scheduled_tokens)
+    sampled: list[list[int]] = []
+    for rid in req_ids:
+        request = scheduler.requests[rid]
+        if request.is_prefill_chunk:
+            sampled.append([])
+        else:
+            sampled.append([sampled_token(rid, request.num_output_tokens)])
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+    )
+
+
+def new_request(item: StreamRequest, block_size: int) -> Any:
+    """A fresh vLLM ``Request`` for ``item`` (each scheduler needs its own)."""
+    return Request(
+        request_id=item.request_id,
+        prompt_token_ids=list(item.prompt),
+        sampling_params=SamplingParams(max_tokens=item.max_tokens, ignore_eos=True),
+        pooling_params=None,
+        cache_salt=item.cache_salt,
+        priority=item.priority,
+        block_hasher=get_request_block_hasher(block_size, sha256),
+    )
+
+
+def run_steps(
+    scheduler: Any, stream: list[StreamRequest], *, block_size: int, max_steps: int = 1_000_000
+) -> Iterator[Any]:
+    """Run ``stream`` through ``scheduler`` to the end, yielding each step's ``SchedulerOutput``
+    after ``schedule()`` and before ``update_from_output`` (so two schedulers can run in lockstep).
+    Requests arrive and are aborted at the steps the stream says."""
+    pending = sorted(stream, key=lambda r: r.arrival_step)
+    aborts: dict[int, list[str]] = {}
+    for item in stream:
+        if item.abort_step is not None:
+            aborts.setdefault(item.abort_step, []).append(item.request_id)
+    index = 0
+    for step in range(max_steps):
+        while index < len(pending) and pending[index].arrival_step <= step:
+            scheduler.add_request(new_request(pending[index], block_size))
+            index += 1
+        live = [rid for rid in aborts.pop(step, ()) if rid in scheduler.requests]
+        if live:
+            scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+        if index >= len(pending) and not scheduler.requests:
+            return
+        output = scheduler.schedule()
+        yield output
+        scheduler.update_from_output(output, fake_model_output(scheduler, output))
+    raise RuntimeError(f"the stream did not finish in {max_steps} steps")
+
+
+def drive(scheduler: Any, stream: list[StreamRequest], *, block_size: int) -> int:
+    """Run ``stream`` through ``scheduler`` to the end; the number of steps."""
+    return sum(1 for _ in run_steps(scheduler, stream, block_size=block_size))

@@ -1,0 +1,229 @@
+"""vLLM's own scheduler with its own KV-cache manager and with flat-kvcache's, step by step.
+
+This file needs vLLM, which lives in a venv of its own (requirements/vllm.txt), so its name does
+not match ``test_*.py``: the main test command (``pytest``) never collects or imports it, and it
+runs only when named, where it never skips (``.ci/run``'s last step)::
+
+    pytest tests/vllm/vllm_dropin_checks.py
+
+Both schedulers get the same request stream (shared and nested prefixes, cache salts, chunked
+prefill, aborts, and pools tight enough to preempt) and run in lockstep; after every
+``schedule()`` the two outputs must agree exactly: which requests run with how many tokens, the
+prefix hit each admitted request starts from, the new block ids handed to the model, who was
+preempted or finished, the pool usage, and every live request's block ids in every group and
+cached-token estimate.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from flat_kvcache.vllm import FlatKVCacheManager, FlatScheduler, UnsupportedVllmConfigError, check_supported
+from flat_kvcache.vllm.harness import (
+    SchedulerSetup,
+    StepRecord,
+    build_scheduler,
+    make_stream,
+    record_step,
+    run_steps,
+    tiny_model_dir,
+)
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # type: ignore[import-not-found]
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # type: ignore[import-not-found]
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # type: ignore[import-not-found]
+from vllm.v1.core.sched.scheduler import Scheduler  # type: ignore[import-not-found]
+from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found]
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.structured_output import StructuredOutputManager  # type: ignore[import-not-found]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("vllm-model"))
+
+
+def _first_difference(ours: StepRecord, theirs: StepRecord) -> str:
+    for name in StepRecord.__dataclass_fields__:
+        a, b = getattr(theirs, name), getattr(ours, name)
+        if a == b:
+            continue
+        if isinstance(a, dict):
+            for key in sorted(set(a) | set(b)):
+                if a.get(key) != b.get(key):
+                    return f"{name}[{key!r}]: vLLM {a.get(key)} vs flat {b.get(key)}"
+        return f"{name}: vLLM {a} vs flat {b}"
+    return ""
+
+
+def run_lockstep(
+    setup: SchedulerSetup, num_requests: int, seed: int, *, tables: bool = True
+) -> dict[str, int]:
+    """Both schedulers over one stream; asserts every step equal; returns what the run covered."""
+    stream = make_stream(num_requests, seed=seed)
+    theirs = build_scheduler(AsyncScheduler, setup)
+    ours = build_scheduler(FlatScheduler, setup)
+    assert isinstance(ours.kv_cache_manager, FlatKVCacheManager)
+    covered = {"steps": 0, "preemptions": 0, "hit_tokens": 0, "aborted": 0}
+    their_steps = run_steps(theirs, stream, block_size=setup.block_size)
+    our_steps = run_steps(ours, stream, block_size=setup.block_size)
+    for step, (their_out, our_out) in enumerate(zip(their_steps, our_steps, strict=True)):
+        a = record_step(theirs, their_out, tables=tables)
+        b = record_step(ours, our_out, tables=tables)
+        assert a == b, f"step {step}: {_first_difference(b, a)}"
+        covered["steps"] += 1
+        covered["preemptions"] += len(a.preempted)
+        covered["hit_tokens"] += sum(hit for _, hit, _ in a.new_requests)
+    covered["aborted"] = sum(1 for r in stream if r.abort_step is not None)
+    return covered
+
+
+# Pools from generous to tight (a few hundred preemptions), one and several full-attention
+# groups, a long-prefill cap, a watermark, 32-token blocks, 256 running requests.
+CASES: dict[str, dict[str, Any]] = {
+    "tight-pool": dict(num_blocks=300),
+    "roomy-pool": dict(num_blocks=2000),
+    "two-groups": dict(num_groups=2, num_blocks=900),
+    "three-groups": dict(num_groups=3, num_blocks=1500),
+    "long-prefill-cap": dict(long_prefill_token_threshold=128, num_blocks=600),
+    "watermark": dict(watermark=0.05, num_blocks=600),
+    "block-32": dict(block_size=32, num_blocks=400),
+    "256-running": dict(max_num_seqs=256, max_num_batched_tokens=2048, num_blocks=1500),
+    "priority-policy": dict(policy="priority", num_blocks=300),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_same_steps_as_vllm(model_dir: Path, case: str) -> None:
+    setup = SchedulerSetup(
+        model_dir=model_dir, **{"max_num_seqs": 32, "max_num_batched_tokens": 512, **CASES[case]}
+    )
+    covered = run_lockstep(setup, 1500, seed=7)
+    assert covered["hit_tokens"] > 0
+    if case in ("tight-pool", "two-groups", "long-prefill-cap", "256-running", "priority-policy"):
+        assert covered["preemptions"] > 0, covered
+
+
+def test_few_thousand_requests(model_dir: Path) -> None:
+    setup = SchedulerSetup(model_dir=model_dir, num_blocks=700, max_num_seqs=64, max_num_batched_tokens=1024)
+    covered = run_lockstep(setup, 4000, seed=11)
+    assert covered["preemptions"] > 50 and covered["hit_tokens"] > 100_000 and covered["aborted"] > 50, (
+        covered
+    )
+
+
+def test_prefix_caching_off_same_decisions(model_dir: Path) -> None:
+    """Without prefix caching every decision is vLLM's; the block ids are not (docs/vllm.md): a
+    freed request's pages return to the free list head first here, tail first in vLLM."""
+    setup = SchedulerSetup(
+        model_dir=model_dir,
+        enable_prefix_caching=False,
+        num_blocks=500,
+        max_num_seqs=32,
+        max_num_batched_tokens=512,
+    )
+    stream = make_stream(800, seed=3)
+    theirs = build_scheduler(AsyncScheduler, setup)
+    ours = build_scheduler(FlatScheduler, setup)
+    pairs = zip(run_steps(theirs, stream, block_size=16), run_steps(ours, stream, block_size=16), strict=True)
+    preempted = 0
+    for their_out, our_out in pairs:
+        a = record_step(theirs, their_out, tables=False)
+        b = record_step(ours, our_out, tables=False)
+        assert (a.scheduled, a.preempted, a.finished, a.usage) == (
+            b.scheduled,
+            b.preempted,
+            b.finished,
+            b.usage,
+        )
+        assert [(r, n) for r, n, _ in a.new_requests] == [(r, n) for r, n, _ in b.new_requests]
+        preempted += len(a.preempted)
+    assert preempted > 0
+
+
+def test_returns_vllm_block_objects(model_dir: Path) -> None:
+    setup = SchedulerSetup(model_dir=model_dir, num_blocks=200)
+    ours = build_scheduler(FlatScheduler, setup)
+    steps = run_steps(ours, make_stream(5, seed=1, abort_fraction=0.0), block_size=16)
+    output = next(steps)
+    assert output.scheduled_new_reqs
+    rid = output.scheduled_new_reqs[0].req_id
+    blocks = ours.kv_cache_manager.get_blocks(rid)
+    assert isinstance(blocks, KVCacheBlocks)
+    assert all(isinstance(b, KVCacheBlock) and 0 < b.block_id < 200 for b in blocks.blocks[0])
+    assert blocks.get_block_ids() == output.scheduled_new_reqs[0].block_ids
+    assert isinstance(ours, AsyncScheduler) and isinstance(ours, Scheduler)
+    for _ in steps:
+        pass
+    assert ours.kv_cache_manager.usage == 0.0
+    assert ours.kv_cache_manager.reset_prefix_cache() is True
+
+
+def _configs(model_dir: Path) -> tuple[Any, Any]:
+    """The vLLM config and KV-cache config of a small supported setup (vLLM's own scheduler)."""
+    theirs = build_scheduler(AsyncScheduler, SchedulerSetup(model_dir=model_dir, num_blocks=64))
+    return theirs.vllm_config, theirs.kv_cache_config
+
+
+def _build_flat(vllm_config: Any, kv_cache_config: Any, block_size: int = 16, **kwargs: Any) -> Any:
+    return FlatScheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=block_size,
+        **kwargs,
+    )
+
+
+def test_mamba_group_refused_naming_it(model_dir: Path) -> None:
+    vllm_config, kv_cache_config = _configs(model_dir)
+    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float16,))
+    hybrid = copy.copy(kv_cache_config)
+    hybrid.kv_cache_groups = [
+        *kv_cache_config.kv_cache_groups,
+        KVCacheGroupSpec(["model.layers.1.linear_attn"], mamba),
+    ]
+    with pytest.raises(
+        UnsupportedVllmConfigError,
+        match=r"KV cache group 1 \(MambaSpec, layers \[model.layers.1.linear_attn\]\)",
+    ):
+        _build_flat(vllm_config, hybrid)
+
+
+def test_sliding_window_group_refused(model_dir: Path) -> None:
+    vllm_config, kv_cache_config = _configs(model_dir)
+    window = SlidingWindowSpec(
+        block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=128
+    )
+    hybrid = copy.copy(kv_cache_config)
+    hybrid.kv_cache_groups = [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], window)]
+    with pytest.raises(UnsupportedVllmConfigError, match=r"group 0 .SlidingWindowSpec.*only full-attention"):
+        _build_flat(vllm_config, hybrid)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("speculative_config", object(), "speculative decoding"),
+        ("kv_transfer_config", object(), "KV connectors"),
+        ("ec_transfer_config", object(), "encoder-cache connectors"),
+    ],
+)
+def test_features_refused(model_dir: Path, field: str, value: object, message: str) -> None:
+    vllm_config, kv_cache_config = _configs(model_dir)
+    changed = copy.copy(vllm_config)
+    object.__setattr__(changed, field, value)
+    with pytest.raises(UnsupportedVllmConfigError, match=message):
+        check_supported(changed, kv_cache_config, 16, None)
+
+
+def test_partial_hash_blocks_refused(model_dir: Path) -> None:
+    vllm_config, kv_cache_config = _configs(model_dir)
+    with pytest.raises(UnsupportedVllmConfigError, match="hash block size"):
+        _build_flat(vllm_config, kv_cache_config, hash_block_size=8)
