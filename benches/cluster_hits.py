@@ -42,7 +42,7 @@ from flat_kvcache.presets import get_preset
 from flat_kvcache.simulate import DEFAULT_MS_PER_STEP, MOONCAKE_BLOCK_TOKENS, SimulationConfig, load_trace
 from flat_kvcache.simulate.cluster import simulate_cluster
 from flat_kvcache.torch import ModelShape
-from hybrid_hits import PRESET, TRACE_NAME, _attention_only, _find_trace, _tiny_trace, _unique_blocks
+from hybrid_hits import PRESET, TRACE_NAME, _attention_only, _unique_blocks, resolve_trace
 
 ROUTERS = ("round-robin", "kv")
 
@@ -188,12 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         args.workers = [2]
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
-        if args.trace is None:
-            args.trace = _find_trace()
-        if args.trace is None:
-            if not args.smoke:
-                parser.error(f"{TRACE_NAME} not found beside the checkout; pass --trace")
-            args.trace = _tiny_trace(Path(folder))
+        resolve_trace(args, parser, Path(folder))
         result = measure(args)
     result["total_seconds"] = round(time.perf_counter() - start, 1)
     if args.plot:

@@ -304,6 +304,18 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def resolve_trace(args: argparse.Namespace, parser: argparse.ArgumentParser, folder: Path) -> None:
+    """Set ``args.trace`` when it was left out: the Mooncake trace in or beside the checkout,
+    else (``--smoke`` only) a tiny made-up trace written in ``folder``; without either, a
+    ``parser.error`` naming ``--trace``."""
+    if args.trace is None:
+        args.trace = _find_trace()
+    if args.trace is None:
+        if not args.smoke:
+            parser.error(f"{TRACE_NAME} not found beside the checkout; pass --trace")
+        args.trace = _tiny_trace(folder)
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     """Token hit rate per budget: the hybrid under each checkpoint policy and its attention layers
     alone (bars), as a PNG at ``path``."""
@@ -365,12 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         args.max_requests = min(args.max_requests, 100)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
-        if args.trace is None:
-            args.trace = _find_trace()
-        if args.trace is None:
-            if not args.smoke:
-                parser.error(f"{TRACE_NAME} not found beside the checkout; pass --trace")
-            args.trace = _tiny_trace(Path(folder))
+        resolve_trace(args, parser, Path(folder))
         result = measure(args)
     result["total_seconds"] = round(time.perf_counter() - start, 2)
     if args.json:

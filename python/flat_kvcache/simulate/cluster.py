@@ -26,7 +26,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from flat_kvcache.simulate.loop import SimulationConfig, _Loop, default_num_pages, engine_specs
+from flat_kvcache.simulate.loop import (
+    SimulationConfig,
+    _Loop,
+    default_num_pages,
+    engine_options,
+    engine_specs,
+)
 from flat_kvcache.simulate.report import percentiles
 from flat_kvcache.simulate.trace import TraceRequest
 
@@ -120,14 +126,7 @@ def simulate_cluster(
         # The loop is built as simulate() builds it (the trace sizes its block-table buffers);
         # then its cache is replaced by one with KV events, and its queue starts empty.
         loop = _Loop(trace, config)
-        options: dict[str, Any] = {
-            "enable_caching": config.enable_caching,
-            "eviction_order": config.eviction_order,
-            "reuse_uncached_first": config.reuse_uncached_first,
-            "host_pages": config.host_pages,
-            "eviction_policy": config.eviction_policy,
-            "enable_kv_events": True,
-        }
+        options = {**engine_options(config), "enable_kv_events": True}
         cache = (
             flat_kvcache.FlatKVCache(loop.specs, arena=config.arena, **options)
             if config.arena is not None

@@ -118,6 +118,17 @@ def _engine_module(engine: Engine) -> ModuleType:
 Model = str | os.PathLike[str] | Mapping[str, Any]
 
 
+def engine_options(config: SimulationConfig) -> dict[str, Any]:
+    """The ``FlatKVCache`` keyword options a run of ``config`` builds its cache with."""
+    return {
+        "enable_caching": config.enable_caching,
+        "eviction_order": config.eviction_order,
+        "reuse_uncached_first": config.reuse_uncached_first,
+        "host_pages": config.host_pages,
+        "eviction_policy": config.eviction_policy,
+    }
+
+
 def engine_specs(module: ModuleType, model: Model, page_size: int) -> list[Any]:
     """The engine specs (``module.kv_cache_specs``) of a model (a preset name, a ``config.json``
     path or a config dict), computed with ``module``'s own sizing (native or reference)."""
@@ -254,13 +265,7 @@ class _Loop:
             if config.num_pages is None
             else config.num_pages
         )
-        options: dict[str, Any] = {
-            "enable_caching": config.enable_caching,
-            "eviction_order": config.eviction_order,
-            "reuse_uncached_first": config.reuse_uncached_first,
-            "host_pages": config.host_pages,
-            "eviction_policy": config.eviction_policy,
-        }
+        options = engine_options(config)
         # The native engine is built as a user builds it; the reference from its own sizing.
         self.cache: Any = (
             module.FlatKVCache(self.specs, arena=config.arena, **options)
