@@ -261,3 +261,21 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def small_arena_hybrid() -> Any:
+    """The arena data tests' small hybrid ``ModelShape`` (needs torch): 2 full-attention + 2
+    linear-attention layers, 768-byte K/V pages in 2,560-byte units, so some pages straddle two
+    units (never handed out) and units hold 2 or 3 pages; bf16 K/V and conv state, fp32 ssm
+    state (both NaN when filled with 0xFF bytes)."""
+    import torch
+    from flat_kvcache.torch import ModelShape
+
+    return ModelShape(
+        layer_types=("full_attention", "linear_attention", "full_attention", "linear_attention"),
+        num_kv_heads=3,
+        head_dim=8,
+        kv_dtype=torch.bfloat16,
+        state_shapes={"conv": (12, 3), "ssm": (4, 8, 7)},
+        state_dtypes={"conv": torch.bfloat16, "ssm": torch.float32},
+    )

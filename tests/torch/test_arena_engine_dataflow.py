@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 import pytest
-from helpers import missing
+from helpers import missing, small_arena_hybrid
 
 try:
     import torch
@@ -55,17 +55,9 @@ ENGINES = [
 
 
 def hybrid() -> ModelShape:
-    """2 full-attention + 2 linear-attention layers: 768-byte K/V pages in 2,560-byte units, so
-    some pages straddle two units (never handed out) and units hold 2 or 3 pages; bf16 K/V and
-    conv state, fp32 ssm state (both NaN-poisoned by 0xFF bytes)."""
-    return ModelShape(
-        layer_types=(FULL, STATE, FULL, STATE),
-        num_kv_heads=3,
-        head_dim=8,
-        kv_dtype=torch.bfloat16,
-        state_shapes={"conv": (12, 3), "ssm": (4, 8, 7)},
-        state_dtypes={"conv": torch.bfloat16, "ssm": torch.float32},
-    )
+    """The small hybrid of the arena data tests (``helpers.small_arena_hybrid``)."""
+    shape: ModelShape = small_arena_hybrid()
+    return shape
 
 
 # --- the model: K/V and state from the tokens alone ---------------------------------------------

@@ -16,7 +16,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from helpers import missing
+from helpers import missing, small_arena_hybrid
 
 try:
     import torch
@@ -44,16 +44,10 @@ ENGINES = [pytest.param(flat_kvcache, id="native"), pytest.param(flat_kvcache.re
 
 
 def shape() -> ModelShape:
-    """2 full + 2 linear-attention layers: bf16 K/V and conv state, fp32 ssm state; 768-byte
-    K/V pages in 2,560-byte units (some pages straddle units)."""
-    return ModelShape(
-        layer_types=(FULL, STATE, FULL, STATE),
-        num_kv_heads=3,
-        head_dim=8,
-        kv_dtype=torch.bfloat16,
-        state_shapes={"conv": (12, 3), "ssm": (4, 8, 7)},
-        state_dtypes={"conv": torch.bfloat16, "ssm": torch.float32},
-    )
+    """The arena data tests' small hybrid (``test_arena_engine_dataflow.hybrid``): some K/V pages
+    straddle units; bf16 K/V and conv state, fp32 ssm state."""
+    made: ModelShape = small_arena_hybrid()
+    return made
 
 
 def kv_value(layer: int, position: int) -> float:
