@@ -475,15 +475,11 @@ class TokenApi(PageTables, Rows):
     def _keep_latest_decode_checkpoint(self, tables: list[Table], state: TokenState) -> None:
         """SPEC 13.5d: when the state page of the last computed token took a key in decode, it
         is the request's decode checkpoint; the previous one is dropped unless referenced."""
-        states = self._state_groups
-        if len(states) != 1:
+        found = self._checkpoint_at(tables, state)
+        if found is None:
             return
-        page = self._state_page(tables, state, states[0])
-        key = self._pool._key_held_by(page) if page else None
-        if key is None:
-            return
-        previous, state.decode_checkpoint = state.decode_checkpoint, (page, key)
-        if previous is not None and previous != (page, key):
+        previous, state.decode_checkpoint = state.decode_checkpoint, found
+        if previous is not None and previous != found:
             self._drop_checkpoint(*previous)
 
     # -- ending requests ------------------------------------------------------------------------

@@ -747,14 +747,7 @@ fn state_page(coord: &Coordinator, tables: &[Table], g: usize, computed: u64) ->
 /// took a key (a decode step ended on the grain), it is the request's decode checkpoint and
 /// the previous one, no longer its latest, is dropped (when nobody else holds it).
 fn keep_latest_decode_checkpoint(coord: &mut Coordinator, tables: &[Table], state: &mut TokenState) {
-    let Some(g) = coord.single_state_group() else {
-        return;
-    };
-    let page = state_page(coord, tables, g, state.computed);
-    if page == NULL_PAGE {
-        return;
-    }
-    let Some(&key) = coord.pool().key_of(page) else {
+    let Some((page, key)) = checkpoint_at(coord, tables, state) else {
         return;
     };
     if let Some((old_page, old_key)) = state.decode_checkpoint.replace((page, key)) {
