@@ -102,7 +102,9 @@ pub enum EvictionOrder {
     /// so each group's half of a hybrid prefix stays equally long.
     #[default]
     Hybrid,
-    /// The reference design's order: group 0's table tail first, then group 1's, and so on.
+    /// The reference design's order: group 0's table tail first, then group 1's, and so on,
+    /// released as vLLM's block pool frees them; reclaim releases newest slot first the same
+    /// way ([`crate::engine::group::release_newest_first`]).
     Group,
 }
 
@@ -1026,10 +1028,11 @@ impl Coordinator {
 
     // ----- reclaim, free ------------------------------------------------------------------
 
-    /// Reclaim the slid-out pages of every group at `n` computed tokens (index order).
-    pub fn reclaim(&mut self, tables: &mut [Table], n: u64) {
+    /// Reclaim the slid-out pages of every group at `n` computed tokens (index order), each
+    /// group's released in `order` ([`GroupManager::reclaim`]).
+    pub fn reclaim(&mut self, tables: &mut [Table], n: u64, order: EvictionOrder) {
         for ((manager, table), in_use) in self.managers.iter().zip(tables.iter_mut()).zip(&mut self.in_use) {
-            *in_use -= manager.reclaim(&mut self.pool, table, n);
+            *in_use -= manager.reclaim(&mut self.pool, table, n, order);
         }
         self.store_released();
     }

@@ -39,15 +39,15 @@ class PageTables(BlockTables):
     def _reclaim(self, tables: list[Table], computed: int) -> None:
         """:meth:`reclaim` on a request's tables and a checked count."""
         for manager, table in zip(self._managers, tables, strict=True):
-            manager.reclaim(table, computed)
+            manager.reclaim(table, computed, self._eviction_order)
         self._store_released()
 
     def _release(self, key: RequestId) -> None:
         """:meth:`free` of a live request of either kind."""
         tables = self._requests[key]
         if self._eviction_order == "group":
-            for table in tables:
-                self._pool.free(table.pages)  # BlockPool.free releases the list's tail first
+            for manager, table in zip(self._managers, tables, strict=True):
+                manager.free(table)  # tail first, as vLLM frees a request's table
         else:
             ordered = sorted(
                 (-(slot + 1) * manager.page_size, manager.index, page)
@@ -199,7 +199,9 @@ class PageApi(PageTables):
         ``"hybrid"`` (the default, SPEC 12.3): all groups' real pages by the end token of their
         slot, descending (ties: lower group index first), so the chain's tail is evicted first
         in every group together and a hybrid prefix keeps all its groups equally long.
-        ``"group"`` (the reference design): each group's table tail first, group 0 first.
+        ``"group"`` (the reference design): each group's table tail first, group 0 first, in
+        vLLM's release order (uncached pages to the front as one run, tail first:
+        ``release_newest_first``).
         The first page released is the first evicted. A token-level request is a ValueError
         (``finish`` or ``preempt`` end it).
         """

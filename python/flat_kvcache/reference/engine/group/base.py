@@ -14,7 +14,30 @@ from flat_kvcache.reference._checks import ceil_div
 from flat_kvcache.reference.engine.pool import BlockPool
 from flat_kvcache.reference.engine.table import Table
 
-__all__ = ["GroupManager"]
+__all__ = ["GroupManager", "release_newest_first"]
+
+
+def release_newest_first(pool: BlockPool, pages: Sequence[int]) -> None:
+    """Release the real pages of ``pages`` (in slot order) as vLLM's ``BlockPool.free_blocks``
+    frees them newest (highest slot) first: the ``"group"`` eviction order of ``free`` and
+    ``reclaim``.
+
+    vLLM appends the cached pages to the free list in that order and puts the uncached ones at
+    its front as one run in that same order (the highest slot is handed out first). Here a
+    page that drops to 0 joins the back when it holds a key and the front when it holds none
+    (with ``reuse_uncached_first``), one at a time, so the pages holding a key are released
+    highest slot first, then those holding none lowest slot first. Without
+    ``reuse_uncached_first`` every page joins the back and all are released highest slot first.
+    """
+    real = [page for page in pages if page != 0]
+    if pool._reuse_uncached_first:
+        uncached = [page for page in real if not pool.is_cached(page)]
+        cached = [page for page in real if pool.is_cached(page)]
+    else:
+        uncached, cached = [], real
+    # ``BlockPool.free`` releases in reverse list order: the cached pages highest slot first,
+    # then the uncached ones lowest slot first.
+    pool.free(uncached[::-1] + cached)
 
 
 class GroupManager:
@@ -126,8 +149,14 @@ class GroupManager:
         that answers device-or-host."""
         raise NotImplementedError
 
-    def reclaim(self, table: Table, num_computed_tokens: int) -> None:
-        """Free the pages that slid out of the window; full attention keeps everything."""
+    def reclaim(self, table: Table, num_computed_tokens: int, order: str) -> None:
+        """Free the pages that slid out of the window, in the cache's eviction ``order``; full
+        attention keeps everything."""
+
+    def free(self, table: Table) -> None:
+        """Release every page of the table tail first as vLLM frees a request's table
+        (:func:`release_newest_first`, the ``"group"`` eviction order); the caller forgets it."""
+        release_newest_first(self.pool, table.pages)
 
     def blocks_reclaimable_at(self, table: Table, num_computed_tokens: int, count_uncached: bool) -> int:
         """Exact dry run of :meth:`reclaim`: pages it would put back on the free list."""

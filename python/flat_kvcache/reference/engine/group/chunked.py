@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from flat_kvcache._types import KVCacheSpec
-from flat_kvcache.reference.engine.group.base import GroupManager
+from flat_kvcache.reference.engine.group.base import GroupManager, release_newest_first
 from flat_kvcache.reference.engine.pool import BlockPool
 from flat_kvcache.reference.engine.table import Table
 
@@ -66,17 +66,21 @@ class ChunkedLocalManager(GroupManager):
         finished = num_computed_tokens // self.chunk
         return min(finished * self.slots_per_chunk, len(table.pages))
 
-    def reclaim(self, table: Table, num_computed_tokens: int) -> None:
-        """Replace every real page of the finished chunks by a hole and free them, as a sliding
-        window's reclaim does: lowest slot first (``BlockPool.free`` releases in reverse list
-        order, hence the reversed list)."""
+    def reclaim(self, table: Table, num_computed_tokens: int, order: str) -> None:
+        """Replace every real page of the finished chunks by a hole and free them, in the order a
+        sliding window's reclaim uses: lowest slot first under ``"hybrid"`` (``BlockPool.free``
+        releases in reverse list order, hence the reversed list), newest first as vLLM frees
+        them under ``"group"`` (:func:`release_newest_first`)."""
         collected = []
         for slot in range(self._finished_chunk_slots(table, num_computed_tokens)):
             page = table.pages[slot]
             if page != 0:
                 collected.append(page)
                 table.pages[slot] = 0
-        self.pool.free(collected[::-1])
+        if order == "group":
+            release_newest_first(self.pool, collected)
+        else:
+            self.pool.free(collected[::-1])
 
     def blocks_reclaimable_at(self, table: Table, num_computed_tokens: int, count_uncached: bool) -> int:
         """Real pages of finished chunks whose last reference is this table (only hashed ones

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 from flat_kvcache._types import KVCacheSpec
 from flat_kvcache.reference._checks import ceil_div
-from flat_kvcache.reference.engine.group.base import GroupManager
+from flat_kvcache.reference.engine.group.base import GroupManager, release_newest_first
 from flat_kvcache.reference.engine.pool import BlockPool
 from flat_kvcache.reference.engine.table import Table
 
@@ -62,13 +62,14 @@ class SlidingWindowManager(GroupManager):
             return 0
         return min(first_kept_token // self.page_size, len(table.pages))
 
-    def reclaim(self, table: Table, num_computed_tokens: int) -> None:
+    def reclaim(self, table: Table, num_computed_tokens: int, order: str) -> None:
         """Replace every real page in the slid-out slots by a hole and free them (SPEC 6, 12.2).
 
         Holes in the middle do not stop the scan (the reference design stopped at the first
-        hole and leaked the pages below it). Pages are released lowest slot first, so the
-        oldest page is evicted first; ``BlockPool.free`` releases in reverse list order, hence
-        the reversed list.
+        hole and leaked the pages below it). Under the ``"hybrid"`` eviction order pages are
+        released lowest slot first, so the oldest page is evicted first (``BlockPool.free``
+        releases in reverse list order, hence the reversed list); under ``"group"`` they are
+        released as vLLM's sliding-window manager frees them (:func:`release_newest_first`).
         """
         collected = []
         for slot in range(self._slid_out_slots(table, num_computed_tokens)):
@@ -76,7 +77,10 @@ class SlidingWindowManager(GroupManager):
             if page != 0:
                 collected.append(page)
                 table.pages[slot] = 0
-        self.pool.free(collected[::-1])
+        if order == "group":
+            release_newest_first(self.pool, collected)
+        else:
+            self.pool.free(collected[::-1])
 
     def blocks_reclaimable_at(self, table: Table, num_computed_tokens: int, count_uncached: bool) -> int:
         """Slid-out real pages whose last reference is this table (only hashed ones unless

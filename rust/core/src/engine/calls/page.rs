@@ -101,8 +101,9 @@ impl FlatCache {
 
     /// Reclaim `req`'s slid-out pages at `n` computed tokens.
     pub fn reclaim(&mut self, req: RequestIdRef<'_>, n: u64) -> CoreResult<()> {
+        let order = self.eviction;
         let (coord, tables) = self.split_mut("reclaim", req)?;
-        coord.reclaim(tables, n);
+        coord.reclaim(tables, n, order);
         Ok(())
     }
 
@@ -230,9 +231,10 @@ impl FlatCache {
         n: u64,
         computed: u64,
     ) -> CoreResult<bool> {
+        let order = self.eviction;
         let (coord, tables) = self.split_mut(method, req)?;
         coord.register(tables, hashes, first_slot, Some(computed))?;
-        coord.reclaim(tables, computed);
+        coord.reclaim(tables, computed, order);
         Ok(coord.acquire(tables, n))
     }
 }

@@ -532,7 +532,7 @@ impl FlatCache {
         // A bound row is visited by the next update only if a reclaim or an acquire changed
         // the tables (an acquire served by the last page's free slots changes no cell).
         let shape_before = bound.then(|| shape(&entry.tables));
-        self.coord.reclaim(&mut entry.tables, c);
+        self.coord.reclaim(&mut entry.tables, c, self.eviction);
         // Validated by the callers: c + n + lookahead fits u64.
         let target = c.saturating_add(n).saturating_add(lookahead);
         let need = target.saturating_sub(allocated(&self.coord, &entry.tables));

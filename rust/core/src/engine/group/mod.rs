@@ -13,6 +13,7 @@
 
 use std::hash::Hash;
 
+use crate::engine::coordinator::EvictionOrder;
 use crate::engine::pool::{BlockPool, NULL_PAGE};
 use crate::engine::table::Table;
 use crate::num::Divisor;
@@ -289,14 +290,22 @@ impl GroupManager {
             .checked_add(window.saturating_sub(1))
     }
 
-    /// Replace every real page of the slid-out slots `[0, k)` by a hole and release them,
-    /// lowest slot first (so the lowest slot is evicted first). Holes in the middle do not
-    /// stop it (SPEC 12.2). Returns how many released pages became free (count 0).
-    pub fn reclaim<K: Clone + Eq + Hash>(&self, pool: &mut BlockPool<K>, table: &mut Table, n: u64) -> usize {
+    /// Replace every real page of the slid-out slots `[0, k)` by a hole and release them in
+    /// `order`: under [`EvictionOrder::Hybrid`] lowest slot first (so the lowest slot is
+    /// evicted first), under [`EvictionOrder::Group`] as vLLM does
+    /// ([`release_newest_first`]). Holes in the middle do not stop it (SPEC 12.2). Returns
+    /// how many released pages became free (count 0).
+    pub fn reclaim<K: Clone + Eq + Hash>(
+        &self,
+        pool: &mut BlockPool<K>,
+        table: &mut Table,
+        n: u64,
+        order: EvictionOrder,
+    ) -> usize {
         match self.kind {
             GroupKind::Full => 0,
             GroupKind::SlidingWindow { .. } | GroupKind::State | GroupKind::ChunkedLocal { .. } => {
-                sliding::reclaim(pool, table, self.reclaim_bound(table, n))
+                sliding::reclaim(pool, table, self.reclaim_bound(table, n), order)
             }
         }
     }
@@ -318,17 +327,40 @@ impl GroupManager {
         }
     }
 
-    /// Release every page of `table` in reverse slot order (tail first) and empty it.
-    /// Returns how many released pages became free (count 0).
+    /// Release every page of `table` tail first as vLLM frees a request's table
+    /// ([`release_newest_first`]; the [`EvictionOrder::Group`] order) and empty it. Returns
+    /// how many released pages became free (count 0).
     pub fn free<K: Clone + Eq + Hash>(&self, pool: &mut BlockPool<K>, table: &mut Table) -> usize {
-        let mut freed = 0;
-        for &page in table.take_pages().iter().rev() {
-            if page != NULL_PAGE {
-                freed += usize::from(pool.release(page));
-            }
-        }
-        freed
+        release_newest_first(pool, &mut table.take_pages())
     }
+}
+
+/// Release the real pages of `pages` (in slot order) the way vLLM's `BlockPool.free_blocks`
+/// frees them newest (highest slot) first, and make every entry a hole. vLLM appends the
+/// cached pages to the free list in that order and puts the uncached ones at its front as one
+/// run in that same order (the highest slot handed out first). A released page here joins
+/// the back when it holds a key and the front when it holds none (with
+/// `reuse_uncached_first`), one at a time, so: the pages holding a key are released highest
+/// slot first, then those holding none lowest slot first. Without `reuse_uncached_first`
+/// every page joins the back, and all are released highest slot first. This is the
+/// [`EvictionOrder::Group`] order of `free` and `reclaim`. Returns how many pages became free.
+pub fn release_newest_first<K: Clone + Eq + Hash>(pool: &mut BlockPool<K>, pages: &mut [u32]) -> usize {
+    let uncached_to_front = pool.reuse_uncached_first();
+    let mut freed = 0;
+    for slot in pages.iter_mut().rev() {
+        if *slot != NULL_PAGE && !(uncached_to_front && pool.key_of(*slot).is_none()) {
+            freed += usize::from(pool.release(*slot));
+            *slot = NULL_PAGE;
+        }
+    }
+    // Only pages holding no key are left (releasing never changes a page's key).
+    for slot in pages.iter_mut() {
+        if *slot != NULL_PAGE {
+            freed += usize::from(pool.release(*slot));
+            *slot = NULL_PAGE;
+        }
+    }
+    freed
 }
 
 /// A registration as the coordinator asks it of every group: the base-page hashes

@@ -1,9 +1,13 @@
 //! Sliding-window groups (SPEC 6): keep the last `W - 1` tokens. A match needs a run of
 //! `needed = ceil((W - 1) / P)` consecutive cached slots behind its boundary; slots that slid
-//! out of the window become holes and their pages are released (reclaim), lowest slot first.
+//! out of the window become holes and their pages are released (reclaim): lowest slot first
+//! under the `hybrid` eviction order, as vLLM's sliding-window manager frees them under
+//! `group` ([`super::release_newest_first`]).
 
 use std::hash::Hash;
 
+use super::release_newest_first;
+use crate::engine::coordinator::EvictionOrder;
 use crate::engine::pool::{BlockPool, NULL_PAGE};
 use crate::engine::table::Table;
 use crate::num::Divisor;
@@ -45,19 +49,32 @@ pub(super) fn reclaim_bound(page: Divisor, window: u64, table: &Table, n: u64) -
     }
 }
 
-/// Replace every real page of the slid-out slots `[0, k)` by a hole and release them, lowest
-/// slot first. Returns how many released pages became free (count 0).
-pub(super) fn reclaim<K: Clone + Eq + Hash>(pool: &mut BlockPool<K>, table: &mut Table, k: usize) -> usize {
+/// Replace every real page of the slid-out slots `[0, k)` by a hole and release them: lowest
+/// slot first under [`EvictionOrder::Hybrid`], newest first as vLLM frees them under
+/// [`EvictionOrder::Group`]. Returns how many released pages became free (count 0).
+pub(super) fn reclaim<K: Clone + Eq + Hash>(
+    pool: &mut BlockPool<K>,
+    table: &mut Table,
+    k: usize,
+    order: EvictionOrder,
+) -> usize {
     if k <= table.holes_below {
         return 0;
     }
-    let mut freed = 0;
-    for slot in &mut table.pages[table.holes_below..k] {
-        if *slot != NULL_PAGE {
-            freed += usize::from(pool.release(*slot));
-            *slot = NULL_PAGE;
+    let slid_out = &mut table.pages[table.holes_below..k];
+    let freed = match order {
+        EvictionOrder::Group => release_newest_first(pool, slid_out),
+        EvictionOrder::Hybrid => {
+            let mut freed = 0;
+            for slot in slid_out {
+                if *slot != NULL_PAGE {
+                    freed += usize::from(pool.release(*slot));
+                    *slot = NULL_PAGE;
+                }
+            }
+            freed
         }
-    }
+    };
     table.holes_below = k;
     freed
 }
@@ -83,6 +100,7 @@ pub(super) fn reclaimable<K: Clone + Eq + Hash>(
 mod tests {
     use super::super::testing::{lookup, sliding, Pool};
     use super::super::{GroupKind, GroupManager};
+    use crate::engine::coordinator::EvictionOrder::{Group, Hybrid};
     use crate::engine::table::Table;
 
     #[test]
@@ -138,15 +156,15 @@ mod tests {
         assert_eq!(g.reclaimable(&pool, &t, 16, true), 2);
         assert_eq!(g.reclaimable(&pool, &t, 16, false), 0);
         let free_before: Vec<u32> = pool.free_list().collect();
-        assert_eq!(g.reclaim(&mut pool, &mut t, 16), 2);
+        assert_eq!(g.reclaim(&mut pool, &mut t, 16, Hybrid), 2);
         assert_eq!(t.pages(), &[0, 0, 0, 4, 5]);
         let free_after: Vec<u32> = pool.free_list().collect();
         // Lowest slot released first, so it is evicted first.
         assert_eq!(&free_after[free_before.len()..], &[1, 2]);
         // n = 20: k = 4 -> slot 3; a second reclaim at the same n does nothing.
         assert_eq!(g.reclaimable(&pool, &t, 20, true), 1);
-        assert_eq!(g.reclaim(&mut pool, &mut t, 20), 1);
-        assert_eq!(g.reclaim(&mut pool, &mut t, 20), 0);
+        assert_eq!(g.reclaim(&mut pool, &mut t, 20, Hybrid), 1);
+        assert_eq!(g.reclaim(&mut pool, &mut t, 20, Hybrid), 0);
         assert_eq!(t.pages(), &[0, 0, 0, 0, 5]);
         pool.check().unwrap();
     }
@@ -180,8 +198,36 @@ mod tests {
         assert_eq!(g.reclaimable(&pool, &t, 6, true), 1);
         assert_eq!(g.reclaimable(&pool, &t, 6, false), 1);
         // Page 1 is still referenced elsewhere: only page 2 becomes free.
-        assert_eq!(g.reclaim(&mut pool, &mut t, 6), 1);
+        assert_eq!(g.reclaim(&mut pool, &mut t, 6, Group), 1);
         assert_eq!(pool.refs_of(1), 1);
         assert_eq!(pool.refs_of(2), 0);
+    }
+
+    #[test]
+    fn group_order_reclaims_as_vllm_frees_newest_first() {
+        // vLLM's SlidingWindowManager frees slid-out blocks highest slot first: cached ones join
+        // the back in that order, uncached ones the front as one run in that order.
+        let mut pool = Pool::new(12, true).unwrap();
+        let g = sliding(2, 3); // W = 3: k = (n - 2) // 2
+        let mut t = Table::default();
+        assert!(g.acquire(&mut pool, 0, &mut t, 12)); // pages 1..=6
+        for page in [2, 3] {
+            pool.cache_unchecked(page, page + 100);
+        }
+        // n = 10: k = 4 -> slots 0..4 = pages 1, 2 (cached), 3 (cached), 4.
+        assert_eq!(g.reclaim(&mut pool, &mut t, 10, Group), 4);
+        assert_eq!(t.pages(), &[0, 0, 0, 0, 5, 6]);
+        let free: Vec<u32> = pool.free_list().collect();
+        // Uncached 4 then 1 at the front; cached 3 then 2 at the back.
+        assert_eq!(free, vec![4, 1, 7, 8, 9, 10, 11, 3, 2]);
+        // Without reuse_uncached_first every page joins the back, highest slot first.
+        let mut pool = Pool::new(8, true).unwrap();
+        pool.set_reuse_uncached_first(false);
+        let mut t = Table::default();
+        assert!(g.acquire(&mut pool, 0, &mut t, 8)); // pages 1..=4
+        pool.cache_unchecked(2, 102);
+        assert_eq!(g.reclaim(&mut pool, &mut t, 8, Group), 3);
+        assert_eq!(pool.free_list().collect::<Vec<u32>>(), vec![5, 6, 7, 3, 2, 1]);
+        pool.check().unwrap();
     }
 }
