@@ -11,7 +11,8 @@ prefill, aborts, and pools tight enough to preempt) and run in lockstep; after e
 ``schedule()`` the two outputs must agree exactly: which requests run with how many tokens, the
 prefix hit each admitted request starts from, the new block ids handed to the model, who was
 preempted or finished, the pool usage, and every live request's block ids in every group and
-cached-token estimate.
+cached-token estimate. Models of full-attention groups and of full plus sliding-window groups
+(Gemma-2/3, GPT-OSS shapes) are covered, with prefix caching on and off.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from flat_kvcache.vllm.harness import (
     SchedulerSetup,
     StepRecord,
     build_scheduler,
+    kv_cache_spec,
     make_stream,
     record_step,
     run_steps,
@@ -37,6 +39,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock  # type: ignore[import-not-
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # type: ignore[import-not-found]
 from vllm.v1.core.sched.scheduler import Scheduler  # type: ignore[import-not-found]
 from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found]
+    ChunkedLocalAttentionSpec,
     KVCacheGroupSpec,
     MambaSpec,
     SlidingWindowSpec,
@@ -70,7 +73,7 @@ def run_lockstep(
     theirs = build_scheduler(AsyncScheduler, setup)
     ours = build_scheduler(FlatScheduler, setup)
     assert isinstance(ours.kv_cache_manager, FlatKVCacheManager)
-    covered = {"steps": 0, "preemptions": 0, "hit_tokens": 0, "aborted": 0}
+    covered = {"steps": 0, "preemptions": 0, "hit_tokens": 0, "aborted": 0, "null_hits": 0, "null_slots": 0}
     their_steps = run_steps(theirs, stream, block_size=setup.block_size)
     our_steps = run_steps(ours, stream, block_size=setup.block_size)
     for step, (their_out, our_out) in enumerate(zip(their_steps, our_steps, strict=True)):
@@ -80,6 +83,10 @@ def run_lockstep(
         covered["steps"] += 1
         covered["preemptions"] += len(a.preempted)
         covered["hit_tokens"] += sum(hit for _, hit, _ in a.new_requests)
+        # Sliding-window hits start with null blocks (block id 0) in a sliding group's table;
+        # slid-out slots become null blocks in live tables.
+        covered["null_hits"] += sum(1 for _, hit, ids in a.new_requests if hit and any(0 in g for g in ids))
+        covered["null_slots"] += sum(g.count(0) for ids in a.tables.values() for g in ids)
     covered["aborted"] = sum(1 for r in stream if r.abort_step is not None)
     return covered
 
@@ -97,6 +104,45 @@ CASES: dict[str, dict[str, Any]] = {
     "256-running": dict(max_num_seqs=256, max_num_batched_tokens=2048, num_blocks=1500),
     "priority-policy": dict(policy="priority", num_blocks=300),
 }
+
+
+# Full attention plus sliding window (each entry of ``windows``: None a full-attention group, an
+# int a sliding-window group of that many tokens), 16-token blocks unless said: windows shorter
+# than the prompts so hits start with null blocks and tables lose slid-out pages, pools tight
+# enough to preempt, chunked prefill (512-token budget), aborts. 100, 40 and 37 are not
+# multiples of the block size; two groups of one window are one spec group in vLLM's hybrid
+# coordinator (one joint lookup), two windows make its lookup a fixed point over three kinds.
+SLIDING_CASES: dict[str, dict[str, Any]] = {
+    "sliding-tight-pool": dict(windows=(None, 128), num_blocks=250),
+    "sliding-two-same-windows": dict(windows=(None, 100, 100), num_blocks=400),
+    "sliding-two-windows-prefill-cap": dict(
+        windows=(100, None, 40, 37), num_blocks=500, long_prefill_token_threshold=64
+    ),
+    "sliding-block-32-window-17": dict(windows=(None, 17), block_size=32, num_blocks=250),
+    "sliding-only": dict(windows=(128,), num_blocks=200),
+}
+
+
+@pytest.mark.parametrize("case", list(SLIDING_CASES))
+def test_sliding_window_same_steps_as_vllm(model_dir: Path, case: str) -> None:
+    setup = SchedulerSetup(
+        model_dir=model_dir, **{"max_num_seqs": 32, "max_num_batched_tokens": 512, **SLIDING_CASES[case]}
+    )
+    covered = run_lockstep(setup, 700, seed=5)
+    assert covered["preemptions"] > 0 and covered["aborted"] > 0, covered
+    assert covered["null_hits"] > 20 and covered["null_slots"] > 1000, covered
+
+
+def test_sliding_window_few_thousand_requests(model_dir: Path) -> None:
+    setup = SchedulerSetup(
+        model_dir=model_dir,
+        windows=(None, 128, 128),
+        num_blocks=1000,
+        max_num_seqs=64,
+        max_num_batched_tokens=1024,
+    )
+    covered = run_lockstep(setup, 3000, seed=13)
+    assert covered["preemptions"] > 20 and covered["null_hits"] > 500 and covered["aborted"] > 50, covered
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -118,33 +164,20 @@ def test_few_thousand_requests(model_dir: Path) -> None:
     )
 
 
-def test_prefix_caching_off_same_decisions(model_dir: Path) -> None:
-    """Without prefix caching every decision is vLLM's; the block ids are not (docs/vllm.md): a
-    freed request's pages return to the free list head first here, tail first in vLLM."""
+@pytest.mark.parametrize("windows", [(), (None, 128, 40)], ids=["full", "full-sliding"])
+def test_prefix_caching_off_same_steps(model_dir: Path, windows: tuple[int | None, ...]) -> None:
+    """Without prefix caching every page is uncached: freed and slid-out pages return to the
+    front of the free list, tail first, as in vLLM, so the block ids are identical too."""
     setup = SchedulerSetup(
         model_dir=model_dir,
         enable_prefix_caching=False,
+        windows=windows,
         num_blocks=500,
         max_num_seqs=32,
         max_num_batched_tokens=512,
     )
-    stream = make_stream(800, seed=3)
-    theirs = build_scheduler(AsyncScheduler, setup)
-    ours = build_scheduler(FlatScheduler, setup)
-    pairs = zip(run_steps(theirs, stream, block_size=16), run_steps(ours, stream, block_size=16), strict=True)
-    preempted = 0
-    for their_out, our_out in pairs:
-        a = record_step(theirs, their_out, tables=False)
-        b = record_step(ours, our_out, tables=False)
-        assert (a.scheduled, a.preempted, a.finished, a.usage) == (
-            b.scheduled,
-            b.preempted,
-            b.finished,
-            b.usage,
-        )
-        assert [(r, n) for r, n, _ in a.new_requests] == [(r, n) for r, n, _ in b.new_requests]
-        preempted += len(a.preempted)
-    assert preempted > 0
+    covered = run_lockstep(setup, 800, seed=3)
+    assert covered["preemptions"] > 0 and covered["hit_tokens"] == 0, covered
 
 
 def test_returns_vllm_block_objects(model_dir: Path) -> None:
@@ -196,15 +229,73 @@ def test_mamba_group_refused_naming_it(model_dir: Path) -> None:
         _build_flat(vllm_config, hybrid)
 
 
-def test_sliding_window_group_refused(model_dir: Path) -> None:
+def _with_groups(kv_cache_config: Any, *specs: Any) -> Any:
+    changed = copy.copy(kv_cache_config)
+    changed.kv_cache_groups = [
+        KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], spec) for i, spec in enumerate(specs)
+    ]
+    return changed
+
+
+def test_sliding_window_group_served(model_dir: Path) -> None:
     vllm_config, kv_cache_config = _configs(model_dir)
-    window = SlidingWindowSpec(
-        block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=128
+    hybrid = _with_groups(kv_cache_config, kv_cache_spec(16), kv_cache_spec(16, 128))
+    ours = _build_flat(vllm_config, hybrid)
+    assert isinstance(ours.kv_cache_manager, FlatKVCacheManager)
+
+
+def test_chunked_local_group_refused(model_dir: Path) -> None:
+    vllm_config, kv_cache_config = _configs(model_dir)
+    local = ChunkedLocalAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float16, attention_chunk_size=64
     )
-    hybrid = copy.copy(kv_cache_config)
-    hybrid.kv_cache_groups = [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], window)]
-    with pytest.raises(UnsupportedVllmConfigError, match=r"group 0 .SlidingWindowSpec.*only full-attention"):
+    hybrid = _with_groups(kv_cache_config, kv_cache_spec(16), local)
+    with pytest.raises(
+        UnsupportedVllmConfigError,
+        match=r"group 1 \(ChunkedLocalAttentionSpec.*only full-attention and sliding-window groups",
+    ):
         _build_flat(vllm_config, hybrid)
+
+
+def test_sliding_window_of_another_block_size_refused(model_dir: Path) -> None:
+    """vLLM schedules a hybrid of two block sizes at their lcm with partial-block hashing; refused."""
+    vllm_config, kv_cache_config = _configs(model_dir)
+    hybrid = _with_groups(kv_cache_config, kv_cache_spec(16), kv_cache_spec(32, 128))
+    with pytest.raises(
+        UnsupportedVllmConfigError,
+        match=r"group 1 \(SlidingWindowSpec.*block size 32 differs from the scheduler's 16",
+    ):
+        check_supported(vllm_config, hybrid, 16, None)
+
+
+@pytest.mark.parametrize(
+    ("spec", "retention", "message"),
+    [
+        (kv_cache_spec(16, 1), None, "sliding_window = 1 .a window of fewer than 2 tokens"),
+        (
+            SlidingWindowSpec(
+                block_size=16,
+                num_kv_heads=2,
+                head_size=16,
+                dtype=torch.float16,
+                sliding_window=128,
+                extra_retained_tokens=3,
+            ),
+            None,
+            "extra retained tokens",
+        ),
+        (kv_cache_spec(16, 128), 64, "sparse prefix-cache retention"),
+    ],
+    ids=["window-1", "extra-retained", "retention-interval"],
+)
+def test_sliding_window_variants_refused(
+    model_dir: Path, spec: Any, retention: int | None, message: str
+) -> None:
+    vllm_config, kv_cache_config = _configs(model_dir)
+    hybrid = _with_groups(kv_cache_config, kv_cache_spec(16), spec)
+    hybrid.prefix_cache_retention_interval = retention
+    with pytest.raises(UnsupportedVllmConfigError, match=message):
+        check_supported(vllm_config, hybrid, 16, None)
 
 
 @pytest.mark.parametrize(

@@ -8,10 +8,18 @@ back: the ``KVCacheBlock`` lists of its tables. The pages, their counts, the fre
 prefix-cache keys live in :class:`flat_kvcache.PageCache`. Content hashes are vLLM's own
 ``request.block_hashes`` (so salts, LoRA and multimodal keys are vLLM's), as 64-digit hex.
 
-A step in which no running request crosses a page boundary makes no native call at all: a full
-table only grows, so the pages a request needs are counted here (``cdiv(tokens, P) - len``), and
-the engine is asked only to allocate (``acquire``), to register newly full pages (``register``),
-to look up a waiting request's prefix (``match_prefix``) and to free.
+Full-attention groups map to ``"full"`` engine groups and sliding-window groups to
+``"sliding_window"`` ones with the same window: the engine's hybrid match is vLLM's hybrid
+coordinator's fixed point, its ``reclaim`` is vLLM's ``remove_skipped_blocks`` (called where
+vLLM's ``allocate_slots`` calls it, on the processed-token count), and its ``"group"`` eviction
+order frees and reclaims pages in vLLM's order.
+
+A step in which no running request crosses a page boundary makes no native call at all: a table
+only grows, so the pages a request needs are counted here (``cdiv(tokens, P) - len``), the
+position at which a sliding table next loses a page is known here too, and the engine is asked
+only to allocate (``acquire``), to register newly full pages (``register``), to release pages
+that slid out of a window (``reclaim``), to look up a waiting request's prefix
+(``match_prefix``) and to free.
 """
 
 from __future__ import annotations
@@ -26,15 +34,20 @@ from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found]
     FullAttentionSpec,
     MambaSpec,
     MLAAttentionSpec,
+    SlidingWindowSpec,
 )
 from vllm.v1.metrics.stats import PrefixCacheStats  # type: ignore[import-not-found]
 from vllm.v1.request import RequestStatus  # type: ignore[import-not-found]
 
 from flat_kvcache import KVCacheSpec, PageCache
 
-# Exactly these spec types are served; their subclasses (sink, hidden-state, RSWA, ...) behave
-# differently in vLLM and are refused.
+# Exactly these spec types are served; their subclasses (sink, hidden-state, RSWA, sliding-window
+# MLA, DSV41 bounded replay, ...) behave differently in vLLM and are refused.
 _FULL_SPECS = (FullAttentionSpec, MLAAttentionSpec)
+_SLIDING_SPECS = (SlidingWindowSpec,)
+
+# A position no request reaches: "no sliding page is due to be reclaimed".
+_NEVER = 1 << 62
 
 
 class UnsupportedVllmConfigError(ValueError):
@@ -101,8 +114,25 @@ def check_supported(
                 f"{_group_label(group, index)}: mamba / linear-attention (GDN) state groups; "
                 "flat-kvcache serves them through its own arena (docs/vllm.md), not this adapter"
             )
-        if type(spec) not in _FULL_SPECS:
-            refuse(f"{_group_label(group, index)}: only full-attention groups are served")
+        if type(spec) in _SLIDING_SPECS:
+            if spec.sliding_window < 2:
+                # vLLM caches no block of a window-1 group and matches it differently.
+                refuse(
+                    f"{_group_label(group, index)}: sliding_window = {spec.sliding_window} "
+                    "(a window of fewer than 2 tokens)"
+                )
+            if spec.extra_retained_tokens:
+                refuse(
+                    f"{_group_label(group, index)}: extra retained tokens below the window "
+                    f"({spec.extra_retained_tokens}, multi-token-prediction re-prefill)"
+                )
+            if kv_cache_config.prefix_cache_retention_interval is not None:
+                refuse(
+                    "sparse prefix-cache retention of sliding-window groups "
+                    f"(prefix_cache_retention_interval = {kv_cache_config.prefix_cache_retention_interval})"
+                )
+        elif type(spec) not in _FULL_SPECS:
+            refuse(f"{_group_label(group, index)}: only full-attention and sliding-window groups are served")
         if spec.block_size != block_size:
             refuse(
                 f"{_group_label(group, index)}: its block size {spec.block_size} differs from the "
@@ -140,13 +170,18 @@ class _CoordinatorView:
 class _Tables:
     """One request's tables as vLLM sees them, and how far they are sized and registered."""
 
-    __slots__ = ("blocks", "capacity", "num_cached", "slots")
+    __slots__ = ("blocks", "capacity", "due", "holes", "num_cached", "slots")
 
     def __init__(self, num_groups: int) -> None:
         self.blocks: list[list[Any]] = [[] for _ in range(num_groups)]
         self.slots = 0  # tokens the engine's tables were asked for (claimed + acquired)
         self.capacity = 0  # tokens the pages hold: len(table) * page size, every group alike
         self.num_cached = 0  # full pages registered (vLLM's ``num_cached_block``)
+        # Per group, the leading null blocks (slots that slid out of a window or were skipped by
+        # a hit): nulls are always a prefix, in vLLM's tables as in the engine's.
+        self.holes = [0] * num_groups
+        # The smallest processed-token count at which ``reclaim`` would null another page.
+        self.due = _NEVER
 
 
 class FlatKVCacheManager:
@@ -161,6 +196,7 @@ class FlatKVCacheManager:
         enable_caching: bool = True,
         log_stats: bool = False,
         watermark: float = 0.0,
+        max_in_flight_tokens: int | None = None,
     ) -> None:
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
@@ -177,10 +213,34 @@ class FlatKVCacheManager:
         self._fast_path = self.watermark_blocks == 0
         self.prefix_cache_stats: Any = PrefixCacheStats() if log_stats else None
         self.coordinator = _CoordinatorView(kv_cache_config)
-        # With these two options freed pages return to the free list where vLLM's pool puts them
-        # (keyless ones excepted, which only shows with prefix caching off: docs/vllm.md).
+        # Per group, the sliding window W (None: full attention), and the recycling-aware cap on
+        # the blocks a sliding group reserves when the whole sequence must fit (vLLM's
+        # SlidingWindowSpec.max_admission_blocks_per_request; None: no cap).
+        if max_in_flight_tokens is None:
+            max_in_flight_tokens = max_model_len
+        self._windows: list[int | None] = []
+        self._admission_caps: list[int | None] = []
+        specs = []
+        for i, group in enumerate(kv_cache_config.kv_cache_groups):
+            spec = group.kv_cache_spec
+            if isinstance(spec, SlidingWindowSpec):
+                window = spec.sliding_window
+                self._windows.append(window)
+                self._admission_caps.append(
+                    _cdiv(min(window - 1 + max_in_flight_tokens, max_model_len), block_size) + 1
+                )
+                specs.append(
+                    KVCacheSpec("sliding_window", block_size, sliding_window=window, group_id=f"g{i}")
+                )
+            else:
+                self._windows.append(None)
+                self._admission_caps.append(None)
+                specs.append(KVCacheSpec("full", block_size, group_id=f"g{i}"))
+        self._sliding = [(g, w) for g, w in enumerate(self._windows) if w is not None]
+        # With these two options freed and reclaimed pages return to the free list where vLLM's
+        # pool puts them (docs/engine-api.md, eviction_order "group").
         self.cache = PageCache(
-            [KVCacheSpec("full", block_size, group_id=f"g{i}") for i in range(self.num_kv_cache_groups)],
+            specs,
             kv_cache_config.num_blocks,
             enable_caching=enable_caching,
             eviction_order="group",
@@ -197,7 +257,8 @@ class FlatKVCacheManager:
         # request id -> its block hashes as hex, converted once each
         self._hex: dict[str, list[str]] = {}
         self._record_new_block_ids = bool(kv_cache_config.needs_kv_cache_zeroing)
-        self._new_block_ids: list[int] = []
+        # Per group, as vLLM's managers keep them (take_new_block_ids concatenates in group order).
+        self._new_block_ids: list[list[int]] = [[] for _ in range(self.num_kv_cache_groups)]
 
     # -- hashes --------------------------------------------------------------------------------
 
@@ -243,8 +304,8 @@ class FlatKVCacheManager:
         return []  # KV cache events are refused at construction
 
     def take_new_block_ids(self) -> list[int]:
-        ids = self._new_block_ids
-        self._new_block_ids = []
+        ids = [block_id for group in self._new_block_ids for block_id in group]
+        self._new_block_ids = [[] for _ in range(self.num_kv_cache_groups)]
         return ids
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
@@ -280,12 +341,48 @@ class FlatKVCacheManager:
 
     # -- allocation ----------------------------------------------------------------------------
 
-    def _pages_to_allocate(self, tables: _Tables | None, held: Sequence[int], num_tokens: int) -> int:
+    def _pages_to_allocate(
+        self, tables: _Tables | None, held: Sequence[int], num_tokens: int, *, capped: bool = False
+    ) -> int:
+        """vLLM's ``get_num_blocks_to_allocate`` less the hit pages on the free list.
+
+        A group's table (or hit) never has fewer slots than the blocks its window skipped, so
+        vLLM's ``max(skipped, held)`` is ``held``; ``capped`` applies the sliding groups'
+        admission cap (the full-sequence check)."""
         need = 0
-        for g in range(self.num_kv_cache_groups):
+        required = _cdiv(num_tokens, self.block_size)
+        for g, cap in enumerate(self._admission_caps):
             have = len(tables.blocks[g]) if tables is not None else held[g]
-            need += max(_cdiv(num_tokens, self.block_size) - have, 0)
+            need += max((min(required, cap) if capped and cap is not None else required) - have, 0)
         return need
+
+    def _set_due(self, tables: _Tables) -> None:
+        """When the next ``reclaim`` would null a page: the smallest ``n`` with
+        ``(n - W + 1) // P > holes`` over the sliding groups that have a page past their holes."""
+        due = _NEVER
+        size = self.block_size
+        for g, window in self._sliding:
+            holes = tables.holes[g]
+            if len(tables.blocks[g]) > holes:
+                due = min(due, (holes + 1) * size + window - 1)
+        tables.due = due
+
+    def _reclaim(self, request_id: str, tables: _Tables, num_tokens: int) -> None:
+        """vLLM's ``remove_skipped_blocks`` at ``num_tokens`` processed tokens: each sliding
+        group's slots ``[0, min((n - W + 1) // P, len))`` become null blocks and their pages are
+        released (the engine's ``reclaim``, in vLLM's order under eviction order "group")."""
+        if num_tokens < tables.due:
+            return
+        self.cache.reclaim(request_id, num_tokens)
+        null = self._page_blocks[0]
+        for g, window in self._sliding:
+            blocks = tables.blocks[g]
+            k = min((num_tokens - window + 1) // self.block_size, len(blocks))
+            holes = tables.holes[g]
+            if k > holes:
+                blocks[holes:k] = [null] * (k - holes)
+                tables.holes[g] = k
+        self._set_due(tables)
 
     def allocate_slots(
         self,
@@ -320,7 +417,10 @@ class FlatKVCacheManager:
             and request.num_computed_tokens + num_new_tokens + num_lookahead_tokens <= tables.capacity
         ):
             # A running request whose last page has room (the common case, once per request per
-            # step): nothing to check and no native call, unless pages became full.
+            # step): nothing to check and no native call, unless pages became full or slid out.
+            if tables.due < _NEVER:
+                computed = min(request.num_computed_tokens, self.max_model_len)
+                self._reclaim(request_id, tables, max(0, computed - request.num_in_flight_tokens))
             if len(request.block_hashes) > tables.num_cached:
                 computed = min(request.num_computed_tokens, self.max_model_len)
                 self._cache_full_pages(request, tables, min(computed + num_new_tokens, request.num_tokens))
@@ -349,18 +449,21 @@ class FlatKVCacheManager:
         watermark_blocks = 0
         if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             watermark_blocks = self.watermark_blocks
-        num_free = self.cache.num_free_pages
         # Hit pages nobody holds are on the free list: claiming them takes them off it.
         evictable = self.cache.pages_consumed_by_claim(match) if match is not None else 0
         if full_sequence_must_fit:
             full_num_tokens = min(request.num_tokens, self.max_model_len)
-            needed = self._pages_to_allocate(tables, held, full_num_tokens) + evictable
-            if needed + watermark_blocks > num_free:
+            needed = self._pages_to_allocate(tables, held, full_num_tokens, capped=True) + evictable
+            if needed + watermark_blocks > self.cache.num_free_pages:
                 return None
         num_tokens_main_model = total_computed_tokens + num_new_tokens
         num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
+        if tables is not None:
+            # vLLM frees the blocks that slid out of the window before it counts, whether or not
+            # the request then fits, on the processed-token basis.
+            self._reclaim(request_id, tables, max(0, total_computed_tokens - request.num_in_flight_tokens))
         needed = self._pages_to_allocate(tables, held, num_tokens_need_slot) + evictable
-        if needed + watermark_blocks > num_free - reserved_blocks:
+        if needed + watermark_blocks > self.cache.num_free_pages - reserved_blocks:
             return None
 
         cache = self.cache
@@ -371,6 +474,12 @@ class FlatKVCacheManager:
             tables.blocks = [list(group) for group in new_computed_blocks.blocks]
             tables.num_cached = held[0]
             tables.slots = tables.capacity = held[0] * self.block_size
+            for g, _ in self._sliding:
+                blocks = tables.blocks[g]
+                holes = 0
+                while holes < len(blocks) and blocks[holes].is_null:
+                    holes += 1
+                tables.holes[g] = holes
         new_blocks: tuple[list[Any], ...] | None = None
         if num_tokens_need_slot > tables.capacity:
             # The engine's tables hold ``slots`` tokens and room to the end of their last page;
@@ -381,15 +490,19 @@ class FlatKVCacheManager:
             tables.capacity = _cdiv(num_tokens_need_slot, self.block_size) * self.block_size
             pages = self._page_blocks
             grown = []
-            for group_blocks, ids in zip(tables.blocks, cache.page_ids(request_id), strict=True):
+            for g, (group_blocks, ids) in enumerate(
+                zip(tables.blocks, cache.page_ids(request_id), strict=True)
+            ):
                 new_ids = ids[len(group_blocks) :]
                 fresh = [pages[p] for p in new_ids]
                 group_blocks.extend(fresh)
                 grown.append(fresh)
                 if self._record_new_block_ids:
-                    self._new_block_ids.extend(new_ids)
+                    self._new_block_ids[g].extend(new_ids)
             if any(grown):
                 new_blocks = tuple(grown)
+        if self._sliding:
+            self._set_due(tables)
 
         if not delay_cache_blocks:
             self._cache_full_pages(
@@ -443,16 +556,29 @@ class FlatKVCacheManager:
         return [0] * self.num_kv_cache_groups
 
     def estimate_cached_tokens(self, request: Any) -> int:
+        """vLLM's: the least, over groups, of the token count the last hashed block of the
+        group's table covers. A table's registered pages are its first ``num_cached``; a sliding
+        table whose page ``num_cached - 1`` slid out holds no hashed block (nulls are a prefix)."""
         tables = self._tables.get(request.request_id)
-        return tables.num_cached * self.block_size if tables is not None else 0
+        if tables is None or not tables.num_cached:
+            return 0
+        last = tables.num_cached - 1
+        for g, _ in self._sliding:
+            if tables.blocks[g][last].is_null:
+                return 0
+        return tables.num_cached * self.block_size
 
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
     ) -> None:
-        pass  # full attention skips nothing
+        """Null and release the blocks that slid out of the sliding windows (none in full groups)."""
+        tables = self._tables.get(request_id)
+        if tables is not None:
+            self._reclaim(request_id, tables, processed_computed_tokens)
 
     def free(self, request: Any) -> None:
-        """Release the request's pages, each table tail first, group 0 first (vLLM's order)."""
+        """Release the request's pages, each table tail first, group 0 first, cached pages to the
+        back of the free list and uncached ones to its front (vLLM's order)."""
         request_id = request.request_id
         self._pending_hits.pop(request_id, None)
         self._hex.pop(request_id, None)

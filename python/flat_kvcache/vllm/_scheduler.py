@@ -38,4 +38,5 @@ class FlatScheduler(AsyncScheduler):  # type: ignore[misc]
             enable_caching=bool(self.cache_config.enable_prefix_caching),
             log_stats=self.log_stats,
             watermark=self.scheduler_config.watermark,
+            max_in_flight_tokens=vllm_config.max_in_flight_tokens,
         )

@@ -36,6 +36,7 @@ from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found]
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    SlidingWindowSpec,
 )
 from vllm.v1.outputs import ModelRunnerOutput  # type: ignore[import-not-found]
 from vllm.v1.request import Request, RequestStatus  # type: ignore[import-not-found]
@@ -66,12 +67,17 @@ def tiny_model_dir(folder: Path) -> Path:
 
 @dataclass(frozen=True)
 class SchedulerSetup:
-    """One scheduler configuration: pool, budgets, groups."""
+    """One scheduler configuration: pool, budgets, groups.
+
+    The KV cache groups are ``num_groups`` full-attention groups, or, when ``windows`` is
+    given, one group per entry: ``None`` a full-attention group, an int a sliding-window group
+    of that window (Gemma-2/3 and GPT-OSS interleave the two)."""
 
     model_dir: Path
     num_blocks: int = 2048
     block_size: int = 16
     num_groups: int = 1
+    windows: tuple[int | None, ...] = ()
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     max_model_len: int = 8192
@@ -80,6 +86,15 @@ class SchedulerSetup:
     watermark: float = 0.0
     policy: str = "fcfs"
     log_stats: bool = True
+
+
+def kv_cache_spec(block_size: int, window: int | None = None) -> Any:
+    """A small fp16 attention spec: full attention, or a sliding window of ``window`` tokens."""
+    if window is None:
+        return FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    return SlidingWindowSpec(
+        block_size=block_size, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=window
+    )
 
 
 def build_scheduler(cls: type, setup: SchedulerSetup) -> Any:
@@ -113,11 +128,8 @@ def build_scheduler(cls: type, setup: SchedulerSetup) -> Any:
         model_config=model, scheduler_config=scheduler, cache_config=cache, device_config=DeviceConfig("cpu")
     )
     groups = [
-        KVCacheGroupSpec(
-            [f"model.layers.{g}.self_attn.attn"],
-            FullAttentionSpec(block_size=setup.block_size, num_kv_heads=2, head_size=16, dtype=torch.float16),
-        )
-        for g in range(setup.num_groups)
+        KVCacheGroupSpec([f"model.layers.{g}.self_attn.attn"], kv_cache_spec(setup.block_size, window))
+        for g, window in enumerate(setup.windows or (None,) * setup.num_groups)
     ]
     kv_cache_config = KVCacheConfig(num_blocks=setup.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     return cls(
