@@ -7,7 +7,9 @@
    workers gets ``plan_arena`` over B25 / N bytes.
 3. Replay: the first ``--max-requests`` requests of the Mooncake trace through
    ``flat_kvcache.simulate.cluster.simulate_cluster`` for N in ``--workers``, routers ``kv``
-   (Dynamo's radix indexer fed by every worker's KV events) and ``round-robin``.
+   (Dynamo's radix indexer fed by every worker's KV events; best hit first, load on ties), ``kv``
+   with Dynamo's own cost (``--overlap-weights``: weight x prefill blocks + active blocks) and
+   ``round-robin``.
 
 Reported per run: cluster token hit rate (prefix hit tokens / prompt tokens), the share of
 admissions whose predicted hit equals the served one (predicted from the index just before the
@@ -53,17 +55,19 @@ def _run(
     budget: int,
     workers: int,
     router: str,
+    weight: float | None,
     trace: list[Any],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     arena = plan_arena(ModelShape.from_config(cfg).components(), 16, budget // workers)
     config = SimulationConfig(model=cfg, arena=arena, state_page_size=args.grain)
     start = time.perf_counter()
-    summary = simulate_cluster(trace, config, workers=workers, router=router).summary
+    summary = simulate_cluster(trace, config, workers=workers, router=router, overlap_weight=weight).summary
     return {
         "model": label,
         "workers": workers,
-        "router": router,
+        "router": router if weight is None else f"kv w={weight:g}",
+        "overlap_weight": weight,
         "units_per_worker": arena.num_units,
         "hit_rate": summary["hit_rate"],
         "routed_hits_tokens": summary["routed_hits_tokens"],
@@ -92,11 +96,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for key in chosen:
         label, cfg = models[key]
         for workers in args.workers:
-            for router in ROUTERS:
-                run = _run(label, cfg, budget, workers, router, trace, args)
+            routers = [(router, None) for router in ROUTERS] + [("kv", w) for w in args.overlap_weights]
+            for router, weight in routers:
+                run = _run(label, cfg, budget, workers, router, weight, trace, args)
                 runs.append(run)
                 print(
-                    f"  {label} N={workers} {router}: {100 * run['hit_rate']:.2f} % ({run['seconds']} s)",
+                    f"  {label} N={workers} {run['router']}: {100 * run['hit_rate']:.2f} % "
+                    f"({run['seconds']} s)",
                     file=sys.stderr,
                 )
     return {
@@ -122,7 +128,7 @@ def format_table(result: dict[str, Any]) -> str:
     rr = {(r["model"], r["workers"]): r["hit_rate"] for r in result["runs"] if r["router"] == "round-robin"}
     for run in result["runs"]:
         base = rr.get((run["model"], run["workers"]))
-        ratio = f"{run['hit_rate'] / base:.2f}" if run["router"] == "kv" and base else ""
+        ratio = f"{run['hit_rate'] / base:.2f}" if run["router"] != "round-robin" and base else ""
         exact = "" if run["exact_at_admit"] is None else f"{100 * run['exact_at_admit']:.2f}%"
         routed = "" if run["exact_at_routing"] is None else f"{100 * run['exact_at_routing']:.2f}%"
         timing = f"{run['route_us']['mean_us']:.0f}/{run['route_us']['p99_us']:.0f}"
@@ -143,8 +149,10 @@ def plot(result: dict[str, Any], path: str) -> None:
     runs = result["runs"]
     groups = sorted({(r["model"], r["workers"]) for r in runs})
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
-    width = 0.38
-    for offset, router in ((-width / 2, "round-robin"), (width / 2, "kv")):
+    names = list(dict.fromkeys(r["router"] for r in runs))
+    width = 0.8 / len(names)
+    for i, router in enumerate(names):
+        offset = (i - (len(names) - 1) / 2) * width
         values = [
             100
             * next(
@@ -178,6 +186,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grain", type=int, default=64, help="state checkpoint grain G in tokens (64)")
     parser.add_argument(
         "--model", choices=("both", "hybrid", "attention"), default="both", help="which model(s)"
+    )
+    parser.add_argument(
+        "--overlap-weights",
+        type=float,
+        nargs="*",
+        default=[1.0],
+        metavar="W",
+        help="also run the kv router with Dynamo's cost at each weight W (default: 1.0, Dynamo's "
+        "default; none to skip)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--plot", metavar="FILE", help="bar chart of the hit rates (matplotlib)")

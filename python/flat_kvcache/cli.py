@@ -160,6 +160,17 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    """An argparse ``type`` that accepts a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _BYTE_UNITS.update({f"{p}{s}": 1 << (10 * (i + 1)) for i, p in enumerate("kmgt") for s in ("", "ib")})
 
@@ -477,6 +488,14 @@ def _add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
         f"{_extra('dynamo')}; models with one full-attention group and at most one state group)",
     )
     cluster.add_argument(
+        "--kv-overlap-weight",
+        type=_non_negative_float,
+        metavar="W",
+        help="with --router kv: route by Dynamo's router cost, W x the prompt blocks a worker would "
+        "prefill + the blocks of the requests it holds (cheapest wins), instead of the best hit "
+        "first with load only on ties (Dynamo's default W is 1.0)",
+    )
+    cluster.add_argument(
         "--worker-memory",
         metavar="SIZE",
         help="each worker's memory instead of 1/N: pages, or bytes (e.g. 20GiB) with --arena",
@@ -561,6 +580,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
             state_page_size=grain,
         )
         show = args.progress or sys.stderr.isatty()
+        if args.kv_overlap_weight is not None and args.router != "kv":
+            raise ValueError("--kv-overlap-weight is a setting of --router kv: add --router kv")
         if args.workers > 1 or args.router is not None or args.worker_memory is not None:
             return _run_cluster(args, cfg, trace, config, show)
         result = simulate.simulate(
@@ -643,6 +664,7 @@ def _run_cluster(
             config,
             workers=workers,
             router=router,
+            overlap_weight=args.kv_overlap_weight,
             progress=simulate.ProgressBar(sys.stderr) if show and trace else None,
         )
     except ImportError as exc:

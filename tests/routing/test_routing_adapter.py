@@ -7,6 +7,7 @@ the router's prediction for it must be exactly that boundary, whatever the order
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from helpers import missing
@@ -167,6 +168,30 @@ def test_the_other_worker_is_separate_and_ties_go_to_the_least_loaded() -> None:
     assert kv.route(TOKENS, (), [5, 5]) == (1, 8)
     assert kv.route(TOKENS[:2], (), [5, 3]) == (1, 0)  # nothing to hit: fewest queued
     assert kv.route(TOKENS[:2], (), [3, 3]) == (0, 0)  # then the lowest id
+
+
+def test_dynamos_cost_trades_prefill_blocks_for_active_blocks() -> None:
+    # TOKENS are 17 tokens: 5 blocks of 4. Worker 1 holds pages 0-3 and the checkpoint at 16, so
+    # it would serve 16 tokens and prefill 1 block; worker 0 prefills all 5. Cost = w x prefill
+    # blocks + active blocks.
+    specs = [fk.KVCacheSpec("state", G, group_id="state"), fk.KVCacheSpec("full", P, group_id="full")]
+    kv = KvRouter(2, specs, P, overlap_weight=1.0)
+    kv.feed(1, [stored(0, 4), checkpoint(KEY_16)])
+    assert kv.route(TOKENS, (), [0, 0], [0, 3]) == (1, 16)  # 5 vs 1 + 3
+    assert kv.route(TOKENS, (), [0, 0], [0, 5]) == (0, 0)  # 5 vs 1 + 5
+    assert kv.route(TOKENS, (), [2, 1], [0, 4]) == (1, 16)  # 5 vs 5: fewest requests
+    assert kv.route(TOKENS, (), [1, 1], [0, 4]) == (0, 0)  # then the lowest id
+    zero = KvRouter(2, specs, P, overlap_weight=0)
+    zero.feed(1, [stored(0, 4), checkpoint(KEY_16)])
+    assert zero.route(TOKENS, (), [0, 0], [1, 0]) == (1, 16)  # load alone decides
+    assert zero.route(TOKENS, (), [0, 0], [0, 1]) == (0, 0)
+    with pytest.raises(ValueError, match="active_blocks"):
+        kv.route(TOKENS, (), [0, 0])
+    with pytest.raises(ValueError, match="active_blocks"):
+        kv.route(TOKENS, (), [0, 0], [0])
+    for bad in (-1.0, math.nan, math.inf, True, "1"):
+        with pytest.raises(ValueError, match="overlap_weight"):
+            KvRouter(2, specs, P, overlap_weight=bad)  # type: ignore[arg-type]
 
 
 def test_events_the_router_cannot_model_are_refused() -> None:

@@ -64,6 +64,11 @@ def test_hybrid_arena_cluster(capsys: pytest.CaptureFixture[str]) -> None:
         ),
         (["--preset", "llama3-8b-like", "--workers", "2", "--engine", "reference"], "--engine"),
         (["--preset", "llama3-8b-like", "--workers", "2", "--plot", "x.png"], "--plot"),
+        (["--preset", "llama3-8b-like", "--workers", "2", "--kv-overlap-weight", "1"], "--kv-overlap-weight"),
+        (
+            ["--preset", "llama3-8b-like", "--workers", "2", "--router", "kv", "--kv-overlap-weight", "-1"],
+            "--kv-overlap-weight",
+        ),
     ],
 )
 def test_argument_errors_name_the_option(

@@ -125,3 +125,33 @@ def test_round_robin_runs_any_model_and_splits_the_default_pool() -> None:
     result = simulate_cluster(trace, SimulationConfig(model="gpt-oss-like"), workers=2, router="round-robin")
     assert result.summary["finished"] == 20 and result.summary["requests_per_worker"] == [10, 10]
     assert result.summary["exact_at_admit"] is None
+
+
+@pytest.mark.parametrize("model", list(CONFIGS))
+def test_dynamos_cost_weighs_load_against_overlap(model: str) -> None:
+    # X0 runs alone on worker 0 and finishes; then four more X arrive in one step. 641 tokens are
+    # 41 blocks of 16; worker 0 would serve 640 (40 blocks), worker 1 nothing. Overlap first sends
+    # all four to worker 0. Dynamo's cost at weight 1, w x prefill blocks + active blocks (the
+    # blocks of the requests routed there and not yet finished), is for each in turn:
+    #   X1: worker 0: 1 + 0 = 1,   worker 1: 41 + 0 = 41   -> 0
+    #   X2: worker 0: 1 + 41 = 42, worker 1: 41            -> 1
+    #   X3: worker 0: 42,          worker 1: 41 + 41 = 82  -> 0
+    #   X4: worker 0: 1 + 82 = 83, worker 1: 82            -> 1
+    prompt = families_trace()[0].prompt
+    output = np.array([1, 2], dtype=np.uint32)
+    trace = [TraceRequest(i, prompt, output, arrival_step=0 if i == 0 else 40) for i in range(5)]
+    first = simulate_cluster(trace, CONFIGS[model](), workers=2, router="kv")
+    assert [a.worker for a in first.admissions] == [0] * 5
+    assert first.summary["overlap_weight"] is None
+    cost = simulate_cluster(trace, CONFIGS[model](), workers=2, router="kv", overlap_weight=1.0)
+    firsts = {a.request_id: a for a in reversed(cost.admissions)}
+    assert [firsts[i].worker for i in range(5)] == [0, 0, 1, 0, 1]
+    assert [firsts[i].routed_prediction for i in range(5)] == [0, 640, 0, 640, 0]
+    check_exact(cost)
+    assert cost.summary["overlap_weight"] == 1.0
+    assert cost.summary["requests_per_worker"] == [3, 2]
+    # A heavy weight makes overlap win again: worker 0 costs 10 x 1 + 41k, worker 1 10 x 41.
+    heavy = simulate_cluster(trace, CONFIGS[model](), workers=2, router="kv", overlap_weight=10.0)
+    assert [a.worker for a in heavy.admissions] == [0] * 5
+    with pytest.raises(ValueError, match="overlap_weight is a kv router setting"):
+        simulate_cluster(trace, CONFIGS[model](), workers=2, router="round-robin", overlap_weight=1.0)

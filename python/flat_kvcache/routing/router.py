@@ -2,12 +2,17 @@
 
 :class:`KvRouter` keeps one :class:`~flat_kvcache.routing.adapter.WorkerAdapter` per worker, feeds
 what they advertise into one Dynamo radix tree and predicts, per worker, the prefix hit (tokens)
-that worker's ``admit`` would serve now. It routes a request to the best prediction, ties to the
-least loaded worker, then the lowest worker id.
+that worker's ``admit`` would serve now. By default it routes a request to the best prediction,
+ties to the least loaded worker, then the lowest worker id. With ``overlap_weight`` it routes by
+Dynamo's own KV router cost instead: ``overlap_weight * prefill blocks + active blocks``, the
+prefill blocks being the prompt's blocks the worker would compute (those past its predicted hit)
+and the active blocks those of the requests the worker holds; the cheapest worker wins, ties to
+the fewest requests, then the lowest id.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -59,7 +64,14 @@ class RoundRobinRouter:
         self.workers = workers
         self._next = 0
 
-    def route(self, prompt: Any, extra_keys: Sequence[str], loads: Sequence[int]) -> tuple[int, int | None]:
+    def route(
+        self,
+        prompt: Any,
+        extra_keys: Sequence[str],
+        loads: Sequence[int],
+        active_blocks: Sequence[int] | None = None,
+    ) -> tuple[int, int | None]:
+        """The next worker in turn (nothing predicted); the other arguments are ignored."""
         worker = self._next
         self._next = (self._next + 1) % self.workers
         return worker, None
@@ -70,8 +82,19 @@ class KvRouter:
 
     kind: RouterKind = "kv"
 
-    def __init__(self, workers: int, specs: Sequence[Any], base_page_size: int) -> None:
+    def __init__(
+        self, workers: int, specs: Sequence[Any], base_page_size: int, overlap_weight: float | None = None
+    ) -> None:
         full, state = check_kv_routable(specs, base_page_size)
+        if overlap_weight is not None and not (
+            isinstance(overlap_weight, int | float)
+            and not isinstance(overlap_weight, bool)
+            and math.isfinite(overlap_weight)
+            and overlap_weight >= 0
+        ):
+            raise ValueError(f"overlap_weight must be a finite number >= 0 or None, got {overlap_weight!r}")
+        #: None: overlap first, load on ties; a number: Dynamo's cost (module docstring).
+        self.overlap_weight = None if overlap_weight is None else float(overlap_weight)
         self.workers = workers
         self.page_size = int(specs[full].page_size)
         grain = None if state is None else int(specs[state].page_size)
@@ -113,8 +136,35 @@ class KvRouter:
             boundary -= step
         return predicted
 
-    def route(self, prompt: Any, extra_keys: Sequence[str], loads: Sequence[int]) -> tuple[int, int]:
-        """The chosen worker and its predicted hit: best prediction, then fewest ``loads``, then lowest id."""
+    def route(
+        self,
+        prompt: Any,
+        extra_keys: Sequence[str],
+        loads: Sequence[int],
+        active_blocks: Sequence[int] | None = None,
+    ) -> tuple[int, int]:
+        """The chosen worker and its predicted hit.
+
+        ``loads`` are the workers' request counts. Without ``overlap_weight``: best prediction,
+        then fewest ``loads``, then lowest id. With it: least ``overlap_weight * (ceil(len(prompt)
+        / P) - hit / P) + active_blocks[w]`` (``active_blocks``, the blocks of the requests each
+        worker holds, is then required), then fewest ``loads``, then lowest id.
+        """
         predicted = self.predict(prompt, extra_keys)
-        worker = min(range(self.workers), key=lambda w: (-predicted.get(w, 0), loads[w], w))
+        if self.overlap_weight is None:
+            worker = min(range(self.workers), key=lambda w: (-predicted.get(w, 0), loads[w], w))
+            return worker, predicted.get(worker, 0)
+        if active_blocks is None or len(active_blocks) != self.workers:
+            raise ValueError(
+                f"active_blocks must give one block count per worker ({self.workers}) "
+                "when overlap_weight is set"
+            )
+        weight = self.overlap_weight
+        prompt_blocks = -(-len(prompt) // self.page_size)
+
+        def cost(w: int) -> tuple[float, int, int]:
+            prefill = prompt_blocks - predicted.get(w, 0) // self.page_size
+            return (weight * prefill + active_blocks[w], loads[w], w)
+
+        worker = min(range(self.workers), key=cost)
         return worker, predicted.get(worker, 0)

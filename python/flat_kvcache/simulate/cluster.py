@@ -96,18 +96,30 @@ def _worker_config(trace: Sequence[TraceRequest], config: SimulationConfig, work
     return dataclasses.replace(config, num_pages=1 + math.ceil((total - 1) / workers))
 
 
+def active_blocks(loop: _Loop, page_size: int) -> int:
+    """The blocks of ``page_size`` tokens of every request ``loop`` holds (queued, waiting or
+    running: prompt plus what it generated), as Dynamo's router counts a worker's active blocks."""
+    queued = sum(-(-len(request.prompt) // page_size) for request in loop.pending)
+    # A preempted request's folded prompt holds what it generated: count the trace prompt.
+    live = sum(-(-(len(x.request.prompt) + x.generated) // page_size) for x in (*loop.waiting, *loop.running))
+    return queued + live
+
+
 def simulate_cluster(
     trace: Sequence[TraceRequest],
     config: SimulationConfig,
     *,
     workers: int,
     router: str = "kv",
+    overlap_weight: float | None = None,
     progress: Callable[[int, int, int, int], None] | None = None,
 ) -> ClusterResult:
     """Replay ``trace`` over ``workers`` engines (module docstring). ``config`` is one worker's
     settings: ``num_pages`` / ``arena`` per worker (``num_pages`` None: 1/N of the pool
     :func:`~flat_kvcache.simulate.default_num_pages` gives one engine); the native engine only.
-    ``router`` is ``"round-robin"`` or ``"kv"`` (needs the ``dynamo`` extra)."""
+    ``router`` is ``"round-robin"`` or ``"kv"`` (needs the ``dynamo`` extra); ``overlap_weight``
+    (``kv`` only) routes by Dynamo's cost, ``overlap_weight`` times the prefill blocks plus the
+    worker's active blocks (:class:`~flat_kvcache.routing.KvRouter`), instead of overlap first."""
     import flat_kvcache
 
     if workers < 1:
@@ -116,6 +128,8 @@ def simulate_cluster(
         raise ValueError(f"router must be 'round-robin' or 'kv', got {router!r}")
     if config.engine != "native":
         raise ValueError("a cluster runs the native engine only (engine='native')")
+    if overlap_weight is not None and router != "kv":
+        raise ValueError(f"overlap_weight is a kv router setting; router is {router!r}")
     if router == "kv" and config.host_pages:
         raise ValueError("--router kv does not model a host-memory tier (host_pages must be 0)")
     config = _worker_config(trace, config, workers)
@@ -150,7 +164,7 @@ def simulate_cluster(
     if router == "kv":
         from flat_kvcache.routing import KvRouter
 
-        kv = KvRouter(workers, specs, loops[0].base)
+        kv = KvRouter(workers, specs, loops[0].base, overlap_weight)
         chooser: Any = kv
 
         for worker, loop in enumerate(loops):
@@ -187,8 +201,9 @@ def simulate_cluster(
         while pending and pending[0].arrival_step <= step:
             request = pending.popleft()
             loads = [len(loop.pending) + len(loop.waiting) + len(loop.running) for loop in loops]
+            blocks = None if overlap_weight is None else [active_blocks(loop, kv.page_size) for loop in loops]
             start = time.perf_counter_ns()
-            worker, predicted = chooser.route(request.prompt, request.extra_keys, loads)
+            worker, predicted = chooser.route(request.prompt, request.extra_keys, loads, blocks)
             route_ns.append(time.perf_counter_ns() - start)
             routed[request.request_id] = predicted
             loops[worker].pending.append(request)
@@ -208,7 +223,7 @@ def simulate_cluster(
         progress(step, sum(loop.done for loop in loops), total, 0)
     per_worker = [loop._summary(wall_ns) for loop in loops]
     return ClusterResult(
-        _cluster_summary(trace, router, step, per_worker, admissions, route_ns, wall_ns),
+        _cluster_summary(trace, router, overlap_weight, step, per_worker, admissions, route_ns, wall_ns),
         admissions,
         per_worker,
     )
@@ -217,6 +232,7 @@ def simulate_cluster(
 def _cluster_summary(
     trace: Sequence[TraceRequest],
     router: str,
+    overlap_weight: float | None,
     steps: int,
     per_worker: list[dict[str, Any]],
     admissions: list[Admission],
@@ -238,6 +254,8 @@ def _cluster_summary(
     exact_routed = sum(a.routed_prediction == a.served for a in routed)
     return {
         "router": router,
+        #: The kv router's Dynamo cost weight (None: overlap first, load on ties).
+        "overlap_weight": overlap_weight,
         "workers": len(per_worker),
         "requests": len(trace),
         "steps": steps,
