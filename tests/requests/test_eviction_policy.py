@@ -123,3 +123,92 @@ def test_decode_checkpoints_are_kept_on_probes_then_on_evidence(engine: ModuleTy
 def test_an_unknown_policy_is_refused_by_name(engine: ModuleType) -> None:
     with pytest.raises(ValueError, match="eviction_policy must be 'lru' or 'reuse', got 'LRU'"):
         make(engine, "LRU")
+
+
+# --- whole hybrid prefixes --------------------------------------------------------------------
+
+
+def hashes_of(tokens: list[int]) -> list[str]:
+    return list(flat_kvcache.hash_pages(tokens, P))
+
+
+def removed_full(cache: Any) -> list[str]:
+    """The full-attention page hashes (hex) the events since the last call removed."""
+    return [
+        h.hex()
+        for e in cache.take_events()
+        if isinstance(e, flat_kvcache.events.BlockRemoved) and e.group_index == 0
+        for h in e.block_hashes
+    ]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_finished_requests_pages_past_its_last_checkpoint_are_dropped(engine: ModuleType) -> None:
+    # 70 tokens in chunks of 16: checkpoints at 16, 32, 48, 64 (all on S = G = 8, so all kept).
+    # Base pages are 4 tokens: page 16 ([64, 68)) lies on no kept checkpoint's path [0, t), so
+    # under reuse it can never be hit and is dropped when the request finishes; lru keeps it.
+    prompt = base(70, seed=7)
+    reuse, lru = make(engine, "reuse"), make(engine, "lru")
+    for cache in (reuse, lru):
+        run(cache, "a", prompt, limit=16)
+    assert removed_full(reuse) == [hashes_of(prompt)[16]]
+    assert removed_full(lru) == []
+    # The hit is the same (it stops at the checkpoint at 64 either way).
+    follower = [*prompt, 5, 6, 7]
+    assert run(reuse, "b", follower)[0] == run(lru, "b", follower)[0] == 64
+
+
+def tight(engine: ModuleType, policy: str) -> Any:
+    components = [
+        flat_kvcache.ComponentSpec("full", 0, "kv", bytes_per_slot=64, const_bytes=0),
+        flat_kvcache.ComponentSpec("lin", 1, "ssm", bytes_per_slot=0, const_bytes=1024),
+    ]
+    plan = flat_kvcache.plan_arena(components, P, 14 * 1024, max_live_requests=1)
+    specs = [
+        flat_kvcache.KVCacheSpec("full", P, group_id="full"),
+        flat_kvcache.KVCacheSpec("state", G, group_id="lin"),
+    ]
+    return engine.FlatKVCache(specs, arena=plan, eviction_policy=policy, enable_kv_events=True)
+
+
+def dead_pages(cache: Any, prompts: list[list[int]], index: dict[int, set[str]]) -> set[str]:
+    """Cached full-attention pages (from the replayed events) on the path ``[0, t)`` of no cached
+    checkpoint of any prompt: pages no prefix hit can ever use."""
+    for e in cache.take_events():
+        if isinstance(e, flat_kvcache.events.BlockStored):
+            index[e.group_index].update(h.hex() for h in e.block_hashes)
+        elif isinstance(e, flat_kvcache.events.BlockRemoved):
+            index[e.group_index].difference_update(h.hex() for h in e.block_hashes)
+    live: set[str] = set()
+    for prompt in prompts:
+        pages = hashes_of(prompt)
+        keys = flat_kvcache.fold_hashes(pages, 0, G // P)  # the checkpoint at (i + 1) * G
+        for i, key in enumerate(keys):
+            if key in index[1]:
+                live.update(pages[: (i + 1) * G // P])
+    return index[0] - live
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_evicted_checkpoint_takes_the_pages_only_its_path_held(engine: ModuleType) -> None:
+    # One request at a time over a tight arena: three conversations of two turns each, the
+    # second turn extending the first. Checkpoints get evicted; under reuse no cached full-
+    # attention page is ever left that no cached checkpoint's path holds (SPEC 13.8, whole
+    # hybrid prefixes), under lru such pages pile up.
+    turns = []
+    for c in range(3):
+        first = base(60, seed=400 + c)
+        turns += [first, [*first, *base(30, seed=500 + c)]]
+    order = [turns[0], turns[2], turns[1], turns[4], turns[3], turns[5]]
+    found: dict[str, list[int]] = {}
+    for policy in ("reuse", "lru"):
+        cache = tight(engine, policy)
+        index: dict[int, set[str]] = {0: set(), 1: set()}
+        dead = []
+        for i, prompt in enumerate(order):
+            run(cache, f"r{i}", prompt, limit=16)
+            dead.append(len(dead_pages(cache, turns, index)))
+        assert cache.stats()["checkpoints_evicted"] > 0
+        found[policy] = dead
+    assert found["reuse"] == [0] * 6
+    assert max(found["lru"]) > 0

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from flat_kvcache._types import STATE, ArenaPlan, KVCacheSpec
+from flat_kvcache._types import FULL, STATE, ArenaPlan, KVCacheSpec
 from flat_kvcache.errors import UnknownRequestError
 from flat_kvcache.events import BlockRemoved, BlockStored, KVCacheEvent
 from flat_kvcache.reference._checks import ceil_div
@@ -47,6 +47,7 @@ from flat_kvcache.reference.engine.hash import fold_hashes, group_key
 from flat_kvcache.reference.engine.host import HOST_BIT, HOST_STORES, MAX_HOST_PAGES, HostTier
 from flat_kvcache.reference.engine.policy import EVICTION_POLICIES, ReuseEvidence
 from flat_kvcache.reference.engine.pool import DEFAULT_REUSE_UNCACHED_FIRST, BlockPool
+from flat_kvcache.reference.engine.prefixes import PathCounts
 from flat_kvcache.reference.engine.table import Table, TokenState
 
 __all__ = ["Coordinator", "PrefixMatch"]
@@ -309,6 +310,13 @@ class Coordinator:
             self._host = HostTier(num_host, host_store)
         if self._host is not None:
             self._pool._record_released = host_store == "evict"
+        # Whole hybrid prefixes (prefixes.py): the paths of the checkpoints finished requests
+        # left, over the full-attention groups keyed by base-page hashes.
+        self._prefixes = PathCounts()
+        self._full_at_base = [
+            g for g, spec in enumerate(spec_list) if spec.kind == FULL and spec.page_size == self._base
+        ]
+        self._pool._record_evictions = self._events_enabled or self._whole_prefixes()
 
     # -- properties -----------------------------------------------------------------------------
 
@@ -528,8 +536,55 @@ class Coordinator:
         return True
 
     def _record_evictions(self) -> None:
-        """Record the ``BlockRemoved`` events of the keys the last allocation evicted."""
-        self._events.extend(removed_events(self._pool._take_evicted()))
+        """After an allocation: the keys it evicted become ``BlockRemoved`` events and, keeping
+        whole prefixes, an evicted checkpoint's path is forgotten and the pages only it held
+        are dropped (their events follow)."""
+        keys = self._pool._take_evicted()
+        if self._whole_prefixes() and len(self._prefixes):
+            for key in list(keys):
+                if self._prefixes.remembers(key):
+                    self._drop_path(key, keys)
+        if self._events_enabled:
+            self._events.extend(removed_events(keys))
+
+    def _whole_prefixes(self) -> bool:
+        """Whether whole hybrid prefixes are kept (prefixes.py): the ``reuse`` policy, one state
+        group, a full-attention group on the base page, prefix caching on, no host tier."""
+        return (
+            self._policy == "reuse"
+            and len(self._state_groups) == 1
+            and bool(self._full_at_base)
+            and self._enable_caching
+            and self._host is None
+        )
+
+    def _drop_free(self, key: str, dropped: list[str]) -> None:
+        """Drop the key of the earliest registered page holding ``key`` if it is free."""
+        page = self._pool.lookup(key)
+        if page is not None:
+            held = self._pool._drop_free_key(page)
+            if held is not None:
+                dropped.append(held)
+
+    def _drop_path(self, key: str, dropped: list[str]) -> None:
+        """Forget checkpoint ``key``'s path and drop the free full-attention pages only it held."""
+
+        def unheld(page_hash: str) -> None:
+            for g in self._full_at_base:
+                self._drop_free(group_key(page_hash, g), dropped)
+
+        self._prefixes.forget(key, unheld)
+
+    def _drop_unheld(self, hashes: Sequence[str]) -> None:
+        """Drop the key of every free full-attention page among ``hashes`` (a finished request's,
+        in order) that no remembered path holds."""
+        dropped: list[str] = []
+        for page_hash in hashes:
+            if not self._prefixes.holds(page_hash):
+                for g in self._full_at_base:
+                    self._drop_free(group_key(page_hash, g), dropped)
+        if dropped and self._events_enabled:
+            self._events.extend(removed_events(dropped))
 
     def _register(
         self,

@@ -14,6 +14,7 @@ from flat_kvcache.reference.engine._args import HASH_HEX_LEN
 from flat_kvcache.reference.engine.group import GroupManager
 from flat_kvcache.reference.engine.hash import fold_hashes
 from flat_kvcache.reference.engine.pool import BlockPool
+from flat_kvcache.reference.engine.prefixes import PathCounts
 from flat_kvcache.reference.engine.table import Table, TokenState
 
 __all__ = ["KVEvents", "removed_events", "stored_event"]
@@ -81,6 +82,7 @@ class KVEvents:
     _events: list[KVCacheEvent]
     _events_enabled: bool
     _pool: BlockPool
+    _prefixes: PathCounts
 
     def take_events(self) -> list[KVCacheEvent]:
         """The events recorded since the last call, oldest first (``[]`` when events are off)."""
@@ -97,6 +99,9 @@ class KVEvents:
         """
         pinned = self._pool.num_cached_pinned
         dropped = self._pool._clear_cached_free()
+        for key in dropped:
+            # Every free page lost its key already: only the paths are forgotten.
+            self._prefixes.forget(key, lambda _hash: None)
         if self._events_enabled:
             if pinned == 0:
                 self._events.append(AllBlocksCleared())

@@ -18,6 +18,7 @@ use crate::engine::hash::{fold_run, ContentHash, GroupKey};
 use crate::engine::host::{Device, HostStore, HostTier, LoadEvent, Transfer};
 use crate::engine::policy::{EvictionPolicy, ReuseEvidence};
 use crate::engine::pool::{ArenaGeometry, BlockPool, NULL_PAGE};
+use crate::engine::prefixes::PathCounts;
 use crate::engine::table::Table;
 use crate::error::{CoreError, CoreResult};
 use crate::num::Divisor;
@@ -197,6 +198,11 @@ pub struct Coordinator {
     /// Which checkpoints are kept (SPEC 13.8, `policy.rs`), and what `reuse` learned.
     policy: EvictionPolicy,
     evidence: ReuseEvidence,
+    /// The paths of the checkpoints finished requests left (`prefixes.rs`; `reuse` only).
+    prefixes: PathCounts,
+    /// The full-attention groups whose page is the base page: their keys are base-page
+    /// hashes, the ones a checkpoint's path names.
+    full_at_base: Vec<u32>,
 }
 
 impl Coordinator {
@@ -307,6 +313,10 @@ impl Coordinator {
             .filter(|&g| specs[g].kind == GroupKind::State)
             .collect();
         let single_state = if let [g] = states.as_slice() { Some(*g) } else { None };
+        let full_at_base = (0..specs.len())
+            .filter(|&g| specs[g].kind == GroupKind::Full && specs[g].page_size == base)
+            .filter_map(|g| u32::try_from(g).ok())
+            .collect();
         Ok(Self {
             single_state,
             specs,
@@ -324,6 +334,8 @@ impl Coordinator {
             checkpoints_written: 0,
             policy: EvictionPolicy::Lru,
             evidence: ReuseEvidence::default(),
+            prefixes: PathCounts::default(),
+            full_at_base,
         })
     }
 
@@ -350,8 +362,18 @@ impl Coordinator {
         let Some(dropped) = self.pool.drop_free_key(page) else {
             return false;
         };
+        let mut keys = vec![dropped];
+        if self.whole_prefixes() {
+            Self::drop_path(
+                &mut self.pool,
+                &mut self.prefixes,
+                &self.full_at_base,
+                &dropped,
+                &mut keys,
+            );
+        }
         if self.events.enabled() {
-            Self::push_removed(vec![dropped], &mut self.events);
+            Self::push_removed(keys, &mut self.events);
         }
         true
     }
@@ -359,7 +381,96 @@ impl Coordinator {
     /// Record KV events from now on (or stop, dropping the unread ones).
     pub fn set_kv_events(&mut self, on: bool) {
         self.events = EventLog::new(on);
+        self.sync_recording();
+    }
+
+    /// The pool records evictions for the events and for whole prefixes.
+    fn sync_recording(&mut self) {
+        let on = self.events.enabled() || self.whole_prefixes();
         self.pool.set_record_evictions(on);
+    }
+
+    /// Whether whole hybrid prefixes are kept (`prefixes.rs`): the `reuse` policy, one state
+    /// group, a full-attention group on the base page, prefix caching on, no host tier.
+    pub fn whole_prefixes(&self) -> bool {
+        self.policy == EvictionPolicy::Reuse
+            && self.single_state.is_some()
+            && !self.full_at_base.is_empty()
+            && self.pool.caching_enabled()
+            && self.host.is_none()
+    }
+
+    /// Remember checkpoint `key` (a finished request's, still cached) with the path
+    /// `hashes[..len]` (`prefixes.rs`).
+    pub fn remember_checkpoint(&mut self, key: GroupKey, hashes: &Arc<[ContentHash]>, len: usize) {
+        self.prefixes.remember(key, hashes, len);
+    }
+
+    /// Drop the key of every free full-attention page among `hashes` (a finished request's,
+    /// in order) that no remembered path holds (`prefixes.rs`); a `BlockRemoved` is recorded.
+    pub fn drop_unheld(&mut self, hashes: &[ContentHash]) {
+        let mut dropped = Vec::new();
+        for hash in hashes {
+            if !self.prefixes.holds(hash) {
+                for &group in &self.full_at_base {
+                    Self::drop_free(&mut self.pool, GroupKey { hash: *hash, group }, &mut dropped);
+                }
+            }
+        }
+        if !dropped.is_empty() && self.events.enabled() {
+            Self::push_removed(dropped, &mut self.events);
+        }
+    }
+
+    /// Drop the key of the earliest-registered page holding `key` if it is free; the key
+    /// joins `dropped`.
+    fn drop_free(pool: &mut BlockPool<GroupKey>, key: GroupKey, dropped: &mut Vec<GroupKey>) {
+        if let Some(page) = pool.lookup(&key) {
+            dropped.extend(pool.drop_free_key(page));
+        }
+    }
+
+    /// Forget checkpoint `key`'s path and drop the free full-attention pages only it held
+    /// (their keys join `dropped`).
+    fn drop_path(
+        pool: &mut BlockPool<GroupKey>,
+        prefixes: &mut PathCounts,
+        full: &[u32],
+        key: &GroupKey,
+        dropped: &mut Vec<GroupKey>,
+    ) {
+        prefixes.forget(key, |hash| {
+            for &group in full {
+                Self::drop_free(pool, GroupKey { hash: *hash, group }, dropped);
+            }
+        });
+    }
+
+    /// After an allocation: the keys it evicted become `BlockRemoved` events and, keeping
+    /// whole prefixes (`on`), an evicted checkpoint's path is forgotten and the pages only it
+    /// held are dropped (their events follow).
+    fn after_allocation(
+        pool: &mut BlockPool<GroupKey>,
+        events: &mut EventLog,
+        prefixes: &mut PathCounts,
+        full: &[u32],
+        on: bool,
+    ) {
+        if !pool.records_evictions() {
+            return;
+        }
+        let mut keys = pool.take_evicted();
+        if on && !prefixes.is_empty() {
+            for i in 0..keys.len() {
+                let key = keys[i];
+                if prefixes.remembers(&key) {
+                    Self::drop_path(pool, prefixes, full, &key, &mut keys);
+                }
+            }
+        }
+        if events.enabled() {
+            Self::push_removed(keys, events);
+        }
     }
 
     /// Give the cache a host tier of `num_pages` pages of the device pages' geometry, shared
@@ -368,6 +479,7 @@ impl Coordinator {
         let tier = HostTier::new(num_pages, policy)?;
         self.pool.set_record_released(tier.stores_on_release());
         self.host = Some(tier);
+        self.sync_recording();
         Ok(())
     }
 
@@ -388,6 +500,7 @@ impl Coordinator {
         let tier = HostTier::per_group(pages, policy)?;
         self.pool.set_record_released(tier.stores_on_release());
         self.host = Some(tier);
+        self.sync_recording();
         Ok(())
     }
 
@@ -428,6 +541,10 @@ impl Coordinator {
         let pinned = self.pool.num_cached_pinned();
         let dropped = self.pool.clear_cached_free();
         let count = dropped.len();
+        for key in &dropped {
+            // Every free page lost its key already: only the paths are forgotten.
+            self.prefixes.forget(key, |_| {});
+        }
         if !self.events.enabled() {
             return count;
         }
@@ -473,6 +590,7 @@ impl Coordinator {
     /// Set the checkpoint policy (before any request exists).
     pub fn set_eviction_policy(&mut self, policy: EvictionPolicy) {
         self.policy = policy;
+        self.sync_recording();
     }
 
     /// What the `reuse` policy learned (read-only).
@@ -819,6 +937,7 @@ impl Coordinator {
             return false;
         }
         let recording = self.pool.records_evictions();
+        let whole = self.whole_prefixes();
         for (g, ((manager, table), in_use)) in self
             .managers
             .iter()
@@ -833,15 +952,16 @@ impl Coordinator {
             debug_assert!(ok, "acquire failed after the check");
             *in_use += pages;
             if recording {
-                Self::record_evictions(&mut self.pool, &mut self.events);
+                Self::after_allocation(
+                    &mut self.pool,
+                    &mut self.events,
+                    &mut self.prefixes,
+                    &self.full_at_base,
+                    whole,
+                );
             }
         }
         true
-    }
-
-    /// Turn the keys one allocation evicted into `BlockRemoved` events ([`Self::push_removed`]).
-    fn record_evictions(pool: &mut BlockPool<GroupKey>, events: &mut EventLog) {
-        Self::push_removed(pool.take_evicted(), events);
     }
 
     /// Record one `BlockRemoved` per group of `keys`, in the order each group first appears,
@@ -1210,9 +1330,14 @@ impl Coordinator {
                 "claim: the host loads' pages did not fit after the check".to_owned(),
             ));
         }
-        if self.pool.records_evictions() {
-            Self::record_evictions(&mut self.pool, &mut self.events);
-        }
+        let whole = self.whole_prefixes();
+        Self::after_allocation(
+            &mut self.pool,
+            &mut self.events,
+            &mut self.prefixes,
+            &self.full_at_base,
+            whole,
+        );
         for (hit, &d) in m.host_hits.iter().zip(&dest) {
             pages[hit.group][hit.slot] = d;
             // The load's pin: the page stays allocated until acknowledged, even if the

@@ -40,6 +40,7 @@ pub mod ids;
 pub mod lru;
 pub mod policy;
 pub mod pool;
+pub mod prefixes;
 pub mod table;
 pub mod tokens;
 

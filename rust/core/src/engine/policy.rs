@@ -17,6 +17,9 @@
 //!   (13.5d) is kept if a kept decode checkpoint was ever hit, and otherwise only for every
 //!   `DECODE_PROBE`-th request that has one (the probes that gather the evidence); the others
 //!   are dropped. A preempted request keeps everything (it comes back for it).
+//! - **Whole hybrid prefixes** (`prefixes.rs`, kept by the coordinator): a full-attention
+//!   page on the path of no cached checkpoint loses its key at its request's finish, or when
+//!   the last checkpoint whose path held it leaves the cache.
 //!
 //! Everything here is O(1) per call; nothing scans the pool.
 

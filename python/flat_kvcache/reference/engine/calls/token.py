@@ -452,9 +452,13 @@ class TokenApi(PageTables, Rows):
 
     def _drop_checkpoint(self, page: int, key: str) -> None:
         """Drop checkpoint ``key`` from ``page`` if it still holds it and nobody holds the page."""
-        dropped = self._pool._key_held_by(page) == key and self._pool._drop_free_key(page)
-        if dropped and self._events_enabled:
-            self._events.extend(removed_events([key]))
+        if self._pool._key_held_by(page) != key or self._pool._drop_free_key(page) is None:
+            return
+        keys = [key]
+        if self._whole_prefixes():
+            self._drop_path(key, keys)
+        if self._events_enabled:
+            self._events.extend(removed_events(keys))
 
     def _end_of_request(self, state: TokenState) -> None:
         """SPEC 13.8 (reuse), when a request finished (its pages released): drop its
@@ -471,6 +475,24 @@ class TokenApi(PageTables, Rows):
                 self._evidence.kept_decode(page, key)
             else:
                 self._drop_checkpoint(page, key)
+        if self._whole_prefixes():
+            self._keep_whole_prefixes(state)
+
+    def _keep_whole_prefixes(self, state: TokenState) -> None:
+        """SPEC 13.8 (reuse, whole hybrid prefixes; prefixes.py), at a request's finish after the
+        probation: remember the path of each of its checkpoints still cached (a prompt
+        checkpoint at ``t`` holds ``[0, t)``; the decode checkpoint sits at the last multiple of
+        the state grain), then drop its free full-attention pages no remembered path holds."""
+        hashes = list(state.hashes)
+        for page, key, tokens in state.prompt_checkpoints:
+            if self._pool._key_held_by(page) == key:
+                self._prefixes.remember(key, hashes, tokens // self._base)
+        grain = self._state_grain
+        if state.decode_checkpoint is not None and grain is not None:
+            page, key = state.decode_checkpoint
+            if self._pool._key_held_by(page) == key:
+                self._prefixes.remember(key, hashes, state.computed // grain * grain // self._base)
+        self._drop_unheld(state.hashes)
 
     def _keep_latest_decode_checkpoint(self, tables: list[Table], state: TokenState) -> None:
         """SPEC 13.5d: when the state page of the last computed token took a key in decode, it

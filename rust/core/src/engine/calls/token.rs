@@ -8,8 +8,10 @@
 //! use, and "allocated tokens" is read off them (claimed plus acquired tokens, the same in
 //! every group), so page-level calls on a token-level request cannot desynchronise it.
 
+use std::sync::Arc;
+
 use crate::engine::coordinator::{Coordinator, PrefixMatch, TokenContext};
-use crate::engine::hash::{hash_page, GroupKey};
+use crate::engine::hash::{hash_page, ContentHash, GroupKey};
 use crate::engine::ids::RequestIdRef;
 use crate::engine::policy::EvictionPolicy;
 use crate::engine::pool::NULL_PAGE;
@@ -731,6 +733,37 @@ fn end_of_request(coord: &mut Coordinator, state: &TokenState) {
             coord.drop_checkpoint(page, key);
         }
     }
+    if coord.whole_prefixes() {
+        keep_whole_prefixes(coord, state);
+    }
+}
+
+/// SPEC 13.8 (`reuse`, whole hybrid prefixes; `prefixes.rs`), at a request's finish after
+/// the probation: remember the path of each of its checkpoints still cached (a prompt
+/// checkpoint at `t` holds `[0, t)`; the decode checkpoint sits at the last multiple of the
+/// state grain), then drop its free full-attention pages that no remembered path holds.
+fn keep_whole_prefixes(coord: &mut Coordinator, state: &TokenState) {
+    let base = coord.base_page_size();
+    let pages = |tokens: u64| usize::try_from(tokens / base).unwrap_or(usize::MAX);
+    let mut hashes: Option<Arc<[ContentHash]>> = None;
+    // Every hash below the longest path remembered here is held by it: the scan for unheld
+    // pages starts there.
+    let mut held_below = 0;
+    let mut remember = |coord: &mut Coordinator, page: u32, key: GroupKey, tokens: u64| {
+        if coord.pool().key_of(page) == Some(&key) {
+            let shared = hashes.get_or_insert_with(|| Arc::from(state.hashes.as_slice()));
+            coord.remember_checkpoint(key, shared, pages(tokens));
+            held_below = held_below.max(pages(tokens));
+        }
+    };
+    for &(page, key, tokens) in &state.prompt_checkpoints {
+        remember(coord, page, key, tokens);
+    }
+    if let (Some((page, key)), Some(grain)) = (state.decode_checkpoint, coord.state_grain()) {
+        remember(coord, page, key, state.computed / grain * grain);
+    }
+    let from = held_below.min(state.hashes.len());
+    coord.drop_unheld(&state.hashes[from..]);
 }
 
 /// The pool page of state group `g` holding the state after `computed` tokens: the page of
