@@ -30,12 +30,12 @@ ENGINES = [
 ]
 
 
-def make(engine: ModuleType, policy: str) -> Any:
+def make(engine: ModuleType, policy: str, arena_bytes: int = 400 * 1024, live: int = 4) -> Any:
     components = [
         flat_kvcache.ComponentSpec("full", 0, "kv", bytes_per_slot=64, const_bytes=0),
         flat_kvcache.ComponentSpec("lin", 1, "ssm", bytes_per_slot=0, const_bytes=1024),
     ]
-    plan = flat_kvcache.plan_arena(components, P, 400 * 1024, max_live_requests=4)
+    plan = flat_kvcache.plan_arena(components, P, arena_bytes, max_live_requests=live)
     specs = [
         flat_kvcache.KVCacheSpec("full", P, group_id="full"),
         flat_kvcache.KVCacheSpec("state", G, group_id="lin"),
@@ -159,16 +159,8 @@ def test_a_finished_requests_pages_past_its_last_checkpoint_are_dropped(engine: 
 
 
 def tight(engine: ModuleType, policy: str) -> Any:
-    components = [
-        flat_kvcache.ComponentSpec("full", 0, "kv", bytes_per_slot=64, const_bytes=0),
-        flat_kvcache.ComponentSpec("lin", 1, "ssm", bytes_per_slot=0, const_bytes=1024),
-    ]
-    plan = flat_kvcache.plan_arena(components, P, 14 * 1024, max_live_requests=1)
-    specs = [
-        flat_kvcache.KVCacheSpec("full", P, group_id="full"),
-        flat_kvcache.KVCacheSpec("state", G, group_id="lin"),
-    ]
-    return engine.FlatKVCache(specs, arena=plan, eviction_policy=policy, enable_kv_events=True)
+    """:func:`make` over an arena of 14 KiB for one live request: checkpoints get evicted."""
+    return make(engine, policy, 14 * 1024, live=1)
 
 
 def dead_pages(cache: Any, prompts: list[list[int]], index: dict[int, set[str]]) -> set[str]:
