@@ -447,29 +447,23 @@ impl Coordinator {
     }
 
     /// After an allocation: the keys it evicted become `BlockRemoved` events and, keeping
-    /// whole prefixes (`on`), an evicted checkpoint's path is forgotten and the pages only it
-    /// held are dropped (their events follow).
-    fn after_allocation(
-        pool: &mut BlockPool<GroupKey>,
-        events: &mut EventLog,
-        prefixes: &mut PathCounts,
-        full: &[u32],
-        on: bool,
-    ) {
-        if !pool.records_evictions() {
+    /// whole prefixes, an evicted checkpoint's path is forgotten and the pages only it held are
+    /// dropped (their events follow). Nothing when the pool records no evictions.
+    fn after_allocation(&mut self) {
+        if !self.pool.records_evictions() {
             return;
         }
-        let mut keys = pool.take_evicted();
-        if on && !prefixes.is_empty() {
+        let mut keys = self.pool.take_evicted();
+        if self.whole_prefixes() && !self.prefixes.is_empty() {
             for i in 0..keys.len() {
                 let key = keys[i];
-                if prefixes.remembers(&key) {
-                    Self::drop_path(pool, prefixes, full, &key, &mut keys);
+                if self.prefixes.remembers(&key) {
+                    Self::drop_path(&mut self.pool, &mut self.prefixes, &self.full_at_base, &key, &mut keys);
                 }
             }
         }
-        if events.enabled() {
-            Self::push_removed(keys, events);
+        if self.events.enabled() {
+            Self::push_removed(keys, &mut self.events);
         }
     }
 
@@ -936,30 +930,15 @@ impl Coordinator {
         if !self.pool.fits(needs) {
             return false;
         }
-        let recording = self.pool.records_evictions();
-        let whole = self.whole_prefixes();
-        for (g, ((manager, table), in_use)) in self
-            .managers
-            .iter()
-            .zip(tables.iter_mut())
-            .zip(&mut self.in_use)
-            .enumerate()
-        {
+        for (g, table) in tables.iter_mut().enumerate().take(self.managers.len()) {
+            let manager = &self.managers[g];
             // Pages, not slots: a state group's new slots are holes but its last.
             let movable = manager.state_movable(&self.pool, table);
             let pages = usize::try_from(manager.blocks_needed(table, n, movable)).unwrap_or(usize::MAX);
             let ok = manager.acquire(&mut self.pool, g, table, n);
             debug_assert!(ok, "acquire failed after the check");
-            *in_use += pages;
-            if recording {
-                Self::after_allocation(
-                    &mut self.pool,
-                    &mut self.events,
-                    &mut self.prefixes,
-                    &self.full_at_base,
-                    whole,
-                );
-            }
+            self.in_use[g] += pages;
+            self.after_allocation();
         }
         true
     }
@@ -1330,14 +1309,7 @@ impl Coordinator {
                 "claim: the host loads' pages did not fit after the check".to_owned(),
             ));
         }
-        let whole = self.whole_prefixes();
-        Self::after_allocation(
-            &mut self.pool,
-            &mut self.events,
-            &mut self.prefixes,
-            &self.full_at_base,
-            whole,
-        );
+        self.after_allocation();
         for (hit, &d) in m.host_hits.iter().zip(&dest) {
             pages[hit.group][hit.slot] = d;
             // The load's pin: the page stays allocated until acknowledged, even if the
