@@ -80,7 +80,13 @@ class Setup:
 
 
 def setup(
-    kind: str, engine: ModuleType, num_units: int = 64, *, max_live: int = 1, host_pages: int = 0
+    kind: str,
+    engine: ModuleType,
+    num_units: int = 64,
+    *,
+    max_live: int = 1,
+    host_pages: int = 0,
+    **options: Any,
 ) -> Setup:
     model = model_of(kind)
     shape = model_shape(model.config)
@@ -88,7 +94,7 @@ def setup(
     arena = allocate_arena(shape, plan, "cpu")
     arena.arena[plan.unit_bytes :].fill_(0xFF)  # NaN in float32; unit 0 (null page and slot) stays 0
     specs = arena_specs(shape, page_size=P, state_grain=G)
-    cache = engine.FlatKVCache(specs, arena=plan, host_pages=host_pages)
+    cache = engine.FlatKVCache(specs, arena=plan, host_pages=host_pages, **options)
     runner = PagedModelRunner(model, cache, arena, poison_new_pages=True)
     return Setup(model, cache, arena, runner)
 
@@ -209,6 +215,37 @@ def test_an_evicted_checkpoint_falls_back_to_an_earlier_one(kind: str, engine: M
     assert hit % G == 0 and 0 < hit < 24, hit
     assert starts(records["c"])[0] == hit
     exact(s, records)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_whole_prefixes_drop_only_pages_no_checkpoint_can_resume(kind: str, engine: ModuleType) -> None:
+    # SPEC 13.8f under the reuse policy: a finished request's full-attention pages past its last
+    # kept checkpoint lose their keys (no hit can resume there), and when a checkpoint is evicted
+    # the pages only its path held go too. Every later hit must still compute exactly.
+    s = setup(kind, engine, num_units=12, max_live=1, eviction_policy="reuse", enable_kv_events=True)
+    specs = arena_specs(model_shape(s.model.config), page_size=P, state_grain=G)
+    full = next(g for g, spec in enumerate(specs) if spec.kind == "full")
+    base = tokens(6, 30)
+    first = run_greedy(s.runner, {"a": base}, 2, chunk_size=12, max_running=1)
+    # a: checkpoints at 8, 16, 24 (chunks cut on the grain); its 7 full pages of 4 tokens hold
+    # [0, 28): page 6 ([24, 28)) lies past every checkpoint and is the only one dropped.
+    removed = [
+        h.hex()
+        for e in s.cache.take_events()
+        if isinstance(e, flat_kvcache.events.BlockRemoved) and e.group_index == full
+        for h in e.block_hashes
+    ]
+    assert removed == [flat_kvcache.hash_pages(base, P)[6]]
+    # Then a follow-up turn (hits 24), an unrelated request that fills the arena (checkpoints
+    # evicted, their paths' pages dropped with them), and the first prompt again.
+    rest = {"b": [*base, *tokens(61, 10)], "x": tokens(70, 30), "c": [*base[:28], 1, 2]}
+    records = run_greedy(s.runner, rest, 2, chunk_size=12, max_running=1)
+    assert records["b"].hits == [24]
+    assert s.cache.stats()["checkpoints_evicted"] > 0
+    (hit,) = records["c"].hits
+    assert hit % G == 0 and starts(records["c"])[0] == hit
+    exact(s, {**first, **records})
 
 
 @pytest.mark.parametrize("kind", KINDS)
