@@ -228,8 +228,9 @@ def test_whole_prefixes_drop_only_pages_no_checkpoint_can_resume(kind: str, engi
     full = next(g for g, spec in enumerate(specs) if spec.kind == "full")
     base = tokens(6, 30)
     first = run_greedy(s.runner, {"a": base}, 2, chunk_size=12, max_running=1)
-    # a: checkpoints at 8, 16, 24 (chunks cut on the grain); its 7 full pages of 4 tokens hold
-    # [0, 28): page 6 ([24, 28)) lies past every checkpoint and is the only one dropped.
+    # a: checkpoints at 8, 16, 24 (chunks cut on the grain; 8 and 16 are dropped at finish, 24 is
+    # its last); its 7 full pages of 4 tokens hold [0, 28): page 6 ([24, 28)) lies past every
+    # checkpoint and is the only one dropped.
     removed = [
         h.hex()
         for e in s.cache.take_events()
@@ -237,9 +238,9 @@ def test_whole_prefixes_drop_only_pages_no_checkpoint_can_resume(kind: str, engi
         for h in e.block_hashes
     ]
     assert removed == [flat_kvcache.hash_pages(base, P)[6]]
-    # Then a follow-up turn (hits 24), an unrelated request that fills the arena (checkpoints
-    # evicted, their paths' pages dropped with them), and the first prompt again.
-    rest = {"b": [*base, *tokens(61, 10)], "x": tokens(70, 30), "c": [*base[:28], 1, 2]}
+    # Then a follow-up turn (hits 24), an unrelated 50-token request that fills the arena
+    # (checkpoints evicted, their paths' pages dropped with them), and the first prompt again.
+    rest = {"b": [*base, *tokens(61, 10)], "x": tokens(70, 50), "c": [*base[:28], 1, 2]}
     records = run_greedy(s.runner, rest, 2, chunk_size=12, max_running=1)
     assert records["b"].hits == [24]
     assert s.cache.stats()["checkpoints_evicted"] > 0

@@ -7,9 +7,10 @@ the policy's own rules:
 - the sharing grain S is the largest G * 2**k dividing 9 in 10 of the divergence points seen,
   once 16 were seen (G before);
 - under S > G a prompt's body ends at the last multiple of S before its last token;
-- at finish, prompt checkpoints neither on S nor the branch point are dropped;
-- at finish, a decode checkpoint is kept on the first request (a probe), then on every 8th,
-  and on every one once a kept one was hit.
+- at finish, prompt checkpoints are dropped except the branch point and the last one when it
+  lies on S;
+- at finish, a decode checkpoint is kept by the n-th request that has one for n a power of two
+  (the probes), and by every one once a kept one was hit.
 
 ``lru`` keeps today's rules (the same calls give the SPEC 13.5 cuts and hits).
 """
@@ -97,9 +98,13 @@ def test_probationary_prompt_checkpoints_are_dropped_at_finish(engine: ModuleTyp
     assert run(reuse, "long", prompt, limit=16)[1] == [16, 16, 16, 16, 6]
     assert run(lru, "long", prompt, limit=16)[1] == [16, 16, 16, 16, 6]
     follower = [*prompt[:52], *base(5, seed=51)]
-    # lru kept 48; reuse dropped 16 and 48 (not multiples of 32) at finish: it resumes at 32
+    # lru kept 48; reuse dropped 16, 32 and 48 at finish (not the last, 64; no branch point)
     assert run(lru, "follower", follower)[0] == 48
-    assert run(reuse, "follower", follower)[0] == 32
+    assert run(reuse, "follower", follower)[0] == 0
+    # the next turn resumes at the last under both
+    turn = [*prompt, *base(5, seed=52)]
+    assert run(lru, "turn", turn)[0] == 64
+    assert run(reuse, "turn", turn)[0] == 64
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -111,9 +116,10 @@ def test_decode_checkpoints_are_kept_on_probes_then_on_evidence(engine: ModuleTy
     answers = [[*p, *(10_000 + j for j in range(15))] for p in prompts]
     for i, prompt in enumerate(prompts):
         run(cache, f"r{i}", prompt, decode=16)
-    # The first request was a probe (kept), the next seven were not, the ninth is a probe.
+    # The probes are the 1st, 2nd, 4th and 8th requests (kept); the others resume at the
+    # prompt's checkpoint, 8.
     hits = [run(cache, f"again{i}", [*answers[i], 7])[0] for i in range(9)]
-    assert hits == [24, 8, 8, 8, 8, 8, 8, 8, 24]
+    assert hits == [24, 24, 8, 24, 8, 8, 8, 24, 8]
     # The probe's checkpoint was hit (again0): evidence; from now on every one is kept.
     run(cache, "after", base(9, seed=300), decode=16)
     assert run(cache, "after-again", [*base(9, seed=300), *(10_000 + j for j in range(15)), 7])[0] == 24

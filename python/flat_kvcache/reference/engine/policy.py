@@ -7,21 +7,21 @@ checkpoint where reuse is likely:
   of the divergence points seen (a full-attention match that stopped before the capped prompt),
   once ``MIN_OBSERVATIONS`` were seen; else the state grain ``G``;
 - the body's end on ``S`` (SPEC 13.5b with ``S``; ``G`` when no multiple of ``S`` lies ahead);
-- at finish, prompt checkpoints neither on ``S`` nor the branch point are dropped unless held;
-- at finish, the decode checkpoint is kept once a kept one was hit, else only for every
-  ``DECODE_PROBE``-th request that has one (the probes), else dropped unless held.
+- at finish, prompt checkpoints are dropped unless held, except the branch point and the last
+  one when it lies on ``S``;
+- at finish, the decode checkpoint is kept once a kept one was hit, else only by the ``n``-th
+  request that has one for ``n`` a power of two (the probes, backing off while none is hit),
+  else dropped unless held.
 """
 
 from __future__ import annotations
 
-__all__ = ["DECODE_PROBE", "EVICTION_POLICIES", "MAX_LEVEL", "MIN_OBSERVATIONS", "ReuseEvidence"]
+__all__ = ["EVICTION_POLICIES", "MAX_LEVEL", "MIN_OBSERVATIONS", "ReuseEvidence"]
 
 #: Divergence points needed before the sharing grain moves from ``G``.
 MIN_OBSERVATIONS = 16
 #: The largest sharing grain is ``G * 2**MAX_LEVEL``.
 MAX_LEVEL = 6
-#: Without evidence, one request in this many keeps its decode checkpoint.
-DECODE_PROBE = 8
 #: The ``eviction_policy`` names.
 EVICTION_POLICIES = ("lru", "reuse")
 
@@ -66,9 +66,10 @@ class ReuseEvidence:
             self.decode_hits += 1
 
     def keep_decode(self) -> bool:
-        """Whether a finishing request keeps its decode checkpoint (counts the request)."""
+        """Whether a finishing request keeps its decode checkpoint (counts the request): always
+        once a kept one was hit, before that the ``n``-th such request for ``n`` a power of two."""
         self.decode_seen += 1
-        return self.decode_hits > 0 or self.decode_seen % DECODE_PROBE == 1
+        return self.decode_hits > 0 or self.decode_seen & (self.decode_seen - 1) == 0
 
     def kept_decode(self, page: int, key: str) -> None:
         self.decode_keys[page] = key

@@ -10,13 +10,18 @@
 //!   `MIN_OBSERVATIONS` were seen (before that, and when no level has 90 %, `S = G`).
 //! - **The body's end at `S`.** A prompt's body ends at the last multiple of `S` before its
 //!   last token (SPEC 13.5b with `S` in place of `G`; `G` when no multiple of `S` lies ahead).
-//! - **Probationary prompt checkpoints.** When a request finishes, its prompt checkpoints that
-//!   are not multiples of `S` and not its branch point (13.5c) are dropped if nobody holds
-//!   them (a request that hit one holds it).
+//! - **Probationary prompt checkpoints.** When a request finishes, its prompt checkpoints are
+//!   dropped if nobody holds them (a request that hit one holds it), except its branch point
+//!   (13.5c) and its last one when that is a multiple of `S` (the body's end, or the last
+//!   chunk's end): the next turn of a conversation resumes at the last, a branching prompt at
+//!   the branch point, and an earlier chunk's end (13.5a) serves only a prompt that diverges
+//!   exactly there while costing a whole state checkpoint.
 //! - **Decode checkpoints on evidence.** When a request finishes, its latest decode checkpoint
-//!   (13.5d) is kept if a kept decode checkpoint was ever hit, and otherwise only for every
-//!   `DECODE_PROBE`-th request that has one (the probes that gather the evidence); the others
-//!   are dropped. A preempted request keeps everything (it comes back for it).
+//!   (13.5d) is kept if a kept decode checkpoint was ever hit, and otherwise only by the
+//!   requests that have one whose count is a power of two (1st, 2nd, 4th, 8th, ...: probes
+//!   that gather the evidence and back off while none is hit, so a workload whose outputs
+//!   never come back pays for a logarithmic number of them); the others are dropped. A
+//!   preempted request keeps everything (it comes back for it).
 //! - **Whole hybrid prefixes** (`prefixes.rs`, kept by the coordinator): a full-attention
 //!   page on the path of no cached checkpoint loses its key at its request's finish, or when
 //!   the last checkpoint whose path held it leaves the cache.
@@ -32,8 +37,6 @@ use crate::engine::hash::GroupKey;
 pub const MIN_OBSERVATIONS: u64 = 16;
 /// The largest sharing grain is `G * 2^MAX_LEVEL`.
 pub const MAX_LEVEL: usize = 6;
-/// Without evidence, one request in this many keeps its decode checkpoint (a probe).
-pub const DECODE_PROBE: u64 = 8;
 
 /// Which checkpoints are kept (the `eviction_policy` option).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -130,10 +133,12 @@ impl ReuseEvidence {
         }
     }
 
-    /// Whether a finishing request keeps its decode checkpoint (counts the request).
+    /// Whether a finishing request keeps its decode checkpoint (counts the request): always
+    /// once a kept one was hit, before that only the probes (the `n`-th such request for `n` a
+    /// power of two).
     pub fn keep_decode(&mut self) -> bool {
         self.decode_seen = self.decode_seen.saturating_add(1);
-        self.decode_hits > 0 || self.decode_seen % DECODE_PROBE == 1
+        self.decode_hits > 0 || self.decode_seen.is_power_of_two()
     }
 
     /// Remember that decode checkpoint `key` in `page` was kept.
@@ -178,8 +183,8 @@ mod tests {
     #[test]
     fn decode_checkpoints_are_kept_on_probes_then_on_evidence() {
         let mut e = ReuseEvidence::default();
-        let kept: Vec<bool> = (0..9).map(|_| e.keep_decode()).collect();
-        assert_eq!(kept, [true, false, false, false, false, false, false, false, true]);
+        let kept: Vec<usize> = (1..=100).filter(|_| e.keep_decode()).collect();
+        assert_eq!(kept, [1, 2, 4, 8, 16, 32, 64], "the probes back off while none is hit");
         let key = GroupKey::new([7; 32], 0);
         e.kept_decode(5, key);
         e.note_hit(5, &GroupKey::new([8; 32], 0));

@@ -462,12 +462,14 @@ class TokenApi(PageTables, Rows):
 
     def _end_of_request(self, state: TokenState) -> None:
         """SPEC 13.8 (reuse), when a request finished (its pages released): drop its
-        probationary prompt checkpoints and, without evidence of reuse, its decode checkpoint."""
+        probationary prompt checkpoints (all but its branch point and its last one on the sharing
+        grain) and, without evidence of reuse, its decode checkpoint."""
         sharing = self._sharing_grain()
         if self._policy != "reuse" or sharing is None:
             return
+        last = state.prompt_checkpoints[-1][2] if state.prompt_checkpoints else 0
         for page, key, tokens in state.prompt_checkpoints:
-            if tokens % sharing and tokens != state.branch:
+            if tokens != state.branch and not (tokens == last and tokens % sharing == 0):
                 self._drop_checkpoint(page, key)
         if state.decode_checkpoint is not None:
             page, key = state.decode_checkpoint

@@ -712,8 +712,8 @@ fn note_prompt_checkpoint(coord: &Coordinator, tables: &[Table], state: &mut Tok
 }
 
 /// SPEC 13.8 (`reuse`), when a request finishes (its pages released): drop its probationary
-/// prompt checkpoints (not on the sharing grain, not its branch point) and, without evidence
-/// of reuse, its decode checkpoint; each only if nobody holds it.
+/// prompt checkpoints (all but its branch point and its last one on the sharing grain) and,
+/// without evidence of reuse, its decode checkpoint; each only if nobody holds it.
 fn end_of_request(coord: &mut Coordinator, state: &TokenState) {
     if coord.eviction_policy() != EvictionPolicy::Reuse {
         return;
@@ -721,8 +721,11 @@ fn end_of_request(coord: &mut Coordinator, state: &TokenState) {
     let Some(sharing) = coord.sharing_grain() else {
         return;
     };
+    // Written in order of position: the last is the deepest.
+    let last = state.prompt_checkpoints.last().map_or(0, |&(_, _, tokens)| tokens);
     for &(page, key, tokens) in &state.prompt_checkpoints {
-        if tokens % sharing != 0 && tokens != state.branch {
+        let kept = tokens == state.branch || (tokens == last && tokens % sharing == 0);
+        if !kept {
             coord.drop_checkpoint(page, key);
         }
     }
