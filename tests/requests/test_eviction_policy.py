@@ -23,6 +23,8 @@ from typing import Any
 import flat_kvcache
 import flat_kvcache.reference
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 P, G = 4, 8
 ENGINES = [
@@ -210,3 +212,56 @@ def test_an_evicted_checkpoint_takes_the_pages_only_its_path_held(engine: Module
         found[policy] = dead
     assert found["reuse"] == [0] * 6
     assert max(found["lru"]) > 0
+
+
+def event_stream(cache: Any) -> list[tuple[str, int, list[str]]]:
+    """The stored and removed pages of the events since the last call, in order."""
+    out = []
+    for e in cache.take_events():
+        if isinstance(e, (flat_kvcache.events.BlockStored, flat_kvcache.events.BlockRemoved)):
+            out.append((type(e).__name__, e.group_index, [h.hex() for h in e.block_hashes]))
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    data=st.data(),
+    conversations=st.integers(1, 4),
+    turns=st.integers(2, 5),
+    arena_kib=st.sampled_from([14, 20, 400]),
+)
+def test_multi_turn_conversations_drop_the_same_pages_in_both_engines(
+    data: st.DataObject, conversations: int, turns: int, arena_kib: int
+) -> None:
+    # Each turn resumes from the checkpoint its conversation's previous turn kept, so the native
+    # engine remembers its checkpoints below that one (a tree of path segments, forgotten
+    # checkpoints kept as ghosts while a later turn's path runs through them) while the
+    # reference counts every whole path: the pages they drop, and when, must agree event for event.
+    prompts: list[list[int]] = []
+    order = []
+    for c in range(conversations):
+        prompt = base(data.draw(st.integers(1, 40), label="first"), seed=600 + c)
+        for t in range(turns):
+            if t:
+                extra = data.draw(st.integers(1, 30), label="extension")
+                prompt = [*prompt, *base(extra, seed=700 + 10 * c + t)]
+            prompts.append(prompt)
+            order.append((c, t, len(prompts) - 1))
+    # Interleave the conversations, keeping each one's turns in order.
+    shuffled = data.draw(st.permutations(order), label="interleaving")
+    queue: dict[int, list[int]] = {}
+    for c, _, i in order:
+        queue.setdefault(c, []).append(i)
+    sequence = []
+    for c, _, _ in shuffled:
+        sequence.append(queue[c].pop(0))
+    limit = data.draw(st.sampled_from([8, 16, 1 << 20]), label="chunk limit")
+    results = []
+    for engine in (flat_kvcache, flat_kvcache.reference):
+        cache = make(engine, "reuse", arena_kib * 1024, live=1)
+        hits, events = [], []
+        for n, i in enumerate(sequence):
+            hits.append(run(cache, f"r{n}", prompts[i], limit=limit)[0])
+            events.append(event_stream(cache))
+        results.append((hits, events, cache.stats()["checkpoints_evicted"]))
+    assert results[0] == results[1]

@@ -6,6 +6,12 @@ checkpoint can never be hit. :class:`PathCounts` remembers, for every checkpoint
 request left in the cache, its path (the base-page hashes of ``[0, t)``) and, per base-page
 hash, how many remembered paths hold it; the engine drops the key of a free full-attention page
 no path holds, at a request's finish and when a checkpoint leaves the cache.
+
+This counts every whole path, the plain form of the rule. The native ``prefixes.rs`` keeps a
+tree of path segments instead (a checkpoint below the one its request resumed from, storing only
+its own pages; forgotten ones kept as ghosts while a later path runs through them) so that its
+cost is the request's own pages; the held hashes and the order of ``on_unheld`` are the same,
+which the native == reference tests check event for event.
 """
 
 from __future__ import annotations

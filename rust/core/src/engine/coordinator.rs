@@ -401,9 +401,17 @@ impl Coordinator {
     }
 
     /// Remember checkpoint `key` (a finished request's, still cached) with the path
-    /// `hashes[..len]` (`prefixes.rs`).
-    pub fn remember_checkpoint(&mut self, key: GroupKey, hashes: &Arc<[ContentHash]>, len: usize) {
-        self.prefixes.remember(key, hashes, len);
+    /// `hashes[..len]`, below `parent` (a checkpoint on its path: `prefixes.rs`). Returns
+    /// whether it has a node now (a later checkpoint of the path can go below it).
+    pub fn remember_checkpoint(
+        &mut self,
+        key: GroupKey,
+        hashes: &[ContentHash],
+        len: usize,
+        parent: Option<GroupKey>,
+    ) -> bool {
+        self.prefixes.remember(key, hashes, len, parent);
+        self.prefixes.has_node(&key)
     }
 
     /// Drop the key of every free full-attention page among `hashes` (a finished request's,

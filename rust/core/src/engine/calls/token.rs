@@ -8,10 +8,8 @@
 //! use, and "allocated tokens" is read off them (claimed plus acquired tokens, the same in
 //! every group), so page-level calls on a token-level request cannot desynchronise it.
 
-use std::sync::Arc;
-
 use crate::engine::coordinator::{Coordinator, PrefixMatch, TokenContext};
-use crate::engine::hash::{hash_page, ContentHash, GroupKey};
+use crate::engine::hash::{hash_page, GroupKey};
 use crate::engine::ids::RequestIdRef;
 use crate::engine::policy::EvictionPolicy;
 use crate::engine::pool::NULL_PAGE;
@@ -162,6 +160,7 @@ impl FlatCache {
             step: None,
             decode_checkpoint: None,
             prompt_checkpoints: Vec::new(),
+            resumed: None,
         };
         let at = self.insert(req, Some(state));
         if let (Some(m), Some(grain)) = (m.as_ref(), self.coord.state_grain()) {
@@ -195,6 +194,9 @@ impl FlatCache {
                     let page = state_page(&self.coord, &self.entries[at].tables, g, hit);
                     if let Some(&key) = self.coord.pool().key_of(page) {
                         self.coord.evidence_mut().note_hit(page, &key);
+                        if let Some(state) = self.entries[at].tokens.as_mut() {
+                            state.resumed = Some(key);
+                        }
                     }
                 }
             }
@@ -748,14 +750,17 @@ fn end_of_request(coord: &mut Coordinator, state: &TokenState) {
 fn keep_whole_prefixes(coord: &mut Coordinator, state: &TokenState) {
     let base = coord.base_page_size();
     let pages = |tokens: u64| usize::try_from(tokens / base).unwrap_or(usize::MAX);
-    let mut hashes: Option<Arc<[ContentHash]>> = None;
     // Every hash below the longest path remembered here is held by it: the scan for unheld
     // pages starts there.
     let mut held_below = 0;
+    // Each checkpoint goes below the previous one on the path (the first below the one the
+    // request resumed from): its node stores only the pages past it.
+    let mut parent = state.resumed;
     let mut remember = |coord: &mut Coordinator, page: u32, key: GroupKey, tokens: u64| {
         if coord.pool().key_of(page) == Some(&key) {
-            let shared = hashes.get_or_insert_with(|| Arc::from(state.hashes.as_slice()));
-            coord.remember_checkpoint(key, shared, pages(tokens));
+            if coord.remember_checkpoint(key, &state.hashes, pages(tokens), parent) {
+                parent = Some(key);
+            }
             held_below = held_below.max(pages(tokens));
         }
     };
