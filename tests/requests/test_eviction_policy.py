@@ -166,6 +166,22 @@ def test_a_finished_requests_pages_past_its_last_checkpoint_are_dropped(engine: 
     assert run(reuse, "b", follower)[0] == run(lru, "b", follower)[0] == 64
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_finished_requests_pages_on_another_kept_path_stay(engine: ModuleType) -> None:
+    # p (40 tokens, S = G = 8) keeps its body end, 32: its path holds pages 0 to 7 ([0, 32)).
+    # r shares p's first 20 tokens: it resumes at 0 (no checkpoint within its match), cuts its
+    # branch point at 16 and keeps it; its pages past 16 are [16, 20) (page 4, on p's path) and
+    # a partial one. Page 4 is past r's deepest checkpoint but p's path holds it: it stays.
+    cache = make(engine, "reuse")
+    prompt = base(40, seed=80)
+    run(cache, "p", prompt)
+    assert removed_full(cache) == hashes_of(prompt)[8:10]  # past 32: no path holds them
+    assert run(cache, "r", [*prompt[:20], 7]) == (0, [16, 5])
+    assert removed_full(cache) == []
+    # p's next turn still resumes at 32 (it would stop at r's 16 had page 4 been dropped).
+    assert run(cache, "p2", [*prompt, 1, 2, 3])[0] == 32
+
+
 def tight(engine: ModuleType, policy: str) -> Any:
     """:func:`make` over an arena of 14 KiB for one live request: checkpoints get evicted."""
     return make(engine, policy, 14 * 1024, live=1)
@@ -237,10 +253,13 @@ def test_multi_turn_conversations_drop_the_same_pages_in_both_engines(
     # engine remembers its checkpoints below that one (a tree of path segments, forgotten
     # checkpoints kept as ghosts while a later turn's path runs through them) while the
     # reference counts every whole path: the pages they drop, and when, must agree event for event.
+    # Conversations may share a prefix, so paths part and split the native engine's edges.
     prompts: list[list[int]] = []
     order = []
     for c in range(conversations):
-        prompt = base(data.draw(st.integers(1, 40), label="first"), seed=600 + c)
+        # Later conversations may open with a prefix of the first one's (branches in the tree).
+        shared = data.draw(st.integers(0, 40), label="shared") if c else 0
+        prompt = [*base(shared, seed=600), *base(data.draw(st.integers(1, 40), label="first"), seed=600 + c)]
         for t in range(turns):
             if t:
                 extra = data.draw(st.integers(1, 30), label="extension")

@@ -7,11 +7,10 @@ request left in the cache, its path (the base-page hashes of ``[0, t)``) and, pe
 hash, how many remembered paths hold it; the engine drops the key of a free full-attention page
 no path holds, at a request's finish and when a checkpoint leaves the cache.
 
-This counts every whole path, the plain form of the rule. The native ``prefixes.rs`` keeps a
-tree of path segments instead (a checkpoint below the one its request resumed from, storing only
-its own pages; forgotten ones kept as ghosts while a later path runs through them) so that its
-cost is the request's own pages; the held hashes and the order of ``on_unheld`` are the same,
-which the native == reference tests check event for event.
+This counts every whole path per hash, the plain form of the rule. The native ``prefixes.rs``
+keeps the paths as a radix tree instead (one comparison per page, no per-page hash-map work);
+the held hashes and the order of ``on_unheld`` are the same, which the native == reference
+tests check event for event.
 """
 
 from __future__ import annotations

@@ -401,28 +401,20 @@ impl Coordinator {
     }
 
     /// Remember checkpoint `key` (a finished request's, still cached) with the path
-    /// `hashes[..len]`, below `parent` (a checkpoint on its path: `prefixes.rs`). Returns
-    /// whether it has a node now (a later checkpoint of the path can go below it).
-    pub fn remember_checkpoint(
-        &mut self,
-        key: GroupKey,
-        hashes: &[ContentHash],
-        len: usize,
-        parent: Option<GroupKey>,
-    ) -> bool {
-        self.prefixes.remember(key, hashes, len, parent);
-        self.prefixes.has_node(&key)
+    /// `hashes[..len]` (`prefixes.rs`).
+    pub fn remember_checkpoint(&mut self, key: GroupKey, hashes: &[ContentHash], len: usize) {
+        self.prefixes.remember(key, hashes, len);
     }
 
-    /// Drop the key of every free full-attention page among `hashes` (a finished request's,
-    /// in order) that no remembered path holds (`prefixes.rs`); a `BlockRemoved` is recorded.
-    pub fn drop_unheld(&mut self, hashes: &[ContentHash]) {
+    /// Drop the key of every free full-attention page among `hashes[from..]` (a finished
+    /// request's, in order) that no remembered path holds (`prefixes.rs`: past the prefix of
+    /// `hashes` the paths hold); a `BlockRemoved` is recorded.
+    pub fn drop_unheld(&mut self, hashes: &[ContentHash], from: usize) {
+        let start = from.max(self.prefixes.held_len(hashes)).min(hashes.len());
         let mut dropped = Vec::new();
-        for hash in hashes {
-            if !self.prefixes.holds(hash) {
-                for &group in &self.full_at_base {
-                    Self::drop_free(&mut self.pool, GroupKey { hash: *hash, group }, &mut dropped);
-                }
+        for hash in &hashes[start..] {
+            for &group in &self.full_at_base {
+                Self::drop_free(&mut self.pool, GroupKey { hash: *hash, group }, &mut dropped);
             }
         }
         if !dropped.is_empty() && self.events.enabled() {

@@ -9,147 +9,216 @@
 //! that no kept checkpoint needs), and when a checkpoint leaves the cache (evicted, dropped or
 //! cleared: the pages only its path held).
 //!
-//! The paths form a tree. A checkpoint remembered with a *parent* (a remembered checkpoint
-//! whose path is a prefix of its own: the one its request resumed from, or that request's
-//! previous kept checkpoint) is a node that stores only its own segment of the path,
-//! `[parent's end, t)`; a node without one stores `[0, t)`. Per base-page hash, a count of the
-//! live nodes whose segment holds it. A forgotten checkpoint whose node still has children
-//! stays as a ghost (its segment lies on their paths) until the last child goes; then its
-//! segment is released and its parent is looked at in turn. So a hash is held exactly when
-//! some remembered checkpoint's path holds it, and remembering or forgetting costs the
-//! segment's length (the pages the request computed itself), not the path's: a conversation's
-//! tenth turn pays for its own tokens, not for the nine before it. Nothing scans the pool.
+//! The paths are kept as a radix tree. The hashes chain (a page's hash fixes every page
+//! before it), so a hash sits at one place in the tree, and the first hash of an edge names
+//! the edge. Each node holds its edge (the hashes from its parent's end to its own), how many
+//! remembered checkpoints end there and how many lie in its subtree; a node whose subtree holds
+//! none is removed with its edge at once, so a hash is held exactly when it lies on an edge.
+//! Remembering walks the path down from the root comparing hashes (an edge split where the
+//! path leaves it) and adds one to the counts of the nodes above: no per-page hash-map work,
+//! the pages a request shares with remembered paths cost one comparison each. Forgetting
+//! subtracts one up the nodes and releases the edges of the nodes left empty, top first (the
+//! path's order). Nothing scans the pool.
 
 use hashbrown::HashMap;
 use rustc_hash::FxBuildHasher;
 
 use crate::engine::hash::{ContentHash, GroupKey};
 
-/// One remembered (or ghost) checkpoint: its segment of the path and its place in the tree.
-#[derive(Clone, Debug)]
+/// The root: the empty path.
+const ROOT: u32 = 0;
+
+/// A node of the tree of remembered paths.
+#[derive(Clone, Debug, Default)]
 struct Node {
-    /// The base-page hashes of the node's segment of the path, `[parent's end, end)` (a copy
-    /// of the request's: O(segment)).
-    segment: Box<[ContentHash]>,
-    /// Where the path ends, in base pages.
+    /// The base-page hashes from the parent's end to this node's.
+    edge: Vec<ContentHash>,
+    /// Where the node's path ends, in base pages.
     end: usize,
-    parent: Option<GroupKey>,
-    /// Live nodes whose parent this is.
-    children: u32,
-    /// Whether the checkpoint is remembered (else a ghost kept for its children).
-    remembered: bool,
+    parent: u32,
+    /// Remembered checkpoints whose path ends here.
+    here: u32,
+    /// Remembered checkpoints whose path ends here or below (never 0 but at the root).
+    below: u32,
 }
 
-/// The remembered checkpoints' paths, as a tree of segments, and per base-page hash how many
-/// live segments hold it.
-#[derive(Clone, Debug, Default)]
+/// The remembered checkpoints' paths as a radix tree of base-page hashes.
+#[derive(Clone, Debug)]
 pub struct PathCounts {
-    /// Per checkpoint key: its node (remembered, or a ghost with children).
-    nodes: HashMap<GroupKey, Node, FxBuildHasher>,
-    /// Per base-page hash: the live segments holding it (never 0: the entry is removed).
-    holders: HashMap<ContentHash, u32, FxBuildHasher>,
+    nodes: Vec<Node>,
+    /// Indices of removed nodes, for reuse.
+    spare: Vec<u32>,
+    /// Per first hash of an edge: its node (the hashes chain, so the hash names the edge).
+    edges: HashMap<ContentHash, u32, FxBuildHasher>,
+    /// Per remembered checkpoint: the node its path ends at.
+    keys: HashMap<GroupKey, u32, FxBuildHasher>,
+}
+
+impl Default for PathCounts {
+    fn default() -> Self {
+        Self {
+            nodes: vec![Node::default()],
+            spare: Vec::new(),
+            edges: HashMap::default(),
+            keys: HashMap::default(),
+        }
+    }
 }
 
 impl PathCounts {
-    /// Remember checkpoint `key` with the path `hashes[..len]` (`len` capped at the hashes),
-    /// below `parent` when that is a live node whose path ends within `len` (its path is then
-    /// a prefix of this one: the hashes chain). A key already remembered keeps its first path;
-    /// a ghost is remembered again as it was. Returns whether it was added.
-    pub fn remember(&mut self, key: GroupKey, hashes: &[ContentHash], len: usize, parent: Option<GroupKey>) -> bool {
-        if let Some(node) = self.nodes.get_mut(&key) {
-            let added = !node.remembered;
-            node.remembered = true;
-            return added;
+    #[inline]
+    fn node(&self, i: u32) -> &Node {
+        &self.nodes[i as usize]
+    }
+
+    #[inline]
+    fn node_mut(&mut self, i: u32) -> &mut Node {
+        &mut self.nodes[i as usize]
+    }
+
+    fn add_node(&mut self, node: Node) -> u32 {
+        if let Some(i) = self.spare.pop() {
+            self.nodes[i as usize] = node;
+            return i;
         }
-        let len = len.min(hashes.len());
-        let parent = parent.filter(|p| p != &key && self.nodes.get(p).is_some_and(|n| n.end <= len));
-        let start = match parent.and_then(|p| self.nodes.get_mut(&p)) {
-            Some(node) => {
-                node.children = node.children.saturating_add(1);
-                node.end
+        self.nodes.push(node);
+        u32::try_from(self.nodes.len() - 1).unwrap_or_else(|_| unreachable!("one node per remembered path or split"))
+    }
+
+    /// The node where `path` ends, made by splitting an edge or adding a leaf where needed.
+    fn insert_path(&mut self, path: &[ContentHash]) -> u32 {
+        let mut at = ROOT;
+        loop {
+            let end = self.node(at).end;
+            if end == path.len() {
+                return at;
             }
-            None => 0,
-        };
-        let segment: Box<[ContentHash]> = hashes[start..len].into();
-        for hash in &segment {
-            let count = self.holders.entry(*hash).or_insert(0);
-            *count = count.saturating_add(1);
+            let Some(&child) = self.edges.get(&path[end]) else {
+                let leaf = Node {
+                    edge: path[end..].to_vec(),
+                    end: path.len(),
+                    parent: at,
+                    here: 0,
+                    below: 0,
+                };
+                let leaf = self.add_node(leaf);
+                self.edges.insert(path[end], leaf);
+                return leaf;
+            };
+            let rest = &path[end..];
+            let edge = &self.node(child).edge;
+            let common = edge.iter().zip(rest).take_while(|(a, b)| a == b).count();
+            if common == edge.len() {
+                at = child;
+                continue;
+            }
+            // The path leaves (or ends inside) the child's edge: split it at `common` (>= 1,
+            // the first hashes are equal) into `mid` above and the child below.
+            let tail = self.node_mut(child).edge.split_off(common);
+            let head = std::mem::replace(&mut self.node_mut(child).edge, tail);
+            let below = self.node(child).below;
+            let mid = self.add_node(Node {
+                edge: head,
+                end: end + common,
+                parent: at,
+                here: 0,
+                below,
+            });
+            self.node_mut(child).parent = mid;
+            self.edges.insert(path[end], mid);
+            let first = self.node(child).edge[0];
+            self.edges.insert(first, child);
+            at = mid;
         }
-        let node = Node {
-            segment,
-            end: len,
-            parent,
-            children: 0,
-            remembered: true,
-        };
-        self.nodes.insert(key, node);
+    }
+
+    /// Remember checkpoint `key` with the path `hashes[..len]` (`len` capped at the hashes).
+    /// A key already remembered keeps its first path; returns whether it was added.
+    pub fn remember(&mut self, key: GroupKey, hashes: &[ContentHash], len: usize) -> bool {
+        if self.keys.contains_key(&key) {
+            return false;
+        }
+        let node = self.insert_path(&hashes[..len.min(hashes.len())]);
+        self.keys.insert(key, node);
+        self.node_mut(node).here += 1;
+        let mut at = node;
+        loop {
+            let n = self.node_mut(at);
+            n.below += 1;
+            if at == ROOT {
+                break;
+            }
+            at = n.parent;
+        }
         true
     }
 
     /// Forget checkpoint `key`'s path; `on_unheld` gets each hash no remembered path holds
     /// any more, in path order. Nothing happens for a key that is not remembered.
     pub fn forget(&mut self, key: &GroupKey, mut on_unheld: impl FnMut(&ContentHash)) {
-        match self.nodes.get_mut(key) {
-            Some(node) if node.remembered => node.remembered = false,
-            _ => return,
-        }
-        // The nodes that die, deepest first: this one (unless children keep it as a ghost),
-        // then each ghost parent whose last child it was.
-        let mut dead = Vec::new();
-        let mut at = Some(*key);
-        while let Some(k) = at {
-            let Some(node) = self.nodes.get(&k) else { break };
-            if node.remembered || node.children > 0 {
+        let Some(node) = self.keys.remove(key) else {
+            return;
+        };
+        self.node_mut(node).here -= 1;
+        let mut at = node;
+        loop {
+            let n = self.node_mut(at);
+            n.below -= 1;
+            if at == ROOT {
                 break;
             }
-            let node = self.nodes.remove(&k).unwrap_or_else(|| unreachable!("looked up above"));
-            at = node.parent;
-            if let Some(parent) = at.and_then(|p| self.nodes.get_mut(&p)) {
-                parent.children -= 1;
-            }
-            dead.push(node);
+            at = n.parent;
         }
-        // Released top segment first: the path's order.
-        for node in dead.iter().rev() {
-            for hash in &node.segment {
-                if let Some(count) = self.holders.get_mut(hash) {
-                    *count -= 1;
-                    if *count == 0 {
-                        self.holders.remove(hash);
-                        on_unheld(hash);
-                    }
-                }
+        // The nodes left empty form one chain up from `node` (an empty node has no children:
+        // each was removed when it emptied); release their edges top first.
+        let mut dead = Vec::new();
+        let mut at = node;
+        while at != ROOT && self.node(at).below == 0 {
+            dead.push(at);
+            at = self.node(at).parent;
+        }
+        for &i in dead.iter().rev() {
+            let edge = std::mem::take(&mut self.node_mut(i).edge);
+            self.edges.remove(&edge[0]);
+            for hash in &edge {
+                on_unheld(hash);
             }
+            self.spare.push(i);
         }
     }
 
-    /// Whether some remembered path holds `hash`.
-    #[inline]
-    pub fn holds(&self, hash: &ContentHash) -> bool {
-        self.holders.contains_key(hash)
+    /// How many leading hashes of `hashes` some remembered path holds (the held hashes of a
+    /// path are a prefix of it: the hashes chain).
+    pub fn held_len(&self, hashes: &[ContentHash]) -> usize {
+        let mut at = ROOT;
+        loop {
+            let end = self.node(at).end;
+            let Some(&child) = hashes.get(end).and_then(|h| self.edges.get(h)) else {
+                return end;
+            };
+            let edge = &self.node(child).edge;
+            let common = edge.iter().zip(&hashes[end..]).take_while(|(a, b)| a == b).count();
+            if common < edge.len() {
+                return end + common;
+            }
+            at = child;
+        }
     }
 
     /// Whether checkpoint `key` is remembered.
     #[inline]
     pub fn remembers(&self, key: &GroupKey) -> bool {
-        self.nodes.get(key).is_some_and(|n| n.remembered)
+        self.keys.contains_key(key)
     }
 
-    /// Whether checkpoint `key` has a node (remembered, or a ghost kept for its children):
-    /// a later checkpoint on its path can be remembered below it.
-    #[inline]
-    pub fn has_node(&self, key: &GroupKey) -> bool {
-        self.nodes.contains_key(key)
-    }
-
-    /// How many nodes there are (remembered checkpoints and ghosts).
+    /// How many checkpoints are remembered.
     pub fn len(&self) -> usize {
-        self.nodes.len()
+        self.keys.len()
     }
 
-    /// Whether no checkpoint is remembered (nor kept as a ghost).
+    /// Whether no checkpoint is remembered.
     pub fn is_empty(&self) -> bool {
-        self.nodes.is_empty()
+        self.keys.is_empty()
     }
 }
 
@@ -168,71 +237,53 @@ mod tests {
         }
     }
 
+    fn held(counts: &PathCounts, hashes: &[ContentHash]) -> Vec<ContentHash> {
+        hashes[..counts.held_len(hashes)].to_vec()
+    }
+
     #[test]
     fn a_hash_is_held_until_the_last_path_through_it_is_forgotten() {
         let mut counts = PathCounts::default();
         let turn1 = [h(1), h(2), h(3)];
         let turn2 = [h(1), h(2), h(3), h(4), h(5)];
-        assert!(counts.remember(key(10), &turn1, 2, None)); // [h1, h2]
-        assert!(counts.remember(key(20), &turn2, 9, None)); // capped: all five
-        assert!(!counts.remember(key(20), &turn1, 1, None)); // the first path stays
-        assert!(counts.holds(&h(3)) && !counts.holds(&h(6)));
+        assert!(counts.remember(key(10), &turn1, 2)); // [h1, h2]
+        assert!(counts.remember(key(20), &turn2, 9)); // capped: all five
+        assert!(!counts.remember(key(20), &turn1, 1)); // the first path stays
+        assert_eq!(counts.held_len(&turn2), 5);
+        assert_eq!(counts.held_len(&[h(1), h(6)]), 1);
         let mut unheld = Vec::new();
         counts.forget(&key(20), |x| unheld.push(*x));
         assert_eq!(unheld, vec![h(3), h(4), h(5)]); // h1, h2 still on turn 1's path
         counts.forget(&key(20), |_| panic!("forgotten twice"));
         counts.forget(&key(10), |x| unheld.push(*x));
         assert_eq!(unheld, vec![h(3), h(4), h(5), h(1), h(2)]);
-        assert!(counts.is_empty() && counts.holders.is_empty());
+        assert!(counts.is_empty() && counts.edges.is_empty());
+        assert_eq!(counts.node(ROOT).below, 0);
     }
 
     #[test]
-    fn a_child_stores_its_segment_and_keeps_a_forgotten_parent_as_a_ghost() {
+    fn paths_that_part_split_an_edge_and_an_empty_branch_goes_top_first() {
         let mut counts = PathCounts::default();
-        let path = [h(1), h(2), h(3), h(4), h(5)];
-        assert!(counts.remember(key(10), &path, 2, None));
-        assert!(counts.remember(key(20), &path, 4, Some(key(10))));
-        // A parent that is not a node, or whose path is longer, is ignored: the whole path.
-        assert!(counts.remember(key(30), &path, 1, Some(key(20))));
-        assert_eq!(
-            *counts.nodes[&key(20)].segment,
-            [h(3), h(4)],
-            "only [h3, h4] is the child's"
-        );
-        assert_eq!(*counts.nodes[&key(30)].segment, [h(1)]);
-        assert_eq!(
-            counts.holders[&h(1)],
-            2,
-            "key 10 and key 30; key 20 does not count it again"
-        );
+        let a = [h(1), h(2), h(3), h(4)];
+        let b = [h(1), h(2), h(7), h(8)];
+        counts.remember(key(10), &a, 4);
+        counts.remember(key(20), &b, 4); // splits [h1..h4] after h2
+        counts.remember(key(30), &a, 1); // ends inside the [h1, h2] edge: splits it again
+        assert_eq!(held(&counts, &b), b.to_vec());
+        assert_eq!(counts.held_len(&[h(1), h(2), h(9)]), 2);
         let mut unheld = Vec::new();
         counts.forget(&key(10), |x| unheld.push(*x));
-        assert!(
-            unheld.is_empty() && counts.holds(&h(2)),
-            "a ghost: key 20's path holds h2"
-        );
-        assert!(!counts.remembers(&key(10)) && counts.has_node(&key(10)));
+        assert_eq!(unheld, vec![h(3), h(4)]);
         counts.forget(&key(20), |x| unheld.push(*x));
-        // The ghost goes with its last child; the path's order, h1 still held by key 30.
-        assert_eq!(unheld, vec![h(2), h(3), h(4)]);
-        assert!(!counts.has_node(&key(10)));
+        // [h2] (the split's upper part, no checkpoint ends there) goes before [h7, h8].
+        assert_eq!(unheld, vec![h(3), h(4), h(2), h(7), h(8)]);
+        assert_eq!(counts.held_len(&a), 1, "key 30 still holds h1");
         counts.forget(&key(30), |x| unheld.push(*x));
-        assert_eq!(unheld, vec![h(2), h(3), h(4), h(1)]);
-        assert!(counts.is_empty() && counts.holders.is_empty());
-    }
-
-    #[test]
-    fn a_ghost_remembered_again_keeps_its_children() {
-        let mut counts = PathCounts::default();
-        let path = [h(1), h(2), h(3)];
-        counts.remember(key(10), &path, 1, None);
-        counts.remember(key(20), &path, 3, Some(key(10)));
-        counts.forget(&key(10), |_| panic!("a ghost releases nothing"));
-        assert!(counts.remember(key(10), &path, 1, None), "remembered again");
-        let mut unheld = Vec::new();
-        counts.forget(&key(20), |x| unheld.push(*x));
-        assert_eq!(unheld, vec![h(2), h(3)], "key 10 is remembered: h1 stays");
-        counts.forget(&key(10), |x| unheld.push(*x));
-        assert_eq!(unheld, vec![h(2), h(3), h(1)]);
+        assert_eq!(unheld.last(), Some(&h(1)));
+        assert!(counts.edges.is_empty() && counts.keys.is_empty());
+        // Removed nodes are reused: root, the two leaves and two splits were made.
+        assert_eq!(counts.nodes.len(), 5);
+        counts.remember(key(40), &b, 4);
+        assert_eq!(counts.nodes.len(), 5);
     }
 }

@@ -40,9 +40,6 @@ pub(super) struct TokenState {
     /// The checkpoints written while computing the prompt (page, key, tokens), for the
     /// `reuse` policy's probation (SPEC 13.8; empty under `lru`).
     pub(super) prompt_checkpoints: Vec<(u32, GroupKey, u64)>,
-    /// The checkpoint the request resumed from (its hit's), for whole prefixes (SPEC 13.8f):
-    /// the request's first kept checkpoint is remembered below it.
-    pub(super) resumed: Option<GroupKey>,
 }
 
 /// What the last `schedule` of a token-level request did to its state group (SPEC 13.4):

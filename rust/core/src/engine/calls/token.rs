@@ -160,7 +160,6 @@ impl FlatCache {
             step: None,
             decode_checkpoint: None,
             prompt_checkpoints: Vec::new(),
-            resumed: None,
         };
         let at = self.insert(req, Some(state));
         if let (Some(m), Some(grain)) = (m.as_ref(), self.coord.state_grain()) {
@@ -194,9 +193,6 @@ impl FlatCache {
                     let page = state_page(&self.coord, &self.entries[at].tables, g, hit);
                     if let Some(&key) = self.coord.pool().key_of(page) {
                         self.coord.evidence_mut().note_hit(page, &key);
-                        if let Some(state) = self.entries[at].tokens.as_mut() {
-                            state.resumed = Some(key);
-                        }
                     }
                 }
             }
@@ -753,14 +749,9 @@ fn keep_whole_prefixes(coord: &mut Coordinator, state: &TokenState) {
     // Every hash below the longest path remembered here is held by it: the scan for unheld
     // pages starts there.
     let mut held_below = 0;
-    // Each checkpoint goes below the previous one on the path (the first below the one the
-    // request resumed from): its node stores only the pages past it.
-    let mut parent = state.resumed;
     let mut remember = |coord: &mut Coordinator, page: u32, key: GroupKey, tokens: u64| {
         if coord.pool().key_of(page) == Some(&key) {
-            if coord.remember_checkpoint(key, &state.hashes, pages(tokens), parent) {
-                parent = Some(key);
-            }
+            coord.remember_checkpoint(key, &state.hashes, pages(tokens));
             held_below = held_below.max(pages(tokens));
         }
     };
@@ -770,8 +761,7 @@ fn keep_whole_prefixes(coord: &mut Coordinator, state: &TokenState) {
     if let (Some((page, key)), Some(grain)) = (state.decode_checkpoint, coord.state_grain()) {
         remember(coord, page, key, state.computed / grain * grain);
     }
-    let from = held_below.min(state.hashes.len());
-    coord.drop_unheld(&state.hashes[from..]);
+    coord.drop_unheld(&state.hashes, held_below);
 }
 
 /// The pool page of state group `g` holding the state after `computed` tokens: the page of
