@@ -4,8 +4,8 @@ At a request's finish the ``reuse`` policy remembers the path of each checkpoint
 when a checkpoint leaves the cache it forgets it. Counting every whole path costs the whole
 prompt per finish: on a conversation whose tenth turn resumes 90 k tokens deep, that is the 90 k
 tokens again, though the request computed only its last few hundred. The native engine keeps
-the paths as a tree of segments (``rust/core/src/engine/prefixes.rs``), so a finish costs the
-request's own pages. This bench shows the difference where it is largest: a synthetic trace in
+the paths as a radix tree (``rust/core/src/engine/prefixes.rs``): one comparison per page, hash-map
+work per node only. This bench shows the difference where it is largest: a synthetic trace in
 the Mooncake format (used for cost only; the hit-rate figures come from the real trace, in
 ``hybrid_hits.py``) of 8 conversations of 60 turns, each turn extending the previous prompt by
 two 512-token blocks from 32 k tokens (to 93 k), over an arena that holds them all.

@@ -249,11 +249,11 @@ def event_stream(cache: Any) -> list[tuple[str, int, list[str]]]:
 def test_multi_turn_conversations_drop_the_same_pages_in_both_engines(
     data: st.DataObject, conversations: int, turns: int, arena_kib: int
 ) -> None:
-    # Each turn resumes from the checkpoint its conversation's previous turn kept, so the native
-    # engine remembers its checkpoints below that one (a tree of path segments, forgotten
-    # checkpoints kept as ghosts while a later turn's path runs through them) while the
-    # reference counts every whole path: the pages they drop, and when, must agree event for event.
-    # Conversations may share a prefix, so paths part and split the native engine's edges.
+    # Each turn resumes from the checkpoint its conversation's previous turn kept, so its path
+    # runs through that one's: the native engine keeps the paths as a radix tree while the
+    # reference counts every whole path per hash; the pages they drop, and when, must agree
+    # event for event. Conversations may share a prefix, so paths part and split the native
+    # engine's edges.
     prompts: list[list[int]] = []
     order = []
     for c in range(conversations):

@@ -406,11 +406,11 @@ impl Coordinator {
         self.prefixes.remember(key, hashes, len);
     }
 
-    /// Drop the key of every free full-attention page among `hashes[from..]` (a finished
-    /// request's, in order) that no remembered path holds (`prefixes.rs`: past the prefix of
+    /// Drop the key of every free full-attention page among `hashes` (a finished request's,
+    /// in order) that no remembered path holds (`prefixes.rs`: those past the prefix of
     /// `hashes` the paths hold); a `BlockRemoved` is recorded.
-    pub fn drop_unheld(&mut self, hashes: &[ContentHash], from: usize) {
-        let start = from.max(self.prefixes.held_len(hashes)).min(hashes.len());
+    pub fn drop_unheld(&mut self, hashes: &[ContentHash]) {
+        let start = self.prefixes.held_len(hashes);
         let mut dropped = Vec::new();
         for hash in &hashes[start..] {
             for &group in &self.full_at_base {

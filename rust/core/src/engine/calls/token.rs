@@ -746,13 +746,9 @@ fn end_of_request(coord: &mut Coordinator, state: &TokenState) {
 fn keep_whole_prefixes(coord: &mut Coordinator, state: &TokenState) {
     let base = coord.base_page_size();
     let pages = |tokens: u64| usize::try_from(tokens / base).unwrap_or(usize::MAX);
-    // Every hash below the longest path remembered here is held by it: the scan for unheld
-    // pages starts there.
-    let mut held_below = 0;
-    let mut remember = |coord: &mut Coordinator, page: u32, key: GroupKey, tokens: u64| {
+    let remember = |coord: &mut Coordinator, page: u32, key: GroupKey, tokens: u64| {
         if coord.pool().key_of(page) == Some(&key) {
             coord.remember_checkpoint(key, &state.hashes, pages(tokens));
-            held_below = held_below.max(pages(tokens));
         }
     };
     for &(page, key, tokens) in &state.prompt_checkpoints {
@@ -761,7 +757,7 @@ fn keep_whole_prefixes(coord: &mut Coordinator, state: &TokenState) {
     if let (Some((page, key)), Some(grain)) = (state.decode_checkpoint, coord.state_grain()) {
         remember(coord, page, key, state.computed / grain * grain);
     }
-    coord.drop_unheld(&state.hashes, held_below);
+    coord.drop_unheld(&state.hashes);
 }
 
 /// The pool page of state group `g` holding the state after `computed` tokens: the page of
