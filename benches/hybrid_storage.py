@@ -45,11 +45,12 @@ reproduces), with the peak over the load's schedules beside them in ``--json``:
   request's own hit at admission is ``hit_after_load`` in ``--json`` (0 for the state models:
   the load wrote no checkpoint at ``G``).
 
-One state-model detail the built column shows: after the decode step the request still holds
-the checkpoint its last prefill chunk wrote (a state group is a 2-token window, and the step
-read it) beside its working slot, 2 state slots; it leaves the request's table at the next
-step. ``--json`` gives that next step's units and tokens that fit
-(``units_held_next_decode``, ``tokens_that_fit_next_decode``).
+One state-model detail the built column shows: the load's 16,384 tokens are a multiple of
+``G``, so the prompt's end is the request's first decode checkpoint (SPEC 13.5d); after the
+decode step the request still holds it (a state group is a 2-token window, and the step read
+it) beside its working slot, 2 state slots; it leaves the request's table at the next step.
+The table gives that next step's tokens that fit in brackets where they differ; ``--json``
+has them with its units (``units_held_next_decode``, ``tokens_that_fit_next_decode``).
 
 vLLM 0.33's column comes from its own planning code and its own ``KVCacheManager`` in a side
 environment: ``benches/vllm_storage.py`` (its docstring says how to install it); ``--vllm-json
@@ -362,6 +363,12 @@ def _millions(tokens: int) -> str:
     return f"{tokens / 1e6:.2f} M"
 
 
+def _next_decode(built: dict[str, Any]) -> str:
+    """The tokens that fit one decode step later, in brackets, where they differ."""
+    later = built["tokens_that_fit_next_decode"]
+    return "" if later == built["tokens_that_fit"] else f" ({_millions(later)})"
+
+
 def table(results: dict[str, dict[str, Any]], vllm: dict[str, dict[str, Any]] | None) -> str:
     head = "| model | today: page, smallest hit, padding, fit | SPEC 13 (built): unit, hit, padding, fit |"
     rows = [head, "|---|---|---|" + ("---|" if vllm else "")]
@@ -372,7 +379,7 @@ def table(results: dict[str, dict[str, Any]], vllm: dict[str, dict[str, Any]] | 
         line = (
             f"| {name} | {t['page_tokens']:,} tokens, {t['smallest_hit']:,}, {t['padding']:.1%}, "
             f"{_millions(t['tokens_that_fit'])} | {d['unit_bytes'] / 2**20:.2f} MiB, {d['smallest_hit']}, "
-            f"{d['padding']:.1%}, {_millions(d['tokens_that_fit'])} |"
+            f"{d['padding']:.1%}, {_millions(d['tokens_that_fit'])}{_next_decode(d)} |"
         )
         if vllm:
             v = vllm.get(name)

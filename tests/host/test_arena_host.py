@@ -71,16 +71,15 @@ def transfers(c: Any, kind: str) -> dict[str, list[tuple[int, int, int]]]:
 def test_a_checkpoint_offloaded_to_host_is_what_the_next_request_reads(
     api: ModuleType, host_store: str
 ) -> None:
-    """Request A computes 20 tokens in two steps (16, then 4): the second step's schedule
-    registers the 4 full pages of tokens 0..16 and the state checkpoint at 16 (A's state page,
-    unit 3 of the arena = state slot 3). Write-through stores each at registration (the full
-    pages to full host pages 0..3, the checkpoint to state host page 0); store-on-eviction
-    stores them when A finishes. Finishing registers the 5th full page (host page 4), not the
-    prompt's end (SPEC 13.5b). The device forgets every key (``reset_prefix_cache``); B, a
-    prompt of 24 sharing the 20 tokens, matches 5 full pages on the host, and the deepest
-    checkpoint within them, 16, is there too: a hit of 16 tokens, with 4 full loads and the
-    checkpoint's load into B's state slot. B cannot be scheduled until they are acknowledged;
-    its first step then reads that slot (``state_slots``) and writes another."""
+    """Request A computes 20 tokens in two steps (16, then 4): the second step's schedule registers the 4
+    full pages of tokens 0..16 and the state checkpoint at 16 (A's state page, unit 3 of the arena = state
+    slot 3). Write-through stores each at registration (the full pages to full host pages 0..3, the
+    checkpoint to state host page 0); store-on-eviction stores them when A finishes. Finishing registers
+    the 5th full page (host page 4), not the prompt's end: no token follows it (SPEC 13.5d). The device
+    forgets every key (``reset_prefix_cache``); B, a prompt of 24 sharing the 20 tokens, matches 5 full
+    pages on the host, and the deepest checkpoint within them, 16, is there too: a hit of 16 tokens, with
+    4 full loads and the checkpoint's load into B's state slot. B cannot be scheduled until they are
+    acknowledged; its first step then reads that slot (``state_slots``) and writes another."""
     c = cache(api, {"full": 8, "state": 2}, host_store=host_store)
     assert c.stats()["host_pages_total"] == 10
     assert c.add_request("a", list(range(20))) == (0, 0)

@@ -153,26 +153,64 @@ def test_next_chunk_follows_the_rule(
     assert results[0] == results[1] == chunk_cut(min(done, prompt), prompt, limit, grain)
 
 
-def test_the_tail_end_writes_no_checkpoint_and_decode_keeps_its_latest(api: ModuleType) -> None:
+def test_the_prompt_end_is_the_first_decode_checkpoint_and_decode_keeps_its_latest(api: ModuleType) -> None:
     """SPEC 13.5b, d. A 128-token prompt (state P = 64) is cut into its body (64, checkpointed)
-    and its tail (64 tokens, ending on the grain but at the prompt's end: no checkpoint). Decode
+    and its tail (64 tokens, ending on the grain at the prompt's end). The state after the tail is
+    what decode starts from: once a token follows it, it is the first decode checkpoint. Decode
     checkpoints where a step ends on the grain but keeps only its latest: after 150 generated
-    tokens (278 in all) the checkpoint at 192 was dropped for the one at 256. A request never
-    holds more than two state slots (the checkpoint a step reads and its working slot)."""
+    tokens (278 in all) the checkpoints at 128 and 192 were dropped for the one at 256. A request
+    never holds more than two state slots (the checkpoint a step reads and its working slot)."""
     cache = hybrid(api, enable_kv_events=True)
     slot, _ = cache.add_request("a", list(range(128)))
     run_prompt(cache, slot)
+    assert cache.stats()["checkpoints_written"] == 1  # 64: nothing follows the prompt's end yet
     state = list(cache.group_ids).index("s0")
     generated = [1000 + t for t in range(150)]
     for token in generated:
         cache.append_tokens([slot], [token])
         assert cache.schedule([slot], [1]).tolist() == [True]
         assert sum(1 for page in cache.page_ids(slot)[state] if page) <= 2
-    assert cache.stats()["checkpoints_written"] == 3  # 64, 192, 256
+    assert cache.stats()["checkpoints_written"] == 4  # 64, 128, 192, 256
     removed = [e for e in cache.take_events() if type(e).__name__ == "BlockRemoved"]
-    assert len(removed) == 1 and removed[0].group_index == state  # 192's, dropped for 256's
+    # 128's dropped for 192's, then 192's for 256's; the body end's (a prompt checkpoint) stays.
+    assert len(removed) == 2 and {e.group_index for e in removed} == {state}
     cache.finish([slot])
     turn = [*range(128), *generated]
     # The next turn resumes at 256; a prompt leaving the path at 200 finds 64, not 192.
     assert cache.add_request("b", [*turn, 5])[1] == 256
     assert cache.add_request("c", [*turn[:200], 7, 7])[1] == 64
+
+
+@pytest.mark.parametrize("computed_output", [0, 1, 4, 63])
+def test_a_turn_that_ends_its_prompt_on_the_grain_resumes_there(
+    api: ModuleType, computed_output: int
+) -> None:
+    """SPEC 13.5d when the prompt ends exactly on the grain: turn 1 is a 128-token prompt and
+    ``computed_output + 1`` sampled tokens (the last never computed); no decode step ends on a
+    multiple of 64, so the last multiple of 64 within the computed tokens is the prompt's end,
+    and turn 2 (turn 1's tokens and 3 more) resumes there, at 128, not at the body's end (64)."""
+    cache = hybrid(api)
+    slot, _ = cache.add_request("a", list(range(128)))
+    run_prompt(cache, slot)
+    generated = [1000 + t for t in range(computed_output + 1)]
+    for token in generated[:-1]:
+        cache.append_tokens([slot], [token])
+        assert cache.schedule([slot], [1]).tolist() == [True]
+    cache.append_tokens([slot], [generated[-1]])
+    assert cache.num_computed_tokens(slot) == 128 + computed_output
+    cache.finish([slot])
+    assert cache.add_request("b", [*range(128), *generated, 7, 8, 9])[1] == 128
+
+
+def test_a_prompt_finished_on_the_grain_with_nothing_after_it_keeps_no_end_checkpoint(
+    api: ModuleType,
+) -> None:
+    """The other side of the rule: a request finished right after its prompt with no token after
+    it (no decode follows the prompt's end) leaves the body's end as its deepest checkpoint; the
+    same prompt again is hit at 64 (a hit never covers the whole prompt either way)."""
+    cache = hybrid(api)
+    slot, _ = cache.add_request("a", list(range(128)))
+    run_prompt(cache, slot)
+    cache.finish([slot])
+    assert cache.stats()["checkpoints_written"] == 1
+    assert cache.add_request("b", [*range(128), 5])[1] == 64

@@ -425,11 +425,13 @@ class TokenApi(PageTables, Rows):
         step = self._lcm // self._base
         first = state.registered - state.registered % step
         # State checkpoints where a step ended on the grain (SPEC 13.5a-c; in decode the latest
-        # only, 13.5d), not at the prompt's end (the tail's end, 13.5b).
-        end = state.computed if state.computed != state.prompt_len else None
+        # only, 13.5d). The prompt's end is one only once a token follows it: then it is the
+        # state decode starts from, the first decode checkpoint.
+        decoding = state.computed >= state.prompt_len and len(state.tokens) > state.prompt_len
+        end = state.computed if state.computed != state.prompt_len or decoding else None
         self._register(tables, state.hashes[first:full], first, end, state)
         state.registered = full
-        if state.computed > state.prompt_len:
+        if decoding:
             self._keep_latest_decode_checkpoint(tables, state)
         elif self._policy == "reuse":
             self._note_prompt_checkpoint(tables, state)

@@ -357,7 +357,7 @@ mod tests {
                 (TransferKind::Store, 1, 3, 0),
             ]
         );
-        c.finish(&[sa]).unwrap(); // registers the 5th full page (a store), not the prompt's end
+        c.finish(&[sa]).unwrap(); // the 5th full page (a store); nothing follows the prompt, so not its end
         let more = c.take_transfers();
         assert_eq!((more.len(), more[0].group, more[0].host), (1, 0, 4));
         c.check_invariants().unwrap();

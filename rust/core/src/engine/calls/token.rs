@@ -665,9 +665,12 @@ fn register_computed(coord: &mut Coordinator, tables: &[Table], state: &mut Toke
         extra_keys: &state.extra_keys,
     };
     // State checkpoints where a step ended on the grain (SPEC 13.5a-c: chunk ends, the
-    // body's end, branch points; 13.5d: in decode, the latest only), but not at the prompt's
-    // end (the tail's end, 13.5b).
-    let end_tokens = (state.computed != state.prompt_len).then_some(state.computed);
+    // body's end, branch points; 13.5d: in decode, the latest only). The prompt's end is one
+    // only once a token follows it (a decode step or the finish of a request that sampled
+    // one): then it is the state decode starts from, the first decode checkpoint.
+    let decoding = state.computed >= state.prompt_len
+        && u64::try_from(state.tokens.len()).map_or(true, |known| known > state.prompt_len);
+    let end_tokens = (state.computed != state.prompt_len || decoding).then_some(state.computed);
     coord.register_with(
         tables,
         &state.hashes[first..full],
@@ -676,7 +679,7 @@ fn register_computed(coord: &mut Coordinator, tables: &[Table], state: &mut Toke
         Some(ctx),
     )?;
     state.registered = full;
-    if state.computed > state.prompt_len {
+    if decoding {
         keep_latest_decode_checkpoint(coord, tables, state);
     } else if coord.eviction_policy() == EvictionPolicy::Reuse {
         note_prompt_checkpoint(coord, tables, state);
