@@ -347,7 +347,11 @@ def plan_arena(
     OverflowError
         A size does not fit an unsigned 64-bit integer.
     """
-    comps = list(components)
+    try:
+        comps = list(components)
+    except TypeError:
+        # Not iterable: the native call names it, after the arguments the contract checks first.
+        comps = components  # type: ignore[assignment]
     page, align, unit, units, groups, placed = _native.plan_arena(
         comps, page_size, budget_bytes, alignment=alignment, max_live_requests=max_live_requests
     )

@@ -79,6 +79,7 @@ def check_page_ids(plan: ArenaPlan, group: ArenaGroup) -> None:
         count = ids.stop - ids.start  # len() of a range past sys.maxsize raises
         allowed = {per_unit} if group.slack_bytes == 0 or unit == 0 else {per_unit - 1, per_unit}
         assert count in allowed, (unit, ids, group)
+        assert count >= 1, f"unit {unit} holds no page of {group}: FlatKVCache(arena=) would refuse it"
         assert ids.start * page >= unit * unit_bytes  # no page starts in the unit before
         assert ids.stop * page <= (unit + 1) * unit_bytes  # nor ends in the unit after
         if previous[0] == unit - 1:
@@ -250,23 +251,35 @@ def test_gemma3_like_two_page_groups_within_four_pages(api: ModuleType) -> None:
 
 def test_gemma3_like_two_page_groups_beyond_four_pages(api: ModuleType) -> None:
     # full: 5 layers * 1024 * 16 = 81920 = 5 * 2**14; sliding: 7 layers -> 114688 = 7 * 2**14.
-    # lcm = 35 * 2**14 = 573440 > 4 * 114688 = 458752: the unit is the largest page, 114688.
-    # full: 1 page a unit, slack 32768. budget 4 units + 1 = 458753: 4 units;
-    # full ids 458752 // 81920 = 5 (5.6), sliding ids 4.
+    # lcm = 35 * 2**14 = 573440 > 4 * 114688 = 458752: the unit would be the largest page,
+    # 114688, but gcd(114688, 81920) = 16384 and 114688 + 16384 < 2 * 81920: unit 1 (bytes
+    # 114688..229376) holds no full page (81920..163840 and 163840..245760 straddle). Below
+    # 2 * 114688 - 1 only 2 * 114688 - 114688 / k (k | 114688) holds a sliding page in every
+    # unit: k = 1 is 114688 (no), k = 2 is 172032 = 21 * 8192, and gcd(172032, 81920) = 8192:
+    # 172032 + 8192 >= 163840, a full page in every unit. Budget 4 units + 1: 4 units.
+    # sliding: 1 page a unit (1.5 of bytes), slack 57344, ids 688128 // 114688 = 6;
+    # full: 2 pages a unit at most (2.1), slack 8192, ids 688128 // 81920 = 8 (8.4).
     comps = [kv(SLIDING, layer, 1024) for layer in range(7)] + [kv(FULL, 7 + i, 1024) for i in range(5)]
-    result = plan(api, comps, 16, 4 * 114688 + 1)
-    assert (result.unit_bytes, result.num_units) == (114688, 4)
+    result = plan(api, comps, 16, 4 * 172032 + 1)
+    assert (result.unit_bytes, result.num_units) == (172032, 4)
     assert result.groups == (
-        ArenaGroup(SLIDING, "pages", 114688, 1, 4, 0),
-        ArenaGroup(FULL, "pages", 81920, 1, 5, 32768),
+        ArenaGroup(SLIDING, "pages", 114688, 1, 6, 57344),
+        ArenaGroup(FULL, "pages", 81920, 2, 8, 8192),
     )
-    # U/s = 1.4: unit 0 page 0; unit 1 pages ceil(1.4)=2 .. floor(2.8)-1 = 1 (none: page 1 straddles)
-    full = result.groups[1]
+    # full, U/s = 2.1: unit 0 pages 0, 1; unit 1 ceil(2.1) = 3 .. floor(4.2) - 1 = 3; unit 2
+    # 5 .. 5; unit 3 7 .. 7 (pages 2, 4, 6 straddle). Sliding, U/s = 1.5: 0; 2; 3; 5.
+    full, sliding = result.groups[1], result.groups[0]
     assert [unit_page_ids(result, full, u) for u in range(4)] == [
-        range(0, 1),
-        range(2, 2),
+        range(0, 2),
         range(3, 4),
-        range(5, 5),
+        range(5, 6),
+        range(7, 8),
+    ]
+    assert [unit_page_ids(result, sliding, u) for u in range(4)] == [
+        range(0, 1),
+        range(2, 3),
+        range(3, 4),
+        range(5, 6),
     ]
 
 
@@ -274,9 +287,14 @@ def test_gemma3_like_two_page_groups_beyond_four_pages(api: ModuleType) -> None:
     ("per_token", "unit_bytes", "per_unit"),
     [
         ((4, 5), 20, (5, 4)),  # lcm 20 = 4 * 5: the bound is inclusive, unit 20 (not a multiple of 256)
-        ((5, 6), 6, (1, 1)),  # lcm 30 > 4 * 6 = 24: the largest page, 6
+        # lcm 30 > 4 * 6 = 24: the largest page, 6, but 6 + gcd(6, 5) < 2 * 5 (unit 1, bytes
+        # 6..12, holds no 5-byte page); 12 - 6 / k for k | 6: 9 (k = 2): 9 + 1 >= 10 and
+        # 12 - 9 = 3 divides 6, so every unit holds a page of both.
+        ((5, 6), 9, (1, 1)),
         ((2, 3, 4), 12, (6, 4, 3)),  # lcm 12 <= 16
-        ((3, 4, 5), 5, (1, 1, 1)),  # lcm 60 > 20
+        # lcm 60 > 20: the largest page, 5; 5 + gcd(5, 4) < 8: 10 - 5 / k for k | 5: 5 (k = 1,
+        # no) or 9 (k = 5): 9 + gcd(9, 3) >= 6, 9 + 1 >= 8, 10 - 9 = 1 divides 5.
+        ((3, 4, 5), 9, (3, 2, 1)),
         ((6, 6), 6, (1, 1)),  # equal pages
     ],
 )
@@ -373,13 +391,17 @@ def test_page_larger_than_the_state_slot(api: ModuleType) -> None:
 
 
 def test_unaligned_page_with_state_rounds_the_unit(api: ModuleType) -> None:
-    # page 3 * 100 = 300; slot round_up(10, 256) = 256; unit round_up(max(256, 300), 256) = 512:
-    # 1 page (slack 212) and 1 slot (slack 256). 5000 // 512 = 9 units; page ids 4608 // 300 = 15.
+    # page 3 * 100 = 300; slot round_up(10, 256) = 256; unit round_up(max(256, 300), 256) = 512,
+    # but gcd(512, 300) = 4 and 512 + 4 < 600: unit 3 (bytes 1536..2048) would hold no page
+    # (1500..1800 and 1800..2100 straddle). 600 - 300 / k for k | 300 (300, 450, 500, 525, 540,
+    # 550, 570, 575, 580, 585, 588, 590, 594, 595) has no multiple of 256 from 512 up, so the
+    # unit is round_up(2 * 300 - 1, 256) = 768: 2 pages (slack 168) and 1 slot (slack 512).
+    # 5000 // 768 = 6 units; page ids 4608 // 300 = 15.
     result = plan(api, [kv(FULL, 0, 100), const(LINEAR, 1, "conv", 10)], 3, 5000)
-    assert (result.unit_bytes, result.num_units) == (512, 9)
+    assert (result.unit_bytes, result.num_units) == (768, 6)
     assert result.groups == (
-        ArenaGroup(FULL, "pages", 300, 1, 15, 212),
-        ArenaGroup(LINEAR, "state", 256, 1, 9, 256),
+        ArenaGroup(FULL, "pages", 300, 2, 15, 168),
+        ArenaGroup(LINEAR, "state", 256, 1, 6, 512),
     )
 
 
@@ -420,12 +442,15 @@ def test_numpy_ints_are_ints(api: ModuleType) -> None:
 
 
 def test_huge_ints_are_exact(api: ModuleType) -> None:
-    # page 2**40 and 2**40 + 1 (coprime): lcm about 2**80 > 4 pages, so the unit is 2**40 + 1;
-    # a budget beyond u64 (2**70) gives 2**70 // (2**40 + 1) = 2**30 - 1 units, all of it in u64
+    # page 2**40 and 2**40 + 1 (coprime): lcm about 2**80 > 4 pages, so the unit would be 2**40 + 1,
+    # where the unit at bytes 2**40 + 1 .. 2**41 + 2 holds no page of 2**40 (gcd 1); no k in 2..64
+    # divides 2**40 + 1 (= 257 * 4278255361), so the unit is 2 * (2**40 + 1) - 1 = 2**41 + 1. A
+    # budget beyond u64 (2**70) gives 2**70 // (2**41 + 1) = 2**29 - 1 units, all of it in u64.
+    unit = 2**41 + 1
     comps = [kv("a", 0, 2**40), kv("b", 1, 2**40 + 1)]
     result = api.plan_arena(comps, 1, 2**70)
-    assert (result.unit_bytes, result.num_units) == (2**40 + 1, 2**70 // (2**40 + 1))
-    assert result.groups[0] == ArenaGroup("a", "pages", 2**40, 1, result.num_units * (2**40 + 1) // 2**40, 1)
+    assert (result.unit_bytes, result.num_units) == (unit, 2**70 // unit)
+    assert result.groups[0] == ArenaGroup("a", "pages", 2**40, 2, result.num_units * unit // 2**40, 1)
 
 
 # --- errors ----------------------------------------------------------------------------------------

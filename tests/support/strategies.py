@@ -175,13 +175,23 @@ def arena_configs(draw: st.DrawFn) -> dict[str, Any]:
     """A :func:`configs` draw laid out in an arena (SPEC 13 storage, ``FlatKVCache(arena=)``):
     at most one state group, ``unit_bytes`` 6 to 48, each page group's page a share of the unit
     (sometimes a byte less, so pages straddle units and units hold ``per_unit`` or
-    ``per_unit - 1`` pages), ``num_units`` 2 to 12. ``num_pages`` is unused."""
+    ``per_unit - 1`` pages), ``num_units`` 2 to 12. An arena plan has one page size in tokens
+    for every page group (``ArenaPlan.page_size``, which the engine checks), so the page groups
+    take one of the drawn sizes (a chunk keeps its count of pages), and the state group a grain
+    of 1, 2 or 4 such pages. ``num_pages`` is unused."""
     config = draw(configs())
+    paged = sorted({size for kind, size, _ in config["groups"] if kind != "state"})
+    tokens = draw(st.sampled_from(paged)) if paged else config["groups"][0][1]
     groups: list[tuple[str, int, Any]] = []
     for kind, size, param in config["groups"]:
         if kind == "state" and any(g[0] == "state" for g in groups):
             kind, param = "full", None
-        groups.append((kind, size, param))
+        if kind == "state":
+            groups.append((kind, tokens * draw(st.sampled_from([1, 2, 4])), param))
+        elif kind == "chunked_local":
+            groups.append((kind, tokens, tokens * (param // size)))
+        else:
+            groups.append((kind, tokens, param))
     unit = draw(st.integers(6, 48))
     page_bytes = []
     for kind, _, _ in groups:
@@ -216,8 +226,9 @@ def arena_plan(config: dict[str, Any]) -> Any:
         )
         for i, ((kind, _, _), page) in enumerate(zip(config["groups"], config["page_bytes"], strict=True))
     )
+    tokens = next((size for kind, size, _ in config["groups"] if kind != "state"), 1)
     return flat_kvcache.ArenaPlan(
-        page_size=1, alignment=1, unit_bytes=unit, num_units=units, groups=groups, components=()
+        page_size=tokens, alignment=1, unit_bytes=unit, num_units=units, groups=groups, components=()
     )
 
 

@@ -117,10 +117,33 @@ def components_from_layers(
     return components
 
 
-def _checked_components(components: Iterable[ComponentSpec]) -> list[ComponentSpec]:
-    """The components with int fields: ``layer`` an int, ``bytes_per_slot`` and ``const_bytes`` >= 0."""
+def _component_items(components: Iterable[ComponentSpec], str_ids: bool = False) -> list[ComponentSpec]:
+    """The items of ``components``, each a :class:`ComponentSpec` (TypeError naming
+    ``components[k]``); with ``str_ids`` (the arena plan, whose groups are the cache's), its
+    ``group_id`` and ``component`` a str UTF-8 can encode (``UnicodeEncodeError`` otherwise)."""
+    try:
+        items = list(components)
+    except TypeError:
+        raise TypeError(
+            f"components must be a sequence of ComponentSpec, got {type(components).__name__}"
+        ) from None
+    for k, comp in enumerate(items):
+        if not isinstance(comp, ComponentSpec):
+            raise TypeError(f"components[{k}] must be a ComponentSpec, got {type(comp).__name__}")
+        if str_ids:
+            for name in ("group_id", "component"):
+                value = getattr(comp, name)
+                if not isinstance(value, str):
+                    raise TypeError(f"components[{k}].{name} must be a str, got {type(value).__name__}")
+                value.encode("utf-8")
+    return items
+
+
+def _checked_components(components: Iterable[ComponentSpec], str_ids: bool = False) -> list[ComponentSpec]:
+    """The components (:func:`_component_items`, all of them first) with int fields: ``layer``
+    an int, ``bytes_per_slot`` and ``const_bytes`` >= 0."""
     checked: list[ComponentSpec] = []
-    for k, comp in enumerate(components):
+    for k, comp in enumerate(_component_items(components, str_ids)):
         checked.append(
             ComponentSpec(
                 group_id=comp.group_id,
@@ -262,6 +285,39 @@ def _fits_u64(value: int, what: str) -> None:
 _U64_MAX = (1 << 64) - 1
 
 
+#: The divisors ``k`` of the largest page tried for a unit of ``2 b - b / k`` bytes.
+UNIT_DIVISORS = 64
+
+
+def _unit_holding_every_page(default: int, pages: list[int], step: int) -> int:
+    """``default``, or when some unit of that size would hold no whole page of some group (page
+    ``p`` lies at byte ``p * b``; a page across two units is never used), the smallest unit that
+    gives every unit a page of every group among: ``2 b - b / k`` for ``k`` in ``1 ..
+    UNIT_DIVISORS`` dividing ``b`` (the largest page) and the first size ``>= 2 b - 1``, each
+    ``>= default`` and a multiple of ``step``.
+
+    A unit of ``U`` bytes starts ``d`` bytes before the next page boundary, ``d`` a multiple of
+    ``gcd(U, b)`` up to ``b - gcd(U, b)``, and holds a page when ``d + b <= U``: so every unit
+    holds one iff ``U >= 2 b - gcd(U, b)``. Below ``2 b - 1`` (and from ``b`` up) that is
+    ``2 b - U`` dividing ``b``, so these are the sizes to try."""
+
+    def holds_all(unit: int) -> bool:
+        return all(unit + math.gcd(unit, page) >= 2 * page for page in pages)
+
+    if holds_all(default):
+        return default
+    largest = max(pages)
+    threshold = _round_up(max(2 * largest - 1, default), step)
+    candidates = [
+        unit
+        for k in range(1, UNIT_DIVISORS + 1)
+        if largest % k == 0
+        for unit in (2 * largest - largest // k,)
+        if unit >= default and unit % step == 0 and holds_all(unit)
+    ]
+    return min([threshold, *candidates])
+
+
 def plan_arena(
     components: Sequence[ComponentSpec],
     page_size: int,
@@ -286,7 +342,7 @@ def plan_arena(
     budget = non_negative(budget_bytes, "budget_bytes")
     align = positive(alignment, "alignment")
     live = non_negative(max_live_requests, "max_live_requests")
-    checked = _checked_components(components)
+    checked = _checked_components(components, str_ids=True)
     if not checked:
         raise ValueError("components must not be empty")
 
@@ -332,6 +388,8 @@ def plan_arena(
     else:
         lcm = math.lcm(*page_bytes.values())
         unit_bytes = lcm if lcm <= 4 * largest_page else largest_page
+    _fits_u64(unit_bytes, "unit_bytes")
+    unit_bytes = _unit_holding_every_page(unit_bytes, list(page_bytes.values()), align if has_state else 1)
     _fits_u64(unit_bytes, "unit_bytes")
 
     num_units = budget // unit_bytes

@@ -755,46 +755,119 @@ impl<'a, 'py> FromPyObject<'a, 'py> for PolicyArg {
     }
 }
 
-/// `flat_kvcache.ArenaPlan`, imported on first use.
+/// `flat_kvcache.ArenaPlan`, `ArenaGroup` and `ArenaComponent`, imported on first use.
 static ARENA_PLAN: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static ARENA_GROUP: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static ARENA_COMPONENT: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
-/// The `arena=` argument of `FlatKVCache`: an `ArenaPlan` (`flat_kvcache.plan_arena`) laid
-/// over the cache's groups `specs`, one page size per group in group order (a state group's
-/// page is the whole unit). Read the same way as the reference's `arena_geometry`.
-pub fn arena_geometry(arena: &Bound<'_, PyAny>, specs: &[GroupSpec]) -> PyResult<ArenaGeometry> {
-    let py = arena.py();
-    let class = ARENA_PLAN.get_or_try_init(py, || -> PyResult<Py<PyType>> {
+/// The class `name` of `flat_kvcache._types`, kept in `cell`.
+fn types_class<'py>(
+    py: Python<'py>,
+    cell: &'static PyOnceLock<Py<PyType>>,
+    name: &str,
+) -> PyResult<Bound<'py, PyType>> {
+    let class = cell.get_or_try_init(py, || -> PyResult<Py<PyType>> {
         Ok(py
             .import("flat_kvcache._types")?
-            .getattr("ArenaPlan")?
+            .getattr(name)?
             .cast_into::<PyType>()?
             .unbind())
     })?;
-    if !arena.is_instance(class.bind(py))? {
+    Ok(class.bind(py).clone())
+}
+
+/// The items of the plan's field `field` (`arena.groups`, `arena.components`), each an
+/// instance of `class` (a `TypeError` naming `arena.<field>[i]` otherwise).
+fn plan_items<'py>(
+    arena: &Bound<'py, PyAny>,
+    field: &str,
+    class: &Bound<'py, PyType>,
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    let what = class.name()?.to_string();
+    let name = format!("arena.{field}");
+    let mut items = Vec::new();
+    for (i, item) in batch_iter(&arena.getattr(field)?, &name, &what)?.enumerate() {
+        let item = item?;
+        if !item.is_instance(class.as_any())? {
+            return Err(PyTypeError::new_err(format!(
+                "{name}[{i}] must be an {what}, got {}",
+                type_name(&item)
+            )));
+        }
+        items.push(item);
+    }
+    Ok(items)
+}
+
+/// The str field `name` of `item`, the `index`-th of the plan's `field`.
+fn plan_text(item: &Bound<'_, PyAny>, field: &str, index: usize, name: &str) -> PyResult<String> {
+    let value = item.getattr(name)?;
+    let text = value.cast::<PyString>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "arena.{field}[{index}].{name} must be a str, got {}",
+            type_name(&value)
+        ))
+    })?;
+    Ok(text.to_str()?.to_owned())
+}
+
+/// The `arena=` argument of `FlatKVCache`: an `ArenaPlan` (`flat_kvcache.plan_arena`) laid
+/// over the cache's groups `specs`, one page size per group in group order (a state group's
+/// page is the whole unit). Read the same way as the reference's `arena_geometry`, in the
+/// order of docs/engine-api.md ("Arena"): the plan's fields in their order (each group an
+/// `ArenaGroup`, each component an `ArenaComponent`), then the plan in itself (no group
+/// twice, every component in one of its groups), then against the specs (the same groups,
+/// each laid out as its kind, every page group's pages of `arena.page_size` tokens).
+pub fn arena_geometry(arena: &Bound<'_, PyAny>, specs: &[GroupSpec]) -> PyResult<ArenaGeometry> {
+    let py = arena.py();
+    if !arena.is_instance(types_class(py, &ARENA_PLAN, "ArenaPlan")?.as_any())? {
         return Err(PyTypeError::new_err(format!(
             "arena must be an ArenaPlan (from plan_arena), got {}",
             type_name(arena)
         )));
     }
+    let page_size = count(&arena.getattr("page_size")?, "arena.page_size")?;
+    count(&arena.getattr("alignment")?, "arena.alignment")?;
     let unit_bytes = count(&arena.getattr("unit_bytes")?, "arena.unit_bytes")?;
     let num_units = count(&arena.getattr("num_units")?, "arena.num_units")?;
     let mut planned: Vec<(String, String, u64)> = Vec::new();
-    for (i, group) in batch_iter(&arena.getattr("groups")?, "arena.groups", "ArenaGroup")?.enumerate() {
-        let group = group?;
-        let text = |name: &str| -> PyResult<String> {
-            let value = group.getattr(name)?;
-            value
-                .cast::<PyString>()
-                .map(|s| s.to_string_lossy().into_owned())
-                .map_err(|_| {
-                    PyTypeError::new_err(format!(
-                        "arena.groups[{i}].{name} must be a str, got {}",
-                        type_name(&value)
-                    ))
-                })
-        };
+    for (i, group) in plan_items(arena, "groups", &types_class(py, &ARENA_GROUP, "ArenaGroup")?)?
+        .iter()
+        .enumerate()
+    {
+        let gid = plan_text(group, "groups", i, "group_id")?;
+        let kind = plan_text(group, "groups", i, "kind")?;
         let bytes = count(&group.getattr("item_bytes")?, &format!("arena.groups[{i}].item_bytes"))?;
-        planned.push((text("group_id")?, text("kind")?, bytes));
+        planned.push((gid, kind, bytes));
+    }
+    let mut placed = Vec::new();
+    for (i, comp) in plan_items(
+        arena,
+        "components",
+        &types_class(py, &ARENA_COMPONENT, "ArenaComponent")?,
+    )?
+    .iter()
+    .enumerate()
+    {
+        placed.push(plan_text(comp, "components", i, "group_id")?);
+    }
+    for (i, (gid, _, _)) in planned.iter().enumerate() {
+        if planned[..i].iter().any(|(earlier, _, _)| earlier == gid) {
+            return Err(PyValueError::new_err(format!(
+                "arena: the plan lists group {:?} twice",
+                clip(gid)
+            )));
+        }
+    }
+    if let Some((i, gid)) = placed
+        .iter()
+        .enumerate()
+        .find(|(_, gid)| !planned.iter().any(|(planned, _, _)| planned == *gid))
+    {
+        return Err(PyValueError::new_err(format!(
+            "arena: arena.components[{i}] lies in group {:?}, which the plan does not list",
+            clip(gid)
+        )));
     }
     if let Some((gid, _, _)) = planned
         .iter()
@@ -824,6 +897,13 @@ pub fn arena_geometry(arena: &Bound<'_, PyAny>, specs: &[GroupSpec]) -> PyResult
                 clip(&spec.group_id),
                 spec.kind.name(),
                 clip(kind)
+            )));
+        }
+        if spec.kind != GroupKind::State && spec.page_size != page_size {
+            return Err(PyValueError::new_err(format!(
+                "arena: group {:?} has pages of {} tokens but the plan's pages hold {page_size} (arena.page_size)",
+                clip(&spec.group_id),
+                spec.page_size,
             )));
         }
         page_bytes.push(if spec.kind == GroupKind::State {

@@ -12,8 +12,10 @@ use flat_kvcache_core::sizing::plan::{
     self, BlockGeometry, ComponentArg, FlatMemoryPlan, ShapeArg, StateComponentsArg, StateItemArg,
 };
 use flat_kvcache_core::sizing::{arena, LabelItem};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyMapping, PyTuple};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyList, PyMapping, PyString, PyTuple, PyType};
 
 use crate::convert::{int_arg, int_to_py, is_sequence, is_str, text, type_name, IntParam};
 use crate::errors::core;
@@ -22,23 +24,61 @@ use crate::sizing::{layer_types_arg, windows_arg};
 /// Per component, the `group_id` and `component` objects a plan hands back.
 type HandBack<'py> = Vec<(Bound<'py, PyAny>, Bound<'py, PyAny>)>;
 
+/// `flat_kvcache.ComponentSpec`, imported on first use.
+static COMPONENT_SPEC: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
 /// The components as the core sees them, with the objects a plan hands back (each component's
-/// `group_id` and `component`).
+/// `group_id` and `component`). Called after the plan's own scalar arguments are checked (the
+/// contract's order: docs/sizing-api.md); every item must be a `ComponentSpec` (a
+/// `TypeError` naming `components[k]`), all of them before the core checks their numbers.
 ///
 /// With `key_groups`, equal `group_id`s (Python equality, as dict keys) get equal keys; an
-/// unhashable `group_id` is then a `TypeError`, as in the reference's row dicts.
+/// unhashable `group_id` is then a `TypeError`, as in the reference's row dicts. With
+/// `str_ids` (the arena plan, whose groups are the cache's), `group_id` and `component` must
+/// be a `str` UTF-8 can encode.
 fn component_args<'py>(
     components: &Bound<'py, PyAny>,
     key_groups: bool,
+    str_ids: bool,
 ) -> PyResult<(Vec<ComponentArg>, HandBack<'py>)> {
     let py = components.py();
+    let class = COMPONENT_SPEC.get_or_try_init(py, || -> PyResult<Py<PyType>> {
+        Ok(py
+            .import("flat_kvcache._types")?
+            .getattr("ComponentSpec")?
+            .cast_into::<PyType>()?
+            .unbind())
+    })?;
+    let items = components.try_iter().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "components must be a sequence of ComponentSpec, got {}",
+            type_name(components)
+        ))
+    })?;
     let keys = PyDict::new(py);
     let mut args = Vec::new();
     let mut objects = Vec::new();
-    for (k, comp) in components.try_iter()?.enumerate() {
+    for (k, comp) in items.enumerate() {
         let comp = comp?;
+        if !comp.is_instance(class.bind(py))? {
+            return Err(PyTypeError::new_err(format!(
+                "components[{k}] must be a ComponentSpec, got {}",
+                type_name(&comp)
+            )));
+        }
         let group_id = comp.getattr("group_id")?;
         let component = comp.getattr("component")?;
+        if str_ids {
+            for (name, value) in [("group_id", &group_id), ("component", &component)] {
+                let Ok(value) = value.cast::<PyString>() else {
+                    return Err(PyTypeError::new_err(format!(
+                        "components[{k}].{name} must be a str, got {}",
+                        type_name(value)
+                    )));
+                };
+                value.to_str()?; // a lone surrogate: UnicodeEncodeError
+            }
+        }
         let group_key = if key_groups {
             if let Some(key) = keys.get_item(&group_id)? {
                 key.extract::<usize>()?
@@ -194,7 +234,9 @@ pub fn solve_page_geometry<'py>(
     block_size: IntParam,
     alignment: IntParam,
 ) -> PyResult<Bound<'py, PyTuple>> {
-    let (args, _) = component_args(components, true)?;
+    core(block_size.0.positive("block_size"))?;
+    core(alignment.0.positive("alignment"))?;
+    let (args, _) = component_args(components, true, false)?;
     let geometry = core(plan::solve_page_geometry(&args, &block_size.0, &alignment.0))?;
     geometry_to_py(py, &geometry)
 }
@@ -208,7 +250,9 @@ pub fn equalized_block_size<'py>(
     block_size: IntParam,
     alignment: Option<IntParam>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let (args, _) = component_args(components, true)?;
+    core(block_size.0.positive("block_size"))?;
+    core(alignment.as_ref().map_or(&block_size.0, |a| &a.0).positive("alignment"))?;
+    let (args, _) = component_args(components, true, false)?;
     let block_size = core(plan::equalized_block_size(
         &args,
         &block_size.0,
@@ -230,7 +274,10 @@ pub fn plan_component_tensors<'py>(
     budget_bytes: IntParam,
     reserved_bytes_per_block: IntParam,
 ) -> PyResult<Bound<'py, PyTuple>> {
-    let (args, objects) = component_args(components, false)?;
+    core(block_size.0.positive("block_size"))?;
+    core(budget_bytes.0.non_negative("budget_bytes"))?;
+    core(reserved_bytes_per_block.0.non_negative("reserved_bytes_per_block"))?;
+    let (args, objects) = component_args(components, false, false)?;
     let plan = core(plan::plan_component_tensors(
         &args,
         &block_size.0,
@@ -248,7 +295,9 @@ pub fn plan_tensors<'py>(
     block_size: IntParam,
     budget_bytes: IntParam,
 ) -> PyResult<Bound<'py, PyTuple>> {
-    let (args, objects) = component_args(components, true)?;
+    core(block_size.0.positive("block_size"))?;
+    core(budget_bytes.0.non_negative("budget_bytes"))?;
+    let (args, objects) = component_args(components, true, false)?;
     let plan = core(plan::plan_tensors(&args, &block_size.0, &budget_bytes.0))?;
     plan_to_py(py, &plan, &objects)
 }
@@ -270,7 +319,13 @@ pub fn plan_arena<'py>(
     alignment: IntParam,
     max_live_requests: IntParam,
 ) -> PyResult<Bound<'py, PyTuple>> {
-    let (args, _) = component_args(components, true)?;
+    core(arena::check_scalars(
+        &page_size.0,
+        &budget_bytes.0,
+        &alignment.0,
+        &max_live_requests.0,
+    ))?;
+    let (args, _) = component_args(components, true, true)?;
     let plan = core(arena::plan_arena(
         &args,
         &page_size.0,

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from flat_kvcache._types import FULL, STATE, ArenaPlan, KVCacheSpec
+from flat_kvcache._types import FULL, STATE, ArenaComponent, ArenaGroup, ArenaPlan, KVCacheSpec
 from flat_kvcache.errors import UnknownRequestError
 from flat_kvcache.events import BlockRemoved, BlockStored, KVCacheEvent
 from flat_kvcache.reference._checks import ceil_div
@@ -81,29 +81,61 @@ class PrefixMatch:
         object.__setattr__(self, "num_hit_pages", as_counts(self.num_hit_pages, "num_hit_pages"))
 
 
+def _plan_items(arena: ArenaPlan, field: str, cls: type) -> list[Any]:
+    """The items of the plan's ``field``, each a ``cls`` (TypeError naming ``arena.<field>[i]``)."""
+    items = list(batch_items(getattr(arena, field), f"arena.{field}", cls.__name__))
+    for i, item in enumerate(items):
+        if not isinstance(item, cls):
+            raise TypeError(f"arena.{field}[{i}] must be an {cls.__name__}, got {type(item).__name__}")
+    return items
+
+
+def _plan_text(item: object, field: str, index: int, name: str) -> str:
+    """The str field ``name`` of ``item``, the ``index``-th of the plan's ``field``."""
+    value = getattr(item, name)
+    if not isinstance(value, str):
+        raise TypeError(f"arena.{field}[{index}].{name} must be a str, got {type(value).__name__}")
+    value.encode("utf-8")  # a lone surrogate: UnicodeEncodeError, as natively
+    return value
+
+
 def arena_geometry(
     arena: object, specs: Sequence[KVCacheSpec], group_ids: Sequence[str]
 ) -> tuple[int, int, list[int]]:
     """The ``arena=`` argument over the cache's groups: ``(unit_bytes, num_units, page_bytes)``
     with one page size per group in group order (a state group's page is the whole unit).
 
-    ``arena`` must be an :class:`ArenaPlan` (TypeError); each plan group must be one of the
-    cache's groups and each cache group must be in the plan with the layout of its kind
-    (ValueError)."""
+    Checked in the order of docs/engine-api.md ("Arena"): ``arena`` an :class:`ArenaPlan`, its
+    fields in their order (each group an :class:`ArenaGroup`, each component an
+    :class:`ArenaComponent`: TypeError); then the plan in itself (no group twice, every
+    component in one of its groups); then against the specs (the same groups, each laid out as
+    its kind, every page group's pages of ``arena.page_size`` tokens): ValueError."""
     if not isinstance(arena, ArenaPlan):
         raise TypeError(f"arena must be an ArenaPlan (from plan_arena), got {type(arena).__name__}")
+    page_size = as_count(arena.page_size, "arena.page_size")
+    as_count(arena.alignment, "arena.alignment")
     unit_bytes = as_count(arena.unit_bytes, "arena.unit_bytes")
     num_units = as_count(arena.num_units, "arena.num_units")
     planned: list[tuple[str, str, int]] = []
-    for i, group in enumerate(batch_items(arena.groups, "arena.groups", "ArenaGroup")):
-        item_bytes = as_count(getattr(group, "item_bytes"), f"arena.groups[{i}].item_bytes")  # noqa: B009
-        texts = []
-        for name in ("group_id", "kind"):
-            value = getattr(group, name)
-            if not isinstance(value, str):
-                raise TypeError(f"arena.groups[{i}].{name} must be a str, got {type(value).__name__}")
-            texts.append(value)
-        planned.append((texts[0], texts[1], item_bytes))
+    for i, group in enumerate(_plan_items(arena, "groups", ArenaGroup)):
+        gid = _plan_text(group, "groups", i, "group_id")
+        kind = _plan_text(group, "groups", i, "kind")
+        planned.append((gid, kind, as_count(group.item_bytes, f"arena.groups[{i}].item_bytes")))
+    placed = [
+        _plan_text(comp, "components", i, "group_id")
+        for i, comp in enumerate(_plan_items(arena, "components", ArenaComponent))
+    ]
+    seen: set[str] = set()
+    for gid, _, _ in planned:
+        if gid in seen:
+            raise ValueError(f"arena: the plan lists group {debug_str(gid[:80])} twice")
+        seen.add(gid)
+    for i, gid in enumerate(placed):
+        if gid not in seen:
+            raise ValueError(
+                f"arena: arena.components[{i}] lies in group {debug_str(gid[:80])}, which the plan "
+                "does not list"
+            )
     for gid, _, _ in planned:
         if gid not in group_ids:
             raise ValueError(
@@ -119,6 +151,11 @@ def arena_geometry(
             raise ValueError(
                 f"arena: group {debug_str(gid[:80])} is a {spec.kind} group but the plan lays it "
                 f"out as {debug_str(found[1][:80])}"
+            )
+        if spec.kind != STATE and spec.page_size != page_size:
+            raise ValueError(
+                f"arena: group {debug_str(gid[:80])} has pages of {spec.page_size} tokens but the "
+                f"plan's pages hold {page_size} (arena.page_size)"
             )
         page_bytes.append(unit_bytes if spec.kind == STATE else found[2])
     return unit_bytes, num_units, page_bytes

@@ -164,23 +164,73 @@ fn place_state(
     align_up(end, align, WHAT)
 }
 
+/// Whether every unit of `unit` bytes holds a whole page of `page` bytes (`page <= unit`), pages
+/// lying at multiples of `page` bytes: a unit starts a multiple of `gcd(unit, page)` bytes
+/// into a page, at worst `page - gcd` bytes, and then holds a page iff `unit >= 2 page - gcd`.
+pub fn every_unit_holds_a_page(unit: u64, page: u64) -> bool {
+    let (u, b) = (u128::from(unit), u128::from(page));
+    u + gcd128(u, b) >= 2 * b
+}
+
+/// The divisors `k` of the largest page tried for a unit `2 b - b / k` (see [`unit_bytes`]).
+pub const UNIT_DIVISORS: u64 = 64;
+
 /// The unit: with state, the slot and the largest page rounded up to the alignment; without,
-/// the lcm of the pages when it is at most 4 pages, else the largest page.
+/// the lcm of the pages when it is at most 4 pages, else the largest page. When some unit of
+/// that size would hold no whole page of some group (pages lie at multiples of their bytes,
+/// and one that straddles two units is never used), the unit is raised to the smallest of the
+/// candidates that gives every unit a page of every group: `2 b - b / k` for `k` in `1 ..=
+/// UNIT_DIVISORS` dividing `b` (`b` the largest page; below `2 b - 1` only sizes of this form
+/// hold a page of `b` in every unit) and the first size `>= 2 b - 1`, each at least the default
+/// and a multiple of the alignment (with state).
 fn unit_bytes(page_bytes: &[Option<u64>], slot: u64, align: u64) -> CoreResult<u64> {
     let largest = page_bytes.iter().flatten().copied().max().unwrap_or(0);
-    if slot > 0 {
-        return align_up(slot.max(largest), align, "unit_bytes");
+    let (default, step) = if slot > 0 {
+        (align_up(slot.max(largest), align, "unit_bytes")?, align)
+    } else {
+        // Computed in u128: an lcm past u128 is far past 4 pages of u64 bytes.
+        let mut lcm: Option<u128> = Some(1);
+        for &b in page_bytes.iter().flatten() {
+            let b = u128::from(b);
+            lcm = lcm.and_then(|l| (l / gcd128(l, b)).checked_mul(b));
+        }
+        let unit = match lcm {
+            Some(l) if l <= u128::from(largest) * 4 => checked::narrow(l, "unit_bytes")?,
+            _ => largest,
+        };
+        (unit, 1)
+    };
+    let holds_all = |unit: u64| page_bytes.iter().flatten().all(|&b| every_unit_holds_a_page(unit, b));
+    if holds_all(default) {
+        return Ok(default);
     }
-    // Computed in u128: an lcm past u128 is far past 4 pages of u64 bytes.
-    let mut lcm: Option<u128> = Some(1);
-    for &b in page_bytes.iter().flatten() {
-        let b = u128::from(b);
-        lcm = lcm.and_then(|l| (l / gcd128(l, b)).checked_mul(b));
-    }
-    match lcm {
-        Some(l) if l <= u128::from(largest) * 4 => checked::narrow(l, "unit_bytes"),
-        _ => Ok(largest),
-    }
+    // In u128: 2 b - 1 may be past u64 while a smaller candidate is not.
+    let (b, step, default) = (u128::from(largest), u128::from(step), u128::from(default));
+    let holds_all_wide = |unit: u128| u64::try_from(unit).is_ok_and(holds_all);
+    // At least 2 b - 1: every unit holds a page of every group (gcd >= 1).
+    let threshold = (2 * b - 1).max(default).div_ceil(step) * step;
+    let best = (1..=u128::from(UNIT_DIVISORS))
+        .filter(|&k| b % k == 0)
+        .map(|k| 2 * b - b / k)
+        .filter(|&unit| unit >= default && unit % step == 0 && holds_all_wide(unit))
+        .fold(threshold, u128::min);
+    checked::narrow(best, "unit_bytes")
+}
+
+/// `plan_arena`'s arguments but the components, checked in the contract's order (they come
+/// first): `(page_size, budget_bytes, alignment, max_live_requests)`.
+pub fn check_scalars<'a>(
+    page_size: &'a IntArg,
+    budget_bytes: &'a IntArg,
+    alignment: &'a IntArg,
+    max_live_requests: &'a IntArg,
+) -> CoreResult<(&'a Int, &'a Int, &'a Int, &'a Int)> {
+    Ok((
+        page_size.positive("page_size")?,
+        budget_bytes.non_negative("budget_bytes")?,
+        alignment.positive("alignment")?,
+        max_live_requests.non_negative("max_live_requests")?,
+    ))
 }
 
 /// `plan_arena`: the units, each group's item, and every component's place (docs/sizing-api.md).
@@ -191,10 +241,7 @@ pub fn plan_arena(
     alignment: &IntArg,
     max_live_requests: &IntArg,
 ) -> CoreResult<ArenaPlan> {
-    let page = page_size.positive("page_size")?;
-    let budget = budget_bytes.non_negative("budget_bytes")?;
-    let align = alignment.positive("alignment")?;
-    let live = max_live_requests.non_negative("max_live_requests")?;
+    let (page, budget, align, live) = check_scalars(page_size, budget_bytes, alignment, max_live_requests)?;
     let checked = check_components(components)?;
     if checked.is_empty() {
         return Err(CoreError::invalid("components must not be empty"));
@@ -271,12 +318,16 @@ mod tests {
     }
 
     fn plan(specs: &[ComponentSpec], page: u64, budget: u64) -> CoreResult<ArenaPlan> {
+        plan_aligned(specs, page, budget, 256)
+    }
+
+    fn plan_aligned(specs: &[ComponentSpec], page: u64, budget: u64, align: u64) -> CoreResult<ArenaPlan> {
         let args = component_args(specs);
         plan_arena(
             &args,
             &IntArg::Int(Int::from(page)),
             &IntArg::Int(Int::from(budget)),
-            &IntArg::Int(Int::from(256u64)),
+            &IntArg::Int(Int::from(align)),
             &IntArg::Int(Int::zero()),
         )
     }
@@ -317,9 +368,50 @@ mod tests {
         let p = plan(&specs, 1, 1000).unwrap();
         assert_eq!(p.unit_bytes, 44);
         assert_eq!(p.groups.iter().map(|g| g.slack_bytes).collect::<Vec<_>>(), vec![0, 0]);
-        // 7 and 5: lcm 35 > 4 * 7 -> the largest page, slack for the other.
+        // 7 and 4: lcm 28 = 4 * 7 -> no slack either.
+        let p = plan(&[spec("a", 0, "kv", 7, 0), spec("b", 1, "kv", 4, 0)], 1, 1000).unwrap();
+        assert_eq!(p.unit_bytes, 28);
+        // 7 and 3: lcm 21 <= 4 * 7 -> the lcm.
+        let p = plan(&[spec("a", 0, "kv", 7, 0), spec("b", 1, "kv", 3, 0)], 1, 1000).unwrap();
+        assert_eq!(p.unit_bytes, 21);
+    }
+
+    #[test]
+    fn a_unit_that_would_hold_no_page_of_a_group_is_raised() {
+        // 7 and 5: lcm 35 > 4 * 7, so the largest page, 7; but units of 7 bytes start 2, 4, 1, 3
+        // bytes into 5-byte pages, and the unit at bytes 7..14 holds no whole 5-byte page
+        // (5..10 and 10..15 straddle). Below 2 * 7 - 1 = 13 only 14 - 7/k for k | 7 can hold a
+        // 7-byte page in every unit: 7 (k = 1, fails for 5) and 13 (k = 7): 13.
         let p = plan(&[spec("a", 0, "kv", 7, 0), spec("b", 1, "kv", 5, 0)], 1, 1000).unwrap();
-        assert_eq!((p.unit_bytes, p.groups[1].per_unit, p.groups[1].slack_bytes), (7, 1, 2));
+        assert_eq!(
+            (p.unit_bytes, p.groups[1].per_unit, p.groups[1].slack_bytes),
+            (13, 2, 3)
+        );
+        // The reproduction: 3-byte pages beside a 4-byte slot, alignment 1. Units of 4
+        // (the slot) would leave 4..8 without a page; 2 * 3 - 3 / 3 = 5 holds one everywhere.
+        let p = plan_aligned(&[spec("attn", 0, "kv", 3, 0), spec("ssm", 1, "state", 0, 4)], 1, 12, 1).unwrap();
+        assert_eq!((p.unit_bytes, p.num_units), (5, 2));
+        // 40 KiB pages beside a 48 KiB slot (alignment 256): 2 * 40 KiB - 20 KiB = 60 KiB.
+        let p = plan_aligned(
+            &[spec("attn", 0, "kv", 2560, 0), spec("ssm", 1, "state", 0, 48 << 10)],
+            16,
+            1 << 30,
+            256,
+        )
+        .unwrap();
+        assert_eq!(p.unit_bytes, 60 << 10);
+    }
+
+    #[test]
+    fn every_unit_holds_a_page_matches_a_scan_of_the_units() {
+        for unit in 1..=60u64 {
+            for page in 1..=unit {
+                // Units 1 ..= page (a whole period of their offsets into a page) each hold a
+                // page: ids ceil(u U / s) .. floor((u + 1) U / s), as the engine places them.
+                let scanned = (1..=page).all(|u| ((u + 1) * unit) / page > (u * unit).div_ceil(page));
+                assert_eq!(every_unit_holds_a_page(unit, page), scanned, "unit {unit} page {page}");
+            }
+        }
     }
 
     #[test]
