@@ -19,11 +19,12 @@ from helpers import missing, one_thread  # noqa: F401  (an autouse fixture)
 
 try:
     import torch
-    import transformers  # noqa: F401  (tiny_model builds its models)
+    import transformers
 except ImportError as exc:
     missing(exc.name or "torch/transformers", exc)
 
 import flat_kvcache as fk
+from flat_kvcache.errors import ModelConfigError
 from flat_kvcache.torch import ArenaBuffers, KVBuffers, allocate_arena, allocate_kv_buffers
 from flat_kvcache.torch.runner import (
     PagedModelRunner,
@@ -46,6 +47,109 @@ P = 4
 G = 8
 CHUNK = 12
 WINDOW = 8
+
+ATTENTION_KINDS = ["llama", "qwen2", "mistral", "gemma2", "gpt-oss", "llama4"]
+STATE_KINDS = ["qwen3-next", "bamba", "falcon-h1", "zamba2", "jamba", "mamba", "mamba2"]
+
+#: Tiny models of the other families whose state the runner accepts (built here, not by
+#: ``tiny_model``): 4 layers, state and attention alternating, vocabulary 64, hidden size 32.
+_COMMON: dict[str, Any] = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "pad_token_id": 0,
+}
+_ALTERNATING = ["linear_attention", "full_attention"] * 2
+
+
+def _nemotron_h() -> Any:
+    config = transformers.NemotronHConfig(
+        **_COMMON,
+        layers_block_type=_ALTERNATING,
+        head_dim=8,
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        n_groups=1,
+        ssm_state_size=8,
+        conv_kernel=4,
+        expand=2,
+        chunk_size=16,
+    )
+    return transformers.NemotronHForCausalLM(config)
+
+
+def _granite_4() -> Any:
+    config = transformers.GraniteMoeHybridConfig(
+        **_COMMON,
+        layer_types=_ALTERNATING,
+        mamba_n_heads=4,
+        mamba_n_groups=1,
+        mamba_d_state=8,
+        mamba_d_head=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=16,
+        num_local_experts=0,
+    )
+    return transformers.GraniteMoeHybridForCausalLM(config)
+
+
+def _olmo_hybrid() -> Any:
+    config = transformers.OlmoHybridConfig(
+        **_COMMON,
+        layer_types=_ALTERNATING,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+    )
+    return transformers.OlmoHybridForCausalLM(config)
+
+
+def _kimi_linear(layer_types: list[str]) -> Any:
+    config = transformers.KimiLinearConfig(
+        **_COMMON,
+        layer_types=layer_types,
+        mlp_layer_types=["dense"] * 4,
+        linear_head_dim=8,
+        linear_num_heads=4,
+        linear_conv_kernel_dim=4,
+    )
+    return transformers.KimiLinearForCausalLM(config)
+
+
+def _recurrent_gemma() -> Any:
+    config = transformers.RecurrentGemmaConfig(
+        **_COMMON,
+        lru_width=32,
+        conv1d_width=4,
+        block_types=["recurrent", "attention"],
+        attention_window_size=WINDOW,
+    )
+    return transformers.RecurrentGemmaForCausalLM(config)
+
+
+#: Kimi-Linear's full attention is MLA, which this library does not size (refused below): its
+#: Kimi Delta Attention runs here in a model of KDA layers only.
+OTHER_STATE_KINDS: dict[str, Any] = {
+    "nemotron-h": _nemotron_h,
+    "granite-4.0": _granite_4,
+    "olmo-hybrid": _olmo_hybrid,
+    "kimi-linear-kda-only": lambda: _kimi_linear(["linear_attention"] * 4),
+}
+
+
+def model_of(kind: str) -> Any:
+    if kind in OTHER_STATE_KINDS:
+        torch.manual_seed(0)
+        model: Any = OTHER_STATE_KINDS[kind]()
+        return model.eval()
+    return tiny_model(kind, window=WINDOW, num_layers=4, seed=0)
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -89,6 +193,118 @@ def worst_error(model: Any, record: RequestRecord) -> float:
         diff = float((logits - reference[positions]).abs().max())
         worst = max(worst, diff if diff == diff else float("inf"))  # NaN: a poisoned read
     return worst
+
+
+@pytest.mark.parametrize("kind", [*ATTENTION_KINDS, *STATE_KINDS, *OTHER_STATE_KINDS])
+def test_a_multi_chunk_request_and_a_prefix_hit_match_the_whole_forward(kind: str) -> None:
+    model = model_of(kind)
+    runner = build_runner(model)
+    base = tokens(11, 30)
+    prompts = {"a": base, "b": [*base[:27], 5, 6, 7]}
+    records = run_greedy(runner, prompts, 3, chunk_size=CHUNK, max_running=1)
+    a, b = records["a"], records["b"]
+    # a's prompt takes several chunks; some start after position 0 and hold more than one
+    # token: the forwards that must resume what earlier ones left
+    resumed = [positions for positions, _ in a.computed if positions[0] > 0 and len(positions) > 1]
+    assert len(resumed) >= 2, [p[0] for p, _ in a.computed]
+    # b shares 27 tokens: it resumes at 24 (6 full pages of 4; for a state model, a's
+    # checkpoint on the grain of 8) and computes only the rest, starting with a 3-token chunk
+    assert b.hits == [24]
+    assert b.computed[0][0][:2] == [24, 25]
+    for record in (a, b):
+        error = worst_error(model, record)
+        assert error <= TOLERANCE, f"{kind}: paged logits differ from the whole forward by {error}"
+    runner.cache.check_invariants()
+
+
+def falcon_mamba() -> Any:
+    torch.manual_seed(0)
+    config = transformers.FalconMambaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=4,
+        state_size=8,
+        conv_kernel=4,
+        expand=2,
+        time_step_rank=4,
+    )
+    model: Any = transformers.FalconMambaForCausalLM(config)
+    return model.eval()
+
+
+def test_falcon_mamba_is_refused_when_the_runner_is_built() -> None:
+    # The family table does not read falcon_mamba configs: the runner cannot know which layers
+    # keep what, and says so by model_type (buffers of a mamba1 model with the same layers).
+    mamba = tiny_model("mamba", num_layers=4, seed=0)
+    runner = build_runner(mamba)
+    with pytest.raises(ModelConfigError, match="model_type is 'falcon_mamba'"):
+        PagedModelRunner(falcon_mamba(), runner.cache, runner.buffers)
+
+
+def test_recurrent_gemma_is_refused_when_the_runner_is_built() -> None:
+    # Its RG-LRU keeps the recurrent and conv state in the model's own modules, out of reach of
+    # the state slots: refused by state kind, with the reason, not at the first step.
+    torch.manual_seed(0)
+    model = _recurrent_gemma()
+    runner_parts = build_runner_parts(model)
+    with pytest.raises(ValueError, match=r"state layers of kind 'rg_lru' are refused: RecurrentGemma keeps"):
+        PagedModelRunner(model, *runner_parts)
+
+
+def test_kimi_linear_with_mla_attention_is_refused_when_the_runner_is_built() -> None:
+    torch.manual_seed(0)
+    kda_only = model_of("kimi-linear-kda-only")
+    hybrid = _kimi_linear(_ALTERNATING)
+    runner = build_runner(kda_only)
+    with pytest.raises(ModelConfigError, match=r"multi-head latent attention \(MLA\)"):
+        PagedModelRunner(hybrid, runner.cache, runner.buffers)
+
+
+def test_a_state_model_whose_forward_takes_no_cache_is_refused() -> None:
+    class NoCache(transformers.MambaForCausalLM):  # type: ignore[no-untyped-call]
+        def forward(self, input_ids: Any = None, use_cache: Any = None) -> Any:
+            return super().forward(input_ids=input_ids)
+
+    mamba = tiny_model("mamba", num_layers=4, seed=0)
+    runner = build_runner(mamba)
+    with pytest.raises(ValueError, match=r"NoCache\.forward takes neither past_key_values nor cache_params"):
+        PagedModelRunner(NoCache(mamba.config), runner.cache, runner.buffers)
+
+
+def test_an_attention_model_whose_forward_takes_no_positions_is_refused() -> None:
+    class NoPositions(transformers.LlamaForCausalLM):  # type: ignore[no-untyped-call]
+        def forward(self, input_ids: Any = None, use_cache: Any = None) -> Any:
+            return super().forward(input_ids=input_ids, use_cache=use_cache)
+
+    llama = tiny_model("llama", num_layers=2, seed=0)
+    runner = build_runner(llama)
+    with pytest.raises(ValueError, match=r"NoPositions\.forward takes no position_ids"):
+        PagedModelRunner(NoPositions(llama.config), runner.cache, runner.buffers)
+
+
+def test_max_logit_error_compares_with_the_whole_forward_not_a_cut_one() -> None:
+    # Logits as a cut forward through the model's own cache gives them (Jamba: the mamba1 scan
+    # of the piece after the cut starts from zero) are wrong, and max_logit_error must say so
+    # even though a reference cut at the same place would agree with them.
+    from transformers import DynamicCache
+
+    model = tiny_model("jamba", num_layers=4, seed=0)
+    sequence = tokens(12, 21)
+    own = DynamicCache(config=model.config)
+    pieces = []
+    with torch.no_grad():
+        for start, end in ((0, 16), (16, 21)):
+            out = model(
+                input_ids=torch.tensor([sequence[start:end]]),
+                position_ids=torch.arange(start, end)[None],
+                past_key_values=own,
+                use_cache=True,
+            )
+            pieces.append((list(range(start, end)), out.logits[0].float()))
+    whole = whole_forward(model, sequence)
+    assert float((pieces[1][1] - whole[16:21]).abs().max()) > 0.05  # the model's cut is wrong
+    record = RequestRecord(prompt=sequence, tokens=[*sequence, 0], computed=pieces)
+    assert max_logit_error(model, {"a": record}) > 0.05
 
 
 def test_max_logit_error_does_not_feed_the_last_sampled_token() -> None:
