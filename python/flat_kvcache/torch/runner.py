@@ -23,7 +23,6 @@ import contextlib
 import contextvars
 import dataclasses
 import inspect
-import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -80,6 +79,28 @@ Buffers = KVBuffers | ArenaBuffers
 #: The state components the runner moves between the arena and a model's own cache layer: the
 #: conv inputs (``kernel - 1`` columns here, ``kernel`` in ``transformers``) and the recurrent state.
 _STATE_COMPONENTS = ("conv", "ssm")
+
+#: State kinds (:data:`flat_kvcache.families.STATE_KINDS`) whose ``transformers`` mixers resume
+#: a cached recurrent state only on one-token steps. The mamba1 mixers (``MambaMixer``,
+#: ``FalconMambaMixer``, ``JambaMambaMixer``; transformers 5.x) read the cached state only when
+#: the step has one token: a longer step carries the conv inputs over but starts its selective
+#: scan from a zero state, whatever the cache holds. The runner feeds them a chunk that follows
+#: a state one token at a time, each token a forward of its own through the model's own code.
+_ONE_TOKEN_RESUME_KINDS = frozenset({"mamba1"})
+
+#: The state kinds whose ``transformers`` models keep their state in the cache the runner loads
+#: and reads back (``LinearAttentionLayer``: conv inputs and recurrent state), checked against
+#: the models' own whole forward (tests/model/test_runner_families.py): Qwen3-Next's and
+#: OLMo-Hybrid's Gated DeltaNet, Kimi Delta Attention, mamba1 (Jamba, Mamba), mamba2 (Mamba-2,
+#: Bamba, Nemotron-H, Granite 4.0, Falcon-H1, Zamba2). Any other kind is refused.
+_RUNNER_STATE_KINDS = frozenset({"gdn", "olmo_hybrid_gdn", "kda", "mamba1", "mamba2"})
+
+#: Why a state kind with conv + ssm components is not run, where the reason is known.
+_REFUSED_STATE_KINDS = {
+    "rg_lru": "RecurrentGemma keeps its recurrent and conv state in its own modules (the "
+    "temporal block's recurrent_states and conv1d_state), not in the transformers cache the "
+    "runner loads before a step and reads back after it",
+}
 
 
 @dataclass
@@ -244,6 +265,16 @@ def _register() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, _paged_attention_forward)
 
 
+def _state_kind(config: Any) -> str | None:
+    """The state kind of a ``transformers`` config's state layers as the family table reads
+    it (:func:`flat_kvcache.families.read_model_layers`), or None (no state layer)."""
+    from flat_kvcache.config import load_model_config
+    from flat_kvcache.families import read_model_layers
+
+    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    return read_model_layers(load_model_config(cfg)).state_kind
+
+
 def model_shape(config: Any, kv_dtype: torch.dtype = torch.float32) -> ModelShape:
     """The :class:`ModelShape` of a ``transformers`` config, its layers read by the model-family
     table (:func:`flat_kvcache.families.read_model_layers`), as ``plan --config`` reads them."""
@@ -263,6 +294,9 @@ TINY_MODEL_KINDS = (
     "bamba",
     "falcon-h1",
     "zamba2",
+    "jamba",
+    "mamba",
+    "mamba2",
 )
 
 # The budget of the one-page plan that :func:`plan_for_pages` reads ``bytes_per_page`` from.
@@ -318,9 +352,21 @@ def tiny_model(
       state 8, 1 group, conv kernel 4, scan chunk 16), two cache layers per hybrid layer; MLP
       size 48 unless given; ``window`` is not used. The shared block's ``layer_idx`` is -1:
       the runner learns the layer from the hybrid layer that runs it.
+    - ``"jamba"``: Jamba (``JambaForCausalLM``): mamba1 and full attention alternating (mamba1
+      first), mamba1 with inner size 64, state 8, conv kernel 4, time-step rank 4; one expert
+      (dense MLPs) of size 48 unless given; weights drawn ten times wider than the default
+      (initializer range 0.2): with the default the recurrent state's share of the logits is
+      about 1e-5, too little for a dropped state to show. ``window`` is not used.
+    - ``"mamba"``: Mamba (``MambaForCausalLM``): mamba1 layers only (inner size 64, state 8, conv
+      kernel 4, time-step rank 4), no attention and no MLP; ``window`` and
+      ``intermediate_size`` are not used.
+    - ``"mamba2"``: Mamba-2 (``Mamba2ForCausalLM``): mamba2 layers only (4 heads of 16, state 8,
+      1 group, conv kernel 4, scan chunk 16), no attention and no MLP; ``window`` and
+      ``intermediate_size`` are not used.
 
-    The alternating kinds (``"qwen3-next"`` and ``"bamba"`` too) need an even ``num_layers``,
-    the sliding ones have ``sliding_window=window``; ``"llama4"`` needs at least 2 layers.
+    The alternating kinds (``"qwen3-next"``, ``"bamba"``, ``"zamba2"`` and ``"jamba"`` too) need
+    an even ``num_layers``, the sliding ones have ``sliding_window=window``; ``"llama4"`` needs at
+    least 2 layers.
     Needs ``transformers``.
     """
     if kind not in TINY_MODEL_KINDS:
@@ -332,7 +378,7 @@ def tiny_model(
     else:
         mlp = as_int(intermediate_size, "intermediate_size", minimum=1)
     alternating = kind in ("gpt-oss", "qwen2", "gemma2")
-    if (alternating or kind in ("qwen3-next", "bamba", "zamba2")) and num_layers % 2:
+    if (alternating or kind in ("qwen3-next", "bamba", "zamba2", "jamba")) and num_layers % 2:
         raise ValueError(
             f"a {kind} model alternates sliding and full layers: num_layers must be even, got {num_layers}"
         )
@@ -440,6 +486,46 @@ def tiny_model(
             mamba_chunk_size=16,
         )
         model = transformers.BambaForCausalLM(bamba)
+    elif kind == "jamba":
+        jamba = transformers.JambaConfig(
+            **common,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            num_experts=1,
+            expert_layer_period=1,
+            expert_layer_offset=0,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_dt_rank=4,
+            initializer_range=0.2,
+        )
+        model = transformers.JambaForCausalLM(jamba)
+    elif kind == "mamba":
+        mamba = transformers.MambaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=num_layers,
+            state_size=8,
+            conv_kernel=4,
+            expand=2,
+            time_step_rank=4,
+        )
+        model = transformers.MambaForCausalLM(mamba)
+    elif kind == "mamba2":
+        mamba2 = transformers.Mamba2Config(
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=num_layers,
+            num_heads=4,
+            head_dim=16,
+            n_groups=1,
+            state_size=8,
+            conv_kernel=4,
+            expand=2,
+            chunk_size=16,
+        )
+        model = transformers.Mamba2ForCausalLM(mamba2)
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     return model.eval().to(device)
@@ -519,21 +605,31 @@ class PagedModelRunner:
     """Runs ``model`` over a :class:`~flat_kvcache.FlatKVCache`'s pages and ``buffers``.
 
     Attention-only models run every step as one packed forward. A model with state layers
-    (Qwen3-Next's Gated DeltaNet, mamba2 hybrids such as Bamba and Granite 4.0) runs on the
-    SPEC 13 arena (:class:`~flat_kvcache.torch.ArenaBuffers`): each scheduled request then gets
-    a forward of its own, whose state layers start from the state slot ``cache.state_slots``
-    says the step reads (copied into the slot it writes where they differ, SPEC 13.4) and leave
-    the state after the step in the write slot. The state travels through the model's own
-    ``transformers`` cache layer (loaded before, read back after), so the model's own recurrence
-    code computes it; the arena keeps the conv inputs' last ``kernel - 1`` columns, where that
-    layer keeps ``kernel`` (the first is never read again).
+    (Qwen3-Next's Gated DeltaNet, mamba2 hybrids such as Bamba and Granite 4.0, Jamba's mamba1,
+    and the attention-free Mamba and Mamba-2) runs on the SPEC 13 arena
+    (:class:`~flat_kvcache.torch.ArenaBuffers`): each scheduled request then gets a forward of
+    its own, whose state layers start from the state slot ``cache.state_slots`` says the step
+    reads (copied into the slot it writes where they differ, SPEC 13.4) and leave the state after
+    the step in the write slot. The state travels through the model's own ``transformers``
+    cache (``past_key_values``, or ``cache_params`` for Mamba and Mamba-2; loaded before, read
+    back after), so the model's own recurrence code computes it; the arena keeps the conv
+    inputs' last ``kernel - 1`` columns, where that layer keeps ``kernel`` (the first is never
+    read again). A mamba1 model resumes a state only on one-token steps, so a chunk of more than
+    one token that follows a state runs one token per forward (``one_token_resume``).
+
+    Refused when built, naming why: a model whose layers are not those the buffers were planned
+    for (or whose family the family table does not read, e.g. Falcon-Mamba), a SPEC 3 plan with
+    a state group, state components other than conv + ssm, a state kind whose model keeps its
+    state outside the ``transformers`` cache (RecurrentGemma's RG-LRU) or that was never checked
+    here, ``capture``/``rows`` with state layers, a state model whose forward takes no cache
+    argument, an attention model whose forward takes no ``position_ids``.
 
     Parameters
     ----------
     model
         A ``transformers`` causal LM whose attention layers call the attention-function registry
-        (Llama, Qwen2, Mistral, Gemma, GPT-OSS, Qwen3-Next, Bamba...). Its layers must be those
-        ``buffers`` were planned for.
+        (Llama, Qwen2, Mistral, Gemma, GPT-OSS, Qwen3-Next, Bamba, Jamba...), or a Mamba /
+        Mamba-2 model. Its layers must be those ``buffers`` were planned for.
     cache
         The page manager, built from the same groups (``buffers.plan.groups``; with an arena,
         ``FlatKVCache(specs, arena=buffers.plan)``).
@@ -619,8 +715,38 @@ class PagedModelRunner:
                 self.state_layers.append((layer, model_layer))
             else:
                 self.cache_layer[model_layer] = layer
+        forward = inspect.signature(model.forward).parameters
+        #: Whether the model's forward takes ``position_ids`` (pure Mamba / Mamba2 have no
+        #: positional layer and take none).
+        self._takes_positions = "position_ids" in forward
+        if self.cache_layer and not self._takes_positions:
+            raise ValueError(
+                f"{type(model).__name__}.forward takes no position_ids: its attention layers would "
+                "number the packed new tokens from 0, not from their positions in the request"
+            )
+        #: The forward's argument for the model's own cache (``cache_params`` in Mamba / Mamba2).
+        self._cache_argument = "past_key_values"
+        #: Whether a chunk that follows a state runs one token per forward (mamba1 models).
+        self.one_token_resume = False
         if self.state_layers:
             self._check_state_model(shape, capture, rows)
+            if "past_key_values" not in forward:
+                if "cache_params" not in forward:
+                    raise ValueError(
+                        f"{type(model).__name__}.forward takes neither past_key_values nor "
+                        "cache_params: the runner cannot hand its state layers their state"
+                    )
+                self._cache_argument = "cache_params"
+            kind = _state_kind(model.config)
+            if kind not in _RUNNER_STATE_KINDS:
+                reason = _REFUSED_STATE_KINDS.get(
+                    str(kind), "the runner has not been checked against this kind's own forward"
+                )
+                raise ValueError(
+                    f"{type(model).__name__}: state layers of kind {kind!r} are refused: {reason}; "
+                    f"the runner runs {', '.join(sorted(_RUNNER_STATE_KINDS))}"
+                )
+            self.one_token_resume = kind in _ONE_TOKEN_RESUME_KINDS
         self.windows: dict[str, int | None] = {
             spec.group_id: spec.sliding_window_tokens if spec.retention == SLIDING_WINDOW else None
             for spec in groups
@@ -653,7 +779,7 @@ class PagedModelRunner:
         components = tuple(sorted(shape.state_shapes or {}))
         if components != _STATE_COMPONENTS:
             raise ValueError(
-                f"the runner moves conv + ssm states (Gated DeltaNet, mamba2); this model's state "
+                f"the runner moves conv + ssm states (Gated DeltaNet, mamba1, mamba2); this model's state "
                 f"components are {list(components)}"
             )
 
@@ -794,18 +920,42 @@ class PagedModelRunner:
         self.last_state_slots = {int(s): (int(r), int(w)) for s, r, w in zip(slots, read, write, strict=True)}
         out: list[torch.Tensor] = []
         for i, slot in enumerate(slots):
-            own = self._load_state(int(read[i]), int(write[i]))
-            out.extend(self._forward([slot], [new_tokens[i]], own))
-            self._store_state(own, int(write[i]))
+            r, w = int(read[i]), int(write[i])
+            if self.one_token_resume and r != 0 and lens[i] > 1:
+                # The model resumes a state on one-token steps only (_ONE_TOKEN_RESUME_KINDS):
+                # one forward per token, each from the write slot the previous one left (a
+                # fresh own cache each time, so its attention layers see only their new token).
+                start = self.cache.num_computed_tokens(slot) - lens[i]
+                pieces = []
+                for j, token in enumerate(new_tokens[i]):
+                    own = self._load_state(r if j == 0 else w, w)
+                    pieces.extend(self._forward([slot], [[token]], own, ends=[start + j + 1]))
+                    self._store_state(own, w)
+                out.append(torch.cat(pieces))
+            else:
+                own = self._load_state(r, w)
+                out.extend(self._forward([slot], [new_tokens[i]], own))
+                self._store_state(own, w)
         return out
 
     def _forward(
-        self, slots: Sequence[int], new_tokens: Sequence[Sequence[int]], own: Any
+        self,
+        slots: Sequence[int],
+        new_tokens: Sequence[Sequence[int]],
+        own: Any,
+        *,
+        ends: Sequence[int] | None = None,
     ) -> list[torch.Tensor]:
         """One forward over the packed new tokens of ``slots``; ``own`` is the model's own cache
-        holding the state layers' state (a single request), or None (no state layers)."""
+        holding the state layers' state (a single request), or None (no state layers).
+
+        Slot ``i``'s new tokens end at ``ends[i]`` (default: its computed tokens, the end of
+        what was scheduled); a one-token-resume step passes the end of each of its tokens.
+        """
         lens = [len(t) for t in new_tokens]
-        computed = [self.cache.num_computed_tokens(s) for s in slots]
+        computed = (
+            [self.cache.num_computed_tokens(s) for s in slots] if ends is None else [int(e) for e in ends]
+        )
         _check_temperature_tuning(self.model.config, sum(lens), max(computed) - 1)
         tables_np = self.cache.block_tables(list(slots))
         self._poison(slots, tables_np)
@@ -855,57 +1005,41 @@ class PagedModelRunner:
             query_lens=qlen,
             check=self.check,
         )
+        inputs: dict[str, Any] = {"input_ids": ids[None], "use_cache": own is not None}
+        if self._takes_positions:
+            inputs["position_ids"] = positions[None]
+        if own is not None:
+            inputs[self._cache_argument] = own
         token = _ACTIVE.set(context)
         try:
             with self._paged(), torch.no_grad():
-                if own is None:
-                    out = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False)
-                else:
-                    out = self.model(
-                        input_ids=ids[None], position_ids=positions[None], past_key_values=own, use_cache=True
-                    )
+                out = self.model(**inputs)
         finally:
             _ACTIVE.reset(token)
         logits: torch.Tensor = out.logits[0].float()
         return list(torch.split(logits, lens))
 
 
-def reference_logits(
-    model: Any, tokens: Sequence[int], device: torch.device | str = "cpu", *, cuts: Sequence[int] = ()
-) -> torch.Tensor:
-    """``[len(tokens), vocab]``: the model's own forward (eager attention).
+def reference_logits(model: Any, tokens: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[len(tokens), vocab]``: the model's own forward over the whole sequence, in one piece
+    (eager attention, no cache).
 
-    Without ``cuts``, one forward over the whole sequence. With ``cuts`` (positions in
-    ``1 .. len(tokens) - 1``), one forward per piece between them, in order, the model's own
-    ``DynamicCache`` carrying K/V and recurrent state from piece to piece: the same cuts as a
-    paged run, where a chunked recurrence (Gated DeltaNet, mamba2) would otherwise round
-    differently.
+    Deliberately never cut where a paged run's forwards started: a reference cut the same way
+    would share a flaw of the model's own cache path (``transformers``' mamba1 mixers restart a
+    multi-token step's scan from zero) and hide it. Chunked recurrences (Gated DeltaNet,
+    mamba2) round a little differently for other cuts; float32 keeps that far below the
+    runner tests' bound (1e-3).
     """
-    bounds = sorted({0, len(tokens), *(as_int(c, "cuts[i]", minimum=0) for c in cuts)})
-    if bounds[-1] != len(tokens):
-        raise ValueError(f"cuts must lie inside the {len(tokens)} tokens, got {list(cuts)}")
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
         with torch.no_grad():
             ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
-            if len(bounds) <= 2:
-                out = model(input_ids=ids, use_cache=False)
-                logits: torch.Tensor = out.logits[0].float()
-                return logits
-            from transformers import DynamicCache
-
-            own = DynamicCache(config=model.config)
-            pieces = []
-            for start, end in itertools.pairwise(bounds):
-                positions = torch.arange(start, end, device=device)[None]
-                out = model(
-                    input_ids=ids[:, start:end], position_ids=positions, past_key_values=own, use_cache=True
-                )
-                pieces.append(out.logits[0].float())
+            out = model(input_ids=ids, use_cache=False)
+            logits: torch.Tensor = out.logits[0].float()
+            return logits
     finally:
         model.set_attn_implementation(previous)
-    return torch.cat(pieces)
 
 
 @dataclass
@@ -1037,15 +1171,18 @@ def run_greedy(
 def max_logit_error(
     model: Any, records: Mapping[str, RequestRecord], device: torch.device | str = "cpu"
 ) -> float:
-    """Largest ``|paged - reference|`` over every computed position of every request.
+    """Largest ``|paged - reference|`` over every computed position of every request (``inf`` for
+    a non-finite difference).
 
-    For a model with state layers, the reference runs in pieces cut where the paged run's
-    forwards started (:func:`reference_logits` ``cuts``)."""
-    stateful = model_shape(model.config).state_shapes is not None
+    The reference is the model's whole unpaged forward (:func:`reference_logits`) over the
+    request's tokens up to its last computed position: the last sampled token, never computed,
+    is not fed to it."""
     worst = 0.0
     for record in records.values():
-        cuts = sorted({positions[0] for positions, _ in record.computed}) if stateful else []
-        reference = reference_logits(model, record.tokens, device, cuts=cuts)
+        if not record.computed:
+            continue
+        last = max(positions[-1] for positions, _ in record.computed)
+        reference = reference_logits(model, record.tokens[: last + 1], device)
         for positions, logits in record.computed:
             diff = (logits.to(reference.device) - reference[positions]).abs().max()
             worst = max(worst, float(diff) if bool(torch.isfinite(diff)) else math.inf)
