@@ -171,6 +171,26 @@ def test_a_second_request_resumes_from_a_checkpoint_and_computes_only_the_rest(
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_a_turn_whose_prompt_ends_on_the_grain_resumes_the_next_at_its_end(
+    kind: str, engine: ModuleType
+) -> None:
+    """SPEC 13.5d with a prompt that ends on the grain: turn 1 is 16 tokens (2 G) and 4 greedy
+    tokens, 3 of them computed (positions 16..18: no decode step ends on a multiple of 8), so
+    the last multiple of G within the computed tokens is the prompt's end. Turn 2 carries turn 1
+    and 3 more tokens: it resumes at 16 (not at the body's end, 8) and computes only the rest,
+    with the model's own logits: the checkpoint at 16 holds the state after token 15."""
+    s = setup(kind, engine)
+    first = run_greedy(s.runner, {"turn1": tokens(11, 16)}, 4)
+    assert starts(first["turn1"]) == [0, 8, 16, 17, 18]
+    follow_up = [*first["turn1"].tokens, 3, 1, 4]
+    second = run_greedy(s.runner, {"turn2": follow_up}, 2)
+    assert second["turn2"].hits == [16]
+    assert starts(second["turn2"])[0] == 16
+    exact(s, {**first, **second})
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_branch_point_is_checkpointed_and_hit_by_a_third_request(kind: str, engine: ModuleType) -> None:
     s = setup(kind, engine)
