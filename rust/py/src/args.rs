@@ -2,7 +2,8 @@
 //! token sequences, page ids, hex hashes, extra keys, request ids, group specs and the
 //! eviction order. Every error names the argument (and index) it is about.
 
-use flat_kvcache_core::engine::coordinator::{EvictionOrder, GroupSpec};
+use flat_kvcache_core::engine::coordinator::GroupSpec;
+use flat_kvcache_core::engine::group::EvictionOrder;
 use flat_kvcache_core::engine::group::{GroupKind, KindError};
 use flat_kvcache_core::engine::hash::{parse_hash_lower, parse_hex, ContentHash};
 use flat_kvcache_core::engine::ids::RequestIdRef;

@@ -15,7 +15,8 @@
 
 use std::sync::Mutex;
 
-use flat_kvcache_core::engine::coordinator::{EvictionOrder, GroupSpec};
+use flat_kvcache_core::engine::coordinator::GroupSpec;
+use flat_kvcache_core::engine::group::EvictionOrder;
 use flat_kvcache_core::engine::ids::RequestIdRef;
 use flat_kvcache_core::engine::policy::EvictionPolicy;
 use flat_kvcache_core::engine::pool::{DEFAULT_REUSE_UNCACHED_FIRST, MAX_BLOCKS};

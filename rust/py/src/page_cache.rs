@@ -5,7 +5,7 @@
 //! calls shared with `FlatKVCache` are `_PagedCacheBase`'s (`cache.rs`), reached through
 //! `as_super()`; the locking discipline is the one described there.
 
-use flat_kvcache_core::engine::coordinator::EvictionOrder;
+use flat_kvcache_core::engine::group::EvictionOrder;
 use flat_kvcache_core::engine::host::HostStore;
 use flat_kvcache_core::engine::FlatCache;
 use pyo3::prelude::*;

@@ -26,7 +26,8 @@ use hashbrown::HashMap;
 use rustc_hash::FxBuildHasher;
 
 use crate::error::{CoreError, CoreResult};
-use coordinator::{Coordinator, EvictionOrder, GroupSpec};
+use coordinator::{Coordinator, GroupSpec};
+use group::EvictionOrder;
 use ids::{RequestId, RequestIdRef};
 use table::Table;
 use tokens::TokenState;

@@ -172,7 +172,7 @@ pub fn every_unit_holds_a_page(unit: u64, page: u64) -> bool {
     u + gcd128(u, b) >= 2 * b
 }
 
-/// The divisors `k` of the largest page tried for a unit `2 b - b / k` (see [`unit_bytes`]).
+/// The divisors `k` of the largest page tried for a unit `2 b - b / k` (docs/sizing-api.md, `unit_bytes`).
 pub const UNIT_DIVISORS: u64 = 64;
 
 /// The unit: with state, the slot and the largest page rounded up to the alignment; without,

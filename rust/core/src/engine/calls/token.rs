@@ -808,8 +808,9 @@ fn fast_until(coord: &Coordinator, tables: &[Table], state: &TokenState) -> u64 
 mod tests {
     use super::*;
     use crate::engine::calls::tables::TableOut;
-    use crate::engine::coordinator::{EvictionOrder, PrefixMatch};
+    use crate::engine::coordinator::PrefixMatch;
     use crate::engine::events::KvEvent;
+    use crate::engine::group::EvictionOrder;
     use crate::engine::group::GroupKind;
     use crate::engine::hash::fold_run;
     use crate::engine::hash::hash_pages;

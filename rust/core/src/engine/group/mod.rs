@@ -13,7 +13,6 @@
 
 use std::hash::Hash;
 
-use crate::engine::coordinator::EvictionOrder;
 use crate::engine::pool::{BlockPool, NULL_PAGE};
 use crate::engine::table::Table;
 use crate::num::Divisor;
@@ -22,6 +21,39 @@ pub mod chunked;
 pub mod full;
 pub mod sliding;
 pub mod state;
+
+/// How freeing a request orders its pages on the free list (docs/requests-api.md, SPEC 12.3).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EvictionOrder {
+    /// All groups' real pages by the end token of their slot, descending (ties: lower group
+    /// index first): a request's chain tail is evicted first across every group together,
+    /// so each group's half of a hybrid prefix stays equally long.
+    #[default]
+    Hybrid,
+    /// The reference design's order: group 0's table tail first, then group 1's, and so on,
+    /// released as vLLM's block pool frees them; reclaim releases newest slot first the same
+    /// way ([`release_newest_first`]).
+    Group,
+}
+
+impl EvictionOrder {
+    /// The order named `name` (`"hybrid"` or `"group"`).
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "hybrid" => Some(Self::Hybrid),
+            "group" => Some(Self::Group),
+            _ => None,
+        }
+    }
+
+    /// The order's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Hybrid => "hybrid",
+            Self::Group => "group",
+        }
+    }
+}
 
 /// The retention rule of a group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

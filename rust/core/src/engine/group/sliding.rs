@@ -7,7 +7,7 @@
 use std::hash::Hash;
 
 use super::release_newest_first;
-use crate::engine::coordinator::EvictionOrder;
+use crate::engine::group::EvictionOrder;
 use crate::engine::pool::{BlockPool, NULL_PAGE};
 use crate::engine::table::Table;
 use crate::num::Divisor;
@@ -100,7 +100,7 @@ pub(super) fn reclaimable<K: Clone + Eq + Hash>(
 mod tests {
     use super::super::testing::{lookup, sliding, Pool};
     use super::super::{GroupKind, GroupManager};
-    use crate::engine::coordinator::EvictionOrder::{Group, Hybrid};
+    use crate::engine::group::EvictionOrder::{Group, Hybrid};
     use crate::engine::table::Table;
 
     #[test]
