@@ -268,6 +268,19 @@ def test_sliding_window_of_another_block_size_refused(model_dir: Path) -> None:
         check_supported(vllm_config, hybrid, 16, None)
 
 
+def test_groups_of_two_block_sizes_name_the_group_on_the_engine_core_path(model_dir: Path) -> None:
+    """vLLM's EngineCore hands a scheduler over groups of 16- and 32-token blocks the lcm, 32, as
+    its block size and the gcd, 16, as its hash block size: the refusal still names the group whose
+    block size differs (docs/vllm.md), not the hash block size."""
+    vllm_config, kv_cache_config = _configs(model_dir)
+    hybrid = _with_groups(kv_cache_config, kv_cache_spec(16), kv_cache_spec(32, 128))
+    with pytest.raises(
+        UnsupportedVllmConfigError,
+        match=r"group 0 \(FullAttentionSpec.*block size 16 differs from the scheduler's 32",
+    ):
+        check_supported(vllm_config, hybrid, 32, 16)
+
+
 @pytest.mark.parametrize(
     ("spec", "retention", "message"),
     [

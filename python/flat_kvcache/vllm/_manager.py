@@ -98,11 +98,6 @@ def check_supported(
         vllm_config, "num_prefill_lookahead_tokens", 0
     ):
         refuse("hash or prefill lookahead tokens (multi-token-prediction drafting)")
-    if hash_block_size is not None and hash_block_size != block_size:
-        refuse(
-            f"a hash block size ({hash_block_size}) other than the block size ({block_size}): "
-            "partial-block prefix hits"
-        )
     if kv_cache_config.hisparse_host_num_blocks is not None:
         refuse("HiSparse host pools (hisparse_host_num_blocks is set)")
     if not kv_cache_config.kv_cache_groups:
@@ -138,6 +133,14 @@ def check_supported(
                 f"{_group_label(group, index)}: its block size {spec.block_size} differs from the "
                 f"scheduler's {block_size}"
             )
+    # After the groups: vLLM's EngineCore gives a model whose groups differ in block size the lcm
+    # as the scheduler's block size and their gcd as the hash block size, and the group named
+    # above says more than the hash block size would.
+    if hash_block_size is not None and hash_block_size != block_size:
+        refuse(
+            f"a hash block size ({hash_block_size}) other than the block size ({block_size}): "
+            "partial-block prefix hits"
+        )
 
 
 class _ManagerView:
