@@ -42,6 +42,7 @@ from typing import Any, NoReturn
 
 import flat_kvcache
 from flat_kvcache import plan_arena, simulate
+from flat_kvcache._types import ArenaPlan
 from flat_kvcache.config import (
     group_specs_from_config,
     layer_types_from_config,
@@ -756,7 +757,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     if memory is not None:
         try:
             memory["arena"] = _arena_memory(
-                cfg, args, memory["budget_bytes"] - memory["allocator_slack_bytes"]
+                cfg, args, _budget_arena(cfg, args, memory["budget_bytes"] - memory["allocator_slack_bytes"])
             )
         except ConfigError as exc:
             _print_error(_option_names(str(exc)))
@@ -818,56 +819,111 @@ def _simulate_arena(cfg: dict[str, Any], args: argparse.Namespace) -> Any:
 ARENA_REFERENCE_TOKENS = 16_384
 
 
-def _arena_memory(cfg: dict[str, Any], args: argparse.Namespace, budget: int) -> dict[str, Any]:
-    """The SPEC 13 storage of the same budget (``plan_arena``; ``FlatKVCache(arena=)``): the
-    unit, per group its page or slot, and for one request of ``ARENA_REFERENCE_TOKENS`` tokens
-    (all of it in full groups, a window's pages in sliding ones, one working state slot) the
-    padding of what it holds and how many tokens of such requests fit.
+def _budget_arena(cfg: dict[str, Any], args: argparse.Namespace, budget: int) -> ArenaPlan:
+    """The ``ArenaPlan`` of ``budget`` bytes for the model (``plan_arena`` over its components at
+    ``--kv-dtype``, ``--page-size`` pages, a working state slot per ``--max-live-requests``).
 
     ``ConfigError`` when a state model's arena has fewer units than ``--max-live-requests``."""
     from flat_kvcache.torch import ModelShape  # the memory plan imported it already
 
     shape = ModelShape.from_config(cfg, kv_dtype=args.kv_dtype)
-    arena = plan_arena(shape.components(), args.page_size, budget, max_live_requests=args.max_live_requests)
+    return plan_arena(shape.components(), args.page_size, budget, max_live_requests=args.max_live_requests)
+
+
+def _pages_in_units(unit_bytes: int, page_bytes: int, num_units: int) -> int:
+    """The pages of ``page_bytes`` that lie wholly inside units ``1 .. num_units - 1`` (a page
+    straddling two units is never handed out): unit ``u`` holds the pages ``ceil(u U / s) ..
+    floor((u + 1) U / s) - 1`` (docs/sizing-api.md, "Arena plan"), a count that depends only
+    on ``u U mod s`` and so repeats every ``s / gcd(U mod s, s)`` units."""
+
+    def pages(unit: int) -> int:
+        return (unit + 1) * unit_bytes // page_bytes - -(-unit * unit_bytes // page_bytes)
+
+    usable = num_units - 1
+    remainder = unit_bytes % page_bytes
+    period = 1 if remainder == 0 else page_bytes // math.gcd(remainder, page_bytes)
+    if usable <= period:
+        return sum(pages(u) for u in range(1, usable + 1))
+    whole, rest = divmod(usable, period)
+    return whole * sum(pages(u) for u in range(1, period + 1)) + sum(pages(u) for u in range(1, rest + 1))
+
+
+def _arena_memory(cfg: dict[str, Any], args: argparse.Namespace, arena: ArenaPlan) -> dict[str, Any]:
+    """What the SPEC 13 storage (``arena``, an ``ArenaPlan``; ``FlatKVCache(arena=)``) holds:
+    the unit, per group its page or slot and how many a unit holds, and for requests of
+    ``ARENA_REFERENCE_TOKENS`` tokens each (``T`` tokens computed: all of them in full groups,
+    the pages of tokens ``T - W .. T - 1`` in a sliding one, one working state slot) what one
+    takes of the arena, its padding, and how many such requests the engine holds at once.
+
+    The figures follow how the engine places pages (docs/sizing-api.md, "Arena plan"): a unit
+    is bound to one group; a page group's pages lie at byte ``p * page_bytes``, so a unit holds
+    ``per_unit`` or ``per_unit - 1`` pages (a page straddling two units is never handed out)
+    and its remainder is lost; a state slot is a whole unit. Pages of many requests share
+    units, so a request's attention pages take ``pages / (pages per unit, on average over the
+    arena)`` units; requests fit while the units they take, each group's rounded up to whole
+    units, are at most the ``num_units - 1`` usable ones."""
     specs = {spec.group_id: spec for spec in simulate.engine_specs(flat_kvcache, cfg, args.page_size)}
     tokens = ARENA_REFERENCE_TOKENS
+    usable = arena.num_units - 1
+    unit = arena.unit_bytes
     state_ids = {g.group_id for g in arena.groups if g.kind == "state"}
     state_bytes = sum(c.nbytes for c in arena.components if c.group_id in state_ids)
-    held = useful = 0
+    slots = 1 if state_ids else 0  # one working state slot for all state groups together
+    useful = slots * state_bytes
     groups = []
+    paged: list[tuple[int, int]] = []  # per page group: pages a request holds, pages in the arena
     for group in arena.groups:
         spec = specs[group.group_id]
+        entry: dict[str, Any] = {
+            "group_id": group.group_id,
+            "kind": group.kind,
+            "item_bytes": group.item_bytes,
+            "per_unit": group.per_unit,
+            "unit_slack_bytes": group.slack_bytes,
+        }
         if group.kind == "state":
-            count, written = 1, state_bytes
-            held += arena.unit_bytes
+            entry["held"] = 1
         else:
             page = arena.page_size
             count = -(-tokens // page)
             if spec.sliding_window is not None:
-                count = min(count, -(-(spec.sliding_window - 1) // page) + 1)
-            kept = min(tokens, count * page)
-            written = kept * group.item_bytes // page
-            held += count * group.item_bytes
-        useful += written
-        groups.append(
-            {
-                "group_id": group.group_id,
-                "kind": group.kind,
-                "item_bytes": group.item_bytes,
-                "per_unit": group.per_unit,
-                "unit_slack_bytes": group.slack_bytes,
-                "held": count,
-            }
-        )
-    pool = (arena.num_units - 1) * arena.unit_bytes
+                # The pages of the window the last token attends to, tokens T - W .. T - 1.
+                count -= max(0, tokens - spec.sliding_window) // page
+            useful += min(tokens, count * page) * group.item_bytes // page
+            total = _pages_in_units(unit, group.item_bytes, arena.num_units)
+            fewest = group.per_unit if total == group.per_unit * usable else group.per_unit - 1
+            paged.append((count, total))
+            entry.update(
+                held=count,
+                fewest_per_unit=fewest,
+                pages_in_arena=total,
+                mean_per_unit=round(total / usable, 6),
+            )
+        groups.append(entry)
+
+    def units_for(requests: int) -> int:
+        """Units ``requests`` such requests take: a state slot each, each page group's pages
+        over as many units as hold them on average, rounded up."""
+        return requests * slots + sum(-(-requests * count * usable // total) for count, total in paged)
+
+    # Bisection: the most requests whose units fit (units_for grows with the requests).
+    low, high = 0, usable
+    while low < high:
+        middle = (low + high + 1) // 2
+        if units_for(middle) <= usable:
+            low = middle
+        else:
+            high = middle - 1
+    held = slots * unit + sum(count * usable * unit / total for count, total in paged)
     return {
-        "unit_bytes": arena.unit_bytes,
+        "unit_bytes": unit,
         "num_units": arena.num_units,
         "groups": groups,
         "reference_tokens": tokens,
-        "reference_held_bytes": held,
+        "reference_held_bytes": round(held),
         "reference_padding": round(1 - useful / held, 6) if held else 0.0,
-        "reference_tokens_that_fit": pool // held * tokens if held else 0,
+        "reference_requests_that_fit": low,
+        "reference_tokens_that_fit": low * tokens,
     }
 
 
@@ -1236,28 +1292,39 @@ def _format_memory(memory: dict[str, Any], pool: dict[str, Any], settings: dict[
     width = max(len(name) for name, _ in rows)
     lines = ["memory:", *(f"  {name:<{width}}  {value}" for name, value in rows)]
     if "arena" in memory:
-        lines += ["", *_format_arena(memory["arena"])]
+        title = "arena (SPEC 13 storage, FlatKVCache(specs, arena=plan_arena(...)); same budget):"
+        lines += ["", *_format_arena(memory["arena"], title)]
     return lines
 
 
-def _format_arena(arena: dict[str, Any]) -> list[str]:
+def _format_arena(arena: dict[str, Any], title: str) -> list[str]:
     """The SPEC 13 storage's lines for :func:`format_plan` (``FlatKVCache(arena=)``)."""
     lines = [
-        "arena (SPEC 13 storage, FlatKVCache(specs, arena=plan_arena(...)); same budget):",
+        title,
         f"  unit             {arena['unit_bytes']} bytes, {arena['num_units']} units (unit 0 is null)",
     ]
     for group in arena["groups"]:
-        item = "state slot" if group["kind"] == "state" else "page"
-        per_unit = "1 per unit" if group["kind"] == "state" else f"{group['per_unit']} per unit"
-        lines.append(
-            f"  {group['group_id']:<16} {item} of {group['item_bytes']} bytes, {per_unit} "
-            f"({group['unit_slack_bytes']} bytes of a unit left over)"
-        )
+        if group["kind"] == "state":
+            lines.append(
+                f"  {group['group_id']:<16} state slot of {group['item_bytes']} bytes, 1 per unit "
+                f"({group['unit_slack_bytes']} bytes of a unit left over)"
+            )
+            continue
+        most, fewest = group["per_unit"], group["fewest_per_unit"]
+        if most == fewest:
+            per_unit = f"{most} per unit ({group['unit_slack_bytes']} bytes of each unit left over)"
+        else:
+            per_unit = (
+                f"{fewest} or {most} per unit, {group['mean_per_unit']:g} on average (a page "
+                "straddling two units is never handed out)"
+            )
+        lines.append(f"  {group['group_id']:<16} page of {group['item_bytes']} bytes, {per_unit}")
     tokens = arena["reference_tokens"]
     held = ", ".join(f"{group['held']} {group['group_id']}" for group in arena["groups"])
     lines.append(
-        f"  a {tokens}-token request holds {arena['reference_held_bytes']} bytes ({held}), "
-        f"padding {arena['reference_padding']:.2%}; {arena['reference_tokens_that_fit']} tokens of such "
-        "requests fit"
+        f"  a {tokens}-token request holds {held}: {arena['reference_held_bytes']} bytes of units, "
+        f"padding {arena['reference_padding']:.2%} (unit remainders included); "
+        f"{arena['reference_requests_that_fit']} such requests fit at once, "
+        f"{arena['reference_tokens_that_fit']} tokens"
     )
-    return lines
+    return [textwrap.fill(line, width=100, subsequent_indent=" " * 19) for line in lines]
