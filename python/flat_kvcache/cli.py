@@ -9,11 +9,15 @@ group can hold (its worst case: these are per-group upper bounds on one shared p
 not add up; the plan also says what the pool needs for all of them at once), the block-table
 widths and the hybrid slab pairing. With no arguments it plans the default preset. ``--json``
 prints the same plan as JSON. ``--memory 80GiB`` (or ``--device cuda``, whose free memory sets
-the budget) adds the memory plan: bytes per page, pages, tokens that fit and the K/V slabs; it
-needs the ``torch`` extra, imported only then.
+the budget) adds the memory plan (``--storage``): for a model with state layers the SPEC 13
+arena (its unit, the pages each unit holds, and what requests of 16,384 tokens take of it and
+how many fit); for an attention-only model, or with ``--storage equalized``, SPEC 3's equal
+pages (bytes per page, pages, tokens that fit and the K/V slabs) and then the arena of the
+same budget. It needs the ``torch`` extra, imported only then.
 
 ``flat-kvcache simulate`` runs a reference scheduler loop over a request trace (see
-:mod:`flat_kvcache.simulate`). ``flat-kvcache demo`` runs a tiny model on the cache
+:mod:`flat_kvcache.simulate`), a model with state layers on the SPEC 13 arena unless
+``--storage equalized`` asks for equal pages. ``flat-kvcache demo`` runs a tiny model on the cache
 (:mod:`flat_kvcache.demo`).
 
 Bad input is one line on stderr, ``flat-kvcache: error: ...``, naming the option, and a non-zero
