@@ -9,9 +9,10 @@ after the storage rework:
 2. Budgets: the first ``--max-requests`` requests of a Mooncake trace name U unique 512-token
    blocks (``hash_ids``); B25 / B50 are the bytes that hold 25 % / 50 % of ``U * 512`` tokens in
    the attention-only model's K/V (bf16, all its layers: ``ModelShape.components()``). Both get the
-   same budget: pages and page size from ``plan_kv_memory(shape, budget_bytes=B, ...)`` (what
-   ``flat-kvcache plan --memory`` does; the hybrid's page size is equalized so a page holds a
-   state snapshot).
+   same budget: with ``--storage arena`` (the default) ``plan_arena`` over ``B`` bytes; with
+   ``--storage equalized``, pages and page size from ``plan_kv_memory(shape, budget_bytes=B,
+   storage="equalized", ...)`` (what ``flat-kvcache plan --memory --storage equalized`` does; the
+   hybrid's page size is equalized so a page holds a state snapshot).
 3. Replay: those requests through the simulator's native engine (``flat_kvcache.simulate``);
    hit rate = prefix hit tokens / prompt tokens; ratio = hybrid / attention-only per budget.
 
@@ -185,11 +186,16 @@ def _run(
             max_live_requests=args.max_running,
             max_scheduled_tokens=DEFAULT_MAX_SCHEDULED_TOKENS,
             max_context_len=int(cfg["max_position_embeddings"]),
+            storage="equalized",
         )
     except ValueError as exc:  # the budget holds fewer than two pages (a tiny trace)
         return {"model": label, "budget_bytes": budget, "error": str(exc), "hit_rate": 0.0}
     config = SimulationConfig(
-        model=cfg, num_pages=plan.num_pages, page_size=plan.page_size, max_running=args.max_running
+        model=cfg,
+        num_pages=plan.num_pages,
+        page_size=plan.page_size,
+        max_running=args.max_running,
+        storage="equalized",
     )
     start = time.perf_counter()
     summary = simulate(trace, config).summary

@@ -4,8 +4,9 @@ For each model (transformers 5.23's config classes with their defaults, bf16 K/V
 recurrent state) and an 80 GiB budget, with one request of 16,384 prompt tokens prefilled in
 8,192-token chunks and one decode step as the load, two columns:
 
-- **today**: the library as it stores pages now, measured: ``plan_kv_memory`` (the SPEC 3
-  equalized page, one row per page id in every layer's tensor) gives the page size, the bytes
+- **today**: SPEC 3's equal pages, measured: ``plan_kv_memory(..., storage="equalized")`` (the
+  equalized page, one row per page id in every layer's tensor; the layout vLLM-style storage
+  uses, and no longer what a state model gets by default) gives the page size, the bytes
   per page and the pool; the request runs through a real ``FlatKVCache`` over the plan's groups,
   and its pages are counted after every schedule.
 - **SPEC 13 (built)**: the arena of docs/architecture.md ("Hybrid storage"), planned by
@@ -160,6 +161,7 @@ def today(shape: ModelShape) -> dict[str, Any]:
         max_live_requests=1,
         max_scheduled_tokens=CHUNK,
         max_context_len=PROMPT + 1,
+        storage="equalized",  # SPEC 3's equal pages, asked for: a state model's default is the arena
     )
     specs = fk.kv_cache_specs(plan.groups)
     held = _run_load(specs, plan.num_pages)

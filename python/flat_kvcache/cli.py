@@ -9,11 +9,15 @@ group can hold (its worst case: these are per-group upper bounds on one shared p
 not add up; the plan also says what the pool needs for all of them at once), the block-table
 widths and the hybrid slab pairing. With no arguments it plans the default preset. ``--json``
 prints the same plan as JSON. ``--memory 80GiB`` (or ``--device cuda``, whose free memory sets
-the budget) adds the memory plan: bytes per page, pages, tokens that fit and the K/V slabs; it
-needs the ``torch`` extra, imported only then.
+the budget) adds the memory plan (``--storage``): for a model with state layers the SPEC 13
+arena (its unit, the pages each unit holds, and what requests of 16,384 tokens take of it and
+how many fit); for an attention-only model, or with ``--storage equalized``, SPEC 3's equal
+pages (bytes per page, pages, tokens that fit and the K/V slabs) and then the arena of the
+same budget. It needs the ``torch`` extra, imported only then.
 
 ``flat-kvcache simulate`` runs a reference scheduler loop over a request trace (see
-:mod:`flat_kvcache.simulate`). ``flat-kvcache demo`` runs a tiny model on the cache
+:mod:`flat_kvcache.simulate`), a model with state layers on the SPEC 13 arena unless
+``--storage equalized`` asks for equal pages. ``flat-kvcache demo`` runs a tiny model on the cache
 (:mod:`flat_kvcache.demo`).
 
 Bad input is one line on stderr, ``flat-kvcache: error: ...``, naming the option, and a non-zero
@@ -42,6 +46,7 @@ from typing import Any, NoReturn
 
 import flat_kvcache
 from flat_kvcache import plan_arena, simulate
+from flat_kvcache._types import STATE_LAYER_TYPES, ArenaPlan
 from flat_kvcache.config import (
     group_specs_from_config,
     layer_types_from_config,
@@ -49,7 +54,7 @@ from flat_kvcache.config import (
     max_context_len_from_config,
     sliding_window_from_config,
 )
-from flat_kvcache.errors import ConfigError
+from flat_kvcache.errors import ConfigError, FlatKVCacheError
 from flat_kvcache.families import read_model_layers
 from flat_kvcache.presets import DEFAULT_PRESET, PRESETS, get_preset, preset_names
 
@@ -267,8 +272,18 @@ def _parser() -> _Parser:
         "--memory",
         type=_byte_size,
         metavar="SIZE",
-        help="KV-cache memory budget, e.g. 80GiB: adds bytes per page, the pool's pages, the tokens "
-        "that fit with every group at its worst case (the default T) and the K/V slab layout",
+        help="KV-cache memory budget, e.g. 80GiB: adds the storage that budget buys (see --storage): "
+        "the arena's units and what requests of 16,384 tokens take of it, or the pool's pages, the "
+        "tokens that fit with every group at its worst case (the default T) and the K/V slab layout",
+    )
+    memory.add_argument(
+        "--storage",
+        choices=STORAGES,
+        help="how the budget is laid out. arena: the SPEC 13 arena (FlatKVCache(arena=)), 16-token "
+        "attention pages and a state slot per unit, the default for a model with state layers; "
+        "equalized: SPEC 3's one pool of equal pages, each page id a row in every layer's buffer "
+        "and the page raised until it holds a recurrent state (the layout vLLM-style storage "
+        "uses), the default for an attention-only model (with the arena of the same budget after it)",
     )
     memory.add_argument(
         "--device",
@@ -393,8 +408,8 @@ def _add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
         "--num-pages",
         type=positive,
         metavar="N",
-        help="pool size, page 0 included (default: half of what the first --max-running requests "
-        "need at full length, so the run preempts)",
+        help="with equalized storage, the pool's equal pages, page 0 included (default: half of "
+        "what the first --max-running requests need at full length, so the run preempts)",
     )
     parser.add_argument(
         "--page-size",
@@ -455,7 +470,18 @@ def _add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
         help="add a host-memory tier of N pages, N per group with --arena (write-through; "
         "transfers acknowledged at once; default 0, none)",
     )
-    storage = parser.add_argument_group(f"SPEC 13 storage (needs {_extra('torch')})")
+    storage = parser.add_argument_group(f"storage (the arena needs {_extra('torch')})")
+    storage.add_argument(
+        "--storage",
+        choices=STORAGES,
+        help="arena: the SPEC 13 arena (FlatKVCache(arena=)), the default for a model with state "
+        "layers, sized by --arena or, by default, to half of the units the first --max-running "
+        "requests take at full length (a working state slot each, their attention pages packed "
+        "into units), at least the largest request alone, as --num-pages is by default; "
+        "equalized: --num-pages equal pages, each page id a row in every layer's buffer (SPEC 3, "
+        "the layout vLLM-style storage uses; the simulator counts pages, so a page is --page-size "
+        "tokens), the default for an attention-only model",
+    )
     storage.add_argument(
         "--arena",
         type=_byte_size,
@@ -468,8 +494,8 @@ def _add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
         "--state-grain",
         type=positive,
         metavar="G",
-        help="state groups' page size in tokens: their checkpoint grain (default 64 with --arena, "
-        "else the page size)",
+        help="state groups' page size in tokens: their checkpoint grain (default on the arena: the "
+        "least multiple of 64 and --page-size; on equal pages: the page size)",
     )
     cluster = parser.add_argument_group("many engines behind a router (docs/routing.md)")
     cluster.add_argument(
@@ -551,6 +577,24 @@ def _run_simulate(args: argparse.Namespace) -> int:
         # --host-pages N with --arena is a host tier of N pages per group (each of its own geometry).
         _print_error("--arena sizes the pool itself: it cannot be combined with --num-pages")
         return 2
+    if args.storage == "equalized" and args.arena is not None:
+        _print_error(
+            "--storage equalized runs on --num-pages equal pages: it cannot be combined with --arena"
+        )
+        return 2
+    if args.storage == "arena" and args.num_pages is not None:
+        _print_error(
+            "--storage arena sizes the pool in units (--arena): it cannot be combined with --num-pages"
+        )
+        return 2
+    has_state = any(group.family == "state" for group in groups)
+    if args.num_pages is not None and has_state and args.storage is None:
+        _print_error(
+            f"--num-pages {args.num_pages}: a model with state layers runs on the SPEC 13 arena by "
+            "default, sized by --arena; add --storage equalized to run it on --num-pages equal pages "
+            "(the layout vLLM-style storage uses)"
+        )
+        return 2
     if args.num_pages is not None and args.num_pages < len(groups) + 1:
         _print_error(
             f"--num-pages {args.num_pages} is too small: one token of a request needs a page in each "
@@ -560,7 +604,6 @@ def _run_simulate(args: argparse.Namespace) -> int:
         return 2
     try:
         arena = None if args.arena is None else _simulate_arena(cfg, args)
-        grain = args.state_grain if args.state_grain is not None or arena is None else DEFAULT_STATE_GRAIN
         trace = _simulate_trace(args)
         config = simulate.SimulationConfig(
             model=(args.preset or DEFAULT_PRESET) if args.config is None else Path(args.config),
@@ -577,7 +620,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
             tables=args.tables,
             host_pages=args.host_pages,
             arena=arena,
-            state_page_size=grain,
+            state_page_size=args.state_grain,
+            storage=args.storage,
         )
         show = args.progress or sys.stderr.isatty()
         if args.kv_overlap_weight is not None and args.router != "kv":
@@ -587,15 +631,16 @@ def _run_simulate(args: argparse.Namespace) -> int:
         result = simulate.simulate(
             trace, config, progress=simulate.ProgressBar(sys.stderr) if show and trace else None
         )
-    except (OSError, ValueError, OverflowError) as exc:
+    except (OSError, ValueError, OverflowError, ConfigError) as exc:
         _print_error(_option_names(str(exc), _SIMULATE_OPTIONS))
         return 1
     summary = result.summary
-    if summary["finished"] == 0 and summary["aborted"] > 0 and arena is not None:
+    if summary["finished"] == 0 and summary["aborted"] > 0 and summary["arena"] is not None:
+        what = f"--arena {args.arena}" if args.arena is not None else "the default arena"
         _print_error(
-            f"--arena {args.arena}: no request finished; all {summary['aborted']} were aborted because "
-            f"none fits the arena's {arena.num_units - 1} units of {arena.unit_bytes} bytes alone; give "
-            "a larger --arena"
+            f"{what}: no request finished; all {summary['aborted']} were aborted because none fits the "
+            f"arena's {summary['arena']['units']} units of {summary['arena']['unit_bytes']} bytes "
+            "alone; give a larger --arena"
         )
         return 1
     if summary["finished"] == 0 and summary["aborted"] > 0:
@@ -633,16 +678,18 @@ def _run_cluster(
     if router == "kv" and args.host_pages:
         raise ValueError("--router kv does not model a host-memory tier: leave out --host-pages")
     workers = args.workers
-    if config.arena is not None:
+    if config.arena is not None or (config.storage or default_storage(cfg)) == "arena":
+        per_worker: int | None = None
         if args.worker_memory is not None:
             try:
                 per_worker = _byte_size(args.worker_memory)
             except argparse.ArgumentTypeError as exc:
                 raise ValueError(f"--worker-memory: {exc}") from None
-        else:
+        elif args.arena is not None:
             per_worker = args.arena // workers
-        arena = _simulate_arena(cfg, argparse.Namespace(**{**vars(args), "arena": per_worker}))
-        config = dataclasses.replace(config, arena=arena)
+        if per_worker is not None:  # else 1/N of the default arena (simulate_cluster)
+            arena = _simulate_arena(cfg, argparse.Namespace(**{**vars(args), "arena": per_worker}))
+            config = dataclasses.replace(config, arena=arena)
     else:
         pages: int | None = None
         if args.worker_memory is not None:
@@ -727,18 +774,23 @@ def _run_plan(args: argparse.Namespace) -> int:
         _print_presets(as_json=args.json)
         return 0
     with_memory = args.memory is not None or args.device is not None
-    if args.kv_dtype is not None and not with_memory:
-        _print_error("--kv-dtype needs --memory or --device")
-        return 2
+    for name, value in (("--kv-dtype", args.kv_dtype), ("--storage", args.storage)):
+        if value is not None and not with_memory:
+            _print_error(f"{name} needs --memory or --device")
+            return 2
     option = ""
     try:
         cfg, source, option = _load_model(args)
-        memory = _memory_plan(cfg, args) if with_memory else None
+        memory: dict[str, Any] | None = None
+        if with_memory:
+            storage = args.storage or default_storage(cfg)
+            memory = _arena_plan_memory(cfg, args) if storage == "arena" else _memory_plan(cfg, args)
+        # Equalized pages: a state layer may raise the page size; their pool bounds the counts.
+        equalized = memory if memory is not None and memory["storage"] == "equalized" else None
         plan = build_plan(
             cfg,
             source=source,
-            # A state layer may raise the page size.
-            page_size=args.page_size if memory is None else memory["page_size"],
+            page_size=args.page_size if equalized is None else equalized["page_size"],
             max_live_requests=args.max_live_requests,
             max_scheduled_tokens=args.max_scheduled_tokens,
             max_total_tokens=args.max_total_tokens,
@@ -746,21 +798,23 @@ def _run_plan(args: argparse.Namespace) -> int:
             decode_input_tokens=args.decode_input_tokens,
             overlap_schedule_depth=args.overlap_schedule_depth,
             safety_margin=args.safety_margin,
-            num_pages=None if memory is None else memory["num_pages"],
+            num_pages=None if equalized is None else equalized["num_pages"],
         )
-    except (OSError, ValueError, OverflowError) as exc:
+    except (OSError, ValueError, OverflowError, ConfigError) as exc:
         message = _option_names(str(exc))
         # A config the sizing rejects: say which option gave it.
         _print_error(f"{option}: {message}" if message.startswith("config ") else message)
         return 1
-    if memory is not None:
+    if memory is not None and equalized is not None:
+        # The arena of the same budget, after the equalized pages.
         try:
             memory["arena"] = _arena_memory(
-                cfg, args, memory["budget_bytes"] - memory["allocator_slack_bytes"]
+                cfg, args, _budget_arena(cfg, args, memory["budget_bytes"] - memory["allocator_slack_bytes"])
             )
         except ConfigError as exc:
             _print_error(_option_names(str(exc)))
             return 1
+    if memory is not None:
         plan["memory"] = memory
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
     return 0
@@ -791,8 +845,16 @@ def _option_names(message: str, options: dict[str, str] | None = None) -> str:
     return re.sub(pattern, lambda m: names[m.group(1)] + (" " if m.group(2) else ""), message)
 
 
-#: The state checkpoint grain of ``simulate --arena`` (SPEC 13: a prefix hit every 64 tokens).
-DEFAULT_STATE_GRAIN = 64
+#: The storages of ``plan --storage`` and ``simulate --storage``: the SPEC 13 arena, or SPEC 3's
+#: one pool of equal pages (each page id a row in every layer's buffer; vLLM-style storage).
+STORAGES = ("arena", "equalized")
+
+
+def default_storage(cfg: Mapping[str, Any]) -> str:
+    """The storage a model gets unless asked otherwise: the SPEC 13 arena for a model with state
+    layers (its equalized page would be raised until it holds a whole recurrent state), the
+    equalized pages for an attention-only model (nothing to raise there)."""
+    return "arena" if read_model_layers(cfg).state_kind is not None else "equalized"
 
 
 def _simulate_arena(cfg: dict[str, Any], args: argparse.Namespace) -> Any:
@@ -818,61 +880,165 @@ def _simulate_arena(cfg: dict[str, Any], args: argparse.Namespace) -> Any:
 ARENA_REFERENCE_TOKENS = 16_384
 
 
-def _arena_memory(cfg: dict[str, Any], args: argparse.Namespace, budget: int) -> dict[str, Any]:
-    """The SPEC 13 storage of the same budget (``plan_arena``; ``FlatKVCache(arena=)``): the
-    unit, per group its page or slot, and for one request of ``ARENA_REFERENCE_TOKENS`` tokens
-    (all of it in full groups, a window's pages in sliding ones, one working state slot) the
-    padding of what it holds and how many tokens of such requests fit.
+def _budget_arena(cfg: dict[str, Any], args: argparse.Namespace, budget: int) -> ArenaPlan:
+    """The ``ArenaPlan`` of ``budget`` bytes for the model (``plan_arena`` over its components at
+    ``--kv-dtype``, ``--page-size`` pages, a working state slot per ``--max-live-requests``).
 
     ``ConfigError`` when a state model's arena has fewer units than ``--max-live-requests``."""
     from flat_kvcache.torch import ModelShape  # the memory plan imported it already
 
     shape = ModelShape.from_config(cfg, kv_dtype=args.kv_dtype)
-    arena = plan_arena(shape.components(), args.page_size, budget, max_live_requests=args.max_live_requests)
+    return plan_arena(shape.components(), args.page_size, budget, max_live_requests=args.max_live_requests)
+
+
+def _pages_in_units(unit_bytes: int, page_bytes: int, num_units: int) -> int:
+    """The pages of ``page_bytes`` that lie wholly inside units ``1 .. num_units - 1`` (a page
+    straddling two units is never handed out): unit ``u`` holds the pages ``ceil(u U / s) ..
+    floor((u + 1) U / s) - 1`` (docs/sizing-api.md, "Arena plan"), a count that depends only
+    on ``u U mod s`` and so repeats every ``s / gcd(U mod s, s)`` units."""
+
+    def pages(unit: int) -> int:
+        return (unit + 1) * unit_bytes // page_bytes - -(-unit * unit_bytes // page_bytes)
+
+    usable = num_units - 1
+    remainder = unit_bytes % page_bytes
+    period = 1 if remainder == 0 else page_bytes // math.gcd(remainder, page_bytes)
+    if usable <= period:
+        return sum(pages(u) for u in range(1, usable + 1))
+    whole, rest = divmod(usable, period)
+    return whole * sum(pages(u) for u in range(1, period + 1)) + sum(pages(u) for u in range(1, rest + 1))
+
+
+def _arena_memory(cfg: dict[str, Any], args: argparse.Namespace, arena: ArenaPlan) -> dict[str, Any]:
+    """What the SPEC 13 storage (``arena``, an ``ArenaPlan``; ``FlatKVCache(arena=)``) holds:
+    the unit, per group its page or slot and how many a unit holds, and for requests of
+    ``ARENA_REFERENCE_TOKENS`` tokens each (``T`` tokens computed: all of them in full groups,
+    the pages of tokens ``T - W .. T - 1`` in a sliding one, one working state slot) what one
+    takes of the arena, its padding, and how many such requests the engine holds at once.
+
+    The figures follow how the engine places pages (docs/sizing-api.md, "Arena plan"): a unit
+    is bound to one group; a page group's pages lie at byte ``p * page_bytes``, so a unit holds
+    ``per_unit`` or ``per_unit - 1`` pages (a page straddling two units is never handed out)
+    and its remainder is lost; a state slot is a whole unit. Pages of many requests share
+    units, so a request's attention pages take ``pages / (pages per unit, on average over the
+    arena)`` units; requests fit while the units they take, each group's rounded up to whole
+    units, are at most the ``num_units - 1`` usable ones."""
     specs = {spec.group_id: spec for spec in simulate.engine_specs(flat_kvcache, cfg, args.page_size)}
     tokens = ARENA_REFERENCE_TOKENS
+    usable = arena.num_units - 1
+    unit = arena.unit_bytes
     state_ids = {g.group_id for g in arena.groups if g.kind == "state"}
     state_bytes = sum(c.nbytes for c in arena.components if c.group_id in state_ids)
-    held = useful = 0
+    slots = 1 if state_ids else 0  # one working state slot for all state groups together
+    useful = slots * state_bytes
     groups = []
+    paged: list[tuple[int, int]] = []  # per page group: pages a request holds, pages in the arena
     for group in arena.groups:
         spec = specs[group.group_id]
+        entry: dict[str, Any] = {
+            "group_id": group.group_id,
+            "kind": group.kind,
+            "item_bytes": group.item_bytes,
+            "per_unit": group.per_unit,
+            "unit_slack_bytes": group.slack_bytes,
+        }
         if group.kind == "state":
-            count, written = 1, state_bytes
-            held += arena.unit_bytes
+            entry["held"] = 1
         else:
             page = arena.page_size
             count = -(-tokens // page)
             if spec.sliding_window is not None:
-                count = min(count, -(-(spec.sliding_window - 1) // page) + 1)
-            kept = min(tokens, count * page)
-            written = kept * group.item_bytes // page
-            held += count * group.item_bytes
-        useful += written
-        groups.append(
-            {
-                "group_id": group.group_id,
-                "kind": group.kind,
-                "item_bytes": group.item_bytes,
-                "per_unit": group.per_unit,
-                "unit_slack_bytes": group.slack_bytes,
-                "held": count,
-            }
-        )
-    pool = (arena.num_units - 1) * arena.unit_bytes
+                # The pages of the window the last token attends to, tokens T - W .. T - 1.
+                count -= max(0, tokens - spec.sliding_window) // page
+            useful += min(tokens, count * page) * group.item_bytes // page
+            total = _pages_in_units(unit, group.item_bytes, arena.num_units)
+            fewest = group.per_unit if total == group.per_unit * usable else group.per_unit - 1
+            paged.append((count, total))
+            entry.update(
+                held=count,
+                fewest_per_unit=fewest,
+                pages_in_arena=total,
+                mean_per_unit=round(total / usable, 6),
+            )
+        groups.append(entry)
+
+    def units_for(requests: int) -> int:
+        """Units ``requests`` such requests take: a state slot each, each page group's pages
+        over as many units as hold them on average, rounded up."""
+        return requests * slots + sum(-(-requests * count * usable // total) for count, total in paged)
+
+    # Bisection: the most requests whose units fit (units_for grows with the requests).
+    low, high = 0, usable
+    while low < high:
+        middle = (low + high + 1) // 2
+        if units_for(middle) <= usable:
+            low = middle
+        else:
+            high = middle - 1
+    held = slots * unit + sum(count * usable * unit / total for count, total in paged)
     return {
-        "unit_bytes": arena.unit_bytes,
+        "unit_bytes": unit,
         "num_units": arena.num_units,
         "groups": groups,
         "reference_tokens": tokens,
-        "reference_held_bytes": held,
+        "reference_held_bytes": round(held),
         "reference_padding": round(1 - useful / held, 6) if held else 0.0,
-        "reference_tokens_that_fit": pool // held * tokens if held else 0,
+        "reference_requests_that_fit": low,
+        "reference_tokens_that_fit": low * tokens,
+    }
+
+
+def _arena_plan_memory(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """``plan --storage arena`` (the default for a model with state layers): the SPEC 13 arena of
+    the budget (``flat_kvcache.torch.plan_arena_memory``, which reads a CUDA device's budget and
+    sets its allocator's slack aside) as a JSON-ready dict, with what requests take of it
+    (:func:`_arena_memory`).
+
+    torch is imported here, only when asked for: it is an optional extra.
+    """
+    try:
+        from flat_kvcache.torch import ModelShape, plan_arena_memory
+    except ImportError:
+        raise ValueError(f"--memory/--device: the memory plan needs PyTorch, {_extra('torch')}") from None
+    context = max_context_len_from_config(cfg) if args.max_context_len is None else args.max_context_len
+    if args.memory is None and not str(args.device).startswith("cuda"):
+        raise ValueError(f"--device {args.device}: only CUDA devices report free memory; pass --memory")
+    try:
+        shape = ModelShape.from_config(cfg, kv_dtype=args.kv_dtype)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+    try:
+        plan = plan_arena_memory(
+            shape,
+            page_size=args.page_size,
+            budget_bytes=args.memory,
+            device=args.device,
+            utilization=args.utilization,
+            max_live_requests=args.max_live_requests,
+            max_scheduled_tokens=args.max_scheduled_tokens,
+            max_context_len=context,
+        )
+    except FlatKVCacheError:
+        raise  # the plan's own refusal: its message says why
+    except RuntimeError as exc:
+        if args.device is None:
+            raise
+        raise ValueError(f"--device {args.device}: {exc}") from None  # torch rejects a device name
+    return {
+        "storage": "arena",
+        "budget_bytes": plan.budget_bytes,
+        "allocator_slack_bytes": plan.allocator_slack_bytes,
+        "page_size": plan.page_size,
+        "total_bytes": plan.total_bytes,
+        "kv_dtype": str(shape.kv_dtype).removeprefix("torch."),
+        "device": args.device,
+        "arena": _arena_memory(cfg, args, plan.arena),
     }
 
 
 def _memory_plan(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """The memory plan (``flat_kvcache.torch.plan_kv_memory``) as a JSON-ready dict.
+    """``plan --storage equalized`` (the default for an attention-only model): the SPEC 3 memory
+    plan (``flat_kvcache.torch.plan_kv_memory``) as a JSON-ready dict.
 
     torch is imported here, only when asked for: it is an optional extra.
     """
@@ -887,6 +1053,12 @@ def _memory_plan(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         shape = ModelShape.from_config(cfg, kv_dtype=args.kv_dtype)
     except TypeError as exc:
         raise ValueError(str(exc)) from None
+    if all(label in STATE_LAYER_TYPES for label in shape.layer_types):
+        raise ValueError(
+            f"--storage equalized: every one of the {shape.num_layers} cache layers keeps a recurrent "
+            "state and none keeps K/V, and equalized pages are sized in tokens of K/V; leave out "
+            "--storage equalized to plan the SPEC 13 arena (a state slot per unit)"
+        )
     try:
         plan = plan_kv_memory(
             shape,
@@ -897,12 +1069,18 @@ def _memory_plan(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
             max_live_requests=args.max_live_requests,
             max_scheduled_tokens=args.max_scheduled_tokens,
             max_context_len=context,
+            storage="equalized",
         )
-    except RuntimeError as exc:  # torch rejects a device name
-        raise ValueError(f"--device {args.device}: {exc}") from None
+    except FlatKVCacheError:
+        raise  # the plan's own refusal (a ModelConfigError, a ConfigError): its message says why
+    except RuntimeError as exc:
+        if args.device is None:
+            raise
+        raise ValueError(f"--device {args.device}: {exc}") from None  # torch rejects a device name
     # Per-layer K/V takes the slab saving more per page; the native plan divides the same budget.
     per_layer_bytes_per_page = plan.bytes_per_page + plan.slab_saving_bytes // plan.num_pages
     return {
+        "storage": "equalized",
         **plan.summary(),
         "per_layer_num_pages": (plan.budget_bytes - plan.allocator_slack_bytes) // per_layer_bytes_per_page,
         "requested_page_size": plan.requested_page_size,
@@ -1194,13 +1372,29 @@ def _cell(value: int | None) -> str:
 
 
 def _format_memory(memory: dict[str, Any], pool: dict[str, Any], settings: dict[str, Any]) -> list[str]:
-    """The memory plan's lines for :func:`format_plan`."""
+    """The memory plan's lines for :func:`format_plan`: the arena's (``storage`` ``"arena"``) or
+    the equalized pages' with the arena of the same budget after them."""
 
     def size(nbytes: int) -> str:
         return f"{nbytes} bytes ({nbytes / (1 << 30):.2f} GiB)"
 
     slack = memory["allocator_slack_bytes"]
     budget = size(memory["budget_bytes"]) + (f", less {slack} bytes of allocator slack" if slack else "")
+    budget += f" on {memory['device']}" if memory["device"] else ""
+    if memory["storage"] == "arena":
+        head = [
+            "memory (storage: arena, the SPEC 13 storage: FlatKVCache(specs, arena=plan); --storage "
+            "equalized for SPEC 3's equal pages, the layout vLLM-style storage uses):",
+            f"  budget           {budget}",
+            f"  kv dtype         {memory['kv_dtype']}",
+            f"  page size        {memory['page_size']} tokens (attention pages; a state slot is a unit)",
+            f"  arena            {size(memory['total_bytes'])}",
+        ]
+        return [
+            *textwrap.wrap(head[0], width=100, subsequent_indent="  "),
+            *head[1:],
+            *_format_arena(memory["arena"]),
+        ]
     page = f"{memory['page_size']} tokens"
     if memory["page_size"] != memory["requested_page_size"]:
         page += f" (raised from {memory['requested_page_size']} so a page holds a state snapshot)"
@@ -1223,7 +1417,8 @@ def _format_memory(memory: dict[str, Any], pool: dict[str, Any], settings: dict[
     else:
         layout = "one K and one V buffer per attention layer (no slab pairing)"
     rows = [
-        ("budget", budget + (f" on {memory['device']}" if memory["device"] else "")),
+        ("storage", "equalized (SPEC 3: one pool of equal pages, the layout vLLM-style storage uses)"),
+        ("budget", budget),
         ("kv dtype", memory["kv_dtype"]),
         ("page size", page),
         ("bytes per page", str(memory["bytes_per_page"])),
@@ -1236,28 +1431,45 @@ def _format_memory(memory: dict[str, Any], pool: dict[str, Any], settings: dict[
     width = max(len(name) for name, _ in rows)
     lines = ["memory:", *(f"  {name:<{width}}  {value}" for name, value in rows)]
     if "arena" in memory:
-        lines += ["", *_format_arena(memory["arena"])]
+        title = (
+            "arena (SPEC 13 storage, FlatKVCache(specs, arena=plan_arena(...)); same budget; "
+            "--storage arena plans it alone):"
+        )
+        lines += [
+            "",
+            *textwrap.wrap(title, width=100, subsequent_indent="  "),
+            *_format_arena(memory["arena"]),
+        ]
     return lines
 
 
 def _format_arena(arena: dict[str, Any]) -> list[str]:
     """The SPEC 13 storage's lines for :func:`format_plan` (``FlatKVCache(arena=)``)."""
     lines = [
-        "arena (SPEC 13 storage, FlatKVCache(specs, arena=plan_arena(...)); same budget):",
         f"  unit             {arena['unit_bytes']} bytes, {arena['num_units']} units (unit 0 is null)",
     ]
     for group in arena["groups"]:
-        item = "state slot" if group["kind"] == "state" else "page"
-        per_unit = "1 per unit" if group["kind"] == "state" else f"{group['per_unit']} per unit"
-        lines.append(
-            f"  {group['group_id']:<16} {item} of {group['item_bytes']} bytes, {per_unit} "
-            f"({group['unit_slack_bytes']} bytes of a unit left over)"
-        )
+        if group["kind"] == "state":
+            lines.append(
+                f"  {group['group_id']:<16} state slot of {group['item_bytes']} bytes, 1 per unit "
+                f"({group['unit_slack_bytes']} bytes of a unit left over)"
+            )
+            continue
+        most, fewest = group["per_unit"], group["fewest_per_unit"]
+        if most == fewest:
+            per_unit = f"{most} per unit ({group['unit_slack_bytes']} bytes of each unit left over)"
+        else:
+            per_unit = (
+                f"{fewest} or {most} per unit, {group['mean_per_unit']:g} on average (a page "
+                "straddling two units is never handed out)"
+            )
+        lines.append(f"  {group['group_id']:<16} page of {group['item_bytes']} bytes, {per_unit}")
     tokens = arena["reference_tokens"]
     held = ", ".join(f"{group['held']} {group['group_id']}" for group in arena["groups"])
     lines.append(
-        f"  a {tokens}-token request holds {arena['reference_held_bytes']} bytes ({held}), "
-        f"padding {arena['reference_padding']:.2%}; {arena['reference_tokens_that_fit']} tokens of such "
-        "requests fit"
+        f"  a {tokens}-token request holds {held}: {arena['reference_held_bytes']} bytes of units, "
+        f"padding {arena['reference_padding']:.2%} (unit remainders included); "
+        f"{arena['reference_requests_that_fit']} such requests fit at once, "
+        f"{arena['reference_tokens_that_fit']} tokens"
     )
-    return lines
+    return [textwrap.fill(line, width=100, subsequent_indent=" " * 19) for line in lines]

@@ -13,15 +13,18 @@ keys are copied over the top level.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import operator
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol, SupportsIndex, TypedDict, Unpack
 
-from flat_kvcache._types import ArenaPlan, PagedCacheGroupSpec, kv_cache_specs
+from flat_kvcache._types import STATE, ArenaPlan, KVCacheSpec, PagedCacheGroupSpec, kv_cache_specs
 from flat_kvcache.engine import FlatKVCache
+from flat_kvcache.errors import ConfigError
 from flat_kvcache.families import read_model_layers
 from flat_kvcache.presets import PRESETS, get_preset, preset_names
 from flat_kvcache.sizing import group_specs_from_layer_types
@@ -29,6 +32,8 @@ from flat_kvcache.sizing import group_specs_from_layer_types
 __all__ = [
     "DEFAULT_MAX_CONTEXT_LEN",
     "DEFAULT_PAGE_SIZE",
+    "DEFAULT_STATE_GRAIN",
+    "ArenaMemoryPlanLike",
     "CacheOptions",
     "MemoryPlanLike",
     "cache_from_config",
@@ -150,6 +155,17 @@ class MemoryPlanLike(Protocol):
     def num_pages(self) -> int: ...
 
 
+class ArenaMemoryPlanLike(Protocol):
+    """What :func:`cache_from_config` reads from an arena memory plan
+    (``flat_kvcache.torch.ArenaMemoryPlan``): its arena and the shape it was planned for."""
+
+    @property
+    def arena(self) -> ArenaPlan: ...
+
+    @property
+    def shape(self) -> Any: ...
+
+
 class CacheOptions(TypedDict, total=False):
     """The engine options :func:`cache_from_config` hands to ``FlatKVCache`` unchanged (its
     defaults apply to those left out; docs/engine-api.md)."""
@@ -165,28 +181,44 @@ class CacheOptions(TypedDict, total=False):
 
 
 def cache_from_config(
-    model: str | os.PathLike[str] | Mapping[str, Any] | MemoryPlanLike,
+    model: str | os.PathLike[str] | Mapping[str, Any] | MemoryPlanLike | ArenaMemoryPlanLike,
     *,
     num_pages: int | None = None,
     page_size: int | None = None,
+    storage: Literal["equalized"] | None = None,
+    state_grain: int | None = None,
     **options: Unpack[CacheOptions],
 ) -> FlatKVCache:
     """The page engine (``FlatKVCache``) of a model: one group per distinct layer kind and window,
-    all drawing on one pool of ``num_pages`` pages.
+    all drawing on one pool: the SPEC 13 arena (``arena=``, or an arena memory plan) or
+    ``num_pages`` equal pages.
+
+    A model with state layers is built over an arena unless ``storage="equalized"`` asks for
+    ``num_pages`` equal pages (each page id a row in every layer's buffer, the layout vLLM-style
+    storage uses); ``num_pages`` alone is refused for it. Attention-only models take either.
 
     Parameters
     ----------
     model : str, os.PathLike, mapping, or memory plan
         A preset name (``flat-kvcache plan --list-presets``), a path to a Hugging Face style
-        ``config.json`` or its folder, a config dict, or a memory plan from
-        ``flat_kvcache.torch.plan_kv_memory`` (its groups and page count, so that the engine's
-        pages are the plan's buffers' pages).
+        ``config.json`` or its folder, a config dict, or a memory plan:
+        ``flat_kvcache.torch.plan_arena_memory``'s (its shape's groups over its arena: the
+        engine's ids index the plan's views) or ``flat_kvcache.torch.plan_kv_memory``'s (its
+        groups and page count, so that the engine's pages are the plan's buffers' pages).
     num_pages : int
-        Pages in the pool, page 0 (the null page) included; required with a model config, left
-        out with a plan (the plan's ``num_pages``).
+        Pages in the pool, page 0 (the null page) included, with a model config and no
+        ``arena=``; left out with a plan (the plan's ``num_pages``) or an arena.
     page_size : int, default 16
-        Tokens per page of every group, with a model config; left out with a plan (its groups
-        carry their page size, raised where a state layer needed it).
+        Tokens per page of every group (of every attention group over an arena), with a model
+        config; left out with a plan (its groups carry their page size, raised where a state
+        layer needed it; an arena plan its own).
+    storage : ``"equalized"``, optional
+        With a model config that has state layers, asks for ``num_pages`` equal pages instead of
+        the arena.
+    state_grain : int, optional
+        Over an arena (``arena=`` or an arena memory plan), the state groups' page size in
+        tokens: the checkpoint grain of SPEC 13 (default: the least multiple of the page size
+        that is a multiple of 64, where the state kernels' chunked prefill aligns).
     **options
         ``enable_caching``, ``eviction_order``, ``enable_kv_events``, ``reuse_uncached_first``,
         ``host_pages``, ``host_store``, ``arena``, ``eviction_policy``: passed to ``FlatKVCache`` as given
@@ -206,16 +238,27 @@ def cache_from_config(
         a non-int size or a bad option type (the engine's message, naming it).
     ValueError
         A model config that cannot be loaded or grouped (the message starts ``model: ``), or a
-        bad size or option (``num_pages``, ``page_size``, ``eviction_order``...).
+        bad size or option (``num_pages``, ``page_size``, ``storage``, ``state_grain``,
+        ``eviction_order``...).
+    ConfigError
+        A model config with state layers, ``num_pages`` and neither ``arena=`` nor
+        ``storage="equalized"``.
     FileNotFoundError
         ``model`` names a ``config.json`` (or a folder) that does not exist.
     """
+    if storage is not None and storage != "equalized":
+        raise ValueError(f"storage must be None or 'equalized', got {storage!r}")
     if isinstance(model, Mapping | str | os.PathLike):
-        if num_pages is None and options.get("arena") is None:
+        arena = options.get("arena")
+        if num_pages is None and arena is None:
             raise TypeError(
                 "cache_from_config() needs num_pages= with a model config (the pages in the pool, "
                 "page 0 included) or arena= (an ArenaPlan, which sizes the pool)"
             )
+        if arena is not None and storage is not None:
+            raise ValueError("storage='equalized' is a pool of num_pages equal pages: it takes no arena=")
+        if arena is None and state_grain is not None:
+            raise ValueError("state_grain is the state groups' page size over an arena: pass arena= too")
         size = _page_size(DEFAULT_PAGE_SIZE if page_size is None else page_size)
         try:
             groups = group_specs_from_config(load_model_config(model), page_size=size)
@@ -223,16 +266,63 @@ def cache_from_config(
             raise FileNotFoundError(f"model: {exc}") from None
         except ValueError as exc:
             raise ValueError(f"model: {exc}") from None
+        if arena is not None:
+            return FlatKVCache(_over_arena(kv_cache_specs(groups), size, state_grain), **options)
+        state = [group.group_id for group in groups if group.family == "state"]
+        if state and storage is None:
+            raise ConfigError(
+                f"model: the state group {state[0]!r} keeps recurrent states, whose storage is the "
+                "SPEC 13 arena: pass arena= (flat_kvcache.plan_arena, or a "
+                "flat_kvcache.torch.plan_arena_memory plan as the model) instead of num_pages=, or "
+                "storage='equalized' for num_pages equal pages (the layout vLLM-style storage uses)"
+            )
         return FlatKVCache(kv_cache_specs(groups), num_pages, **options)
-    if not (hasattr(model, "groups") and hasattr(model, "num_pages")):
+    is_arena_plan = hasattr(model, "arena") and hasattr(model, "shape")
+    if not is_arena_plan and not (hasattr(model, "groups") and hasattr(model, "num_pages")):
         raise TypeError(
             "model must be a preset name, a config.json path, a config mapping or a memory plan, "
             f"not {type(model).__name__}"
         )
-    for name, value in (("num_pages", num_pages), ("page_size", page_size)):
+    for name, value in (("num_pages", num_pages), ("page_size", page_size), ("storage", storage)):
         if value is not None:
             raise TypeError(f"cache_from_config() takes no {name}= with a memory plan: the plan sets it")
-    return FlatKVCache(kv_cache_specs(model.groups), model.num_pages, **options)
+    if is_arena_plan:
+        if options.get("arena") is not None:
+            raise TypeError("cache_from_config() takes no arena= with an arena memory plan: it is the plan's")
+        plan: Any = model
+        shape = plan.shape
+        groups = group_specs_from_layer_types(
+            list(shape.layer_types), shape.sliding_window, page_size=plan.arena.page_size
+        )
+        specs = _over_arena(kv_cache_specs(groups), plan.arena.page_size, state_grain)
+        return FlatKVCache(specs, **{**options, "arena": plan.arena})
+    if state_grain is not None:
+        raise TypeError(
+            "cache_from_config() takes no state_grain= with a plan of equal pages: it has no arena"
+        )
+    pages: MemoryPlanLike = model  # type: ignore[assignment]
+    return FlatKVCache(kv_cache_specs(pages.groups), pages.num_pages, **options)
+
+
+#: The state checkpoint grain over an arena (SPEC 13: 64, where the state kernels' chunked
+#: prefill aligns; rounded up to a multiple of the page size).
+DEFAULT_STATE_GRAIN = 64
+
+
+def _over_arena(specs: list[KVCacheSpec], page_size: int, state_grain: int | None) -> list[KVCacheSpec]:
+    """``specs`` over an arena: the state groups' pages are ``state_grain`` tokens (default the
+    least common multiple of 64 and ``page_size``), the others ``page_size``."""
+    if state_grain is None:
+        grain = math.lcm(DEFAULT_STATE_GRAIN, page_size)
+    else:
+        if isinstance(state_grain, bool) or not isinstance(state_grain, SupportsIndex):
+            raise TypeError(f"state_grain must be an int, not {type(state_grain).__name__}")
+        grain = operator.index(state_grain)
+        if grain <= 0 or grain % page_size:
+            raise ValueError(
+                f"state_grain must be a positive multiple of the page size {page_size}, got {grain}"
+            )
+    return [dataclasses.replace(spec, page_size=grain) if spec.kind == STATE else spec for spec in specs]
 
 
 def _page_size(value: object) -> int:

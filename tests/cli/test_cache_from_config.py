@@ -114,7 +114,8 @@ def test_from_a_memory_plan() -> None:
     from flat_kvcache.torch import ModelShape, plan_kv_memory
 
     limits = {"max_live_requests": 4, "max_scheduled_tokens": 256, "max_context_len": 4096}
-    plan = plan_kv_memory(ModelShape.preset("qwen3.5-like"), page_size=16, budget_bytes=1 << 30, **limits)
+    shape = ModelShape.preset("qwen3.5-like")
+    plan = plan_kv_memory(shape, page_size=16, budget_bytes=1 << 30, storage="equalized", **limits)
     assert plan.page_size > 16  # raised so a page holds a state snapshot
     cache = fk.cache_from_config(plan)
     assert list(cache.group_ids) == ["linear_attention", "full_attention"]
@@ -123,6 +124,46 @@ def test_from_a_memory_plan() -> None:
         fk.cache_from_config(plan, num_pages=10)
     with pytest.raises(TypeError, match="takes no page_size= with a memory plan"):
         fk.cache_from_config(plan, page_size=16)
+
+
+@pytest.mark.torch
+def test_a_state_model_gets_the_arena_unless_it_asks_for_equal_pages() -> None:
+    """SPEC 13 is the storage of a model with state layers: an arena memory plan builds the
+    engine over its arena (its groups' ids index the plan's views; state pages of the checkpoint
+    grain, 64), and equal pages (``num_pages``) are refused unless ``storage="equalized"`` asks
+    for them. An attention-only model takes ``num_pages`` as before."""
+    need("torch")
+    from flat_kvcache.errors import ConfigError
+    from flat_kvcache.torch import ModelShape, plan_arena_memory
+
+    limits = {"max_live_requests": 4, "max_scheduled_tokens": 256, "max_context_len": 4096}
+    plan = plan_arena_memory(ModelShape.preset("qwen3.5-like"), page_size=16, budget_bytes=1 << 30, **limits)
+    cache = fk.cache_from_config(plan)
+    assert list(cache.group_ids) == ["linear_attention", "full_attention"]
+    stats = cache.arena_stats()
+    assert stats is not None and stats["units_total"] == plan.arena.num_units - 1
+    # A checkpoint every 64 tokens: a prompt of 300 is cut at 256, its body's end.
+    slot, _ = cache.add_request("a", list(range(300)))
+    assert cache.next_chunk(slot, 1000) == 256
+    coarse = fk.cache_from_config(plan, state_grain=128)
+    slot, _ = coarse.add_request("a", list(range(300)))
+    assert coarse.next_chunk(slot, 1000) == 256  # 2 x 128
+    slot, _ = coarse.add_request("b", list(range(200)))
+    assert coarse.next_chunk(slot, 1000) == 128
+    with pytest.raises(ValueError, match="state_grain must be a positive multiple of the page size 16"):
+        fk.cache_from_config(plan, state_grain=24)
+    with pytest.raises(TypeError, match="takes no num_pages= with a memory plan"):
+        fk.cache_from_config(plan, num_pages=10)
+    with pytest.raises(ConfigError, match="storage is the SPEC 13 arena: pass arena="):
+        fk.cache_from_config("qwen3.5-like", num_pages=100)
+    equal = fk.cache_from_config("qwen3.5-like", num_pages=100, storage="equalized")
+    assert equal.arena_stats() is None and equal.num_free_pages == 99
+    over = fk.cache_from_config("qwen3.5-like", arena=plan.arena)
+    slot, _ = over.add_request("a", list(range(300)))
+    assert over.next_chunk(slot, 1000) == 256
+    with pytest.raises(ValueError, match="storage must be None or 'equalized'"):
+        fk.cache_from_config("qwen3.5-like", num_pages=100, storage="arena")  # type: ignore[arg-type]
+    assert fk.cache_from_config("gpt-oss-like", num_pages=100).num_free_pages == 99
 
 
 @pytest.mark.parametrize(

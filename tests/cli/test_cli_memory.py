@@ -6,7 +6,9 @@ Expected numbers are derived here from the model's shape and SPEC 2 / 3, not rea
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
 import flat_kvcache
@@ -14,12 +16,13 @@ import pytest
 from helpers import missing, run_cli
 
 try:
-    import torch  # noqa: F401
+    import torch
 except ImportError as exc:
     missing("torch", exc)
 
+from flat_kvcache.config import group_specs_from_config, load_model_config
 from flat_kvcache.presets import get_preset
-from flat_kvcache.torch import CaptureBuffers
+from flat_kvcache.torch import CaptureBuffers, ModelShape
 
 pytestmark = [
     pytest.mark.torch,
@@ -116,18 +119,18 @@ def test_widths_are_the_capture_buffers(capsys: pytest.CaptureFixture[str], cont
 def test_the_arena_section_for_gpt_oss(capsys: pytest.CaptureFixture[str]) -> None:
     """The SPEC 13 storage of the same 80 GiB: pages of 16 x 12 layers x 2 (K, V) x 8 heads x
     64 x 2 bytes = 393216 bytes in both groups, so the unit is one page (the lcm): 218453 units.
-    A 16,384-token request holds 1024 full pages and ceil(127 / 16) + 1 = 9 sliding ones (its
-    window of 128 plus the token being written), all written to: no padding; 218452 usable
-    units // 1033 = 211 such requests fit."""
+    A 16,384-token request holds 1024 full pages and 8 sliding ones (the window its last token
+    attends to, tokens 16256 .. 16383), all written to: no padding; 218452 usable units // 1032
+    = 211 such requests fit."""
     status, out, err = run_cli(capsys, "plan", "--preset", "gpt-oss-like", "--memory", "80GiB", "--json")
     assert status == 0, err
     arena = json.loads(out)["memory"]["arena"]
     assert (arena["unit_bytes"], arena["num_units"]) == (393216, 218453)
     assert {g["group_id"]: g["held"] for g in arena["groups"]} == {
-        "sliding_attention": 9,
+        "sliding_attention": 8,
         "full_attention": 1024,
     }
-    assert arena["reference_held_bytes"] == 1033 * 393216
+    assert arena["reference_held_bytes"] == 1032 * 393216
     assert arena["reference_padding"] == 0
     assert arena["reference_tokens_that_fit"] == 211 * 16384
 
@@ -147,9 +150,16 @@ def test_the_arena_section_for_a_state_model(capsys: pytest.CaptureFixture[str])
         "linear_attention": 1,
         "full_attention": 1024,
     }
-    held = unit + 1024 * page
-    assert arena["reference_held_bytes"] == held
-    assert arena["reference_tokens_that_fit"] == (arena["num_units"] - 1) * unit // held * 16384
+    # The unit is 196.5 pages of bytes: units start on a page boundary or half a page in, and
+    # hold 196 pages each either way, half a page left over. Pages of many requests share units,
+    # so a request takes its slot and 1024 / 196 units: N requests fit while N + ceil(N * 1024 /
+    # 196) <= num_units - 1.
+    assert 2 * unit == 393 * page
+    assert arena["reference_held_bytes"] == round(unit + 1024 * unit / 196)
+    usable = arena["num_units"] - 1
+    fit = max(n for n in range(usable + 1) if n + -(-n * 1024 // 196) <= usable)
+    assert arena["reference_requests_that_fit"] == fit
+    assert arena["reference_tokens_that_fit"] == fit * 16384
 
 
 def test_a_budget_without_a_working_slot_per_live_request_is_refused(
@@ -165,3 +175,105 @@ def test_a_budget_without_a_working_slot_per_live_request_is_refused(
         capsys, "plan", "--preset", "qwen3.5-like", "--memory", "10GiB", "--max-live-requests", "137"
     )
     assert status == 0, err
+
+
+# --- what the arena holds, measured on the engine ------------------------------------------------
+
+# ai21labs/Jamba-v0.1 (its config.json, trimmed to the fields the layout and the state read): 4
+# attention layers of 8 K/V heads of 128 among 32. At bf16 a 16-token page is 4 x 2 x 16 x 8 x
+# 128 x 2 = 262144 bytes and the unit (the state slot) 61.25 pages of bytes: units hold 60 or 61.
+JAMBA_V01 = {
+    "model_type": "jamba",
+    "num_hidden_layers": 32,
+    "attn_layer_period": 8,
+    "attn_layer_offset": 4,
+    "expert_layer_period": 2,
+    "expert_layer_offset": 1,
+    "num_experts": 16,
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "mamba_d_state": 16,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "mamba_dt_rank": 256,
+}
+#: The request ``plan --memory`` reports on, and the chunk a scheduler cuts its prompt into.
+TOKENS, CHUNK = 16_384, 8_192
+
+
+def engine_holds(cfg: dict[str, Any], plan: flat_kvcache.ArenaPlan) -> tuple[int, float, list[int]]:
+    """Requests of ``TOKENS`` tokens the engine holds at once on ``plan``: each admitted
+    (``admit``, a prompt of ``TOKENS - 1`` distinct tokens, ``next_chunk`` cuts of ``CHUNK``)
+    and prefilled, then one decode step computes its last token; the next one comes until the
+    engine refuses. Returns how many it held, the padding of the units they keep busy (the share
+    of their bytes that holds no K/V of a written token and no state), and the ids per group the
+    last one holds."""
+    specs = [
+        dataclasses.replace(spec, page_size=64) if spec.kind == "state" else spec
+        for spec in flat_kvcache.kv_cache_specs(group_specs_from_config(cfg, page_size=16))
+    ]
+    cache = flat_kvcache.FlatKVCache(specs, arena=plan)
+    unit = plan.unit_bytes
+    state = {g.group_id for g in plan.groups if g.kind == "state"}
+    state_bytes = sum(c.nbytes for c in plan.components if c.group_id in state)
+    useful, held = 0, 0
+    ids: list[int] = []
+    for n in range(plan.num_units):
+        prompt = [n * TOKENS + i for i in range(TOKENS - 1)]
+        admitted = cache.admit(f"r{n}", prompt, CHUNK)
+        if admitted is None:
+            break
+        slot, _, chunk = admitted
+        while chunk > 0 and cache.schedule([slot], [chunk])[0]:
+            chunk = cache.next_chunk(slot, CHUNK)
+        if chunk > 0:
+            break
+        cache.append_tokens([slot], [7])
+        if not cache.schedule([slot], [1])[0]:
+            break
+        assert cache.num_computed_tokens(slot) == TOKENS
+        ids = []
+        for group, table in zip(plan.groups, cache.page_ids(slot), strict=True):
+            real = {i: page for i, page in enumerate(table) if page}
+            ids.append(len(set(real.values())))
+            if group.kind == "state":
+                useful += len(set(real.values())) * state_bytes
+            else:
+                written = sum(min(TOKENS, (i + 1) * 16) - i * 16 for i in real)
+                useful += written * group.item_bytes // 16
+        stats = cache.arena_stats()
+        assert stats is not None
+        held = (sum(stats["units_bound"].values()) - stats["units_idle"]) * unit
+    else:
+        raise AssertionError("every unit was taken and the engine still admits")
+    return n, 1 - useful / held, ids
+
+
+@pytest.mark.parametrize("model", ["jamba-v0.1", "qwen3.5-like", "gpt-oss-like"])
+def test_the_arena_figures_are_what_the_engine_holds(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, model: str
+) -> None:
+    """``plan --memory``'s requests that fit, padding and pages held are the engine's, measured:
+    the arena it plans is built (``FlatKVCache(specs, arena=plan)``) and filled with such
+    requests until it refuses. Jamba's units hold 60 or 61 pages (a page straddling two units
+    is never handed out), qwen3.5-like's 196 with half a page left over, gpt-oss-like's one."""
+    if model == "jamba-v0.1":
+        (tmp_path / "config.json").write_text(json.dumps(JAMBA_V01), encoding="utf-8")
+        argv = ["--config", str(tmp_path / "config.json"), "--kv-dtype", "bfloat16"]
+        cfg = load_model_config(tmp_path / "config.json")
+    else:
+        argv = ["--preset", model]
+        cfg = load_model_config(model)
+    status, out, err = run_cli(capsys, "plan", "--json", "--memory", "80GiB", *argv)
+    assert status == 0, err
+    arena = json.loads(out)["memory"]["arena"]
+    shape = ModelShape.from_config(cfg, kv_dtype=torch.bfloat16 if model == "jamba-v0.1" else None)
+    plan = flat_kvcache.plan_arena(shape.components(), 16, 80 * GiB, max_live_requests=256)
+    assert (arena["unit_bytes"], arena["num_units"]) == (plan.unit_bytes, plan.num_units)
+    fit, padding, ids = engine_holds(cfg, plan)
+    assert arena["reference_tokens"] == TOKENS
+    assert arena["reference_requests_that_fit"] == fit
+    assert arena["reference_tokens_that_fit"] == fit * TOKENS
+    assert [g["held"] for g in arena["groups"]] == ids
+    assert abs(arena["reference_padding"] - padding) < 5e-4

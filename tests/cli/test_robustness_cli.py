@@ -101,7 +101,7 @@ def test_kv_dtype_option_serves_a_config_without_dtype(
     assert status == 0, err
     memory = json.loads(out)["memory"]
     assert memory["kv_dtype"] == "bfloat16"
-    assert memory["bytes_per_page"] > 0 and memory["num_pages"] > 1
+    assert memory["arena"]["unit_bytes"] > 0 and memory["arena"]["num_units"] > 1
 
 
 @pytest.mark.torch

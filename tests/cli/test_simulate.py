@@ -9,6 +9,7 @@ in the same test: same steps, finishes, preemptions, hit tokens, evictions, peak
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from collections import Counter
@@ -547,3 +548,76 @@ def test_simulate_arena_too_small_is_named(capsys: pytest.CaptureFixture[str]) -
     argv = ["simulate", "--preset", "qwen3.5-like", "--num-requests", "2", "--arena", "1MiB"]
     status, _, err = run_cli(capsys, *argv)
     assert status == 1 and "--arena 1048576: budget_bytes=1048576 gives 0 units" in err
+
+
+def test_a_state_model_replays_on_the_arena_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    """``simulate --preset qwen3.5-like`` runs on the SPEC 13 arena without --arena: state
+    checkpoints every 64 tokens, the arena sized as the default pool is (half of what the first
+    --max-running requests take at full length: a working state slot each and their attention
+    pages packed into units, at least the largest request alone); native and reference agree.
+    --storage equalized asks for equal pages; an attention-only model keeps them by default."""
+    need("torch")
+    from flat_kvcache import plan_arena
+    from flat_kvcache.presets import get_preset
+    from flat_kvcache.torch import ModelShape
+
+    argv = ["simulate", "--preset", "qwen3.5-like", "--num-requests", "12", "--json"]
+    status, out, err = run_cli(capsys, *argv)
+    assert status == 0, err
+    native = json.loads(out)
+    status, out, err = run_cli(capsys, *argv, "--engine", "reference")
+    assert status == 0, err
+    assert without_timing(json.loads(out)) == without_timing(native)
+    assert native["storage"] == "arena" and native["num_pages"] is None
+    assert {g["group_id"]: g["page_size"] for g in native["groups"]} == {
+        "linear_attention": 64,
+        "full_attention": 16,
+    }
+    probe = plan_arena(ModelShape.from_config(get_preset("qwen3.5-like")).components(), 16, 1 << 50)
+    page = next(g for g in probe.groups if g.kind == "pages")
+    sizes = [len(r.prompt) + r.output_len for r in default_trace(12, seed=0)]
+    pages = [math.ceil(n / 16) for n in sizes]
+    together = sum(1 + count * page.item_bytes / probe.unit_bytes for count in pages)
+    # Alone: a working slot, a checkpoint, and its pages where units hold a page less (they
+    # straddle: 196.5 pages of bytes per unit).
+    alone = max(2 + math.ceil(count / (page.per_unit - 1)) for count in pages)
+    assert native["arena"]["units"] == max(math.ceil(together / 2), alone)
+    assert native["finished"] == 12 and native["checkpoints"]["written"] > 0
+
+    equalized = json.loads(run_cli(capsys, *argv, "--storage", "equalized")[1])
+    assert equalized["storage"] == "equalized" and equalized["arena"] is None
+    assert equalized["num_pages"] > 1
+    plain = json.loads(run_cli(capsys, "simulate", "--num-requests", "12", "--json")[1])
+    assert plain["storage"] == "equalized" and plain["arena"] is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--num-pages", "5000"], "--num-pages 5000: a model with state layers runs on the SPEC 13 arena"),
+        (
+            ["--storage", "equalized", "--arena", "1GiB"],
+            "--storage equalized runs on --num-pages equal pages",
+        ),
+        (["--storage", "arena", "--num-pages", "500"], "--storage arena sizes the pool in units"),
+    ],
+)
+def test_simulate_storage_conflicts_are_named(
+    capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    status, out, err = run_cli(capsys, "simulate", "--preset", "qwen3.5-like", "--num-requests", "2", *extra)
+    assert (status, out) == (2, "") and err.startswith(f"flat-kvcache: error: {message}")
+
+
+def test_equal_pages_for_a_state_model_are_asked_for() -> None:
+    """The library says the same: ``num_pages`` for a model with state layers needs
+    ``storage="equalized"``."""
+    from flat_kvcache.errors import ConfigError
+
+    trace = default_trace(2, seed=0)
+    with pytest.raises(ConfigError, match="storage='equalized' for num_pages equal pages"):
+        simulate(trace, SimulationConfig(model="qwen3.5-like", num_pages=5000))
+    summary = simulate(
+        trace, SimulationConfig(model="qwen3.5-like", num_pages=5000, storage="equalized")
+    ).summary
+    assert summary["storage"] == "equalized" and summary["finished"] == 2

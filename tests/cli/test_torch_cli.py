@@ -74,13 +74,96 @@ def test_memory_in_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "group" in out and "table width" in out  # the group table is still there
 
 
-def test_state_model_plans_with_the_raised_page_size(capsys: pytest.CaptureFixture[str]) -> None:
-    got = run_json(capsys, "--preset", "qwen3.5-like", "--memory", "40GiB", "--max-live-requests", "8")
+def test_a_state_model_gets_the_arena(capsys: pytest.CaptureFixture[str]) -> None:
+    """A model with state layers is planned on the SPEC 13 arena unless --storage equalized asks
+    for SPEC 3's equal pages: 16-token attention pages, the arena plan_arena_memory plans for
+    the budget, and no raised page or pool of pages in the plan."""
+    from flat_kvcache.torch import plan_arena_memory
+
+    argv = ["--preset", "qwen3.5-like", "--memory", "40GiB", "--max-live-requests", "8"]
+    got = run_json(capsys, *argv)
+    memory = got["memory"]
+    limits = {"max_live_requests": 8, "max_scheduled_tokens": 8192, "max_context_len": 262144}
+    arena = plan_arena_memory(
+        ModelShape.preset("qwen3.5-like"), page_size=16, budget_bytes=40 * GiB, **limits
+    )
+    assert memory["storage"] == "arena" and memory["page_size"] == got["settings"]["page_size"] == 16
+    assert (memory["arena"]["unit_bytes"], memory["arena"]["num_units"]) == (
+        arena.arena.unit_bytes,
+        arena.arena.num_units,
+    )
+    assert memory["total_bytes"] == arena.total_bytes and "num_pages" not in memory
+    assert got["pool"]["num_pages"] is None
+    status, out, _ = run_cli(capsys, "plan", *argv)
+    assert status == 0 and "memory (storage: arena" in out and "raised from 16" not in out
+    assert "--storage equalized for SPEC 3's equal pages, the layout vLLM-style storage uses" in " ".join(
+        out.split()
+    )
+
+
+def test_equalized_storage_is_asked_for(capsys: pytest.CaptureFixture[str]) -> None:
+    """--storage equalized: SPEC 3's plan, the page raised until it holds a state (the arena of
+    the same budget after it)."""
+    argv = [
+        "--preset",
+        "qwen3.5-like",
+        "--memory",
+        "40GiB",
+        "--max-live-requests",
+        "8",
+        "--storage",
+        "equalized",
+    ]
+    got = run_json(capsys, *argv)
     page_size = got["memory"]["page_size"]
+    assert got["memory"]["storage"] == "equalized" and "arena" in got["memory"]
     assert page_size > 16 and got["settings"]["page_size"] == page_size
     assert all(group["rows_per_page"] == page_size for group in got["groups"])
-    status, out, _ = run_cli(capsys, "plan", "--preset", "qwen3.5-like", "--memory", "40GiB")
+    status, out, _ = run_cli(capsys, "plan", *argv)
     assert status == 0 and f"{page_size} tokens (raised from 16" in out
+    assert "equalized (SPEC 3: one pool of equal pages, the layout vLLM-style storage uses)" in out
+    # An attention-only model is planned as before: equal pages first, the arena after them.
+    plain = run_json(capsys, "--memory", "40GiB")["memory"]
+    assert plain["storage"] == "equalized" and plain["page_size"] == 16 and "arena" in plain
+    assert plain == run_json(capsys, "--memory", "40GiB", "--storage", "equalized")["memory"]
+
+
+# state-spaces/mamba-130m-hf (its config.json): 24 mamba layers, nothing keeps K/V.
+MAMBA_130M = {
+    "model_type": "mamba",
+    "num_hidden_layers": 24,
+    "hidden_size": 768,
+    "state_size": 16,
+    "conv_kernel": 4,
+    "expand": 2,
+    "intermediate_size": 1536,
+    "time_step_rank": 48,
+}
+
+
+def test_a_pure_state_model_is_planned_on_the_arena(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A pure Mamba model: --memory plans its arena (a state slot per unit, so every usable unit
+    holds one request of any length); --storage equalized is refused naming that option (not
+    --device, which was never given)."""
+    from flat_kvcache.torch import plan_arena_memory
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(MAMBA_130M), encoding="utf-8")
+    argv = ["--config", str(path), "--memory", "80GiB", "--kv-dtype", "bfloat16"]
+    memory = run_json(capsys, *argv)["memory"]
+    shape = ModelShape.from_config(MAMBA_130M, kv_dtype=torch.bfloat16)
+    limits = {"max_live_requests": 256, "max_scheduled_tokens": 8192, "max_context_len": 131072}
+    plan = plan_arena_memory(shape, page_size=16, budget_bytes=80 * GiB, **limits).arena
+    arena = memory["arena"]
+    assert memory["storage"] == "arena" and arena["num_units"] == plan.num_units
+    assert arena["reference_requests_that_fit"] == plan.num_units - 1
+    assert [g["kind"] for g in arena["groups"]] == ["state"]
+    status, out, err = run_cli(capsys, "plan", *argv, "--storage", "equalized")
+    assert (status, out) == (1, "") and err.count("\n") == 1
+    assert err.startswith("flat-kvcache: error: --storage equalized: every one of the 24 cache layers")
+    assert "--device" not in err and "leave out --storage equalized" in err
 
 
 def test_kv_dtype_and_config_path(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -118,6 +201,8 @@ def test_device_budget(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.M
         (["--memory", "-1"], 2, "argument --memory: expected a size"),
         (["--memory", "1GiB", "--utilization", "0"], 2, "argument --utilization: must be in (0, 1]"),
         (["--kv-dtype", "fp8"], 2, "--kv-dtype needs --memory or --device"),
+        (["--storage", "arena"], 2, "--storage needs --memory or --device"),
+        (["--memory", "1GiB", "--storage", "pages"], 2, "argument --storage: invalid choice: 'pages'"),
         (["--device", "cpu"], 1, "--device cpu: only CUDA devices report free memory; pass --memory"),
         (["--device", "nope", "--memory", "1GiB"], 1, "--device nope:"),
         (["--memory", "1000"], 1, "--memory 1000 gives 0 blocks"),

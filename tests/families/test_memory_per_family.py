@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from flat_kvcache.errors import ModelConfigError
+from flat_kvcache.errors import ConfigError, ModelConfigError
 from flat_kvcache.families import FAMILIES, STATE_KINDS, read_model_layers
 from helpers import need
 
@@ -83,6 +83,8 @@ def test_memory_plan_or_a_clear_refusal(family: Any, model_type: str) -> None:
     arena = plan_arena_memory(shape, page_size=16, budget_bytes=80 << 30, **limits).arena
     assert {c.layer for c in arena.components} == set(range(len(layers.layer_types)))
     assert arena.num_units >= 65 and arena.num_units * arena.unit_bytes <= 80 << 30
+    # SPEC 3's equal pages: asked for explicitly where a model has state layers (the arena is
+    # their storage), impossible for a pure state model.
     if all(label == "linear_attention" for label in layers.layer_types):
         with pytest.raises(ModelConfigError, match="pure state model cannot be planned by it"):
             plan_kv_memory(
@@ -92,8 +94,12 @@ def test_memory_plan_or_a_clear_refusal(family: Any, model_type: str) -> None:
                 max_live_requests=64,
                 max_scheduled_tokens=8192,
                 max_context_len=32768,
+                storage="equalized",
             )
         return
+    if layers.state_kind is not None:
+        with pytest.raises(ConfigError, match="storage is the SPEC 13 arena, planned by plan_arena_memory"):
+            plan_kv_memory(shape, page_size=16, budget_bytes=80 << 30, **limits)  # type: ignore[arg-type]
     plan = plan_kv_memory(
         shape,
         page_size=16,
@@ -101,6 +107,7 @@ def test_memory_plan_or_a_clear_refusal(family: Any, model_type: str) -> None:
         max_live_requests=64,
         max_scheduled_tokens=8192,
         max_context_len=32768,
+        storage="equalized",
     )
     # Every cache layer has its buffers: none is dropped by the plan.
     covered = {layer for tensor in plan.tensors for layer in tensor.layers}

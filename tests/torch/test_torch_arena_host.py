@@ -188,6 +188,7 @@ def test_the_executor_refuses_buffers_that_do_not_match() -> None:
         max_live_requests=1,
         max_scheduled_tokens=8,
         max_context_len=8,
+        storage="equalized",
     )
     with pytest.raises(TypeError, match="host must be ArenaHostBuffers over ArenaBuffers"):
         TransferExecutor(run.cache, run.arena, HostKVBuffers(paged, 2, pin_memory=False))

@@ -21,7 +21,7 @@ LIMITS = {"max_live_requests": 4, "max_scheduled_tokens": 64, "max_context_len":
 
 
 def plan(shape: ModelShape, budget: int = 8 * MiB, page_size: int = 16) -> KVMemoryPlan:
-    return plan_kv_memory(shape, page_size=page_size, budget_bytes=budget, **LIMITS)
+    return plan_kv_memory(shape, page_size=page_size, budget_bytes=budget, storage="equalized", **LIMITS)
 
 
 def make_shape(**overrides: Any) -> ModelShape:

@@ -53,6 +53,7 @@ def hybrid_plan() -> Any:
         max_live_requests=2,
         max_scheduled_tokens=64,
         max_context_len=64,
+        storage="equalized",
     )
 
 

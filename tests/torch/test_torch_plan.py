@@ -26,7 +26,26 @@ LIMITS = {"max_live_requests": 8, "max_scheduled_tokens": 256, "max_context_len"
 
 
 def plan(shape: ModelShape, **kwargs: Any) -> KVMemoryPlan:
-    return plan_kv_memory(shape, **{"page_size": 16, **LIMITS, **kwargs})
+    """SPEC 3's plan, asked for explicitly (a model with state layers gets the arena unless it
+    asks: ``test_a_state_model_is_pointed_at_the_arena``)."""
+    return plan_kv_memory(shape, **{"page_size": 16, **LIMITS, "storage": "equalized", **kwargs})
+
+
+def test_a_state_model_is_pointed_at_the_arena() -> None:
+    """A shape with state layers is refused without ``storage="equalized"``: its storage is the
+    SPEC 13 arena, which ``plan_arena_memory`` plans from the same arguments; an attention-only
+    shape is planned the same either way."""
+    from flat_kvcache.errors import ConfigError
+
+    with pytest.raises(
+        ConfigError, match="36 of the 48 cache layers keep a recurrent state: their storage is"
+    ):
+        plan_kv_memory(ModelShape.preset("qwen3.5-like"), page_size=16, budget_bytes=GiB, **LIMITS)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="storage must be None or 'equalized', got 'arena'"):
+        plan(ModelShape.preset("qwen3.5-like"), budget_bytes=GiB, storage="arena")
+    gpt = ModelShape.preset("gpt-oss-like")
+    limits: dict[str, Any] = dict(LIMITS)
+    assert plan_kv_memory(gpt, page_size=16, budget_bytes=GiB, **limits) == plan(gpt, budget_bytes=GiB)
 
 
 def alternating(pairs: int = 4, **overrides: Any) -> ModelShape:

@@ -22,12 +22,15 @@ from flat_kvcache.simulate.loop import (
     DEFAULT_PAGE_SIZE,
     DEFAULT_POOL_FRACTION,
     DEFAULT_REUSE_UNCACHED_FIRST,
+    DEFAULT_STATE_GRAIN,
     Engine,
     EvictionOrder,
     SimulationConfig,
+    default_arena,
     default_num_pages,
     engine_specs,
     simulate,
+    with_storage,
 )
 from flat_kvcache.simulate.report import (
     ProgressBar,
@@ -57,6 +60,7 @@ __all__ = [
     "DEFAULT_PAGE_SIZE",
     "DEFAULT_POOL_FRACTION",
     "DEFAULT_REUSE_UNCACHED_FIRST",
+    "DEFAULT_STATE_GRAIN",
     "MOONCAKE_BLOCK_TOKENS",
     "VOCAB",
     "Admission",
@@ -68,6 +72,7 @@ __all__ = [
     "SimulationResult",
     "TokenArray",
     "TraceRequest",
+    "default_arena",
     "default_num_pages",
     "default_trace",
     "engine_specs",
@@ -78,4 +83,5 @@ __all__ = [
     "simulate",
     "simulate_cluster",
     "summary_json",
+    "with_storage",
 ]

@@ -32,6 +32,7 @@ from flat_kvcache.simulate.loop import (
     default_num_pages,
     engine_options,
     engine_specs,
+    with_storage,
 )
 from flat_kvcache.simulate.report import percentiles
 from flat_kvcache.simulate.trace import TraceRequest
@@ -81,7 +82,9 @@ class _Recorded:
 
 
 def _worker_config(trace: Sequence[TraceRequest], config: SimulationConfig, workers: int) -> SimulationConfig:
-    """``config`` with ``num_pages`` set: as given, or 1/N of the single-engine default pool."""
+    """``config`` with its storage resolved (:func:`with_storage`; a default arena is 1/N of the
+    single-engine one) and ``num_pages`` set: as given, or 1/N of the single-engine default pool."""
+    config = with_storage(trace, config, workers)
     if config.arena is not None or config.num_pages is not None:
         return config
     import flat_kvcache

@@ -70,6 +70,8 @@ from flat_kvcache.config import (
     load_model_config,
     sliding_window_from_config,
 )
+from flat_kvcache.errors import ConfigError
+from flat_kvcache.families import read_model_layers
 from flat_kvcache.presets import DEFAULT_PRESET
 from flat_kvcache.simulate.report import SimulationResult, percentiles
 from flat_kvcache.simulate.trace import TokenArray, TraceRequest
@@ -81,12 +83,15 @@ __all__ = [
     "DEFAULT_PAGE_SIZE",
     "DEFAULT_POOL_FRACTION",
     "DEFAULT_REUSE_UNCACHED_FIRST",
+    "DEFAULT_STATE_GRAIN",
     "Engine",
     "EvictionOrder",
     "SimulationConfig",
+    "default_arena",
     "default_num_pages",
     "engine_specs",
     "simulate",
+    "with_storage",
 ]
 
 DEFAULT_MAX_SCHEDULED_TOKENS = 8192
@@ -186,8 +191,14 @@ def default_num_pages(
 @dataclass(frozen=True)
 class SimulationConfig:
     """Settings of one run. ``model`` is a preset name, a ``config.json`` path (or its folder) or
-    a config dict; ``num_pages`` None means :func:`default_num_pages`; ``reuse_uncached_first`` is
-    the engine option of that name (where released pages that hold no key join the free list)."""
+    a config dict; ``reuse_uncached_first`` is the engine option of that name (where released
+    pages that hold no key join the free list).
+
+    The storage (``storage``): a model with state layers runs on the SPEC 13 arena (``arena``;
+    None: :func:`default_arena`, which needs torch) unless ``storage="equalized"`` asks for
+    ``num_pages`` equal pages (the layout vLLM-style storage uses); an attention-only model runs
+    on ``num_pages`` equal pages unless ``arena`` is given or ``storage="arena"``.
+    ``num_pages`` None means :func:`default_num_pages`. :func:`with_storage` resolves it."""
 
     model: Model = DEFAULT_PRESET
     engine: Engine = "native"
@@ -209,8 +220,124 @@ class SimulationConfig:
     #: SPEC 13 storage: an ``ArenaPlan`` (``plan_arena``) the engine's pages live in, instead of
     #: ``num_pages`` equal pages (``FlatKVCache(specs, arena=...)``).
     arena: Any = None
-    #: The state groups' page size in tokens, their checkpoint grain ``G`` (None: ``page_size``).
+    #: The state groups' page size in tokens, their checkpoint grain ``G`` (None: over an arena
+    #: the least multiple of 64 and ``page_size``, else ``page_size``).
     state_page_size: int | None = None
+    #: ``"arena"``, ``"equalized"`` or None: the model's default (the class docstring).
+    storage: Literal["arena", "equalized"] | None = None
+
+
+#: The state checkpoint grain over an arena when none is given (SPEC 13: 64 tokens, where the
+#: state kernels' chunked prefill aligns; rounded up to a multiple of the page size).
+DEFAULT_STATE_GRAIN = 64
+#: The budget of the probe plan :func:`default_arena` reads the unit's size from (no memory is
+#: allocated for a plan).
+_PROBE_BYTES = 1 << 50
+
+
+def _has_state(model: Model) -> bool:
+    return read_model_layers(load_model_config(model)).state_kind is not None
+
+
+def default_arena(
+    trace: Sequence[TraceRequest],
+    model: Model,
+    page_size: int = DEFAULT_PAGE_SIZE,
+    max_running: int = DEFAULT_MAX_RUNNING,
+    fraction: float = DEFAULT_POOL_FRACTION,
+    workers: int = 1,
+) -> Any:
+    """The arena a run gets when none is given, sized as :func:`default_num_pages` sizes a pool:
+    ``fraction`` of the units the trace's first ``max_running`` requests would take at their
+    full length, all at once (a working state slot each, their attention pages packed into
+    units as the engine packs them), split over ``workers``, and at least what the largest
+    request takes alone (its prompt in every attention group before anything slides out, a
+    page less per unit where pages straddle units, a working slot and a checkpoint), plus the
+    null unit. ``flat_kvcache.plan_arena`` over the model's components (``ModelShape``'s
+    dtypes); needs torch."""
+    try:
+        from flat_kvcache.torch import ModelShape
+    except ImportError:
+        raise ValueError(
+            "a model with state layers runs on the SPEC 13 arena, whose plan needs PyTorch (the "
+            "torch extra: pip install '.[torch]'); or run it on equal pages: storage='equalized'"
+        ) from None
+    from flat_kvcache import plan_arena
+
+    cfg = load_model_config(model)
+    try:
+        components = ModelShape.from_config(cfg).components()
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+    probe = plan_arena(components, page_size, _PROBE_BYTES)
+    unit = probe.unit_bytes
+    windows = {
+        spec.group_id: spec.sliding_window
+        for spec in engine_specs(import_module("flat_kvcache"), cfg, page_size)
+    }
+    state = any(g.kind == "state" for g in probe.groups)
+    paged = [g for g in probe.groups if g.kind == "pages"]
+
+    def together(tokens: int) -> float:
+        units = 1.0 if state else 0.0
+        for group in paged:
+            pages = math.ceil(tokens / page_size)
+            window = windows[group.group_id]
+            if window is not None:
+                pages = min(pages, math.ceil((window - 1) / page_size) + 1)
+            units += pages * group.item_bytes / unit
+        return units
+
+    def alone(tokens: int) -> int:
+        fewest = [max(1, g.per_unit - 1 if g.slack_bytes else g.per_unit) for g in paged]
+        pages = math.ceil(tokens / page_size)
+        return (2 if state else 0) + sum(math.ceil(pages / k) for k in fewest)
+
+    sizes = [len(request.prompt) + request.output_len for request in trace]
+    share = math.ceil(fraction * sum(together(tokens) for tokens in sizes[:max_running]) / workers)
+    units = 1 + max(share, max((alone(tokens) for tokens in sizes), default=alone(1)))
+    return plan_arena(components, page_size, units * unit)
+
+
+def with_storage(
+    trace: Sequence[TraceRequest], config: SimulationConfig, workers: int = 1
+) -> SimulationConfig:
+    """``config`` with its storage resolved (the :class:`SimulationConfig` docstring): an arena
+    (:func:`default_arena` for ``workers`` engines when none is given) and a state grain, or
+    equal pages. A ``ValueError`` for settings that contradict each other; a
+    :class:`~flat_kvcache.errors.ConfigError` for ``num_pages`` on a model with state layers
+    without ``storage="equalized"``."""
+    if config.storage not in (None, "arena", "equalized"):
+        raise ValueError(f"storage must be 'arena', 'equalized' or None, got {config.storage!r}")
+    if config.arena is not None and config.num_pages is not None:
+        raise ValueError("num_pages must be None with arena (the arena sizes the pool)")
+    if config.storage == "equalized" and config.arena is not None:
+        raise ValueError("storage='equalized' runs on num_pages equal pages: it takes no arena")
+    if config.storage == "arena" and config.num_pages is not None:
+        raise ValueError("storage='arena' sizes the pool in units: it takes no num_pages (pass arena)")
+    storage = config.storage
+    if storage is None:
+        if config.arena is not None:
+            storage = "arena"
+        elif _has_state(config.model):
+            if config.num_pages is not None:
+                raise ConfigError(
+                    "num_pages is a pool of equal pages, and a model with state layers runs on the "
+                    "SPEC 13 arena: pass arena (or neither, for the default arena), or "
+                    "storage='equalized' for num_pages equal pages (the layout vLLM-style storage uses)"
+                )
+            storage = "arena"
+        else:
+            storage = "equalized"
+    if storage == "equalized":
+        return dataclasses.replace(config, storage="equalized")
+    arena = config.arena
+    if arena is None:
+        arena = default_arena(trace, config.model, config.page_size, config.max_running, workers=workers)
+    grain = config.state_page_size
+    if grain is None:
+        grain = math.lcm(DEFAULT_STATE_GRAIN, config.page_size)
+    return dataclasses.replace(config, storage="arena", arena=arena, state_page_size=grain)
 
 
 @dataclass
@@ -246,6 +373,7 @@ class _Loop:
         if config.tables not in ("rows", "full"):
             raise ValueError(f"tables must be 'rows' or 'full', got {config.tables!r}")
         module = _engine_module(config.engine)
+        config = with_storage(trace, config)
         self.config = config
         cfg = load_model_config(config.model)
         self.specs = engine_specs(module, cfg, config.page_size)
@@ -271,6 +399,11 @@ class _Loop:
             module.FlatKVCache(self.specs, arena=config.arena, **options)
             if config.arena is not None
             else cache_from_config(cfg, num_pages=self.num_pages, page_size=config.page_size, **options)
+            if not self.cuts_chunks
+            # Equal pages for a model with state layers were asked for (with_storage checked it).
+            else cache_from_config(
+                cfg, num_pages=self.num_pages, page_size=config.page_size, storage="equalized", **options
+            )
             if config.engine == "native" and config.state_page_size is None
             else module.FlatKVCache(self.specs, self.num_pages, **options)
         )
@@ -589,6 +722,7 @@ class _Loop:
                 }
                 for gid, spec in zip(self.group_ids, self.specs, strict=True)
             ],
+            "storage": config.storage,
             "num_pages": self.num_pages,
             "arena": None if config.arena is None else self._arena_summary(),
             "max_scheduled_tokens": config.max_scheduled_tokens,

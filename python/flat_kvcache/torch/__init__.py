@@ -22,8 +22,9 @@ Attention over the pages: :func:`paged_attention` and :func:`write_kv` are the e
 definition of the layout a kernel must match (docs/model-runner.md); ``flat_kvcache.torch.runner``
 runs a ``transformers`` model on them (needs the ``model`` extra).
 
-The SPEC 13 arena (docs/architecture.md "Hybrid storage"), the storage for state models:
-``plan_arena_memory`` plans it (an :class:`ArenaMemoryPlan`),
+The SPEC 13 arena (docs/architecture.md "Hybrid storage"), the storage for state models
+(``plan_kv_memory`` refuses a shape with state layers unless ``storage="equalized"`` asks for
+SPEC 3's equal pages): ``plan_arena_memory`` plans it (an :class:`ArenaMemoryPlan`),
 ``allocate_kv_buffers`` allocates its units as one byte buffer and :class:`ArenaBuffers` gives
 its per-layer K/V and state views (one page stride per layer); the engine allocates from the
 same plan::
@@ -31,7 +32,7 @@ same plan::
     plan = plan_arena_memory(shape, page_size=16, device="cuda", max_live_requests=256,
                              max_scheduled_tokens=8192, max_context_len=32768)
     arena = allocate_kv_buffers(plan, "cuda")            # arena.k(i)[page_id], .state(i, "ssm")[slot]
-    cache = flat_kvcache.FlatKVCache(specs, arena=plan.arena)
+    cache = flat_kvcache.cache_from_config(plan)         # FlatKVCache(specs, arena=plan.arena)
 
 A host-memory tier (``FlatKVCache(..., host_pages=N)``): :class:`HostKVBuffers` are its pages in
 CPU memory (pinned when CUDA is available), mirroring the device buffers, and

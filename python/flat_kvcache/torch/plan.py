@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
 from types import MappingProxyType
-from typing import overload
+from typing import Literal, overload
 
 import torch
 
@@ -27,7 +27,7 @@ from flat_kvcache import (
     plan_tensors,
 )
 from flat_kvcache._types import STATE_LAYER_TYPES, ArenaPlan, FlatMemoryPlan, TensorPlan
-from flat_kvcache.errors import ModelConfigError
+from flat_kvcache.errors import ConfigError, ModelConfigError
 from flat_kvcache.torch._checks import DeviceLike, as_device, as_int
 from flat_kvcache.torch.arena import ArenaBuffers, allocate_arena
 from flat_kvcache.torch.shape import ModelShape
@@ -177,8 +177,18 @@ def plan_kv_memory(
     max_live_requests: int,
     max_scheduled_tokens: int,
     max_context_len: int,
+    storage: Literal["equalized"] | None = None,
 ) -> KVMemoryPlan:
-    """Plan the KV buffers of ``shape`` for a memory budget (SPEC 3 and 11).
+    """Plan the KV buffers of ``shape`` for a memory budget (SPEC 3 and 11): one pool of equal
+    pages, each page id a row in every layer's buffer.
+
+    For a model with state layers this is not the default storage: a page must hold a whole
+    recurrent state, so it is raised to hundreds or thousands of tokens (1,056 for a
+    Qwen3.5-like model) and every page id keeps rows for every layer; the SPEC 13 arena
+    (:func:`plan_arena_memory`, the same arguments) keeps 16-token attention pages and one state
+    slot per unit instead. Such a shape is refused unless ``storage="equalized"`` asks for the
+    equal pages explicitly (the layout vLLM-style storage uses). Attention-only shapes are
+    planned either way (nothing is raised for them).
 
     The budget is ``budget_bytes`` if given, else it is read from ``device``:
     ``free - total * (1 - utilization)`` from ``torch.cuda.mem_get_info`` (call this after the
@@ -198,14 +208,30 @@ def plan_kv_memory(
     Raises
     ------
     ValueError
-        A bad argument, no budget to read, or a budget that fits fewer than two pages.
+        A bad argument (``storage`` other than None or ``"equalized"``), no budget to read, or
+        a budget that fits fewer than two pages.
+    ConfigError
+        A shape with state layers and no ``storage="equalized"`` (:func:`plan_arena_memory`
+        plans its default storage).
     ModelConfigError
         A model whose every layer keeps a state (SPEC 3's geometry cannot size it;
         :func:`plan_arena_memory` can).
     """
     if not isinstance(shape, ModelShape):
         raise TypeError(f"shape must be a ModelShape, not {type(shape).__name__}")
-    if all(label in STATE_LAYER_TYPES for label in shape.layer_types):
+    if storage is not None and storage != "equalized":
+        raise ValueError(
+            f"storage must be None or 'equalized', got {storage!r} (plan_arena_memory plans the arena)"
+        )
+    state_layers = sum(label in STATE_LAYER_TYPES for label in shape.layer_types)
+    if state_layers and storage is None:
+        raise ConfigError(
+            f"{state_layers} of the {shape.num_layers} cache layers keep a recurrent state: their "
+            "storage is the SPEC 13 arena, planned by plan_arena_memory (the same arguments); pass "
+            "storage='equalized' for SPEC 3's equal pages, each raised until it holds a state (the "
+            "layout vLLM-style storage uses)"
+        )
+    if state_layers == shape.num_layers:
         raise ModelConfigError(
             f"every one of the {shape.num_layers} cache layers keeps a recurrent state and none keeps "
             "K/V: the SPEC 3 page geometry sizes a state page in tokens of K/V, so a pure state model "
