@@ -1084,7 +1084,7 @@ def test_plan_config_reads_the_hybrid_families(
 def test_plan_memory_sizes_both_cache_layers_of_a_hybrid_layer(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, hub: dict[str, Any], class_name: str, form: str
 ) -> None:
-    """``--memory 8GiB``: a page holds K and V (bf16) of every attention cache layer, by the
+    """``--memory 8GiB --storage equalized``: a page holds K and V (bf16) of every attention cache layer, by the
     family's heads and head dim (Falcon-H1-0.5B: 2 x 64; Zamba2-1.2B: 32 x 128), and the mamba2
     state (conv in bf16, ssm in fp32) of every state cache layer: both halves of each hybrid
     layer."""
@@ -1092,7 +1092,9 @@ def test_plan_memory_sizes_both_cache_layers_of_a_hybrid_layer(
     cfg = hub if form == "hub" else _config_of(class_name, hub).to_dict()
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}), encoding="utf-8")
+    # The SPEC 3 plan (equal pages), asked for: a state model's default is the arena.
     argv = ["plan", "--json", "--config", str(path), "--memory", "8GiB", "--max-live-requests", "16"]
+    argv += ["--storage", "equalized"]
     status, out, err = run_cli(capsys, *argv)
     assert (status, err) == (0, "")
     plan = json.loads(out)

@@ -206,12 +206,207 @@ impl Iterator for Iter<'_> {
     }
 }
 
+/// Several doubly-linked lists over the node ids `1..=capacity` sharing one link array, each
+/// node on at most one of them at a time (the arena's per-group lists of free and of cached
+/// pages: a page is on one list or none). List `k`'s sentinel is node `capacity + 1 + k`.
+/// One link per node whatever the number of lists: 8 bytes a node where one [`LruList`] per
+/// list would take 8 per node per list.
+#[derive(Clone, Debug)]
+pub struct LruLists {
+    /// Links per node; the sentinels follow the nodes.
+    links: Vec<Link>,
+    /// Per list, its length.
+    lens: Vec<usize>,
+    /// Node id of list 0's sentinel (`capacity + 1`).
+    first_sentinel: u32,
+}
+
+impl LruLists {
+    /// `lists` empty lists over the nodes `1..=capacity` (`capacity + lists` must fit `u32`;
+    /// the callers' ids are at most 2^31 - 1 and their lists a few).
+    pub fn empty(capacity: u32, lists: usize) -> Result<Self, TryReserveError> {
+        let first_sentinel = capacity + 1;
+        let n = first_sentinel as usize + lists;
+        debug_assert!(
+            u32::try_from(n).is_ok(),
+            "LruLists: {lists} lists past {capacity} nodes"
+        );
+        let mut links = Vec::new();
+        links.try_reserve_exact(n)?;
+        links.resize(n, Link::default());
+        for k in 0..lists {
+            let sentinel = first_sentinel + u32::try_from(k).unwrap_or(u32::MAX);
+            links[sentinel as usize] = Link {
+                prev: sentinel,
+                next: sentinel,
+            };
+        }
+        Ok(Self {
+            links,
+            lens: vec![0; lists],
+            first_sentinel,
+        })
+    }
+
+    #[inline]
+    #[allow(
+        clippy::cast_possible_truncation,
+        reason = "list < lens.len(), whose sentinels fit u32 (built by `empty`)"
+    )]
+    fn sentinel(&self, list: usize) -> u32 {
+        self.first_sentinel + list as u32
+    }
+
+    /// Number of nodes on `list`.
+    #[inline]
+    pub fn len(&self, list: usize) -> usize {
+        self.lens[list]
+    }
+
+    /// The front node of `list`, if any.
+    #[inline]
+    pub fn front(&self, list: usize) -> Option<u32> {
+        let sentinel = self.sentinel(list);
+        let front = self.links[sentinel as usize].next;
+        (front != sentinel).then_some(front)
+    }
+
+    /// Remove `node`, which must be on `list`.
+    #[inline]
+    pub fn unlink(&mut self, list: usize, node: u32) {
+        let Link { prev, next } = self.links[node as usize];
+        self.links[prev as usize].next = next;
+        self.links[next as usize].prev = prev;
+        self.lens[list] -= 1;
+    }
+
+    /// Append `node` (on no list) at the back of `list`.
+    #[inline]
+    pub fn push_back(&mut self, list: usize, node: u32) {
+        let sentinel = self.sentinel(list);
+        let tail = self.links[sentinel as usize].prev;
+        self.links[node as usize] = Link {
+            prev: tail,
+            next: sentinel,
+        };
+        self.links[tail as usize].next = node;
+        self.links[sentinel as usize].prev = node;
+        self.lens[list] += 1;
+    }
+
+    /// Insert `node` (on no list) at the front of `list`.
+    #[inline]
+    pub fn push_front(&mut self, list: usize, node: u32) {
+        let sentinel = self.sentinel(list);
+        let head = self.links[sentinel as usize].next;
+        self.links[node as usize] = Link {
+            prev: sentinel,
+            next: head,
+        };
+        self.links[head as usize].prev = node;
+        self.links[sentinel as usize].next = node;
+        self.lens[list] += 1;
+    }
+
+    /// The nodes of `list`, front first.
+    pub fn iter(&self, list: usize) -> ListsIter<'_> {
+        let sentinel = self.sentinel(list);
+        ListsIter {
+            links: &self.links,
+            sentinel,
+            at: self.links[sentinel as usize].next,
+            left: self.lens[list],
+        }
+    }
+
+    /// Check `list`'s links and length; returns membership per node id (index 0 and the
+    /// sentinels never members) or a description of the first violation, naming it `what`.
+    pub fn check(&self, list: usize, what: &str) -> Result<Vec<bool>, String> {
+        let sentinel = self.sentinel(list);
+        let mut member = vec![false; self.first_sentinel as usize];
+        let mut seen = 0usize;
+        let mut prev = sentinel;
+        let mut at = self.links[sentinel as usize].next;
+        while at != sentinel {
+            let Some(slot) = member.get_mut(at as usize).filter(|_| at != 0) else {
+                return Err(format!("{what} links to node {at}, out of range"));
+            };
+            if seen >= self.lens[list] || *slot {
+                return Err(format!("{what} is longer than its length {}", self.lens[list]));
+            }
+            *slot = true;
+            if self.links[at as usize].prev != prev {
+                return Err(format!("{what} link of node {at} is broken"));
+            }
+            prev = at;
+            at = self.links[at as usize].next;
+            seen += 1;
+        }
+        if seen != self.lens[list] || self.links[sentinel as usize].prev != prev {
+            return Err(format!(
+                "{what} holds {seen} nodes but its length is {}",
+                self.lens[list]
+            ));
+        }
+        Ok(member)
+    }
+}
+
+/// Iterator over one list of an [`LruLists`], front first.
+pub struct ListsIter<'a> {
+    links: &'a [Link],
+    sentinel: u32,
+    at: u32,
+    left: usize,
+}
+
+impl Iterator for ListsIter<'_> {
+    type Item = u32;
+
+    #[inline]
+    fn next(&mut self) -> Option<u32> {
+        if self.at == self.sentinel || self.left == 0 {
+            return None;
+        }
+        let node = self.at;
+        self.at = self.links[node as usize].next;
+        self.left -= 1;
+        Some(node)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn order(list: &LruList) -> Vec<u32> {
         list.iter().collect()
+    }
+
+    #[test]
+    fn lists_share_links_and_keep_their_orders() {
+        let mut lists = LruLists::empty(6, 3).unwrap();
+        lists.push_back(0, 3);
+        lists.push_back(1, 1);
+        lists.push_front(0, 5);
+        lists.push_back(2, 6);
+        lists.push_back(1, 2);
+        let all = |l: &LruLists| (0..3).map(|k| l.iter(k).collect::<Vec<_>>()).collect::<Vec<_>>();
+        assert_eq!(all(&lists), vec![vec![5, 3], vec![1, 2], vec![6]]);
+        assert_eq!((lists.front(0), lists.front(1), lists.len(2)), (Some(5), Some(1), 1));
+        // A node moves from one list to another.
+        lists.unlink(0, 3);
+        lists.push_front(1, 3);
+        lists.unlink(2, 6);
+        assert_eq!(all(&lists), vec![vec![5], vec![3, 1, 2], vec![]]);
+        assert_eq!(lists.front(2), None);
+        assert_eq!(
+            lists.check(1, "l").unwrap(),
+            vec![false, true, true, true, false, false, false]
+        );
+        for k in 0..3 {
+            lists.check(k, "l").unwrap();
+        }
     }
 
     #[test]

@@ -34,11 +34,23 @@
 //! units); whether an allocation fits is decided exactly by [`Arena::units_suffice`], which
 //! walks the units the greedy taking would bind when the `kmin` count alone cannot tell.
 
-use crate::engine::lru::LruList;
+use crate::engine::lru::{LruList, LruLists};
 use crate::error::{CoreError, CoreResult};
 
 /// A unit bound to no group.
 pub(super) const UNBOUND: u32 = u32::MAX;
+
+/// The list of group `g`'s free pages that hold no key, in [`Arena::pages`].
+#[inline]
+pub(super) const fn fresh_list(g: usize) -> usize {
+    2 * g
+}
+
+/// The list of group `g`'s free pages that hold a key, in [`Arena::pages`].
+#[inline]
+pub(super) const fn cached_list(g: usize) -> usize {
+    2 * g + 1
+}
 
 /// Largest credit scale `L` (the lcm of the groups' fewest pages per unit).
 const MAX_SCALE: u64 = 1 << 24;
@@ -205,15 +217,14 @@ pub(super) struct Arena {
     pub(super) cached: Vec<u32>,
     pub(super) free_units: LruList,
     pub(super) idle_units: LruList,
-    /// Per group, the free pages of its busy units that hold no key (pool ids as nodes).
-    pub(super) free_pages: Vec<LruList>,
-    /// Per group, the free pages of its busy units that hold a key, least recently released
-    /// first.
-    pub(super) cached_pages: Vec<LruList>,
-    /// The clock of `stamp` and `unit_stamp`: one tick per page joining `cached_pages` or unit
+    /// The page lists, pool ids as nodes, two per group sharing one link per id (a page is on
+    /// one or none): list [`fresh_list`] `g`, group `g`'s free pages of its busy units that hold no
+    /// key; list [`cached_list`] `g`, those that hold one, least recently released first.
+    pub(super) pages: LruLists,
+    /// The clock of `stamp` and `unit_stamp`: one tick per page joining a cached list or unit
     /// joining `idle_units`.
     pub(super) clock: u64,
-    /// Per pool id, when it joined its group's `cached_pages` (meaningful while it is there).
+    /// Per pool id, when it joined its group's cached list (meaningful while it is there).
     pub(super) stamp: Vec<u64>,
     /// Per unit, when it joined `idle_units` (meaningful while it is there).
     pub(super) unit_stamp: Vec<u64>,
@@ -277,13 +288,9 @@ impl Arena {
         let n = usize::try_from(total).map_err(|_| CoreError::overflow("arena"))?;
         let (unit_of, group_of) = id_tables(unit_bytes, page_bytes, &base, &num_ids, n)?;
         let last_id = u32::try_from(total - 1).unwrap_or(u32::MAX);
-        let list = |cap: u32| LruList::empty(cap).map_err(|_| CoreError::OutOfMemory("arena lists".to_owned()));
-        let mut free_pages = Vec::with_capacity(page_bytes.len());
-        let mut cached_pages = Vec::with_capacity(page_bytes.len());
-        for _ in page_bytes {
-            free_pages.push(list(last_id)?);
-            cached_pages.push(list(last_id)?);
-        }
+        let oom = |_| CoreError::OutOfMemory("arena lists".to_owned());
+        let list = |cap: u32| LruList::empty(cap).map_err(oom);
+        let pages = LruLists::empty(last_id, 2 * page_bytes.len()).map_err(oom)?;
         let arena = Self {
             unit_bytes,
             page_bytes: page_bytes.clone(),
@@ -299,8 +306,7 @@ impl Arena {
             cached: vec![0; units as usize],
             free_units: LruList::filled(units - 1).map_err(|_| CoreError::OutOfMemory("arena lists".to_owned()))?,
             idle_units: list(units - 1)?,
-            free_pages,
-            cached_pages,
+            pages,
             clock: 0,
             stamp: vec![0; n],
             unit_stamp: vec![0; units as usize],
@@ -359,8 +365,9 @@ impl Arena {
                 };
                 short = short.saturating_sub(self.ids_of_unit(g, u).len() as u64);
             }
-            let mut cached = self.cached_pages[g]
-                .iter()
+            let mut cached = self
+                .pages
+                .iter(cached_list(g))
                 .filter(|p| claim.taken_cached.binary_search(p).is_err())
                 .peekable();
             let mut added = claim.added.get(g).map_or(0, |a| a.1);
@@ -391,7 +398,10 @@ impl Arena {
 
     /// The listed pages of group `g`: (without a key, with one).
     pub(super) fn listed(&self, g: usize) -> (u64, u64) {
-        (self.free_pages[g].len() as u64, self.cached_pages[g].len() as u64)
+        (
+            self.pages.len(fresh_list(g)) as u64,
+            self.pages.len(cached_list(g)) as u64,
+        )
     }
 
     /// Units that can be bound now: free plus idle.
@@ -438,20 +448,20 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
     /// a key, a free unit, a cached page, an idle unit, in this order (module doc).
     fn arena_take(&mut self, g: usize) -> u32 {
         let a = self.arena_mut();
-        let page = if let Some(page) = a.free_pages[g].front() {
-            a.free_pages[g].unlink(page);
+        let page = if let Some(page) = a.pages.front(fresh_list(g)) {
+            a.pages.unlink(fresh_list(g), page);
             page
         } else if let Some(u) = a.free_units.pop_front() {
             self.arena_take_from_new_unit(u, g)
         } else {
-            let page_first = match (a.cached_pages[g].front(), a.idle_units.front()) {
+            let page_first = match (a.pages.front(cached_list(g)), a.idle_units.front()) {
                 (Some(p), Some(u)) => a.stamp[p as usize] <= a.unit_stamp[u as usize],
                 (Some(_), None) => true,
                 (None, _) => false,
             };
             if page_first {
-                let page = a.cached_pages[g].front().expect("checked above");
-                a.cached_pages[g].unlink(page);
+                let page = a.pages.front(cached_list(g)).expect("checked above");
+                a.pages.unlink(cached_list(g), page);
                 page
             } else {
                 let u = a.idle_units.pop_front().expect("a unit checked to be available");
@@ -472,9 +482,9 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
     /// Bind unbound unit `u` to group `g` and take its first page off the list.
     fn arena_take_from_new_unit(&mut self, u: u32, g: usize) -> u32 {
         self.arena_bind(u, g);
-        let list = &mut self.arena_mut().free_pages[g];
-        let page = list.front().expect("a bound unit holds a page");
-        list.unlink(page);
+        let pages = &mut self.arena_mut().pages;
+        let page = pages.front(fresh_list(g)).expect("a bound unit holds a page");
+        pages.unlink(fresh_list(g), page);
         page
     }
 
@@ -490,13 +500,13 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
         a.class[u as usize] = UNBOUND;
     }
 
-    /// Bind free unit `u` to group `g`: its pages join the front of `free_pages[g]`, lowest
+    /// Bind free unit `u` to group `g`: its pages join the front of list `fresh_list(g)`, lowest
     /// id first.
     fn arena_bind(&mut self, u: u32, g: usize) {
         let a = self.arena_mut();
         a.class[u as usize] = u32::try_from(g).unwrap_or(UNBOUND);
         for page in a.ids_of_unit(g, u).rev() {
-            a.free_pages[g].push_front(page);
+            a.pages.push_front(fresh_list(g), page);
         }
     }
 
@@ -513,20 +523,20 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
             a.idle_units.unlink(u);
             for p in ids.clone().rev() {
                 if p != page && keys[p as usize].is_none() {
-                    a.free_pages[g].push_front(p);
+                    a.pages.push_front(fresh_list(g), p);
                 }
             }
             for p in ids {
                 if p != page && keys[p as usize].is_some() {
                     a.clock += 1;
                     a.stamp[p as usize] = a.clock;
-                    a.cached_pages[g].push_back(p);
+                    a.pages.push_back(cached_list(g), p);
                 }
             }
         } else if self.keys[page as usize].is_some() {
-            self.arena_mut().cached_pages[g].unlink(page);
+            self.arena_mut().pages.unlink(cached_list(g), page);
         } else {
-            self.arena_mut().free_pages[g].unlink(page);
+            self.arena_mut().pages.unlink(fresh_list(g), page);
         }
         self.arena_mut().live[u as usize] += 1;
     }
@@ -542,9 +552,9 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
             if cached {
                 a.clock += 1;
                 a.stamp[page as usize] = a.clock;
-                a.cached_pages[g].push_back(page);
+                a.pages.push_back(cached_list(g), page);
             } else {
-                a.free_pages[g].push_front(page);
+                a.pages.push_front(fresh_list(g), page);
             }
             return;
         }
@@ -553,9 +563,9 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
         for p in a.ids_of_unit(g, u) {
             if p != page {
                 if keys[p as usize].is_some() {
-                    a.cached_pages[g].unlink(p);
+                    a.pages.unlink(cached_list(g), p);
                 } else {
-                    a.free_pages[g].unlink(p);
+                    a.pages.unlink(fresh_list(g), p);
                 }
             }
         }
@@ -578,10 +588,10 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
         a.cached[u as usize] += 1;
         if free && a.live[u as usize] > 0 {
             let g = a.class[u as usize] as usize;
-            a.free_pages[g].unlink(page);
+            a.pages.unlink(fresh_list(g), page);
             a.clock += 1;
             a.stamp[page as usize] = a.clock;
-            a.cached_pages[g].push_back(page);
+            a.pages.push_back(cached_list(g), page);
         }
     }
 
@@ -594,8 +604,8 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
         a.cached[u as usize] -= 1;
         if a.live[u as usize] > 0 {
             let g = a.class[u as usize] as usize;
-            a.cached_pages[g].unlink(page);
-            a.free_pages[g].push_back(page);
+            a.pages.unlink(cached_list(g), page);
+            a.pages.push_back(fresh_list(g), page);
         }
         if a.cached[u as usize] == 0 && a.live[u as usize] == 0 && a.class[u as usize] != UNBOUND {
             a.idle_units.unlink(u);
@@ -608,7 +618,8 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
     /// then the idle units least recently idle first, ids ascending); arena mode.
     pub(super) fn arena_cached_free(&self) -> Vec<u32> {
         let a = self.arena.as_deref().expect("arena mode");
-        let mut pages: Vec<u32> = a.cached_pages.iter().flat_map(LruList::iter).collect();
+        let groups = a.page_bytes.len();
+        let mut pages: Vec<u32> = (0..groups).flat_map(|g| a.pages.iter(cached_list(g))).collect();
         for u in &a.idle_units {
             let g = a.class[u as usize] as usize;
             pages.extend(a.ids_of_unit(g, u).filter(|&p| self.keys[p as usize].is_some()));
@@ -622,9 +633,9 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
         let free_units = a.free_units.check("free units")?;
         let idle_units = a.idle_units.check("idle units")?;
         let (mut listed, mut listed_cached) = (Vec::new(), Vec::new());
-        for (g, (fresh, cached)) in a.free_pages.iter().zip(&a.cached_pages).enumerate() {
-            listed.push(fresh.check(&format!("free pages of group {g}"))?);
-            listed_cached.push(cached.check(&format!("cached pages of group {g}"))?);
+        for g in 0..a.page_bytes.len() {
+            listed.push(a.pages.check(fresh_list(g), &format!("free pages of group {g}"))?);
+            listed_cached.push(a.pages.check(cached_list(g), &format!("cached pages of group {g}"))?);
         }
         for u in 1..a.class.len() {
             let u32_ = u32::try_from(u).unwrap_or(u32::MAX);

@@ -192,7 +192,9 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
     pub fn with_arena(geometry: &ArenaGeometry, enable_caching: bool) -> CoreResult<Self> {
         let (arena, n) = Arena::new(geometry)?;
         let mut pool = Self::new(n as u64, enable_caching)?;
-        pool.free = LruList::empty(page_u32(n - 1)).map_err(|_| out_of_memory(n))?;
+        // Arena mode lists its pages per group; the plain free list stays empty and holds no
+        // links (8 bytes a page id saved).
+        pool.free = LruList::empty(0).map_err(|_| out_of_memory(n))?;
         pool.arena = Some(Box::new(arena));
         Ok(pool)
     }
@@ -256,7 +258,7 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
             .collect();
         free.sort_unstable();
         free.dedup();
-        let groups = arena.free_pages.len();
+        let groups = arena.page_bytes.len();
         let mut effect = ClaimEffect {
             taken: vec![(0, 0); groups],
             added: vec![(0, 0); groups],
@@ -321,15 +323,15 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
     /// The arena's occupancy (arena mode only).
     pub fn arena_stats(&self) -> Option<ArenaStats> {
         let a = self.arena.as_deref()?;
-        let groups = a.free_pages.len();
+        let groups = a.page_bytes.len();
         let mut units_bound = vec![0usize; groups];
         for &class in &a.class[1..] {
             if let Some(n) = units_bound.get_mut(class as usize) {
                 *n += 1;
             }
         }
-        let pages_free: Vec<usize> = a.free_pages.iter().map(LruList::len).collect();
-        let pages_cached: Vec<usize> = a.cached_pages.iter().map(LruList::len).collect();
+        let pages_free: Vec<usize> = (0..groups).map(|g| a.pages.len(arena::fresh_list(g))).collect();
+        let pages_cached: Vec<usize> = (0..groups).map(|g| a.pages.len(arena::cached_list(g))).collect();
         let bytes = |pages: &[usize]| {
             pages
                 .iter()
