@@ -1084,8 +1084,8 @@ def test_plan_config_reads_the_hybrid_families(
 def test_plan_memory_sizes_both_cache_layers_of_a_hybrid_layer(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, hub: dict[str, Any], class_name: str, form: str
 ) -> None:
-    """``--memory 8GiB --storage equalized``: a page holds K and V (bf16) of every attention cache layer, by the
-    family's heads and head dim (Falcon-H1-0.5B: 2 x 64; Zamba2-1.2B: 32 x 128), and the mamba2
+    """``--memory 8GiB --storage equalized``: a page holds K and V (bf16) of every attention cache
+    layer, by the family's heads and head dim (Falcon-H1-0.5B: 2 x 64; Zamba2-1.2B: 32 x 128), and the mamba2
     state (conv in bf16, ssm in fp32) of every state cache layer: both halves of each hybrid
     layer."""
     need("torch")

@@ -184,7 +184,7 @@ def test_chunked_layers_plan_kv_per_token_and_a_chunked_window_group() -> None:
         ("chunked_attention", "kv", kv, 0),
         ("full_attention", "kv", kv, 0),
     ]
-    limits = {"max_live_requests": 4, "max_scheduled_tokens": 32, "max_context_len": 1024}
+    limits: dict[str, Any] = {"max_live_requests": 4, "max_scheduled_tokens": 32, "max_context_len": 1024}
     got = plan_kv_memory(shape, page_size=16, budget_bytes=1 << 24, **limits)
     assert got.bytes_per_page == 4 * kv * 16  # per-layer K/V (3 + 1 layers: no slabs)
     assert [t.name for t in got.tensors] == [f"layer{i}.{r}" for i in range(4) for r in "kv"]
