@@ -253,3 +253,32 @@ def test_cache_from_config_refuses_an_arena_planned_for_another_page_size() -> N
         flat_kvcache.cache_from_config("qwen3.5-like", arena=plan, page_size=7)
     built = flat_kvcache.cache_from_config("qwen3.5-like", arena=plan, page_size=16)
     assert built.arena_stats() is not None
+
+
+# --- what docs/engine-api.md says of both engines ----------------------------------------------
+
+
+@pytest.mark.parametrize("api", BOTH)
+def test_a_state_group_is_sparse_over_equal_pages_too(api: ModuleType) -> None:
+    """SPEC 13.4 in a plain ``num_pages`` cache: an acquire puts a page only in the last slot it
+    adds (not one per slot, as section 6's allocation would), and the working page moves to
+    the new last slot rather than a second page being taken."""
+    cache = api.PageCache([api.KVCacheSpec("state", 4)], 32)
+    assert cache.pages_needed(16) == 1
+    assert cache.acquire("a", 16)
+    (table,) = cache.page_ids("a")
+    assert list(table[:3]) == [0, 0, 0] and table[3] != 0
+    page = table[3]
+    assert cache.acquire("a", 3)
+    assert [list(t) for t in cache.page_ids("a")] == [[0, 0, 0, 0, page]]
+    assert cache.stats()["pages_in_use"] == 1  # one working page, not one per slot
+
+
+def test_only_the_native_classes_share_a_base() -> None:
+    """docs/engine-api.md: the native classes derive from ``_PagedCacheBase``; the reference
+    composes each of mixins and has no such base."""
+    native = flat_kvcache._native._PagedCacheBase
+    assert issubclass(flat_kvcache.PageCache, native) and issubclass(flat_kvcache.FlatKVCache, native)
+    assert not hasattr(flat_kvcache.reference, "_PagedCacheBase")
+    shared = set(flat_kvcache.reference.PageCache.__mro__) & set(flat_kvcache.reference.FlatKVCache.__mro__)
+    assert all(cls is object or cls.__module__.startswith("flat_kvcache.reference") for cls in shared)
