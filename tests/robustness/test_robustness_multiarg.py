@@ -83,6 +83,8 @@ class Method:
     page_level: bool = False
     #: Also give three arguments a bad value each (a few calls: their cost grows fast).
     triples: bool = False
+    #: Run on ``busy_arena_cache`` (a cache over an arena, with a state group).
+    arena: bool = False
     #: Pairs of bad labels (``"param=label"``) not combined: their errors depend on each other
     #: in a way the stages do not describe (documented where they are listed).
     skip: frozenset[frozenset[str]] = field(default_factory=frozenset)
@@ -653,6 +655,39 @@ METHODS: tuple[Method, ...] = (
         lambda _api, c, args, kwargs: c.block_tables(*args, **kwargs),
         page_level=True,
     ),
+    # --- over an arena (docs/requests-api.md: next_chunk, state_slots) ---
+    Method(
+        "arena.next_chunk",
+        (
+            Param("slot", _const(SLOT_A), slot_bads("next_chunk")),
+            Param("max_tokens", _const(5), count_bads("max_tokens")),
+        ),
+        lambda _api, c, args, kwargs: c.next_chunk(*args, **kwargs),
+        arena=True,
+    ),
+    Method(
+        "state_slots",
+        (
+            Param("slots", _const([SLOT_A]), slots_bads("state_slots")),
+            Param(
+                "num_new_tokens",
+                _const([8]),
+                (
+                    *counts_bads("num_new_tokens", "num_new_tokens has 2 entries but slots has 1"),
+                    Bad(
+                        "[3]",
+                        _const([3]),
+                        STATE,
+                        ValueError,
+                        "state_slots: num_new_tokens 3 is not what the last schedule of request 'a' (slot 0) "
+                        "gave it (its last gave 8)",
+                    ),
+                ),
+            ),
+        ),
+        lambda _api, c, args, kwargs: c.state_slots(*args, **kwargs),
+        arena=True,
+    ),
     # --- constructors ---
     _constructor("FlatKVCache"),
     _constructor("PageCache"),
@@ -858,7 +893,7 @@ def problem(combo: Combo) -> str | None:
             return combo.call(api, cache)
 
         try:
-            got.append(refusal(api, call, page_level=combo.method.page_level))
+            got.append(refusal(api, call, page_level=combo.method.page_level, arena=combo.method.arena))
         except AssertionError as exc:
             return f"{api.__name__}: {exc}"
     native, reference = got
@@ -913,7 +948,7 @@ def test_the_sweep_covers_every_call_of_two_or_more_arguments() -> None:
         "claim", "acquire", "register", "reclaim", "pages_reclaimable", "prefill_first_chunk",
         "prefill_chunk", "decode_step", "PageCache.pages_needed", "PageCache.block_tables",
         "FlatKVCache", "PageCache", "hash_page", "hash_pages", "group_key", "fold_hashes",
-        "BlockPool", "BlockPool.cache", "PrefixMatch",
+        "BlockPool", "BlockPool.cache", "PrefixMatch", "arena.next_chunk", "state_slots",
     }  # fmt: skip
     assert wanted <= names
     assert sum(len(combos(m)) for m in METHODS) >= 1000
