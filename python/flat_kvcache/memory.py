@@ -348,6 +348,8 @@ def plan_arena(
         A size does not fit an unsigned 64-bit integer.
     """
     try:
+        if isinstance(components, (str, bytes, bytearray, memoryview)):
+            raise TypeError("text is no sequence of components")
         comps = list(components)
     except TypeError:
         # Not iterable: the native call names it, after the arguments the contract checks first.

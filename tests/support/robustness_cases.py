@@ -72,6 +72,52 @@ def busy_page_cache(api: ModuleType) -> Any:
     return cache
 
 
+#: The groups of :func:`busy_arena_cache`: full attention P = 4 and a state group G = 8.
+ARENA_GROUPS = ("full", "lin")
+
+
+def arena_components(api: ModuleType) -> list[Any]:
+    """The components of :func:`busy_arena_cache`'s model: a K/V layer of 64 bytes per token
+    (group ``"full"``) and a 1 KiB state (group ``"lin"``)."""
+    return [
+        api.ComponentSpec("full", 0, "kv", bytes_per_slot=64, const_bytes=0),
+        api.ComponentSpec("lin", 1, "ssm", bytes_per_slot=0, const_bytes=1024),
+    ]
+
+
+def arena_specs(api: ModuleType) -> list[Any]:
+    """The engine specs of :func:`busy_arena_cache`."""
+    return [api.KVCacheSpec("full", 4, group_id="full"), api.KVCacheSpec("state", 8, group_id="lin")]
+
+
+def arena_plan(api: ModuleType) -> Any:
+    """The arena plan of :func:`busy_arena_cache`: 64 units of 1 KiB (one state slot, or 4
+    pages of 4 tokens)."""
+    return api.plan_arena(arena_components(api), 4, 64 * 1024)
+
+
+def busy_arena_cache(api: ModuleType) -> Any:
+    """A token-level cache over an arena (docs/sizing-api.md "Arena plan"), with events on and
+    two live requests: ``"a"`` in slot 0 (10-token prompt, its first chunk of 8 tokens, cut on
+    the state grain, scheduled: ``state_slots([0], [8])`` answers) and ``7`` in slot 1 (6-token
+    prompt, nothing scheduled)."""
+    cache = api.FlatKVCache(arena_specs(api), arena=arena_plan(api), enable_kv_events=True)
+    assert tuple(cache.add_request("a", list(range(10)))) == (SLOT_A, 0)
+    assert cache.next_chunk(SLOT_A, 100) == 8
+    assert cache.schedule([SLOT_A], [8]).tolist() == [True]
+    assert tuple(cache.add_request(7, list(range(100, 106)))) == (SLOT_7, 0)
+    cache.take_events()
+    return cache
+
+
+def busy(api: ModuleType, *, page_level: bool = False, arena: bool = False) -> Any:
+    """:func:`busy_arena_cache` when ``arena``, :func:`busy_page_cache` when ``page_level``, else
+    :func:`busy_cache`."""
+    if arena:
+        return busy_arena_cache(api)
+    return busy_page_cache(api) if page_level else busy_cache(api)
+
+
 def held_slots(cache: Any) -> dict[int, object]:
     """``{slot: id}`` for every slot of :data:`PROBED_SLOTS` that holds a request."""
     held: dict[int, object] = {}
@@ -120,10 +166,13 @@ class Refusal:
     message: str
 
 
-def refusal(api: ModuleType, call: Call, setup: Call | None = None, *, page_level: bool = False) -> Refusal:
+def refusal(
+    api: ModuleType, call: Call, setup: Call | None = None, *, page_level: bool = False, arena: bool = False
+) -> Refusal:
     """Run ``call`` on a fresh :func:`busy_cache` of ``api`` (:func:`busy_page_cache` when
-    ``page_level``), after ``setup`` when given; it must raise, and change nothing."""
-    cache = busy_page_cache(api) if page_level else busy_cache(api)
+    ``page_level``, :func:`busy_arena_cache` when ``arena``), after ``setup`` when given; it
+    must raise, and change nothing."""
+    cache = busy(api, page_level=page_level, arena=arena)
     if setup is not None:
         setup(cache)
         cache.take_events()

@@ -121,12 +121,15 @@ def _component_items(components: Iterable[ComponentSpec], str_ids: bool = False)
     """The items of ``components``, each a :class:`ComponentSpec` (TypeError naming
     ``components[k]``); with ``str_ids`` (the arena plan, whose groups are the cache's), its
     ``group_id`` and ``component`` a str UTF-8 can encode (``UnicodeEncodeError`` otherwise)."""
+    not_a_sequence = TypeError(
+        f"components must be a sequence of ComponentSpec, got {type(components).__name__}"
+    )
+    if isinstance(components, (str, bytes, bytearray, memoryview)):
+        raise not_a_sequence
     try:
         items = list(components)
     except TypeError:
-        raise TypeError(
-            f"components must be a sequence of ComponentSpec, got {type(components).__name__}"
-        ) from None
+        raise not_a_sequence from None
     for k, comp in enumerate(items):
         if not isinstance(comp, ComponentSpec):
             raise TypeError(f"components[{k}] must be a ComponentSpec, got {type(comp).__name__}")

@@ -2,7 +2,7 @@
 //! token sequences, page ids, hex hashes, extra keys, request ids, group specs and the
 //! eviction order. Every error names the argument (and index) it is about.
 
-use flat_kvcache_core::engine::coordinator::GroupSpec;
+use flat_kvcache_core::engine::coordinator::{Coordinator, GroupSpec};
 use flat_kvcache_core::engine::group::EvictionOrder;
 use flat_kvcache_core::engine::group::{GroupKind, KindError};
 use flat_kvcache_core::engine::hash::{parse_hash_lower, parse_hex, ContentHash};
@@ -19,6 +19,7 @@ use pyo3::types::{PyBool, PyInt, PyList, PyString, PyTuple, PyType};
 use crate::convert::{
     batch_iter, clip, cpu_tensor_numpy, is_masked, masked_error, non_negative, signed, type_name, IntArg,
 };
+use crate::errors::core;
 use crate::npscalar::Scalars;
 
 // ----- counts, tokens and page ids ------------------------------------------------------------
@@ -451,16 +452,19 @@ fn shown_text(text: &Bound<'_, PyString>) -> PyResult<String> {
 }
 
 /// Extra keys: a sequence of `str` (text, bytes or a non-iterable is a `TypeError`), kept as
-/// UTF-8 strings.
-#[derive(Debug, Default)]
-pub struct ExtraKeys(pub Vec<String>);
+/// passed and read by [`ExtraKeys::keys`] after the arguments before it (the checking order of
+/// docs/engine-api.md).
+#[derive(Default)]
+pub struct ExtraKeys<'py>(Option<Bound<'py, PyAny>>);
 
-impl<'a, 'py> FromPyObject<'a, 'py> for ExtraKeys {
-    type Error = PyErr;
-
-    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+impl ExtraKeys<'_> {
+    /// The keys as UTF-8 strings (none when the argument was left out).
+    pub fn keys(&self) -> PyResult<Vec<String>> {
+        let Some(obj) = &self.0 else {
+            return Ok(Vec::new());
+        };
         let mut keys = Vec::new();
-        for (i, item) in batch_iter(&obj, "extra_keys", "str")?.enumerate() {
+        for (i, item) in batch_iter(obj, "extra_keys", "str")?.enumerate() {
             let item = item?;
             let Ok(s) = item.cast::<PyString>() else {
                 return Err(PyTypeError::new_err(format!(
@@ -470,7 +474,15 @@ impl<'a, 'py> FromPyObject<'a, 'py> for ExtraKeys {
             };
             keys.push(s.to_str()?.to_owned());
         }
-        Ok(Self(keys))
+        Ok(keys)
+    }
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for ExtraKeys<'py> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        Ok(Self(Some(obj.to_owned())))
     }
 }
 
@@ -549,6 +561,9 @@ impl<'a, 'py> FromPyObject<'a, 'py> for RequestId<'py> {
     #[inline]
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
         if let Ok(s) = obj.cast::<PyString>() {
+            // Text UTF-8 cannot encode is refused here, with the id's type, before the
+            // arguments after it (the UTF-8 form is cached, so `id` reads it again for free).
+            s.to_str()?;
             return Ok(Self::Str(s.to_owned()));
         }
         if obj.is_exact_instance_of::<PyInt>() {
@@ -624,6 +639,9 @@ impl<'a, 'py> FromPyObject<'a, 'py> for GroupSpecs {
         for (i, spec) in batch_iter(&obj, "specs", "KVCacheSpec")?.enumerate() {
             groups.push(group_spec(i, &spec?)?);
         }
+        // What the specs say together (at least one, distinct ids, chunks on page sizes, an
+        // lcm that fits u64) is part of their form: checked before the arguments after them.
+        core(Coordinator::check_specs(&groups))?;
         Ok(Self(groups))
     }
 }
@@ -732,28 +750,30 @@ pub fn named_choice<T>(
     })
 }
 
-/// The `eviction_order` argument: `"hybrid"` or `"group"`; anything else is a `ValueError`.
-#[derive(Clone, Copy)]
-pub struct EvictionArg(pub EvictionOrder);
-
-impl<'a, 'py> FromPyObject<'a, 'py> for EvictionArg {
-    type Error = PyErr;
-
-    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        named_choice(obj, "eviction_order", "'hybrid' or 'group'", EvictionOrder::from_name).map(Self)
-    }
+/// The `eviction_order` argument (kept as passed): `"hybrid"` (left out) or `"group"`;
+/// anything else is a `ValueError`.
+pub fn eviction_order(arg: &Passed<'_>) -> PyResult<EvictionOrder> {
+    arg.0.as_ref().map_or(Ok(EvictionOrder::Hybrid), |obj| {
+        named_choice(
+            obj.as_borrowed(),
+            "eviction_order",
+            "'hybrid' or 'group'",
+            EvictionOrder::from_name,
+        )
+    })
 }
 
-/// The `eviction_policy` argument: `"lru"` or `"reuse"`; anything else is a `ValueError`.
-#[derive(Clone, Copy)]
-pub struct PolicyArg(pub EvictionPolicy);
-
-impl<'a, 'py> FromPyObject<'a, 'py> for PolicyArg {
-    type Error = PyErr;
-
-    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        named_choice(obj, "eviction_policy", "'lru' or 'reuse'", EvictionPolicy::from_name).map(Self)
-    }
+/// The `eviction_policy` argument (kept as passed): `"lru"` (left out) or `"reuse"`; anything
+/// else is a `ValueError`.
+pub fn eviction_policy(arg: &Passed<'_>) -> PyResult<EvictionPolicy> {
+    arg.0.as_ref().map_or(Ok(EvictionPolicy::Lru), |obj| {
+        named_choice(
+            obj.as_borrowed(),
+            "eviction_policy",
+            "'lru' or 'reuse'",
+            EvictionPolicy::from_name,
+        )
+    })
 }
 
 /// `flat_kvcache.ArenaPlan`, `ArenaGroup` and `ArenaComponent`, imported on first use.

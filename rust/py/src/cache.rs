@@ -16,7 +16,7 @@
 use std::sync::Mutex;
 
 use flat_kvcache_core::engine::coordinator::GroupSpec;
-use flat_kvcache_core::engine::group::EvictionOrder;
+use flat_kvcache_core::engine::host::HostStore;
 use flat_kvcache_core::engine::ids::RequestIdRef;
 use flat_kvcache_core::engine::policy::EvictionPolicy;
 use flat_kvcache_core::engine::pool::{DEFAULT_REUSE_UNCACHED_FIRST, MAX_BLOCKS};
@@ -31,16 +31,15 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::args::{
-    arena_geometry, count, counts, id_to_py, tokens, CountParam, EvictionArg, ExtraKeys, FlagParam, GroupSpecs,
-    PolicyArg, RequestId,
+    arena_geometry, count, counts, eviction_order as eviction_order_arg, eviction_policy as eviction_policy_arg,
+    id_to_py, tokens, CountParam, ExtraKeys, FlagParam, GroupSpecs, Passed, RequestId,
 };
 use crate::convert::{clip, is_masked, signed, IntArg};
 use crate::errors::{core, lock};
 use crate::events::events_to_py;
-use crate::host::{host_pages_count, transfer_ids, transfers_to_py, HostPagesArg, HostStoreArg};
+use crate::host::{host_pages_count, host_store as host_store_arg, transfer_ids, transfers_to_py, HostPagesArg};
 use crate::rows::{as_outs, check_bind, copy_deltas, deltas_to_py, no_deltas, BoundBuffers};
 use crate::tables::{borrow_out, table_outs};
-use flat_kvcache_core::engine::host::HostStore;
 
 /// The read and write slot arrays of `state_slots`.
 type SlotArrays<'py> = (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>);
@@ -106,63 +105,54 @@ impl PyPagedCache {
         specs: GroupSpecs,
         num_pages: Option<&Bound<'_, PyAny>>,
         enable_caching: FlagParam<'_>,
-        eviction_order: EvictionArg,
+        eviction_order: Passed<'_>,
         enable_kv_events: FlagParam<'_>,
         reuse_uncached_first: FlagParam<'_>,
         host_pages: Option<&Bound<'_, PyAny>>,
-        host_store: HostStoreArg,
+        host_store: Passed<'_>,
+        eviction_policy: Option<&Passed<'_>>,
         arena: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let options = |host_pages: u64| -> PyResult<CacheOptions> {
-            Ok(CacheOptions {
-                enable_caching: enable_caching.or(true, "enable_caching")?,
-                eviction_order: eviction_order.0,
-                enable_kv_events: enable_kv_events.or(false, "enable_kv_events")?,
-                reuse_uncached_first: reuse_uncached_first.or(DEFAULT_REUSE_UNCACHED_FIRST, "reuse_uncached_first")?,
-                host_pages,
-                host_store: host_store.0,
-                eviction_policy: EvictionPolicy::Lru,
-            })
-        };
+        // docs/engine-api.md, "The checking order": each argument's form in signature order
+        // (`specs` was read by its extraction, `arena=` is read against the specs below),
+        // then what they say together.
         let arena = arena.filter(|a| !a.is_none());
-        let num_pages = match (num_pages.filter(|n| !n.is_none()), arena) {
-            (Some(n), None) => n,
-            (Some(n), Some(_)) => {
-                return Err(PyValueError::new_err(format!(
-                    "num_pages must be None with arena= (the arena sizes the pool), got {}",
-                    n.repr()?
-                )))
-            }
-            (None, None) => return Err(PyTypeError::new_err(
+        let num_pages = num_pages.filter(|n| !n.is_none());
+        let pool_size = num_pages.map(pool_size).transpose()?;
+        let mut options = CacheOptions {
+            enable_caching: enable_caching.or(true, "enable_caching")?,
+            eviction_order: eviction_order_arg(&eviction_order)?,
+            enable_kv_events: enable_kv_events.or(false, "enable_kv_events")?,
+            reuse_uncached_first: reuse_uncached_first.or(DEFAULT_REUSE_UNCACHED_FIRST, "reuse_uncached_first")?,
+            host_pages: 0,
+            host_store: HostStore::WriteThrough,
+            eviction_policy: EvictionPolicy::Lru,
+        };
+        let host = HostPagesArg::extract(host_pages)?;
+        options.host_store = host_store_arg(&host_store)?;
+        if let Some(policy) = eviction_policy {
+            options.eviction_policy = eviction_policy_arg(policy)?;
+        }
+        match (num_pages, arena) {
+            (Some(n), Some(_)) => Err(PyValueError::new_err(format!(
+                "num_pages must be None with arena= (the arena sizes the pool), got {}",
+                n.repr()?
+            ))),
+            (None, None) => Err(PyTypeError::new_err(
                 "num_pages must be an int (the pages in the pool, page 0 included) unless arena= is given, got None",
             )),
             (None, Some(plan)) => {
-                let host = HostPagesArg::extract(host_pages)?;
-                let options = options(0)?;
                 let geometry = arena_geometry(plan, &specs.0)?;
                 let per_group = host.per_group(&specs.0)?;
                 let cache = FlatCache::with_arena_host_pages(specs.0, &geometry, options, &per_group);
-                return Ok(Self::over(core(cache)?));
+                Ok(Self::over(core(cache)?))
             }
-        };
-        // The pool holds page 0, so its size is >= 1 (a negative size says so too, as in the
-        // reference, rather than count's ">= 0").
-        let too_small =
-            |shown: &dyn std::fmt::Display| PyValueError::new_err(format!("num_pages must be >= 1, got {shown}"));
-        let num_pages = match signed(num_pages, "num_pages")? {
-            IntArg::Small(v) if v < 1 => return Err(too_small(&v)),
-            IntArg::HugeNegative => return Err(too_small(num_pages)),
-            IntArg::Small(_) | IntArg::HugePositive => count(num_pages, "num_pages")?,
-        };
-        // The pool refuses a size past MAX_BLOCKS too, but names its own argument.
-        if num_pages > MAX_BLOCKS {
-            return Err(PyValueError::new_err(format!(
-                "num_pages must be <= {MAX_BLOCKS} (page ids are int32), got {num_pages}"
-            )));
+            (Some(_), None) => {
+                options.host_pages = host_pages_count(host_pages)?;
+                let size = pool_size.unwrap_or_default();
+                Ok(Self::over(core(FlatCache::with_options(specs.0, size, options))?))
+            }
         }
-        let host_pages = host_pages_count(host_pages)?;
-        let cache = core(FlatCache::with_options(specs.0, num_pages, options(host_pages)?))?;
-        Ok(Self::over(cache))
     }
 
     /// The Python object over a built engine.
@@ -376,36 +366,83 @@ pub struct PyFlatKVCache {
     rows: Mutex<Option<BoundBuffers>>,
 }
 
+/// A prompt's tokens as read, the first step of hashing it: a `uint32` array kept in place (it
+/// holds u32 values, so its form is right; it is compared with the memo without a copy), or the
+/// checked tokens.
+enum PromptTokens<'py> {
+    Array(Bound<'py, PyArray1<u32>>),
+    Owned(Vec<u32>),
+}
+
+/// Read `prompt_token_ids` (a sequence or 1-D integer array of u32); a request's prompt
+/// (`required`) must not be empty.
+fn prompt_tokens<'py>(tokens: &Bound<'py, PyAny>, required: bool) -> PyResult<PromptTokens<'py>> {
+    let read = match tokens.cast::<PyArray1<u32>>().ok().filter(|_| !is_masked(tokens)) {
+        Some(arr) => PromptTokens::Array(arr.clone()),
+        None => PromptTokens::Owned(self::tokens(tokens, "prompt_token_ids")?),
+    };
+    let empty = match &read {
+        PromptTokens::Array(arr) => arr.len()? == 0,
+        PromptTokens::Owned(toks) => toks.is_empty(),
+    };
+    if required && empty {
+        return Err(PyValueError::new_err("prompt_token_ids must not be empty"));
+    }
+    Ok(read)
+}
+
 impl PyFlatKVCache {
-    /// Hash a prompt into base pages with the GIL released and no lock held.
+    /// Hash a prompt read by [`prompt_tokens`] into base pages with the GIL released and no
+    /// lock held.
     ///
     /// A contiguous `uint32` array (what a scheduler keeps prompts in) is first compared with
-    /// the memo in place, so probing, sizing and adding one prompt copy its tokens at most once
-    /// (a masked array never: `tokens` refuses it).
+    /// the memo in place, so probing, sizing and adding one prompt copy its tokens at most once.
     fn prompt(
         &self,
         cache: &PyPagedCache,
         py: Python<'_>,
-        tokens: &Bound<'_, PyAny>,
-        extra_keys: ExtraKeys,
+        tokens: PromptTokens<'_>,
+        extra_keys: Vec<String>,
     ) -> PyResult<Prompt> {
-        if let Some(arr) = tokens.cast::<PyArray1<u32>>().ok().filter(|_| !is_masked(tokens)) {
-            if let Ok(view) = arr.try_readonly() {
-                if let Ok(slice) = view.as_slice() {
-                    let memo = lock(&self.last_prompt)?;
-                    if let Some(known) = Prompt::recall(memo.as_ref(), slice, &extra_keys.0, cache.base) {
-                        return Ok(known);
+        let toks = match tokens {
+            PromptTokens::Array(arr) => {
+                if let Ok(view) = arr.try_readonly() {
+                    if let Ok(slice) = view.as_slice() {
+                        let memo = lock(&self.last_prompt)?;
+                        if let Some(known) = Prompt::recall(memo.as_ref(), slice, &extra_keys, cache.base) {
+                            return Ok(known);
+                        }
                     }
                 }
+                self::tokens(arr.as_any(), "prompt_token_ids")?
             }
-        }
-        let toks = self::tokens(tokens, "prompt_token_ids")?;
+            PromptTokens::Owned(toks) => toks,
+        };
         let base = cache.base;
         py.detach(|| {
             let mut memo = lock(&self.last_prompt)?;
-            core(Prompt::new_memoized(toks, extra_keys.0, base, &mut memo))
+            core(Prompt::new_memoized(toks, extra_keys, base, &mut memo))
         })
     }
+}
+
+/// The `num_pages` argument: a pool size in `[1, MAX_BLOCKS]` (page 0 included; a negative size
+/// says ">= 1" too, as in the reference, rather than count's ">= 0"; past `MAX_BLOCKS` the pool
+/// would refuse it but name its own argument).
+fn pool_size(num_pages: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let too_small =
+        |shown: &dyn std::fmt::Display| PyValueError::new_err(format!("num_pages must be >= 1, got {shown}"));
+    let size = match signed(num_pages, "num_pages")? {
+        IntArg::Small(v) if v < 1 => return Err(too_small(&v)),
+        IntArg::HugeNegative => return Err(too_small(num_pages)),
+        IntArg::Small(_) | IntArg::HugePositive => count(num_pages, "num_pages")?,
+    };
+    if size > MAX_BLOCKS {
+        return Err(PyValueError::new_err(format!(
+            "num_pages must be <= {MAX_BLOCKS} (page ids are int32), got {size}"
+        )));
+    }
+    Ok(size)
 }
 
 /// The optional `slot` argument of `pages_needed` and `budget`.
@@ -444,7 +481,7 @@ impl PyFlatKVCache {
     /// prompt checkpoints dropped at finish, decode checkpoints kept on evidence of reuse).
     #[new]
     #[pyo3(
-        signature = (specs, num_pages = None, *, arena = None, enable_caching = FlagParam::OMITTED, eviction_order = EvictionArg(EvictionOrder::Hybrid), enable_kv_events = FlagParam::OMITTED, reuse_uncached_first = FlagParam::OMITTED, host_pages = None, host_store = HostStoreArg(HostStore::WriteThrough), eviction_policy = PolicyArg(EvictionPolicy::Lru)),
+        signature = (specs, num_pages = None, *, arena = None, enable_caching = FlagParam::OMITTED, eviction_order = Passed::OMITTED, enable_kv_events = FlagParam::OMITTED, reuse_uncached_first = FlagParam::OMITTED, host_pages = None, host_store = Passed::OMITTED, eviction_policy = Passed::OMITTED),
         text_signature = "(specs, num_pages=None, *, arena=None, enable_caching=True, eviction_order='hybrid', enable_kv_events=False, reuse_uncached_first=True, host_pages=0, host_store='write_through', eviction_policy='lru')"
     )]
     #[allow(clippy::too_many_arguments, reason = "the Python constructor's keyword arguments")]
@@ -453,12 +490,12 @@ impl PyFlatKVCache {
         num_pages: Option<&Bound<'_, PyAny>>,
         arena: Option<&Bound<'_, PyAny>>,
         enable_caching: FlagParam<'_>,
-        eviction_order: EvictionArg,
+        eviction_order: Passed<'_>,
         enable_kv_events: FlagParam<'_>,
         reuse_uncached_first: FlagParam<'_>,
         host_pages: Option<&Bound<'_, PyAny>>,
-        host_store: HostStoreArg,
-        eviction_policy: PolicyArg,
+        host_store: Passed<'_>,
+        eviction_policy: Passed<'_>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let cache = PyPagedCache::build(
             specs,
@@ -469,9 +506,9 @@ impl PyFlatKVCache {
             reuse_uncached_first,
             host_pages,
             host_store,
+            Some(&eviction_policy),
             arena,
         )?;
-        lock(&cache.inner)?.set_eviction_policy(eviction_policy.0);
         let own = Self {
             last_prompt: Mutex::new(None),
             rows: Mutex::new(None),
@@ -494,13 +531,15 @@ impl PyFlatKVCache {
         py: Python<'_>,
         req: RequestId<'_>,
         prompt_token_ids: &Bound<'_, PyAny>,
-        extra_keys: ExtraKeys,
+        extra_keys: ExtraKeys<'_>,
         use_prefix_cache: FlagParam<'_>,
     ) -> PyResult<(usize, u64)> {
         let (this, cache) = (slf.get(), slf.as_super().get());
-        let use_prefix_cache = use_prefix_cache.or(true, "use_prefix_cache")?;
         let id = req.id()?;
-        let prompt = this.prompt(cache, py, prompt_token_ids, extra_keys)?;
+        let toks = prompt_tokens(prompt_token_ids, true)?;
+        let keys = extra_keys.keys()?;
+        let use_prefix_cache = use_prefix_cache.or(true, "use_prefix_cache")?;
+        let prompt = this.prompt(cache, py, toks, keys)?;
         core(cache.detached(py, |c| c.add_request(id, prompt, use_prefix_cache))?)
     }
 
@@ -522,14 +561,16 @@ impl PyFlatKVCache {
         req: RequestId<'_>,
         prompt_token_ids: &Bound<'_, PyAny>,
         max_new_tokens: &Bound<'_, PyAny>,
-        extra_keys: ExtraKeys,
+        extra_keys: ExtraKeys<'_>,
         use_prefix_cache: FlagParam<'_>,
     ) -> PyResult<Option<(usize, u64, u64)>> {
         let (this, cache) = (slf.get(), slf.as_super().get());
-        let use_prefix_cache = use_prefix_cache.or(true, "use_prefix_cache")?;
         let id = req.id()?;
+        let toks = prompt_tokens(prompt_token_ids, true)?;
         let max_new_tokens = count(max_new_tokens, "max_new_tokens")?;
-        let prompt = this.prompt(cache, py, prompt_token_ids, extra_keys)?;
+        let keys = extra_keys.keys()?;
+        let use_prefix_cache = use_prefix_cache.or(true, "use_prefix_cache")?;
+        let prompt = this.prompt(cache, py, toks, keys)?;
         core(cache.detached(py, |c| c.admit(id, prompt, max_new_tokens, use_prefix_cache))?)
     }
 
@@ -849,10 +890,11 @@ impl PyFlatKVCache {
         slf: &Bound<'_, Self>,
         py: Python<'_>,
         prompt_token_ids: &Bound<'_, PyAny>,
-        extra_keys: ExtraKeys,
+        extra_keys: ExtraKeys<'_>,
     ) -> PyResult<u64> {
         let (this, cache) = (slf.get(), slf.as_super().get());
-        let prompt = this.prompt(cache, py, prompt_token_ids, extra_keys)?;
+        let toks = prompt_tokens(prompt_token_ids, false)?;
+        let prompt = this.prompt(cache, py, toks, extra_keys.keys()?)?;
         core(cache.detached(py, |c| c.prefix_hit_tokens(&prompt))?)
     }
 
@@ -868,12 +910,13 @@ impl PyFlatKVCache {
         prompt_token_ids: &Bound<'_, PyAny>,
         num_new_tokens: &Bound<'_, PyAny>,
         reserve_tokens: CountParam<'_>,
-        extra_keys: ExtraKeys,
+        extra_keys: ExtraKeys<'_>,
     ) -> PyResult<u64> {
         let (this, cache) = (slf.get(), slf.as_super().get());
+        let toks = prompt_tokens(prompt_token_ids, false)?;
         let n = count(num_new_tokens, "num_new_tokens")?;
         let reserve = reserve_tokens.or(0, "reserve_tokens")?;
-        let prompt = this.prompt(cache, py, prompt_token_ids, extra_keys)?;
+        let prompt = this.prompt(cache, py, toks, extra_keys.keys()?)?;
         core(cache.detached(py, |c| c.pages_needed_to_admit(&prompt, n, reserve))?)
     }
 

@@ -25,14 +25,12 @@ use crate::errors::core;
 pub fn hash_page<'py>(
     tokens: &Bound<'py, PyAny>,
     prior: Passed<'py>,
-    extra_keys: ExtraKeys,
+    extra_keys: ExtraKeys<'py>,
 ) -> PyResult<Bound<'py, PyString>> {
-    let prior = parse_prior(&prior)?;
     let toks = self::tokens(tokens, "tokens")?;
-    Ok(hex_str(
-        tokens.py(),
-        &core(hash::hash_page(&toks, &prior, &extra_keys.0))?,
-    ))
+    let prior = parse_prior(&prior)?;
+    let keys = extra_keys.keys()?;
+    Ok(hex_str(tokens.py(), &core(hash::hash_page(&toks, &prior, &keys))?))
 }
 
 /// The chained content hashes of the full pages of `token_ids` (`page_size > 0`; a trailing
@@ -49,12 +47,13 @@ pub fn hash_pages<'py>(
     token_ids: &Bound<'py, PyAny>,
     page_size: &Bound<'py, PyAny>,
     prior: Passed<'py>,
-    extra_keys: ExtraKeys,
+    extra_keys: ExtraKeys<'py>,
 ) -> PyResult<Bound<'py, PyList>> {
+    let toks = tokens(token_ids, "token_ids")?;
     let page_size = usize::try_from(positive(page_size, "page_size")?).unwrap_or(usize::MAX);
     let prior = parse_prior(&prior)?;
-    let toks = tokens(token_ids, "token_ids")?;
-    let hashes = core(py.detach(|| hash::hash_pages(&toks, page_size, &prior, &extra_keys.0)))?;
+    let keys = extra_keys.keys()?;
+    let hashes = core(py.detach(|| hash::hash_pages(&toks, page_size, &prior, &keys)))?;
     PyList::new(py, hashes.iter().map(|h| hex_str(py, h)))
 }
 
@@ -93,8 +92,6 @@ pub fn fold_hashes<'py>(
     first_base: &Bound<'py, PyAny>,
     m: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyList>> {
-    let m = positive(m, "m")?;
-    let first_base = count(first_base, "first_base")?;
     let mut items: Vec<Bound<'py, PyString>> = Vec::new();
     for (i, item) in batch_iter(base_hashes, "base_hashes", "str")?.enumerate() {
         let item = item?;
@@ -111,6 +108,8 @@ pub fn fold_hashes<'py>(
     // Every hash must be text UTF-8 can encode (a lone surrogate is `UnicodeEncodeError`),
     // also when `m == 1` returns them unchanged.
     let texts: Vec<&str> = items.iter().map(|s| s.to_str()).collect::<PyResult<_>>()?;
+    let first_base = count(first_base, "first_base")?;
+    let m = positive(m, "m")?;
     if m == 1 {
         return PyList::new(py, items.iter());
     }

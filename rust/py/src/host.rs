@@ -10,7 +10,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyMapping, PyString, PyTuple};
 
-use crate::args::{count, counts, named_choice};
+use crate::args::{count, counts, named_choice, Passed};
 use crate::convert::{clip, type_name};
 
 /// The `host_pages` keyword as given: a count (`None` or left out: 0), or a mapping
@@ -66,28 +66,32 @@ impl<'py> HostPagesArg<'py> {
                     type_name(&key)
                 )));
             };
-            let gid = gid.to_string_lossy();
-            let Some(g) = specs.iter().position(|s| s.group_id == *gid) else {
+            // A group id is text UTF-8 can encode, as everywhere (a lone surrogate is a
+            // `UnicodeEncodeError`, never shown mangled).
+            let gid = gid.to_str()?;
+            let Some(g) = specs.iter().position(|s| s.group_id == gid) else {
                 return Err(PyValueError::new_err(format!(
                     "host_pages names group {:?}, which is not one of the cache's groups",
-                    clip(&gid)
+                    clip(gid)
                 )));
             };
-            pages[g] = count(&value, &format!("host_pages[{:?}]", clip(&gid)))?;
+            pages[g] = count(&value, &format!("host_pages[{:?}]", clip(gid)))?;
         }
         Ok(pages)
     }
 }
 
-/// The `host_store` keyword: `"write_through"` or `"evict"`.
-pub struct HostStoreArg(pub HostStore);
-
-impl<'a, 'py> FromPyObject<'a, 'py> for HostStoreArg {
-    type Error = PyErr;
-
-    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        named_choice(obj, "host_store", "'write_through' or 'evict'", HostStore::from_name).map(Self)
-    }
+/// The `host_store` argument (kept as passed): `"write_through"` (left out) or `"evict"`;
+/// anything else is a `ValueError`.
+pub fn host_store(arg: &Passed<'_>) -> PyResult<HostStore> {
+    arg.0.as_ref().map_or(Ok(HostStore::WriteThrough), |obj| {
+        named_choice(
+            obj.as_borrowed(),
+            "host_store",
+            "'write_through' or 'evict'",
+            HostStore::from_name,
+        )
+    })
 }
 
 /// The transfer ids of `ack_transfers` (a sequence or 1-D array of non-negative ints).

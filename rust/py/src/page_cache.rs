@@ -5,17 +5,12 @@
 //! calls shared with `FlatKVCache` are `_PagedCacheBase`'s (`cache.rs`), reached through
 //! `as_super()`; the locking discipline is the one described there.
 
-use flat_kvcache_core::engine::group::EvictionOrder;
-use flat_kvcache_core::engine::host::HostStore;
 use flat_kvcache_core::engine::FlatCache;
 use pyo3::prelude::*;
 
-use crate::args::{
-    content_hashes, count, opt_count, CountParam, EvictionArg, FlagParam, GroupSpecs, RequestId, RequestIds,
-};
+use crate::args::{content_hashes, count, opt_count, CountParam, FlagParam, GroupSpecs, Passed, RequestId, RequestIds};
 use crate::cache::{tables_to_py, PyPagedCache};
 use crate::errors::{core, lock};
-use crate::host::HostStoreArg;
 use crate::prefix_match::{MatchArg, PyPrefixMatch};
 use crate::tables::{borrow_out, table_outs};
 use flat_kvcache_core::CoreError;
@@ -45,7 +40,7 @@ impl PyPageCache {
     /// list (handed out before any cached page) instead of the back.
     #[new]
     #[pyo3(
-        signature = (specs, num_pages, *, enable_caching = FlagParam::OMITTED, eviction_order = EvictionArg(EvictionOrder::Hybrid), enable_kv_events = FlagParam::OMITTED, reuse_uncached_first = FlagParam::OMITTED, host_pages = None, host_store = HostStoreArg(HostStore::WriteThrough)),
+        signature = (specs, num_pages, *, enable_caching = FlagParam::OMITTED, eviction_order = Passed::OMITTED, enable_kv_events = FlagParam::OMITTED, reuse_uncached_first = FlagParam::OMITTED, host_pages = None, host_store = Passed::OMITTED),
         text_signature = "(specs, num_pages, *, enable_caching=True, eviction_order='hybrid', enable_kv_events=False, reuse_uncached_first=True, host_pages=0, host_store='write_through')"
     )]
     #[allow(clippy::too_many_arguments, reason = "the Python constructor's keyword arguments")]
@@ -53,11 +48,11 @@ impl PyPageCache {
         specs: GroupSpecs,
         num_pages: &Bound<'_, PyAny>,
         enable_caching: FlagParam<'_>,
-        eviction_order: EvictionArg,
+        eviction_order: Passed<'_>,
         enable_kv_events: FlagParam<'_>,
         reuse_uncached_first: FlagParam<'_>,
         host_pages: Option<&Bound<'_, PyAny>>,
-        host_store: HostStoreArg,
+        host_store: Passed<'_>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let cache = PyPagedCache::build(
             specs,
@@ -68,6 +63,7 @@ impl PyPageCache {
             reuse_uncached_first,
             host_pages,
             host_store,
+            None,
             None,
         )?;
         Ok(PyClassInitializer::from(cache).add_subclass(Self))
@@ -240,9 +236,18 @@ impl PyPageCache {
 
     /// Pages an acquire of `num_tokens` would allocate for `req` (a fresh request if None).
     #[pyo3(signature = (num_tokens, req = None))]
-    fn pages_needed(slf: &Bound<'_, Self>, num_tokens: &Bound<'_, PyAny>, req: Option<RequestId<'_>>) -> PyResult<u64> {
+    fn pages_needed(
+        slf: &Bound<'_, Self>,
+        num_tokens: &Bound<'_, PyAny>,
+        req: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<u64> {
         let cache = slf.as_super().get();
         let n = count(num_tokens, "num_tokens")?;
+        // The id after the count (signature order): extracted here, not by PyO3.
+        let req = req
+            .filter(|r| !r.is_none())
+            .map(PyAnyMethods::extract::<RequestId<'_>>)
+            .transpose()?;
         let id = req.as_ref().map(RequestId::id).transpose()?;
         let result = lock(&cache.inner)?.pages_needed(n, id);
         core(result)

@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PyMapping, PyString, PyTuple, PyType};
 
-use crate::convert::{int_arg, int_to_py, is_sequence, is_str, text, type_name, IntParam};
+use crate::convert::{int_arg, int_to_py, is_sequence, is_str, is_text_or_bytes, text, type_name, IntParam};
 use crate::errors::core;
 use crate::sizing::{layer_types_arg, windows_arg};
 
@@ -49,12 +49,16 @@ fn component_args<'py>(
             .cast_into::<PyType>()?
             .unbind())
     })?;
-    let items = components.try_iter().map_err(|_| {
+    let not_a_sequence = || {
         PyTypeError::new_err(format!(
             "components must be a sequence of ComponentSpec, got {}",
             type_name(components)
         ))
-    })?;
+    };
+    if is_text_or_bytes(components) {
+        return Err(not_a_sequence());
+    }
+    let items = components.try_iter().map_err(|_| not_a_sequence())?;
     let keys = PyDict::new(py);
     let mut args = Vec::new();
     let mut objects = Vec::new();

@@ -43,6 +43,7 @@ looked up at call time (see ``calls.tables``) so tests can switch it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, Self
 
 from flat_kvcache._types import KVCacheSpec, kv_cache_specs
 from flat_kvcache.reference.engine.calls.admission import Admission
@@ -68,6 +69,42 @@ __all__ = [
 ]
 
 
+def _flat_kv_cache_arguments(
+    specs: object,
+    num_pages: object = None,
+    *,
+    arena: object = None,
+    enable_caching: object = True,
+    eviction_order: object = "hybrid",
+    enable_kv_events: object = False,
+    reuse_uncached_first: object = True,
+    host_pages: object = 0,
+    host_store: object = "write_through",
+    eviction_policy: object = "lru",
+) -> None:
+    """``FlatKVCache``'s parameters: binding them raises Python's ``TypeError`` for a missing,
+    repeated or unexpected argument, named ``FlatKVCache.__new__()`` as the native class
+    names it (``Coordinator.__init__()`` is no name a user knows)."""
+
+
+def _page_cache_arguments(
+    specs: object,
+    num_pages: object,
+    *,
+    enable_caching: object = True,
+    eviction_order: object = "hybrid",
+    enable_kv_events: object = False,
+    reuse_uncached_first: object = True,
+    host_pages: object = 0,
+    host_store: object = "write_through",
+) -> None:
+    """``PageCache``'s parameters (see :func:`_flat_kv_cache_arguments`)."""
+
+
+_flat_kv_cache_arguments.__qualname__ = "FlatKVCache.__new__"
+_page_cache_arguments.__qualname__ = "PageCache.__new__"
+
+
 class FlatKVCache(Admission, KVEvents, Stats, Invariants):
     """Every attention group of one model over one shared page pool (SPEC 6 to 9), with
     requests that own their tokens: the token-level protocol (docs/requests-api.md). A request
@@ -83,6 +120,10 @@ class FlatKVCache(Admission, KVEvents, Stats, Invariants):
     :class:`~flat_kvcache.reference.engine.coordinator.Coordinator`'s.
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        _flat_kv_cache_arguments(*args, **kwargs)
+        return super().__new__(cls)
+
 
 class PageCache(PageApi, KVEvents, Stats, Invariants):
     """Every attention group of one model over one shared page pool (SPEC 6 to 8), for engines
@@ -93,6 +134,10 @@ class PageCache(PageApi, KVEvents, Stats, Invariants):
     :class:`~flat_kvcache.reference.engine.coordinator.Coordinator`'s without ``arena`` (the
     arena storage serves the token-level protocol only), ``num_pages`` required.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        _page_cache_arguments(*args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,

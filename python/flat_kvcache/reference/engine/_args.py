@@ -168,7 +168,8 @@ def _int_items(values: object, name: str) -> Iterable[object]:
         if view is not None:
             values = view
     if isinstance(values, np.ndarray) and not isinstance(values, np.ma.MaskedArray):
-        if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer):
+        # numpy counts timedelta64 among its integers; it is no token or count (dtype kind "m").
+        if values.ndim != 1 or values.dtype.kind not in "iu":
             raise TypeError(
                 f"{name} must be a 1-D integer array, got a {values.ndim}-D array of dtype {values.dtype}"
             )
@@ -349,6 +350,8 @@ def as_group_spec(index: int, spec: object) -> KVCacheSpec:
     group_id: object = spec.group_id
     if group_id is not None and not isinstance(group_id, str):
         raise TypeError(f"{name}.group_id must be a str or None, got {type(group_id).__name__}")
+    if group_id is not None:
+        group_id.encode("utf-8")  # a lone surrogate is a UnicodeEncodeError, as natively
     checked = copy.copy(spec)
     for field, value in (("page_size", page_size), ("sliding_window", window), ("chunk_size", chunk)):
         object.__setattr__(checked, field, value)

@@ -169,6 +169,7 @@ def host_pages_per_group(host_pages: Mapping[Any, Any], group_ids: Sequence[str]
     for gid, value in host_pages.items():
         if not isinstance(gid, str):
             raise TypeError(f"host_pages keys must be group ids (str), got {type(gid).__name__}")
+        gid.encode("utf-8")  # a lone surrogate is a UnicodeEncodeError, as in every str argument
         if gid not in group_ids:
             raise ValueError(
                 f"host_pages names group {debug_str(gid[:80])}, which is not one of the cache's groups"
@@ -200,28 +201,9 @@ class Coordinator:
         host_store: str = "write_through",
         eviction_policy: str = "lru",
     ) -> None:
-        if not isinstance(eviction_order, str) or eviction_order not in EVICTION_ORDERS:
-            shown = clipped_repr(eviction_order)
-            raise ValueError(f"eviction_order must be 'hybrid' or 'group', got {shown}")
-        if not isinstance(eviction_policy, str) or eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(f"eviction_policy must be 'lru' or 'reuse', got {clipped_repr(eviction_policy)}")
-        #: Which state checkpoints are kept (SPEC 13.8, ``policy``), and what ``reuse`` learned.
-        self._policy = eviction_policy
-        self._evidence = ReuseEvidence()
+        # docs/engine-api.md, "The checking order": each argument's form in signature order
+        # (``arena=`` is read against the specs below), then what they say together.
         spec_items = batch_items(specs, "specs", "KVCacheSpec")
-        if not isinstance(host_store, str) or host_store not in HOST_STORES:
-            shown = clipped_repr(host_store)
-            raise ValueError(f"host_store must be 'write_through' or 'evict', got {shown}")
-        host_map: Mapping[Any, Any] | None = None
-        if isinstance(host_pages, Mapping):
-            if arena is None:
-                raise TypeError(
-                    "host_pages must be an int without arena= (a {group_id: pages} mapping gives each "
-                    f"group of an arena its own host pages), got {type(host_pages).__name__}"
-                )
-            host_map, num_host = host_pages, 0
-        else:
-            num_host = 0 if host_pages is None else as_count(host_pages, "host_pages")
         # Each spec is read field by field, as the native engine reads it (_args.as_group_spec).
         spec_list = [as_group_spec(index, spec) for index, spec in enumerate(spec_items)]
         if not spec_list:
@@ -229,32 +211,6 @@ class Coordinator:
         group_ids = [
             spec.group_id if spec.group_id is not None else f"g{i}" for i, spec in enumerate(spec_list)
         ]
-        geometry: tuple[int, int, list[int]] | None = None
-        host_per_group: list[int] = []
-        if num_pages is not None and arena is not None:
-            raise ValueError(
-                f"num_pages must be None with arena= (the arena sizes the pool), got {num_pages!r}"
-            )
-        if num_pages is None and arena is None:
-            raise TypeError(
-                "num_pages must be an int (the pages in the pool, page 0 included) unless arena= is "
-                "given, got None"
-            )
-        if arena is None:
-            total = as_pool_size(num_pages, "num_pages")
-        else:
-            as_flag(enable_caching, "enable_caching")
-            as_flag(enable_kv_events, "enable_kv_events")
-            as_flag(reuse_uncached_first, "reuse_uncached_first")
-            geometry = arena_geometry(arena, spec_list, group_ids)
-            host_per_group = (
-                [num_host] * len(group_ids) if host_map is None else host_pages_per_group(host_map, group_ids)
-            )
-            if not reuse_uncached_first:
-                raise ValueError(
-                    "reuse_uncached_first must be True with arena storage (an arena reuses a "
-                    "unit's free pages first)"
-                )
         for index, spec in enumerate(spec_list):
             chunk = spec.chunk_size
             if chunk is not None and chunk % spec.page_size != 0:
@@ -267,7 +223,56 @@ class Coordinator:
         sizes = [spec.page_size for spec in spec_list]
         lcm = math.lcm(*sizes)
         if lcm > U64_MAX:
-            raise OverflowError(f"specs: the lcm of the page sizes {sizes} does not fit in u64")
+            raise OverflowError(
+                f"specs: the lcm of the page sizes {sizes} does not fit in an unsigned 64-bit integer"
+            )
+        total = None if num_pages is None else as_pool_size(num_pages, "num_pages")
+        caching = as_flag(enable_caching, "enable_caching")
+        if not isinstance(eviction_order, str) or eviction_order not in EVICTION_ORDERS:
+            shown = clipped_repr(eviction_order)
+            raise ValueError(f"eviction_order must be 'hybrid' or 'group', got {shown}")
+        events_on = as_flag(enable_kv_events, "enable_kv_events")
+        as_flag(reuse_uncached_first, "reuse_uncached_first")
+        host_map: Mapping[Any, Any] | None = None
+        if isinstance(host_pages, Mapping):
+            host_map, num_host = host_pages, 0
+        else:
+            num_host = 0 if host_pages is None else as_count(host_pages, "host_pages")
+        if not isinstance(host_store, str) or host_store not in HOST_STORES:
+            shown = clipped_repr(host_store)
+            raise ValueError(f"host_store must be 'write_through' or 'evict', got {shown}")
+        if not isinstance(eviction_policy, str) or eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy must be 'lru' or 'reuse', got {clipped_repr(eviction_policy)}")
+        #: Which state checkpoints are kept (SPEC 13.8, ``policy``), and what ``reuse`` learned.
+        self._policy = eviction_policy
+        self._evidence = ReuseEvidence()
+        geometry: tuple[int, int, list[int]] | None = None
+        host_per_group: list[int] = []
+        if num_pages is not None and arena is not None:
+            raise ValueError(
+                f"num_pages must be None with arena= (the arena sizes the pool), got {num_pages!r}"
+            )
+        if num_pages is None and arena is None:
+            raise TypeError(
+                "num_pages must be an int (the pages in the pool, page 0 included) unless arena= is "
+                "given, got None"
+            )
+        if arena is None:
+            if host_map is not None:
+                raise TypeError(
+                    "host_pages must be an int without arena= (a {group_id: pages} mapping gives each "
+                    f"group of an arena its own host pages), got {type(host_pages).__name__}"
+                )
+        else:
+            geometry = arena_geometry(arena, spec_list, group_ids)
+            host_per_group = (
+                [num_host] * len(group_ids) if host_map is None else host_pages_per_group(host_map, group_ids)
+            )
+            if not reuse_uncached_first:
+                raise ValueError(
+                    "reuse_uncached_first must be True with arena storage (an arena reuses a "
+                    "unit's free pages first)"
+                )
 
         self._specs = spec_list
         #: The state groups' indices (read per request per step).
@@ -279,9 +284,10 @@ class Coordinator:
         self._group_ids = group_ids
         self._base = math.gcd(*sizes)
         self._lcm = lcm
-        self._enable_caching = as_flag(enable_caching, "enable_caching")
+        self._enable_caching = caching
         self._eviction_order = eviction_order
         if geometry is None:
+            assert total is not None  # num_pages was given (checked above)
             self._pool = BlockPool(
                 total, enable_caching=self._enable_caching, reuse_uncached_first=reuse_uncached_first
             )
@@ -313,6 +319,8 @@ class Coordinator:
         self._slot_of: dict[RequestId, int] = {}
         self._id_at: dict[int, RequestId] = {}
         self._vacant_slots: list[int] = []  # a min-heap of freed slots below _slots_used
+        # Slots taken or freed since the last update_rows that succeeded (calls/rows.py).
+        self._rows_handed: set[int] = set()
         self._slots_used = 0
         self._counters = {
             "prefix_queries_tokens": 0,
@@ -324,7 +332,7 @@ class Coordinator:
         }
         # A key is the content hash then the group index in hex: count evictions per group.
         self._pool._key_group = lambda key: int(key[HASH_HEX_LEN:], 16)
-        self._events_enabled = as_flag(enable_kv_events, "enable_kv_events")
+        self._events_enabled = events_on
         self._events: list[KVCacheEvent] = []
         self._pool._record_evictions = self._events_enabled
         # The host-memory tier (host.py), and per token-level request its loads in flight.
@@ -429,6 +437,7 @@ class Coordinator:
             self._slots_used += 1
         self._slot_of[key] = slot
         self._id_at[slot] = key
+        self._rows_handed.add(slot)
         return slot
 
     def _free_slot(self, key: RequestId) -> None:
@@ -437,6 +446,7 @@ class Coordinator:
         if slot is not None:
             del self._id_at[slot]
             heapq.heappush(self._vacant_slots, slot)
+            self._rows_handed.add(slot)
 
     def _held(self, method: str, slot: int) -> RequestId:
         """The id of the request in the checked ``slot``; ``UnknownRequestError`` (a
@@ -539,13 +549,13 @@ class Coordinator:
             raise ValueError(f"{method}: request {shown_id(key)} already holds pages")
         if len(checked.pages) != len(self._managers):
             raise ValueError(
-                f"claim: the match has {len(checked.pages)} groups, this cache has {len(self._managers)}"
+                f"{method}: the match has {len(checked.pages)} groups but the cache has {len(self._managers)}"
             )
         for group, pages in enumerate(checked.pages):
             for slot, page in enumerate(pages):
                 if page != 0 and not self._still_matches(checked, group, slot, page):
                     raise ValueError(
-                        f"claim: stale match, page {page} of group {self._group_ids[group]} "
+                        f"{method}: stale match: page {page} of group {debug_str(self._group_ids[group])} "
                         "no longer holds the key it was matched under"
                     )
         tables = self._tables_or_new(key)

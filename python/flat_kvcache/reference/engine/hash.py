@@ -60,8 +60,8 @@ def hash_page(tokens: TokenIds, prior: str = "", extra_keys: Sequence[str] = ())
     ``h_i = H(page_i tokens, h_{i-1}, extra_keys)`` with ``h_{-1} = ""``. Extra keys (LoRA
     adapter, cache salt, multimodal hashes) separate otherwise equal token pages.
     """
-    prior_raw = _prior_bytes(prior)
     values = as_token_ids(tokens, "tokens")
+    prior_raw = _prior_bytes(prior)
     keys = extra_key_bytes(extra_keys)
     return _sha256_page(prior_raw, values, keys)
 
@@ -74,9 +74,9 @@ def hash_pages(
     ``h_0 = hash_page(page_0, prior, extra_keys)``, ``h_i = hash_page(page_i, h_{i-1}, extra_keys)``.
     Every token is checked, including those of the dropped tail.
     """
+    values = as_token_ids(token_ids, "token_ids")
     size = check_u64(positive(page_size, "page_size"), "page_size")
     prior_raw = _prior_bytes(prior)
-    values = as_token_ids(token_ids, "token_ids")
     keys = extra_key_bytes(extra_keys)
     hashes: list[str] = []
     for start in range(0, len(values) - size + 1, size):
@@ -108,8 +108,6 @@ def fold_hashes(base_hashes: Sequence[str], first_base: int, m: int) -> list[str
     ``run = hash_page([], run, [h])`` per hash. Incomplete runs at either end are dropped.
     With ``m == 1`` the hashes are the keys (a copy is returned).
     """
-    size = check_u64(positive(m, "m"), "m")
-    first = as_count(first_base, "first_base")
     hashes: list[str] = []
     for index, value in enumerate(batch_items(base_hashes, "base_hashes", "str")):
         if not isinstance(value, str):
@@ -117,6 +115,8 @@ def fold_hashes(base_hashes: Sequence[str], first_base: int, m: int) -> list[str
         hashes.append(value)
     for value in hashes:
         value.encode("utf-8")  # a lone surrogate is a UnicodeEncodeError, also when m == 1
+    first = as_count(first_base, "first_base")
+    size = check_u64(positive(m, "m"), "m")
     if size == 1:
         return hashes
     # The first aligned base page is ceil(first / m) * m; skip the hashes before it.

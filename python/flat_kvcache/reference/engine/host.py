@@ -97,9 +97,15 @@ class HostTier:
         #: Per group, its space (None: no host pages); None for one space shared by all groups.
         self.space_of = space_of
         self.num_pages = base
-        self.keys: list[str | None] = [None] * base
-        self.ready = [False] * base
-        self.readers = [0] * base
+        try:
+            self.keys: list[str | None] = [None] * base
+            self.ready = [False] * base
+            self.readers = [0] * base
+        except MemoryError:
+            # Say what did not fit, as the native tier does.
+            raise MemoryError(
+                f"out of memory: host_pages = {base}: the host tier does not fit in memory"
+            ) from None
         self.map: dict[str, int] = {}
         self.ops: dict[int, Op] = {}
         self.untaken: list[int] = []

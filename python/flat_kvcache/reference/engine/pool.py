@@ -175,8 +175,11 @@ class _Arena:
         self.scale = scale
         self.total = total
         #: Per pool id, its unit (0 for ids never handed out) and its group.
-        self.unit_of = [0] * total
-        self.group_of = [0] * total
+        try:
+            self.unit_of = [0] * total
+            self.group_of = [0] * total
+        except MemoryError:
+            raise MemoryError(f"out of memory: arena: {total} page ids do not fit in memory") from None
         for g, size in enumerate(page_bytes):
             for page in range(1, num_ids[g]):
                 pool_id = base[g] + page
@@ -300,12 +303,18 @@ class BlockPool:
         self._num_blocks = total
         self._enable_caching = as_flag(enable_caching, "enable_caching")
         self._reuse_uncached_first = as_flag(reuse_uncached_first, "reuse_uncached_first")
-        self._ref_counts = [0] * total
-        # The key each page holds (None: not cached), and each key's pages in registration order.
-        self._key_of: list[str | None] = [None] * total
+        try:
+            self._ref_counts = [0] * total
+            # The key each page holds (None: not cached), and each key's pages in registration order.
+            self._key_of: list[str | None] = [None] * total
+            # Free list, front = next to allocate = least recently freed. Values are unused.
+            self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, total))
+        except MemoryError:
+            # Say what did not fit, as the native pool does.
+            raise MemoryError(
+                f"out of memory: num_blocks = {total}: the page pool does not fit in memory"
+            ) from None
         self._pages_by_key: dict[str, list[int]] = {}
-        # Free list, front = next to allocate = least recently freed. Values are unused.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, total))
         # Keys dropped because their page was handed out again (the ``evictions`` metric), and,
         # while the owning cache records KV events, those keys in eviction order.
         self._evictions = 0

@@ -214,8 +214,10 @@ impl Coordinator {
         Self::over_pool(specs, pool)
     }
 
-    /// Check group specs (see [`Self::new`]).
-    fn check_specs(specs: &[GroupSpec]) -> CoreResult<()> {
+    /// Check group specs (see [`Self::new`]): at least one, each page size > 0, windows and
+    /// chunks of their kinds, distinct group ids, and an lcm of the page sizes that fits u64.
+    /// The bindings call it when they read `specs`, before the arguments after it.
+    pub fn check_specs(specs: &[GroupSpec]) -> CoreResult<()> {
         if specs.is_empty() {
             return Err(CoreError::invalid("specs must hold at least one group"));
         }
@@ -250,9 +252,15 @@ impl Coordinator {
         for s in specs {
             lcm = (lcm / gcd(lcm, s.page_size))
                 .checked_mul(s.page_size)
-                .ok_or_else(|| CoreError::overflow("specs"))?;
+                .ok_or_else(|| Self::lcm_overflow(specs))?;
         }
         Ok(())
+    }
+
+    /// The lcm of the specs' page sizes does not fit u64: the error names the sizes.
+    fn lcm_overflow(specs: &[GroupSpec]) -> CoreError {
+        let sizes: Vec<u64> = specs.iter().map(|s| s.page_size).collect();
+        CoreError::overflow(format!("specs: the lcm of the page sizes {sizes:?}"))
     }
 
     /// The coordinator of checked `specs` over `pool`.
@@ -263,7 +271,7 @@ impl Coordinator {
         for s in &specs {
             lcm = (lcm / gcd(lcm, s.page_size))
                 .checked_mul(s.page_size)
-                .ok_or_else(|| CoreError::overflow("specs"))?;
+                .ok_or_else(|| Self::lcm_overflow(&specs))?;
         }
         let managers = specs.iter().map(|s| GroupManager::new(s.kind, s.page_size)).collect();
         let mult = specs.iter().map(|s| Divisor::new(s.page_size / base)).collect();
@@ -765,13 +773,15 @@ impl Coordinator {
     // ----- claim --------------------------------------------------------------------------
 
     /// Check that `m` can be claimed by a request holding `tables` (`None`: a new request).
-    pub fn check_claim(&self, tables: Option<&[Table]>, m: &PrefixMatch) -> CoreResult<()> {
+    pub fn check_claim(&self, method: &str, tables: Option<&[Table]>, m: &PrefixMatch) -> CoreResult<()> {
         if tables.is_some_and(|ts| ts.iter().any(|t| !t.is_empty())) {
-            return Err(CoreError::invalid("claim: the request's tables already hold pages"));
+            return Err(CoreError::invalid(format!(
+                "{method}: the request's tables already hold pages"
+            )));
         }
         if m.pages.len() != self.specs.len() {
             return Err(CoreError::invalid(format!(
-                "claim: the match has {} groups but the cache has {}",
+                "{method}: the match has {} groups but the cache has {}",
                 m.pages.len(),
                 self.specs.len()
             )));
@@ -783,7 +793,7 @@ impl Coordinator {
                     Some(k) if k.len() == pages.iter().filter(|&&p| p != NULL_PAGE).count() => Some(k.as_slice()),
                     _ => {
                         return Err(CoreError::invalid(format!(
-                            "claim: the match's keys of group {:?} do not fit its pages",
+                            "{method}: the match's keys of group {:?} do not fit its pages",
                             self.specs[g].group_id
                         )))
                     }
@@ -805,13 +815,13 @@ impl Coordinator {
                 real += 1;
                 if !fresh {
                     return Err(CoreError::invalid(format!(
-                        "claim: page {page} of group {:?} no longer holds the key it was matched under (stale match)",
+                        "{method}: stale match: page {page} of group {:?} no longer holds the key it was matched under",
                         self.specs[g].group_id
                     )));
                 }
                 if u64::from(self.pool.refs_of(page)) + u64::try_from(total).unwrap_or(u64::MAX) > u64::from(u32::MAX) {
                     return Err(CoreError::invalid(format!(
-                        "claim: page {page}: reference count overflow"
+                        "{method}: page {page}: reference count overflow"
                     )));
                 }
             }
@@ -1398,8 +1408,12 @@ mod tests {
             spec("b", GroupKind::Full, u64::MAX - 1),
         ];
         assert_eq!(
-            Coordinator::new(huge, 10, true).unwrap_err(),
-            CoreError::overflow("specs")
+            Coordinator::new(huge, 10, true).unwrap_err().to_string(),
+            format!(
+                "specs: the lcm of the page sizes [{}, {}] does not fit in an unsigned 64-bit integer",
+                u64::MAX,
+                u64::MAX - 1
+            )
         );
     }
 
@@ -1554,23 +1568,23 @@ mod tests {
         let m = c.match_prefix(&hashes).unwrap();
         assert_eq!(c.pages_consumed_by_claim(&m).unwrap(), 4 + 1);
         let mut t = fresh(&c);
-        c.check_claim(Some(&t), &m).unwrap();
+        c.check_claim("claim", Some(&t), &m).unwrap();
         c.claim(&mut t, &m);
         assert_eq!(t[0].pages(), m.pages[0].as_slice());
         assert_eq!(t[1].tail_avail(), 0);
         assert_eq!(c.pages_consumed_by_claim(&m).unwrap(), 0);
         // Tables hold pages now.
-        assert!(c.check_claim(Some(&t), &m).is_err());
+        assert!(c.check_claim("claim", Some(&t), &m).is_err());
         let wrong = PrefixMatch::empty(3);
-        assert!(c.check_claim(None, &wrong).is_err());
+        assert!(c.check_claim("claim", None, &wrong).is_err());
         c.free(&mut t, EvictionOrder::Group);
         // Evict every cached page: the match is stale.
         let free = c.pool().num_free();
         let _ = c.pool.allocate(free);
-        assert!(c.check_claim(None, &m).is_err());
+        assert!(c.check_claim("claim", None, &m).is_err());
         let mut out_of_range = PrefixMatch::empty(2);
         out_of_range.pages[0] = vec![99];
-        assert!(c.check_claim(None, &out_of_range).is_err());
+        assert!(c.check_claim("claim", None, &out_of_range).is_err());
         assert!(c.pages_consumed_by_claim(&out_of_range).is_err());
     }
 

@@ -28,7 +28,8 @@ class Admission(TokenApi):
 
     def prefix_hit_tokens(self, prompt_token_ids: TokenIds, *, extra_keys: Sequence[str] = ()) -> int:
         """The (capped) hit ``add_request`` would get, read-only."""
-        tokens, hashes, _ = self._hash_prompt(prompt_token_ids, extra_keys)
+        tokens = self._prompt_tokens(prompt_token_ids)
+        hashes, _ = self._hash_prompt(tokens, extra_keys)
         return self._capped_match(hashes, len(tokens))[0]
 
     def pages_needed_to_admit(
@@ -41,9 +42,10 @@ class Admission(TokenApi):
     ) -> int:
         """Pages the capped match's claim takes (its free cached pages, plus one device page per
         host-tier load) plus ``pages_needed(new + reserve)`` on fresh tables."""
+        tokens = self._prompt_tokens(prompt_token_ids)
         count = as_count(num_new_tokens, "num_new_tokens")
         extra = as_count(reserve_tokens, "reserve_tokens")
-        tokens, hashes, _ = self._hash_prompt(prompt_token_ids, extra_keys)
+        hashes, _ = self._hash_prompt(tokens, extra_keys)
         _, pages, _, _ = self._capped_match(hashes, len(tokens))
         total = self.pages_needed(check_u64_total(count + extra, "num_new_tokens + reserve_tokens"))
         device, loads = self._tiered_claim_cost(pages)
@@ -63,11 +65,12 @@ class Admission(TokenApi):
         changes) when rows are bound and all their slots are held, or when
         ``pages_needed_to_admit(prompt, chunk, reserve)`` exceeds ``budget()``; else
         ``add_request`` and ``(slot, hit, chunk)``. The prompt is hashed and matched once."""
-        use_cache = as_flag(use_prefix_cache, "use_prefix_cache")
         key = as_request_id(req)
+        tokens = self._prompt_tokens(prompt_token_ids, required=True)
         limit = as_count(max_new_tokens, "max_new_tokens")
-        tokens, hashes, keys = self._hash_prompt(prompt_token_ids, extra_keys)
-        self._check_new_request("admit", key, tokens)
+        hashes, keys = self._hash_prompt(tokens, extra_keys)
+        use_cache = as_flag(use_prefix_cache, "use_prefix_cache")
+        self._check_new_request("admit", key)
         if not self._slot_available():
             return None
         hit, pages, branch, _ = self._capped_match(hashes, len(tokens)) if use_cache else (0, None, 0, 0)

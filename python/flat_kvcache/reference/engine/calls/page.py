@@ -90,8 +90,9 @@ class PageApi(PageTables):
 
     def pages_needed(self, num_tokens: int, req: RequestId | None = None) -> int:
         """Pages ``acquire(req, num_tokens)`` would allocate (fresh tables when ``req`` is None)."""
+        count = as_count(num_tokens, "num_tokens")
         tables = None if req is None else self._tables(req)
-        return self._pages_needed(tables, as_count(num_tokens, "num_tokens"))
+        return self._pages_needed(tables, count)
 
     def page_ids(self, req: RequestId) -> list[list[int]]:
         """Each group's table of the request (0 = hole)."""
@@ -177,20 +178,22 @@ class PageApi(PageTables):
         the hashes end exactly there (SPEC 6). Ranges are checked for every group first. A
         token-level request is a ValueError (its pages are registered as it is scheduled).
         """
-        tables = self._tables(req)
+        key = as_request_id(req)
         hashes = as_content_hashes(content_hashes)
         first = as_count(first_slot, "first_slot")
         end = None if end_tokens is None else as_count(end_tokens, "end_tokens")
-        self._check_page_level("register", as_request_id(req))
+        tables = self._tables(key)
+        self._check_page_level("register", key)
         self._register(tables, hashes, first, end, None)
 
     def reclaim(self, req: RequestId, num_computed_tokens: int) -> None:
         """Free every page that slid out of its group's window, per group in index order (SPEC 6).
 
         A token-level request is a ValueError (``schedule`` reclaims its pages)."""
-        tables = self._tables(req)
+        key = as_request_id(req)
         computed = as_count(num_computed_tokens, "num_computed_tokens")
-        self._check_page_level("reclaim", as_request_id(req))
+        tables = self._tables(key)
+        self._check_page_level("reclaim", key)
         self._reclaim(tables, computed)
 
     def free(self, req: RequestId) -> None:
@@ -252,11 +255,12 @@ class PageApi(PageTables):
         already computed. Registering first keeps the hashes of pages about to slide out
         (registration skips holes); reclaimed pages fund this step's acquire.
         """
-        tables = self._tables(req)
+        key = as_request_id(req)
         hashes = as_content_hashes(content_hashes)
         count = as_count(num_tokens, "num_tokens")
         computed = as_count(num_computed_tokens, "num_computed_tokens")
-        self._check_page_level("prefill_chunk", as_request_id(req))
+        tables = self._tables(key)
+        self._check_page_level("prefill_chunk", key)
         cut = hashes[: computed // self._base]
         return self._step(tables, cut, 0, count, computed)
 
@@ -280,11 +284,12 @@ class PageApi(PageTables):
         ``content_hashes`` start at base page ``first_page_slot`` and are cut so that they end
         at or before base page ``computed // base``.
         """
-        tables = self._tables(req)
+        key = as_request_id(req)
         hashes = as_content_hashes(content_hashes)
         first = as_count(first_page_slot, "first_page_slot")
         count = as_count(num_tokens, "num_tokens")
         computed = as_count(num_computed_tokens, "num_computed_tokens")
-        self._check_page_level("decode_step", as_request_id(req))
+        tables = self._tables(key)
+        self._check_page_level("decode_step", key)
         cut = hashes[: max(0, computed // self._base - first)]
         return self._step(tables, cut, first, count, computed)

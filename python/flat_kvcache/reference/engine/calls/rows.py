@@ -9,7 +9,10 @@ binding fewer rows than a live request's slot is refused; unbinding keeps the sl
 table ends within the row, else becomes 0 if that fits, else the first real page), diffs it
 against the rows it wrote last time (``full=True``: against the buffers themselves), writes the
 cells that differ and returns them. The native engine visits only the rows whose tables
-changed; doing every row here is what makes the two comparable.
+changed; doing every row here is what makes the two comparable. A row whose slot was taken or
+freed since the last update that succeeded is diffed against the buffer itself, as the native
+engine compares a row it rewrites whole: a refused update in between leaves that row pending,
+and the next good one makes a finished request's row padding whatever the buffer holds.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ class Rows(Coordinator):
         for window in windows:
             if window is not None:
                 window.fill(0)
+        self._rows_handed.clear()
         self._binding = _Binding(
             tables=buffers,
             offsets=windows,
@@ -165,11 +169,16 @@ class Rows(Coordinator):
             raise ValueError("update_rows: no rows are bound (call bind_rows first)")
         self._check_bound_buffers(binding)
         wanted = self._wanted_rows(binding)
+        max_rows = binding.tables[0].shape[0]
+        handed = sorted(row for row in self._rows_handed if row < max_rows)
+        self._rows_handed.clear()
         cells: dict[str, Int32Array] = {}
         offsets: dict[str, Int32Array] = {}
         for group, group_id in enumerate(self._group_ids):
             table, want = binding.tables[group], wanted[group][0]
-            before = table if repair else binding.written[group]
+            before = table if repair else binding.written[group].copy()
+            if not repair and handed:
+                before[handed] = table[handed]
             rows, cols = np.nonzero(before != want)
             table[rows, cols] = want[rows, cols]
             binding.written[group] = want

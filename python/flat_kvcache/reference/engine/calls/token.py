@@ -97,13 +97,18 @@ class TokenApi(PageTables, Rows):
         branch = align_down(closed, math.lcm(*state_sizes))
         return branch if branch > hit else 0
 
-    def _hash_prompt(
-        self, prompt_token_ids: object, extra_keys: object
-    ) -> tuple[list[int], list[str], list[str]]:
-        """Tokens, chained base-page hashes and extra keys of a prompt (checked)."""
+    @staticmethod
+    def _prompt_tokens(prompt_token_ids: object, *, required: bool = False) -> list[int]:
+        """A prompt's tokens, checked (not empty when ``required``: a request's prompt)."""
         tokens = as_token_ids(prompt_token_ids, "prompt_token_ids")
+        if required and not tokens:
+            raise ValueError("prompt_token_ids must not be empty")
+        return tokens
+
+    def _hash_prompt(self, tokens: list[int], extra_keys: object) -> tuple[list[str], list[str]]:
+        """Chained base-page hashes and the checked extra keys of a prompt's tokens."""
         keys = as_extra_keys(extra_keys)
-        return tokens, hash_pages(tokens, self._base, extra_keys=keys), keys
+        return hash_pages(tokens, self._base, extra_keys=keys), keys
 
     def add_request(
         self,
@@ -119,19 +124,18 @@ class TokenApi(PageTables, Rows):
         starts computed up to the hit. Nothing else is allocated. The request gets the lowest
         free slot; with rows bound and all of their slots held it is refused (ValueError).
         """
-        use_cache = as_flag(use_prefix_cache, "use_prefix_cache")
         key = as_request_id(req)
-        tokens, hashes, keys = self._hash_prompt(prompt_token_ids, extra_keys)
-        self._check_new_request("add_request", key, tokens)
+        tokens = self._prompt_tokens(prompt_token_ids, required=True)
+        hashes, keys = self._hash_prompt(tokens, extra_keys)
+        use_cache = as_flag(use_prefix_cache, "use_prefix_cache")
+        self._check_new_request("add_request", key)
         self._check_slot_free("add_request")
         return self._add_checked(key, tokens, hashes, keys, use_cache)
 
-    def _check_new_request(self, method: str, key: RequestId, tokens: list[int]) -> None:
-        """Refuse, for ``method``, a request that cannot be added (its id in use, an empty prompt)."""
+    def _check_new_request(self, method: str, key: RequestId) -> None:
+        """Refuse, for ``method``, a request whose id is in use."""
         if key in self._requests:
             raise ValueError(f"{method}: request {shown_id(key)} already exists")
-        if not tokens:
-            raise ValueError("prompt_token_ids must not be empty")
 
     def _add_checked(
         self, key: RequestId, tokens: list[int], hashes: list[str], keys: list[str], use_cache: bool
@@ -214,8 +218,9 @@ class TokenApi(PageTables, Rows):
     def next_chunk(self, slot: int, max_tokens: int) -> int:
         """How many of its next known tokens the request in ``slot`` should schedule, at most
         ``max_tokens`` (:meth:`_cut`); 0 once every known token is computed."""
-        key = self._slot_request("next_chunk", slot)
+        index = as_slot(slot)
         limit = as_count(max_tokens, "max_tokens")
+        key = self._held("next_chunk", index)
         state = self._token_states[key]
         return self._cut(state.computed, len(state.tokens), limit, state.branch)
 

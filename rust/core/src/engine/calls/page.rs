@@ -74,7 +74,7 @@ impl FlatCache {
                 "{method}: request {req} already holds pages"
             )));
         }
-        self.coord.check_claim(existing, m)?;
+        self.coord.check_claim(method, existing, m)?;
         let at = self.ensure(method, req)?;
         self.coord.claim(&mut self.entries[at].tables, m);
         Ok(())

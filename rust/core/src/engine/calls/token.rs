@@ -108,14 +108,14 @@ impl FlatCache {
     }
 
     /// Refuse, for `method`, a request that cannot be added: a prompt hashed for another base
-    /// page size, an id already in use, or an empty prompt.
+    /// page size, an empty prompt (the arguments), or an id already in use (the cache's state).
     fn check_new_request(&self, method: &str, req: RequestIdRef<'_>, prompt: &Prompt) -> CoreResult<()> {
         self.check_prompt(prompt)?;
-        if self.has_request(req) {
-            return Err(CoreError::invalid(format!("{method}: request {req} already exists")));
-        }
         if prompt.tokens.is_empty() {
             return Err(CoreError::invalid("prompt_token_ids must not be empty"));
+        }
+        if self.has_request(req) {
+            return Err(CoreError::invalid(format!("{method}: request {req} already exists")));
         }
         Ok(())
     }
