@@ -322,8 +322,15 @@ def test_a_kv_plan_with_a_state_group_is_refused_by_the_runner() -> None:
 
     model = model_of("qwen3-next")
     shape = model_shape(model.config)
+    # Equal pages, asked for: a state shape's default storage is the arena.
     plan = plan_for_pages(
-        shape, page_size=16, num_pages=8, max_live_requests=1, max_scheduled_tokens=16, max_context_len=64
+        shape,
+        page_size=16,
+        num_pages=8,
+        max_live_requests=1,
+        max_scheduled_tokens=16,
+        max_context_len=64,
+        storage="equalized",
     )
     cache = flat_kvcache.FlatKVCache(list(flat_kvcache.kv_cache_specs(plan.groups)), plan.num_pages)
     with pytest.raises(ValueError, match="SPEC 13 arena"):

@@ -27,7 +27,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -539,9 +539,12 @@ def plan_for_pages(
     max_live_requests: int,
     max_scheduled_tokens: int,
     max_context_len: int,
+    storage: Literal["equalized"] | None = None,
 ) -> KVMemoryPlan:
     """A :func:`~flat_kvcache.torch.plan_kv_memory` plan of exactly ``num_pages`` pages (page 0
-    included) instead of a byte budget.
+    included) instead of a byte budget; ``storage`` is ``plan_kv_memory``'s (a shape with state
+    layers is planned only with ``storage="equalized"``: its storage is the arena,
+    :func:`arena_for_units`).
 
     A one-page probe plan gives the bytes one page takes (the same for any budget); the budget
     of the real plan is then ``num_pages`` times that. The probe needs a page under 16 MiB,
@@ -556,6 +559,7 @@ def plan_for_pages(
             max_live_requests=1,
             max_scheduled_tokens=1,
             max_context_len=1,
+            storage=storage,
         )
     except ValueError as exc:
         raise ValueError(
@@ -568,6 +572,7 @@ def plan_for_pages(
         max_live_requests=max_live_requests,
         max_scheduled_tokens=max_scheduled_tokens,
         max_context_len=max_context_len,
+        storage=storage,
     )
     if plan.num_pages != pages:  # pragma: no cover - a CPU budget of n pages plans n pages
         raise RuntimeError(f"asked for {pages} pages, the plan has {plan.num_pages}")
