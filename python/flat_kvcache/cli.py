@@ -988,6 +988,23 @@ def _arena_memory(cfg: dict[str, Any], args: argparse.Namespace, arena: ArenaPla
     }
 
 
+def _memory_shape(cfg: dict[str, Any], args: argparse.Namespace) -> tuple[Any, int]:
+    """What both memory plans start from: the model's ``ModelShape`` at ``--kv-dtype`` and the
+    context length (``--max-context-len`` or the config's); a ValueError without torch (an
+    optional extra) or without a budget to read (``--memory``, or a CUDA ``--device``)."""
+    try:
+        from flat_kvcache.torch import ModelShape
+    except ImportError:
+        raise ValueError(f"--memory/--device: the memory plan needs PyTorch, {_extra('torch')}") from None
+    context = max_context_len_from_config(cfg) if args.max_context_len is None else args.max_context_len
+    if args.memory is None and not str(args.device).startswith("cuda"):
+        raise ValueError(f"--device {args.device}: only CUDA devices report free memory; pass --memory")
+    try:
+        return ModelShape.from_config(cfg, kv_dtype=args.kv_dtype), context
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+
+
 def _arena_plan_memory(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """``plan --storage arena`` (the default for a model with state layers): the SPEC 13 arena of
     the budget (``flat_kvcache.torch.plan_arena_memory``, which reads a CUDA device's budget and
@@ -996,17 +1013,9 @@ def _arena_plan_memory(cfg: dict[str, Any], args: argparse.Namespace) -> dict[st
 
     torch is imported here, only when asked for: it is an optional extra.
     """
-    try:
-        from flat_kvcache.torch import ModelShape, plan_arena_memory
-    except ImportError:
-        raise ValueError(f"--memory/--device: the memory plan needs PyTorch, {_extra('torch')}") from None
-    context = max_context_len_from_config(cfg) if args.max_context_len is None else args.max_context_len
-    if args.memory is None and not str(args.device).startswith("cuda"):
-        raise ValueError(f"--device {args.device}: only CUDA devices report free memory; pass --memory")
-    try:
-        shape = ModelShape.from_config(cfg, kv_dtype=args.kv_dtype)
-    except TypeError as exc:
-        raise ValueError(str(exc)) from None
+    shape, context = _memory_shape(cfg, args)
+    from flat_kvcache.torch import plan_arena_memory
+
     try:
         plan = plan_arena_memory(
             shape,
@@ -1042,17 +1051,9 @@ def _memory_plan(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
 
     torch is imported here, only when asked for: it is an optional extra.
     """
-    try:
-        from flat_kvcache.torch import ModelShape, plan_kv_memory
-    except ImportError:
-        raise ValueError(f"--memory/--device: the memory plan needs PyTorch, {_extra('torch')}") from None
-    context = max_context_len_from_config(cfg) if args.max_context_len is None else args.max_context_len
-    if args.memory is None and not str(args.device).startswith("cuda"):
-        raise ValueError(f"--device {args.device}: only CUDA devices report free memory; pass --memory")
-    try:
-        shape = ModelShape.from_config(cfg, kv_dtype=args.kv_dtype)
-    except TypeError as exc:
-        raise ValueError(str(exc)) from None
+    shape, context = _memory_shape(cfg, args)
+    from flat_kvcache.torch import plan_kv_memory
+
     if all(label in STATE_LAYER_TYPES for label in shape.layer_types):
         raise ValueError(
             f"--storage equalized: every one of the {shape.num_layers} cache layers keeps a recurrent "
