@@ -13,7 +13,7 @@ from typing import Any
 
 import flat_kvcache
 import pytest
-from helpers import missing, run_cli
+from helpers import JAMBA_V01, missing, run_cli
 
 try:
     import torch
@@ -179,25 +179,9 @@ def test_a_budget_without_a_working_slot_per_live_request_is_refused(
 
 # --- what the arena holds, measured on the engine ------------------------------------------------
 
-# ai21labs/Jamba-v0.1 (its config.json, trimmed to the fields the layout and the state read): 4
-# attention layers of 8 K/V heads of 128 among 32. At bf16 a 16-token page is 4 x 2 x 16 x 8 x
-# 128 x 2 = 262144 bytes and the unit (the state slot) 61.25 pages of bytes: units hold 60 or 61.
-JAMBA_V01 = {
-    "model_type": "jamba",
-    "num_hidden_layers": 32,
-    "attn_layer_period": 8,
-    "attn_layer_offset": 4,
-    "expert_layer_period": 2,
-    "expert_layer_offset": 1,
-    "num_experts": 16,
-    "hidden_size": 4096,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "mamba_d_state": 16,
-    "mamba_d_conv": 4,
-    "mamba_expand": 2,
-    "mamba_dt_rank": 256,
-}
+# ai21labs/Jamba-v0.1 (helpers.JAMBA_V01): 4 attention layers of 8 K/V heads of 128 among 32.
+# At bf16 a 16-token page is 4 x 2 x 16 x 8 x 128 x 2 = 262144 bytes and the unit (the state
+# slot) 61.25 pages of bytes: units hold 60 or 61.
 #: The request ``plan --memory`` reports on, and the chunk a scheduler cuts its prompt into.
 TOKENS, CHUNK = 16_384, 8_192
 

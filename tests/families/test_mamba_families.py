@@ -34,7 +34,7 @@ from flat_kvcache.families import (
     state_components,
 )
 from flat_kvcache.families._base import model_layers
-from helpers import need, run_cli
+from helpers import JAMBA_V01, need, run_cli
 
 transformers = need("transformers")
 
@@ -68,23 +68,6 @@ def _write(tmp_path: Path, cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 # --- Hub checkpoints (trimmed config.json: the fields the layout and the state read) -------------
 
-# ai21labs/Jamba-v0.1
-JAMBA_V01 = {
-    "model_type": "jamba",
-    "num_hidden_layers": 32,
-    "attn_layer_period": 8,
-    "attn_layer_offset": 4,
-    "expert_layer_period": 2,
-    "expert_layer_offset": 1,
-    "num_experts": 16,
-    "hidden_size": 4096,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "mamba_d_state": 16,
-    "mamba_d_conv": 4,
-    "mamba_expand": 2,
-    "mamba_dt_rank": 256,
-}
 
 # state-spaces/mamba-130m-hf
 MAMBA_130M = {

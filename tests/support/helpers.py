@@ -279,3 +279,23 @@ def small_arena_hybrid() -> Any:
         state_shapes={"conv": (12, 3), "ssm": (4, 8, 7)},
         state_dtypes={"conv": torch.bfloat16, "ssm": torch.float32},
     )
+
+
+#: ai21labs/Jamba-v0.1's config.json, trimmed to the fields the layout and the state read (the
+#: mamba family tests and the arena figures of ``plan --memory``).
+JAMBA_V01 = {
+    "model_type": "jamba",
+    "num_hidden_layers": 32,
+    "attn_layer_period": 8,
+    "attn_layer_offset": 4,
+    "expert_layer_period": 2,
+    "expert_layer_offset": 1,
+    "num_experts": 16,
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "mamba_d_state": 16,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "mamba_dt_rank": 256,
+}
