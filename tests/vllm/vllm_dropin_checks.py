@@ -2,7 +2,7 @@
 
 This file needs vLLM, which lives in a venv of its own (requirements/vllm.txt), so its name does
 not match ``test_*.py``: the main test command (``pytest``) never collects or imports it, and it
-runs only when named, where it never skips (``.ci/run``'s last step)::
+runs only when named, where it never skips (``.ci/run``'s vLLM drop-in step)::
 
     pytest tests/vllm/vllm_dropin_checks.py
 
