@@ -229,15 +229,24 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: build(tmp_path_factory.mktemp(name)) for name, (build, _) in MODELS.items()}
 
 
+_STOCK: dict[str, Run] = {}
+
+
+def _stock_run(name: str, model: Path) -> Run:
+    """The stock scheduler's run of model ``name`` (once per session)."""
+    if name not in _STOCK:
+        _STOCK[name] = scenario(model, None, _pool_bytes(model, 48), MODELS[name][1])
+    return _STOCK[name]
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_identical_tokens_hits_and_counters(model_dirs: dict[str, Path], name: str) -> None:
     model = model_dirs[name]
     settings = MODELS[name][1]
     # A pool of 48 blocks of 32 tokens: 8 running conversations of up to 400 + 48 tokens do not
     # fit, so requests are preempted and recomputed.
-    kv_bytes = _pool_bytes(model, 48)
-    stock = scenario(model, None, kv_bytes, settings)
-    flat = scenario(model, FLAT, kv_bytes, settings)
+    stock = _stock_run(name, model)
+    flat = scenario(model, FLAT, _pool_bytes(model, 48), settings)
     assert (stock.manager, flat.manager) == ("KVCacheManager", "FlatKVCacheManager")
     assert flat.groups == stock.groups == EXPECTED_GROUPS[name]
     assert stock.counters["vllm:num_preemptions"] > 0, stock.counters
@@ -251,6 +260,34 @@ def test_identical_tokens_hits_and_counters(model_dirs: dict[str, Path], name: s
     assert flat.tokens.keys() == stock.tokens.keys()
     assert flat.cached == stock.cached
     assert flat.counters == stock.counters
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tokens_see_a_wrong_page(
+    model_dirs: dict[str, Path], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The token comparison has teeth: the same scenario with FlatScheduler handing one wrong page
+    inside each prefix hit (a page of the same hit in another slot, inside a sliding window too)
+    changes some requests' greedy tokens, with the same hits and counters. (A permutation of
+    full-attention pages would not show: attention over visible keys is order-free, which is why
+    the scheduler differential compares block ids.)"""
+    from flat_kvcache.vllm._manager import FlatKVCacheManager
+
+    model = model_dirs[name]
+    stock = _stock_run(name, model)
+    lookup = FlatKVCacheManager.get_computed_blocks
+
+    def wrong_page(self: Any, request: Any, max_cache_hit_length: int | None = None) -> Any:
+        blocks, hit, boundary = lookup(self, request, max_cache_hit_length)
+        for group in blocks.blocks:
+            if len(group) > 1 and not group[-2].is_null:
+                group[-2] = group[-1]
+        return blocks, hit, boundary
+
+    monkeypatch.setattr(FlatKVCacheManager, "get_computed_blocks", wrong_page)
+    broken = scenario(model, FLAT, _pool_bytes(model, 48), MODELS[name][1])
+    assert broken.cached == stock.cached
+    assert any(broken.tokens.get(request) != tokens for request, tokens in stock.tokens.items())
 
 
 def test_default_sparse_retention_of_a_sliding_model_refused(model_dirs: dict[str, Path]) -> None:
