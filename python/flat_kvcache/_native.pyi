@@ -949,8 +949,10 @@ class PageCache(_PagedCacheBase):
         *,
         first_slot: int = 0,
         end_tokens: int | None = None,
+        groups: Sequence[int] | None = None,
     ) -> None:
-        """Register base-page hashes in every group (a no-op with caching off).
+        """Register base-page hashes in every group (a no-op with caching off), or only in the
+        groups ``groups`` lists (indices, each once).
 
         ``content_hashes[j]`` is base page ``first_slot + j``; state groups register only the
         last key, when the range ends at ``end_tokens`` on their page boundary. Raises

@@ -1152,3 +1152,39 @@ def test_checkpoint_counters_follow_written_hit_and_evicted(api: ModuleType) -> 
     assert cache.schedule([slot_c], [40]).tolist() == [True]
     assert cache.stats()["evictions"] == 6
     assert counts() == (1, 1, 1)
+
+
+def test_register_in_some_groups_only(api: ModuleType) -> None:
+    """``register(..., groups=[...])`` keys the listed groups' slots and leaves the others'
+    pages unkeyed (vLLM's sparse retention keys a sliding group's block only where a later
+    request could resume, a full group's always). Full P = 4 beside sliding P = 4, W = 8: two
+    pages registered in the full group only are a full hit for it and none for the sliding
+    group, so a match resumes nowhere; registering the sliding group's last page afterwards
+    (its window: ceil(7 / 4) = 2 pages, the first a hole in a hit) makes the 8 tokens a hit."""
+    specs = [api.KVCacheSpec("full", 4, group_id="full"), api.KVCacheSpec("sliding_window", 4, 8, "swa")]
+    cache = api.PageCache(specs, 32, enable_kv_events=True)
+    hashes = api.hash_pages(list(range(9)), 4)
+    assert cache.acquire("a", 9)
+    cache.register("a", hashes, groups=[0])
+    stored = [e for e in cache.take_events() if type(e).__name__ == "BlockStored"]
+    assert [e.group_index for e in stored] == [0] and len(stored[0].block_hashes) == 2
+    assert cache.match_prefix(hashes).num_common_tokens == 0  # the sliding group has no page
+    cache.register("a", hashes, groups=[1])
+    stored = [e for e in cache.take_events() if type(e).__name__ == "BlockStored"]
+    assert [e.group_index for e in stored] == [1]
+    match = cache.match_prefix(hashes)
+    assert match.num_common_tokens == 8 and match.num_hit_pages == [2, 2]
+    # An empty list registers nothing; None (the default) every group.
+    assert cache.acquire("b", 4)
+    cache.register("b", api.hash_pages([7, 7, 7, 7], 4), groups=[])
+    assert cache.take_events() == []
+
+
+def test_register_groups_are_checked_before_the_request(api: ModuleType) -> None:
+    cache = api.PageCache([api.KVCacheSpec("full", 4)], 8)
+    with pytest.raises(ValueError, match=r"^groups\[0\] = 1 is no group of this cache \(it has 1: 0 to 0\)$"):
+        cache.register("nobody", [], groups=[1])
+    with pytest.raises(ValueError, match=r"^groups\[1\] = 0 is listed twice$"):
+        cache.register("nobody", [], groups=[0, 0])
+    with pytest.raises(TypeError, match=r"^groups\[0\] must be an int, got str$"):
+        cache.register("nobody", [], groups=["0"])

@@ -248,6 +248,9 @@ ARGS: dict[str, Arg] = {
     "register.end_tokens": Arg(
         "count", "end_tokens", lambda _, c, v: c.register(PAGE_LEVEL, [HASH], end_tokens=v), optional=True
     ),
+    "register.groups": Arg(
+        "counts", "groups", lambda _, c, v: c.register(PAGE_LEVEL, [HASH], groups=v), optional=True
+    ),
     "reclaim.num_computed_tokens": Arg(
         "count", "num_computed_tokens", lambda _, c, v: c.reclaim(PAGE_LEVEL, v)
     ),

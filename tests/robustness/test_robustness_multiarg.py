@@ -564,6 +564,24 @@ METHODS: tuple[Method, ...] = (
             keyword=True,
         ),
         Param("end_tokens", _const(None), count_bads("end_tokens")[:2], keyword=True),
+        Param(
+            "groups",
+            _const(None),
+            (
+                Bad("[-1]", _const([-1]), FORM, ValueError, "groups[0] must be >= 0, got -1"),
+                Bad("'x'", _const("x"), FORM, TypeError, f"groups must be a sequence of {INTS}, got str"),
+                # The cache's two groups: a relation of the argument and the cache, before the request.
+                Bad(
+                    "[2]",
+                    _const([2]),
+                    RELATION,
+                    ValueError,
+                    "groups[0] = 2 is no group of this cache (it has 2: 0 to 1)",
+                ),
+                Bad("[0, 0]", _const([0, 0]), RELATION, ValueError, "groups[1] = 0 is listed twice"),
+            ),
+            keyword=True,
+        ),
         page_level=True,
         triples=True,
     ),

@@ -41,7 +41,7 @@ import transformers
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     from flat_kvcache.vllm import UnsupportedVllmConfigError
-    from vllm import LLM, SamplingParams  # type: ignore[import-not-found]
+    from vllm import LLM, SamplingParams  # type: ignore[import-not-found,attr-defined,unused-ignore]
 
 # The same noise while vLLM builds and runs its engine (deprecated torch names it touches).
 pytestmark = [

@@ -8,7 +8,9 @@
 use flat_kvcache_core::engine::FlatCache;
 use pyo3::prelude::*;
 
-use crate::args::{content_hashes, count, opt_count, CountParam, FlagParam, GroupSpecs, Passed, RequestId, RequestIds};
+use crate::args::{
+    content_hashes, count, counts, opt_count, CountParam, FlagParam, GroupSpecs, Passed, RequestId, RequestIds,
+};
 use crate::cache::{tables_to_py, PyPagedCache};
 use crate::errors::{core, lock};
 use crate::prefix_match::{MatchArg, PyPrefixMatch};
@@ -107,9 +109,10 @@ impl PyPageCache {
     /// group; state groups register only the last key when the range ends at `end_tokens`
     /// on their page boundary. Does nothing with caching off.
     #[pyo3(
-        signature = (req, content_hashes, *, first_slot = CountParam::OMITTED, end_tokens = None),
-        text_signature = "(self, req, content_hashes, *, first_slot=0, end_tokens=None)"
+        signature = (req, content_hashes, *, first_slot = CountParam::OMITTED, end_tokens = None, groups = None),
+        text_signature = "(self, req, content_hashes, *, first_slot=0, end_tokens=None, groups=None)"
     )]
+    #[allow(clippy::too_many_arguments, reason = "the Python signature")]
     fn register(
         slf: &Bound<'_, Self>,
         py: Python<'_>,
@@ -117,13 +120,21 @@ impl PyPageCache {
         content_hashes: &Bound<'_, PyAny>,
         first_slot: CountParam<'_>,
         end_tokens: Option<&Bound<'_, PyAny>>,
+        groups: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let cache = slf.as_super().get();
         let id = req.id()?;
         let hashes = self::content_hashes(content_hashes, "content_hashes")?;
         let first = first_slot.or(0, "first_slot")?;
         let end = opt_count(end_tokens, "end_tokens")?;
-        let result = cache.detached(py, |c| c.register(id, &hashes, first, end))?;
+        let groups = groups
+            .filter(|g| !g.is_none())
+            .map(|g| counts(g, "groups"))
+            .transpose()?;
+        let result = cache.detached(py, |c| {
+            let only = groups.as_deref().map(|g| c.group_indices(g)).transpose()?;
+            c.register_groups(id, &hashes, first, end, only.as_deref())
+        })?;
         core(result)
     }
 

@@ -640,13 +640,17 @@ class Coordinator:
         first: int,
         end: int | None,
         state: TokenState | None,
+        only: list[int] | None = None,
     ) -> None:
         """:meth:`register` on checked arguments; ``state`` is the token-level request, if any
-        (its tokens, hashes and extra keys go into the ``BlockStored`` events)."""
+        (its tokens, hashes and extra keys go into the ``BlockStored`` events); ``only``, the
+        groups that register (every group when None)."""
         if not self._enable_caching:
             return  # SPEC 12.4: nothing is registered when prefix caching is disabled
         plan: list[tuple[GroupManager, Table, list[str], int]] = []
         for manager, table in zip(self._managers, tables, strict=True):
+            if only is not None and manager.index not in only:
+                continue
             keys = self._group_keys(manager, hashes, first)
             slot = ceil_div(first, manager.fold)
             chosen = manager.keys_to_register(keys, slot, (first + len(hashes)) * self._base, end)

@@ -990,11 +990,27 @@ impl Coordinator {
         end_tokens: Option<u64>,
         ctx: Option<TokenContext<'_>>,
     ) -> CoreResult<()> {
+        self.register_groups(tables, hashes, first_slot, end_tokens, ctx, None)
+    }
+
+    /// [`Self::register_with`] for the groups `only` lists (every group when `None`): the
+    /// others register nothing, as if their plan were empty (vLLM's sparse retention keys a
+    /// sliding group's slot only where a later request could resume, a full group's always).
+    pub fn register_groups(
+        &mut self,
+        tables: &[Table],
+        hashes: &[ContentHash],
+        first_slot: u64,
+        end_tokens: Option<u64>,
+        ctx: Option<TokenContext<'_>>,
+        only: Option<&[usize]>,
+    ) -> CoreResult<()> {
         if !self.pool.caching_enabled() {
             return Ok(());
         }
+        let chosen = |g: usize| only.is_none_or(|list| list.contains(&g));
         let mut keys = 0usize;
-        for (g, table) in tables.iter().enumerate() {
+        for (g, table) in tables.iter().enumerate().filter(|&(g, _)| chosen(g)) {
             keys += self
                 .register_plan(g, table, hashes.len(), first_slot, end_tokens)?
                 .map_or(0, |p| p.count);
@@ -1002,7 +1018,7 @@ impl Coordinator {
         if keys == 0 {
             return Ok(());
         }
-        for (g, table) in tables.iter().enumerate() {
+        for (g, table) in tables.iter().enumerate().filter(|&(g, _)| chosen(g)) {
             let Some(plan) = self.register_plan(g, table, hashes.len(), first_slot, end_tokens)? else {
                 continue;
             };

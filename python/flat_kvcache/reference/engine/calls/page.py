@@ -19,6 +19,7 @@ from flat_kvcache.reference.engine._args import (
     RequestId,
     as_content_hashes,
     as_count,
+    as_counts,
     as_flag,
     as_request_id,
     as_request_ids,
@@ -169,22 +170,36 @@ class PageApi(PageTables):
         *,
         first_slot: int = 0,
         end_tokens: int | None = None,
+        groups: Sequence[int] | None = None,
     ) -> None:
         """Give the request's full pages their cache keys (SPEC 7; nothing when caching is off).
 
         ``content_hashes[j]`` is base page ``first_slot + j``. Each group folds them into keys
         for its slots from ``ceil(first_slot / m_g)``. History groups register every key; state
         groups only the last, and only when ``end_tokens`` is a multiple of their page size and
-        the hashes end exactly there (SPEC 6). Ranges are checked for every group first. A
-        token-level request is a ValueError (its pages are registered as it is scheduled).
+        the hashes end exactly there (SPEC 6). ``groups`` (group indices, each once) limits the
+        registration to those groups; the others register nothing. Ranges are checked for every
+        registering group first. A token-level request is a ValueError (its pages are
+        registered as it is scheduled).
         """
         key = as_request_id(req)
         hashes = as_content_hashes(content_hashes)
         first = as_count(first_slot, "first_slot")
         end = None if end_tokens is None else as_count(end_tokens, "end_tokens")
+        only = None if groups is None else self._group_indices(as_counts(groups, "groups"))
         tables = self._tables(key)
         self._check_page_level("register", key)
-        self._register(tables, hashes, first, end, None)
+        self._register(tables, hashes, first, end, None, only)
+
+    def _group_indices(self, groups: list[int]) -> list[int]:
+        """``groups`` checked against this cache's group count: each below it, none twice."""
+        n = len(self._specs)
+        for i, g in enumerate(groups):
+            if g >= n:
+                raise ValueError(f"groups[{i}] = {g} is no group of this cache (it has {n}: 0 to {n - 1})")
+            if g in groups[:i]:
+                raise ValueError(f"groups[{i}] = {g} is listed twice")
+        return groups
 
     def reclaim(self, req: RequestId, num_computed_tokens: int) -> None:
         """Free every page that slid out of its group's window, per group in index order (SPEC 6).

@@ -95,8 +95,41 @@ impl FlatCache {
         first_slot: u64,
         end_tokens: Option<u64>,
     ) -> CoreResult<()> {
+        self.register_groups(req, hashes, first_slot, end_tokens, None)
+    }
+
+    /// [`Self::register`] in the groups `only` lists (indices checked by the caller: each
+    /// below the group count, none twice), every group when `None`.
+    pub fn register_groups(
+        &mut self,
+        req: RequestIdRef<'_>,
+        hashes: &[ContentHash],
+        first_slot: u64,
+        end_tokens: Option<u64>,
+        only: Option<&[usize]>,
+    ) -> CoreResult<()> {
         let (coord, tables) = self.split_mut("register", req)?;
-        coord.register(tables, hashes, first_slot, end_tokens)
+        coord.register_groups(tables, hashes, first_slot, end_tokens, None, only)
+    }
+
+    /// Check a `groups` argument against this cache's group count: each an index below it,
+    /// none listed twice; the indices as `usize`.
+    pub fn group_indices(&self, groups: &[u64]) -> CoreResult<Vec<usize>> {
+        let n = self.coordinator().managers().len();
+        let mut out: Vec<usize> = Vec::with_capacity(groups.len());
+        for (i, &g) in groups.iter().enumerate() {
+            let Some(index) = usize::try_from(g).ok().filter(|&index| index < n) else {
+                return Err(CoreError::invalid(format!(
+                    "groups[{i}] = {g} is no group of this cache (it has {n}: 0 to {})",
+                    n - 1
+                )));
+            };
+            if out.contains(&index) {
+                return Err(CoreError::invalid(format!("groups[{i}] = {g} is listed twice")));
+            }
+            out.push(index);
+        }
+        Ok(out)
     }
 
     /// Reclaim `req`'s slid-out pages at `n` computed tokens.
