@@ -114,40 +114,59 @@ def _attention_only(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**cfg, "layer_types": layers, "num_hidden_layers": len(layers)}
 
 
-def _run_arena(
+def attention_kv_bytes_per_token(attention: dict[str, Any]) -> int:
+    """K and V of every attention layer of ``attention`` per token (``ModelShape.kv_bytes_per_slot``
+    is one layer's)."""
+    return sum(c.bytes_per_slot for c in ModelShape.from_config(attention).components())
+
+
+def budget_bytes(fraction: float, unique_blocks: int, kv_bytes_per_token: int) -> int:
+    """B10 / B25 / B50 (``fraction`` 0.10 / 0.25 / 0.50): the bytes that hold ``fraction`` of the
+    unique blocks' tokens in the attention-only model's K/V."""
+    return math.ceil(fraction * unique_blocks * MOONCAKE_BLOCK_TOKENS) * kv_bytes_per_token
+
+
+def run_arena(
     label: str,
     cfg: dict[str, Any],
     budget: int,
     trace: list[Any],
     prompt_tokens: int,
-    args: argparse.Namespace,
+    *,
+    page_size: int = DEFAULT_PAGE_SIZE,
+    max_running: int = DEFAULT_MAX_RUNNING,
+    grain: int = 64,
     policy: Literal["lru", "reuse"] = "lru",
 ) -> dict[str, Any]:
     """One run on the SPEC 13 storage: the arena ``plan_arena`` lays out for ``budget`` bytes,
-    16-token attention pages, state pages (checkpoints) of ``--grain`` tokens."""
+    ``page_size``-token attention pages, state pages (checkpoints) of ``grain`` tokens."""
     shape = ModelShape.from_config(cfg)
     try:
-        arena = plan_arena(shape.components(), args.page_size, budget)
+        arena = plan_arena(shape.components(), page_size, budget)
     except ValueError as exc:  # the budget holds fewer than two units (a tiny trace)
         return {"model": label, "budget_bytes": budget, "error": str(exc), "hit_rate": 0.0}
     config = SimulationConfig(
         model=cfg,
-        page_size=args.page_size,
-        max_running=args.max_running,
+        page_size=page_size,
+        max_running=max_running,
         arena=arena,
-        state_page_size=args.grain,
+        state_page_size=grain,
         eviction_policy=policy,
     )
     start = time.perf_counter()
-    summary = simulate(trace, config).summary
+    try:
+        summary = simulate(trace, config).summary
+    except ValueError as exc:  # the arena holds no unit for one token of a request (a tiny trace)
+        return {"model": label, "budget_bytes": budget, "error": str(exc), "hit_rate": 0.0}
     seconds = time.perf_counter() - start
     hits = int(summary["prefix_hits_tokens"])
     pages_per_unit = {g.group_id: g.per_unit for g in arena.groups}
     return {
         "model": label,
         "storage": "arena",
+        "policy": policy,
         "budget_bytes": budget,
-        "page_size": args.page_size,
+        "page_size": page_size,
         "unit_bytes": arena.unit_bytes,
         "num_units": arena.num_units,
         "pages_per_unit": pages_per_unit,
@@ -162,8 +181,33 @@ def _run_arena(
         "preemptions": summary["preemptions"],
         "aborted": summary["aborted"],
         "steps": summary["steps"],
+        "checkpoints": summary["checkpoints"],
+        "cache_ms": summary["timing"]["cache_total_ms"],
         "seconds": round(seconds, 2),
     }
+
+
+def _run_arena(
+    label: str,
+    cfg: dict[str, Any],
+    budget: int,
+    trace: list[Any],
+    prompt_tokens: int,
+    args: argparse.Namespace,
+    policy: Literal["lru", "reuse"] = "lru",
+) -> dict[str, Any]:
+    """:func:`run_arena` with the command line's page size, running requests and grain."""
+    return run_arena(
+        label,
+        cfg,
+        budget,
+        trace,
+        prompt_tokens,
+        page_size=args.page_size,
+        max_running=args.max_running,
+        grain=args.grain,
+        policy=policy,
+    )
 
 
 def _run(
@@ -228,11 +272,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     unique_tokens = blocks * MOONCAKE_BLOCK_TOKENS
     hybrid = get_preset(PRESET)
     attention = _attention_only(hybrid)
-    # K and V of every attention layer (ModelShape.kv_bytes_per_slot is one layer's).
-    kv_bytes_per_token = sum(c.bytes_per_slot for c in ModelShape.from_config(attention).components())
+    kv_bytes_per_token = attention_kv_bytes_per_token(attention)
     budgets = []
     for fraction in FRACTIONS:
-        budget = math.ceil(fraction * unique_tokens) * kv_bytes_per_token
+        budget = budget_bytes(fraction, blocks, kv_bytes_per_token)
         runs = [
             _run(f"{PRESET} (hybrid)", hybrid, budget, trace, prompt_tokens, args),
             _run(f"{PRESET} attention only", attention, budget, trace, prompt_tokens, args),
