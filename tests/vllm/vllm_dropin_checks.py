@@ -65,6 +65,33 @@ def _first_difference(ours: StepRecord, theirs: StepRecord) -> str:
     return ""
 
 
+def _count_mamba_paths(scheduler: Any, covered: dict[str, int]) -> None:
+    """Count, on vLLM's own manager, the mamba paths a hybrid run takes: admissions whose
+    full-attention hit runs past the mamba hit (a shared-prefix boundary, where the scheduler
+    ends the chunk) and hits deferred because their mamba state was cached in the same step."""
+    manager = scheduler.kv_cache_manager
+    covered["boundaries"] = covered["deferred"] = 0
+    lookup = manager.get_computed_blocks
+
+    def get_computed_blocks(*args: Any, **kwargs: Any) -> Any:
+        result = lookup(*args, **kwargs)
+        covered["boundaries"] += result[2] > 0
+        return result
+
+    manager.get_computed_blocks = get_computed_blocks
+    for single in manager.coordinator.single_type_managers:
+        if isinstance(single.kv_cache_spec, MambaSpec):
+            count = single.get_num_blocks_to_allocate
+
+            def get_num_blocks_to_allocate(*args: Any, _count: Any = count, **kwargs: Any) -> int:
+                need = _count(*args, **kwargs)
+                covered["deferred"] += need > manager.block_pool.num_gpu_blocks
+                return int(need)
+
+            single.get_num_blocks_to_allocate = get_num_blocks_to_allocate
+            break  # one mamba group suffices: all of them decide alike
+
+
 def run_lockstep(
     setup: SchedulerSetup, num_requests: int, seed: int, *, tables: bool = True
 ) -> dict[str, int]:
@@ -74,6 +101,8 @@ def run_lockstep(
     ours = build_scheduler(FlatScheduler, setup)
     assert isinstance(ours.kv_cache_manager, FlatKVCacheManager)
     covered = {"steps": 0, "preemptions": 0, "hit_tokens": 0, "aborted": 0, "null_hits": 0, "null_slots": 0}
+    if setup.layer_types:
+        _count_mamba_paths(theirs, covered)
     their_steps = run_steps(theirs, stream, block_size=setup.block_size)
     our_steps = run_steps(ours, stream, block_size=setup.block_size)
     for step, (their_out, our_out) in enumerate(zip(their_steps, our_steps, strict=True)):

@@ -29,13 +29,16 @@ from vllm.config import (  # type: ignore[import-not-found]
 from vllm.sampling_params import SamplingParams  # type: ignore[import-not-found]
 from vllm.utils.hashing import sha256  # type: ignore[import-not-found]
 from vllm.v1.core.kv_cache_utils import (  # type: ignore[import-not-found]
+    generate_scheduler_kv_cache_config,
     get_request_block_hasher,
     init_none_hash,
+    resolve_kv_cache_block_sizes,
 )
 from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found]
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import ModelRunnerOutput  # type: ignore[import-not-found]
@@ -86,6 +89,15 @@ class SchedulerSetup:
     watermark: float = 0.0
     policy: str = "fcfs"
     log_stats: bool = True
+    # A GDN / mamba hybrid (Qwen3.5, Qwen3-Next shapes): one entry per layer, "full_attention" or
+    # "linear_attention" (a mamba layer: ``mamba_type`` "gdn" or "mamba2"); the KV cache config is
+    # then built by vLLM's own config steps (:func:`hybrid_kv_cache_config`), not by hand.
+    layer_types: tuple[str, ...] = ()
+    mamba_type: str = "gdn"
+    # None: vLLM's default for the prefix-caching setting ("align" with it, "none" without).
+    mamba_cache_mode: str | None = None
+    # CacheConfig.prefix_cache_retention_interval for hybrids (vLLM's default is 0).
+    prefix_cache_retention_interval: int | None = None
 
 
 def kv_cache_spec(block_size: int, window: int | None = None) -> Any:
@@ -95,6 +107,102 @@ def kv_cache_spec(block_size: int, window: int | None = None) -> Any:
     return SlidingWindowSpec(
         block_size=block_size, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=window
     )
+
+
+def hybrid_kv_cache_config(vllm_config: Any, setup: SchedulerSetup) -> tuple[Any, int, int]:
+    """The scheduler's ``KVCacheConfig`` of a GDN / mamba hybrid, and its (block size, hash block
+    size), built by the steps vLLM's ``EngineCore`` takes, minus the model itself.
+
+    ``HybridAttentionMambaModelConfig.verify_and_update_config`` (what ``VllmConfig`` runs for a
+    hybrid architecture) picks the mamba cache mode and block size; the per-layer specs are what
+    the model's layers return (``MambaBase.get_kv_cache_spec``, with the state shapes and dtypes
+    of vLLM's own calculators; mamba2 layers add one prefill checkpoint page, as
+    ``MambaMixer2`` does; GDN layers add it only with FlashInfer prefill, a GPU backend); the
+    mamba page is padded to the attention page as the platform's ``_align_hybrid_block_size``
+    does (the state shapes are small enough that it keeps the block size); then vLLM's own
+    ``resolve_kv_cache_layout``, ``get_global_kv_cache_groups``, ``get_kv_cache_configs``,
+    ``generate_scheduler_kv_cache_config`` and ``resolve_kv_cache_block_sizes``, as in
+    ``EngineCore``. The pool gets ``setup.num_blocks`` blocks (vLLM's would come from profiling)."""
+    from dataclasses import replace
+
+    from vllm.model_executor.layers.mamba.mamba_utils import (  # type: ignore[import-not-found]
+        MambaStateDtypeCalculator,
+        MambaStateShapeCalculator,
+    )
+    from vllm.model_executor.models.config import (  # type: ignore[import-not-found]
+        HybridAttentionMambaModelConfig,
+    )
+    from vllm.v1.attention.backends.registry import (  # type: ignore[import-not-found]
+        MambaAttentionBackendEnum,
+    )
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout  # type: ignore[import-not-found]
+    from vllm.v1.core.kv_cache_planning import (  # type: ignore[import-not-found]
+        get_global_kv_cache_groups,
+        get_kv_cache_configs,
+    )
+
+    cache = vllm_config.cache_config
+    if setup.mamba_cache_mode is not None:
+        cache.mamba_cache_mode = setup.mamba_cache_mode
+    # The CPU and GPU platforms support vLLM's hybrid KV cache manager; the platform of this
+    # test venv (no device) reports it unsupported, and VllmConfig switched it off.
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    HybridAttentionMambaModelConfig.verify_and_update_config(vllm_config)
+    attention = kv_cache_spec(setup.block_size)
+    if setup.mamba_type == "gdn":
+        shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(1, 1, 1, 8, 8, 4)
+        dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(
+            vllm_config.model_config.dtype, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype
+        )
+        backend, checkpoints = MambaAttentionBackendEnum.GDN_ATTN, {}
+    elif setup.mamba_type == "mamba2":
+        shapes = MambaStateShapeCalculator.mamba2_state_shape(1, 16, 1, 1, 8, 4, 4)
+        dtypes = MambaStateDtypeCalculator.mamba2_state_dtype(
+            vllm_config.model_config.dtype, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype
+        )
+        backend = MambaAttentionBackendEnum.MAMBA2
+        checkpoints = {"num_prefill_checkpoint_blocks": 1, "prefill_checkpoint_alignment": 1}
+    else:
+        raise ValueError(f"mamba_type must be 'gdn' or 'mamba2', got {setup.mamba_type!r}")
+    mamba = MambaSpec(
+        shapes=tuple(shapes),
+        dtypes=tuple(dtypes),
+        block_size=cache.mamba_block_size,
+        page_size_padded=attention.page_size_bytes,
+        mamba_type=backend,
+        mamba_cache_mode=cache.mamba_cache_mode,
+    )
+    if mamba.state_content_size_bytes > attention.page_size_bytes:
+        raise ValueError(
+            "the mamba state outgrows the attention page: the platform would raise the block size"
+        )
+    if checkpoints and cache.mamba_cache_mode == "align":
+        mamba = replace(mamba, **checkpoints)
+    specs = {
+        (
+            f"model.layers.{i}.self_attn.attn"
+            if kind == "full_attention"
+            else f"model.layers.{i}.linear_attn"
+        ): (attention if kind == "full_attention" else mamba)
+        for i, kind in enumerate(setup.layer_types)
+    }
+    resolve_kv_cache_layout(vllm_config, [["NHD"]], specs.values())
+    groups = get_global_kv_cache_groups(vllm_config, [specs])
+    configs = get_kv_cache_configs(vllm_config, [specs], [1 << 32], groups)
+    kv_cache_config = generate_scheduler_kv_cache_config(configs)
+    kv_cache_config.num_blocks = setup.num_blocks
+    cache.num_gpu_blocks = setup.num_blocks
+    participating = [
+        g.kv_cache_spec.block_size
+        for g in kv_cache_config.kv_cache_groups
+        if g.kv_cache_spec.prefix_cacheable
+    ]
+    cache.block_size = min(
+        participating or [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
+    )
+    block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    kv_cache_config.hash_block_size = hash_block_size
+    return kv_cache_config, block_size, hash_block_size
 
 
 def build_scheduler(cls: type, setup: SchedulerSetup) -> Any:
@@ -122,11 +230,26 @@ def build_scheduler(cls: type, setup: SchedulerSetup) -> Any:
         gpu_memory_utilization=0.9,
         cache_dtype="auto",
         enable_prefix_caching=setup.enable_prefix_caching,
+        **(
+            {"prefix_cache_retention_interval": setup.prefix_cache_retention_interval}
+            if setup.layer_types
+            else {}
+        ),
     )
     cache.num_gpu_blocks = setup.num_blocks
     vllm_config = VllmConfig(
         model_config=model, scheduler_config=scheduler, cache_config=cache, device_config=DeviceConfig("cpu")
     )
+    if setup.layer_types:
+        kv_cache_config, block_size, hash_block_size = hybrid_kv_cache_config(vllm_config, setup)
+        return cls(
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=block_size,
+            hash_block_size=hash_block_size,
+            log_stats=setup.log_stats,
+        )
     groups = [
         KVCacheGroupSpec([f"model.layers.{g}.self_attn.attn"], kv_cache_spec(setup.block_size, window))
         for g, window in enumerate(setup.windows or (None,) * setup.num_groups)
