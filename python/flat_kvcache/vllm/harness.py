@@ -400,17 +400,29 @@ def new_request(item: StreamRequest, block_size: int) -> Any:
 
 
 def run_steps(
-    scheduler: Any, stream: list[StreamRequest], *, block_size: int, max_steps: int = 1_000_000
+    scheduler: Any,
+    stream: list[StreamRequest],
+    *,
+    block_size: int,
+    max_steps: int = 1_000_000,
+    in_flight: bool = False,
 ) -> Iterator[Any]:
     """Run ``stream`` through ``scheduler`` to the end, yielding each step's ``SchedulerOutput``
     after ``schedule()`` and before ``update_from_output`` (so two schedulers can run in lockstep).
-    Requests arrive and are aborted at the steps the stream says."""
+    Requests arrive and are aborted at the steps the stream says.
+
+    With ``in_flight`` a step's output is handed back only after the next step is scheduled, as
+    vLLM's engine core does under async scheduling (one batch executing while the next is
+    scheduled): requests are scheduled with tokens in flight, and blocks are cached by
+    ``update_from_output`` a step later. The fake model output is taken when its step is
+    scheduled."""
     pending = sorted(stream, key=lambda r: r.arrival_step)
     aborts: dict[int, list[str]] = {}
     for item in stream:
         if item.abort_step is not None:
             aborts.setdefault(item.abort_step, []).append(item.request_id)
     index = 0
+    executing: tuple[Any, Any] | None = None
     for step in range(max_steps):
         while index < len(pending) and pending[index].arrival_step <= step:
             scheduler.add_request(new_request(pending[index], block_size))
@@ -419,10 +431,21 @@ def run_steps(
         if live:
             scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
         if index >= len(pending) and not scheduler.requests:
-            return
+            if executing is None:
+                return
+            scheduler.update_from_output(*executing)
+            executing = None
+            continue
         output = scheduler.schedule()
         yield output
-        scheduler.update_from_output(output, fake_model_output(scheduler, output))
+        model_output = fake_model_output(scheduler, output)
+        if executing is not None:
+            scheduler.update_from_output(*executing)
+            executing = None
+        if in_flight:
+            executing = (output, model_output)
+        else:
+            scheduler.update_from_output(output, model_output)
     raise RuntimeError(f"the stream did not finish in {max_steps} steps")
 
 
