@@ -11,8 +11,10 @@ prefill, aborts, and pools tight enough to preempt) and run in lockstep; after e
 ``schedule()`` the two outputs must agree exactly: which requests run with how many tokens, the
 prefix hit each admitted request starts from, the new block ids handed to the model, who was
 preempted or finished, the pool usage, and every live request's block ids in every group and
-cached-token estimate. Models of full-attention groups and of full plus sliding-window groups
-(Gemma-2/3, GPT-OSS shapes) are covered, with prefix caching on and off.
+cached-token estimate. Models of full-attention groups, of full plus sliding-window groups
+(Gemma-2/3, GPT-OSS shapes) and of full plus GDN / mamba groups (Qwen3.5, Qwen3-Next shapes, their
+KV cache config built by vLLM's own config steps) are covered, with prefix caching on and off,
+some with each step's output handed back only after the next is scheduled (async scheduling).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from flat_kvcache.vllm.harness import (
     SchedulerSetup,
     StepRecord,
     build_scheduler,
+    hybrid_layer_types,
     kv_cache_spec,
     make_stream,
     record_step,
@@ -177,6 +180,15 @@ SLIDING_CASES: dict[str, dict[str, Any]] = {
 # per request and group. Mamba2 layers (MambaMixer2) serve in mode "none" only (their prefill
 # checkpoint pages are refused in "align", below).
 QWEN35_LAYERS = ("linear_attention", "linear_attention", "linear_attention", "full_attention") * 2
+
+
+@pytest.mark.parametrize("model", ["qwen3.5", "qwen3-next"])
+def test_layer_pattern_is_transformers(tmp_path: Path, model: str) -> None:
+    """The cases' layer pattern is what transformers writes for tiny Qwen3.5 and Qwen3-Next
+    configs (``save_pretrained``, no hub)."""
+    assert hybrid_layer_types(tmp_path, model) == QWEN35_LAYERS
+
+
 # The "async" cases hand each step's output back after the next step is scheduled, as vLLM's
 # engine core does under async scheduling (``run_steps(in_flight=True)``): a running mamba state
 # is then still uncached when its table grows past it, at every decode block boundary.

@@ -12,7 +12,11 @@ Full-attention groups map to ``"full"`` engine groups and sliding-window groups 
 ``"sliding_window"`` ones with the same window: the engine's hybrid match is vLLM's hybrid
 coordinator's fixed point, its ``reclaim`` is vLLM's ``remove_skipped_blocks`` (called where
 vLLM's ``allocate_slots`` calls it, on the processed-token count), and its ``"group"`` eviction
-order frees and reclaims pages in vLLM's order.
+order frees and reclaims pages in vLLM's order. Mamba (GDN, mamba2) groups map to ``"state"``
+groups: one page per allocation in the table's last slot, null gaps before it, older states
+reclaimed once processed (mode "align"), or one page of ``max_model_len`` tokens per request
+(mode "none"); what vLLM's ``MambaManager`` decides beyond that (the one-page count, hits deferred
+on a state cached in the same step, the shared-prefix boundary) is done here (docs/vllm.md).
 
 A step in which no running request crosses a page boundary makes no native call at all: a table
 only grows, so the pages a request needs are counted here (``cdiv(tokens, P) - len``), the

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import random
 import zlib
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +66,22 @@ def tiny_model_dir(folder: Path) -> Path:
     }
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+def hybrid_layer_types(folder: Path, model: str, num_layers: int = 8) -> tuple[str, ...]:
+    """The layer pattern of a tiny ``model`` ("qwen3.5" or "qwen3-next") config, as transformers
+    writes it (``save_pretrained`` into ``folder``, read back from its ``config.json``; no hub).
+
+    vLLM's ``ModelConfig`` cannot be built over these architectures in a venv without vLLM's
+    model dependencies (its registry imports the model class), so the scheduler's model config
+    stays the tiny Llama and only the layer pattern (which layers are GDN) comes from here."""
+    from transformers import Qwen3_5TextConfig, Qwen3NextConfig
+
+    configs = {"qwen3.5": Qwen3_5TextConfig, "qwen3-next": Qwen3NextConfig}
+    if model not in configs:
+        raise ValueError(f"model must be one of {sorted(configs)}, got {model!r}")
+    configs[model](num_hidden_layers=num_layers).save_pretrained(folder)
+    return tuple(json.loads((folder / "config.json").read_text())["layer_types"])
 
 
 @dataclass(frozen=True)
@@ -406,7 +422,7 @@ def run_steps(
     block_size: int,
     max_steps: int = 1_000_000,
     in_flight: bool = False,
-) -> Iterator[Any]:
+) -> Generator[Any, None, None]:
     """Run ``stream`` through ``scheduler`` to the end, yielding each step's ``SchedulerOutput``
     after ``schedule()`` and before ``update_from_output`` (so two schedulers can run in lockstep).
     Requests arrive and are aborted at the steps the stream says.
