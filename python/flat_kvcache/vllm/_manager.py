@@ -616,7 +616,7 @@ class FlatKVCacheManager:
             if tables.due < _NEVER:
                 computed = min(request.num_computed_tokens, self.max_model_len)
                 self._reclaim(request_id, tables, max(0, computed - request.num_in_flight_tokens))
-            if len(request.block_hashes) > tables.num_cached:
+            if self.enable_caching and len(request.block_hashes) > tables.num_cached:
                 computed = min(request.num_computed_tokens, self.max_model_len)
                 self._cache_full_pages(request, tables, min(computed + num_new_tokens, request.num_tokens))
             return self.empty_kv_cache_blocks
@@ -778,6 +778,8 @@ class FlatKVCacheManager:
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         """Register the request's pages made full by ``num_computed_tokens`` (async scheduling)."""
+        if not self.enable_caching:
+            return
         tables = self._tables.get(request.request_id)
         if tables is not None and len(request.block_hashes) > tables.num_cached:
             self._cache_full_pages(request, tables, num_computed_tokens)
