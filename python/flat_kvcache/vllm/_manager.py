@@ -474,16 +474,18 @@ class FlatKVCacheManager:
             else:
                 raise RuntimeError(f"flat_kvcache.vllm: unexpected KV event {event!r}")
 
-    def _full_hit_pages(self, hashes: Sequence[str]) -> int:
-        """vLLM's full-attention hit alone: the leading pages every mirrored group holds a key for."""
+    def _full_hit_pages(self, hashes: Sequence[str], start: int) -> int:
+        """vLLM's full-attention hit alone: the leading pages every mirrored group holds a key
+        for. The first ``start`` are known to (the joint hit's pages), so the scan starts there."""
         self._sync_full_mirror()
-        mirrors = list(self._full_mirror.values())
-        count = 0
-        for key in hashes:
-            if not all(key in keys for keys in mirrors):
-                break
-            count += 1
-        return count
+        count = start
+        end = len(hashes)
+        for keys in self._full_mirror.values():
+            stop = start
+            while stop < end and hashes[stop] in keys:
+                stop += 1
+            end = stop
+        return max(count, end)
 
     # -- lookup --------------------------------------------------------------------------------
 
@@ -505,7 +507,7 @@ class FlatKVCacheManager:
         # group agrees on (only mamba groups lag it here), else 0.
         boundary = 0
         if self._full_mirror:
-            full = self._full_hit_pages(hashes) * self._page
+            full = self._full_hit_pages(hashes, hit // self._page) * self._page
             if full > hit:
                 boundary = full
         if hit == 0:
