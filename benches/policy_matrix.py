@@ -8,11 +8,18 @@ of requests), the replay of ``benches/hybrid_hits.py``:
 1. Models: the ``qwen3.5-like`` preset (12 full + 36 linear-attention layers) with
    ``eviction_policy="lru"`` and ``"reuse"`` (SPEC 13.8), and its attention layers alone (no
    checkpoint, so the policy changes nothing there: run once, ``lru``).
-2. Budgets: B10 / B25 / B50 are the bytes that hold 10 / 25 / 50 % of the replayed prefix's
-   unique 512-token blocks in the attention-only model's K/V (``hybrid_hits.budget_bytes``): each
-   prefix is a trace of its own at the same memory pressure (what ``hybrid_hits.py
-   --max-requests N`` measures), so the first 10 % shows a policy before it has seen much.
-   Every run gets ``plan_arena`` over its budget, 16-token pages, 64-token state grain.
+2. Budgets: Bx = W + the bytes that hold x % (10 / 25 / 50) of the replayed prefix's unique
+   512-token blocks in the attention-only model's K/V (``hybrid_hits.budget_bytes``). W
+   (``working_set_bytes``) is the most the prefix's running requests hold at once on an engine
+   short of nothing and sharing nothing (a state slot and the K/V of prompt and output each),
+   read from the trace alone. ``hybrid_hits.py``'s budgets (``--budget plain``) have no W: on the
+   shapes that share much (agent, document QA) x % of the few unique blocks is less than the
+   running requests take, so the hybrid queues without end (agent, 3,000 requests, B10: 17
+   running at most, 84,650 steps for arrivals that end at step 18,500, 10 minutes for one run)
+   and hit rates measure the queue, not the policy. Each prefix is a trace of its own at the same
+   pressure (what ``hybrid_hits.py --max-requests N`` does), so the first 10 % shows a policy
+   before it has seen much. Every run gets ``plan_arena`` over its budget, 16-token pages,
+   64-token state grain.
 3. Replay: ``load_trace`` of the Mooncake file, then ``workloads.carry_answers`` (a request whose
    prompt a later one extends generates the tokens that later prompt carries, so an answer comes
    back as the next turn); hit rate = prefix hit tokens / prompt tokens.
