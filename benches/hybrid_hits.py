@@ -41,6 +41,7 @@ import math
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -310,6 +311,24 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def report(
+    result: dict[str, Any],
+    args: argparse.Namespace,
+    table: Callable[[dict[str, Any]], str],
+    draw: Callable[[dict[str, Any], Path], None],
+) -> None:
+    """A bench's output: ``result`` as JSON with ``--json``, else ``table(result)`` and the total
+    time; the plot ``draw`` makes when ``--plot`` names a file (this bench and policy_matrix)."""
+    if args.json:
+        json.dump(result, sys.stdout, indent=2)
+        print()
+    else:
+        print(table(result))
+        print(f"total {result['total_seconds']:.1f} s")
+    if args.plot is not None:
+        draw(result, args.plot)
+
+
 def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"trace {result['trace']}: {result['requests']} requests, {result['prompt_tokens']} prompt tokens, "
@@ -429,14 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         resolve_trace(args, parser, Path(folder))
         result = measure(args)
     result["total_seconds"] = round(time.perf_counter() - start, 2)
-    if args.json:
-        json.dump(result, sys.stdout, indent=2)
-        print()
-    else:
-        print(format_table(result))
-        print(f"total {result['total_seconds']:.1f} s")
-    if args.plot is not None:
-        plot(result, args.plot)
+    report(result, args, format_table, plot)
     return 0
 
 

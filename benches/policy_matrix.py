@@ -46,7 +46,6 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # spinning BLAS threads steal a core (benches/README.md)
 
 import argparse
-import json
 import math
 import sys
 import tempfile
@@ -73,6 +72,7 @@ from hybrid_hits import (
     _unique_blocks,
     attention_kv_bytes_per_token,
     budget_bytes,
+    report,
     run_arena,
 )
 
@@ -308,14 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as temporary:
         result = measure(args, args.write_traces or Path(temporary))
     result["total_seconds"] = round(time.perf_counter() - start, 2)
-    if args.json:
-        json.dump(result, sys.stdout, indent=2)
-        print()
-    else:
-        print(format_table(result))
-        print(f"total {result['total_seconds']:.1f} s")
-    if args.plot is not None:
-        plot(result, args.plot)
+    report(result, args, format_table, plot)
     return 0
 
 
