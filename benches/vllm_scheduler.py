@@ -16,6 +16,12 @@ vLLM lives in its own venv (see requirements/vllm.txt, or ``pip install vllm==0.
 
     PYTHONPATH=python /tmp/vllm-venv/bin/python benches/vllm_scheduler.py --runs 5
     PYTHONPATH=python /tmp/vllm-venv/bin/python benches/vllm_scheduler.py --smoke
+    PYTHONPATH=python /tmp/vllm-venv/bin/python benches/vllm_scheduler.py --hybrid gdn-align
+
+``--hybrid`` runs a GDN hybrid instead of a full-attention model: Qwen3.5's layer pattern (three
+GDN layers to one full-attention layer, twice), its KV cache config built by vLLM's config steps
+(three MambaSpec groups and one full group), mamba_cache_mode "align" with prefix caching (dense
+retention) or "none" without.
 """
 
 from __future__ import annotations
@@ -60,6 +66,10 @@ MANAGER_CALLS = (
     "cache_blocks",
     "remove_skipped_blocks",
 )
+
+
+# Qwen3.5 / Qwen3-Next: three GDN (linear-attention) layers to one full-attention layer.
+HYBRID_LAYERS = ("linear_attention", "linear_attention", "linear_attention", "full_attention") * 2
 
 
 class _Clock:
@@ -182,6 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--running", type=int, default=256, help="max_num_seqs (requests running at once)")
     parser.add_argument("--num-blocks", type=int, default=40000)
     parser.add_argument("--smoke", action="store_true", help="one tiny run of each; nothing is measured")
+    parser.add_argument(
+        "--hybrid",
+        choices=("gdn-align", "gdn-none"),
+        default=None,
+        help="a GDN hybrid (Qwen3.5 layer pattern) in mamba_cache_mode align (prefix caching) or none",
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.num_requests, args.runs, args.running, args.num_blocks = 40, 1, 16, 2000
@@ -195,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=8192,
             max_model_len=8192,
             log_stats=True,
+            layer_types=HYBRID_LAYERS if args.hybrid else (),
+            enable_prefix_caching=args.hybrid != "gdn-none",
         )
         # Arrivals fast enough to keep the running set full; decode-heavy outputs.
         stream = make_stream(
@@ -224,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(values), min(values), max(values)
 
     first = results["vllm"][0]
+    if args.hybrid:
+        print(f"GDN hybrid, mamba_cache_mode {args.hybrid.split('-')[1]!r}: {' '.join(HYBRID_LAYERS)}")
     print(
         f"{args.num_requests} requests, {first['steps']} steps, max_num_seqs={args.running}, "
         f"{first['measured_steps']} steps with >= {min_running} scheduled; {args.runs} runs, alternating; "

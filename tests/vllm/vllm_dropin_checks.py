@@ -11,8 +11,10 @@ prefill, aborts, and pools tight enough to preempt) and run in lockstep; after e
 ``schedule()`` the two outputs must agree exactly: which requests run with how many tokens, the
 prefix hit each admitted request starts from, the new block ids handed to the model, who was
 preempted or finished, the pool usage, and every live request's block ids in every group and
-cached-token estimate. Models of full-attention groups and of full plus sliding-window groups
-(Gemma-2/3, GPT-OSS shapes) are covered, with prefix caching on and off.
+cached-token estimate. Models of full-attention groups, of full plus sliding-window groups
+(Gemma-2/3, GPT-OSS shapes) and of full plus GDN / mamba groups (Qwen3.5, Qwen3-Next shapes, their
+KV cache config built by vLLM's own config steps) are covered, with prefix caching on and off,
+some with each step's output handed back only after the next is scheduled (async scheduling).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from flat_kvcache.vllm.harness import (
     StepRecord,
     build_configs,
     build_scheduler,
+    hybrid_layer_types,
     kv_cache_spec,
     make_stream,
     record_step,
@@ -66,8 +69,49 @@ def _first_difference(ours: StepRecord, theirs: StepRecord) -> str:
     return ""
 
 
+def _count_mamba_paths(scheduler: Any, covered: dict[str, int]) -> None:
+    """Count, on vLLM's own manager, the mamba paths a hybrid run takes: admissions whose
+    full-attention hit runs past the mamba hit (a shared-prefix boundary, where the scheduler
+    ends the chunk) and hits deferred because their mamba state was cached in the same step."""
+    manager = scheduler.kv_cache_manager
+    covered["boundaries"] = covered["deferred"] = covered["unkeyed_crossings"] = 0
+    lookup = manager.get_computed_blocks
+
+    def get_computed_blocks(*args: Any, **kwargs: Any) -> Any:
+        result = lookup(*args, **kwargs)
+        covered["boundaries"] += result[2] > 0
+        return result
+
+    manager.get_computed_blocks = get_computed_blocks
+    for single in manager.coordinator.single_type_managers:
+        if isinstance(single.kv_cache_spec, MambaSpec):
+            count = single.get_num_blocks_to_allocate
+
+            def get_num_blocks_to_allocate(*args: Any, _count: Any = count, **kwargs: Any) -> int:
+                need = _count(*args, **kwargs)
+                covered["deferred"] += need > manager.block_pool.num_gpu_blocks
+                return int(need)
+
+            single.get_num_blocks_to_allocate = get_num_blocks_to_allocate
+            allocate = single.allocate_new_blocks
+
+            def allocate_new_blocks(
+                request_id: str, num_tokens: int, *args: Any, _allocate: Any = allocate, _m: Any = single
+            ) -> Any:
+                # A running state page not yet cached when the table grows past it (vLLM caches it
+                # right after): under async scheduling, at every decode block boundary.
+                blocks = _m.req_to_blocks.get(request_id, [])
+                if blocks and -(-num_tokens // _m.block_size) > len(blocks):
+                    last = blocks[-1]
+                    covered["unkeyed_crossings"] += not last.is_null and last.block_hash is None
+                return _allocate(request_id, num_tokens, *args)
+
+            single.allocate_new_blocks = allocate_new_blocks
+            break  # one mamba group suffices: all of them decide alike
+
+
 def run_lockstep(
-    setup: SchedulerSetup, num_requests: int, seed: int, *, tables: bool = True
+    setup: SchedulerSetup, num_requests: int, seed: int, *, tables: bool = True, in_flight: bool = False
 ) -> dict[str, int]:
     """Both schedulers over one stream; asserts every step equal; returns what the run covered."""
     stream = make_stream(num_requests, seed=seed)
@@ -75,8 +119,10 @@ def run_lockstep(
     ours = build_scheduler(FlatScheduler, setup)
     assert isinstance(ours.kv_cache_manager, FlatKVCacheManager)
     covered = {"steps": 0, "preemptions": 0, "hit_tokens": 0, "aborted": 0, "null_hits": 0, "null_slots": 0}
-    their_steps = run_steps(theirs, stream, block_size=setup.block_size)
-    our_steps = run_steps(ours, stream, block_size=setup.block_size)
+    if setup.layer_types:
+        _count_mamba_paths(theirs, covered)
+    their_steps = run_steps(theirs, stream, block_size=setup.block_size, in_flight=in_flight)
+    our_steps = run_steps(ours, stream, block_size=setup.block_size, in_flight=in_flight)
     for step, (their_out, our_out) in enumerate(zip(their_steps, our_steps, strict=True)):
         a = record_step(theirs, their_out, tables=tables)
         b = record_step(ours, our_out, tables=tables)
@@ -129,6 +175,136 @@ SLIDING_CASES: dict[str, dict[str, Any]] = {
 }
 for _case in SLIDING_CASES.values():
     _case["retention"] = None
+
+
+# GDN / mamba hybrids, their KV cache config built by vLLM's own config steps
+# (``harness.hybrid_kv_cache_config``): Qwen3.5 and Qwen3-Next interleave three linear-attention
+# (GDN) layers with one full-attention layer, so vLLM makes three MambaSpec groups and one
+# full-attention group of two layers each. Mode "align" (prefix caching on; dense retention, which
+# vLLM's prefix_cache_retention_interval=None selects): shared and nested prefixes make mamba hits
+# (null blocks before the hit state) and shared-prefix boundaries (the full-attention hit running
+# past the mamba hit, where vLLM's scheduler ends the chunk), states cached in the same step defer
+# a hit, tight pools preempt. Mode "none" (prefix caching off): one block of max_model_len tokens
+# per request and group. Mamba2 layers (MambaMixer2) serve in mode "none" only (their prefill
+# checkpoint pages are refused in "align", below).
+QWEN35_LAYERS = ("linear_attention", "linear_attention", "linear_attention", "full_attention") * 2
+
+
+@pytest.mark.parametrize("model", ["qwen3.5", "qwen3-next"])
+def test_layer_pattern_is_transformers(tmp_path: Path, model: str) -> None:
+    """The cases' layer pattern is what transformers writes for tiny Qwen3.5 and Qwen3-Next
+    configs (``save_pretrained``, no hub)."""
+    assert hybrid_layer_types(tmp_path, model) == QWEN35_LAYERS
+
+
+# The "async" cases hand each step's output back after the next step is scheduled, as vLLM's
+# engine core does under async scheduling (``run_steps(in_flight=True)``): a running mamba state
+# is then still uncached when its table grows past it, at every decode block boundary.
+MAMBA_CASES: dict[str, dict[str, Any]] = {
+    "gdn-align-tight-pool": dict(layer_types=QWEN35_LAYERS, num_blocks=400),
+    "gdn-align-tight-pool-async": dict(layer_types=QWEN35_LAYERS, num_blocks=400, in_flight=True),
+    "gdn-align-prefill-cap-async": dict(
+        layer_types=QWEN35_LAYERS, num_blocks=700, long_prefill_token_threshold=64, in_flight=True
+    ),
+    "gdn-align-block-32-async": dict(
+        layer_types=QWEN35_LAYERS, num_blocks=300, block_size=32, in_flight=True
+    ),
+    "gdn-align-one-to-one-priority": dict(
+        layer_types=("linear_attention", "full_attention") * 2, num_blocks=300, policy="priority"
+    ),
+    "gdn-none-tight-pool-async": dict(
+        layer_types=QWEN35_LAYERS, num_blocks=300, enable_prefix_caching=False, in_flight=True
+    ),
+    "mamba2-none-tight-pool": dict(
+        layer_types=QWEN35_LAYERS, num_blocks=300, enable_prefix_caching=False, mamba_type="mamba2"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MAMBA_CASES))
+def test_mamba_hybrid_same_steps_as_vllm(model_dir: Path, case: str) -> None:
+    options = dict(MAMBA_CASES[case])
+    in_flight = bool(options.pop("in_flight", False))
+    setup = SchedulerSetup(
+        model_dir=model_dir, **{"max_num_seqs": 32, "max_num_batched_tokens": 512, **options}
+    )
+    covered = run_lockstep(setup, 500, seed=5, in_flight=in_flight)
+    assert covered["preemptions"] > 0 and covered["aborted"] > 0, covered
+    if setup.enable_prefix_caching:
+        assert covered["hit_tokens"] > 0 and covered["null_hits"] > 20, covered
+        assert covered["boundaries"] > 100 and covered["deferred"] > 0, covered
+        assert (covered["unkeyed_crossings"] > 100) == in_flight, covered
+    else:
+        assert covered["hit_tokens"] == 0, covered
+
+
+def test_mamba_hybrid_few_thousand_requests(model_dir: Path) -> None:
+    setup = SchedulerSetup(
+        model_dir=model_dir,
+        layer_types=QWEN35_LAYERS,
+        num_blocks=700,
+        max_num_seqs=64,
+        max_num_batched_tokens=1024,
+    )
+    covered = run_lockstep(setup, 1500, seed=17, in_flight=True)
+    assert covered["preemptions"] > 20 and covered["aborted"] > 30, covered
+    assert covered["boundaries"] > 500 and covered["deferred"] > 5, covered
+    assert covered["unkeyed_crossings"] > 1000, covered
+
+
+@pytest.mark.parametrize("windows", [(), (None, 128, 40)], ids=["full", "full-sliding"])
+def test_in_flight_same_steps(model_dir: Path, windows: tuple[int | None, ...]) -> None:
+    """Under async scheduling's timing (one step's output handed back after the next is
+    scheduled) the full and sliding-window mappings stay identical too."""
+    setup = SchedulerSetup(
+        model_dir=model_dir, windows=windows, num_blocks=300, max_num_seqs=32, max_num_batched_tokens=512
+    )
+    covered = run_lockstep(setup, 500, seed=9, in_flight=True)
+    assert covered["preemptions"] > 0 and covered["hit_tokens"] > 0 and covered["aborted"] > 0, covered
+
+
+def _hybrid_configs(model_dir: Path, **kwargs: Any) -> tuple[Any, Any, int]:
+    """The vLLM config, KV-cache config and block size of a GDN hybrid built by vLLM's steps."""
+    setup = SchedulerSetup(model_dir=model_dir, layer_types=QWEN35_LAYERS, num_blocks=128, **kwargs)
+    theirs = build_scheduler(AsyncScheduler, setup)
+    return theirs.vllm_config, theirs.kv_cache_config, theirs.block_size
+
+
+def test_mamba_groups_built_as_vllm_builds_them(model_dir: Path) -> None:
+    """The differential's hybrids are vLLM's own: three GDN groups before one full group, mode and
+    block size from vLLM's config hook, and FlatScheduler serves them."""
+    vllm_config, kv_cache_config, block_size = _hybrid_configs(model_dir)
+    kinds = [type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups]
+    assert kinds == ["MambaSpec", "MambaSpec", "MambaSpec", "FullAttentionSpec"]
+    assert all(len(g.layer_names) == 2 for g in kv_cache_config.kv_cache_groups)
+    mamba = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    assert (mamba.mamba_cache_mode, mamba.block_size, block_size) == ("align", 16, 16)
+    ours = _build_flat(vllm_config, kv_cache_config, block_size)
+    assert isinstance(ours.kv_cache_manager, FlatKVCacheManager)
+    off_config, off, off_block_size = _hybrid_configs(model_dir, enable_prefix_caching=False)
+    mamba = off.kv_cache_groups[0].kv_cache_spec
+    # Mode "none": one mamba block holds the whole sequence, and the scheduler's block is the
+    # lcm of the groups' (the attention block divides max_model_len here).
+    longest = off_config.model_config.max_model_len
+    assert (mamba.mamba_cache_mode, mamba.block_size, off_block_size) == ("none", longest, longest)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            dict(prefix_cache_retention_interval=0),
+            r"group 0 \(MambaSpec.*sparse prefix-cache retention of mamba groups "
+            r"\(prefix_cache_retention_interval = 0\)",
+        ),
+        (dict(mamba_type="mamba2"), r"group 0 \(MambaSpec.*mamba prefill checkpoint pages"),
+    ],
+    ids=["retention-default-0", "mamba2-align"],
+)
+def test_mamba_variants_refused(model_dir: Path, kwargs: dict[str, Any], message: str) -> None:
+    vllm_config, kv_cache_config, block_size = _hybrid_configs(model_dir, **kwargs)
+    with pytest.raises(UnsupportedVllmConfigError, match=message):
+        _build_flat(vllm_config, kv_cache_config, block_size)
 
 
 @pytest.mark.parametrize("case", list(SLIDING_CASES))
@@ -253,17 +429,29 @@ def _build_flat(vllm_config: Any, kv_cache_config: Any, block_size: int = 16, **
     )
 
 
-def test_mamba_group_refused_naming_it(model_dir: Path) -> None:
+@pytest.mark.parametrize(
+    ("mode", "full", "message"),
+    [
+        ("none", True, "mamba_cache_mode 'none' with prefix caching"),
+        ("align", False, "mamba groups without a full-attention group"),
+    ],
+    ids=["none-with-caching", "no-full-attention"],
+)
+def test_mamba_group_refused_naming_it(model_dir: Path, mode: str, full: bool, message: str) -> None:
+    """Hand-built hybrids vLLM's config steps never make (or that no test covers) are refused,
+    naming the group and why."""
     vllm_config, kv_cache_config = _configs(model_dir)
-    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float16,))
+    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float16,), mamba_cache_mode=mode)
     hybrid = copy.copy(kv_cache_config)
+    hybrid.prefix_cache_retention_interval = None  # dense: the refusal named is the group's shape
     hybrid.kv_cache_groups = [
-        *kv_cache_config.kv_cache_groups,
+        *(kv_cache_config.kv_cache_groups if full else []),
         KVCacheGroupSpec(["model.layers.1.linear_attn"], mamba),
     ]
+    index = 1 if full else 0
     with pytest.raises(
         UnsupportedVllmConfigError,
-        match=r"KV cache group 1 \(MambaSpec, layers \[model.layers.1.linear_attn\]\)",
+        match=rf"KV cache group {index} \(MambaSpec, layers \[model.layers.1.linear_attn\]\): {message}",
     ):
         _build_flat(vllm_config, hybrid)
 
@@ -293,7 +481,7 @@ def test_chunked_local_group_refused(model_dir: Path) -> None:
     hybrid = _with_groups(kv_cache_config, kv_cache_spec(16), local)
     with pytest.raises(
         UnsupportedVllmConfigError,
-        match=r"group 1 \(ChunkedLocalAttentionSpec.*only full-attention and sliding-window groups",
+        match=r"group 1 \(ChunkedLocalAttentionSpec.*only full-attention, sliding-window and mamba groups",
     ):
         _build_flat(vllm_config, hybrid)
 

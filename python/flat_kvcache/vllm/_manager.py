@@ -12,7 +12,11 @@ Full-attention groups map to ``"full"`` engine groups and sliding-window groups 
 ``"sliding_window"`` ones with the same window: the engine's hybrid match is vLLM's hybrid
 coordinator's fixed point, its ``reclaim`` is vLLM's ``remove_skipped_blocks`` (called where
 vLLM's ``allocate_slots`` calls it, on the processed-token count), and its ``"group"`` eviction
-order frees and reclaims pages in vLLM's order.
+order frees and reclaims pages in vLLM's order. Mamba (GDN, mamba2) groups map to ``"state"``
+groups: one page per allocation in the table's last slot, null gaps before it, older states
+reclaimed once processed (mode "align"), or one page of ``max_model_len`` tokens per request
+(mode "none"); what vLLM's ``MambaManager`` decides beyond that (the one-page count, hits deferred
+on a state cached in the same step, the shared-prefix boundary) is done here (docs/vllm.md).
 
 A step in which no running request crosses a page boundary makes no native call at all: a table
 only grows, so the pages a request needs are counted here (``cdiv(tokens, P) - len``), the
@@ -102,13 +106,20 @@ def check_supported(
         refuse("HiSparse host pools (hisparse_host_num_blocks is set)")
     if not kv_cache_config.kv_cache_groups:
         refuse("a model with no KV cache groups")
-    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+    groups = kv_cache_config.kv_cache_groups
+    has_mamba = any(isinstance(group.kv_cache_spec, MambaSpec) for group in groups)
+    if has_mamba:
+        _check_mamba_groups(vllm_config, kv_cache_config, block_size, refuse)
+    # With mamba_cache_mode "none" a mamba group's block is the whole sequence (vLLM makes it
+    # max_model_len), the scheduler's block size the lcm; the attention groups share their own.
+    page_size = next(
+        (g.kv_cache_spec.block_size for g in groups if not isinstance(g.kv_cache_spec, MambaSpec)),
+        block_size,
+    )
+    for index, group in enumerate(groups):
         spec = group.kv_cache_spec
         if isinstance(spec, MambaSpec):
-            refuse(
-                f"{_group_label(group, index)}: mamba / linear-attention (GDN) state groups; "
-                "flat-kvcache serves them through its own arena (docs/vllm.md), not this adapter"
-            )
+            continue  # checked above
         if type(spec) in _SLIDING_SPECS:
             if spec.sliding_window < 2:
                 # vLLM caches no block of a window-1 group and matches it differently.
@@ -134,8 +145,11 @@ def check_supported(
                     "prefix_cache_retention_interval=None (dense retention) to serve this model"
                 )
         elif type(spec) not in _FULL_SPECS:
-            refuse(f"{_group_label(group, index)}: only full-attention and sliding-window groups are served")
-        if spec.block_size != block_size:
+            refuse(
+                f"{_group_label(group, index)}: only full-attention, sliding-window and mamba groups "
+                "are served"
+            )
+        if spec.block_size != block_size and not (has_mamba and spec.block_size == page_size):
             refuse(
                 f"{_group_label(group, index)}: its block size {spec.block_size} differs from the "
                 f"scheduler's {block_size}"
@@ -148,6 +162,72 @@ def check_supported(
             f"a hash block size ({hash_block_size}) other than the block size ({block_size}): "
             "partial-block prefix hits"
         )
+
+
+def _check_mamba_groups(vllm_config: Any, kv_cache_config: Any, block_size: int, refuse: Any) -> None:
+    """The mamba / linear-attention (GDN, mamba2) groups this adapter serves (docs/vllm.md):
+    vLLM's ``MambaManager`` in mode "align" with dense retention and no prefill checkpoint
+    pages, and in mode "none", beside full-attention groups."""
+    groups = kv_cache_config.kv_cache_groups
+    mamba = [(i, g) for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, MambaSpec)]
+    caching = bool(vllm_config.cache_config.enable_prefix_caching)
+    first_index, first = mamba[0]
+    for index, group in mamba:
+        spec = group.kv_cache_spec
+        label = _group_label(group, index)
+        if spec != first.kv_cache_spec:
+            refuse(
+                f"{label}: mamba groups of different specs in one model (vLLM looks them up as "
+                f"separate groups; not checked), unlike {_group_label(first, first_index)}"
+            )
+        if spec.num_speculative_blocks:
+            refuse(f"{label}: speculative mamba state blocks (num_speculative_blocks)")
+        mode = spec.mamba_cache_mode
+        if mode == "align":
+            if not caching:
+                # vLLM's config steps turn "align" into "none" without prefix caching; uncached
+                # running states would move in the engine where vLLM's stay (below).
+                refuse(f"{label}: mamba_cache_mode 'align' without prefix caching")
+            if spec.num_prefill_checkpoint_blocks:
+                refuse(
+                    f"{label}: mamba prefill checkpoint pages (num_prefill_checkpoint_blocks = "
+                    f"{spec.num_prefill_checkpoint_blocks}: mamba2, FlashInfer GDN); vLLM allocates the "
+                    "checkpoint page and the running state page in one step, the engine's state "
+                    "group one page per step"
+                )
+            if kv_cache_config.prefix_cache_retention_interval is not None:
+                refuse(
+                    f"{label}: sparse prefix-cache retention of mamba groups "
+                    f"(prefix_cache_retention_interval = {kv_cache_config.prefix_cache_retention_interval}): "
+                    "vLLM then leaves running state pages without a key and allocates a fresh page "
+                    "at each block boundary, where the engine's state group moves an unkeyed "
+                    "running page (set prefix_cache_retention_interval=None for dense retention)"
+                )
+            if spec.block_size != block_size:
+                refuse(
+                    f"{label}: its block size {spec.block_size} differs from the scheduler's "
+                    f"{block_size} (mamba_cache_mode 'align')"
+                )
+        elif mode == "none":
+            if caching:
+                refuse(f"{label}: mamba_cache_mode 'none' with prefix caching (vLLM refuses it too)")
+        else:
+            refuse(f"{label}: mamba_cache_mode {mode!r}")
+    others = [g for g in groups if not isinstance(g.kv_cache_spec, MambaSpec)]
+    if not any(type(g.kv_cache_spec) in _FULL_SPECS for g in others):
+        refuse(
+            f"{_group_label(first, first_index)}: mamba groups without a full-attention group "
+            "(a pure state model; not checked)"
+        )
+    for index, group in enumerate(groups):
+        if type(group.kv_cache_spec) in _SLIDING_SPECS:
+            refuse(
+                f"{_group_label(group, index)}: sliding-window groups beside mamba groups "
+                "(vLLM's hybrid lookup over three kinds; not checked)"
+            )
+    sizes = {g.kv_cache_spec.block_size for g in others}
+    if len(sizes) > 1:
+        refuse(f"attention groups of different block sizes {sorted(sizes)} beside mamba groups")
 
 
 class _ManagerView:
@@ -180,7 +260,7 @@ class _CoordinatorView:
 class _Tables:
     """One request's tables as vLLM sees them, and how far they are sized and registered."""
 
-    __slots__ = ("blocks", "capacity", "due", "holes", "num_cached", "slots")
+    __slots__ = ("blocks", "capacity", "due", "holes", "live", "num_cached", "slots")
 
     def __init__(self, num_groups: int) -> None:
         self.blocks: list[list[Any]] = [[] for _ in range(num_groups)]
@@ -192,6 +272,10 @@ class _Tables:
         self.holes = [0] * num_groups
         # The smallest processed-token count at which ``reclaim`` would null another page.
         self.due = _NEVER
+        # The slots of the mamba ("align") tables that hold a page, ascending: the running state
+        # and the states before it not yet released (every mamba group alike). Nulls are not a
+        # prefix there: vLLM leaves null gaps between states.
+        self.live: list[int] = []
 
 
 class FlatKVCacheManager:
@@ -228,25 +312,60 @@ class FlatKVCacheManager:
         # SlidingWindowSpec.max_admission_blocks_per_request; None: no cap).
         if max_in_flight_tokens is None:
             max_in_flight_tokens = max_model_len
+        groups = kv_cache_config.kv_cache_groups
+        # The attention groups' page size: the scheduler's block size, except beside mamba
+        # groups in mode "none", whose one block holds the whole sequence (the scheduler's block
+        # size is then the lcm).
+        self._page = next(
+            (g.kv_cache_spec.block_size for g in groups if not isinstance(g.kv_cache_spec, MambaSpec)),
+            block_size,
+        )
+        self._page_sizes = [g.kv_cache_spec.block_size for g in groups]
         self._windows: list[int | None] = []
         self._admission_caps: list[int | None] = []
+        # Mamba groups in mode "align" (their tables are sparse: one page per allocation, null
+        # gaps between states) and in mode "none" (one page per request, caching off).
+        self._state: list[int] = []
+        self._state_none: list[int] = []
         specs = []
-        for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        for i, group in enumerate(groups):
             spec = group.kv_cache_spec
-            if isinstance(spec, SlidingWindowSpec):
+            if isinstance(spec, MambaSpec):
+                (self._state if spec.mamba_cache_mode == "align" else self._state_none).append(i)
+                self._windows.append(None)
+                self._admission_caps.append(None)
+                specs.append(KVCacheSpec("state", spec.block_size, group_id=f"g{i}"))
+            elif isinstance(spec, SlidingWindowSpec):
                 window = spec.sliding_window
                 self._windows.append(window)
                 self._admission_caps.append(
-                    _cdiv(min(window - 1 + max_in_flight_tokens, max_model_len), block_size) + 1
+                    _cdiv(min(window - 1 + max_in_flight_tokens, max_model_len), self._page) + 1
                 )
                 specs.append(
-                    KVCacheSpec("sliding_window", block_size, sliding_window=window, group_id=f"g{i}")
+                    KVCacheSpec("sliding_window", self._page, sliding_window=window, group_id=f"g{i}")
                 )
             else:
                 self._windows.append(None)
                 self._admission_caps.append(None)
-                specs.append(KVCacheSpec("full", block_size, group_id=f"g{i}"))
+                specs.append(KVCacheSpec("full", self._page, group_id=f"g{i}"))
         self._sliding = [(g, w) for g, w in enumerate(self._windows) if w is not None]
+        # vLLM's hybrid lookup reports, beside the hit every group agrees on, the hit of the first
+        # full-attention spec group alone (its shared-prefix boundary, where the scheduler ends a
+        # chunk so the mamba state there is kept). The engine's match gives only the joint hit,
+        # so with mamba groups the keys of those full groups are mirrored here from the engine's
+        # own KV events (stored and evicted keys, counted per page).
+        self._full_mirror: dict[int, dict[str, int]] = {}
+        if self._state and enable_caching:
+            first = next(g for g in groups if type(g.kv_cache_spec) in _FULL_SPECS)
+            self._full_mirror = {
+                i: {}
+                for i, g in enumerate(groups)
+                if type(g.kv_cache_spec) is type(first.kv_cache_spec)
+                and g.kv_cache_spec == first.kv_cache_spec
+            }
+        # Hashes of the mamba blocks cached during the current ``schedule()`` (vLLM's
+        # ``MambaManager.cached_blocks_this_step``): a hit ending on one waits a step.
+        self._state_cached_this_step: set[str] = set()
         # With these two options freed and reclaimed pages return to the free list where vLLM's
         # pool puts them (docs/engine-api.md, eviction_order "group").
         self.cache = PageCache(
@@ -255,6 +374,7 @@ class FlatKVCacheManager:
             enable_caching=enable_caching,
             eviction_order="group",
             reuse_uncached_first=True,
+            enable_kv_events=bool(self._full_mirror),
         )
         # One vLLM block object per page id, handed out in every KVCacheBlocks; page 0 is the
         # null block. Only ``block_id`` (and ``is_null``) is meaningful on them.
@@ -267,6 +387,10 @@ class FlatKVCacheManager:
         # request id -> its block hashes as hex, converted once each
         self._hex: dict[str, list[str]] = {}
         self._record_new_block_ids = bool(kv_cache_config.needs_kv_cache_zeroing)
+        # vLLM zeroes new attention blocks only, not mamba state blocks.
+        self._zeroed_groups = [
+            g for g in range(self.num_kv_cache_groups) if g not in self._state and g not in self._state_none
+        ]
         # Per group, as vLLM's managers keep them (take_new_block_ids concatenates in group order).
         self._new_block_ids: list[list[int]] = [[] for _ in range(self.num_kv_cache_groups)]
 
@@ -325,7 +449,50 @@ class FlatKVCacheManager:
         return {}
 
     def new_step_starts(self) -> None:
-        pass
+        self._state_cached_this_step.clear()
+
+    # -- the full-attention keys, for the shared-prefix boundary ------------------------------
+
+    def _sync_full_mirror(self) -> None:
+        """Apply the engine's KV events since the last call to the mirrored full-group keys."""
+        mirror = self._full_mirror
+        for event in self.cache.take_events():
+            kind = type(event).__name__
+            if kind == "AllBlocksCleared":
+                for keys in mirror.values():
+                    keys.clear()
+                continue
+            held = mirror.get(event.group_index)
+            if held is None:
+                continue
+            keys = held
+            if kind == "BlockStored":
+                for raw in event.block_hashes:
+                    key = raw.hex()
+                    keys[key] = keys.get(key, 0) + 1
+            elif kind == "BlockRemoved":
+                for raw in event.block_hashes:
+                    key = raw.hex()
+                    left = keys[key] - 1
+                    if left:
+                        keys[key] = left
+                    else:
+                        del keys[key]
+            else:
+                raise RuntimeError(f"flat_kvcache.vllm: unexpected KV event {event!r}")
+
+    def _full_hit_pages(self, hashes: Sequence[str], start: int) -> int:
+        """vLLM's full-attention hit alone: the leading pages every mirrored group holds a key
+        for. The first ``start`` are known to (the joint hit's pages), so the scan starts there."""
+        self._sync_full_mirror()
+        count = start
+        end = len(hashes)
+        for keys in self._full_mirror.values():
+            stop = start
+            while stop < end and hashes[stop] in keys:
+                stop += 1
+            end = stop
+        return max(count, end)
 
     # -- lookup --------------------------------------------------------------------------------
 
@@ -340,14 +507,22 @@ class FlatKVCacheManager:
         count = min(max_cache_hit_length // self.block_size, len(request.block_hashes))
         if count <= 0:
             return self.empty_kv_cache_blocks, 0, 0
-        match = self.cache.match_prefix(self._hex_hashes(request, count))
+        hashes = self._hex_hashes(request, count)
+        match = self.cache.match_prefix(hashes)
         hit = match.num_common_tokens
+        # vLLM's shared-prefix boundary: the full-attention hit where it runs past the hit every
+        # group agrees on (only mamba groups lag it here), else 0.
+        boundary = 0
+        if self._full_mirror:
+            full = self._full_hit_pages(hashes, hit // self._page) * self._page
+            if full > hit:
+                boundary = full
         if hit == 0:
-            return self.empty_kv_cache_blocks, 0, 0
+            return self.empty_kv_cache_blocks, 0, boundary
         pages = self._page_blocks
         blocks = KVCacheBlocks(tuple([pages[p] for p in group] for group in match.pages))
         self._pending_hits[request.request_id] = (blocks, match)
-        return blocks, hit, 0
+        return blocks, hit, boundary
 
     # -- allocation ----------------------------------------------------------------------------
 
@@ -360,21 +535,31 @@ class FlatKVCacheManager:
         vLLM's ``max(skipped, held)`` is ``held``; ``capped`` applies the sliding groups'
         admission cap (the full-sequence check)."""
         need = 0
-        required = _cdiv(num_tokens, self.block_size)
+        required = _cdiv(num_tokens, self._page)
         for g, cap in enumerate(self._admission_caps):
             have = len(tables.blocks[g]) if tables is not None else held[g]
-            need += max((min(required, cap) if capped and cap is not None else required) - have, 0)
+            if g in self._state_none:
+                need += max(_cdiv(num_tokens, self._page_sizes[g]) - have, 0)
+            elif g in self._state:
+                # vLLM's MambaManager ("align"): one page for the new running state, whatever the
+                # number of blocks the chunk spans (the others stay null).
+                need += min(max(required - have, 0), 1)
+            else:
+                need += max((min(required, cap) if capped and cap is not None else required) - have, 0)
         return need
 
     def _set_due(self, tables: _Tables) -> None:
         """When the next ``reclaim`` would null a page: the smallest ``n`` with
         ``(n - W + 1) // P > holes`` over the sliding groups that have a page past their holes."""
         due = _NEVER
-        size = self.block_size
+        size = self._page
         for g, window in self._sliding:
             holes = tables.holes[g]
             if len(tables.blocks[g]) > holes:
                 due = min(due, (holes + 1) * size + window - 1)
+        if self._state and tables.live:
+            # vLLM's mamba remove_skipped_blocks: the page of slot s goes once (n - 1) // P > s.
+            due = min(due, (tables.live[0] + 1) * size + 1)
         tables.due = due
 
     def _reclaim(self, request_id: str, tables: _Tables, num_tokens: int) -> None:
@@ -387,11 +572,20 @@ class FlatKVCacheManager:
         null = self._page_blocks[0]
         for g, window in self._sliding:
             blocks = tables.blocks[g]
-            k = min((num_tokens - window + 1) // self.block_size, len(blocks))
+            k = min((num_tokens - window + 1) // self._page, len(blocks))
             holes = tables.holes[g]
             if k > holes:
                 blocks[holes:k] = [null] * (k - holes)
                 tables.holes[g] = k
+        if self._state and tables.live:
+            # Mamba ("align"): the state pages of slots below (n - 1) // P are released (a window
+            # of 2 tokens, the engine's state group).
+            k = (num_tokens - 1) // self._page
+            live = tables.live
+            while live and live[0] < k:
+                slot = live.pop(0)
+                for g in self._state:
+                    tables.blocks[g][slot] = null
         self._set_due(tables)
 
     def allocate_slots(
@@ -431,7 +625,7 @@ class FlatKVCacheManager:
             if tables.due < _NEVER:
                 computed = min(request.num_computed_tokens, self.max_model_len)
                 self._reclaim(request_id, tables, max(0, computed - request.num_in_flight_tokens))
-            if len(request.block_hashes) > tables.num_cached:
+            if self.enable_caching and len(request.block_hashes) > tables.num_cached:
                 computed = min(request.num_computed_tokens, self.max_model_len)
                 self._cache_full_pages(request, tables, min(computed + num_new_tokens, request.num_tokens))
             return self.empty_kv_cache_blocks
@@ -453,6 +647,12 @@ class FlatKVCacheManager:
                 )
             match = pending[1]
             held = [len(group) for group in new_computed_blocks.blocks]
+            if self._state and self._hex_hashes(request, held[self._state[0]])[-1] in (
+                self._state_cached_this_step
+            ):
+                # vLLM's MambaManager: a state another request cached in this very step is not
+                # written yet, so the request waits (its count says "more than the pool").
+                return None
 
         num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         total_computed_tokens = min(num_local_computed_tokens, self.max_model_len)
@@ -482,8 +682,11 @@ class FlatKVCacheManager:
         if match is not None:
             cache.claim(request_id, match)
             tables.blocks = [list(group) for group in new_computed_blocks.blocks]
-            tables.num_cached = held[0]
-            tables.slots = tables.capacity = held[0] * self.block_size
+            hit_pages = max(held)
+            tables.num_cached = hit_pages
+            tables.slots = tables.capacity = hit_pages * self._page
+            if self._state:
+                tables.live = [hit_pages - 1]  # the hit state; the slots before it are null
             for g, _ in self._sliding:
                 blocks = tables.blocks[g]
                 holes = 0
@@ -492,12 +695,19 @@ class FlatKVCacheManager:
                 tables.holes[g] = holes
         new_blocks: tuple[list[Any], ...] | None = None
         if num_tokens_need_slot > tables.capacity:
+            if self._state and tables.live:
+                self._key_running_state(
+                    request, tables, min(total_computed_tokens + num_new_tokens, request.num_tokens)
+                )
             # The engine's tables hold ``slots`` tokens and room to the end of their last page;
-            # asking for the difference allocates exactly cdiv(need, P) - len pages per group.
+            # asking for the difference allocates exactly cdiv(need, P) - len pages per group
+            # (one, the last, in a mamba group).
             if not cache.acquire(request_id, num_tokens_need_slot - tables.slots):
                 raise RuntimeError("flat_kvcache.vllm: acquire failed after the free-page check")
             tables.slots = num_tokens_need_slot
-            tables.capacity = _cdiv(num_tokens_need_slot, self.block_size) * self.block_size
+            tables.capacity = _cdiv(num_tokens_need_slot, self._page) * self._page
+            if self._state:
+                tables.live.append(tables.capacity // self._page - 1)
             pages = self._page_blocks
             grown = []
             for g, (group_blocks, ids) in enumerate(
@@ -507,11 +717,11 @@ class FlatKVCacheManager:
                 fresh = [pages[p] for p in new_ids]
                 group_blocks.extend(fresh)
                 grown.append(fresh)
-                if self._record_new_block_ids:
+                if self._record_new_block_ids and g in self._zeroed_groups:
                     self._new_block_ids[g].extend(new_ids)
             if any(grown):
                 new_blocks = tuple(grown)
-        if self._sliding:
+        if self._sliding or self._state:
             self._set_due(tables)
 
         if not delay_cache_blocks:
@@ -522,10 +732,31 @@ class FlatKVCacheManager:
             return self.empty_kv_cache_blocks
         return KVCacheBlocks(new_blocks)
 
-    def _cache_full_pages(self, request: Any, tables: _Tables, num_tokens: int) -> None:
+    def _key_running_state(self, request: Any, tables: _Tables, num_tokens: int) -> None:
+        """Before a mamba table grows past its last page: register the pages already there that
+        ``num_tokens`` fills, as vLLM's ``cache_blocks`` does right after its allocation.
+
+        vLLM allocates a fresh page for the new running state and keeps the previous one until
+        it is processed; the engine's state group does the same for a page that holds a key, and
+        moves one that holds none. Registering first (the same keys on the same pages, only
+        earlier within one ``allocate_slots``, which the free list does not see) keeps them the
+        same. A running state whose block cannot be keyed yet would move: refused loudly."""
+        self._cache_full_pages(request, tables, num_tokens, within_table=True)
+        if tables.live[-1] >= tables.num_cached:
+            raise RuntimeError(
+                f"flat_kvcache.vllm: request {request.request_id!r} crosses a mamba block boundary "
+                f"with its running state (slot {tables.live[-1]}) not cached; vLLM would allocate "
+                "a fresh page where the engine's state group moves this one"
+            )
+
+    def _cache_full_pages(
+        self, request: Any, tables: _Tables, num_tokens: int, *, within_table: bool = False
+    ) -> None:
         if not self.enable_caching:
             return
         num_full = min(num_tokens, len(request.block_hashes) * self.block_size) // self.block_size
+        if within_table:
+            num_full = min(num_full, tables.capacity // self._page)
         start = tables.num_cached
         if num_full <= start:
             return
@@ -536,11 +767,28 @@ class FlatKVCacheManager:
             # tokens that filled it (room the pages already have, so nothing is allocated).
             self.cache.acquire(request.request_id, filled - tables.slots)
             tables.slots = filled
-        self.cache.register(request.request_id, hashes[start:num_full], first_slot=start)
+        if self._state:
+            # vLLM caches every mamba page in the range; the engine's state group only the one
+            # at its end (the running state's), so no other may be there.
+            live = tables.live
+            if any(start <= slot < num_full - 1 for slot in live):
+                raise RuntimeError(
+                    f"flat_kvcache.vllm: request {request.request_id!r} would cache mamba states "
+                    f"at slots {[slot for slot in live if start <= slot < num_full]} at once"
+                )
+            if num_full - 1 in live:
+                self._state_cached_this_step.add(hashes[num_full - 1])
+            self.cache.register(
+                request.request_id, hashes[start:num_full], first_slot=start, end_tokens=filled
+            )
+        else:
+            self.cache.register(request.request_id, hashes[start:num_full], first_slot=start)
         tables.num_cached = num_full
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         """Register the request's pages made full by ``num_computed_tokens`` (async scheduling)."""
+        if not self.enable_caching:
+            return
         tables = self._tables.get(request.request_id)
         if tables is not None and len(request.block_hashes) > tables.num_cached:
             self._cache_full_pages(request, tables, num_computed_tokens)
@@ -559,8 +807,11 @@ class FlatKVCacheManager:
     def get_block_ids_for_computed_tokens(
         self, request_id: str, num_computed_tokens: int
     ) -> tuple[list[int], ...]:
-        keep = _cdiv(num_computed_tokens, self.block_size)
-        return tuple(ids[:keep] for ids in self.get_block_ids(request_id))
+        keep = _cdiv(num_computed_tokens, self._page)
+        return tuple(
+            ids if g in self._state or g in self._state_none else ids[:keep]
+            for g, ids in enumerate(self.get_block_ids(request_id))
+        )
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         return [0] * self.num_kv_cache_groups
@@ -576,7 +827,10 @@ class FlatKVCacheManager:
         for g, _ in self._sliding:
             if tables.blocks[g][last].is_null:
                 return 0
-        return tables.num_cached * self.block_size
+        if self._state:
+            # A mamba table's newest hashed block is its highest cached state still held.
+            return max(((slot + 1) * self._page for slot in tables.live if slot <= last), default=0)
+        return tables.num_cached * self._page
 
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
@@ -600,6 +854,8 @@ class FlatKVCacheManager:
         if self.cache.num_free_pages != self.num_blocks - 1:
             return False
         self.cache.reset_prefix_cache()
+        if self._full_mirror:
+            self._sync_full_mirror()
         if self.log_stats:
             self.prefix_cache_stats.reset = True
         return True

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import random
 import zlib
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ from vllm.v1.core.single_type_kv_cache_manager import (  # type: ignore[import-n
 )
 from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found]
     FullAttentionSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import ModelRunnerOutput  # type: ignore[import-not-found]
@@ -74,6 +75,22 @@ def tiny_model_dir(folder: Path) -> Path:
     return folder
 
 
+def hybrid_layer_types(folder: Path, model: str, num_layers: int = 8) -> tuple[str, ...]:
+    """The layer pattern of a tiny ``model`` ("qwen3.5" or "qwen3-next") config, as transformers
+    writes it (``save_pretrained`` into ``folder``, read back from its ``config.json``; no hub).
+
+    vLLM's ``ModelConfig`` cannot be built over these architectures in a venv without vLLM's
+    model dependencies (its registry imports the model class), so the scheduler's model config
+    stays the tiny Llama and only the layer pattern (which layers are GDN) comes from here."""
+    from transformers import Qwen3_5TextConfig, Qwen3NextConfig
+
+    configs = {"qwen3.5": Qwen3_5TextConfig, "qwen3-next": Qwen3NextConfig}
+    if model not in configs:
+        raise ValueError(f"model must be one of {sorted(configs)}, got {model!r}")
+    configs[model](num_hidden_layers=num_layers).save_pretrained(folder)
+    return tuple(json.loads((folder / "config.json").read_text())["layer_types"])
+
+
 @dataclass(frozen=True)
 class SchedulerSetup:
     """One scheduler configuration: pool, budgets, the model's attention layers.
@@ -99,6 +116,15 @@ class SchedulerSetup:
     policy: str = "fcfs"
     log_stats: bool = True
     retention: int | str | None = "default"
+    # A GDN / mamba hybrid (Qwen3.5, Qwen3-Next shapes): one entry per layer, "full_attention" or
+    # "linear_attention" (a mamba layer: ``mamba_type`` "gdn" or "mamba2"); the KV cache config is
+    # then built by vLLM's own config steps (:func:`hybrid_kv_cache_config`), not by hand.
+    layer_types: tuple[str, ...] = ()
+    mamba_type: str = "gdn"
+    # None: vLLM's default for the prefix-caching setting ("align" with it, "none" without).
+    mamba_cache_mode: str | None = None
+    # CacheConfig.prefix_cache_retention_interval for hybrids (vLLM's default is 0).
+    prefix_cache_retention_interval: int | None = None
 
 
 def kv_cache_spec(block_size: int, window: int | None = None) -> Any:
@@ -108,6 +134,102 @@ def kv_cache_spec(block_size: int, window: int | None = None) -> Any:
     return SlidingWindowSpec(
         block_size=block_size, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=window
     )
+
+
+def hybrid_kv_cache_config(vllm_config: Any, setup: SchedulerSetup) -> tuple[Any, int, int]:
+    """The scheduler's ``KVCacheConfig`` of a GDN / mamba hybrid, and its (block size, hash block
+    size), built by the steps vLLM's ``EngineCore`` takes, minus the model itself.
+
+    ``HybridAttentionMambaModelConfig.verify_and_update_config`` (what ``VllmConfig`` runs for a
+    hybrid architecture) picks the mamba cache mode and block size; the per-layer specs are what
+    the model's layers return (``MambaBase.get_kv_cache_spec``, with the state shapes and dtypes
+    of vLLM's own calculators; mamba2 layers add one prefill checkpoint page, as
+    ``MambaMixer2`` does; GDN layers add it only with FlashInfer prefill, a GPU backend); the
+    mamba page is padded to the attention page as the platform's ``_align_hybrid_block_size``
+    does (the state shapes are small enough that it keeps the block size); then vLLM's own
+    ``resolve_kv_cache_layout``, ``get_global_kv_cache_groups``, ``get_kv_cache_configs``,
+    ``generate_scheduler_kv_cache_config`` and ``resolve_kv_cache_block_sizes``, as in
+    ``EngineCore``. The pool gets ``setup.num_blocks`` blocks (vLLM's would come from profiling)."""
+    from dataclasses import replace
+
+    from vllm.model_executor.layers.mamba.mamba_utils import (  # type: ignore[import-not-found]
+        MambaStateDtypeCalculator,
+        MambaStateShapeCalculator,
+    )
+    from vllm.model_executor.models.config import (  # type: ignore[import-not-found]
+        HybridAttentionMambaModelConfig,
+    )
+    from vllm.v1.attention.backends.registry import (  # type: ignore[import-not-found]
+        MambaAttentionBackendEnum,
+    )
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout  # type: ignore[import-not-found]
+    from vllm.v1.core.kv_cache_planning import (  # type: ignore[import-not-found]
+        get_global_kv_cache_groups,
+        get_kv_cache_configs,
+    )
+
+    cache = vllm_config.cache_config
+    if setup.mamba_cache_mode is not None:
+        cache.mamba_cache_mode = setup.mamba_cache_mode
+    # The CPU and GPU platforms support vLLM's hybrid KV cache manager; the platform of this
+    # test venv (no device) reports it unsupported, and VllmConfig switched it off.
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    HybridAttentionMambaModelConfig.verify_and_update_config(vllm_config)
+    attention = kv_cache_spec(setup.block_size)
+    if setup.mamba_type == "gdn":
+        shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(1, 1, 1, 8, 8, 4)
+        dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(
+            vllm_config.model_config.dtype, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype
+        )
+        backend, checkpoints = MambaAttentionBackendEnum.GDN_ATTN, {}
+    elif setup.mamba_type == "mamba2":
+        shapes = MambaStateShapeCalculator.mamba2_state_shape(1, 16, 1, 1, 8, 4, 4)
+        dtypes = MambaStateDtypeCalculator.mamba2_state_dtype(
+            vllm_config.model_config.dtype, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype
+        )
+        backend = MambaAttentionBackendEnum.MAMBA2
+        checkpoints = {"num_prefill_checkpoint_blocks": 1, "prefill_checkpoint_alignment": 1}
+    else:
+        raise ValueError(f"mamba_type must be 'gdn' or 'mamba2', got {setup.mamba_type!r}")
+    mamba = MambaSpec(
+        shapes=tuple(shapes),
+        dtypes=tuple(dtypes),
+        block_size=cache.mamba_block_size,
+        page_size_padded=attention.page_size_bytes,
+        mamba_type=backend,
+        mamba_cache_mode=cache.mamba_cache_mode,
+    )
+    if mamba.state_content_size_bytes > attention.page_size_bytes:
+        raise ValueError(
+            "the mamba state outgrows the attention page: the platform would raise the block size"
+        )
+    if checkpoints and cache.mamba_cache_mode == "align":
+        mamba = replace(mamba, **checkpoints)
+    specs = {
+        (
+            f"model.layers.{i}.self_attn.attn"
+            if kind == "full_attention"
+            else f"model.layers.{i}.linear_attn"
+        ): (attention if kind == "full_attention" else mamba)
+        for i, kind in enumerate(setup.layer_types)
+    }
+    resolve_kv_cache_layout(vllm_config, [["NHD"]], specs.values())
+    groups = get_global_kv_cache_groups(vllm_config, [specs])
+    configs = get_kv_cache_configs(vllm_config, [specs], [1 << 32], groups)
+    kv_cache_config = generate_scheduler_kv_cache_config(configs)
+    kv_cache_config.num_blocks = setup.num_blocks
+    cache.num_gpu_blocks = setup.num_blocks
+    participating = [
+        g.kv_cache_spec.block_size
+        for g in kv_cache_config.kv_cache_groups
+        if g.kv_cache_spec.prefix_cacheable
+    ]
+    cache.block_size = min(
+        participating or [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
+    )
+    block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    kv_cache_config.hash_block_size = hash_block_size
+    return kv_cache_config, block_size, hash_block_size
 
 
 def build_configs(setup: SchedulerSetup) -> tuple[Any, Any, int, int]:
@@ -132,7 +254,12 @@ def build_configs(setup: SchedulerSetup) -> tuple[Any, Any, int, int]:
         watermark=setup.watermark,
         policy=setup.policy,
     )
-    retention = {} if setup.retention == "default" else {"prefix_cache_retention_interval": setup.retention}
+    if setup.layer_types:  # a hybrid: its own field (None by default)
+        retention: dict[str, Any] = {"prefix_cache_retention_interval": setup.prefix_cache_retention_interval}
+    elif setup.retention == "default":
+        retention = {}
+    else:
+        retention = {"prefix_cache_retention_interval": setup.retention}
     cache = CacheConfig(
         block_size=setup.block_size,
         gpu_memory_utilization=0.9,
@@ -144,6 +271,10 @@ def build_configs(setup: SchedulerSetup) -> tuple[Any, Any, int, int]:
     vllm_config = VllmConfig(
         model_config=model, scheduler_config=scheduler, cache_config=cache, device_config=DeviceConfig("cpu")
     )
+    if setup.layer_types:
+        # A GDN / mamba hybrid: vLLM's hybrid config steps (hybrid_kv_cache_config).
+        kv_cache_config, block_size, hash_block_size = hybrid_kv_cache_config(vllm_config, setup)
+        return vllm_config, kv_cache_config, block_size, hash_block_size
     # vLLM here sees no CUDA or CPU build (its UnspecifiedPlatform), which turns the hybrid KV
     # cache manager off and would merge sliding layers into full attention; vLLM's CUDA and CPU
     # platforms keep it on, as a real engine does.
@@ -322,17 +453,29 @@ def new_request(item: StreamRequest, block_size: int) -> Any:
 
 
 def run_steps(
-    scheduler: Any, stream: list[StreamRequest], *, block_size: int, max_steps: int = 1_000_000
-) -> Iterator[Any]:
+    scheduler: Any,
+    stream: list[StreamRequest],
+    *,
+    block_size: int,
+    max_steps: int = 1_000_000,
+    in_flight: bool = False,
+) -> Generator[Any, None, None]:
     """Run ``stream`` through ``scheduler`` to the end, yielding each step's ``SchedulerOutput``
     after ``schedule()`` and before ``update_from_output`` (so two schedulers can run in lockstep).
-    Requests arrive and are aborted at the steps the stream says."""
+    Requests arrive and are aborted at the steps the stream says.
+
+    With ``in_flight`` a step's output is handed back only after the next step is scheduled, as
+    vLLM's engine core does under async scheduling (one batch executing while the next is
+    scheduled): requests are scheduled with tokens in flight, and blocks are cached by
+    ``update_from_output`` a step later. The fake model output is taken when its step is
+    scheduled."""
     pending = sorted(stream, key=lambda r: r.arrival_step)
     aborts: dict[int, list[str]] = {}
     for item in stream:
         if item.abort_step is not None:
             aborts.setdefault(item.abort_step, []).append(item.request_id)
     index = 0
+    executing: tuple[Any, Any] | None = None
     for step in range(max_steps):
         while index < len(pending) and pending[index].arrival_step <= step:
             scheduler.add_request(new_request(pending[index], block_size))
@@ -341,10 +484,21 @@ def run_steps(
         if live:
             scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
         if index >= len(pending) and not scheduler.requests:
-            return
+            if executing is None:
+                return
+            scheduler.update_from_output(*executing)
+            executing = None
+            continue
         output = scheduler.schedule()
         yield output
-        scheduler.update_from_output(output, fake_model_output(scheduler, output))
+        model_output = fake_model_output(scheduler, output)
+        if executing is not None:
+            scheduler.update_from_output(*executing)
+            executing = None
+        if in_flight:
+            executing = (output, model_output)
+        else:
+            scheduler.update_from_output(output, model_output)
     raise RuntimeError(f"the stream did not finish in {max_steps} steps")
 
 
