@@ -257,7 +257,12 @@ def test_in_flight_same_steps(model_dir: Path, windows: tuple[int | None, ...]) 
     """Under async scheduling's timing (one step's output handed back after the next is
     scheduled) the full and sliding-window mappings stay identical too."""
     setup = SchedulerSetup(
-        model_dir=model_dir, windows=windows, num_blocks=300, max_num_seqs=32, max_num_batched_tokens=512
+        model_dir=model_dir,
+        windows=windows,
+        num_blocks=300,
+        max_num_seqs=32,
+        max_num_batched_tokens=512,
+        retention=None,  # dense retention: what a sliding group is served with
     )
     covered = run_lockstep(setup, 500, seed=9, in_flight=True)
     assert covered["preemptions"] > 0 and covered["hit_tokens"] > 0 and covered["aborted"] > 0, covered

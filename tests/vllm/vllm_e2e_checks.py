@@ -86,6 +86,47 @@ def _gemma3(folder: Path) -> Path:
     return _save(transformers.Gemma3ForCausalLM, config, folder)
 
 
+#: The GDN hybrids' shapes: three linear-attention (GDN) layers before one full-attention layer,
+#: GDN head dim 128 (what vLLM's CPU GDN kernels take). Four 128-wide KV heads make an attention
+#: token 2 KiB in bf16, so vLLM's hybrid config step sizes the attention block to hold one GDN
+#: state (about 70 KiB) at 64 tokens, and prompts of a few hundred tokens hit the prefix cache.
+_GDN_SHAPE: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=128,
+    linear_num_key_heads=1,
+    linear_num_value_heads=2,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+)
+
+
+def _qwen35(folder: Path) -> Path:
+    """Qwen3.5's text model: GDN and gated full attention, dense MLP."""
+    return _save(transformers.Qwen3_5ForCausalLM, transformers.Qwen3_5TextConfig(**_GDN_SHAPE), folder)
+
+
+def _qwen3_next(folder: Path) -> Path:
+    """Qwen3-Next: the same layer pattern with a mixture-of-experts MLP in every layer."""
+    config = transformers.Qwen3NextConfig(
+        **_GDN_SHAPE,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        decoder_sparse_step=1,
+    )
+    return _save(transformers.Qwen3NextForCausalLM, config, folder)
+
+
 def _save(cls: Any, config: Any, folder: Path) -> Path:
     torch.manual_seed(0)
     config.dtype = torch.float32
@@ -94,6 +135,17 @@ def _save(cls: Any, config: Any, folder: Path) -> Path:
     return folder
 
 
+_GDN_SETTINGS: dict[str, Any] = {
+    "prefix_cache_retention_interval": None,
+    "dtype": "bfloat16",
+    "mamba_ssm_cache_dtype": "bfloat16",
+    # Block ids, not bytes (vLLM pads a hybrid's pages to one size): a block id holds one 64-token
+    # attention page or one GDN state, so a request holds its attention pages plus a state or two
+    # in each of three groups. 56 ids preempt and still keep first turns' states for the second
+    # (48 preempt too, but evict every first turn's cached states before its second turn).
+    "num_gpu_blocks_override": 56,
+}
+
 #: Each model's builder and the engine settings it is served with. FlatScheduler maps dense
 #: prefix-cache retention of sliding-window groups (``prefix_cache_retention_interval=None``)
 #: and refuses vLLM's default sparse retention (0) for them (docs/vllm.md); full attention
@@ -101,6 +153,10 @@ def _save(cls: Any, config: Any, folder: Path) -> Path:
 MODELS: dict[str, tuple[Any, dict[str, Any]]] = {
     "llama": (_llama, {}),
     "gemma3-sliding": (_gemma3, {"prefix_cache_retention_interval": None}),
+    # vLLM's CPU GDN path runs in bf16 only (its state too); prefix caching puts the mamba groups
+    # in mode "align", served under dense retention (docs/vllm.md).
+    "qwen3.5-gdn": (_qwen35, _GDN_SETTINGS),
+    "qwen3-next-gdn": (_qwen3_next, _GDN_SETTINGS),
 }
 
 
@@ -140,7 +196,7 @@ def _counters(llm: Any) -> dict[str, float]:
 def make_llm(model_dir: Path, scheduler_cls: str | None, kv_bytes: int, **settings: Any) -> Any:
     if scheduler_cls is not None:
         settings["scheduler_cls"] = scheduler_cls
-    return LLM(
+    engine_args: dict[str, Any] = dict(
         model=str(model_dir),
         skip_tokenizer_init=True,
         enforce_eager=True,
@@ -153,8 +209,8 @@ def make_llm(model_dir: Path, scheduler_cls: str | None, kv_bytes: int, **settin
         dtype="float32",
         seed=0,
         disable_log_stats=False,
-        **settings,
     )
+    return LLM(**{**engine_args, **settings})
 
 
 def scenario(model_dir: Path, scheduler_cls: str | None, kv_bytes: int, settings: dict[str, Any]) -> Run:
@@ -221,6 +277,9 @@ def _stepped_with_aborts(llm: Any, prompts: dict[str, list[int]], run: Run) -> N
 EXPECTED_GROUPS = {
     "llama": ["FullAttentionSpec"],
     "gemma3-sliding": ["SlidingWindowSpec", "FullAttentionSpec"],
+    # One group per layer of the pattern: the mamba mapping (three MambaSpec groups) is what runs.
+    "qwen3.5-gdn": ["MambaSpec", "MambaSpec", "MambaSpec", "FullAttentionSpec"],
+    "qwen3-next-gdn": ["MambaSpec", "MambaSpec", "MambaSpec", "FullAttentionSpec"],
 }
 
 
