@@ -642,6 +642,7 @@ def run_spec_lockstep(
         for rid, ids in a.tables.items():
             computed = theirs.requests[rid].num_computed_tokens
             covered["slots_past_computed"] += len(ids[0]) > -(-computed // setup.block_size)
+    covered["aborted"] = sum(1 for r in stream if r.abort_step is not None)
     return covered
 
 
@@ -653,8 +654,7 @@ def test_speculative_decoding_same_steps_as_vllm(model_dir: Path, case: str) -> 
         model_dir=model_dir, **{"max_num_seqs": 32, "max_num_batched_tokens": 512, **options}
     )
     covered = run_spec_lockstep(setup, 600, seed=21, in_flight=in_flight)
-    print(case, covered)
-    assert covered["preemptions"] > 0, covered
+    assert covered["preemptions"] > 0 and covered["aborted"] > 0, covered
     assert covered["drafts"] > 1000 and covered["rejected"] > 300, covered
     # Tables holding slots past the computed tokens: after a rollback of rejected drafts (the
     # slots stay allocated, as in vLLM), and lookahead slots. Under async scheduling a rollback
