@@ -548,7 +548,6 @@ def test_sliding_window_variants_refused(
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("speculative_config", object(), "speculative decoding"),
         ("kv_transfer_config", object(), "KV connectors"),
         ("ec_transfer_config", object(), "encoder-cache connectors"),
     ],
@@ -565,3 +564,145 @@ def test_partial_hash_blocks_refused(model_dir: Path) -> None:
     vllm_config, kv_cache_config = _configs(model_dir)
     with pytest.raises(UnsupportedVllmConfigError, match="hash block size"):
         _build_flat(vllm_config, kv_cache_config, hash_block_size=8)
+
+
+# -- Speculative decoding ---------------------------------------------------------------------
+#
+# Draft tokens reach the KV-cache manager as scheduled tokens (``num_new_tokens`` counts a
+# request's drafts; only ``request.num_tokens``, the verified ones, are cached) and, for a draft
+# model, as ``num_lookahead_tokens`` slots past them; rejected drafts roll
+# ``num_computed_tokens`` back in ``update_from_output`` and leave their slots allocated. The fake
+# model accepts a pseudo-random number of each request's scheduled drafts
+# (``harness.num_accepted_drafts``, the same on both sides). Without async scheduling the fake
+# drafter proposes 0 to K drafts after each step (``harness.proposed_drafts``, handed to
+# ``update_draft_token_ids`` as vLLM's engine core does), and vLLM's own side is the plain
+# ``Scheduler``, the class vLLM builds then (ngram on the V1 model runner turns async scheduling
+# off), against FlatScheduler (an ``AsyncScheduler``), the pairing a user gets; with
+# ``in_flight`` (async scheduling: ngram_gpu, draft models, the V2 model runner) each step's
+# output comes back after the next is scheduled, the scheduler schedules K placeholder drafts
+# itself, and vLLM's side is its ``AsyncScheduler``.
+SPEC_CASES: dict[str, dict[str, Any]] = {
+    "ngram-tight-pool": dict(speculative_method="ngram", num_blocks=300),
+    "ngram-tight-pool-async": dict(speculative_method="ngram", num_blocks=300, in_flight=True),
+    "draft-model-lookahead": dict(speculative_method="draft_model", num_blocks=300),
+    "draft-model-lookahead-async": dict(speculative_method="draft_model", num_blocks=300, in_flight=True),
+    "ngram-k5-block-32-prefill-cap": dict(
+        speculative_method="ngram",
+        num_speculative_tokens=5,
+        block_size=32,
+        num_blocks=200,
+        long_prefill_token_threshold=64,
+    ),
+    "ngram-priority": dict(speculative_method="ngram", num_blocks=300, policy="priority"),
+    "ngram-sliding": dict(
+        speculative_method="ngram", windows=(None, 128, 40), retention=None, num_blocks=300
+    ),
+    "draft-model-sliding-async": dict(
+        speculative_method="draft_model", windows=(None, 100), retention=None, num_blocks=300, in_flight=True
+    ),
+    "ngram-caching-off": dict(speculative_method="ngram", enable_prefix_caching=False, num_blocks=400),
+}
+
+
+def run_spec_lockstep(
+    setup: SchedulerSetup, num_requests: int, seed: int, *, in_flight: bool
+) -> dict[str, int]:
+    """:func:`run_lockstep` with draft tokens: vLLM's side is the scheduler class vLLM's engine
+    builds for the timing (``Scheduler`` without async scheduling); also counts what the drafts
+    did on vLLM's side (drafts scheduled, rejected, tables holding slots past the computed
+    tokens: rejected drafts' and lookahead slots)."""
+    from flat_kvcache.vllm.harness import num_accepted_drafts
+
+    stream = make_stream(num_requests, seed=seed)
+    theirs = build_scheduler(AsyncScheduler if in_flight else Scheduler, setup)
+    ours = build_scheduler(FlatScheduler, setup)
+    assert type(theirs) is (AsyncScheduler if in_flight else Scheduler)
+    assert theirs.num_spec_tokens == setup.num_speculative_tokens
+    lookahead = setup.num_speculative_tokens if setup.speculative_method == "draft_model" else 0
+    assert theirs.num_lookahead_tokens == ours.num_lookahead_tokens == lookahead
+    covered = {
+        "steps": 0,
+        "preemptions": 0,
+        "hit_tokens": 0,
+        "null_slots": 0,
+        "drafts": 0,
+        "rejected": 0,
+        "slots_past_computed": 0,
+    }
+    their_steps = run_steps(theirs, stream, block_size=setup.block_size, in_flight=in_flight)
+    our_steps = run_steps(ours, stream, block_size=setup.block_size, in_flight=in_flight)
+    for step, (their_out, our_out) in enumerate(zip(their_steps, our_steps, strict=True)):
+        a = record_step(theirs, their_out, tables=True)
+        b = record_step(ours, our_out, tables=True)
+        assert a == b, f"step {step}: {_first_difference(b, a)}"
+        assert their_out.scheduled_spec_decode_tokens == our_out.scheduled_spec_decode_tokens, step
+        covered["steps"] += 1
+        covered["preemptions"] += len(a.preempted)
+        covered["hit_tokens"] += sum(hit for _, hit, _ in a.new_requests)
+        covered["null_slots"] += sum(g.count(0) for ids in a.tables.values() for g in ids)
+        for rid, drafts in their_out.scheduled_spec_decode_tokens.items():
+            position = theirs.requests[rid].num_output_tokens
+            covered["drafts"] += len(drafts)
+            covered["rejected"] += len(drafts) - num_accepted_drafts(rid, position, len(drafts))
+        for rid, ids in a.tables.items():
+            computed = theirs.requests[rid].num_computed_tokens
+            covered["slots_past_computed"] += len(ids[0]) > -(-computed // setup.block_size)
+    covered["aborted"] = sum(1 for r in stream if r.abort_step is not None)
+    return covered
+
+
+@pytest.mark.parametrize("case", list(SPEC_CASES))
+def test_speculative_decoding_same_steps_as_vllm(model_dir: Path, case: str) -> None:
+    options = dict(SPEC_CASES[case])
+    in_flight = bool(options.pop("in_flight", False))
+    setup = SchedulerSetup(
+        model_dir=model_dir, **{"max_num_seqs": 32, "max_num_batched_tokens": 512, **options}
+    )
+    covered = run_spec_lockstep(setup, 600, seed=21, in_flight=in_flight)
+    assert covered["preemptions"] > 0 and covered["aborted"] > 0, covered
+    assert covered["drafts"] > 1000 and covered["rejected"] > 300, covered
+    # Tables holding slots past the computed tokens: after a rollback of rejected drafts (the
+    # slots stay allocated, as in vLLM), and lookahead slots. Under async scheduling a rollback
+    # lands after the next step has scheduled its own drafts on top, so with no lookahead a
+    # table rarely stays past them.
+    assert covered["slots_past_computed"] > (10 if in_flight and "ngram" in case else 100), covered
+    if setup.enable_prefix_caching:
+        assert covered["hit_tokens"] > 0, covered
+    if setup.windows:
+        assert covered["null_slots"] > 1000, covered
+
+
+@pytest.mark.parametrize(
+    ("method", "message"),
+    [
+        ("eagle", "method 'eagle' .the EAGLE family drops the trailing block of a prefix hit"),
+        ("mtp", "method 'mtp' .the EAGLE family"),
+        ("custom_class", "method 'custom_class' .not checked against vLLM's manager"),
+    ],
+)
+def test_speculative_methods_refused(model_dir: Path, method: str, message: str) -> None:
+    """Only the methods the differential covers are served; the EAGLE family also drops hit
+    blocks and reads prefill tokens ahead, which the adapter does not map. (vLLM's config for
+    these needs a draft model of their kind; the method is the only thing the check reads, so
+    it is set on a copy of a served ngram config.)"""
+    setup = SchedulerSetup(model_dir=model_dir, num_blocks=128, speculative_method="ngram")
+    vllm_config, kv_cache_config, _, _ = build_configs(setup)
+    check_supported(vllm_config, kv_cache_config, 16, None)  # ngram itself is served
+    changed = copy.copy(vllm_config)
+    speculative = copy.copy(vllm_config.speculative_config)
+    object.__setattr__(speculative, "method", method)
+    object.__setattr__(changed, "speculative_config", speculative)
+    with pytest.raises(UnsupportedVllmConfigError, match=f"speculative decoding with {message}"):
+        check_supported(changed, kv_cache_config, 16, None)
+
+
+def test_speculative_decoding_beside_mamba_refused(model_dir: Path) -> None:
+    """A GDN hybrid (built by vLLM's config steps) with ngram drafting: vLLM's MambaManager keeps
+    speculative state blocks there, not mapped; refused naming the group."""
+    vllm_config, kv_cache_config, block_size = _hybrid_configs(model_dir, speculative_method="ngram")
+    assert vllm_config.speculative_config.method == "ngram"
+    with pytest.raises(
+        UnsupportedVllmConfigError,
+        match=r"KV cache group 0 \(MambaSpec.*speculative decoding beside mamba groups",
+    ):
+        _build_flat(vllm_config, kv_cache_config, block_size)

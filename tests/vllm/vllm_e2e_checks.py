@@ -20,10 +20,13 @@ cache, preempted and aborted, so a run that exercised nothing cannot pass.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import random
+import subprocess
+import sys
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -369,3 +372,131 @@ def _pool_bytes(model_dir: Path, num_blocks: int) -> int:
     layers_per_group = config.num_hidden_layers // len(set(kinds)) if len(set(kinds)) > 1 else len(kinds)
     per_layer_token = 2 * config.num_key_value_heads * config.head_dim * 4  # K and V, fp32
     return int(num_blocks * BLOCK * layers_per_group * per_layer_token)
+
+
+# -- Speculative decoding: ngram drafting ------------------------------------------------------
+#
+# vLLM's prompt-lookup drafter (CPU: no draft model) proposes up to 3 tokens wherever the last 2
+# to 4 tokens occurred before in the request; the model verifies them, accepting a prefix and
+# rejecting the rest, which rolls the request's computed tokens back. vLLM turns async
+# scheduling off for ngram on its V1 model runner, so the stock run uses its ``Scheduler`` and
+# FlatScheduler (an ``AsyncScheduler``) runs in the same synchronous engine. Expectations are the
+# stock run's: greedy tokens, ``num_cached_tokens``, the prefix-cache and preemption counters,
+# and vLLM's spec-decode counters (drafts, draft tokens, accepted tokens, accepted per position).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SPEC_COUNTERS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+)
+
+
+def _repeating_prompts(seed: int) -> dict[str, list[int]]:
+    """Conversations sharing system prompts, each repeating an n-gram phrase of 6 to 12 tokens 3
+    to 6 times (so the drafter finds matches in the prompt) before a random tail."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(VOCAB) for _ in range(rng.randint(60, 160))] for _ in range(3)]
+    prompts = {}
+    for i in range(12):
+        phrase = [rng.randrange(VOCAB) for _ in range(rng.randint(6, 12))]
+        body = phrase * rng.randint(3, 6) + [rng.randrange(VOCAB) for _ in range(rng.randint(4, 40))]
+        prompts[f"n{i}"] = (systems[i % len(systems)] if i % 4 else []) + body
+    return prompts
+
+
+def _spec_counters(llm: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for metric in llm.get_metrics():
+        if metric.name in SPEC_COUNTERS:
+            out[metric.name] = out.get(metric.name, 0.0) + float(metric.value)
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            out[metric.name] = list(metric.values)
+    return out
+
+
+def spec_scenario(model_dir: Path, scheduler_cls: str | None, settings: dict[str, Any]) -> Run:
+    """:func:`scenario` with ngram drafting and n-gram-repeating prompts; the spec-decode
+    counters join the counters."""
+    llm = make_llm(model_dir, scheduler_cls, _pool_bytes(model_dir, 48), speculative_config=NGRAM, **settings)
+    try:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        assert scheduler.num_spec_tokens == 3 and scheduler.num_lookahead_tokens == 0
+        run = Run(
+            manager=type(scheduler.kv_cache_manager).__name__,
+            groups=[type(g.kv_cache_spec).__name__ for g in scheduler.kv_cache_config.kv_cache_groups],
+        )
+        greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+        prompts = _repeating_prompts(4)
+        first = llm.generate([{"prompt_token_ids": p} for p in prompts.values()], greedy, use_tqdm=False)
+        rng = random.Random(5)
+        follow = {
+            f"{name}-turn2": p
+            + list(out.outputs[0].token_ids)
+            + p[-12:]
+            + [rng.randrange(VOCAB) for _ in range(8)]
+            for (name, p), out in zip(prompts.items(), first, strict=True)
+        }
+        second = llm.generate([{"prompt_token_ids": p} for p in follow.values()], greedy, use_tqdm=False)
+        for name, output in zip([*prompts, *follow], [*first, *second], strict=True):
+            run.tokens[name] = list(output.outputs[0].token_ids)
+            run.cached[name] = output.num_cached_tokens
+        _stepped_with_aborts(llm, prompts, run)
+        run.counters = {**_counters(llm), **_spec_counters(llm)}
+        return run
+    finally:
+        del llm
+        gc.collect()
+
+
+_CHILD_MARK = "flat-kvcache-spec-run "
+
+
+def spec_scenario_in_child(model_dir: Path, scheduler_cls: str | None, settings: dict[str, Any]) -> Run:
+    """:func:`spec_scenario` in a process of its own (this file run as a script).
+
+    vLLM's CPU build 0.32 cannot start a second engine in a process where numba is loaded (its
+    ngram drafter loads it): ``register_triton_kernel_overrides`` scans every loaded module's
+    objects and trips on llvmlite's lazily wrapped library (``vars()`` of it is not a dict), so
+    each ngram engine gets a fresh interpreter (and this test process never loads numba)."""
+    job = json.dumps({"model": str(model_dir), "scheduler_cls": scheduler_cls, "settings": settings})
+    done = subprocess.run(
+        [sys.executable, __file__, job],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        check=False,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith(_CHILD_MARK)]
+    assert done.returncode == 0 and len(lines) == 1, done.stderr[-4000:]
+    return Run(**json.loads(lines[0][len(_CHILD_MARK) :]))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_ngram_speculative_decoding_identical(model_dirs: dict[str, Path], name: str) -> None:
+    model = model_dirs[name]
+    settings = MODELS[name][1]
+    stock = spec_scenario_in_child(model, None, settings)
+    flat = spec_scenario_in_child(model, FLAT, settings)
+    assert (stock.manager, flat.manager) == ("KVCacheManager", "FlatKVCacheManager")
+    assert flat.groups == stock.groups == EXPECTED_GROUPS[name]
+    counters = stock.counters
+    # Drafts were proposed, some accepted and some rejected (rolled back), in a pool tight enough
+    # to preempt, with prefix hits and aborts.
+    accepted = counters["vllm:spec_decode_num_accepted_tokens"]
+    assert 0 < accepted < counters["vllm:spec_decode_num_draft_tokens"], counters
+    assert counters["vllm:num_preemptions"] > 0 and counters["vllm:prefix_cache_hits"] > 0, counters
+    assert stock.aborted and flat.aborted == stock.aborted
+    for request in stock.tokens:
+        assert flat.tokens.get(request) == stock.tokens[request], request
+    assert flat.tokens.keys() == stock.tokens.keys()
+    assert flat.cached == stock.cached
+    assert flat.counters == stock.counters
+
+
+if __name__ == "__main__":
+    # One ngram engine's scenario (spec_scenario_in_child): the Run as one JSON line on stdout.
+    warnings.simplefilter("ignore")
+    job = json.loads(sys.argv[1])
+    result = spec_scenario(Path(job["model"]), job["scheduler_cls"], job["settings"])
+    print(_CHILD_MARK + json.dumps(asdict(result)), flush=True)

@@ -83,7 +83,7 @@ def check_supported(
     if vllm_config.kv_transfer_config is not None:
         refuse("KV connectors (kv_transfer_config is set)")
     if vllm_config.speculative_config is not None:
-        refuse("speculative decoding (speculative_config is set)")
+        _check_speculative(vllm_config, kv_cache_config, refuse)
     if vllm_config.ec_transfer_config is not None:
         refuse("encoder-cache connectors (ec_transfer_config is set)")
     events = vllm_config.kv_events_config
@@ -162,6 +162,40 @@ def check_supported(
             f"a hash block size ({hash_block_size}) other than the block size ({block_size}): "
             "partial-block prefix hits"
         )
+
+
+# Speculative methods whose drafts reach the KV-cache manager only as scheduled tokens (rolled
+# back when rejected) and, for a draft model, as ``num_lookahead_tokens`` slots: both are what
+# ``allocate_slots`` maps. The EAGLE family (eagle, eagle3, mtp, dflash, dspark) also drops the
+# trailing block of a prefix hit and shifts prefill chunks and block hashes by the drafter's
+# read-ahead; ``custom_class`` and ``extract_hidden_states`` are not checked.
+_SERVED_SPECULATIVE_METHODS = ("ngram", "ngram_gpu", "suffix", "draft_model")
+
+
+def _check_speculative(vllm_config: Any, kv_cache_config: Any, refuse: Any) -> None:
+    """Speculative decoding served (docs/vllm.md): draft tokens scheduled with a request,
+    rejected ones rolling ``num_computed_tokens`` back, lookahead slots allocated but never
+    cached, over full-attention and sliding-window groups."""
+    spec = vllm_config.speculative_config
+    method = spec.method
+    if spec.use_eagle() or method not in _SERVED_SPECULATIVE_METHODS:
+        why = (
+            "the EAGLE family drops the trailing block of a prefix hit and reads prefill tokens "
+            "ahead (hash and prefill lookahead), which are not mapped"
+            if spec.use_eagle()
+            else "not checked against vLLM's manager"
+        )
+        refuse(
+            f"speculative decoding with method {method!r} ({why}; served: "
+            f"{', '.join(_SERVED_SPECULATIVE_METHODS)})"
+        )
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        if isinstance(group.kv_cache_spec, MambaSpec):
+            refuse(
+                f"{_group_label(group, index)}: speculative decoding beside mamba groups (vLLM's "
+                "MambaManager then keeps speculative state blocks, num_speculative_blocks, and "
+                "allocates no lookahead slots; not mapped)"
+            )
 
 
 def _check_mamba_groups(vllm_config: Any, kv_cache_config: Any, block_size: int, refuse: Any) -> None:

@@ -23,6 +23,7 @@ from vllm.config import (  # type: ignore[import-not-found]
     CacheConfig,
     DeviceConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
@@ -125,6 +126,11 @@ class SchedulerSetup:
     mamba_cache_mode: str | None = None
     # CacheConfig.prefix_cache_retention_interval for hybrids (vLLM's default is 0).
     prefix_cache_retention_interval: int | None = None
+    # Speculative decoding (:func:`speculative_config`): None, "ngram" (drafts scheduled with
+    # each decode, no lookahead slots) or "draft_model" (``num_speculative_tokens`` lookahead
+    # slots too), with this many draft tokens per step.
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 3
 
 
 def kv_cache_spec(block_size: int, window: int | None = None) -> Any:
@@ -232,6 +238,27 @@ def hybrid_kv_cache_config(vllm_config: Any, setup: SchedulerSetup) -> tuple[Any
     return kv_cache_config, block_size, hash_block_size
 
 
+def speculative_config(setup: SchedulerSetup, model: Any) -> Any:
+    """vLLM's ``SpeculativeConfig`` for ``setup.speculative_method`` (None without one): ngram
+    prompt lookup (what ``LLM(speculative_config={"method": "ngram", ...})`` builds), or a draft
+    model, here the target's own tiny config (its ``num_lookahead_tokens`` is
+    ``num_speculative_tokens``; no weights are read: nothing runs a model)."""
+    if setup.speculative_method is None:
+        return None
+    from vllm.config import SpeculativeConfig
+
+    options: dict[str, Any] = {"num_speculative_tokens": setup.num_speculative_tokens}
+    if setup.speculative_method == "ngram":
+        options.update(method="ngram", prompt_lookup_max=4, prompt_lookup_min=2)
+    elif setup.speculative_method == "draft_model":
+        options.update(method="draft_model", model=str(setup.model_dir))
+    else:
+        raise ValueError(
+            f"speculative_method must be 'ngram' or 'draft_model', got {setup.speculative_method!r}"
+        )
+    return SpeculativeConfig(target_model_config=model, target_parallel_config=ParallelConfig(), **options)
+
+
 def build_configs(setup: SchedulerSetup) -> tuple[Any, Any, int, int]:
     """The ``VllmConfig``, the scheduler's ``KVCacheConfig`` and its block and hash block sizes,
     built by the steps vLLM's ``EngineCore`` takes (``_initialize_kv_caches`` and the scheduler's
@@ -269,7 +296,11 @@ def build_configs(setup: SchedulerSetup) -> tuple[Any, Any, int, int]:
         **retention,
     )
     vllm_config = VllmConfig(
-        model_config=model, scheduler_config=scheduler, cache_config=cache, device_config=DeviceConfig("cpu")
+        model_config=model,
+        scheduler_config=scheduler,
+        cache_config=cache,
+        device_config=DeviceConfig("cpu"),
+        speculative_config=speculative_config(setup, model),
     )
     if setup.layer_types:
         # A GDN / mamba hybrid: vLLM's hybrid config steps (hybrid_kv_cache_config).
@@ -422,16 +453,35 @@ def record_step(scheduler: Any, output: Any, *, tables: bool) -> StepRecord:
     return record
 
 
+def num_accepted_drafts(request_id: str, position: int, num_drafts: int) -> int:
+    """How many of ``num_drafts`` scheduled draft tokens the fake model accepts at ``position``:
+    pseudo-random in ``[0, num_drafts]``, the same under any scheduler."""
+    return zlib.crc32(f"{request_id}:{position}:accept".encode()) % (num_drafts + 1)
+
+
+def proposed_drafts(request_id: str, position: int, num_speculative_tokens: int) -> list[int]:
+    """The draft tokens the fake drafter proposes after ``position``: pseudo-random in number
+    (0 to ``num_speculative_tokens``, as an n-gram lookup that may find no match), the same under
+    any scheduler."""
+    count = zlib.crc32(f"{request_id}:{position}:drafts".encode()) % (num_speculative_tokens + 1)
+    return [sampled_token(request_id, position + 1 + i) for i in range(count)]
+
+
 def fake_model_output(scheduler: Any, output: Any) -> Any:
-    """A ``ModelRunnerOutput`` sampling one token for every request past its prefill."""
+    """A ``ModelRunnerOutput`` sampling one token for every request past its prefill, plus the
+    accepted ones of its scheduled draft tokens (:func:`num_accepted_drafts`): the rejected rest
+    roll its ``num_computed_tokens`` back in ``update_from_output``."""
     req_ids = list(output.num_scheduled_tokens)
+    spec = output.scheduled_spec_decode_tokens
     sampled: list[list[int]] = []
     for rid in req_ids:
         request = scheduler.requests[rid]
         if request.is_prefill_chunk:
             sampled.append([])
         else:
-            sampled.append([sampled_token(rid, request.num_output_tokens)])
+            position = request.num_output_tokens
+            accepted = num_accepted_drafts(rid, position, len(spec.get(rid, ())))
+            sampled.append([sampled_token(rid, position + i) for i in range(1 + accepted)])
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
@@ -496,10 +546,26 @@ def run_steps(
             scheduler.update_from_output(*executing)
             executing = None
         if in_flight:
+            # Under async scheduling the scheduler schedules placeholder drafts itself.
             executing = (output, model_output)
         else:
             scheduler.update_from_output(output, model_output)
+            if scheduler.num_spec_tokens:
+                _propose_drafts(scheduler, output)
     raise RuntimeError(f"the stream did not finish in {max_steps} steps")
+
+
+def _propose_drafts(scheduler: Any, output: Any) -> None:
+    """What vLLM's engine core does after a step without async scheduling: the drafter's
+    proposals for the step's requests (:func:`proposed_drafts`) handed to
+    ``update_draft_token_ids``, which ignores finished requests and prefill chunks."""
+    from vllm.v1.outputs import DraftTokenIds
+
+    req_ids = [rid for rid in output.num_scheduled_tokens if rid in scheduler.requests]
+    drafts = [
+        proposed_drafts(rid, scheduler.requests[rid].num_tokens, scheduler.num_spec_tokens) for rid in req_ids
+    ]
+    scheduler.update_draft_token_ids(DraftTokenIds(req_ids, drafts))
 
 
 def drive(scheduler: Any, stream: list[StreamRequest], *, block_size: int) -> int:
