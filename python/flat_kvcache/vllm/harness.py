@@ -168,8 +168,8 @@ def hybrid_kv_cache_config(vllm_config: Any, setup: SchedulerSetup) -> tuple[Any
     from vllm.v1.attention.backends.registry import (  # type: ignore[import-not-found]
         MambaAttentionBackendEnum,
     )
-    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout  # type: ignore[import-not-found]
-    from vllm.v1.core.kv_cache_planning import (  # type: ignore[import-not-found]
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout  # type: ignore[import-not-found,unused-ignore]
+    from vllm.v1.core.kv_cache_planning import (  # type: ignore[import-not-found,unused-ignore]
         get_global_kv_cache_groups,
         get_kv_cache_configs,
     )
