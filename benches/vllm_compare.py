@@ -1,33 +1,61 @@
-"""Replay the ``flat-kvcache simulate`` trace through vLLM's ``KVCacheManager`` (optional, not in CI).
+"""Replay the ``flat-kvcache simulate`` trace through vLLM's ``KVCacheManager`` (optional; its
+``--check-digest`` runs in the vLLM drop-in CI step).
 
 The same trace (``flat_kvcache.simulate.default_trace`` or a JSONL file), the same pool size,
-the same token budget and the same scheduler loop as ``flat-kvcache simulate`` (FCFS, chunked
-prefill, decode, wait on a failed allocation, retract after two stuck steps), with vLLM's block
-manager in place of ours, and the same per-step figure: time spent in the block manager's
-calls per step (median, p99) and in all. vLLM's manager has no batch call, so running requests
-are allocated one ``allocate_slots`` call each, as vLLM's own scheduler does; the block ids a
-step hands the model are read with ``get_block_ids()`` on what ``allocate_slots`` returned; a
-sampled token goes through ``Request.append_output_token_ids``, which hashes a page when it
-fills (the counterpart of our ``append_tokens``); creating a ``Request`` hashes its prompt's
-full pages, which is timed too (our ``add_request`` and admission probes hash the prompt inside
-the timed calls). vLLM's scheduler has no decode reserve, so admission is just
-``get_computed_blocks`` then ``allocate_slots``.
+the same token budget and the same scheduler loop as ``flat-kvcache simulate``
+(``flat_kvcache.simulate.loop``), with vLLM's block manager in place of ours, and the same
+per-step figure: time spent in the block manager's calls per step (median, p99) and in all.
+``flat-kvcache simulate`` runs in the same process on the same trace with the settings printed
+as ``flat side`` (``flat_config``), and the ratio of the two cache times is printed only when
+both loops made the same decisions at every step: each side folds what each step decided
+(requests scheduled with their tokens, admitted with their hit and first chunk, finished,
+preempted, aborted) into a digest (``flat_kvcache.simulate.decisions``). When the digests
+differ the first differing step is printed instead and the exit status is 1.
+
+The loop is simulate's, phase for phase, in the calls vLLM's manager has:
+
+- running requests, in admission order, get their sizes cut from the token budget first (as
+  simulate builds its one ``schedule`` call), then one ``allocate_slots`` call each (vLLM has no
+  batch call); a request whose pages do not fit waits and its tokens go to admissions;
+- a page is cached when it is computed, as ``FlatKVCache`` registers it (at the request's next
+  ``schedule``, or its ``finish`` / ``preempt``): ``allocate_slots(delay_cache_blocks=True)`` and
+  ``cache_blocks(request, computed)`` before each allocation and each ``free``. vLLM's own
+  scheduler caches a page when it is allocated, so a request admitted in the same step already
+  hits its neighbours' prefix: a different decision (it raised vLLM's hit rate);
+- admission (``get_computed_blocks`` then ``allocate_slots``) keeps simulate's decode reserve
+  free through ``reserved_blocks``: the pages promised to running requests whose next decode
+  starts a page, plus the first decode's page when the chunk completes the prompt (what
+  ``FlatKVCache.admit`` checks); simulate's budget pre-check (less than a page per group left
+  stops admission) is made on the same figure;
+- simulate runs with ``--eviction-order group`` (``flat_config``): vLLM frees a request's pages
+  group by group, each tail first, and hands a page without a key out first (with simulate's
+  default ``hybrid`` order, all groups' tails first, other pages stay cached: at 300 requests
+  the first admission that differs is at step 243, and the hit rate is 17.76 % instead of 18.03 %);
+- the block ids a step hands the model are read with ``get_block_ids()`` on what
+  ``allocate_slots`` returned; a sampled token goes through ``Request.append_output_token_ids``,
+  which hashes a page when it fills (the counterpart of our ``append_tokens``); creating a
+  ``Request`` hashes its prompt's full pages, which is timed too (our ``admit`` hashes the prompt
+  inside the timed call); retraction after two stuck steps as in simulate.
 
 vLLM's block manager runs on the CPU, but vLLM pulls in a CUDA build of torch, so it lives in
 its own virtual environment::
 
     python -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install vllm
     PYTHONPATH=python /tmp/vllm-venv/bin/python benches/vllm_compare.py --num-requests 2000
+    PYTHONPATH=python /tmp/vllm-venv/bin/python benches/vllm_compare.py --num-requests 300 --check-digest
 
-``PYTHONPATH=python`` makes this checkout's ``flat_kvcache`` importable there (for the trace
-and the pool size; the built extension must match that Python). Without vLLM the script says so
-and exits with status 2. Checked with vLLM 0.33.0; only full-attention and sliding-window
-groups are mapped (presets with state groups are refused).
+``PYTHONPATH=python`` makes this checkout's ``flat_kvcache`` importable there (for the trace,
+the pool size and the simulate run; the built extension must match that Python, and be a release
+build for the times to mean anything). ``--decisions DIR`` writes both sides' per-step records
+(``benches/decisions_diff.py`` compares two such files). Without vLLM the script says so and
+exits with status 2. Checked with vLLM 0.33.0; only full-attention and sliding-window groups
+are mapped (presets with state groups are refused).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import io
 import json
 import math
@@ -426,6 +454,7 @@ def run_flat(
     records: list[dict[str, Any]] = []
     for k in range(runs):
         sink = io.StringIO()
+        gc.collect()  # another run's garbage is not this run's time
         summaries.append(simulate(trace, config, decisions=sink).summary)
         if k == 0:
             records = [json.loads(line) for line in sink.getvalue().splitlines()]
@@ -488,11 +517,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         else default_trace(args.num_requests, seed=args.seed)
     )
     num_pages = args.num_pages or default_num_pages(trace, specs, args.max_running)
+    runs = 1 if args.check_digest else args.flat_runs
+    flat, flat_records = run_flat(trace, flat_config(args, num_pages), runs)
     vllm_log = DecisionLog(keep=True)
+    gc.collect()
     result = replay(trace, num_pages=num_pages, specs=specs, args=args, decisions=vllm_log)
-    flat, flat_records = run_flat(
-        trace, flat_config(args, num_pages), 1 if args.check_digest else args.flat_runs
-    )
     if args.decisions:
         folder = Path(args.decisions)
         folder.mkdir(parents=True, exist_ok=True)
