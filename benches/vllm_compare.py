@@ -1,33 +1,62 @@
-"""Replay the ``flat-kvcache simulate`` trace through vLLM's ``KVCacheManager`` (optional, not in CI).
+"""Replay the ``flat-kvcache simulate`` trace through vLLM's ``KVCacheManager`` (optional; its
+``--check-digest`` runs in the vLLM drop-in CI step).
 
 The same trace (``flat_kvcache.simulate.default_trace`` or a JSONL file), the same pool size,
-the same token budget and the same scheduler loop as ``flat-kvcache simulate`` (FCFS, chunked
-prefill, decode, wait on a failed allocation, retract after two stuck steps), with vLLM's block
-manager in place of ours, and the same per-step figure: time spent in the block manager's
-calls per step (median, p99) and in all. vLLM's manager has no batch call, so running requests
-are allocated one ``allocate_slots`` call each, as vLLM's own scheduler does; the block ids a
-step hands the model are read with ``get_block_ids()`` on what ``allocate_slots`` returned; a
-sampled token goes through ``Request.append_output_token_ids``, which hashes a page when it
-fills (the counterpart of our ``append_tokens``); creating a ``Request`` hashes its prompt's
-full pages, which is timed too (our ``add_request`` and admission probes hash the prompt inside
-the timed calls). vLLM's scheduler has no decode reserve, so admission is just
-``get_computed_blocks`` then ``allocate_slots``.
+the same token budget and the same scheduler loop as ``flat-kvcache simulate``
+(``flat_kvcache.simulate.loop``), with vLLM's block manager in place of ours, and the same
+per-step figure: time spent in the block manager's calls per step (median, p99) and in all.
+``flat-kvcache simulate`` runs in the same process on the same trace with the settings printed
+as ``flat side`` (``flat_config``), and the ratio of the two cache times is printed only when
+both loops made the same decisions at every step: each side folds what each step decided
+(requests scheduled with their tokens, admitted with their hit and first chunk, finished,
+preempted, aborted) into a digest (``flat_kvcache.simulate.decisions``). When the digests
+differ the first differing step is printed instead and the exit status is 1.
+
+The loop is simulate's, phase for phase, in the calls vLLM's manager has:
+
+- running requests, in admission order, get their sizes cut from the token budget first (as
+  simulate builds its one ``schedule`` call), then one ``allocate_slots`` call each (vLLM has no
+  batch call); a request whose pages do not fit waits and its tokens go to admissions;
+- a page is cached when it is computed, as ``FlatKVCache`` registers it (at the request's next
+  ``schedule``, or its ``finish`` / ``preempt``): ``allocate_slots(delay_cache_blocks=True)`` and
+  ``cache_blocks(request, computed)`` before each allocation and each ``free``. vLLM's own
+  scheduler caches a page when it is allocated, so a request admitted in the same step already
+  hits its neighbours' prefix: a different decision (it raised vLLM's hit rate);
+- admission (``get_computed_blocks`` then ``allocate_slots``) keeps simulate's decode reserve
+  free through ``reserved_blocks``: the pages promised to running requests whose next decode
+  starts a page, plus the first decode's page when the chunk completes the prompt (what
+  ``FlatKVCache.admit`` checks); simulate's budget pre-check (less than a page per group left
+  stops admission) is made on the same figure;
+- simulate runs with ``--eviction-order group`` (``flat_config``): vLLM frees a request's pages
+  group by group, each tail first, and hands a page without a key out first (with simulate's
+  default ``hybrid`` order, all groups' tails first, other pages stay cached: at 300 requests
+  the first admission that differs is at step 243, and the hit rate is 17.76 % instead of 18.03 %);
+- the block ids a step hands the model are read with ``get_block_ids()`` on what
+  ``allocate_slots`` returned; a sampled token goes through ``Request.append_output_token_ids``,
+  which hashes a page when it fills (the counterpart of our ``append_tokens``); creating a
+  ``Request`` hashes its prompt's full pages, which is timed too (our ``admit`` hashes the prompt
+  inside the timed call); retraction after two stuck steps as in simulate.
 
 vLLM's block manager runs on the CPU, but vLLM pulls in a CUDA build of torch, so it lives in
 its own virtual environment::
 
     python -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install vllm
     PYTHONPATH=python /tmp/vllm-venv/bin/python benches/vllm_compare.py --num-requests 2000
+    PYTHONPATH=python /tmp/vllm-venv/bin/python benches/vllm_compare.py --num-requests 300 --check-digest
 
-``PYTHONPATH=python`` makes this checkout's ``flat_kvcache`` importable there (for the trace
-and the pool size; the built extension must match that Python). Without vLLM the script says so
-and exits with status 2. Checked with vLLM 0.33.0; only full-attention and sliding-window
-groups are mapped (presets with state groups are refused).
+``PYTHONPATH=python`` makes this checkout's ``flat_kvcache`` importable there (for the trace,
+the pool size and the simulate run; the built extension must match that Python, and be a release
+build for the times to mean anything). ``--decisions DIR`` writes both sides' per-step records
+(``benches/decisions_diff.py`` compares two such files). Without vLLM the script says so and
+exits with status 2. Checked with vLLM 0.33.0; only full-attention and sliding-window groups
+are mapped (presets with state groups are refused).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import io
 import json
 import math
 import os
@@ -37,7 +66,7 @@ from collections import deque
 from collections.abc import Sequence
 from importlib import import_module
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
@@ -45,11 +74,15 @@ from flat_kvcache.presets import PRESETS
 from flat_kvcache.simulate import (
     DEFAULT_MAX_RUNNING,
     DEFAULT_MAX_SCHEDULED_TOKENS,
+    DecisionLog,
+    SimulationConfig,
     TraceRequest,
     default_num_pages,
     default_trace,
     engine_specs,
+    first_difference,
     load_trace,
+    simulate,
 )
 
 
@@ -115,20 +148,36 @@ class _Live:
     def __init__(self, request: TraceRequest, vllm_request: Any) -> None:
         self.trace = request
         self.req = vllm_request
+        self.rid = request.request_id
         self.generated = 0
         self.computed = 0
         self.known = len(request.prompt)
         self.admitted_at = -1
 
 
+def _pages_for_token(specs: Sequence[Any], position: int) -> int:
+    """Pages a request's token at ``position`` starts (one in every group whose page ends there):
+    what ``FlatKVCache.pages_needed(1, slot)`` counts for a request holding ``position`` tokens."""
+    return sum(1 for spec in specs if position % spec.page_size == 0)
+
+
 def replay(
-    trace: Sequence[TraceRequest], *, num_pages: int, specs: Sequence[Any], args: argparse.Namespace
+    trace: Sequence[TraceRequest],
+    *,
+    num_pages: int,
+    specs: Sequence[Any],
+    args: argparse.Namespace,
+    decisions: DecisionLog,
 ) -> dict[str, Any]:
+    """The loop of ``flat-kvcache simulate`` (``flat_kvcache.simulate.loop``) on vLLM's manager,
+    phase by phase; every step's decisions go to ``decisions``."""
     v = _import_vllm()
     v["init_none_hash"](v["sha256"])
     hasher = v["get_request_block_hasher"](math.gcd(*(s.page_size for s in specs)), v["sha256"])
     longest = max(len(r.prompt) + r.output_len for r in trace)
     manager = _manager(v, specs, num_pages, longest + 16)
+    pool = manager.block_pool
+    num_groups = len(specs)
     perf = time.perf_counter_ns
 
     def new_request(request: TraceRequest, prompt: list[int]) -> Any:
@@ -143,6 +192,10 @@ def replay(
     pending = deque(trace)
     waiting: deque[_Live] = deque()
     running: list[_Live] = []
+    # simulate's decode reserve (FlatKVCache.reserve): the pages promised to a running request's
+    # next decode, which admissions leave free (allocate_slots(reserved_blocks=)); a running
+    # request's own allocation ignores them, as FlatKVCache.schedule does.
+    reserves: dict[int, int] = {}
     step = stuck = admissions = 0
     finished = aborted = preemptions = 0
     hit_tokens = query_tokens = 0
@@ -163,6 +216,13 @@ def replay(
     )
     wall = perf()
     while pending or waiting or running:
+        decided: dict[str, list[Any]] = {
+            "scheduled": [],
+            "admitted": [],
+            "finished": [],
+            "preempted": [],
+            "aborted": [],
+        }
         if not waiting and not running and pending[0].arrival_step > step:
             step = pending[0].arrival_step
         ns = 0
@@ -180,33 +240,60 @@ def replay(
         elapsed = perf() - t0
         calls["new_step_starts"] += elapsed
         ns += elapsed
+        # Running requests: every size is cut from the budget first, as simulate builds its one
+        # schedule() call; a request whose pages do not fit gives its tokens back to admissions.
         tokens_left = args.max_scheduled_tokens
-        scheduled: list[tuple[_Live, Any]] = []
-        decodes = 0
+        asked: list[tuple[_Live, int]] = []
         for live in running:
             if tokens_left == 0:
                 break
             n = min(live.known - live.computed, tokens_left)
+            asked.append((live, n))
+            tokens_left -= n
+        scheduled: list[tuple[_Live, Any]] = []
+        decodes = 0
+        for live, n in asked:
             t0 = perf()
-            blocks = manager.allocate_slots(live.req, n)
+            # FlatKVCache.schedule registers the request's computed full pages first, whether
+            # or not its new pages fit (delay_cache_blocks below keeps vLLM from caching pages
+            # at allocation, before they are computed).
+            manager.cache_blocks(live.req, live.computed)
+            blocks = manager.allocate_slots(live.req, n, delay_cache_blocks=True)
             elapsed = perf() - t0
             calls["allocate_slots"] += elapsed
             ns += elapsed
             if blocks is None:
+                tokens_left += n
                 continue
-            tokens_left -= n
+            reserves.pop(live.rid, None)  # schedule() releases the reserve it used
             live.computed += n
             live.req.num_computed_tokens = live.computed
             scheduled.append((live, blocks))
+            decided["scheduled"].append((live.rid, n))
             decodes += live.generated > 0 and n == 1
-        admitted = 0
+        # Admission, FCFS: simulate's admit() checks the first chunk plus, when it completes the
+        # prompt, one token of reserve for the first decode, against free pages less every
+        # reserve; allocate_slots checks the chunk against free pages less reserved_blocks.
         while waiting and tokens_left > 0 and len(running) < args.max_running:
             live = waiting[0]
             t0 = perf()
+            held = sum(reserves.values())
+            if pool.get_num_free_blocks() - held < num_groups:
+                # simulate's budget pre-check: no first chunk fits in less than a page per group.
+                elapsed = perf() - t0
+                calls["admit"] += elapsed
+                ns += elapsed
+                break
             cached, hit = manager.get_computed_blocks(live.req)[:2]
             chunk = min(live.known - hit, tokens_left)
+            first_decode = _pages_for_token(specs, hit + chunk) if hit + chunk == live.known else 0
             blocks = manager.allocate_slots(
-                live.req, chunk, num_new_computed_tokens=hit, new_computed_blocks=cached
+                live.req,
+                chunk,
+                num_new_computed_tokens=hit,
+                new_computed_blocks=cached,
+                reserved_blocks=held + first_decode,
+                delay_cache_blocks=True,
             )
             elapsed = perf() - t0
             calls["admit"] += elapsed
@@ -220,9 +307,9 @@ def replay(
             live.req.num_computed_tokens = live.computed
             live.admitted_at = admissions
             admissions += 1
-            admitted += 1
             running.append(live)
             scheduled.append((live, blocks))
+            decided["admitted"].append((live.rid, hit, chunk))
             tokens_left -= chunk
         t0 = perf()
         for _, blocks in scheduled:
@@ -246,6 +333,7 @@ def replay(
         if done:
             t0 = perf()
             for live in done:
+                manager.cache_blocks(live.req, live.computed)  # finish() registers, then frees
                 manager.free(live.req)
             elapsed = perf() - t0
             calls["free"] += elapsed
@@ -253,12 +341,25 @@ def replay(
             finished += len(done)
             gone = {id(live) for live in done}
             running = [live for live in running if id(live) not in gone]
+            for live in done:
+                reserves.pop(live.rid, None)
+            decided["finished"] += [live.rid for live in done]
+        # simulate's reserve(): a request whose next decode starts a page is promised it.
+        for live, _ in scheduled:
+            if (
+                live.known - live.computed == 1
+                and live.generated < live.trace.output_len
+                and _pages_for_token(specs, live.computed)
+            ):
+                reserves[live.rid] = _pages_for_token(specs, live.computed)
         stuck = 0 if scheduled else stuck + 1
         if stuck >= 2:
             if running:
                 victim = max(running, key=lambda live: (live.known, live.admitted_at))
                 running.remove(victim)
+                reserves.pop(victim.rid, None)
                 t0 = perf()
+                manager.cache_blocks(victim.req, victim.computed)  # as preempt() registers
                 manager.free(victim.req)
                 elapsed = perf() - t0
                 calls["preempt"] += elapsed
@@ -268,11 +369,14 @@ def replay(
                     victim.req.num_computed_tokens = 0
                     victim.computed = 0
                     waiting.appendleft(victim)
+                    decided["preempted"].append(victim.rid)
                 else:
                     aborted += 1
+                    decided["aborted"].append(victim.rid)
             elif waiting:
-                waiting.popleft()
+                decided["aborted"].append(waiting.popleft().rid)
                 aborted += 1
+        decisions.record(step, **decided)
         step_ns.append(ns)
         if scheduled and decodes == len(scheduled):
             decode_ns.append(ns)
@@ -297,6 +401,7 @@ def replay(
         "aborted": aborted,
         "preemptions": preemptions,
         "prefix_hit_rate": round(hit_tokens / query_tokens, 6) if query_tokens else 0.0,
+        "decisions": decisions.summary(),
         "timing": {
             "cache_total_ms": round(sum(step_ns) / 1e6, 3),
             "per_step": pct(step_ns),
@@ -305,6 +410,62 @@ def replay(
             "wall_s": round(wall_ns / 1e9, 3),
         },
     }
+
+
+def flat_config(args: argparse.Namespace, num_pages: int) -> SimulationConfig:
+    """The ``flat-kvcache simulate`` settings that replay what ``replay`` replays: the same model,
+    pool, page size and budgets, and vLLM's free order (a finished request's pages group by
+    group, each tail first; a page that holds no key reused first)."""
+    return SimulationConfig(
+        model=args.preset if args.config is None else Path(args.config),
+        num_pages=num_pages,
+        page_size=args.page_size,
+        max_scheduled_tokens=args.max_scheduled_tokens,
+        max_running=args.max_running,
+        eviction_order=EVICTION_ORDER,
+        reuse_uncached_first=REUSE_UNCACHED_FIRST,
+        storage="equalized",
+    )
+
+
+#: vLLM's free order in ``flat-kvcache simulate``'s terms (``flat_config``).
+EVICTION_ORDER: Literal["hybrid", "group"] = "group"
+REUSE_UNCACHED_FIRST = True
+
+
+def simulate_command(args: argparse.Namespace, num_pages: int) -> str:
+    """The ``flat-kvcache simulate`` command line of ``flat_config`` (built-in trace)."""
+    model = f"--preset {args.preset}" if args.config is None else f"--config {args.config}"
+    trace = f"--trace {args.trace}" if args.trace else f"--num-requests {args.num_requests}"
+    return (
+        f"flat-kvcache simulate {model} {trace} --seed {args.seed} --num-pages {num_pages} "
+        f"--page-size {args.page_size} --max-scheduled-tokens {args.max_scheduled_tokens} "
+        f"--max-running {args.max_running} --eviction-order {EVICTION_ORDER} "
+        + ("--reuse-uncached-first" if REUSE_UNCACHED_FIRST else "--no-reuse-uncached-first")
+    )
+
+
+def run_flat(
+    trace: Sequence[TraceRequest], config: SimulationConfig, runs: int
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``runs`` runs of ``flat-kvcache simulate``: the summary of the run with the median cache
+    time, and the first run's decision records (every run decides alike: the digests are checked)."""
+    summaries = []
+    records: list[dict[str, Any]] = []
+    for k in range(runs):
+        sink = io.StringIO()
+        gc.collect()  # another run's garbage is not this run's time
+        summaries.append(simulate(trace, config, decisions=sink).summary)
+        if k == 0:
+            records = [json.loads(line) for line in sink.getvalue().splitlines()]
+    if len({json.dumps(s["decisions"]) for s in summaries}) != 1:
+        raise SystemExit("vllm_compare: two runs of flat-kvcache simulate decided differently")
+    summaries.sort(key=lambda s: s["timing"]["cache_total_ms"])
+    return summaries[len(summaries) // 2], records
+
+
+def _line(record: dict[str, Any]) -> str:
+    return json.dumps(record, sort_keys=True, separators=(",", ":"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -319,10 +480,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-pages", type=int, help="default: as flat-kvcache simulate")
     parser.add_argument("--max-scheduled-tokens", type=int, default=DEFAULT_MAX_SCHEDULED_TOKENS)
     parser.add_argument("--max-running", type=int, default=DEFAULT_MAX_RUNNING)
+    parser.add_argument(
+        "--flat-runs",
+        type=int,
+        default=3,
+        metavar="N",
+        help="runs of flat-kvcache simulate; the one with the median cache time is compared (3)",
+    )
+    parser.add_argument(
+        "--check-digest",
+        action="store_true",
+        help="only check that both loops decide alike (one flat-kvcache run, no timings): exit "
+        "status 1 and the first differing step when they do not",
+    )
+    parser.add_argument(
+        "--decisions",
+        metavar="DIR",
+        help="write each side's per-step decisions to DIR/vllm.jsonl and DIR/flat.jsonl "
+        "(benches/decisions_diff.py compares them)",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
     if args.preset not in PRESETS:
         parser.error(f"--preset {args.preset}: not a built-in preset (a config.json goes with --config)")
+    if args.flat_runs < 1:
+        parser.error("--flat-runs must be >= 1")
     _import_vllm()  # fail early with the install hint
     import flat_kvcache
 
@@ -335,21 +517,85 @@ def main(argv: Sequence[str] | None = None) -> int:
         else default_trace(args.num_requests, seed=args.seed)
     )
     num_pages = args.num_pages or default_num_pages(trace, specs, args.max_running)
-    result = replay(trace, num_pages=num_pages, specs=specs, args=args)
+    runs = 1 if args.check_digest else args.flat_runs
+    flat, flat_records = run_flat(trace, flat_config(args, num_pages), runs)
+    vllm_log = DecisionLog(keep=True)
+    gc.collect()
+    result = replay(trace, num_pages=num_pages, specs=specs, args=args, decisions=vllm_log)
+    if args.decisions:
+        folder = Path(args.decisions)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, records in (("vllm", vllm_log.records or []), ("flat", flat_records)):
+            with open(folder / f"{name}.jsonl", "w", encoding="utf-8") as handle:
+                handle.writelines(
+                    json.dumps(r, sort_keys=True, separators=(",", ":")) + "\n" for r in records
+                )
+    difference = first_difference(vllm_log.records or [], flat_records)
+    match = result["decisions"] == flat["decisions"]
+    if match != (difference is None):
+        raise SystemExit("vllm_compare: the digests and the records disagree")
+    compared = {
+        "command": "benches/vllm_compare.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "flat_command": simulate_command(args, num_pages),
+        "decisions_match": match,
+        "first_difference": None if difference is None else difference.describe("vllm", "flat"),
+        "vllm": result,
+        "flat": {
+            key: flat[key]
+            for key in ("engine", "requests", "num_pages", "steps", "finished", "aborted", "preemptions")
+        }
+        | {
+            "prefix_hit_rate": flat["prefix_hit_rate"],
+            "decisions": flat["decisions"],
+            "timing": flat["timing"],
+        },
+        # vLLM's cache time over flat-kvcache's, only for runs that did the same work.
+        "ratio": None
+        if not match or args.check_digest
+        else {
+            "cache_total": round(result["timing"]["cache_total_ms"] / flat["timing"]["cache_total_ms"], 2),
+            "per_step_median": round(
+                result["timing"]["per_step"]["median_us"] / flat["timing"]["per_step"]["median_us"], 2
+            ),
+        },
+    }
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps(compared, indent=2))
     else:
-        timing = result["timing"]
-        print(
-            f"{result['engine']}: {result['requests']} requests, {result['num_pages']} pages, "
-            f"{result['steps']} steps, {result['finished']} finished, {result['preemptions']} preemptions, "
-            f"prefix hit rate {result['prefix_hit_rate']:.2%}\n"
-            f"cache time per step: median {timing['per_step']['median_us']:.1f} us, "
-            f"p99 {timing['per_step']['p99_us']:.1f} us; decode-only steps: median "
-            f"{timing['per_decode_step']['median_us']:.1f} us ({timing['per_decode_step']['steps']} steps); "
-            f"total {timing['cache_total_ms']:.1f} ms; by call (ms): {timing['by_call_ms']}"
+        print(_report(compared, timings=not args.check_digest))
+    return 0 if match else 1
+
+
+def _report(compared: dict[str, Any], *, timings: bool) -> str:
+    """The comparison as text: each side's run and digest, then the ratio or the first difference."""
+    lines = [f"$ {compared['command']}", f"  flat side: {compared['flat_command']}"]
+    for side in ("vllm", "flat"):
+        r = compared[side]
+        lines.append(
+            f"{r['engine']}: {r['requests']} requests, {r['num_pages']} pages, {r['steps']} steps, "
+            f"{r['finished']} finished, {r['aborted']} aborted, {r['preemptions']} preemptions, "
+            f"prefix hit rate {r['prefix_hit_rate']:.2%}, decisions {r['decisions']['digest']}"
         )
-    return 0
+        if timings:
+            timing = r["timing"]
+            lines.append(
+                f"  cache time per step: median {timing['per_step']['median_us']:.1f} us, "
+                f"p99 {timing['per_step']['p99_us']:.1f} us; decode-only steps: median "
+                f"{timing['per_decode_step']['median_us']:.1f} us ({timing['per_decode_step']['steps']} "
+                f"steps); total {timing['cache_total_ms']:.1f} ms; by call (ms): {timing['by_call_ms']}"
+            )
+    if not compared["decisions_match"]:
+        lines.append("the two loops decided differently, so their times are not compared; first difference:")
+        lines.append(compared["first_difference"])
+    elif compared["ratio"] is not None:
+        ratio = compared["ratio"]
+        lines.append(
+            f"same decisions at every step; vLLM / flat-kvcache cache time: total {ratio['cache_total']}x, "
+            f"per-step median {ratio['per_step_median']}x"
+        )
+    else:
+        lines.append("same decisions at every step")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -538,6 +538,14 @@ def _add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument(
+        "--decisions",
+        metavar="FILE.jsonl",
+        help="write each step's decisions (requests scheduled with their tokens, admitted with their "
+        "hit, finished, preempted, aborted) to FILE as one JSON line; the summary's decisions digest "
+        "folds them (benches/decisions_diff.py A.jsonl B.jsonl names the first step where two runs "
+        "differ)",
+    )
+    parser.add_argument(
         "--plot",
         metavar="FILE.png",
         help="draw pages in use per group and running requests per step into FILE (png, pdf, svg...; "
@@ -627,10 +635,17 @@ def _run_simulate(args: argparse.Namespace) -> int:
         if args.kv_overlap_weight is not None and args.router != "kv":
             raise ValueError("--kv-overlap-weight is a setting of --router kv: add --router kv")
         if args.workers > 1 or args.router is not None or args.worker_memory is not None:
+            if args.decisions is not None:
+                raise ValueError(
+                    "--decisions records one engine's loop: it cannot be combined with --workers"
+                )
             return _run_cluster(args, cfg, trace, config, show)
-        result = simulate.simulate(
-            trace, config, progress=simulate.ProgressBar(sys.stderr) if show and trace else None
-        )
+        progress = simulate.ProgressBar(sys.stderr) if show and trace else None
+        if args.decisions is None:
+            result = simulate.simulate(trace, config, progress=progress)
+        else:
+            with open(args.decisions, "w", encoding="utf-8") as decisions:
+                result = simulate.simulate(trace, config, progress=progress, decisions=decisions)
     except (OSError, ValueError, OverflowError, ConfigError) as exc:
         _print_error(_option_names(str(exc), _SIMULATE_OPTIONS))
         return 1

@@ -1,12 +1,14 @@
 """``flat-kvcache simulate``: a reference scheduler loop over a request trace (SPEC 9).
 
-Three parts, one concern each:
+Its parts, one concern each:
 
 - :mod:`flat_kvcache.simulate.trace`: the requests to run, built in or read from a JSONL or Mooncake file;
 - :mod:`flat_kvcache.simulate.loop`: the scheduler loop that drives the cache step by step
   (its docstring describes one step) and times the cache calls;
 - :mod:`flat_kvcache.simulate.report`: the run's result, its summary as a table or JSON, the
   plot and the progress bar;
+- :mod:`flat_kvcache.simulate.decisions`: the digest of a loop's decisions, step by step, and the
+  first step where two runs differ;
 - :mod:`flat_kvcache.simulate.cluster`: the same loop on N engines in lockstep behind a router
   (``simulate --workers N``, docs/routing.md).
 
@@ -15,6 +17,7 @@ takes plain values.
 """
 
 from flat_kvcache.simulate.cluster import Admission, ClusterResult, simulate_cluster
+from flat_kvcache.simulate.decisions import DecisionLog, Difference, first_difference, read_decisions
 from flat_kvcache.simulate.loop import (
     CALL_KINDS,
     DEFAULT_MAX_RUNNING,
@@ -65,6 +68,8 @@ __all__ = [
     "VOCAB",
     "Admission",
     "ClusterResult",
+    "DecisionLog",
+    "Difference",
     "Engine",
     "EvictionOrder",
     "ProgressBar",
@@ -76,10 +81,12 @@ __all__ = [
     "default_num_pages",
     "default_trace",
     "engine_specs",
+    "first_difference",
     "format_summary",
     "load_trace",
     "mooncake_block",
     "plot_result",
+    "read_decisions",
     "simulate",
     "simulate_cluster",
     "summary_json",

@@ -46,6 +46,11 @@ One step, in order:
 
 Generated tokens are pseudo-random ids drawn from the seed when the trace is built, so a run is
 deterministic and the native engine and the reference give the same summary (timings aside).
+
+What each step decided (the requests scheduled with their tokens, those admitted with their hit,
+those finished, preempted or aborted) is folded into a digest, the summary's ``decisions``
+(:mod:`flat_kvcache.simulate.decisions`): another loop over the same trace did the same work
+only if its digest is the same (``benches/vllm_compare.py`` checks it before comparing times).
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import import_module
 from types import ModuleType
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 
 import numpy as np
 
@@ -73,6 +78,7 @@ from flat_kvcache.config import (
 from flat_kvcache.errors import ConfigError
 from flat_kvcache.families import read_model_layers
 from flat_kvcache.presets import DEFAULT_PRESET
+from flat_kvcache.simulate.decisions import DecisionLog
 from flat_kvcache.simulate.report import SimulationResult, percentiles
 from flat_kvcache.simulate.trace import TokenArray, TraceRequest
 
@@ -367,7 +373,9 @@ _perf = time.perf_counter_ns
 class _Loop:
     """The scheduler loop of :func:`simulate`: one method per phase of a step (module docstring)."""
 
-    def __init__(self, trace: Sequence[TraceRequest], config: SimulationConfig) -> None:
+    def __init__(
+        self, trace: Sequence[TraceRequest], config: SimulationConfig, decisions: TextIO | None = None
+    ) -> None:
         if config.max_scheduled_tokens < 1 or config.max_running < 1:
             raise ValueError("max_scheduled_tokens and max_running must be >= 1")
         if config.tables not in ("rows", "full"):
@@ -453,6 +461,10 @@ class _Loop:
         # ... and the share held by cached pages of busy units (cached prefixes that only their
         # own group can reuse or evict).
         self.cached_busy_series: list[float] = []
+        # What each step decided (simulate.decisions): its digest goes into the summary, its
+        # records to ``decisions`` when given. Not timed.
+        self.decisions = DecisionLog(decisions)
+        self._decided: dict[str, list[Any]] = {}
 
     def _charge(self, kind: str, start_ns: int) -> None:
         """Add the time since ``start_ns`` to the step and to ``kind``."""
@@ -485,6 +497,7 @@ class _Loop:
         ``simulate.cluster``, drives each worker's loop step by step)."""
         self._arrivals()
         self.step_ns = 0
+        self._decided = {"scheduled": [], "admitted": [], "finished": [], "preempted": [], "aborted": []}
         scheduled, decodes, tokens_left = self._schedule_running(self.config.max_scheduled_tokens)
         admitted = self._admit(tokens_left)
         batch = scheduled + admitted
@@ -500,6 +513,7 @@ class _Loop:
         self.stuck_steps = 0 if batch else self.stuck_steps + 1
         if self.stuck_steps >= 2:
             self._retract()
+        self.decisions.record(self.step, **self._decided)
         self._record(decode_only=bool(batch) and decodes == len(batch))
 
     def _ack_transfers(self) -> None:
@@ -555,6 +569,7 @@ class _Loop:
             if success:
                 live.computed += n
                 scheduled.append(live)
+                self._decided["scheduled"].append((live.rid, n))
                 self.counts["scheduled_tokens"] += n
                 decodes += live.generated > 0 and n == 1
             else:
@@ -597,6 +612,7 @@ class _Loop:
             self.admissions += 1
             self.running.append(live)
             admitted.append(live)
+            self._decided["admitted"].append((rid, hit, chunk))
             self.counts["scheduled_tokens"] += chunk
             tokens_left -= chunk
         return admitted
@@ -628,6 +644,7 @@ class _Loop:
             for live in done:
                 live.slot = -1  # free: the next admission may get it
             self.counts["finished"] += len(done)
+            self._decided["finished"] += [live.rid for live in done]
             gone = {id(live) for live in done}
             self.running = [live for live in self.running if id(live) not in gone]
         # The next decode starts a page only at a base-page boundary (every page size is a
@@ -648,8 +665,9 @@ class _Loop:
         """Step 6: preempt the running request holding the most tokens (or abort, see the docstring)."""
         if not self.running:
             if self.waiting:
-                self.waiting.popleft()  # nothing holds pages and it still does not fit
+                gone = self.waiting.popleft()  # nothing holds pages and it still does not fit
                 self.counts["aborted"] += 1
+                self._decided["aborted"].append(gone.rid)
             return
         victim = max(self.running, key=lambda live: (live.known, live.admitted_at))
         self.running.remove(victim)
@@ -663,7 +681,9 @@ class _Loop:
         self._charge("preempt", start)
         if folded is None:
             self.counts["aborted"] += 1
+            self._decided["aborted"].append(victim.rid)
             return
+        self._decided["preempted"].append(victim.rid)
         victim.prompt = np.asarray(folded, dtype=np.uint32)
         victim.computed = victim.known = 0
         self.waiting.appendleft(victim)
@@ -729,6 +749,8 @@ class _Loop:
             "max_running": config.max_running,
             "requests": self.total,
             "steps": len(self.step_cache_ns),
+            # The digest of every step's decisions (simulate.decisions): equal digests, same work.
+            "decisions": self.decisions.summary(),
             **{key: self.counts[key] for key in ("finished", "aborted")},
             "preemptions": int(stats["preemptions"]),
             **{
@@ -776,9 +798,12 @@ def simulate(
     config: SimulationConfig = SimulationConfig(),
     *,
     progress: Callable[[int, int, int, int], None] | None = None,
+    decisions: TextIO | None = None,
 ) -> SimulationResult:
     """Run the scheduler loop (module docstring) over ``trace``; see :class:`SimulationResult`.
 
     ``progress(step, done, total, running)`` is called every 50 steps and once at the end.
+    ``decisions``: each step's decisions are written there as a JSONL record
+    (:mod:`flat_kvcache.simulate.decisions`); the summary's ``decisions`` is their digest.
     """
-    return _Loop(trace, config).run(progress)
+    return _Loop(trace, config, decisions).run(progress)
