@@ -99,27 +99,29 @@ class VllmEventLog:
 
     def stored(self, request: Any, tables: Sequence[Sequence[Any]], start: int, end: int) -> None:
         """Slots ``[start, end)`` of every group's table became cached (vLLM's ``cache_blocks``):
-        one ``BlockStored`` per group, null blocks' hashes left out."""
+        one ``BlockStored`` per group, null blocks' hashes left out. A slot's hash and extra keys
+        are the same in every group (one block size), so they are worked out once per slot."""
         raw = request.block_hashes
         page_keys = self._page_keys
+        size = self._block_sizes[0]
+        converted = [maybe_convert_block_hash(raw[slot]) for slot in range(start, end)]
+        extra_keys = []
+        mm_index = 0  # a search cursor over the request's multimodal inputs, only ever behind
+        for slot in range(start, end):
+            keys, mm_index = generate_block_hash_extra_keys(request, slot * size, (slot + 1) * size, mm_index)
+            extra_keys.append(keys)
         for group, blocks in enumerate(tables):
-            size = self._block_sizes[group]
             hashes = []
             extra = []
-            mm_index = 0
-            for slot in range(start, end):
-                block = blocks[slot]
+            for i, block in enumerate(blocks[start:end]):
                 if block.is_null:
                     continue
-                key = raw[slot]
-                hashes.append(maybe_convert_block_hash(key))
+                hashes.append(converted[i])
+                extra.append(extra_keys[i])
                 held = page_keys.setdefault(block.block_id, [])
-                if (key, group) not in held:  # vLLM's pool keeps a block's key once
-                    held.append((key, group))
-                keys, mm_index = generate_block_hash_extra_keys(
-                    request, slot * size, (slot + 1) * size, mm_index
-                )
-                extra.append(keys)
+                key = (raw[start + i], group)
+                if key not in held:  # vLLM's pool keeps a block's key once
+                    held.append(key)
             self._store(request, group, hashes, start, end, extra)
 
     def hit(self, request: Any, lengths: Sequence[int]) -> None:
