@@ -54,7 +54,7 @@ from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found]
 class VllmEventLog:
     """vLLM's event queue for one manager, and which key each cached page holds."""
 
-    __slots__ = ("_block_sizes", "_kinds", "_page_keys", "_queue")
+    __slots__ = ("_block_sizes", "_kinds", "_more_keys", "_page_keys", "_queue")
 
     def __init__(self, kv_cache_config: Any) -> None:
         groups = kv_cache_config.kv_cache_groups
@@ -65,8 +65,11 @@ class VllmEventLog:
         ]
         self._block_sizes = [g.kv_cache_spec.block_size for g in groups]
         self._queue: list[Any] = []
-        # page id -> the keys it holds, (vLLM's block hash, group), in the order given
-        self._page_keys: dict[int, list[tuple[Any, int]]] = {}
+        # page id -> the key it holds, (vLLM's block hash, group): one tuple per page (a list
+        # each would be one more object for the garbage collector to walk), and any further key
+        # a page was given, in order, in ``_more_keys`` (vLLM's pool would keep it; never seen)
+        self._page_keys: dict[int, tuple[Any, int]] = {}
+        self._more_keys: dict[int, list[tuple[Any, int]]] = {}
 
     def take(self) -> list[Any]:
         events = self._queue
@@ -118,10 +121,12 @@ class VllmEventLog:
                     continue
                 hashes.append(converted[i])
                 extra.append(extra_keys[i])
-                held = page_keys.setdefault(block.block_id, [])
                 key = (raw[start + i], group)
-                if key not in held:  # vLLM's pool keeps a block's key once
-                    held.append(key)
+                held = page_keys.setdefault(block.block_id, key)
+                if held != key:
+                    more = self._more_keys.setdefault(block.block_id, [])
+                    if key not in more:  # vLLM's pool keeps a block's key once
+                        more.append(key)
             self._store(request, group, hashes, start, end, extra)
 
     def hit(self, request: Any, lengths: Sequence[int]) -> None:
@@ -149,9 +154,10 @@ class VllmEventLog:
             return
         queue = self._queue
         for page in page_ids:
-            keys = page_keys.pop(page, None)
-            if keys is None:
+            first = page_keys.pop(page, None)
+            if first is None:
                 continue
+            keys = [first, *self._more_keys.pop(page, ())] if self._more_keys else [first]
             for key, group in keys:
                 queue.append(
                     BlockRemoved(
@@ -162,4 +168,5 @@ class VllmEventLog:
     def cleared(self) -> None:
         """The prefix cache was reset (no page held): every key is gone."""
         self._page_keys.clear()
+        self._more_keys.clear()
         self._queue.append(AllBlocksCleared())
