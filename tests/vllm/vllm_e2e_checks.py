@@ -390,7 +390,7 @@ def _events_run(
 def test_kv_events_identical_streams(
     model_dirs: dict[str, Path], name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from vllm.distributed.kv_events import (  # type: ignore[import-not-found]
+    from vllm.distributed.kv_events import (
         AllBlocksCleared,
         BlockRemoved,
         BlockStored,
