@@ -706,3 +706,202 @@ def test_speculative_decoding_beside_mamba_refused(model_dir: Path) -> None:
         match=r"KV cache group 0 \(MambaSpec.*speculative decoding beside mamba groups",
     ):
         _build_flat(vllm_config, kv_cache_config, block_size)
+
+
+# -- KV cache events (kv_events_config.enable_kv_cache_events) --------------------------------
+#
+# With vLLM's KV events on, FlatKVCacheManager.take_events() returns vLLM's own event objects
+# (BlockStored / BlockRemoved / AllBlocksCleared of vllm.distributed.kv_events). Both schedulers
+# publish each step's events as one KVEventBatch (Scheduler.update_from_output); a recording
+# publisher takes them, and every step the two must hold the same events in the same order, and
+# encode (msgspec's msgpack encoder, vLLM's publisher's) to the same bytes that decode with
+# vLLM's own KVEventBatch type back to the same events. The streams add prefix-cache resets
+# (reset_running_requests=True: every request preempted, then AllBlocksCleared) and requests
+# reporting their hits in full (kv_cache_report_mode="full", which re-stores a hit's blocks).
+
+
+class _RecordingPublisher:
+    """Stands in for the scheduler's KV event publisher: keeps every published batch."""
+
+    def __init__(self) -> None:
+        self.batches: list[Any] = []
+
+    def publish(self, batch: Any) -> None:
+        self.batches.append(batch)
+
+    def shutdown(self) -> None:
+        pass
+
+    def get_publisher_config(self) -> Any:
+        return None
+
+
+def _build_with_events(cls: type, setup: SchedulerSetup) -> Any:
+    """:func:`build_scheduler` with ``kv_events_config`` set, as ``--kv-events-config`` does."""
+    from vllm.config import KVEventsConfig  # type: ignore[import-not-found]
+    from vllm.utils.hashing import sha256  # type: ignore[import-not-found]
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    init_none_hash(sha256)
+    vllm_config, kv_cache_config, block_size, hash_block_size = build_configs(setup)
+    vllm_config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    scheduler = cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=block_size,
+        hash_block_size=hash_block_size,
+        log_stats=setup.log_stats,
+    )
+    scheduler.kv_event_publisher = _RecordingPublisher()
+    return scheduler
+
+
+def _with_resets_and_full_reports(scheduler: Any, reset_every: int, covered: dict[str, int] | None) -> None:
+    """Every ``reset_every`` steps, before ``schedule()``, reset the prefix cache with every
+    running request preempted (as ``LLM.reset_prefix_cache(reset_running_requests=True)``);
+    every fourth request reports its hits in full (``kv_cache_report_mode="full"``)."""
+    schedule = scheduler.schedule
+    add_request = scheduler.add_request
+    steps = [0]
+
+    def scheduled() -> Any:
+        steps[0] += 1
+        if steps[0] % reset_every == 0:
+            assert scheduler.reset_prefix_cache(reset_running_requests=True)
+            if covered is not None:
+                covered["resets"] += 1
+        return schedule()
+
+    def added(request: Any) -> None:
+        if int(request.request_id[1:]) % 4 == 0:
+            request.kv_cache_report_mode = "full"
+        add_request(request)
+
+    scheduler.schedule = scheduled
+    scheduler.add_request = added
+
+
+def _events_lockstep(
+    setup: SchedulerSetup, num_requests: int, seed: int, *, in_flight: bool, reset_every: int = 61
+) -> dict[str, int]:
+    """Both schedulers with KV events over one stream: every step's decisions and published
+    event batches equal. Returns what vLLM's run emitted."""
+    import msgspec
+    from vllm.distributed.kv_events import (  # type: ignore[import-not-found]
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        KVEventBatch,
+    )
+
+    stream = make_stream(num_requests, seed=seed)
+    theirs = _build_with_events(AsyncScheduler, setup)
+    ours = _build_with_events(FlatScheduler, setup)
+    assert isinstance(ours.kv_cache_manager, FlatKVCacheManager)
+    covered = dict.fromkeys(
+        ("steps", "preemptions", "stored", "stored_hashes", "stored_empty", "stored_with_nulls",
+         "extra_keys", "removed", "removed_mixed_runs", "cleared", "resets", "full_reports",
+         "bytes_hashes"),
+        0,
+    )  # fmt: skip
+    _with_resets_and_full_reports(theirs, reset_every, covered)
+    _with_resets_and_full_reports(ours, reset_every, None)
+    report = theirs.kv_cache_manager.coordinator.emit_cached_block_events
+
+    def emit_cached_block_events(request: Any, blocks: Any) -> None:
+        covered["full_reports"] += 1
+        report(request, blocks)
+
+    theirs.kv_cache_manager.coordinator.emit_cached_block_events = emit_cached_block_events
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    their_pub, our_pub = theirs.kv_event_publisher, ours.kv_event_publisher
+    seen = 0
+    their_steps = run_steps(theirs, stream, block_size=setup.block_size, in_flight=in_flight)
+    our_steps = run_steps(ours, stream, block_size=setup.block_size, in_flight=in_flight)
+    for step, (their_out, our_out) in enumerate(zip(their_steps, our_steps, strict=True)):
+        a = record_step(theirs, their_out, tables=True)
+        b = record_step(ours, our_out, tables=True)
+        assert a == b, f"step {step}: {_first_difference(b, a)}"
+        covered["steps"] += 1
+        covered["preemptions"] += len(a.preempted)
+        assert len(their_pub.batches) == len(our_pub.batches), f"step {step}: batch counts differ"
+        for their_batch, our_batch in zip(their_pub.batches[seen:], our_pub.batches[seen:], strict=True):
+            for i, (x, y) in enumerate(zip(their_batch.events, our_batch.events, strict=False)):
+                assert type(x) is type(y) and x == y, f"step {step}, event {i}: vLLM {x!r} vs flat {y!r}"
+            assert len(their_batch.events) == len(our_batch.events), f"step {step}: event counts differ"
+            # vLLM's wire form: the same bytes, decoded by vLLM's own KVEventBatch type.
+            their_bytes = encoder.encode(KVEventBatch(ts=0.0, events=their_batch.events))
+            our_bytes = encoder.encode(KVEventBatch(ts=0.0, events=our_batch.events))
+            assert our_bytes == their_bytes, f"step {step}: encoded batches differ"
+            assert (
+                decoder.decode(our_bytes)
+                == decoder.decode(their_bytes)
+                == KVEventBatch(ts=0.0, events=their_batch.events)
+            )
+            run: list[int] = []
+            for event in [*their_batch.events, None]:
+                if isinstance(event, BlockRemoved):
+                    covered["removed"] += 1
+                    run.append(event.group_idx)
+                    continue
+                # A run of removals whose groups are not contiguous (a group's allocation
+                # evicting keys of several groups in turn): per-group batches would reorder it.
+                covered["removed_mixed_runs"] += run != sorted(run, key=run.index)
+                run = []
+                if isinstance(event, BlockStored):
+                    covered["stored"] += 1
+                    if event.block_hashes:
+                        covered["bytes_hashes"] = isinstance(event.block_hashes[0], bytes)
+                    covered["stored_hashes"] += len(event.block_hashes)
+                    covered["stored_empty"] += not event.block_hashes
+                    covered["stored_with_nulls"] += (
+                        len(event.token_ids) > len(event.block_hashes) * event.block_size
+                    )
+                    covered["extra_keys"] += event.extra_keys is not None and any(event.extra_keys)
+                elif isinstance(event, AllBlocksCleared):
+                    covered["cleared"] += 1
+        seen = len(their_pub.batches)
+    assert ours.kv_cache_manager.take_events() == theirs.kv_cache_manager.take_events() == []
+    return covered
+
+
+EVENT_CASES: dict[str, dict[str, Any]] = {
+    "full-tight-pool": dict(num_blocks=300),
+    "full-tight-pool-async": dict(num_blocks=300, in_flight=True),
+    "full-sliding": dict(windows=(None, 128, 40), num_blocks=300, retention=None),
+    "full-sliding-async": dict(windows=(None, 128, 40), num_blocks=300, retention=None, in_flight=True),
+    "gdn-align": dict(layer_types=QWEN35_LAYERS, num_blocks=400),
+    "gdn-align-async": dict(layer_types=QWEN35_LAYERS, num_blocks=400, in_flight=True),
+    "full-caching-off": dict(num_blocks=300, enable_prefix_caching=False),
+    # Block hashes as vLLM's bytes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) instead of its default
+    # 64-bit ints.
+    "full-sliding-bytes-hashes": dict(windows=(None, 128), num_blocks=250, retention=None, bytes_hashes=True),
+}
+
+
+@pytest.mark.parametrize("case", list(EVENT_CASES))
+def test_kv_events_same_as_vllm(model_dir: Path, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    options = dict(EVENT_CASES[case])
+    in_flight = bool(options.pop("in_flight", False))
+    bytes_hashes = bool(options.pop("bytes_hashes", False))
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0" if bytes_hashes else "1")
+    setup = SchedulerSetup(
+        model_dir=model_dir, **{"max_num_seqs": 32, "max_num_batched_tokens": 512, **options}
+    )
+    covered = _events_lockstep(setup, 400, seed=5, in_flight=in_flight)
+    print(case, covered)
+    assert covered["preemptions"] > 0 and covered["resets"] > 3, covered
+    assert covered["cleared"] == covered["resets"], covered
+    if not setup.enable_prefix_caching:
+        assert covered["stored"] == covered["removed"] == 0, covered
+        return
+    assert covered["stored_hashes"] > 1000 and covered["removed"] > 100, covered
+    assert covered["bytes_hashes"] == bytes_hashes, covered
+    assert covered["extra_keys"] > 0 and covered["full_reports"] > 10, covered
+    if setup.windows or setup.layer_types:
+        assert covered["removed_mixed_runs"] > 0, covered
+    if setup.layer_types:
+        # Mamba ranges with null blocks: their tokens are stored, their hashes are not.
+        assert covered["stored_with_nulls"] > 1000, covered

@@ -500,3 +500,108 @@ if __name__ == "__main__":
     job = json.loads(sys.argv[1])
     result = spec_scenario(Path(job["model"]), job["scheduler_cls"], job["settings"])
     print(_CHILD_MARK + json.dumps(asdict(result)), flush=True)
+
+
+# -- KV cache events --------------------------------------------------------------------------
+#
+# With vLLM's KV events on (kv_events_config: enable_kv_cache_events, vLLM's ZMQ publisher bound
+# on a local ipc socket), a subscriber receives each step's KVEventBatch as vLLM's publisher
+# sends it ([topic, seq, msgpack payload]) and decodes it with vLLM's own KVEventBatch type. The
+# stock scheduler's stream and FlatScheduler's must be the same batches of the same events, and
+# the tokens the same. The scenario resets the prefix cache before its stepped requests
+# (AllBlocksCleared).
+
+
+_plain_stepped = _stepped_with_aborts
+
+
+class _Subscriber:
+    """A ZMQ SUB socket on ``endpoint`` collecting (seq, decoded batch) on a thread."""
+
+    def __init__(self, endpoint: str) -> None:
+        import threading
+
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch  # type: ignore[import-not-found]
+
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.connect(endpoint)  # before the publisher binds: zmq connects when it does
+        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.received: list[tuple[int, Any]] = []
+        self.last = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import time
+
+        while not self._stop.is_set():
+            if self._socket.poll(50):
+                _topic, seq, payload = self._socket.recv_multipart()
+                self.received.append((int.from_bytes(seq, "big"), self._decoder.decode(payload)))
+                self.last = time.monotonic()
+
+    def drain(self, quiet: float = 2.0) -> list[Any]:
+        """Wait until nothing arrived for ``quiet`` seconds; the batches in order."""
+        import time
+
+        while time.monotonic() - max(self.last, 0.0) < quiet:
+            time.sleep(0.2)
+        self._stop.set()
+        self._thread.join()
+        self._socket.close(linger=0)
+        self._context.term()
+        seqs = [seq for seq, _ in self.received]
+        assert seqs == list(range(len(seqs))), "batches lost or reordered on the socket"
+        return [batch for _, batch in self.received]
+
+
+def _events_run(
+    model: Path, scheduler_cls: str | None, settings: dict[str, Any], endpoint: str, monkeypatch: Any
+) -> tuple[Run, list[Any]]:
+    from vllm.config import KVEventsConfig  # type: ignore[import-not-found]
+
+    def reset_then_step(llm: Any, prompts: dict[str, list[int]], run: Run) -> None:
+        assert llm.reset_prefix_cache()
+        _plain_stepped(llm, prompts, run)
+
+    monkeypatch.setitem(globals(), "_stepped_with_aborts", reset_then_step)
+    subscriber = _Subscriber(endpoint)
+    config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint)
+    run = scenario(model, scheduler_cls, _pool_bytes(model, 48), {**settings, "kv_events_config": config})
+    return run, subscriber.drain()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_kv_events_identical_streams(
+    model_dirs: dict[str, Path], name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm.distributed.kv_events import (
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+    )
+
+    model = model_dirs[name]
+    settings = MODELS[name][1]
+    stock, their_batches = _events_run(model, None, settings, f"ipc://{tmp_path}/stock", monkeypatch)
+    flat, our_batches = _events_run(model, FLAT, settings, f"ipc://{tmp_path}/flat", monkeypatch)
+    assert flat.manager == "FlatKVCacheManager" and flat.groups == stock.groups == EXPECTED_GROUPS[name]
+    assert flat.tokens == stock.tokens and flat.cached == stock.cached
+    assert flat.counters == stock.counters and flat.aborted == stock.aborted
+    events = [event for batch in their_batches for event in batch.events]
+    kinds = {
+        kind: sum(isinstance(e, kind) for e in events)
+        for kind in (BlockStored, BlockRemoved, AllBlocksCleared)
+    }
+    print(name, len(their_batches), "batches", {k.__name__: n for k, n in kinds.items()})
+    assert kinds[BlockStored] > 20 and kinds[BlockRemoved] > 20 and kinds[AllBlocksCleared] == 1, kinds
+    groups = {e.group_idx for e in events if isinstance(e, BlockStored)}
+    assert groups == set(range(len(stock.groups))), groups
+    assert len(our_batches) == len(their_batches)
+    for i, (ours, theirs) in enumerate(zip(our_batches, their_batches, strict=True)):
+        assert ours.events == theirs.events, f"batch {i}"

@@ -44,6 +44,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats  # type: ignore[import-not-fo
 from vllm.v1.request import RequestStatus  # type: ignore[import-not-found]
 
 from flat_kvcache import KVCacheSpec, PageCache
+from flat_kvcache.vllm._events import VllmEventLog
 
 # Exactly these spec types are served; their subclasses (sink, hidden-state, RSWA, sliding-window
 # MLA, DSV41 bounded replay, ...) behave differently in vLLM and are refused.
@@ -86,9 +87,6 @@ def check_supported(
         _check_speculative(vllm_config, kv_cache_config, refuse)
     if vllm_config.ec_transfer_config is not None:
         refuse("encoder-cache connectors (ec_transfer_config is set)")
-    events = vllm_config.kv_events_config
-    if events is not None and events.enable_kv_cache_events:
-        refuse("KV cache events (kv_events_config.enable_kv_cache_events)")
     if vllm_config.observability_config.kv_cache_metrics:
         refuse("KV cache residency metrics (observability_config.kv_cache_metrics)")
     if vllm_config.aux_output_config.enabled:
@@ -325,11 +323,18 @@ class FlatKVCacheManager:
         log_stats: bool = False,
         watermark: float = 0.0,
         max_in_flight_tokens: int | None = None,
+        enable_kv_cache_events: bool = False,
     ) -> None:
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.enable_kv_cache_events = False
+        self.enable_kv_cache_events = enable_kv_cache_events
+        # vLLM's KV cache events (_events.py), recorded only when enabled: None keeps every
+        # call's event work to one attribute test.
+        self._events: VllmEventLog | None = VllmEventLog(kv_cache_config) if enable_kv_cache_events else None
+        # The first slot of a store range a mamba table registered before it grew (see
+        # _key_running_state): vLLM stores that range with the rest, after its allocation.
+        self._store_from: int | None = None
         self.log_stats = log_stats
         self.use_eagle = False
         self.mamba_shared_prefix_checkpoint = False
@@ -469,7 +474,10 @@ class FlatKVCacheManager:
         )
 
     def take_events(self) -> list[Any]:
-        return []  # KV cache events are refused at construction
+        """vLLM's KV cache events since the last call (``[]`` unless enabled), vLLM's objects in
+        vLLM's order (_events.py)."""
+        events = self._events
+        return [] if events is None else events.take()
 
     def take_new_block_ids(self) -> list[int]:
         ids = [block_id for group in self._new_block_ids for block_id in group]
@@ -556,6 +564,8 @@ class FlatKVCacheManager:
         pages = self._page_blocks
         blocks = KVCacheBlocks(tuple([pages[p] for p in group] for group in match.pages))
         self._pending_hits[request.request_id] = (blocks, match)
+        if self._events is not None and getattr(request, "kv_cache_report_mode", "incremental") == "full":
+            self._events.hit(request, [len(group) for group in match.pages])
         return blocks, hit, boundary
 
     # -- allocation ----------------------------------------------------------------------------
@@ -748,6 +758,8 @@ class FlatKVCacheManager:
                 zip(tables.blocks, cache.page_ids(request_id), strict=True)
             ):
                 new_ids = ids[len(group_blocks) :]
+                if self._events is not None:
+                    self._events.handed_out(new_ids)
                 fresh = [pages[p] for p in new_ids]
                 group_blocks.extend(fresh)
                 grown.append(fresh)
@@ -793,6 +805,8 @@ class FlatKVCacheManager:
             num_full = min(num_full, tables.capacity // self._page)
         start = tables.num_cached
         if num_full <= start:
+            if self._store_from is not None and not within_table:
+                self._stored(request, tables, start, start)
             return
         hashes = self._hex_hashes(request, num_full)
         filled = num_full * self.block_size
@@ -818,6 +832,23 @@ class FlatKVCacheManager:
         else:
             self.cache.register(request.request_id, hashes[start:num_full], first_slot=start)
         tables.num_cached = num_full
+        if self._events is not None:
+            if within_table:
+                # Registered before the table grows; vLLM stores the range after its allocation,
+                # with whatever the same call then fills: one store per group, later.
+                if self._store_from is None:
+                    self._store_from = start
+            else:
+                self._stored(request, tables, start, num_full)
+
+    def _stored(self, request: Any, tables: _Tables, start: int, end: int) -> None:
+        """Record vLLM's ``BlockStored`` events of slots ``[start, end)`` just registered, from
+        the first slot registered before the table grew if there was one."""
+        assert self._events is not None
+        if self._store_from is not None:
+            start = self._store_from
+            self._store_from = None
+        self._events.stored(request, tables.blocks, start, end)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         """Register the request's pages made full by ``num_computed_tokens`` (async scheduling)."""
@@ -890,6 +921,8 @@ class FlatKVCacheManager:
         self.cache.reset_prefix_cache()
         if self._full_mirror:
             self._sync_full_mirror()
+        if self._events is not None:
+            self._events.cleared()
         if self.log_stats:
             self.prefix_cache_stats.reset = True
         return True

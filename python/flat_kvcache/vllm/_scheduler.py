@@ -39,4 +39,5 @@ class FlatScheduler(AsyncScheduler):  # type: ignore[misc]
             log_stats=self.log_stats,
             watermark=self.scheduler_config.watermark,
             max_in_flight_tokens=vllm_config.max_in_flight_tokens,
+            enable_kv_cache_events=self.enable_kv_cache_events,
         )
