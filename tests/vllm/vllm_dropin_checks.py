@@ -733,11 +733,16 @@ def _count_keys(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     def counting_build(cls: type, setup: SchedulerSetup) -> Any:
         scheduler = build(cls, setup)
         manager = scheduler.kv_cache_manager
-        if isinstance(manager, FlatKVCacheManager):
-            side, count = "flat", lambda: manager.cache.pool_stats()["num_cached"]
-        else:
+        flat = isinstance(manager, FlatKVCacheManager)
+        side = "flat" if flat else "vllm"
+
+        def count() -> int:
+            if flat:
+                return int(manager.cache.pool_stats()["num_cached"])
+            return sum(b.block_hash is not None for b in manager.block_pool.blocks)
+
+        if not flat:
             pool = manager.block_pool
-            side, count = "vllm", lambda: sum(b.block_hash is not None for b in pool.blocks)
             groups = scheduler.kv_cache_config.kv_cache_groups
             cache_full_blocks = pool.cache_full_blocks
 
@@ -838,3 +843,27 @@ def test_sparse_retention_hits_against_dense(model_dir: Path) -> None:
         )
         hits[retention] = run_lockstep(setup, 300, seed=5)["hit_tokens"]
     assert hits[0] < hits[64] <= hits[None], hits
+
+
+# Speculative decoding (served since the specdec merge) under vLLM's default sparse retention:
+# drafts and lookahead slots beside sliding groups whose blocks are keyed only where reachable.
+SPARSE_SPEC_CASES: dict[str, dict[str, Any]] = {
+    "ngram-sliding-default-retention": dict(
+        speculative_method="ngram", windows=(None, 128, 40), num_blocks=300
+    ),
+    "draft-model-sliding-retention-64-async": dict(
+        speculative_method="draft_model", windows=(None, 100), retention=64, num_blocks=300, in_flight=True
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SPARSE_SPEC_CASES))
+def test_sparse_retention_with_speculative_decoding(model_dir: Path, case: str) -> None:
+    options = dict(SPARSE_SPEC_CASES[case])
+    in_flight = bool(options.pop("in_flight", False))
+    setup = SchedulerSetup(
+        model_dir=model_dir, **{"max_num_seqs": 32, "max_num_batched_tokens": 512, **options}
+    )
+    covered = run_spec_lockstep(setup, 400, seed=21, in_flight=in_flight)
+    assert covered["preemptions"] > 0 and covered["hit_tokens"] > 0, covered
+    assert covered["drafts"] > 1000 and covered["rejected"] > 300, covered
