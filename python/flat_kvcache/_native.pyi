@@ -904,6 +904,7 @@ class PageCache(_PagedCacheBase):
         reuse_uncached_first: bool = True,
         host_pages: int | None = 0,
         host_store: _HostStore = "write_through",
+        move_state_pages: bool = True,
     ) -> PageCache:
         """The page-level engine over ``specs`` (non-empty) with a pool of ``num_pages >= 1`` pages.
 
@@ -920,6 +921,11 @@ class PageCache(_PagedCacheBase):
         ``host_store``: ``"write_through"`` copies each page as it is registered;
         ``"evict"`` copies a cached page when its last reference goes (it joins the free list
         once the copy is acknowledged). 0 (default): no tier, nothing changes.
+
+        ``move_state_pages``: a state group's ``acquire`` moves the request's working page to
+        the new last slot when that page holds no key (``True``, default; SPEC 13.4); ``False``
+        always takes a fresh page there, the previous one staying in its slot until ``reclaim``
+        releases it (vLLM's mamba tables in mode "align"; docs/engine-api.md).
         """
 
     def match_prefix(self, content_hashes: Sequence[str]) -> PrefixMatch:

@@ -124,6 +124,9 @@ def engine_configs(draw: st.DrawFn) -> dict[str, Any]:
         ),
         "caching": draw(st.sampled_from([True, True, True, False])),
         "eviction_order": draw(st.sampled_from(["hybrid", "group"])),
+        # State groups either move an unkeyed working page to the slot an acquire adds (the
+        # default) or always take a fresh page there (vLLM's mamba "align" tables).
+        "move_state_pages": draw(st.sampled_from([True, False])),
     }
 
 
@@ -213,6 +216,7 @@ class EngineMachine(RuleBasedStateMachine):
                 config["num_pages"],
                 enable_caching=config["caching"],
                 eviction_order=config["eviction_order"],
+                move_state_pages=config["move_state_pages"],
             )
 
         self.subject = build(self.subject_module)

@@ -400,6 +400,11 @@ ARGS: dict[str, Arg] = {
     "FlatKVCache.enable_caching": Arg(
         "flag", "enable_caching", lambda api, c, v: type(c)([_spec(api)], 8, enable_caching=v)
     ),
+    "PageCache.move_state_pages": Arg(
+        "flag",
+        "move_state_pages",
+        lambda api, _, v: api.PageCache([api.KVCacheSpec("state", 4)], 8, move_state_pages=v),
+    ),
     "BlockPool.reuse_uncached_first": Arg(
         "flag", "reuse_uncached_first", lambda api, _, v: api.BlockPool(8, reuse_uncached_first=v)
     ),

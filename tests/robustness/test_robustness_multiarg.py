@@ -364,6 +364,8 @@ def _constructor_params(cls: str) -> tuple[Param, ...]:
                 keyword=True,
             )
         )
+    if cls == "PageCache":
+        params.append(Param("move_state_pages", _const(True), flag_bads("move_state_pages"), keyword=True))
     return tuple(params)
 
 

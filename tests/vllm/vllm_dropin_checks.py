@@ -20,6 +20,7 @@ some with each step's output handed back only after the next is scheduled (async
 from __future__ import annotations
 
 import copy
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -162,8 +163,8 @@ CASES: dict[str, dict[str, Any]] = {
 # enough to preempt, chunked prefill (512-token budget), aborts. 100, 40 and 37 are not
 # multiples of the block size; two groups of one window are one spec group in vLLM's hybrid
 # coordinator (one joint lookup), two windows make its lookup a fixed point over three kinds.
-# Dense prefix-cache retention (``prefix_cache_retention_interval=None``), the setting the adapter
-# maps for sliding groups (vLLM's default, 0, is refused: test_default_sparse_retention_refused).
+# Dense prefix-cache retention (``prefix_cache_retention_interval=None``); vLLM's default sparse
+# retention (0) and intervals are SPARSE_CASES, at the end.
 SLIDING_CASES: dict[str, dict[str, Any]] = {
     "sliding-tight-pool": dict(windows=(None, 128), num_blocks=250),
     "sliding-two-same-windows": dict(windows=(None, 100, 100), num_blocks=400),
@@ -297,14 +298,9 @@ def test_mamba_groups_built_as_vllm_builds_them(model_dir: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (
-            dict(prefix_cache_retention_interval=0),
-            r"group 0 \(MambaSpec.*sparse prefix-cache retention of mamba groups "
-            r"\(prefix_cache_retention_interval = 0\)",
-        ),
         (dict(mamba_type="mamba2"), r"group 0 \(MambaSpec.*mamba prefill checkpoint pages"),
     ],
-    ids=["retention-default-0", "mamba2-align"],
+    ids=["mamba2-align"],
 )
 def test_mamba_variants_refused(model_dir: Path, kwargs: dict[str, Any], message: str) -> None:
     vllm_config, kv_cache_config, block_size = _hybrid_configs(model_dir, **kwargs)
@@ -384,20 +380,6 @@ def test_engine_core_path_builds_vllm_groups(model_dir: Path) -> None:
     _, config, _, _ = build_configs(SchedulerSetup(model_dir=model_dir, num_groups=3))
     assert [len(g.layer_names) for g in config.kv_cache_groups] == [3]
     assert config.prefix_cache_retention_interval == 0
-
-
-def test_default_sparse_retention_refused(model_dir: Path) -> None:
-    """vLLM's default config for a sliding-window model (retention 0, prefix caching on): vLLM
-    caches only some of the sliding group's blocks, which the engine's per-slot registration
-    cannot express, so FlatScheduler refuses it, naming the setting and what to pass."""
-    setup = SchedulerSetup(model_dir=model_dir, windows=(None, 128), num_blocks=400)
-    build_scheduler(AsyncScheduler, setup)  # vLLM's own scheduler takes it
-    with pytest.raises(
-        UnsupportedVllmConfigError,
-        match=r"prefix_cache_retention_interval = 0; vLLM's default is 0\): pass "
-        r"prefix_cache_retention_interval=None",
-    ):
-        build_scheduler(FlatScheduler, setup)
 
 
 def test_returns_vllm_block_objects(model_dir: Path) -> None:
@@ -531,9 +513,8 @@ def test_groups_of_two_block_sizes_name_the_group_on_the_engine_core_path(model_
             None,
             "extra retained tokens",
         ),
-        (kv_cache_spec(16, 128), 64, "sparse prefix-cache retention"),
     ],
-    ids=["window-1", "extra-retained", "retention-interval"],
+    ids=["window-1", "extra-retained"],
 )
 def test_sliding_window_variants_refused(
     model_dir: Path, spec: Any, retention: int | None, message: str
@@ -878,6 +859,12 @@ EVENT_CASES: dict[str, dict[str, Any]] = {
     # Block hashes as vLLM's bytes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) instead of its default
     # 64-bit ints.
     "full-sliding-bytes-hashes": dict(windows=(None, 128), num_blocks=250, retention=None, bytes_hashes=True),
+    # vLLM's default sparse retention (0): a sliding or mamba group's block outside its
+    # reachable mask is neither stored nor, later, removed.
+    "full-sliding-sparse": dict(windows=(None, 128, 40), num_blocks=300),
+    "gdn-align-sparse-async": dict(
+        layer_types=QWEN35_LAYERS, num_blocks=400, prefix_cache_retention_interval=0, in_flight=True
+    ),
 }
 
 
@@ -905,3 +892,183 @@ def test_kv_events_same_as_vllm(model_dir: Path, case: str, monkeypatch: pytest.
     if setup.layer_types:
         # Mamba ranges with null blocks: their tokens are stored, their hashes are not.
         assert covered["stored_with_nulls"] > 1000, covered
+
+
+# -- Sparse prefix-cache retention (vLLM's default) --------------------------------------------
+#
+# vLLM 0.32/0.33 default prefix_cache_retention_interval to 0 and EngineCore copies it into the
+# KVCacheConfig: a sliding-window or mamba group then keys a block only where a later request can
+# resume (``reachable_block_mask``: the tail before the last prompt token, before a shared-prefix
+# junction, and with an interval one tail or state per interval), while full-attention groups
+# key every block. FlatKVCacheManager registers each group only where vLLM does
+# (``register(groups=)``) and its mamba tables never move an unkeyed running page
+# (``PageCache(move_state_pages=False)``). Each case runs in lockstep with vLLM's own manager
+# (every step's decisions, block ids and cached-token estimates equal), and on each side the
+# number of pages holding a key after every ``schedule()`` must agree too; on vLLM's side the
+# blocks its mask leaves unkeyed (and keys) are counted per group kind, so each case proves the
+# masked registrations happened.
+SPARSE_CASES: dict[str, dict[str, Any]] = {
+    "sliding-default-retention": dict(windows=(None, 128), num_blocks=250),
+    "sliding-two-windows-retention-64": dict(
+        windows=(100, None, 40, 37), num_blocks=500, long_prefill_token_threshold=64, retention=64
+    ),
+    "sliding-same-windows-retention-128": dict(windows=(None, 100, 100), num_blocks=400, retention=128),
+    "sliding-only-default-retention": dict(windows=(128,), num_blocks=200),
+    "gdn-default-retention-async": dict(
+        layer_types=QWEN35_LAYERS, num_blocks=400, prefix_cache_retention_interval=0, in_flight=True
+    ),
+    "gdn-retention-64": dict(layer_types=QWEN35_LAYERS, num_blocks=400, prefix_cache_retention_interval=64),
+    "gdn-retention-128-block-32-async": dict(
+        layer_types=QWEN35_LAYERS,
+        num_blocks=300,
+        block_size=32,
+        prefix_cache_retention_interval=128,
+        in_flight=True,
+    ),
+}
+
+
+def _count_keys(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Make ``run_lockstep``'s schedulers record, after every ``schedule()``, how many pages hold
+    a key (vLLM's blocks with a hash; the engine's ``num_cached``), and on vLLM's side count the
+    non-null blocks ``cache_full_blocks`` keys and leaves unkeyed by its mask, per spec kind."""
+    record: dict[str, Any] = {"vllm": [], "flat": [], "masked": {}}
+    build = build_scheduler
+
+    def counting_build(cls: type, setup: SchedulerSetup) -> Any:
+        scheduler = build(cls, setup)
+        manager = scheduler.kv_cache_manager
+        flat = isinstance(manager, FlatKVCacheManager)
+        side = "flat" if flat else "vllm"
+
+        def count() -> int:
+            if flat:
+                return int(manager.cache.pool_stats()["num_cached"])
+            return sum(b.block_hash is not None for b in manager.block_pool.blocks)
+
+        if not flat:
+            pool = manager.block_pool
+            groups = scheduler.kv_cache_config.kv_cache_groups
+            cache_full_blocks = pool.cache_full_blocks
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                mask = kwargs.get("block_mask")
+                if mask is not None:
+                    kind = type(groups[kwargs["kv_cache_group_id"]].kv_cache_spec).__name__
+                    blocks, first = kwargs["blocks"], kwargs["num_cached_blocks"]
+                    for i, keyed in enumerate(mask):
+                        if not blocks[first + i].is_null:
+                            name = f"{kind}.{'keyed' if keyed else 'unkeyed'}"
+                            record["masked"][name] = record["masked"].get(name, 0) + 1
+                return cache_full_blocks(*args, **kwargs)
+
+            pool.cache_full_blocks = counted
+        schedule = scheduler.schedule
+
+        def counted_schedule(*args: Any, **kwargs: Any) -> Any:
+            output = schedule(*args, **kwargs)
+            record[side].append(count())
+            return output
+
+        scheduler.schedule = counted_schedule
+        return scheduler
+
+    monkeypatch.setattr(sys.modules[__name__], "build_scheduler", counting_build, raising=True)
+    return record
+
+
+@pytest.mark.parametrize("case", list(SPARSE_CASES))
+def test_sparse_retention_same_steps_as_vllm(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    options = dict(SPARSE_CASES[case])
+    in_flight = bool(options.pop("in_flight", False))
+    setup = SchedulerSetup(
+        model_dir=model_dir, **{"max_num_seqs": 32, "max_num_batched_tokens": 512, **options}
+    )
+    _, kv_cache_config, _, _ = build_configs(setup)
+    expected = options.get("retention", options.get("prefix_cache_retention_interval", 0))
+    assert kv_cache_config.prefix_cache_retention_interval == expected  # EngineCore's copy
+    record = _count_keys(monkeypatch)
+    covered = run_lockstep(setup, 400, seed=5, in_flight=in_flight)
+    assert covered["preemptions"] > 0 and covered["aborted"] > 0 and covered["hit_tokens"] > 0, covered
+    assert record["flat"] == record["vllm"] and max(record["vllm"]) > 0
+    kind = "MambaSpec" if setup.layer_types else "SlidingWindowSpec"
+    masked = record["masked"]
+    assert masked.get(f"{kind}.unkeyed", 0) > 100 and masked.get(f"{kind}.keyed", 0) > 20, masked
+    if setup.layer_types:
+        assert covered["boundaries"] > 100 and covered["deferred"] > 0, covered
+        # A running state the mask leaves unkeyed when its table grows (synchronous or not):
+        # where the engine's state group would have moved it, vLLM takes a fresh block.
+        assert covered["unkeyed_crossings"] > 100, covered
+    else:
+        assert covered["null_hits"] > 0, covered
+
+
+def test_sparse_retention_default_served(model_dir: Path) -> None:
+    """vLLM's default config (retention 0, prefix caching on) of a sliding-window model and of a
+    GDN hybrid builds FlatScheduler (both were refused before the masks were mapped)."""
+    setup = SchedulerSetup(model_dir=model_dir, windows=(None, 128), num_blocks=400)
+    assert isinstance(build_scheduler(FlatScheduler, setup).kv_cache_manager, FlatKVCacheManager)
+    vllm_config, kv_cache_config, block_size = _hybrid_configs(model_dir, prefix_cache_retention_interval=0)
+    assert kv_cache_config.prefix_cache_retention_interval == 0
+    ours = _build_flat(vllm_config, kv_cache_config, block_size)
+    assert isinstance(ours.kv_cache_manager, FlatKVCacheManager)
+    vllm_config, kv_cache_config = _configs(model_dir)
+    hybrid = _with_groups(kv_cache_config, kv_cache_spec(16), kv_cache_spec(16, 128))
+    hybrid.prefix_cache_retention_interval = 64
+    check_supported(vllm_config, hybrid, 16, None)
+
+
+def test_sparse_retention_of_sliding_specs_without_full_group_refused(model_dir: Path) -> None:
+    """Sliding groups of two windows and no full-attention group under sparse retention: vLLM pins
+    the junction at the first sliding spec's own hit, which the adapter does not look up."""
+    vllm_config, kv_cache_config = _configs(model_dir)
+    hybrid = _with_groups(kv_cache_config, kv_cache_spec(16, 128), kv_cache_spec(16, 64))
+    hybrid.prefix_cache_retention_interval = 0
+    with pytest.raises(UnsupportedVllmConfigError, match=r"several specs without a full-attention group"):
+        check_supported(vllm_config, hybrid, 16, None)
+    hybrid.prefix_cache_retention_interval = None
+    check_supported(vllm_config, hybrid, 16, None)
+
+
+def test_sparse_retention_hits_against_dense(model_dir: Path) -> None:
+    """What sparse retention changes, on vLLM's manager and ours alike (each run in lockstep): the
+    same stream hits fewer tokens under retention 0 than under dense retention (only reachable
+    tails stay keyed), and an interval recovers some."""
+    hits = {}
+    for retention in (None, 0, 64):
+        setup = SchedulerSetup(
+            model_dir=model_dir,
+            windows=(None, 128),
+            num_blocks=250,
+            retention=retention,
+            max_num_seqs=32,
+            max_num_batched_tokens=512,
+        )
+        hits[retention] = run_lockstep(setup, 300, seed=5)["hit_tokens"]
+    assert hits[0] < hits[64] <= hits[None], hits
+
+
+# Speculative decoding (served since the specdec merge) under vLLM's default sparse retention:
+# drafts and lookahead slots beside sliding groups whose blocks are keyed only where reachable.
+SPARSE_SPEC_CASES: dict[str, dict[str, Any]] = {
+    "ngram-sliding-default-retention": dict(
+        speculative_method="ngram", windows=(None, 128, 40), num_blocks=300
+    ),
+    "draft-model-sliding-retention-64-async": dict(
+        speculative_method="draft_model", windows=(None, 100), retention=64, num_blocks=300, in_flight=True
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SPARSE_SPEC_CASES))
+def test_sparse_retention_with_speculative_decoding(model_dir: Path, case: str) -> None:
+    options = dict(SPARSE_SPEC_CASES[case])
+    in_flight = bool(options.pop("in_flight", False))
+    setup = SchedulerSetup(
+        model_dir=model_dir, **{"max_num_seqs": 32, "max_num_batched_tokens": 512, **options}
+    )
+    covered = run_spec_lockstep(setup, 400, seed=21, in_flight=in_flight)
+    assert covered["preemptions"] > 0 and covered["hit_tokens"] > 0, covered
+    assert covered["drafts"] > 1000 and covered["rejected"] > 300, covered

@@ -43,7 +43,6 @@ import transformers
 # into errors).
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
-    from flat_kvcache.vllm import UnsupportedVllmConfigError
     from vllm import LLM, SamplingParams  # type: ignore[import-not-found,attr-defined,unused-ignore]
 
 # The same noise while vLLM builds and runs its engine (deprecated torch names it touches).
@@ -149,10 +148,10 @@ _GDN_SETTINGS: dict[str, Any] = {
     "num_gpu_blocks_override": 56,
 }
 
-#: Each model's builder and the engine settings it is served with. FlatScheduler maps dense
-#: prefix-cache retention of sliding-window groups (``prefix_cache_retention_interval=None``)
-#: and refuses vLLM's default sparse retention (0) for them (docs/vllm.md); full attention
-#: ignores the setting, so the Llama runs on vLLM's defaults.
+#: Each model's builder and the engine settings it is served with. The Gemma-3 runs here with
+#: dense prefix-cache retention (``prefix_cache_retention_interval=None``) and on vLLM's default
+#: sparse retention (0) at the end of this file; full attention ignores the setting, so the
+#: Llama runs on vLLM's defaults.
 MODELS: dict[str, tuple[Any, dict[str, Any]]] = {
     "llama": (_llama, {}),
     "gemma3-sliding": (_gemma3, {"prefix_cache_retention_interval": None}),
@@ -352,16 +351,6 @@ def test_tokens_see_a_wrong_page(
     assert any(broken.tokens.get(request) != tokens for request, tokens in stock.tokens.items())
 
 
-def test_default_sparse_retention_of_a_sliding_model_refused(model_dirs: dict[str, Path]) -> None:
-    """vLLM's default ``prefix_cache_retention_interval`` (0) caches only some blocks of a
-    sliding-window group, which the engine's registration does not map: the engine refuses to
-    start, naming the setting, instead of serving other prefix hits than stock."""
-    model = model_dirs["gemma3-sliding"]
-    refusal = r"prefix_cache_retention_interval = 0; vLLM's default is 0"
-    with pytest.raises(UnsupportedVllmConfigError, match=refusal):
-        make_llm(model, FLAT, _pool_bytes(model, 48))
-
-
 def _pool_bytes(model_dir: Path, num_blocks: int) -> int:
     """KV-cache bytes for a pool of ``num_blocks`` block ids: vLLM gives a hybrid one group per
     layer of its repeating pattern (Gemma-3 here: a sliding and a full layer), and a block id
@@ -490,6 +479,47 @@ def test_ngram_speculative_decoding_identical(model_dirs: dict[str, Path], name:
     for request in stock.tokens:
         assert flat.tokens.get(request) == stock.tokens[request], request
     assert flat.tokens.keys() == stock.tokens.keys()
+    assert flat.cached == stock.cached
+    assert flat.counters == stock.counters
+
+
+# -- Sparse prefix-cache retention (vLLM's default) --------------------------------------------
+
+
+def test_gemma3_on_the_default_config_identical(
+    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Gemma-3 shape on vLLM's default config: ``prefix_cache_retention_interval`` 0, which
+    vLLM's EngineCore copies into the KV-cache config, so vLLM keys a sliding group's block only
+    where a later request can resume. Stock and FlatScheduler give the same greedy tokens,
+    ``num_cached_tokens`` and prefix-cache and preemption counters, and the scenario hit the
+    cache, preempted and aborted."""
+    from flat_kvcache.vllm._manager import FlatKVCacheManager
+    from vllm.v1.core.kv_cache_manager import KVCacheManager  # type: ignore[import-not-found]
+
+    seen: list[object] = []
+    for cls in (KVCacheManager, FlatKVCacheManager):
+        init = cls.__init__
+
+        def recording(self: Any, kv_cache_config: Any, *args: Any, _init: Any = init, **kwargs: Any) -> None:
+            seen.append(kv_cache_config.prefix_cache_retention_interval)
+            _init(self, kv_cache_config, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "__init__", recording)
+    model = model_dirs["gemma3-sliding"]
+    stock = scenario(model, None, _pool_bytes(model, 48), {})
+    flat = scenario(model, FLAT, _pool_bytes(model, 48), {})
+    assert seen and set(seen) == {0}, seen  # vLLM's default reached both managers
+    assert (stock.manager, flat.manager) == ("KVCacheManager", "FlatKVCacheManager")
+    assert flat.groups == stock.groups == EXPECTED_GROUPS["gemma3-sliding"]
+    assert stock.counters["vllm:num_preemptions"] > 0, stock.counters
+    assert stock.counters["vllm:prefix_cache_hits"] > 0, stock.counters
+    # Only the tail before each prompt's last token stays keyed in the sliding group: in this
+    # pool none of the second turns hits, three stepped requests do (measured: 256 of 4,943
+    # queried tokens).
+    assert sum(stock.cached.values()) > 0, stock.cached
+    assert stock.aborted and flat.aborted == stock.aborted
+    assert flat.tokens == stock.tokens
     assert flat.cached == stock.cached
     assert flat.counters == stock.counters
 

@@ -100,10 +100,19 @@ class VllmEventLog:
             )
         )
 
-    def stored(self, request: Any, tables: Sequence[Sequence[Any]], start: int, end: int) -> None:
+    def stored(
+        self,
+        request: Any,
+        tables: Sequence[Sequence[Any]],
+        start: int,
+        end: int,
+        masks: Sequence[Sequence[bool] | None] | None = None,
+    ) -> None:
         """Slots ``[start, end)`` of every group's table became cached (vLLM's ``cache_blocks``):
-        one ``BlockStored`` per group, null blocks' hashes left out. A slot's hash and extra keys
-        are the same in every group (one block size), so they are worked out once per slot."""
+        one ``BlockStored`` per group, null blocks' hashes left out, and so are the blocks a
+        group's mask (``masks[group]`` over ``[start, end)``; sparse retention) leaves out. A
+        slot's hash and extra keys are the same in every group (one block size), so they are
+        worked out once per slot."""
         raw = request.block_hashes
         page_keys = self._page_keys
         size = self._block_sizes[0]
@@ -116,8 +125,9 @@ class VllmEventLog:
         for group, blocks in enumerate(tables):
             hashes = []
             extra = []
+            mask = None if masks is None else masks[group]
             for i, block in enumerate(blocks[start:end]):
-                if block.is_null:
+                if block.is_null or (mask is not None and not mask[i]):
                     continue
                 hashes.append(converted[i])
                 extra.append(extra_keys[i])

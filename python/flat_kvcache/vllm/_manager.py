@@ -130,18 +130,6 @@ def check_supported(
                     f"{_group_label(group, index)}: extra retained tokens below the window "
                     f"({spec.extra_retained_tokens}, multi-token-prediction re-prefill)"
                 )
-            retention = kv_cache_config.prefix_cache_retention_interval
-            if retention is not None and vllm_config.cache_config.enable_prefix_caching:
-                # vLLM then caches a sliding group's blocks only where a replay can resume (the
-                # tail before each request's last prompt token and shared-prefix junctions, and
-                # one tail per interval), while its full groups cache every block: the engine's
-                # ``register`` keys a slot in every group at once. With prefix caching off
-                # nothing is cached, so the setting changes nothing and is served.
-                refuse(
-                    "sparse prefix-cache retention of sliding-window groups "
-                    f"(prefix_cache_retention_interval = {retention}; vLLM's default is 0): pass "
-                    "prefix_cache_retention_interval=None (dense retention) to serve this model"
-                )
         elif type(spec) not in _FULL_SPECS:
             refuse(
                 f"{_group_label(group, index)}: only full-attention, sliding-window and mamba groups "
@@ -152,6 +140,7 @@ def check_supported(
                 f"{_group_label(group, index)}: its block size {spec.block_size} differs from the "
                 f"scheduler's {block_size}"
             )
+    _check_sparse_retention(vllm_config, kv_cache_config, refuse)
     # After the groups: vLLM's EngineCore gives a model whose groups differ in block size the lcm
     # as the scheduler's block size and their gcd as the hash block size, and the group named
     # above says more than the hash block size would.
@@ -196,6 +185,30 @@ def _check_speculative(vllm_config: Any, kv_cache_config: Any, refuse: Any) -> N
             )
 
 
+def _check_sparse_retention(vllm_config: Any, kv_cache_config: Any, refuse: Any) -> None:
+    """Sparse prefix-cache retention (``prefix_cache_retention_interval`` 0, vLLM's default, or
+    a positive interval) with prefix caching on: served (docs/vllm.md), but for sliding-window
+    groups of several specs without a full-attention group. vLLM itself validates the value
+    (a multiple of the block size) when the base class builds its manager."""
+    if kv_cache_config.prefix_cache_retention_interval is None:
+        return
+    if not vllm_config.cache_config.enable_prefix_caching:
+        return  # nothing is cached: the setting changes nothing
+    groups = kv_cache_config.kv_cache_groups
+    if any(type(g.kv_cache_spec) in _FULL_SPECS for g in groups):
+        return
+    sliding = [g.kv_cache_spec for g in groups if type(g.kv_cache_spec) in _SLIDING_SPECS]
+    if any(spec != sliding[0] for spec in sliding[1:]):
+        # vLLM then pins the shared-prefix junction at the first sliding spec's own hit, which
+        # this adapter does not look up (it mirrors full-attention keys only).
+        refuse(
+            "sparse prefix-cache retention of sliding-window groups of several specs without a "
+            f"full-attention group (prefix_cache_retention_interval = "
+            f"{kv_cache_config.prefix_cache_retention_interval}): pass "
+            "prefix_cache_retention_interval=None (dense retention) to serve this model"
+        )
+
+
 def _check_mamba_groups(vllm_config: Any, kv_cache_config: Any, block_size: int, refuse: Any) -> None:
     """The mamba / linear-attention (GDN, mamba2) groups this adapter serves (docs/vllm.md):
     vLLM's ``MambaManager`` in mode "align" with dense retention and no prefill checkpoint
@@ -227,14 +240,6 @@ def _check_mamba_groups(vllm_config: Any, kv_cache_config: Any, block_size: int,
                     "checkpoint page and the running state page in one step, the engine's state "
                     "group one page per step"
                 )
-            if kv_cache_config.prefix_cache_retention_interval is not None:
-                refuse(
-                    f"{label}: sparse prefix-cache retention of mamba groups "
-                    f"(prefix_cache_retention_interval = {kv_cache_config.prefix_cache_retention_interval}): "
-                    "vLLM then leaves running state pages without a key and allocates a fresh page "
-                    "at each block boundary, where the engine's state group moves an unkeyed "
-                    "running page (set prefix_cache_retention_interval=None for dense retention)"
-                )
             if spec.block_size != block_size:
                 refuse(
                     f"{label}: its block size {spec.block_size} differs from the scheduler's "
@@ -260,6 +265,64 @@ def _check_mamba_groups(vllm_config: Any, kv_cache_config: Any, block_size: int,
     sizes = {g.kv_cache_spec.block_size for g in others}
     if len(sizes) > 1:
         refuse(f"attention groups of different block sizes {sorted(sizes)} beside mamba groups")
+
+
+def _sliding_mask(
+    window: int, page: int, retention: int | None, boundaries: Sequence[int], start: int, end: int
+) -> list[bool] | None:
+    """vLLM's ``SlidingWindowManager.reachable_block_mask`` for blocks ``[start, end)`` (no
+    EAGLE, the hit alignment one block): the ``cdiv(W - 1, P)`` blocks before each reachable
+    boundary and, with an interval, the last that many blocks of each interval. None: all."""
+    need = _cdiv(window - 1, page)
+    mask = [False] * (end - start)
+    if retention:
+        per_segment = retention // page
+        if need >= per_segment:
+            return None
+        for i in range(start, end):
+            mask[i - start] = i % per_segment >= per_segment - need
+    for boundary in boundaries:
+        last = boundary // page  # the boundary aligned down, in blocks
+        for j in range(max(start, last - need), min(end, last)):
+            mask[j - start] = True
+    return mask
+
+
+def _mamba_mask(
+    page: int, retention: int | None, boundaries: Sequence[int], start: int, end: int
+) -> list[bool] | None:
+    """vLLM's ``MambaManager.reachable_block_mask`` for blocks ``[start, end)``: the state
+    block ending on each reachable boundary (aligned down to a block) and, with an interval,
+    the block ending each interval. None: all."""
+    mask = [False] * (end - start)
+    if retention:
+        per_segment = retention // page
+        if per_segment <= 1:
+            return None
+        for i in range(start, end):
+            mask[i - start] = (i + 1) % per_segment == 0
+    for boundary in boundaries:
+        block = boundary // page - 1
+        if start <= block < end:
+            mask[block - start] = True
+    return mask
+
+
+def _runs(mask: list[bool] | None, start: int, end: int) -> list[tuple[int, int]]:
+    """The ``[first, end)`` slot ranges where ``mask`` (over slots ``[start, end)``) is True."""
+    if mask is None:
+        return [(start, end)] if end > start else []
+    runs: list[tuple[int, int]] = []
+    first = None
+    for i, on in enumerate(mask, start):
+        if on and first is None:
+            first = i
+        elif not on and first is not None:
+            runs.append((first, i))
+            first = None
+    if first is not None:
+        runs.append((first, end))
+    return runs
 
 
 class _ManagerView:
@@ -292,7 +355,7 @@ class _CoordinatorView:
 class _Tables:
     """One request's tables as vLLM sees them, and how far they are sized and registered."""
 
-    __slots__ = ("blocks", "capacity", "due", "holes", "live", "num_cached", "slots")
+    __slots__ = ("blocks", "capacity", "due", "holes", "keyed", "keyed_states", "live", "num_cached", "slots")
 
     def __init__(self, num_groups: int) -> None:
         self.blocks: list[list[Any]] = [[] for _ in range(num_groups)]
@@ -308,6 +371,10 @@ class _Tables:
         # and the states before it not yet released (every mamba group alike). Nulls are not a
         # prefix there: vLLM leaves null gaps between states.
         self.live: list[int] = []
+        # Sparse retention only (``FlatKVCacheManager._sparse``): per sliding group the highest
+        # slot whose page holds a key (-1: none), and the mamba slots whose state holds one.
+        self.keyed = [-1] * num_groups
+        self.keyed_states: set[int] = set()
 
 
 class FlatKVCacheManager:
@@ -394,8 +461,12 @@ class FlatKVCacheManager:
         # so with mamba groups the keys of those full groups are mirrored here from the engine's
         # own KV events (stored and evicted keys, counted per page).
         self._full_mirror: dict[int, dict[str, int]] = {}
-        if self._state and enable_caching:
-            first = next(g for g in groups if type(g.kv_cache_spec) in _FULL_SPECS)
+        # Sparse prefix-cache retention (vLLM's default, 0, or an interval in tokens): vLLM keys
+        # a sliding or mamba group's block only where a later request can resume (docs/vllm.md).
+        self._retention: int | None = kv_cache_config.prefix_cache_retention_interval
+        self._sparse = bool(enable_caching and self._retention is not None and (self._sliding or self._state))
+        first = next((g for g in groups if type(g.kv_cache_spec) in _FULL_SPECS), None)
+        if (self._state or self._sparse) and enable_caching and first is not None:
             self._full_mirror = {
                 i: {}
                 for i, g in enumerate(groups)
@@ -414,6 +485,9 @@ class FlatKVCacheManager:
             eviction_order="group",
             reuse_uncached_first=True,
             enable_kv_events=bool(self._full_mirror),
+            # vLLM's mamba "align" tables keep a running state that holds no key (sparse
+            # retention) in its slot and take a fresh block for the next one.
+            move_state_pages=not (self._sparse and bool(self._state)),
         )
         # One vLLM block object per page id, handed out in every KVCacheBlocks; page 0 is the
         # null block. Only ``block_id`` (and ``is_null``) is meaningful on them.
@@ -737,9 +811,11 @@ class FlatKVCacheManager:
                 while holes < len(blocks) and blocks[holes].is_null:
                     holes += 1
                 tables.holes[g] = holes
+            if self._sparse:
+                self._note_hit_keys(tables)
         new_blocks: tuple[list[Any], ...] | None = None
         if num_tokens_need_slot > tables.capacity:
-            if self._state and tables.live:
+            if self._state and tables.live and not self._sparse:
                 self._key_running_state(
                     request, tables, min(total_computed_tokens + num_new_tokens, request.num_tokens)
                 )
@@ -815,7 +891,9 @@ class FlatKVCacheManager:
             # tokens that filled it (room the pages already have, so nothing is allocated).
             self.cache.acquire(request.request_id, filled - tables.slots)
             tables.slots = filled
-        if self._state:
+        if self._sparse:
+            self._register_reachable(request, tables, hashes, start, num_full)
+        elif self._state:
             # vLLM caches every mamba page in the range; the engine's state group only the one
             # at its end (the running state's), so no other may be there.
             live = tables.live
@@ -848,7 +926,10 @@ class FlatKVCacheManager:
         if self._store_from is not None:
             start = self._store_from
             self._store_from = None
-        self._events.stored(request, tables.blocks, start, end)
+        # Under sparse retention vLLM's pool skips the blocks a group's mask leaves out, as it
+        # skips null blocks: no store, and so no removal later.
+        masks = self._reachable_masks(request, start, end) if self._sparse else None
+        self._events.stored(request, tables.blocks, start, end, masks)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         """Register the request's pages made full by ``num_computed_tokens`` (async scheduling)."""
@@ -857,6 +938,102 @@ class FlatKVCacheManager:
         tables = self._tables.get(request.request_id)
         if tables is not None and len(request.block_hashes) > tables.num_cached:
             self._cache_full_pages(request, tables, num_computed_tokens)
+
+    # -- sparse prefix-cache retention ----------------------------------------------------------
+
+    def _register_reachable(
+        self, request: Any, tables: _Tables, hashes: Sequence[str], start: int, num_full: int
+    ) -> None:
+        """vLLM's ``cache_blocks`` under sparse retention for slots ``[start, num_full)``: full
+        groups key every block, sliding and mamba groups only the blocks of their
+        ``reachable_block_mask`` (``register(groups=)`` names the groups of each call).
+
+        The reachable boundaries are vLLM's: the replay boundary (the last prompt token) and the
+        shared-prefix junction the scheduler stored on the request from ``get_computed_blocks``."""
+        request_id = request.request_id
+        cache = self.cache
+        page = self._page
+        boundaries = self._reachable_boundaries(request)
+        full = [
+            g
+            for g, window in enumerate(self._windows)
+            if window is None and g not in self._state and g not in self._state_none
+        ]
+        if full:
+            cache.register(request_id, hashes[start:num_full], first_slot=start, groups=full)
+        windows: dict[int, list[int]] = {}
+        for g, window in self._sliding:
+            windows.setdefault(window, []).append(g)
+        for window, same in windows.items():
+            mask = _sliding_mask(window, page, self._retention, boundaries, start, num_full)
+            for first, end in _runs(mask, start, num_full):
+                cache.register(request_id, hashes[first:end], first_slot=first, groups=same)
+                for g in same:
+                    # Nulls are a prefix of a sliding table: the run's last slot holds a page
+                    # unless it already slid out.
+                    if end - 1 >= tables.holes[g]:
+                        tables.keyed[g] = max(tables.keyed[g], end - 1)
+        if self._state:
+            mask = _mamba_mask(page, self._retention, boundaries, start, num_full)
+            for slot in tables.live:
+                if start <= slot < num_full and (mask is None or mask[slot - start]):
+                    cache.register(
+                        request_id,
+                        hashes[slot : slot + 1],
+                        first_slot=slot,
+                        end_tokens=(slot + 1) * page,
+                        groups=self._state,
+                    )
+                    tables.keyed_states.add(slot)
+                    self._state_cached_this_step.add(hashes[slot])
+
+    @staticmethod
+    def _reachable_boundaries(request: Any) -> list[int]:
+        """vLLM's reachable boundaries of a request: its replay boundary (the last prompt token)
+        and the shared-prefix junction the scheduler stored from ``get_computed_blocks``."""
+        boundaries = [request.num_prompt_tokens - 1]
+        if request.shared_prefix_boundary:
+            boundaries.append(request.shared_prefix_boundary)
+        return boundaries
+
+    def _reachable_masks(self, request: Any, start: int, end: int) -> list[list[bool] | None]:
+        """Per group, the blocks of slots ``[start, end)`` vLLM caches under sparse retention
+        (None: every block), as :meth:`_register_reachable` registers them."""
+        boundaries = self._reachable_boundaries(request)
+        page = self._page
+        masks: list[list[bool] | None] = []
+        for g, window in enumerate(self._windows):
+            if window is not None:
+                masks.append(_sliding_mask(window, page, self._retention, boundaries, start, end))
+            elif g in self._state:
+                masks.append(_mamba_mask(page, self._retention, boundaries, start, end))
+            else:
+                masks.append(None)
+        return masks
+
+    def _note_hit_keys(self, tables: _Tables) -> None:
+        """After a claim: the hit's pages hold keys (a sliding group's last hit slot, the mamba
+        groups' hit state)."""
+        for g, _ in self._sliding:
+            blocks = tables.blocks[g]
+            tables.keyed[g] = len(blocks) - 1 if blocks and not blocks[-1].is_null else -1
+        tables.keyed_states = set(tables.live)
+
+    def _estimate_sparse(self, tables: _Tables) -> int:
+        """vLLM's ``estimate_cached_tokens`` (the least over groups of the largest token count a
+        held block's key covers) where sliding and mamba groups key only some blocks."""
+        page = self._page
+        full = any(w is None and g not in self._state for g, w in enumerate(self._windows))
+        least = tables.num_cached * page if full else None
+        for g, _ in self._sliding:
+            top = tables.keyed[g]
+            tokens = (top + 1) * page if top >= tables.holes[g] else 0
+            least = tokens if least is None else min(least, tokens)
+        if self._state:
+            keyed = tables.keyed_states
+            tokens = max(((slot + 1) * page for slot in tables.live if slot in keyed), default=0)
+            least = tokens if least is None else min(least, tokens)
+        return least or 0
 
     # -- reading and freeing -------------------------------------------------------------------
 
@@ -888,6 +1065,8 @@ class FlatKVCacheManager:
         tables = self._tables.get(request.request_id)
         if tables is None or not tables.num_cached:
             return 0
+        if self._sparse:
+            return self._estimate_sparse(tables)
         last = tables.num_cached - 1
         for g, _ in self._sliding:
             if tables.blocks[g][last].is_null:

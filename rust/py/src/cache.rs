@@ -111,6 +111,7 @@ impl PyPagedCache {
         host_pages: Option<&Bound<'_, PyAny>>,
         host_store: Passed<'_>,
         eviction_policy: Option<&Passed<'_>>,
+        move_state_pages: &FlagParam<'_>,
         arena: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         // docs/engine-api.md, "The checking order": each argument's form in signature order
@@ -127,12 +128,14 @@ impl PyPagedCache {
             host_pages: 0,
             host_store: HostStore::WriteThrough,
             eviction_policy: EvictionPolicy::Lru,
+            move_state_pages: true,
         };
         let host = HostPagesArg::extract(host_pages)?;
         options.host_store = host_store_arg(&host_store)?;
         if let Some(policy) = eviction_policy {
             options.eviction_policy = eviction_policy_arg(policy)?;
         }
+        options.move_state_pages = move_state_pages.or(true, "move_state_pages")?;
         match (num_pages, arena) {
             (Some(n), Some(_)) => Err(PyValueError::new_err(format!(
                 "num_pages must be None with arena= (the arena sizes the pool), got {}",
@@ -507,6 +510,7 @@ impl PyFlatKVCache {
             host_pages,
             host_store,
             Some(&eviction_policy),
+            &FlagParam::OMITTED,
             arena,
         )?;
         let own = Self {

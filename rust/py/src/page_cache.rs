@@ -19,8 +19,8 @@ use flat_kvcache_core::CoreError;
 
 /// The page-level protocol (docs/engine-api.md): `PageCache(specs, num_pages, *,
 /// enable_caching=True, eviction_order="hybrid", enable_kv_events=False,
-/// reuse_uncached_first=True, host_pages=0, host_store="write_through")`, the constructor of
-/// `FlatKVCache`.
+/// reuse_uncached_first=True, host_pages=0, host_store="write_through", move_state_pages=True)`,
+/// the constructor of `FlatKVCache` plus `move_state_pages`.
 ///
 /// For engines that keep their own request state: the caller hashes the tokens and says where
 /// each request stands. Request ids are `str` or `int` (`5` and `"5"` differ); an unknown id
@@ -40,10 +40,14 @@ impl PyPageCache {
     /// 1's, ...). `enable_kv_events` records KV events for `take_events`.
     /// `reuse_uncached_first`: a released page that holds no key joins the front of the free
     /// list (handed out before any cached page) instead of the back.
+    /// `move_state_pages`: a state group's `acquire` moves the request's working page to the
+    /// new last slot when that page holds no key (the default); `False` always takes a fresh
+    /// page there, the previous one staying in its slot until `reclaim` releases it (vLLM's
+    /// mamba "align" tables).
     #[new]
     #[pyo3(
-        signature = (specs, num_pages, *, enable_caching = FlagParam::OMITTED, eviction_order = Passed::OMITTED, enable_kv_events = FlagParam::OMITTED, reuse_uncached_first = FlagParam::OMITTED, host_pages = None, host_store = Passed::OMITTED),
-        text_signature = "(specs, num_pages, *, enable_caching=True, eviction_order='hybrid', enable_kv_events=False, reuse_uncached_first=True, host_pages=0, host_store='write_through')"
+        signature = (specs, num_pages, *, enable_caching = FlagParam::OMITTED, eviction_order = Passed::OMITTED, enable_kv_events = FlagParam::OMITTED, reuse_uncached_first = FlagParam::OMITTED, host_pages = None, host_store = Passed::OMITTED, move_state_pages = FlagParam::OMITTED),
+        text_signature = "(specs, num_pages, *, enable_caching=True, eviction_order='hybrid', enable_kv_events=False, reuse_uncached_first=True, host_pages=0, host_store='write_through', move_state_pages=True)"
     )]
     #[allow(clippy::too_many_arguments, reason = "the Python constructor's keyword arguments")]
     fn new(
@@ -55,6 +59,7 @@ impl PyPageCache {
         reuse_uncached_first: FlagParam<'_>,
         host_pages: Option<&Bound<'_, PyAny>>,
         host_store: Passed<'_>,
+        move_state_pages: FlagParam<'_>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let cache = PyPagedCache::build(
             specs,
@@ -66,6 +71,7 @@ impl PyPageCache {
             host_pages,
             host_store,
             None,
+            &move_state_pages,
             None,
         )?;
         Ok(PyClassInitializer::from(cache).add_subclass(Self))

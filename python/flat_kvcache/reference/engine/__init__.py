@@ -97,6 +97,7 @@ def _page_cache_arguments(
     reuse_uncached_first: object = True,
     host_pages: object = 0,
     host_store: object = "write_through",
+    move_state_pages: object = True,
 ) -> None:
     """``PageCache``'s parameters (see :func:`_flat_kv_cache_arguments`)."""
 
@@ -150,6 +151,7 @@ class PageCache(PageApi, KVEvents, Stats, Invariants):
         reuse_uncached_first: bool = DEFAULT_REUSE_UNCACHED_FIRST,
         host_pages: int | None = 0,
         host_store: str = "write_through",
+        move_state_pages: bool = True,
     ) -> None:
         super().__init__(
             specs,
@@ -160,4 +162,5 @@ class PageCache(PageApi, KVEvents, Stats, Invariants):
             reuse_uncached_first=reuse_uncached_first,
             host_pages=host_pages,
             host_store=host_store,
+            move_state_pages=move_state_pages,
         )

@@ -200,6 +200,7 @@ class Coordinator:
         host_pages: int | Mapping[str, int] | None = 0,
         host_store: str = "write_through",
         eviction_policy: str = "lru",
+        move_state_pages: bool = True,
     ) -> None:
         # docs/engine-api.md, "The checking order": each argument's form in signature order
         # (``arena=`` is read against the specs below), then what they say together.
@@ -243,6 +244,7 @@ class Coordinator:
             raise ValueError(f"host_store must be 'write_through' or 'evict', got {shown}")
         if not isinstance(eviction_policy, str) or eviction_policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction_policy must be 'lru' or 'reuse', got {clipped_repr(eviction_policy)}")
+        moves = as_flag(move_state_pages, "move_state_pages")
         #: Which state checkpoints are kept (SPEC 13.8, ``policy``), and what ``reuse`` learned.
         self._policy = eviction_policy
         self._evidence = ReuseEvidence()
@@ -305,6 +307,8 @@ class Coordinator:
         self._managers: list[GroupManager] = [
             new_manager(index, spec, self._base, self._pool) for index, spec in enumerate(spec_list)
         ]
+        for manager in self._managers:
+            manager.moves_working_page = moves
         # SPEC 7: prefix-closed groups first, then the others, each in index order.
         closed = [m.index for m in self._managers if m.prefix_closed]
         others = [m.index for m in self._managers if not m.prefix_closed]

@@ -499,6 +499,14 @@ impl Coordinator {
         self.pool.set_reuse_uncached_first(on);
     }
 
+    /// Whether the state groups move an unkeyed working page to the slot an acquire adds
+    /// ([`GroupManager::set_moves_working_page`]; the cache option `move_state_pages`).
+    pub fn set_move_state_pages(&mut self, on: bool) {
+        for manager in &mut self.managers {
+            manager.set_moves_working_page(on);
+        }
+    }
+
     /// Drop the key of every cached page with count 0 (they stay free, in place) and return
     /// how many keys were dropped; pages held by requests keep their keys.
     ///

@@ -57,6 +57,10 @@ mod testing;
 
 /// Options of a cache (the keyword arguments of the Python constructor).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(
+    clippy::struct_excessive_bools,
+    reason = "each bool is an independent keyword flag of the Python constructor, not a state"
+)]
 pub struct CacheOptions {
     /// Prefix caching on (register, match, claim).
     pub enable_caching: bool,
@@ -74,6 +78,11 @@ pub struct CacheOptions {
     pub host_store: host::HostStore,
     /// Which state checkpoints are kept (SPEC 13.8, [`policy`]).
     pub eviction_policy: policy::EvictionPolicy,
+    /// A state group's acquire moves the request's working page to the new last slot when
+    /// that page holds no key (SPEC 13.4, the default); when false it always takes a fresh
+    /// page there and the previous one stays in its slot until reclaim releases it (vLLM's
+    /// `MambaManager` in mode "align"; [`group::GroupManager::set_moves_working_page`]).
+    pub move_state_pages: bool,
 }
 
 impl Default for CacheOptions {
@@ -86,6 +95,7 @@ impl Default for CacheOptions {
             host_pages: 0,
             host_store: host::HostStore::WriteThrough,
             eviction_policy: policy::EvictionPolicy::Lru,
+            move_state_pages: true,
         }
     }
 }
@@ -207,6 +217,7 @@ impl FlatCache {
         coord.set_kv_events(options.enable_kv_events);
         coord.set_reuse_uncached_first(options.reuse_uncached_first);
         coord.set_eviction_policy(options.eviction_policy);
+        coord.set_move_state_pages(options.move_state_pages);
         Self {
             coord,
             index: HashMap::default(),

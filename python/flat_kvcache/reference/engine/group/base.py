@@ -57,6 +57,11 @@ class GroupManager:
     #: acquire allocates the page of the last new slot only and leaves the slots before it holes.
     sparse = False
 
+    #: Whether a sparse table's unkeyed working page moves to the slot an acquire adds (the
+    #: default) or a fresh page is always taken there, the previous one staying in its slot until
+    #: reclaim releases it (the cache option ``move_state_pages=False``: vLLM's mamba "align").
+    moves_working_page = True
+
     def blocks_needed_for(self, table: Table, num_tokens: int) -> int:
         """Exact dry run of :meth:`acquire`: pages it would allocate."""
         if num_tokens <= table.tail_avail:
@@ -68,9 +73,10 @@ class GroupManager:
     def working_page_moves(self, table: Table) -> bool:
         """A sparse (state) table's working page moves to the next slot it needs, rather than a
         page being allocated there, when its last page is real and holds no key: no checkpoint,
-        and no other request holds it (SPEC 13.4)."""
+        and no other request holds it (SPEC 13.4); never with ``move_state_pages=False``."""
         return (
             self.sparse
+            and self.moves_working_page
             and bool(table.pages)
             and table.pages[-1] != 0
             and not self.pool.is_cached(table.pages[-1])

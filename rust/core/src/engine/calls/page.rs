@@ -288,6 +288,40 @@ mod tests {
     }
 
     #[test]
+    fn state_pages_that_do_not_move_stay_until_reclaimed() {
+        // PageCache([KVCacheSpec("state", 4)], 32): a sparse acquire puts one page in the last
+        // slot; a later one moves that unkeyed page by default and takes a fresh one with
+        // move_state_pages off, the old page staying until reclaim passes its slot.
+        let state = || vec![spec("s", GroupKind::State, 4)];
+        let mut moving = cache(state(), 32, CacheOptions::default());
+        assert!(moving.acquire(A, 16).unwrap());
+        assert_eq!(moving.page_ids(A).unwrap(), vec![vec![0, 0, 0, 1]]);
+        assert_eq!(moving.pages_needed(3, Some(A)).unwrap(), 0);
+        assert!(moving.acquire(A, 3).unwrap());
+        assert_eq!(moving.page_ids(A).unwrap(), vec![vec![0, 0, 0, 0, 1]]);
+        let options = CacheOptions {
+            move_state_pages: false,
+            ..CacheOptions::default()
+        };
+        let mut c = cache(state(), 32, options);
+        assert!(c.acquire(A, 16).unwrap());
+        assert_eq!(c.page_ids(A).unwrap(), vec![vec![0, 0, 0, 1]]);
+        assert_eq!(c.pages_needed(3, Some(A)).unwrap(), 1);
+        assert!(c.acquire(A, 3).unwrap());
+        assert_eq!(c.page_ids(A).unwrap(), vec![vec![0, 0, 0, 1, 2]]);
+        assert!(c.acquire(A, 9).unwrap()); // to token 28: slots 5 and 6, a page in slot 6
+        assert_eq!(c.page_ids(A).unwrap(), vec![vec![0, 0, 0, 1, 2, 0, 3]]);
+        c.check_invariants().unwrap();
+        // Reclaim at 17 processed tokens: slots below (17 - 1) // 4 = 4 are released.
+        c.reclaim(A, 17).unwrap();
+        assert_eq!(c.page_ids(A).unwrap(), vec![vec![0, 0, 0, 0, 2, 0, 3]]);
+        c.reclaim(A, 25).unwrap();
+        assert_eq!(c.page_ids(A).unwrap(), vec![vec![0, 0, 0, 0, 0, 0, 3]]);
+        assert_eq!(c.coordinator().pool().num_free(), 30); // 32 pages, page 0 and page 3 not free
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
     fn prefill_decode_finish_and_reuse() {
         let mut c = hybrid(32);
         let h = hashes(16);

@@ -163,6 +163,10 @@ pub struct GroupManager {
     page: Divisor,
     /// Consecutive cached pages a resumable boundary needs: `ceil((W-1)/P)` (0 for full).
     needed: u64,
+    /// A state group's working page that holds no key moves to the new last slot on acquire
+    /// (the default); when false a fresh page is always taken there and the previous one stays
+    /// in its slot until reclaim releases it ([`Self::set_moves_working_page`]).
+    moves: bool,
 }
 
 impl GroupManager {
@@ -174,7 +178,25 @@ impl GroupManager {
             GroupKind::ChunkedLocal { chunk } => page.quotient(chunk),
             _ => kind.window().map_or(0, |w| page.ceil_div(w.saturating_sub(1))),
         };
-        Self { kind, page, needed }
+        Self {
+            kind,
+            page,
+            needed,
+            moves: true,
+        }
+    }
+
+    /// Whether a state group moves its unkeyed working page to the slot an acquire adds
+    /// (`true`, the default, SPEC 13.4) or always allocates a fresh page there, leaving the
+    /// previous page in its slot until reclaim releases it (`false`: vLLM's mamba "align"
+    /// tables; the cache option `move_state_pages`). No effect on the other kinds.
+    pub fn set_moves_working_page(&mut self, on: bool) {
+        self.moves = on;
+    }
+
+    /// Whether a state group moves its unkeyed working page ([`Self::set_moves_working_page`]).
+    pub fn moves_working_page(&self) -> bool {
+        self.moves
     }
 
     /// The group's rule.
@@ -207,10 +229,12 @@ impl GroupManager {
 
     /// Whether a state table's working page moves to a later slot when the request passes
     /// into it, instead of a page being allocated there: its last page is real and holds no
-    /// key (it is no checkpoint, and only this request references it). Always false for the
-    /// other kinds.
+    /// key (it is no checkpoint, and only this request references it), and the group moves
+    /// working pages at all ([`Self::set_moves_working_page`]). Always false for the other
+    /// kinds.
     pub fn state_movable<K: Clone + Eq + Hash>(&self, pool: &BlockPool<K>, table: &Table) -> bool {
         self.kind == GroupKind::State
+            && self.moves
             && table
                 .pages
                 .last()
