@@ -486,12 +486,14 @@ def test_ngram_speculative_decoding_identical(model_dirs: dict[str, Path], name:
 # -- Sparse prefix-cache retention (vLLM's default) --------------------------------------------
 
 
-def test_gemma3_on_the_default_config_identical(
-    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("name", ["gemma3-sliding", "qwen3.5-gdn"])
+def test_default_retention_identical(
+    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
-    """The Gemma-3 shape on vLLM's default config: ``prefix_cache_retention_interval`` 0, which
-    vLLM's EngineCore copies into the KV-cache config, so vLLM keys a sliding group's block only
-    where a later request can resume. Stock and FlatScheduler give the same greedy tokens,
+    """The Gemma-3 shape and the Qwen3.5 GDN hybrid on vLLM's default retention:
+    ``prefix_cache_retention_interval`` 0, which vLLM's EngineCore copies into the KV-cache
+    config, so vLLM keys a sliding group's block, or a mamba group's state, only where a later
+    request can resume. Stock and FlatScheduler give the same greedy tokens,
     ``num_cached_tokens`` and prefix-cache and preemption counters, and the scenario hit the
     cache, preempted and aborted."""
     from flat_kvcache.vllm._manager import FlatKVCacheManager
@@ -506,17 +508,19 @@ def test_gemma3_on_the_default_config_identical(
             _init(self, kv_cache_config, *args, **kwargs)
 
         monkeypatch.setattr(cls, "__init__", recording)
-    model = model_dirs["gemma3-sliding"]
-    stock = scenario(model, None, _pool_bytes(model, 48), {})
-    flat = scenario(model, FLAT, _pool_bytes(model, 48), {})
+    model = model_dirs[name]
+    # The model's settings without a retention setting: vLLM's default applies.
+    settings = {k: v for k, v in MODELS[name][1].items() if k != "prefix_cache_retention_interval"}
+    stock = scenario(model, None, _pool_bytes(model, 48), settings)
+    flat = scenario(model, FLAT, _pool_bytes(model, 48), settings)
     assert seen and set(seen) == {0}, seen  # vLLM's default reached both managers
     assert (stock.manager, flat.manager) == ("KVCacheManager", "FlatKVCacheManager")
-    assert flat.groups == stock.groups == EXPECTED_GROUPS["gemma3-sliding"]
+    assert flat.groups == stock.groups == EXPECTED_GROUPS[name]
     assert stock.counters["vllm:num_preemptions"] > 0, stock.counters
     assert stock.counters["vllm:prefix_cache_hits"] > 0, stock.counters
     # Only the tail before each prompt's last token stays keyed in the sliding group: in this
-    # pool none of the second turns hits, three stepped requests do (measured: 256 of 4,943
-    # queried tokens).
+    # pool none of the Gemma shape's second turns hits, three stepped requests do (measured: 256
+    # of 4,943 queried tokens).
     assert sum(stock.cached.values()) > 0, stock.cached
     assert stock.aborted and flat.aborted == stock.aborted
     assert flat.tokens == stock.tokens
