@@ -111,6 +111,15 @@ def _count_mamba_paths(scheduler: Any, covered: dict[str, int]) -> None:
             break  # one mamba group suffices: all of them decide alike
 
 
+def _case_setup(model_dir: Path, options: dict[str, Any]) -> tuple[SchedulerSetup, bool]:
+    """A case's scheduler setup (32 running requests and 512 tokens a step unless the case says
+    otherwise) and whether its outputs come back a step late (its ``in_flight`` option)."""
+    options = dict(options)
+    in_flight = bool(options.pop("in_flight", False))
+    limits = {"max_num_seqs": 32, "max_num_batched_tokens": 512}
+    return SchedulerSetup(model_dir=model_dir, **{**limits, **options}), in_flight
+
+
 def run_lockstep(
     setup: SchedulerSetup, num_requests: int, seed: int, *, tables: bool = True, in_flight: bool = False
 ) -> dict[str, int]:
@@ -225,10 +234,7 @@ MAMBA_CASES: dict[str, dict[str, Any]] = {
 @pytest.mark.parametrize("case", list(MAMBA_CASES))
 def test_mamba_hybrid_same_steps_as_vllm(model_dir: Path, case: str) -> None:
     options = dict(MAMBA_CASES[case])
-    in_flight = bool(options.pop("in_flight", False))
-    setup = SchedulerSetup(
-        model_dir=model_dir, **{"max_num_seqs": 32, "max_num_batched_tokens": 512, **options}
-    )
+    setup, in_flight = _case_setup(model_dir, options)
     covered = run_lockstep(setup, 500, seed=5, in_flight=in_flight)
     assert covered["preemptions"] > 0 and covered["aborted"] > 0, covered
     if setup.enable_prefix_caching:
@@ -635,10 +641,7 @@ def run_spec_lockstep(
 @pytest.mark.parametrize("case", list(SPEC_CASES))
 def test_speculative_decoding_same_steps_as_vllm(model_dir: Path, case: str) -> None:
     options = dict(SPEC_CASES[case])
-    in_flight = bool(options.pop("in_flight", False))
-    setup = SchedulerSetup(
-        model_dir=model_dir, **{"max_num_seqs": 32, "max_num_batched_tokens": 512, **options}
-    )
+    setup, in_flight = _case_setup(model_dir, options)
     covered = run_spec_lockstep(setup, 600, seed=21, in_flight=in_flight)
     assert covered["preemptions"] > 0 and covered["aborted"] > 0, covered
     assert covered["drafts"] > 1000 and covered["rejected"] > 300, covered
@@ -871,12 +874,9 @@ EVENT_CASES: dict[str, dict[str, Any]] = {
 @pytest.mark.parametrize("case", list(EVENT_CASES))
 def test_kv_events_same_as_vllm(model_dir: Path, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     options = dict(EVENT_CASES[case])
-    in_flight = bool(options.pop("in_flight", False))
     bytes_hashes = bool(options.pop("bytes_hashes", False))
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0" if bytes_hashes else "1")
-    setup = SchedulerSetup(
-        model_dir=model_dir, **{"max_num_seqs": 32, "max_num_batched_tokens": 512, **options}
-    )
+    setup, in_flight = _case_setup(model_dir, options)
     covered = _events_lockstep(setup, 400, seed=5, in_flight=in_flight)
     print(case, covered)
     assert covered["preemptions"] > 0 and covered["resets"] > 3, covered
@@ -982,10 +982,7 @@ def test_sparse_retention_same_steps_as_vllm(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:
     options = dict(SPARSE_CASES[case])
-    in_flight = bool(options.pop("in_flight", False))
-    setup = SchedulerSetup(
-        model_dir=model_dir, **{"max_num_seqs": 32, "max_num_batched_tokens": 512, **options}
-    )
+    setup, in_flight = _case_setup(model_dir, options)
     _, kv_cache_config, _, _ = build_configs(setup)
     expected = options.get("retention", options.get("prefix_cache_retention_interval", 0))
     assert kv_cache_config.prefix_cache_retention_interval == expected  # EngineCore's copy
@@ -1065,10 +1062,7 @@ SPARSE_SPEC_CASES: dict[str, dict[str, Any]] = {
 @pytest.mark.parametrize("case", list(SPARSE_SPEC_CASES))
 def test_sparse_retention_with_speculative_decoding(model_dir: Path, case: str) -> None:
     options = dict(SPARSE_SPEC_CASES[case])
-    in_flight = bool(options.pop("in_flight", False))
-    setup = SchedulerSetup(
-        model_dir=model_dir, **{"max_num_seqs": 32, "max_num_batched_tokens": 512, **options}
-    )
+    setup, in_flight = _case_setup(model_dir, options)
     covered = run_spec_lockstep(setup, 400, seed=21, in_flight=in_flight)
     assert covered["preemptions"] > 0 and covered["hit_tokens"] > 0, covered
     assert covered["drafts"] > 1000 and covered["rejected"] > 300, covered
