@@ -20,6 +20,7 @@ some with each step's output handed back only after the next is scheduled (async
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from flat_kvcache.vllm import FlatKVCacheManager, FlatScheduler, UnsupportedVllm
 from flat_kvcache.vllm.harness import (
     SchedulerSetup,
     StepRecord,
+    StreamRequest,
     build_configs,
     build_scheduler,
     hybrid_layer_types,
@@ -1066,3 +1068,217 @@ def test_sparse_retention_with_speculative_decoding(model_dir: Path, case: str) 
     covered = run_spec_lockstep(setup, 400, seed=21, in_flight=in_flight)
     assert covered["preemptions"] > 0 and covered["hit_tokens"] > 0, covered
     assert covered["drafts"] > 1000 and covered["rejected"] > 300, covered
+
+
+# -- the ``mamba_checkpoints`` option (issue 36 item 3): the reuse policy in vLLM's storage -------
+
+REUSE_CONFIG = {"flat_kvcache": {"mamba_checkpoints": "reuse"}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"flat_kvcache": {"mamba_checkpoints": "lru"}}, "'lru'"),
+        ({"flat_kvcache": {"mamba_checkpoint": "reuse"}}, "'mamba_checkpoint'"),
+        ({"flat_kvcache": {"mamba_checkpoints": "reuse", "grain": 512}}, "'grain'"),
+        ({"flat_kvcache": "reuse"}, "'reuse'"),
+    ],
+)
+def test_mamba_checkpoints_bad_option_refused(model_dir: Path, extra: dict[str, Any], named: str) -> None:
+    """A key or value under additional_config["flat_kvcache"] the adapter does not know is refused
+    at construction, named, on the path vLLM's engine takes (the scheduler's keyword arguments)."""
+    setup = SchedulerSetup(
+        model_dir=model_dir, layer_types=QWEN35_LAYERS, num_blocks=128, additional_config=extra
+    )
+    with pytest.raises(UnsupportedVllmConfigError, match=named):
+        build_scheduler(FlatScheduler, setup)
+
+
+def test_mamba_checkpoints_reuse_beside_sliding_refused(model_dir: Path) -> None:
+    """The option decides mamba states' keys only: beside sliding-window groups it is refused
+    (naming the group), not silently half applied."""
+    setup = SchedulerSetup(
+        model_dir=model_dir, windows=(None, 128), num_blocks=400, additional_config=REUSE_CONFIG
+    )
+    with pytest.raises(UnsupportedVllmConfigError, match=r"SlidingWindowSpec.*mamba_checkpoints 'reuse'"):
+        build_scheduler(FlatScheduler, setup)
+
+
+def test_mamba_checkpoints_read_from_additional_config(model_dir: Path) -> None:
+    """FlatScheduler reads the option from ``vllm_config.additional_config`` (what ``LLM(...,
+    additional_config=...)`` and ``--additional-config`` set), leaving other plugins' entries
+    alone; absent or "vllm" it is off. A model without mamba groups accepts it and is unchanged."""
+    other = {"some_plugin": {"x": 1}}
+    for extra, value, on in [
+        (None, "vllm", False),
+        ({**other, "flat_kvcache": {"mamba_checkpoints": "vllm"}}, "vllm", False),
+        ({**other, **REUSE_CONFIG}, "reuse", True),
+    ]:
+        setup = SchedulerSetup(
+            model_dir=model_dir, layer_types=QWEN35_LAYERS, num_blocks=128, additional_config=extra
+        )
+        manager = build_scheduler(FlatScheduler, setup).kv_cache_manager
+        assert (manager.mamba_checkpoints, manager._reuse) == (value, on)
+    setup = SchedulerSetup(model_dir=model_dir, num_blocks=128, additional_config=REUSE_CONFIG)
+    manager = build_scheduler(FlatScheduler, setup).kv_cache_manager
+    assert manager.mamba_checkpoints == "reuse" and not manager._reuse
+
+
+def test_mamba_checkpoints_vllm_explicit_same_steps(model_dir: Path) -> None:
+    """The option spelled out as its default ("vllm") is vLLM's manager, step by step (GDN hybrid,
+    vLLM's default retention, async timing): the differential with the option present."""
+    setup = SchedulerSetup(
+        model_dir=model_dir,
+        layer_types=QWEN35_LAYERS,
+        num_blocks=400,
+        max_num_seqs=32,
+        max_num_batched_tokens=512,
+        prefix_cache_retention_interval=0,
+        additional_config={"flat_kvcache": {"mamba_checkpoints": "vllm"}},
+    )
+    covered = run_lockstep(setup, 200, seed=5, in_flight=True)
+    assert covered["preemptions"] > 0 and covered["hit_tokens"] > 0, covered
+
+
+_TURN_BLOCK = 128  # tokens per content block of the conversation scenario below
+
+
+def _conversation_stream(num_conversations: int, seed: int) -> tuple[list[StreamRequest], dict[str, int]]:
+    """Conversations of three turns, served one request at a time (each arrives after the previous
+    one finished): every prompt is a shared 128-token system block, then whole 128-token blocks,
+    then a partial block of 17 to 127 tokens; a turn's next one keeps all its whole blocks (not
+    the partial one) and adds 1 to 4 new ones and a new partial block. All first turns come
+    first, then all second turns, then all third turns. Returns the stream and, per request,
+    the whole-block tokens its next turn shares (its body's end on a 128-token grain)."""
+    import random as _random
+
+    rng = _random.Random(seed)
+
+    def blocks(count: int) -> list[int]:
+        return [rng.randrange(32000) for _ in range(count * _TURN_BLOCK)]
+
+    system = blocks(1)
+    bodies = [system + blocks(rng.randint(1, 4)) for _ in range(num_conversations)]
+    stream: list[StreamRequest] = []
+    shared: dict[str, int] = {}
+    step = 0
+    for turn in range(3):
+        for c in range(num_conversations):
+            if turn:
+                bodies[c] = bodies[c] + blocks(rng.randint(1, 4))
+            partial = [rng.randrange(32000) for _ in range(rng.randint(17, 127))]
+            rid = f"c{c}t{turn}"
+            stream.append(StreamRequest(rid, step, tuple(bodies[c] + partial), rng.randint(20, 60)))
+            shared[rid] = len(bodies[c])
+            step += 120  # one request at a time: at most 3 prefill chunks and 60 decode steps
+    return stream, shared
+
+
+def _first_hits(scheduler: Any, stream: list[StreamRequest], setup: SchedulerSetup) -> dict[str, int]:
+    hits: dict[str, int] = {}
+    for output in run_steps(scheduler, stream, block_size=setup.block_size):
+        assert len(scheduler.requests) <= 1  # one request at a time, as the scenario says
+        for new in output.scheduled_new_reqs:
+            hits.setdefault(new.req_id, new.num_computed_tokens)
+    return hits
+
+
+def test_mamba_checkpoints_reuse_places_and_keeps(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reuse policy in vLLM's storage, against vLLM's own manager on the same conversations
+    (roomy pool, nothing evicted, vLLM's default retention 0 for both):
+
+    - the sharing grain is learned from divergence points: the first turns' full-attention hits
+      stop at the shared system block (128 tokens, a multiple of 128 and of no larger power-of-two
+      grain), so after 16 of them S = 128 (``ReuseEvidence``);
+    - placement: every later turn's state is cached at its body's end on S (the last multiple of
+      128 before its last token, where FlatScheduler's boundary makes vLLM's scheduler end a
+      chunk), so the next turn hits all it shares with its previous turn;
+    - vLLM's rule keys the replay boundary (the prompt's last block, beyond what a next turn
+      shares: each partial block is at least 17 tokens) and the shared-prefix junction, so its
+      second turns hit the system block (the first turns' junction) and its third turns the first
+      turn's whole blocks (the second turns' junction): one turn behind;
+    - decode states are dropped: a decode state is keyed only at the last block boundary a
+      request reaches, and only for the probes (the n-th such request, n a power of two), since
+      no decode checkpoint is ever hit here."""
+    stream, shared = _conversation_stream(20, seed=3)
+    stock_setup = SchedulerSetup(
+        model_dir=model_dir,
+        layer_types=QWEN35_LAYERS,
+        num_blocks=3000,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        prefix_cache_retention_interval=0,
+        max_model_len=2048,
+    )
+    stock = _first_hits(build_scheduler(AsyncScheduler, stock_setup), stream, stock_setup)
+    setup = dataclasses.replace(stock_setup, additional_config=REUSE_CONFIG)
+    scheduler = build_scheduler(FlatScheduler, setup)
+    manager = scheduler.kv_cache_manager
+    keyed: list[tuple[str, int]] = []
+    key_state = manager._key_state
+
+    def recording(request_id: str, tables: Any, hashes: Any, slot: int) -> None:
+        keyed.append((request_id, (slot + 1) * setup.block_size))
+        key_state(request_id, tables, hashes, slot)
+
+    monkeypatch.setattr(manager, "_key_state", recording)
+    reuse = _first_hits(scheduler, stream, setup)
+
+    assert manager._evidence.sharing_grain(setup.block_size) == _TURN_BLOCK
+    by_id = {r.request_id: r for r in stream}
+    position = {r.request_id: i for i, r in enumerate(stream)}
+    for rid in by_id:
+        c, turn = rid[1:].split("t")
+        if turn == "0":
+            continue
+        previous = f"c{c}t{int(turn) - 1}"
+        # vLLM: the previous turn's junction (the system block for second turns).
+        expected_stock = _TURN_BLOCK if turn == "1" else shared[f"c{c}t0"]
+        assert stock[rid] == expected_stock, rid
+        # Every request but the very first observes one divergence point when admitted, so the
+        # request at stream position i is placed on S = 128 once i >= MIN_OBSERVATIONS (16);
+        # before that S is the block size, and the body's end is vLLM's replay boundary.
+        if position[previous] >= 16:
+            assert reuse[rid] == shared[previous], rid  # the previous turn's body end on S
+        else:
+            assert reuse[rid] == expected_stock, rid
+    assert sum(reuse.values()) > 1.3 * sum(stock.values())
+
+    # What was keyed: placed prompt points (below the prompt's end) or decode probes.
+    decode = [(rid, end) for rid, end in keyed if end >= len(by_id[rid].prompt)]
+    for rid, end in decode:
+        request = by_id[rid]
+        assert end == (len(request.prompt) + request.max_tokens - 1) // setup.block_size * setup.block_size
+    probes = [n for n in range(1, len(stream) + 1) if n & (n - 1) == 0]
+    assert len(decode) == len(probes) < len(stream) // 4
+    prompt_keys = [(rid, end) for rid, end in keyed if end < len(by_id[rid].prompt)]
+    for rid, end in prompt_keys:
+        assert end % setup.block_size == 0 and end <= len(by_id[rid].prompt) - 1
+    # vLLM's dense retention keys every chunk end and decode block: far more states.
+    assert len(keyed) < 3 * len(stream)
+
+
+def test_mamba_checkpoints_reuse_runs_tight_pools(model_dir: Path) -> None:
+    """The option on a tight pool under vLLM's timing variants (synchronous and async, dense and
+    sparse retention settings, KV events on): preemptions, hits, aborts, and no adapter error
+    (no running state that could move, no store of a slot the policy left unkeyed)."""
+    for retention, in_flight in [(0, True), (None, False)]:
+        setup = SchedulerSetup(
+            model_dir=model_dir,
+            layer_types=QWEN35_LAYERS,
+            num_blocks=400,
+            max_num_seqs=32,
+            max_num_batched_tokens=512,
+            prefix_cache_retention_interval=retention,
+            additional_config=REUSE_CONFIG,
+        )
+        scheduler = _build_with_events(FlatScheduler, setup)
+        assert scheduler.kv_cache_manager._reuse
+        stream = make_stream(300, seed=9)
+        preempted = hits = 0
+        for output in run_steps(scheduler, stream, block_size=setup.block_size, in_flight=in_flight):
+            preempted += len(output.preempted_req_ids or ())
+            hits += sum(new.num_computed_tokens for new in output.scheduled_new_reqs)
+            scheduler.kv_cache_manager.take_events()
+        assert preempted > 0 and hits > 0, (preempted, hits)
+        assert scheduler.kv_cache_manager.cache.num_free_pages == setup.num_blocks - 1

@@ -19,12 +19,21 @@ import importlib
 import importlib.util
 from typing import Any
 
-__all__ = ["FlatKVCacheManager", "FlatScheduler", "UnsupportedVllmConfigError", "check_supported"]
+__all__ = [
+    "MAMBA_CHECKPOINTS",
+    "FlatKVCacheManager",
+    "FlatScheduler",
+    "UnsupportedVllmConfigError",
+    "adapter_options",
+    "check_supported",
+]
 
 _HOME = {
     "FlatKVCacheManager": "_manager",
     "UnsupportedVllmConfigError": "_manager",
     "check_supported": "_manager",
+    "adapter_options": "_manager",
+    "MAMBA_CHECKPOINTS": "_manager",
     "FlatScheduler": "_scheduler",
 }
 

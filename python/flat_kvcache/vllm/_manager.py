@@ -44,6 +44,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats  # type: ignore[import-not-fo
 from vllm.v1.request import RequestStatus  # type: ignore[import-not-found]
 
 from flat_kvcache import KVCacheSpec, PageCache
+from flat_kvcache.reference.engine.policy import ReuseEvidence
 from flat_kvcache.vllm._events import VllmEventLog
 
 # Exactly these spec types are served; their subclasses (sink, hidden-state, RSWA, sliding-window
@@ -57,6 +58,43 @@ _NEVER = 1 << 62
 
 class UnsupportedVllmConfigError(ValueError):
     """A vLLM configuration :class:`FlatScheduler` does not serve; raised at construction."""
+
+
+#: The values of the ``mamba_checkpoints`` option (``additional_config={"flat_kvcache":
+#: {"mamba_checkpoints": ...}}``): ``"vllm"`` (the default) makes vLLM's own decisions; ``"reuse"``
+#: places and keeps mamba state checkpoints by the project's reuse policy (docs/vllm.md).
+MAMBA_CHECKPOINTS = ("vllm", "reuse")
+
+
+def adapter_options(vllm_config: Any) -> dict[str, str]:
+    """This adapter's options, read from ``vllm_config.additional_config["flat_kvcache"]``.
+
+    Returns ``{"mamba_checkpoints": "vllm" | "reuse"}`` (``"vllm"`` when the entry is absent).
+    Any other key, or another value, is an :class:`UnsupportedVllmConfigError` naming it; the
+    other entries of ``additional_config`` belong to other plugins and are not read."""
+    options = {"mamba_checkpoints": "vllm"}
+    extra = getattr(vllm_config, "additional_config", None)
+    if not isinstance(extra, dict) or "flat_kvcache" not in extra:
+        return options
+    ours = extra["flat_kvcache"]
+    prefix = "flat_kvcache.vllm.FlatScheduler does not support"
+    if not isinstance(ours, dict):
+        raise UnsupportedVllmConfigError(
+            f"{prefix} additional_config['flat_kvcache'] = {ours!r} (a dict of options is expected, "
+            "e.g. {'mamba_checkpoints': 'reuse'})"
+        )
+    for key, value in ours.items():
+        if key != "mamba_checkpoints":
+            raise UnsupportedVllmConfigError(
+                f"{prefix} the option additional_config['flat_kvcache'][{key!r}] (known: 'mamba_checkpoints')"
+            )
+        if value not in MAMBA_CHECKPOINTS:
+            raise UnsupportedVllmConfigError(
+                f"{prefix} mamba_checkpoints = {value!r} (additional_config['flat_kvcache']; "
+                f"one of {', '.join(repr(v) for v in MAMBA_CHECKPOINTS)})"
+            )
+        options[key] = value
+    return options
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -105,6 +143,15 @@ def check_supported(
     if not kv_cache_config.kv_cache_groups:
         refuse("a model with no KV cache groups")
     groups = kv_cache_config.kv_cache_groups
+    if adapter_options(vllm_config)["mamba_checkpoints"] == "reuse":
+        for index, group in enumerate(groups):
+            if type(group.kv_cache_spec) in _SLIDING_SPECS:
+                # The option decides mamba states' keys only; a sliding group's keys would still
+                # follow the retention setting, beside placements it was not checked with.
+                refuse(
+                    f"{_group_label(group, index)}: mamba_checkpoints 'reuse' beside sliding-window "
+                    "groups (the option places mamba state checkpoints only; not mapped)"
+                )
     has_mamba = any(isinstance(group.kv_cache_spec, MambaSpec) for group in groups)
     if has_mamba:
         _check_mamba_groups(vllm_config, kv_cache_config, block_size, refuse)
@@ -377,6 +424,18 @@ class _Tables:
         self.keyed_states: set[int] = set()
 
 
+class _Placement:
+    """The prompt checkpoints the reuse policy placed for one request (``mamba_checkpoints``
+    "reuse"): the positions (tokens, multiples of the block size, ascending) whose states are
+    kept, and whether the decode checkpoint was decided."""
+
+    __slots__ = ("decided_decode", "points")
+
+    def __init__(self, points: tuple[int, ...]) -> None:
+        self.points = points
+        self.decided_decode = False
+
+
 class FlatKVCacheManager:
     """vLLM's ``KVCacheManager`` interface (the part its scheduler uses) over a ``PageCache``."""
 
@@ -391,7 +450,13 @@ class FlatKVCacheManager:
         watermark: float = 0.0,
         max_in_flight_tokens: int | None = None,
         enable_kv_cache_events: bool = False,
+        mamba_checkpoints: str = "vllm",
     ) -> None:
+        if mamba_checkpoints not in MAMBA_CHECKPOINTS:
+            raise UnsupportedVllmConfigError(
+                f"flat_kvcache.vllm.FlatScheduler does not support mamba_checkpoints = {mamba_checkpoints!r} "
+                f"(one of {', '.join(repr(v) for v in MAMBA_CHECKPOINTS)})"
+            )
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -465,6 +530,23 @@ class FlatKVCacheManager:
         # a sliding or mamba group's block only where a later request can resume (docs/vllm.md).
         self._retention: int | None = kv_cache_config.prefix_cache_retention_interval
         self._sparse = bool(enable_caching and self._retention is not None and (self._sliding or self._state))
+        # The ``mamba_checkpoints="reuse"`` option (docs/vllm.md): with mamba groups in mode
+        # "align" and prefix caching, the reuse policy (SPEC 13.5, 13.8) places and keys the mamba
+        # states instead of vLLM's retention rule; the registration is the sparse one (per group,
+        # running states never moved), whatever the retention setting.
+        self.mamba_checkpoints = mamba_checkpoints
+        self._reuse = bool(mamba_checkpoints == "reuse" and enable_caching and self._state)
+        if self._reuse:
+            if self._sliding:
+                raise UnsupportedVllmConfigError(
+                    "flat_kvcache.vllm.FlatScheduler does not support mamba_checkpoints 'reuse' "
+                    "beside sliding-window groups"
+                )
+            self._sparse = True
+        # What the reuse policy learned (the sharing grain, decode checkpoints' hits), and per
+        # request the checkpoints it placed in the prompt (_Placement).
+        self._evidence = ReuseEvidence()
+        self._placements: dict[str, _Placement] = {}
         first = next((g for g in groups if type(g.kv_cache_spec) in _FULL_SPECS), None)
         if (self._state or self._sparse) and enable_caching and first is not None:
             self._full_mirror = {
@@ -633,6 +715,8 @@ class FlatKVCacheManager:
             full = self._full_hit_pages(hashes, hit // self._page) * self._page
             if full > hit:
                 boundary = full
+            if self._reuse:
+                boundary = self._place(request, hit, full, count * self._page)
         if hit == 0:
             return self.empty_kv_cache_blocks, 0, boundary
         pages = self._page_blocks
@@ -641,6 +725,62 @@ class FlatKVCacheManager:
         if self._events is not None and getattr(request, "kv_cache_report_mode", "incremental") == "full":
             self._events.hit(request, [len(group) for group in match.pages])
         return blocks, hit, boundary
+
+    # -- the reuse policy's checkpoints (mamba_checkpoints "reuse") ------------------------------
+
+    def _body_end(self, request: Any, hit: int) -> int:
+        """SPEC 13.5b on the sharing grain ``S``: the last multiple of ``S`` before the prompt's
+        last token, or of the block size when no multiple of ``S`` lies past the hit."""
+        page = self._page
+        last: int = request.num_prompt_tokens - 1
+        grain = self._evidence.sharing_grain(page)
+        body = last // grain * grain
+        return body if body > hit else last // page * page
+
+    def _place(self, request: Any, hit: int, full: int, cap: int) -> int:
+        """Where the reuse policy checkpoints a request being admitted, and the first of those
+        positions as ``get_computed_blocks``' third value (the scheduler ends a chunk there).
+
+        The full-attention hit ``full`` (from the mirrored keys) is a divergence point when it
+        stops short of the capped prompt ``cap`` (observed once per admission); the points are the
+        branch point (``full`` where it runs past the joint hit ``hit``: vLLM's Marconi junction)
+        and the body's end on the learned sharing grain. The scheduler stops a chunk at one
+        boundary; ``_register_reachable`` moves it to the next point once the first is cached."""
+        request_id = request.request_id
+        page = self._page
+        if 0 < full < cap and request_id not in self._placements:
+            self._evidence.observe(full, page)
+        points = {self._body_end(request, hit)}
+        if full > hit:
+            points.add(full)
+        ahead = tuple(sorted(p for p in points if p > hit and p % page == 0))
+        self._placements[request_id] = _Placement(ahead)
+        return ahead[0] if ahead else 0
+
+    def _placement(self, request: Any) -> _Placement:
+        """The request's placed checkpoints (the body's end alone for a request admitted with
+        no lookup)."""
+        placement = self._placements.get(request.request_id)
+        if placement is None:
+            placement = self._placements[request.request_id] = _Placement((self._body_end(request, 0),))
+        return placement
+
+    def _reuse_keeps(self, request: Any, placement: _Placement, slot: int) -> bool:
+        """Whether the reuse policy keys the mamba state ending at slot ``slot``: a placed prompt
+        checkpoint, or the decode checkpoint (the last block boundary the request can reach with
+        ``max_tokens``; none for a request that stops earlier) when ``ReuseEvidence`` keeps it
+        (always once a kept one was hit, else only the probes). Other states stay unkeyed."""
+        page = self._page
+        end = (slot + 1) * page
+        if end in placement.points:
+            return True
+        if end < request.num_prompt_tokens or placement.decided_decode:
+            return False
+        reach = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len) - 1
+        if end != reach // page * page:
+            return False
+        placement.decided_decode = True
+        return self._evidence.keep_decode()
 
     # -- allocation ----------------------------------------------------------------------------
 
@@ -812,7 +952,7 @@ class FlatKVCacheManager:
                     holes += 1
                 tables.holes[g] = holes
             if self._sparse:
-                self._note_hit_keys(tables)
+                self._note_hit_keys(request, tables)
         new_blocks: tuple[list[Any], ...] | None = None
         if num_tokens_need_slot > tables.capacity:
             if self._state and tables.live and not self._sparse:
@@ -973,19 +1113,42 @@ class FlatKVCacheManager:
                     # unless it already slid out.
                     if end - 1 >= tables.holes[g]:
                         tables.keyed[g] = max(tables.keyed[g], end - 1)
-        if self._state:
+        if self._reuse:
+            self._register_reuse(request, tables, hashes, start, num_full)
+        elif self._state:
             mask = _mamba_mask(page, self._retention, boundaries, start, num_full)
             for slot in tables.live:
                 if start <= slot < num_full and (mask is None or mask[slot - start]):
-                    cache.register(
-                        request_id,
-                        hashes[slot : slot + 1],
-                        first_slot=slot,
-                        end_tokens=(slot + 1) * page,
-                        groups=self._state,
-                    )
-                    tables.keyed_states.add(slot)
-                    self._state_cached_this_step.add(hashes[slot])
+                    self._key_state(request_id, tables, hashes, slot)
+
+    def _key_state(self, request_id: str, tables: _Tables, hashes: Sequence[str], slot: int) -> None:
+        self.cache.register(
+            request_id,
+            hashes[slot : slot + 1],
+            first_slot=slot,
+            end_tokens=(slot + 1) * self._page,
+            groups=self._state,
+        )
+        tables.keyed_states.add(slot)
+        self._state_cached_this_step.add(hashes[slot])
+
+    def _register_reuse(
+        self, request: Any, tables: _Tables, hashes: Sequence[str], start: int, num_full: int
+    ) -> None:
+        """The mamba states of slots ``[start, num_full)`` the reuse policy keeps
+        (:meth:`_reuse_keeps`), keyed; then the scheduler's next chunk stop moved to the next
+        placed checkpoint past the registered pages."""
+        placement = self._placement(request)
+        first = self._state[0]
+        for slot in tables.live:
+            if start <= slot < num_full and self._reuse_keeps(request, placement, slot):
+                self._key_state(request.request_id, tables, hashes, slot)
+                if (slot + 1) * self._page >= request.num_prompt_tokens:
+                    self._evidence.kept_decode(tables.blocks[first][slot].block_id, hashes[slot])
+        reached = num_full * self._page
+        following = next((p for p in placement.points if p > reached), 0)
+        if following:
+            request.shared_prefix_boundary = following
 
     @staticmethod
     def _reachable_boundaries(request: Any) -> list[int]:
@@ -1002,8 +1165,12 @@ class FlatKVCacheManager:
         boundaries = self._reachable_boundaries(request)
         page = self._page
         masks: list[list[bool] | None] = []
+        tables = self._tables.get(request.request_id)
         for g, window in enumerate(self._windows):
-            if window is not None:
+            if self._reuse and g in self._state:
+                keyed = tables.keyed_states if tables is not None else set()
+                masks.append([slot in keyed for slot in range(start, end)])
+            elif window is not None:
                 masks.append(_sliding_mask(window, page, self._retention, boundaries, start, end))
             elif g in self._state:
                 masks.append(_mamba_mask(page, self._retention, boundaries, start, end))
@@ -1011,13 +1178,18 @@ class FlatKVCacheManager:
                 masks.append(None)
         return masks
 
-    def _note_hit_keys(self, tables: _Tables) -> None:
+    def _note_hit_keys(self, request: Any, tables: _Tables) -> None:
         """After a claim: the hit's pages hold keys (a sliding group's last hit slot, the mamba
-        groups' hit state)."""
+        groups' hit state); under the reuse policy the hit state is evidence (a kept decode
+        checkpoint hit)."""
         for g, _ in self._sliding:
             blocks = tables.blocks[g]
             tables.keyed[g] = len(blocks) - 1 if blocks and not blocks[-1].is_null else -1
         tables.keyed_states = set(tables.live)
+        if self._reuse and tables.live:
+            slot = tables.live[-1]
+            page = tables.blocks[self._state[0]][slot].block_id
+            self._evidence.note_hit(page, self._hex_hashes(request, slot + 1)[slot])
 
     def _estimate_sparse(self, tables: _Tables) -> int:
         """vLLM's ``estimate_cached_tokens`` (the least over groups of the largest token count a
@@ -1090,6 +1262,7 @@ class FlatKVCacheManager:
         request_id = request.request_id
         self._pending_hits.pop(request_id, None)
         self._hex.pop(request_id, None)
+        self._placements.pop(request_id, None)
         if self._tables.pop(request_id, None) is not None:
             self.cache.free(request_id)
 

@@ -8,7 +8,7 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # type: ignore[import-not-found]
 from vllm.v1.core.sched.scheduler import Scheduler  # type: ignore[import-not-found]
 
-from flat_kvcache.vllm._manager import FlatKVCacheManager, check_supported
+from flat_kvcache.vllm._manager import FlatKVCacheManager, adapter_options, check_supported
 
 # vLLM's engine passes these by keyword; binding them finds the configs whatever the form.
 _INIT_SIGNATURE = inspect.signature(Scheduler.__init__)
@@ -21,6 +21,11 @@ class FlatScheduler(AsyncScheduler):  # type: ignore[misc]
     The configuration is checked first (:func:`flat_kvcache.vllm.check_supported`): a feature
     this adapter does not serve is an :class:`UnsupportedVllmConfigError` naming it. vLLM's own
     manager is then built by the base class (it derives a few settings from it) and replaced.
+
+    Options come from vLLM's ``additional_config`` (``LLM(..., additional_config={"flat_kvcache":
+    {"mamba_checkpoints": "reuse"}})``, ``--additional-config``): ``mamba_checkpoints`` "vllm"
+    (the default: vLLM's own decisions) or "reuse" (GDN / mamba hybrids with prefix caching: the
+    project's reuse policy places and keeps the mamba state checkpoints; docs/vllm.md).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -40,4 +45,5 @@ class FlatScheduler(AsyncScheduler):  # type: ignore[misc]
             watermark=self.scheduler_config.watermark,
             max_in_flight_tokens=vllm_config.max_in_flight_tokens,
             enable_kv_cache_events=self.enable_kv_cache_events,
+            mamba_checkpoints=adapter_options(vllm_config)["mamba_checkpoints"],
         )

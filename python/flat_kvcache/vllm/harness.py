@@ -131,6 +131,9 @@ class SchedulerSetup:
     # slots too), with this many draft tokens per step.
     speculative_method: str | None = None
     num_speculative_tokens: int = 3
+    # ``VllmConfig.additional_config`` (where FlatScheduler reads its options, e.g.
+    # ``{"flat_kvcache": {"mamba_checkpoints": "reuse"}}``); None: vLLM's default, empty.
+    additional_config: dict[str, Any] | None = None
 
 
 def kv_cache_spec(block_size: int, window: int | None = None) -> Any:
@@ -301,6 +304,7 @@ def build_configs(setup: SchedulerSetup) -> tuple[Any, Any, int, int]:
         cache_config=cache,
         device_config=DeviceConfig("cpu"),
         speculative_config=speculative_config(setup, model),
+        **({"additional_config": setup.additional_config} if setup.additional_config is not None else {}),
     )
     if setup.layer_types:
         # A GDN / mamba hybrid: vLLM's hybrid config steps (hybrid_kv_cache_config).
