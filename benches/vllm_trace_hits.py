@@ -19,10 +19,11 @@ The trace: the first ``--num-requests`` rows; each ``hash_id`` is 512 determinis
 (seeded by the id), the prompt is the blocks concatenated and cut at ``input_length``; the output
 is ``output_length`` tokens (``ignore_eos``), capped at ``--max-output-tokens``. Arrivals: the
 row's timestamp (ms) mapped to a scheduler step at ``--ms-per-step`` ms of trace time per step
-(a fixed step duration, not a measured one). The budget: ``--budget`` (a fraction) of the
-unique prompt tokens the replayed rows name (``U * 512``), as 64-token blocks, the same block
-ids for every scheduler (a hybrid block id serves one group: full-attention pages and mamba
-states alike).
+(a fixed step duration, not a measured one). The budget: ``--budget`` (a fraction, default 0.5)
+of the unique prompt tokens the replayed rows name (``U * 512``), as 64-token blocks, the same
+block ids for every scheduler (a hybrid block id serves one group: full-attention pages and
+mamba states alike); printed. At 0.1 nothing of a conversation survives to its next turn (a
+median 217 requests later) under any of the four, so 0.5 is the default: stock still evicts.
 
 Reported per scheduler: prefix-hit tokens (vLLM's ``num_cached_tokens`` of each request, at its
 first scheduling) over prompt tokens, for the whole replay and for the requests of its first
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", type=Path, default=_default_trace())
     parser.add_argument("--num-requests", type=int, default=1000)
-    parser.add_argument("--budget", type=float, default=0.10, help="pool size: this share of unique tokens")
+    parser.add_argument("--budget", type=float, default=0.5, help="pool size: this share of unique tokens")
     parser.add_argument("--ms-per-step", type=float, default=50.0, help="trace ms per scheduler step")
     parser.add_argument("--max-output-tokens", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=64)
