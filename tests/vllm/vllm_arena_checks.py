@@ -14,6 +14,7 @@ run on the arena (every layer's cache a view into the one buffer, the GDN states
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -35,6 +36,7 @@ import transformers
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
+    from flat_kvcache.vllm import arena_plugin
     from vllm import LLM, SamplingParams  # type: ignore[import-not-found,attr-defined,unused-ignore]
 
 pytestmark = [
@@ -43,6 +45,7 @@ pytestmark = [
 ]
 
 ARENA_WORKER = "flat_kvcache.vllm.arena_plugin.ArenaCPUWorker"
+FLAT = "flat_kvcache.vllm.FlatScheduler"
 VOCAB = 512
 
 
@@ -73,13 +76,44 @@ def _qwen35(folder: Path) -> Path:
     return folder
 
 
+def _qwen3_next(folder: Path) -> Path:
+    """Tiny Qwen3-Next: the same layer pattern with a mixture-of-experts MLP in every layer."""
+    config = transformers.Qwen3NextConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=128,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        decoder_sparse_step=1,
+    )
+    torch.manual_seed(0)
+    config.dtype = torch.float32
+    transformers.Qwen3NextForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+MODELS = {"qwen3.5": _qwen35, "qwen3-next": _qwen3_next}
+
 #: vLLM's CPU GDN path runs in bf16 only (its state too); 32-token blocks as vLLM's CPU attention
 #: needs (vLLM's hybrid step grows the attention block until a page holds a GDN state).
 SETTINGS: dict[str, Any] = dict(
     skip_tokenizer_init=True,
     enforce_eager=True,
     block_size=32,
-    enable_prefix_caching=False,
     kv_cache_memory_bytes=24 << 20,
     max_model_len=1024,
     max_num_seqs=8,
@@ -87,15 +121,32 @@ SETTINGS: dict[str, Any] = dict(
     dtype="bfloat16",
     mamba_ssm_cache_dtype="bfloat16",
     seed=0,
+    # With prefix caching on: mode "align" under dense retention, as vllm_e2e_checks.py serves it.
+    prefix_cache_retention_interval=None,
 )
 
 
-def _prompts() -> list[list[int]]:
-    """Eight prompts of 20 to 400 tokens, two sharing a prefix (no cache: both compute it)."""
+def _prompts() -> tuple[list[list[int]], list[list[int]]]:
+    """Two rounds: seven prompts of 20 to 400 tokens, then one sharing 150 tokens with the
+    first and one continuing the second (its prompt, then more), so a cache has hits."""
     rng = random.Random(5)
-    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(20, 400))] for _ in range(7)]
-    prompts.append(prompts[0][:150] + [rng.randrange(VOCAB) for _ in range(30)])
-    return prompts
+    first = [[rng.randrange(VOCAB) for _ in range(rng.randint(20, 400))] for _ in range(7)]
+    second = [
+        first[0][:150] + [rng.randrange(VOCAB) for _ in range(30)],
+        first[1] + [rng.randrange(VOCAB) for _ in range(90)],
+    ]
+    return first, second
+
+
+def _shifted_layout(kv_cache_config: Any) -> arena_plugin.VllmArenaLayout:
+    """The plugin's layout moved off vLLM's: every layer 192 bytes into a unit 320 bytes longer,
+    so every view the engine runs on has a row stride and an offset vLLM's allocation never has."""
+    base = _PLUGIN_LAYOUT(kv_cache_config)
+    layers = tuple(dataclasses.replace(p, offset=p.offset + 192) for p in base.layers)
+    return dataclasses.replace(base, unit_bytes=base.unit_bytes + 320, layers=layers)
+
+
+_PLUGIN_LAYOUT = arena_plugin.layout_for_vllm_ids
 
 
 def _arena_facts(worker: Any) -> dict[str, Any]:
@@ -117,7 +168,7 @@ def _arena_facts(worker: Any) -> dict[str, Any]:
         layers[name] = {
             "same_storage": all(t.untyped_storage().data_ptr() == base for t in tensors),
             "row_bytes": [t.stride(0) * t.element_size() for t in tensors],
-            "shapes": [list(t.shape) for t in tensors],
+            "offsets": [t.storage_offset() * t.element_size() for t in tensors],
         }
     facts.update(
         unit_bytes=layout.unit_bytes,
@@ -130,39 +181,84 @@ def _arena_facts(worker: Any) -> dict[str, Any]:
     return facts
 
 
-def serve(model_dir: Path, worker_cls: str | None) -> dict[str, Any]:
-    settings = dict(SETTINGS)
+def serve(
+    model_dir: Path,
+    worker_cls: str | None,
+    *,
+    prefix_caching: bool = False,
+    shifted: bool = False,
+    scheduler_cls: str | None = None,
+) -> dict[str, Any]:
+    """Both rounds on one engine (in this process: ``shifted`` swaps the plugin's layout)."""
+    settings = dict(SETTINGS, enable_prefix_caching=prefix_caching)
     if worker_cls is not None:
         settings["worker_cls"] = worker_cls
-    llm = LLM(model=str(model_dir), **settings)
+    if scheduler_cls is not None:
+        settings["scheduler_cls"] = scheduler_cls
+    if shifted:
+        arena_plugin.layout_for_vllm_ids = _shifted_layout
+    try:
+        llm = LLM(model=str(model_dir), **settings)
+    finally:
+        arena_plugin.layout_for_vllm_ids = _PLUGIN_LAYOUT
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], greedy, use_tqdm=False)
-        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        outputs = []
+        for prompts in _prompts():
+            outputs += llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
         groups = [
             type(g.kv_cache_spec).__name__
             for g in llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
         ]
-        facts = llm.collective_rpc(_arena_facts)[0]
-        return {"tokens": tokens, "groups": groups, "facts": facts}
+        return {
+            "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+            "cached": [o.num_cached_tokens for o in outputs],
+            "groups": groups,
+            "facts": llm.collective_rpc(_arena_facts)[0],
+        }
     finally:
         del llm
         gc.collect()
 
 
-def test_qwen35_arena_tokens_identical(tmp_path: Path) -> None:
-    model = _qwen35(tmp_path / "qwen3.5")
-    stock = serve(model, None)
-    arena = serve(model, ARENA_WORKER)
-    assert stock["groups"].count("MambaSpec") == 3 and "FullAttentionSpec" in stock["groups"]
-    facts = arena["facts"]
+def _check_arena(run: dict[str, Any], shifted: bool) -> None:
+    facts = run["facts"]
     assert facts["runner"] == "ArenaCPUModelRunner"
+    assert run["groups"].count("MambaSpec") == 3 and "FullAttentionSpec" in run["groups"]
     assert len(facts["layers"]) == 4
     for name, layer in facts["layers"].items():
         assert layer["same_storage"], name
         assert all(row == facts["unit_bytes"] for row in layer["row_bytes"]), (name, layer)
-    assert facts["arena_bytes"] <= facts["stock_bytes"]
-    assert arena["tokens"] == stock["tokens"]
+        assert (min(layer["offsets"]) == 192) == shifted, (name, layer)
+    slack = 320 * facts["num_units"] if shifted else 0
+    assert facts["arena_bytes"] <= facts["stock_bytes"] + slack
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_arena_tokens_identical(tmp_path: Path, model: str) -> None:
+    """Prefix caching off on both sides: stock's greedy tokens from the arena, from the arena laid
+    out off vLLM's strides, and (Qwen3.5) from FlatScheduler over the shifted arena."""
+    model_dir = MODELS[model](tmp_path / model)
+    stock = serve(model_dir, None)
+    assert stock["facts"] == {"runner": "CPUModelRunner"}
+    runs = {"shifted": serve(model_dir, ARENA_WORKER, shifted=True)}
+    if model == "qwen3.5":
+        runs["arena"] = serve(model_dir, ARENA_WORKER)
+        runs["flat"] = serve(model_dir, ARENA_WORKER, shifted=True, scheduler_cls=FLAT)
+    for name, run in runs.items():
+        _check_arena(run, shifted=name != "arena")
+        assert run["tokens"] == stock["tokens"], name
+
+
+def test_arena_prefix_caching_align_identical(tmp_path: Path) -> None:
+    """Prefix caching on (GDN groups in mode "align": vLLM copies a state between blocks through
+    the layers' views, ``preprocess_mamba``): the shifted arena gives stock's tokens and hits."""
+    model_dir = _qwen35(tmp_path / "qwen3.5")
+    stock = serve(model_dir, None, prefix_caching=True)
+    arena = serve(model_dir, ARENA_WORKER, prefix_caching=True, shifted=True)
+    _check_arena(arena, shifted=True)
+    assert sum(stock["cached"]) > 0
+    assert (arena["tokens"], arena["cached"]) == (stock["tokens"], stock["cached"])
 
 
 # -- the kernels, on views into one arena buffer ------------------------------------------------
@@ -333,28 +429,30 @@ def test_cpu_kernels_read_arena_views() -> None:
 
 
 if __name__ == "__main__":
-    with tempfile.TemporaryDirectory() as folder:
-        model_dir = _qwen35(Path(folder) / "qwen3.5")
-        which = sys.argv[1] if len(sys.argv) > 1 else "both"
-        if which == "kernels":
-            # Seconds per case, the best of 10 (the machine is shared): arena views vs dense.
-            timings = {}
-            for name, case in (("attention", attention_case), ("gdn", gdn_case)):
-                for arena in (False, True):
+    which = sys.argv[1] if len(sys.argv) > 1 else "arena"
+    if which == "kernels":
+        # Seconds per case, the best of 10 (the machine is shared): arena views vs dense.
+        timings = {}
+        for name, case in (("attention", attention_case), ("gdn", gdn_case)):
+            for arena in (False, True):
+                case(arena)
+                runs = []
+                for _ in range(10):
+                    start = time.perf_counter()
                     case(arena)
-                    runs = []
-                    for _ in range(10):
-                        start = time.perf_counter()
-                        case(arena)
-                        runs.append(time.perf_counter() - start)
-                    timings[f"{name} {'arena' if arena else 'dense'}"] = round(min(runs), 4)
-            print(json.dumps(timings))
-            sys.exit(0)
-        result: dict[str, Any] = {}
-        if which in ("stock", "both"):
-            result["stock"] = serve(model_dir, None)
-        if which in ("arena", "both"):
-            result["arena"] = serve(model_dir, ARENA_WORKER)
-        if "stock" in result and "arena" in result:
-            result["identical"] = result["stock"]["tokens"] == result["arena"]["tokens"]
+                    runs.append(time.perf_counter() - start)
+                timings[f"{name} {'arena' if arena else 'dense'}"] = round(min(runs), 4)
+        print(json.dumps(timings))
+        sys.exit(0)
+    # One engine: python vllm_arena_checks.py {stock,arena,shifted,flat} [qwen3.5|qwen3-next] [cache]
+    with tempfile.TemporaryDirectory() as folder:
+        model = sys.argv[2] if len(sys.argv) > 2 else "qwen3.5"
+        model_dir = MODELS[model](Path(folder) / model)
+        result = serve(
+            model_dir,
+            None if which == "stock" else ARENA_WORKER,
+            prefix_caching="cache" in sys.argv[3:],
+            shifted=which in ("shifted", "flat"),
+            scheduler_cls=FLAT if which == "flat" else None,
+        )
         print(json.dumps(result))
