@@ -1,0 +1,282 @@
+"""The SPEC 13 arena inside vLLM, first step: one buffer, every layer a strided view into it.
+
+Select it with one engine argument (vLLM resolves the class by its qualified name; no entry
+point is needed)::
+
+    LLM(model, worker_cls="flat_kvcache.vllm.arena_plugin.ArenaCPUWorker")
+
+:class:`ArenaCPUWorker` is vLLM's ``CPUWorker`` whose model runner
+(:class:`ArenaCPUModelRunner`, vLLM's ``CPUModelRunner``) replaces one method,
+``initialize_kv_cache_tensors``: instead of vLLM's ``allocate_kv_cache`` (one backing allocation
+placed by the engine core's ``KVCacheTensor`` list, every layer's page padded to one size) it
+allocates ONE buffer of :class:`VllmArenaLayout` and binds every layer a view into it through
+the layers' own ``bind_kv_cache``, as vLLM does. Block ids are vLLM's, unchanged (this step):
+unit ``u`` of the arena is block id ``u``, and it holds, for the group that owns the block,
+each of that group's layers' page (or state) side by side, unpadded (each layer's bytes rounded
+up to :data:`ALIGN`). The exact layouts the kernels read and what the next steps change:
+docs/vllm.md ("The arena inside vLLM: what vLLM's kernels read").
+
+Refused (``UnsupportedVllmConfigError``) rather than served wrongly: vLLM's V2 model runner,
+a KV-cache layout whose page interior is not one contiguous ``[H, N, C]`` permutation,
+attention groups whose kernel block differs from the manager block (the kernel-block split),
+``UniformTypeKVCacheSpecs`` groups, specs without per-layer views, host-resident groups and
+KV connectors (they register vLLM's own tensors).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# vLLM's CPU worker module must be imported before vLLM's other worker modules (its first line
+# loads the CPU shared-memory ops); importing it first here keeps that order whatever imports
+# this module.
+from vllm.v1.worker.cpu_worker import CPUWorker  # type: ignore[import-not-found]  # isort: skip
+from vllm.distributed.kv_transfer import has_kv_transfer_group  # type: ignore[import-not-found]
+from vllm.logger import init_logger  # type: ignore[import-not-found]
+from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found]
+    AttentionSpec,
+    KVCacheConfig,
+    MambaSpec,
+    UniformTypeKVCacheSpecs,
+)
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # type: ignore[import-not-found]
+from vllm.v1.worker.utils import bind_kv_cache  # type: ignore[import-not-found]
+
+from flat_kvcache.vllm._manager import UnsupportedVllmConfigError
+
+__all__ = [
+    "ALIGN",
+    "ArenaCPUModelRunner",
+    "ArenaCPUWorker",
+    "LayerPlacement",
+    "VllmArenaLayout",
+    "arena_layer_views",
+    "layout_for_vllm_ids",
+]
+
+logger = init_logger(__name__)
+
+#: Bytes each layer's region inside a unit is rounded up to: a cache line, and a multiple of
+#: every dtype's itemsize so each view's offset and stride are whole elements.
+ALIGN = 64
+
+# vLLM's KVCacheLayout numbers the logical axes L, B, H, N, C as 0..4.
+_H, _N, _C = 2, 3, 4
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class LayerPlacement:
+    """Where one layer's page (attention) or state (GDN / mamba) lies inside a unit."""
+
+    layer_name: str
+    group_id: int
+    kind: str  # "attention" or "state"
+    offset: int  # bytes from the start of the unit
+    nbytes: int  # the layer's bytes per block id, unpadded (vLLM's unpadded page / state)
+
+
+@dataclass(frozen=True)
+class VllmArenaLayout:
+    """One arena of ``num_units`` units of ``unit_bytes``; block id ``b`` of every group is
+    unit ``b`` (this step keeps vLLM's ids), group ``g``'s layers at their placements."""
+
+    unit_bytes: int
+    num_units: int
+    layers: tuple[LayerPlacement, ...]
+    stock_bytes: int  # what vLLM's own allocation of the same config takes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.unit_bytes * self.num_units
+
+    def group_bytes(self, group_id: int) -> int:
+        """The bytes of a unit the group's layers use (the rest of the unit is slack)."""
+        mine = [p for p in self.layers if p.group_id == group_id]
+        return max((p.offset + p.nbytes for p in mine), default=0)
+
+
+def _layer_nbytes(spec: Any, what: str) -> tuple[str, int]:
+    """The layer's kind and its bytes per block id, unpadded."""
+    if isinstance(spec, AttentionSpec):
+        return "attention", int(spec.real_page_size_bytes)
+    if isinstance(spec, MambaSpec):
+        return "state", int(spec.state_content_size_bytes)
+    raise UnsupportedVllmConfigError(
+        f"{what}: the arena plugin maps attention and mamba specs only, not {type(spec).__name__}"
+    )
+
+
+def layout_for_vllm_ids(kv_cache_config: Any) -> VllmArenaLayout:
+    """The arena for vLLM's block ids unchanged: one unit per block id, as large as the largest
+    group's layers side by side (each rounded up to :data:`ALIGN`); no per-layer padding to a
+    common page size."""
+    if not kv_cache_config.kv_cache_groups:
+        raise UnsupportedVllmConfigError("the model has no KV cache groups: nothing to place")
+    placements: list[LayerPlacement] = []
+    unit = 0
+    for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
+        what = f"KV cache group {group_id} ({type(group.kv_cache_spec).__name__}, layers {group.layer_names})"
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            raise UnsupportedVllmConfigError(f"{what}: per-layer specs in one group are not mapped yet")
+        if not spec.has_layer_views:
+            raise UnsupportedVllmConfigError(f"{what}: the spec lays out its raw storage itself")
+        if getattr(group, "host_resident", False):
+            raise UnsupportedVllmConfigError(f"{what}: host-resident groups are not mapped")
+        offset = 0
+        for name in group.layer_names:
+            kind, nbytes = _layer_nbytes(spec, what)
+            placements.append(LayerPlacement(name, group_id, kind, offset, nbytes))
+            offset += _round_up(nbytes, ALIGN)
+        unit = max(unit, offset)
+    # vLLM places every KVCacheTensor in one backing allocation of ``size`` bytes.
+    stock = max((int(t.size) for t in kv_cache_config.kv_cache_tensors), default=0)
+    return VllmArenaLayout(
+        unit_bytes=unit,
+        num_units=int(kv_cache_config.num_blocks),
+        layers=tuple(placements),
+        stock_bytes=int(stock),
+    )
+
+
+def _interior_strides(layout: Any, heads: int, tokens: int, content: int) -> tuple[int, int, int]:
+    """Element strides of a page's ``H``, ``N`` and ``C`` axes for vLLM's resolved layout, the
+    page interior contiguous in the layout's order of those three axes."""
+    order = [axis for axis in layout.stride_order if axis in (_H, _N, _C)]
+    sizes = {_H: heads, _N: tokens, _C: content}
+    strides: dict[int, int] = {}
+    step = 1
+    for axis in reversed(order):
+        strides[axis] = step
+        step *= sizes[axis]
+    return strides[_H], strides[_N], strides[_C]
+
+
+def arena_layer_views(
+    buffer: torch.Tensor, arena: VllmArenaLayout, kv_cache_config: Any, kv_cache_layout: Any
+) -> dict[str, torch.Tensor]:
+    """Each layer's view into ``buffer`` (1-D ``int8``, ``arena.total_bytes``), in the form
+    vLLM's ``allocate_kv_cache`` hands to ``bind_kv_cache``: an attention layer
+    ``[num_units, H, N, C]`` of its dtype (``C`` = K and V of a token's head), a mamba / GDN
+    layer ``[num_units, 1, 1, state bytes]`` of ``int8`` that the layer's own ``bind_kv_cache``
+    cuts into its conv and temporal states. Dim 0 steps one unit."""
+    if buffer.dtype != torch.int8 or buffer.dim() != 1 or buffer.numel() != arena.total_bytes:
+        raise ValueError(f"the arena buffer must be 1-D int8 of {arena.total_bytes} bytes")
+    if any(axis not in kv_cache_layout.stride_order[-3:] for axis in (_H, _N, _C)):
+        raise UnsupportedVllmConfigError(
+            f"KV cache layout {kv_cache_layout.name}: a page's [H, N, C] is not one contiguous run, "
+            "so it cannot sit in an arena unit"
+        )
+    groups = kv_cache_config.kv_cache_groups
+    views: dict[str, torch.Tensor] = {}
+    for place in arena.layers:
+        spec = groups[place.group_id].kv_cache_spec
+        if place.kind == "state":
+            views[place.layer_name] = torch.as_strided(
+                buffer,
+                (arena.num_units, 1, 1, place.nbytes),
+                (arena.unit_bytes, place.nbytes, place.nbytes, 1),
+                place.offset,
+            )
+            continue
+        dtype = spec.dtype
+        item = dtype.itemsize
+        content_bytes = int(spec.state_content_size_bytes)
+        if content_bytes % item or arena.unit_bytes % item or place.offset % item:
+            raise UnsupportedVllmConfigError(
+                f"layer {place.layer_name}: its page content of {content_bytes} bytes "
+                f"is not whole {dtype} elements"
+            )
+        heads, tokens, content = int(spec.num_heads), int(spec.num_states), content_bytes // item
+        h, n, c = _interior_strides(kv_cache_layout, heads, tokens, content)
+        views[place.layer_name] = torch.as_strided(
+            buffer.view(dtype),
+            (arena.num_units, heads, tokens, content),
+            (arena.unit_bytes // item, h, n, c),
+            place.offset // item,
+        )
+    return views
+
+
+class ArenaCPUModelRunner(CPUModelRunner):  # type: ignore[misc]
+    """vLLM's ``CPUModelRunner`` whose KV cache is one arena buffer (:func:`layout_for_vllm_ids`).
+
+    Only ``initialize_kv_cache_tensors`` differs; after it, ``flat_arena`` is the buffer and
+    ``flat_arena_layout`` its :class:`VllmArenaLayout`.
+    """
+
+    flat_arena: torch.Tensor
+    flat_arena_layout: VllmArenaLayout
+
+    def initialize_kv_cache_tensors(
+        self,
+        kv_cache_config: KVCacheConfig,
+        kernel_block_sizes: list[int],
+        kv_cache_allocation_context: AbstractContextManager[Any] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        if has_kv_transfer_group():
+            raise UnsupportedVllmConfigError(
+                "KV connectors register vLLM's own KV tensors; the arena plugin refuses them"
+            )
+        for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
+            spec = group.kv_cache_spec
+            kernel = kernel_block_sizes[group_id] if group_id < len(kernel_block_sizes) else None
+            if isinstance(spec, AttentionSpec) and kernel is not None and kernel != spec.block_size:
+                raise UnsupportedVllmConfigError(
+                    f"KV cache group {group_id}: the attention kernel block ({kernel} tokens) differs "
+                    f"from the manager block ({spec.block_size}); the kernel-block split is not mapped yet"
+                )
+        arena = layout_for_vllm_ids(kv_cache_config)
+        with kv_cache_allocation_context or nullcontext():
+            buffer = torch.zeros(arena.total_bytes, dtype=torch.int8, device=self.device)
+        kv_caches = arena_layer_views(
+            buffer, arena, kv_cache_config, self.cache_config.get_resolved_kv_cache_layout()
+        )
+        # Layers that read another layer's KV cache (cross-layer sharing) get its view.
+        for layer_name, target in self.shared_kv_cache_layers.items():
+            kv_caches[layer_name] = kv_caches[target]
+        num_attn_module = 2 if self.model_config.hf_config.model_type == "longcat_flash" else 1
+        bind_kv_cache(
+            kv_caches,
+            self.compilation_config.static_forward_context,
+            self.kv_caches,
+            num_attn_module,
+            kv_cache_groups=kv_cache_config.kv_cache_groups,
+        )
+        self.flat_arena = buffer
+        self.flat_arena_layout = arena
+        logger.info(
+            "flat-kvcache arena: %d units of %d bytes = %d bytes in one buffer "
+            "(vLLM's own allocation: %d bytes)",
+            arena.num_units,
+            arena.unit_bytes,
+            arena.total_bytes,
+            arena.stock_bytes,
+        )
+        return kv_caches
+
+
+class ArenaCPUWorker(CPUWorker):  # type: ignore[misc]
+    """vLLM's ``CPUWorker`` with :class:`ArenaCPUModelRunner` as its model runner
+    (``worker_cls="flat_kvcache.vllm.arena_plugin.ArenaCPUWorker"``)."""
+
+    def init_device(self) -> None:
+        super().init_device()
+        runner = self.model_runner
+        if type(runner) is not CPUModelRunner:
+            raise UnsupportedVllmConfigError(
+                "the arena plugin extends vLLM's CPUModelRunner, and this engine built "
+                f"{type(runner).__name__} (vLLM's V2 model runner is not mapped yet: "
+                "unset VLLM_USE_V2_MODEL_RUNNER)"
+            )
+        # The subclass adds methods only, so the runner vLLM built becomes one in place (its
+        # constructor, which sizes the persistent batch and binds the CPU buffers, runs once).
+        runner.__class__ = ArenaCPUModelRunner

