@@ -243,12 +243,14 @@ def run_workload(
         table["rows"][label] = [{"hit": h, "prompt": p} for h, p in parts]
         cells = [f"{h:,} ({h / p:.1%})" for h, p in parts]
         print(f"| {label} | " + " | ".join(cells) + " |")
+    # None where stock's default hit nothing on that prefix of the replay (no ratio; JSON null).
     ratios = [
-        (h / b if b else float("nan"))
+        (h / b if b else None)
         for (h, _), (b, _) in zip(fractions(stream, results["flat-reuse"].hits), base, strict=True)
     ]
     table["reuse_over_stock_default"] = ratios
-    print("| flat-reuse / stock-default | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
+    shown = ["-" if r is None else f"{r:.2f}x" for r in ratios]
+    print("| flat-reuse / stock-default | " + " | ".join(shown) + " |")
     return table
 
 
