@@ -6,7 +6,8 @@ calls with the same results as vLLM's own ``KVCacheManager`` (the same block ids
 refusals, checked step by step by tests/vllm), keeping per request only what the scheduler reads
 back: the ``KVCacheBlock`` lists of its tables. The pages, their counts, the free list and the
 prefix-cache keys live in :class:`flat_kvcache.PageCache`. Content hashes are vLLM's own
-``request.block_hashes`` (so salts, LoRA and multimodal keys are vLLM's), as 64-digit hex.
+``request.block_hashes`` (so salts, LoRA and multimodal keys are vLLM's), handed to the engine
+as the 32-byte ``bytes`` they are (SHA-256, vLLM's default; other lengths as their SHA-256).
 
 Full-attention groups map to ``"full"`` engine groups and sliding-window groups to
 ``"sliding_window"`` ones with the same window: the engine's hybrid match is vLLM's hybrid
@@ -460,7 +461,7 @@ class FlatKVCacheManager:
         # chunk so the mamba state there is kept). The engine's match gives only the joint hit,
         # so with mamba groups the keys of those full groups are mirrored here from the engine's
         # own KV events (stored and evicted keys, counted per page).
-        self._full_mirror: dict[int, dict[str, int]] = {}
+        self._full_mirror: dict[int, dict[bytes, int]] = {}
         # Sparse prefix-cache retention (vLLM's default, 0, or an interval in tokens): vLLM keys
         # a sliding or mamba group's block only where a later request can resume (docs/vllm.md).
         self._retention: int | None = kv_cache_config.prefix_cache_retention_interval
@@ -475,7 +476,7 @@ class FlatKVCacheManager:
             }
         # Hashes of the mamba blocks cached during the current ``schedule()`` (vLLM's
         # ``MambaManager.cached_blocks_this_step``): a hit ending on one waits a step.
-        self._state_cached_this_step: set[str] = set()
+        self._state_cached_this_step: set[bytes] = set()
         # With these two options freed and reclaimed pages return to the free list where vLLM's
         # pool puts them (docs/engine-api.md, eviction_order "group").
         self.cache = PageCache(
@@ -497,8 +498,11 @@ class FlatKVCacheManager:
         self._tables: dict[str, _Tables] = {}
         # request id -> (the KVCacheBlocks get_computed_blocks returned, its PrefixMatch)
         self._pending_hits: dict[str, tuple[Any, Any]] = {}
-        # request id -> its block hashes as hex, converted once each
-        self._hex: dict[str, list[str]] = {}
+        # Whether vLLM's block hashes are 32 bytes, the engine's content hashes as they are
+        # (None until the first is seen: one hash function makes them all one length); if not,
+        # request id -> their SHA-256 digests, each converted once.
+        self._raw_hashes: bool | None = None
+        self._digests: dict[str, list[bytes]] = {}
         self._record_new_block_ids = bool(kv_cache_config.needs_kv_cache_zeroing)
         # vLLM zeroes new attention blocks only, not mamba state blocks.
         self._zeroed_groups = [
@@ -509,17 +513,20 @@ class FlatKVCacheManager:
 
     # -- hashes --------------------------------------------------------------------------------
 
-    def _hex_hashes(self, request: Any, count: int) -> list[str]:
-        """The first ``count`` of ``request.block_hashes`` as 64-digit lowercase hex."""
-        done = self._hex.get(request.request_id)
+    def _hashes(self, request: Any, count: int) -> Sequence[bytes]:
+        """``request.block_hashes`` as the engine's content hashes, at least the first ``count``
+        (the list itself when they are 32 bytes: slice it, never copy it whole)."""
         source = request.block_hashes
+        if self._raw_hashes is None and source:
+            self._raw_hashes = len(source[0]) == 32
+        if self._raw_hashes:
+            return source  # type: ignore[no-any-return]
+        done = self._digests.get(request.request_id)
         if done is None or len(done) > len(source):
-            done = self._hex[request.request_id] = []
-        if len(done) < count:
-            for raw in source[len(done) : count]:
-                data = bytes(raw)
-                done.append(data.hex() if len(data) == 32 else hashlib.sha256(data).hexdigest())
-        return done if len(done) == count else done[:count]
+            done = self._digests[request.request_id] = []
+        for raw in source[len(done) : count]:
+            done.append(hashlib.sha256(bytes(raw)).digest())
+        return done
 
     # -- stats, usage, events ------------------------------------------------------------------
 
@@ -583,12 +590,10 @@ class FlatKVCacheManager:
                 continue
             keys = held
             if kind == "BlockStored":
-                for raw in event.block_hashes:
-                    key = raw.hex()
+                for key in event.block_hashes:
                     keys[key] = keys.get(key, 0) + 1
             elif kind == "BlockRemoved":
-                for raw in event.block_hashes:
-                    key = raw.hex()
+                for key in event.block_hashes:
                     left = keys[key] - 1
                     if left:
                         keys[key] = left
@@ -597,7 +602,7 @@ class FlatKVCacheManager:
             else:
                 raise RuntimeError(f"flat_kvcache.vllm: unexpected KV event {event!r}")
 
-    def _full_hit_pages(self, hashes: Sequence[str], start: int) -> int:
+    def _full_hit_pages(self, hashes: Sequence[bytes], start: int) -> int:
         """vLLM's full-attention hit alone: the leading pages every mirrored group holds a key
         for. The first ``start`` are known to (the joint hit's pages), so the scan starts there."""
         self._sync_full_mirror()
@@ -623,7 +628,7 @@ class FlatKVCacheManager:
         count = min(max_cache_hit_length // self.block_size, len(request.block_hashes))
         if count <= 0:
             return self.empty_kv_cache_blocks, 0, 0
-        hashes = self._hex_hashes(request, count)
+        hashes = self._hashes(request, count)[:count]
         match = self.cache.match_prefix(hashes)
         hit = match.num_common_tokens
         # vLLM's shared-prefix boundary: the full-attention hit where it runs past the hit every
@@ -745,7 +750,11 @@ class FlatKVCacheManager:
                 self._reclaim(request_id, tables, max(0, computed - request.num_in_flight_tokens))
             if self.enable_caching and len(request.block_hashes) > tables.num_cached:
                 computed = min(request.num_computed_tokens, self.max_model_len)
-                self._cache_full_pages(request, tables, min(computed + num_new_tokens, request.num_tokens))
+                filled = min(computed + num_new_tokens, request.num_tokens)
+                # vLLM hashes a block once its tokens are known, a step or more before they are
+                # computed: call only when a page is full (or a store waits to be recorded).
+                if filled // self.block_size > tables.num_cached or self._store_from is not None:
+                    self._cache_full_pages(request, tables, filled)
             return self.empty_kv_cache_blocks
         if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError(
@@ -765,9 +774,8 @@ class FlatKVCacheManager:
                 )
             match = pending[1]
             held = [len(group) for group in new_computed_blocks.blocks]
-            if self._state and self._hex_hashes(request, held[self._state[0]])[-1] in (
-                self._state_cached_this_step
-            ):
+            state_hit = held[self._state[0]] if self._state else 0
+            if state_hit and self._hashes(request, state_hit)[state_hit - 1] in self._state_cached_this_step:
                 # vLLM's MambaManager: a state another request cached in this very step is not
                 # written yet, so the request waits (its count says "more than the pool").
                 return None
@@ -822,7 +830,10 @@ class FlatKVCacheManager:
             # The engine's tables hold ``slots`` tokens and room to the end of their last page;
             # asking for the difference allocates exactly cdiv(need, P) - len pages per group
             # (one, the last, in a mamba group).
-            if not cache.acquire(request_id, num_tokens_need_slot - tables.slots):
+            # The engine answers each table's new slots (the mirror's tables are as long as the
+            # engine's before the call).
+            appended = cache.acquire_pages(request_id, num_tokens_need_slot - tables.slots)
+            if appended is None:
                 raise RuntimeError("flat_kvcache.vllm: acquire failed after the free-page check")
             tables.slots = num_tokens_need_slot
             tables.capacity = _cdiv(num_tokens_need_slot, self._page) * self._page
@@ -830,10 +841,7 @@ class FlatKVCacheManager:
                 tables.live.append(tables.capacity // self._page - 1)
             pages = self._page_blocks
             grown = []
-            for g, (group_blocks, ids) in enumerate(
-                zip(tables.blocks, cache.page_ids(request_id), strict=True)
-            ):
-                new_ids = ids[len(group_blocks) :]
+            for g, (group_blocks, new_ids) in enumerate(zip(tables.blocks, appended, strict=True)):
                 if self._events is not None:
                     self._events.handed_out(new_ids)
                 fresh = [pages[p] for p in new_ids]
@@ -884,7 +892,7 @@ class FlatKVCacheManager:
             if self._store_from is not None and not within_table:
                 self._stored(request, tables, start, start)
             return
-        hashes = self._hex_hashes(request, num_full)
+        hashes = self._hashes(request, num_full)
         filled = num_full * self.block_size
         if filled > tables.slots:
             # The engine registers a table's last page only once it counts it full: hand it the
@@ -936,13 +944,17 @@ class FlatKVCacheManager:
         if not self.enable_caching:
             return
         tables = self._tables.get(request.request_id)
-        if tables is not None and len(request.block_hashes) > tables.num_cached:
+        if (
+            tables is not None
+            and len(request.block_hashes) > tables.num_cached
+            and (num_computed_tokens // self.block_size > tables.num_cached or self._store_from is not None)
+        ):
             self._cache_full_pages(request, tables, num_computed_tokens)
 
     # -- sparse prefix-cache retention ----------------------------------------------------------
 
     def _register_reachable(
-        self, request: Any, tables: _Tables, hashes: Sequence[str], start: int, num_full: int
+        self, request: Any, tables: _Tables, hashes: Sequence[bytes], start: int, num_full: int
     ) -> None:
         """vLLM's ``cache_blocks`` under sparse retention for slots ``[start, num_full)``: full
         groups key every block, sliding and mamba groups only the blocks of their
@@ -1089,7 +1101,7 @@ class FlatKVCacheManager:
         back of the free list and uncached ones to its front (vLLM's order)."""
         request_id = request.request_id
         self._pending_hits.pop(request_id, None)
-        self._hex.pop(request_id, None)
+        self._digests.pop(request_id, None)
         if self._tables.pop(request_id, None) is not None:
             self.cache.free(request_id)
 
