@@ -456,6 +456,8 @@ class FlatKVCacheManager:
                 self._admission_caps.append(None)
                 specs.append(KVCacheSpec("full", self._page, group_id=f"g{i}"))
         self._sliding = [(g, w) for g, w in enumerate(self._windows) if w is not None]
+        # No mamba groups: a running request's page crossing takes the short path.
+        self._plain = not self._state and not self._state_none
         # vLLM's hybrid lookup reports, beside the hit every group agrees on, the hit of the first
         # full-attention spec group alone (its shared-prefix boundary, where the scheduler ends a
         # chunk so the mamba state there is kept). The engine's match gives only the joint hit,
@@ -741,21 +743,25 @@ class FlatKVCacheManager:
                 or num_encoder_tokens
                 or delay_cache_blocks
             )
-            and request.num_computed_tokens + num_new_tokens + num_lookahead_tokens <= tables.capacity
         ):
-            # A running request whose last page has room (the common case, once per request per
-            # step): nothing to check and no native call, unless pages became full or slid out.
-            if tables.due < _NEVER:
-                computed = min(request.num_computed_tokens, self.max_model_len)
-                self._reclaim(request_id, tables, max(0, computed - request.num_in_flight_tokens))
-            if self.enable_caching and len(request.block_hashes) > tables.num_cached:
-                computed = min(request.num_computed_tokens, self.max_model_len)
-                filled = min(computed + num_new_tokens, request.num_tokens)
-                # vLLM hashes a block once its tokens are known, a step or more before they are
-                # computed: call only when a page is full (or a store waits to be recorded).
-                if filled // self.block_size > tables.num_cached or self._store_from is not None:
-                    self._cache_full_pages(request, tables, filled)
-            return self.empty_kv_cache_blocks
+            # A running request (once per request per step): no hit, watermark or reserve.
+            if request.num_computed_tokens + num_new_tokens + num_lookahead_tokens <= tables.capacity:
+                # Its last page has room (the common case): nothing to check and no native
+                # call, unless pages became full or slid out.
+                if tables.due < _NEVER:
+                    computed = min(request.num_computed_tokens, self.max_model_len)
+                    self._reclaim(request_id, tables, max(0, computed - request.num_in_flight_tokens))
+                if self.enable_caching and len(request.block_hashes) > tables.num_cached:
+                    computed = min(request.num_computed_tokens, self.max_model_len)
+                    filled = min(computed + num_new_tokens, request.num_tokens)
+                    # vLLM hashes a block once its tokens are known, a step or more before
+                    # they are computed: call only when a page is full (or a store waits).
+                    if filled // self.block_size > tables.num_cached or self._store_from is not None:
+                        self._cache_full_pages(request, tables, filled)
+                return self.empty_kv_cache_blocks
+            if self._plain:
+                # It crosses a page boundary (once per page per request).
+                return self._grow_running(request, tables, num_new_tokens, num_lookahead_tokens)
         if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
@@ -827,40 +833,84 @@ class FlatKVCacheManager:
                 self._key_running_state(
                     request, tables, min(total_computed_tokens + num_new_tokens, request.num_tokens)
                 )
-            # The engine's tables hold ``slots`` tokens and room to the end of their last page;
-            # asking for the difference allocates exactly cdiv(need, P) - len pages per group
-            # (one, the last, in a mamba group).
-            # The engine answers each table's new slots (the mirror's tables are as long as the
-            # engine's before the call).
-            appended = cache.acquire_pages(request_id, num_tokens_need_slot - tables.slots)
-            if appended is None:
-                raise RuntimeError("flat_kvcache.vllm: acquire failed after the free-page check")
-            tables.slots = num_tokens_need_slot
-            tables.capacity = _cdiv(num_tokens_need_slot, self._page) * self._page
-            if self._state:
-                tables.live.append(tables.capacity // self._page - 1)
-            pages = self._page_blocks
-            grown = []
-            for g, (group_blocks, new_ids) in enumerate(zip(tables.blocks, appended, strict=True)):
-                if self._events is not None:
-                    self._events.handed_out(new_ids)
-                fresh = [pages[p] for p in new_ids]
-                group_blocks.extend(fresh)
-                grown.append(fresh)
-                if self._record_new_block_ids and g in self._zeroed_groups:
-                    self._new_block_ids[g].extend(new_ids)
-            if any(grown):
-                new_blocks = tuple(grown)
+            new_blocks = self._grow(request_id, tables, num_tokens_need_slot)
         if self._sliding or self._state:
             self._set_due(tables)
 
         if not delay_cache_blocks:
-            self._cache_full_pages(
+            self._cache_filled(
                 request, tables, min(total_computed_tokens + num_new_tokens, request.num_tokens)
             )
         if new_blocks is None:
             return self.empty_kv_cache_blocks
         return KVCacheBlocks(new_blocks)
+
+    def _grow_running(
+        self, request: Any, tables: _Tables, num_new_tokens: int, num_lookahead_tokens: int
+    ) -> Any:
+        """``allocate_slots`` of a running request that crosses a page boundary, without mamba
+        groups: the general path's steps less what cannot apply (no hit, watermark, reserve or
+        admission cap), so every group needs ``cdiv(need, P) - len`` pages, holes included."""
+        request_id = request.request_id
+        computed = min(request.num_computed_tokens, self.max_model_len)
+        if tables.due < _NEVER:
+            self._reclaim(request_id, tables, max(0, computed - request.num_in_flight_tokens))
+        need = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        required = _cdiv(need, self._page)
+        needed = 0
+        for blocks in tables.blocks:
+            if required > len(blocks):
+                needed += required - len(blocks)
+        if needed > self.cache.num_free_pages:
+            return None
+        new_blocks = self._grow(request_id, tables, need) if need > tables.capacity else None
+        if self._sliding:
+            self._set_due(tables)
+        self._cache_filled(request, tables, min(computed + num_new_tokens, request.num_tokens))
+        if new_blocks is None:
+            return self.empty_kv_cache_blocks
+        return KVCacheBlocks(new_blocks)
+
+    def _grow(self, request_id: str, tables: _Tables, need: int) -> tuple[list[Any], ...] | None:
+        """Take the request's tables to ``need`` tokens (more than they hold): the engine
+        allocates ``cdiv(need, P) - len`` pages per group (one, the last, in a mamba group) and
+        answers each table's new slots (the mirror's tables are as long as the engine's before
+        the call). The new blocks per group, or None if none has any."""
+        capacity = _cdiv(need, self._page) * self._page
+        # The engine is told the whole last page at once (the same pages), so the tokens that
+        # fill it later need no acquire before they are registered; never past max_model_len
+        # (a mamba "none" group's one page holds that many).
+        target = min(capacity, self.max_model_len)
+        appended = self.cache.acquire_pages(request_id, target - tables.slots)
+        if appended is None:
+            raise RuntimeError("flat_kvcache.vllm: acquire failed after the free-page check")
+        tables.slots = target
+        tables.capacity = capacity
+        if self._state:
+            tables.live.append(capacity // self._page - 1)
+        pages = self._page_blocks
+        events = self._events
+        grown = []
+        for g, (group_blocks, new_ids) in enumerate(zip(tables.blocks, appended, strict=True)):
+            if events is not None:
+                events.handed_out(new_ids)
+            fresh = [pages[p] for p in new_ids]
+            group_blocks.extend(fresh)
+            grown.append(fresh)
+            if self._record_new_block_ids and g in self._zeroed_groups:
+                self._new_block_ids[g].extend(new_ids)
+        return tuple(grown) if any(grown) else None
+
+    def _cache_filled(self, request: Any, tables: _Tables, num_tokens: int) -> None:
+        """:meth:`_cache_full_pages` at ``num_tokens``, called only when it has something to do:
+        a page made full that has a hash, or a store to record."""
+        if not self.enable_caching:
+            return
+        if self._store_from is not None or (
+            len(request.block_hashes) > tables.num_cached
+            and num_tokens // self.block_size > tables.num_cached
+        ):
+            self._cache_full_pages(request, tables, num_tokens)
 
     def _key_running_state(self, request: Any, tables: _Tables, num_tokens: int) -> None:
         """Before a mamba table grows past its last page: register the pages already there that
