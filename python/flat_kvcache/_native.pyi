@@ -248,6 +248,8 @@ def plan_arena(
 _Tokens = Sequence[SupportsIndex] | npt.NDArray[np.integer[Any]]
 _Counts = Sequence[SupportsIndex] | npt.NDArray[np.integer[Any]]
 _RequestId = str | int
+# A content hash: 64 lowercase hex digits, or its 32 raw bytes (the same hash).
+_ContentHash = str | bytes
 #: The orders in which a request's pages go back to the free list.
 _EvictionOrder = Literal["hybrid", "group"]
 #: When pages are copied to the host tier.
@@ -928,8 +930,9 @@ class PageCache(_PagedCacheBase):
         releases it (vLLM's mamba tables in mode "align"; docs/engine-api.md).
         """
 
-    def match_prefix(self, content_hashes: Sequence[str]) -> PrefixMatch:
-        """The hybrid prefix match of base-page content hashes (64-char lowercase hex); read-only.
+    def match_prefix(self, content_hashes: Sequence[_ContentHash]) -> PrefixMatch:
+        """The hybrid prefix match of base-page content hashes (64-char lowercase hex, or the
+        hash's 32 raw bytes); read-only.
 
         Releases the GIL while matching. Raises ``TypeError`` / ``ValueError`` naming a
         malformed hash.
@@ -948,10 +951,20 @@ class PageCache(_PagedCacheBase):
         Check-then-act: False (and no change) when the pool has too few free pages.
         """
 
+    def acquire_pages(self, req: _RequestId, num_tokens: int) -> list[list[int]] | None:
+        """``acquire``, answering what it appended: per group, the page ids (holes 0) of the
+        slots past the table's length before the call (``[]`` where it did not grow), as
+        ``page_ids`` shows them; None (and no change) when the pool has too few free pages.
+
+        A caller that mirrors the tables reads only the new slots instead of every table. A
+        state group's working page that moves to the new last slot leaves a hole in its old
+        slot, which is not repeated here.
+        """
+
     def register(
         self,
         req: _RequestId,
-        content_hashes: Sequence[str],
+        content_hashes: Sequence[_ContentHash],
         *,
         first_slot: int = 0,
         end_tokens: int | None = None,
@@ -960,9 +973,10 @@ class PageCache(_PagedCacheBase):
         """Register base-page hashes in every group (a no-op with caching off), or only in the
         groups ``groups`` lists (indices, each once).
 
-        ``content_hashes[j]`` is base page ``first_slot + j``; state groups register only the
-        last key, when the range ends at ``end_tokens`` on their page boundary. Raises
-        ``UnknownRequestError`` for an unknown ``req``.
+        ``content_hashes[j]`` is base page ``first_slot + j`` (64-char lowercase hex, or the
+        hash's 32 raw bytes); state groups register only the last key, when the range ends at
+        ``end_tokens`` on their page boundary. Raises ``UnknownRequestError`` for an unknown
+        ``req``.
         """
 
     def reclaim(self, req: _RequestId, num_computed_tokens: int) -> None:
@@ -996,7 +1010,11 @@ class PageCache(_PagedCacheBase):
         """
 
     def prefill_chunk(
-        self, req: _RequestId, content_hashes: Sequence[str], num_tokens: int, num_computed_tokens: int
+        self,
+        req: _RequestId,
+        content_hashes: Sequence[_ContentHash],
+        num_tokens: int,
+        num_computed_tokens: int,
     ) -> bool:
         """A later prefill chunk: register, reclaim, then acquire ``num_tokens``.
 
@@ -1007,7 +1025,7 @@ class PageCache(_PagedCacheBase):
     def decode_step(
         self,
         req: _RequestId,
-        content_hashes: Sequence[str],
+        content_hashes: Sequence[_ContentHash],
         first_page_slot: int,
         num_tokens: int,
         num_computed_tokens: int,

@@ -171,6 +171,38 @@ class EngineMachine(RuleBasedStateMachine):
             req.hashes.extend(new)
         return req.hashes
 
+    @staticmethod
+    def spelled(hashes: list[str], data: st.DataObject) -> list[str | bytes]:
+        """``hashes`` as a caller may pass them: 64-digit hex, their 32 raw bytes (vLLM's block
+        hashes), or each either way; every call must treat the spellings as one hash."""
+        form = data.draw(st.sampled_from(["hex", "hex", "bytes", "mixed"]))
+        if form == "hex":
+            return list(hashes)
+        if form == "bytes":
+            return [bytes.fromhex(h) for h in hashes]
+        return [bytes.fromhex(h) if data.draw(st.booleans()) else h for h in hashes]
+
+    def acquire_either(self, rid: str | int, num: int, data: st.DataObject) -> bool:
+        """``acquire`` or ``acquire_pages`` on both sides (the same outcome); for the latter, the
+        reference's answer must be the new slots of its ``page_ids``. Whether it allocated."""
+        if data.draw(st.booleans()):
+            outcome = self.both(f"acquire({rid!r}, {num})", lambda c, side: c.acquire(rid, num))
+            return outcome.ok and outcome.value is True
+        before = self.reference.page_ids(rid) if self.reference.has_request(rid) else None
+        outcome = self.both(f"acquire_pages({rid!r}, {num})", lambda c, side: c.acquire_pages(rid, num))
+        if not outcome.ok:
+            return False
+        after = self.reference.page_ids(rid)
+        if before is None:
+            before = [[] for _ in after]
+        new = outcome.raw
+        event(f"acquire_pages: {'refused' if new is None else 'grew' if any(new) else 'no new slot'}")
+        if new is None:
+            assert after == before, f"acquire_pages({rid!r}, {num}) refused but changed {before} to {after}"
+            return False
+        assert new == [ids[len(old) :] for ids, old in zip(after, before, strict=True)], (before, after, new)
+        return True
+
     def grow(self, req: Request, upto: int, data: st.DataObject) -> None:
         """Make sure the request knows at least ``upto`` tokens (generated tokens are random)."""
         missing = upto - len(req.tokens)
@@ -278,7 +310,7 @@ class EngineMachine(RuleBasedStateMachine):
         """match_prefix on a document prefix; keep the match to claim later (it may go stale)."""
         doc = data.draw(st.integers(0, len(self.docs) - 1))
         count = data.draw(st.integers(0, len(self.doc_hashes[doc])))
-        hashes = self.doc_hashes[doc][:count]
+        hashes = self.spelled(self.doc_hashes[doc][:count], data)
         subject = run(lambda: self.subject.match_prefix(hashes))
         reference = run(lambda: self.reference.match_prefix(hashes))
         agree(f"match_prefix({count} hashes of doc {doc})", subject, reference)
@@ -310,7 +342,7 @@ class EngineMachine(RuleBasedStateMachine):
             subject_match, reference_match, doc, end = data.draw(st.sampled_from(self.saved))
             req = Request(rid, list(self.docs[doc][: max(end, length)]), 0)
         else:
-            wanted = hashes[:cap] if use != "empty" else []
+            wanted = self.spelled(hashes[:cap], data) if use != "empty" else []
             subject_match = self.subject.match_prefix(wanted)
             reference_match = self.reference.match_prefix(wanted)
             agree("match_prefix", run(lambda: subject_match), run(lambda: reference_match))
@@ -339,7 +371,8 @@ class EngineMachine(RuleBasedStateMachine):
         else:
             outcome = self.both(f"claim({rid!r})", lambda c, side: c.claim(rid, matches[side]))
             if outcome.ok:
-                outcome = self.both(f"acquire({rid!r}, {chunk})", lambda c, side: c.acquire(rid, chunk))
+                allocated = self.acquire_either(rid, chunk, data)
+                outcome = Outcome(None, allocated, allocated)
         event(f"start: {'hit' if common else 'no hit'}, {outcome.raised or outcome.value}")
         if self.reference.has_request(rid):
             req.allocated = common + (chunk if outcome.ok and outcome.value is True else 0)
@@ -355,7 +388,7 @@ class EngineMachine(RuleBasedStateMachine):
         computed = data.draw(st.sampled_from([req.allocated, data.draw(st.integers(0, req.allocated))]))
         num = data.draw(self.token_counts())
         self.grow(req, computed + num, data)
-        hashes = list(self.hashes_of(req))
+        hashes = self.spelled(self.hashes_of(req), data)
         rid = req.rid
         if data.draw(st.booleans()):
             outcome = self.both(
@@ -395,8 +428,7 @@ class EngineMachine(RuleBasedStateMachine):
         if req is None:
             return
         num = data.draw(self.token_counts())
-        outcome = self.both(f"acquire({req.rid!r}, {num})", lambda c, side: c.acquire(req.rid, num))
-        if outcome.ok and outcome.value is True:
+        if self.acquire_either(req.rid, num, data):
             req.allocated += num
         self.grow(req, req.allocated, data)
 
@@ -416,7 +448,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.grow(req, pages * self.base, data)
         first = data.draw(st.integers(0, pages))
         count = data.draw(st.integers(0, pages - first))
-        hashes = self.hashes_of(req)[first : first + count]
+        hashes = self.spelled(self.hashes_of(req)[first : first + count], data)
         end = data.draw(
             st.sampled_from([None, (first + count) * self.base, data.draw(st.integers(0, req.allocated))])
         )

@@ -663,7 +663,7 @@ _BATCHES: dict[str, tuple[Any, str, str]] = {
         "ints or a 1-D integer array",
     ),
     "ack_transfers.ids": (lambda c, v: c.ack_transfers(v), "ids", "ints or a 1-D integer array"),
-    "match_prefix.content_hashes": (lambda c, v: c.match_prefix(v), "content_hashes", "str"),
+    "match_prefix.content_hashes": (lambda c, v: c.match_prefix(v), "content_hashes", "str or bytes"),
     "PageCache.block_tables.reqs": (lambda c, v: c.block_tables(v), "reqs", "request ids"),
     "add_request.extra_keys": (lambda c, v: c.add_request("n", [1], extra_keys=v), "extra_keys", "str"),
 }

@@ -216,8 +216,38 @@ def id_bads(unknown: bool = True, *, optional: bool = False) -> tuple[Bad, ...]:
 
 def hashes_bads() -> tuple[Bad, ...]:
     return (
-        Bad("'x'", _const("x"), FORM, TypeError, "content_hashes must be a sequence of str, got str"),
-        Bad("[1]", _const([1]), FORM, TypeError, "content_hashes[0] must be a str, got int"),
+        Bad(
+            "'x'", _const("x"), FORM, TypeError, "content_hashes must be a sequence of str or bytes, got str"
+        ),
+        Bad(
+            "raw",
+            _const(b"\x00" * 32),
+            FORM,
+            TypeError,
+            "content_hashes must be a sequence of str or bytes, got bytes",
+        ),
+        Bad("[1]", _const([1]), FORM, TypeError, "content_hashes[0] must be a str or bytes, got int"),
+        Bad(
+            "[bytearray]",
+            _const([bytearray(32)]),
+            FORM,
+            TypeError,
+            "content_hashes[0] must be a str or bytes, got bytearray",
+        ),
+        Bad(
+            "[31 bytes]",
+            _const([b"\x00" * 31]),
+            FORM,
+            ValueError,
+            "content_hashes[0] must be 32 bytes (a raw content hash), got 31 bytes",
+        ),
+        Bad(
+            "[64 bytes]",
+            _const([b"a" * 64]),
+            FORM,
+            ValueError,
+            "content_hashes[0] must be 32 bytes (a raw content hash), got 64 bytes",
+        ),
         Bad(
             "[upper]",
             _const(["A" * 64]),
@@ -542,6 +572,12 @@ METHODS: tuple[Method, ...] = (
     ),
     method(
         "acquire",
+        Param("req", _const(PAGE_LEVEL), id_bads(unknown=False)),
+        Param("num_tokens", _const(1), count_bads("num_tokens")),
+        page_level=True,
+    ),
+    method(
+        "acquire_pages",
         Param("req", _const(PAGE_LEVEL), id_bads(unknown=False)),
         Param("num_tokens", _const(1), count_bads("num_tokens")),
         page_level=True,
@@ -965,8 +1001,9 @@ def test_the_sweep_covers_every_call_of_two_or_more_arguments() -> None:
     wanted = {
         "add_request", "admit", "schedule", "append_tokens", "reserve", "next_chunk", "pages_needed",
         "block_tables", "prefix_hit_tokens", "pages_needed_to_admit", "bind_rows",
-        "claim", "acquire", "register", "reclaim", "pages_reclaimable", "prefill_first_chunk",
-        "prefill_chunk", "decode_step", "PageCache.pages_needed", "PageCache.block_tables",
+        "claim", "acquire", "acquire_pages", "register", "reclaim", "pages_reclaimable",
+        "prefill_first_chunk", "prefill_chunk", "decode_step", "PageCache.pages_needed",
+        "PageCache.block_tables",
         "FlatKVCache", "PageCache", "hash_page", "hash_pages", "group_key", "fold_hashes",
         "BlockPool", "BlockPool.cache", "PrefixMatch", "arena.next_chunk", "state_slots",
     }  # fmt: skip

@@ -350,6 +350,29 @@ def test_same_steps_as_vllm(model_dir: Path, case: str) -> None:
         assert covered["preemptions"] > 0, covered
 
 
+def test_block_hashes_of_another_length_same_steps(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's 32-byte block hashes reach the engine as they are; a hash function of another
+    length (16 bytes here) has each hash's SHA-256 digest taken once instead: the same steps."""
+    import flat_kvcache.vllm.harness as harness
+
+    sha256 = vars(harness)["sha256"]  # vLLM's, as the harness hashes blocks with it
+    monkeypatch.setattr(harness, "sha256", lambda value: sha256(value)[:16])
+    setup = SchedulerSetup(model_dir=model_dir, num_blocks=300, max_num_seqs=32, max_num_batched_tokens=512)
+    managers: list[Any] = []
+    build = harness.build_scheduler
+
+    def keep(cls: type, setup: SchedulerSetup) -> Any:
+        scheduler = build(cls, setup)
+        managers.append(scheduler.kv_cache_manager)
+        return scheduler
+
+    monkeypatch.setitem(globals(), "build_scheduler", keep)
+    covered = run_lockstep(setup, 300, seed=7)
+    assert covered["hit_tokens"] > 0 and covered["preemptions"] > 0, covered
+    ours = [m for m in managers if isinstance(m, FlatKVCacheManager)]
+    assert len(ours) == 1 and ours[0]._raw_hashes is False
+
+
 def test_few_thousand_requests(model_dir: Path) -> None:
     setup = SchedulerSetup(model_dir=model_dir, num_blocks=700, max_num_seqs=64, max_num_batched_tokens=1024)
     covered = run_lockstep(setup, 4000, seed=11)

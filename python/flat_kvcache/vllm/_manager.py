@@ -6,7 +6,8 @@ calls with the same results as vLLM's own ``KVCacheManager`` (the same block ids
 refusals, checked step by step by tests/vllm), keeping per request only what the scheduler reads
 back: the ``KVCacheBlock`` lists of its tables. The pages, their counts, the free list and the
 prefix-cache keys live in :class:`flat_kvcache.PageCache`. Content hashes are vLLM's own
-``request.block_hashes`` (so salts, LoRA and multimodal keys are vLLM's), as 64-digit hex.
+``request.block_hashes`` (so salts, LoRA and multimodal keys are vLLM's), handed to the engine
+as the 32-byte ``bytes`` they are (SHA-256, vLLM's default; other lengths as their SHA-256).
 
 Full-attention groups map to ``"full"`` engine groups and sliding-window groups to
 ``"sliding_window"`` ones with the same window: the engine's hybrid match is vLLM's hybrid
@@ -520,12 +521,14 @@ class FlatKVCacheManager:
                 self._admission_caps.append(None)
                 specs.append(KVCacheSpec("full", self._page, group_id=f"g{i}"))
         self._sliding = [(g, w) for g, w in enumerate(self._windows) if w is not None]
+        # No mamba groups: a running request's page crossing takes the short path.
+        self._plain = not self._state and not self._state_none
         # vLLM's hybrid lookup reports, beside the hit every group agrees on, the hit of the first
         # full-attention spec group alone (its shared-prefix boundary, where the scheduler ends a
         # chunk so the mamba state there is kept). The engine's match gives only the joint hit,
         # so with mamba groups the keys of those full groups are mirrored here from the engine's
         # own KV events (stored and evicted keys, counted per page).
-        self._full_mirror: dict[int, dict[str, int]] = {}
+        self._full_mirror: dict[int, dict[bytes, int]] = {}
         # Sparse prefix-cache retention (vLLM's default, 0, or an interval in tokens): vLLM keys
         # a sliding or mamba group's block only where a later request can resume (docs/vllm.md).
         self._retention: int | None = kv_cache_config.prefix_cache_retention_interval
@@ -557,7 +560,7 @@ class FlatKVCacheManager:
             }
         # Hashes of the mamba blocks cached during the current ``schedule()`` (vLLM's
         # ``MambaManager.cached_blocks_this_step``): a hit ending on one waits a step.
-        self._state_cached_this_step: set[str] = set()
+        self._state_cached_this_step: set[bytes] = set()
         # With these two options freed and reclaimed pages return to the free list where vLLM's
         # pool puts them (docs/engine-api.md, eviction_order "group").
         self.cache = PageCache(
@@ -579,8 +582,11 @@ class FlatKVCacheManager:
         self._tables: dict[str, _Tables] = {}
         # request id -> (the KVCacheBlocks get_computed_blocks returned, its PrefixMatch)
         self._pending_hits: dict[str, tuple[Any, Any]] = {}
-        # request id -> its block hashes as hex, converted once each
-        self._hex: dict[str, list[str]] = {}
+        # Whether vLLM's block hashes are 32 bytes, the engine's content hashes as they are
+        # (None until the first is seen: one hash function makes them all one length); if not,
+        # request id -> their SHA-256 digests, each converted once.
+        self._raw_hashes: bool | None = None
+        self._digests: dict[str, list[bytes]] = {}
         self._record_new_block_ids = bool(kv_cache_config.needs_kv_cache_zeroing)
         # vLLM zeroes new attention blocks only, not mamba state blocks.
         self._zeroed_groups = [
@@ -591,17 +597,20 @@ class FlatKVCacheManager:
 
     # -- hashes --------------------------------------------------------------------------------
 
-    def _hex_hashes(self, request: Any, count: int) -> list[str]:
-        """The first ``count`` of ``request.block_hashes`` as 64-digit lowercase hex."""
-        done = self._hex.get(request.request_id)
+    def _hashes(self, request: Any, count: int) -> Sequence[bytes]:
+        """``request.block_hashes`` as the engine's content hashes, at least the first ``count``
+        (the list itself when they are 32 bytes: slice it, never copy it whole)."""
         source = request.block_hashes
+        if self._raw_hashes is None and source:
+            self._raw_hashes = len(source[0]) == 32
+        if self._raw_hashes:
+            return source  # type: ignore[no-any-return]
+        done = self._digests.get(request.request_id)
         if done is None or len(done) > len(source):
-            done = self._hex[request.request_id] = []
-        if len(done) < count:
-            for raw in source[len(done) : count]:
-                data = bytes(raw)
-                done.append(data.hex() if len(data) == 32 else hashlib.sha256(data).hexdigest())
-        return done if len(done) == count else done[:count]
+            done = self._digests[request.request_id] = []
+        for raw in source[len(done) : count]:
+            done.append(hashlib.sha256(bytes(raw)).digest())
+        return done
 
     # -- stats, usage, events ------------------------------------------------------------------
 
@@ -665,12 +674,10 @@ class FlatKVCacheManager:
                 continue
             keys = held
             if kind == "BlockStored":
-                for raw in event.block_hashes:
-                    key = raw.hex()
+                for key in event.block_hashes:
                     keys[key] = keys.get(key, 0) + 1
             elif kind == "BlockRemoved":
-                for raw in event.block_hashes:
-                    key = raw.hex()
+                for key in event.block_hashes:
                     left = keys[key] - 1
                     if left:
                         keys[key] = left
@@ -679,7 +686,7 @@ class FlatKVCacheManager:
             else:
                 raise RuntimeError(f"flat_kvcache.vllm: unexpected KV event {event!r}")
 
-    def _full_hit_pages(self, hashes: Sequence[str], start: int) -> int:
+    def _full_hit_pages(self, hashes: Sequence[bytes], start: int) -> int:
         """vLLM's full-attention hit alone: the leading pages every mirrored group holds a key
         for. The first ``start`` are known to (the joint hit's pages), so the scan starts there."""
         self._sync_full_mirror()
@@ -705,7 +712,7 @@ class FlatKVCacheManager:
         count = min(max_cache_hit_length // self.block_size, len(request.block_hashes))
         if count <= 0:
             return self.empty_kv_cache_blocks, 0, 0
-        hashes = self._hex_hashes(request, count)
+        hashes = self._hashes(request, count)[:count]
         match = self.cache.match_prefix(hashes)
         hit = match.num_common_tokens
         # vLLM's shared-prefix boundary: the full-attention hit where it runs past the hit every
@@ -876,17 +883,25 @@ class FlatKVCacheManager:
                 or num_encoder_tokens
                 or delay_cache_blocks
             )
-            and request.num_computed_tokens + num_new_tokens + num_lookahead_tokens <= tables.capacity
         ):
-            # A running request whose last page has room (the common case, once per request per
-            # step): nothing to check and no native call, unless pages became full or slid out.
-            if tables.due < _NEVER:
-                computed = min(request.num_computed_tokens, self.max_model_len)
-                self._reclaim(request_id, tables, max(0, computed - request.num_in_flight_tokens))
-            if self.enable_caching and len(request.block_hashes) > tables.num_cached:
-                computed = min(request.num_computed_tokens, self.max_model_len)
-                self._cache_full_pages(request, tables, min(computed + num_new_tokens, request.num_tokens))
-            return self.empty_kv_cache_blocks
+            # A running request (once per request per step): no hit, watermark or reserve.
+            if request.num_computed_tokens + num_new_tokens + num_lookahead_tokens <= tables.capacity:
+                # Its last page has room (the common case): nothing to check and no native
+                # call, unless pages became full or slid out.
+                if tables.due < _NEVER:
+                    computed = min(request.num_computed_tokens, self.max_model_len)
+                    self._reclaim(request_id, tables, max(0, computed - request.num_in_flight_tokens))
+                if self.enable_caching and len(request.block_hashes) > tables.num_cached:
+                    computed = min(request.num_computed_tokens, self.max_model_len)
+                    filled = min(computed + num_new_tokens, request.num_tokens)
+                    # vLLM hashes a block once its tokens are known, a step or more before
+                    # they are computed: call only when a page is full (or a store waits).
+                    if filled // self.block_size > tables.num_cached or self._store_from is not None:
+                        self._cache_full_pages(request, tables, filled)
+                return self.empty_kv_cache_blocks
+            if self._plain:
+                # It crosses a page boundary (once per page per request).
+                return self._grow_running(request, tables, num_new_tokens, num_lookahead_tokens)
         if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
@@ -905,9 +920,8 @@ class FlatKVCacheManager:
                 )
             match = pending[1]
             held = [len(group) for group in new_computed_blocks.blocks]
-            if self._state and self._hex_hashes(request, held[self._state[0]])[-1] in (
-                self._state_cached_this_step
-            ):
+            state_hit = held[self._state[0]] if self._state else 0
+            if state_hit and self._hashes(request, state_hit)[state_hit - 1] in self._state_cached_this_step:
                 # vLLM's MambaManager: a state another request cached in this very step is not
                 # written yet, so the request waits (its count says "more than the pool").
                 return None
@@ -959,40 +973,84 @@ class FlatKVCacheManager:
                 self._key_running_state(
                     request, tables, min(total_computed_tokens + num_new_tokens, request.num_tokens)
                 )
-            # The engine's tables hold ``slots`` tokens and room to the end of their last page;
-            # asking for the difference allocates exactly cdiv(need, P) - len pages per group
-            # (one, the last, in a mamba group).
-            if not cache.acquire(request_id, num_tokens_need_slot - tables.slots):
-                raise RuntimeError("flat_kvcache.vllm: acquire failed after the free-page check")
-            tables.slots = num_tokens_need_slot
-            tables.capacity = _cdiv(num_tokens_need_slot, self._page) * self._page
-            if self._state:
-                tables.live.append(tables.capacity // self._page - 1)
-            pages = self._page_blocks
-            grown = []
-            for g, (group_blocks, ids) in enumerate(
-                zip(tables.blocks, cache.page_ids(request_id), strict=True)
-            ):
-                new_ids = ids[len(group_blocks) :]
-                if self._events is not None:
-                    self._events.handed_out(new_ids)
-                fresh = [pages[p] for p in new_ids]
-                group_blocks.extend(fresh)
-                grown.append(fresh)
-                if self._record_new_block_ids and g in self._zeroed_groups:
-                    self._new_block_ids[g].extend(new_ids)
-            if any(grown):
-                new_blocks = tuple(grown)
+            new_blocks = self._grow(request_id, tables, num_tokens_need_slot)
         if self._sliding or self._state:
             self._set_due(tables)
 
         if not delay_cache_blocks:
-            self._cache_full_pages(
+            self._cache_filled(
                 request, tables, min(total_computed_tokens + num_new_tokens, request.num_tokens)
             )
         if new_blocks is None:
             return self.empty_kv_cache_blocks
         return KVCacheBlocks(new_blocks)
+
+    def _grow_running(
+        self, request: Any, tables: _Tables, num_new_tokens: int, num_lookahead_tokens: int
+    ) -> Any:
+        """``allocate_slots`` of a running request that crosses a page boundary, without mamba
+        groups: the general path's steps less what cannot apply (no hit, watermark, reserve or
+        admission cap), so every group needs ``cdiv(need, P) - len`` pages, holes included."""
+        request_id = request.request_id
+        computed = min(request.num_computed_tokens, self.max_model_len)
+        if tables.due < _NEVER:
+            self._reclaim(request_id, tables, max(0, computed - request.num_in_flight_tokens))
+        need = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        required = _cdiv(need, self._page)
+        needed = 0
+        for blocks in tables.blocks:
+            if required > len(blocks):
+                needed += required - len(blocks)
+        if needed > self.cache.num_free_pages:
+            return None
+        new_blocks = self._grow(request_id, tables, need) if need > tables.capacity else None
+        if self._sliding:
+            self._set_due(tables)
+        self._cache_filled(request, tables, min(computed + num_new_tokens, request.num_tokens))
+        if new_blocks is None:
+            return self.empty_kv_cache_blocks
+        return KVCacheBlocks(new_blocks)
+
+    def _grow(self, request_id: str, tables: _Tables, need: int) -> tuple[list[Any], ...] | None:
+        """Take the request's tables to ``need`` tokens (more than they hold): the engine
+        allocates ``cdiv(need, P) - len`` pages per group (one, the last, in a mamba group) and
+        answers each table's new slots (the mirror's tables are as long as the engine's before
+        the call). The new blocks per group, or None if none has any."""
+        capacity = _cdiv(need, self._page) * self._page
+        # The engine is told the whole last page at once (the same pages), so the tokens that
+        # fill it later need no acquire before they are registered; never past max_model_len
+        # (a mamba "none" group's one page holds that many).
+        target = min(capacity, self.max_model_len)
+        appended = self.cache.acquire_pages(request_id, target - tables.slots)
+        if appended is None:
+            raise RuntimeError("flat_kvcache.vllm: acquire failed after the free-page check")
+        tables.slots = target
+        tables.capacity = capacity
+        if self._state:
+            tables.live.append(capacity // self._page - 1)
+        pages = self._page_blocks
+        events = self._events
+        grown = []
+        for g, (group_blocks, new_ids) in enumerate(zip(tables.blocks, appended, strict=True)):
+            if events is not None:
+                events.handed_out(new_ids)
+            fresh = [pages[p] for p in new_ids]
+            group_blocks.extend(fresh)
+            grown.append(fresh)
+            if self._record_new_block_ids and g in self._zeroed_groups:
+                self._new_block_ids[g].extend(new_ids)
+        return tuple(grown) if any(grown) else None
+
+    def _cache_filled(self, request: Any, tables: _Tables, num_tokens: int) -> None:
+        """:meth:`_cache_full_pages` at ``num_tokens``, called only when it has something to do:
+        a page made full that has a hash, or a store to record."""
+        if not self.enable_caching:
+            return
+        if self._store_from is not None or (
+            len(request.block_hashes) > tables.num_cached
+            and num_tokens // self.block_size > tables.num_cached
+        ):
+            self._cache_full_pages(request, tables, num_tokens)
 
     def _key_running_state(self, request: Any, tables: _Tables, num_tokens: int) -> None:
         """Before a mamba table grows past its last page: register the pages already there that
@@ -1024,7 +1082,7 @@ class FlatKVCacheManager:
             if self._store_from is not None and not within_table:
                 self._stored(request, tables, start, start)
             return
-        hashes = self._hex_hashes(request, num_full)
+        hashes = self._hashes(request, num_full)
         filled = num_full * self.block_size
         if filled > tables.slots:
             # The engine registers a table's last page only once it counts it full: hand it the
@@ -1076,13 +1134,17 @@ class FlatKVCacheManager:
         if not self.enable_caching:
             return
         tables = self._tables.get(request.request_id)
-        if tables is not None and len(request.block_hashes) > tables.num_cached:
+        if (
+            tables is not None
+            and len(request.block_hashes) > tables.num_cached
+            and (num_computed_tokens // self.block_size > tables.num_cached or self._store_from is not None)
+        ):
             self._cache_full_pages(request, tables, num_computed_tokens)
 
     # -- sparse prefix-cache retention ----------------------------------------------------------
 
     def _register_reachable(
-        self, request: Any, tables: _Tables, hashes: Sequence[str], start: int, num_full: int
+        self, request: Any, tables: _Tables, hashes: Sequence[bytes], start: int, num_full: int
     ) -> None:
         """vLLM's ``cache_blocks`` under sparse retention for slots ``[start, num_full)``: full
         groups key every block, sliding and mamba groups only the blocks of their
@@ -1121,7 +1183,7 @@ class FlatKVCacheManager:
                 if start <= slot < num_full and (mask is None or mask[slot - start]):
                     self._key_state(request_id, tables, hashes, slot)
 
-    def _key_state(self, request_id: str, tables: _Tables, hashes: Sequence[str], slot: int) -> None:
+    def _key_state(self, request_id: str, tables: _Tables, hashes: Sequence[bytes], slot: int) -> None:
         self.cache.register(
             request_id,
             hashes[slot : slot + 1],
@@ -1133,7 +1195,7 @@ class FlatKVCacheManager:
         self._state_cached_this_step.add(hashes[slot])
 
     def _register_reuse(
-        self, request: Any, tables: _Tables, hashes: Sequence[str], start: int, num_full: int
+        self, request: Any, tables: _Tables, hashes: Sequence[bytes], start: int, num_full: int
     ) -> None:
         """The mamba states of slots ``[start, num_full)`` the reuse policy keeps
         (:meth:`_reuse_keeps`), keyed; then the scheduler's next chunk stop moved to the next
@@ -1144,7 +1206,7 @@ class FlatKVCacheManager:
             if start <= slot < num_full and self._reuse_keeps(request, placement, slot):
                 self._key_state(request.request_id, tables, hashes, slot)
                 if (slot + 1) * self._page >= request.num_prompt_tokens:
-                    self._evidence.kept_decode(tables.blocks[first][slot].block_id, hashes[slot])
+                    self._evidence.kept_decode(tables.blocks[first][slot].block_id, bytes(hashes[slot]).hex())
         reached = num_full * self._page
         following = next((p for p in placement.points if p > reached), 0)
         if following:
@@ -1189,7 +1251,7 @@ class FlatKVCacheManager:
         if self._reuse and tables.live:
             slot = tables.live[-1]
             page = tables.blocks[self._state[0]][slot].block_id
-            self._evidence.note_hit(page, self._hex_hashes(request, slot + 1)[slot])
+            self._evidence.note_hit(page, bytes(self._hashes(request, slot + 1)[slot]).hex())
 
     def _estimate_sparse(self, tables: _Tables) -> int:
         """vLLM's ``estimate_cached_tokens`` (the least over groups of the largest token count a
@@ -1261,7 +1323,7 @@ class FlatKVCacheManager:
         back of the free list and uncached ones to its front (vLLM's order)."""
         request_id = request.request_id
         self._pending_hits.pop(request_id, None)
-        self._hex.pop(request_id, None)
+        self._digests.pop(request_id, None)
         self._placements.pop(request_id, None)
         if self._tables.pop(request_id, None) is not None:
             self.cache.free(request_id)

@@ -14,7 +14,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyInt, PyList, PyString, PyTuple, PyType};
+use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple, PyType};
 
 use crate::convert::{
     batch_iter, clip, cpu_tensor_numpy, is_masked, masked_error, non_negative, signed, type_name, IntArg,
@@ -486,12 +486,22 @@ impl<'a, 'py> FromPyObject<'a, 'py> for ExtraKeys<'py> {
     }
 }
 
-/// One 64-digit lowercase hex content hash at `name[index]`.
+/// One content hash at `name[index]`: 64-digit lowercase hex text, or its 32 raw bytes (a
+/// `bytes`, as vLLM's block hashes are: no hex to build and parse again).
 #[inline]
 fn content_hash(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<ContentHash> {
     let Ok(text) = item.cast::<PyString>() else {
+        if let Ok(raw) = item.cast::<PyBytes>() {
+            let data = raw.as_bytes();
+            return ContentHash::try_from(data).map_err(|_| {
+                PyValueError::new_err(format!(
+                    "{name}[{index}] must be 32 bytes (a raw content hash), got {} bytes",
+                    data.len()
+                ))
+            });
+        }
         return Err(PyTypeError::new_err(format!(
-            "{name}[{index}] must be a str, got {}",
+            "{name}[{index}] must be a str or bytes, got {}",
             type_name(item)
         )));
     };
@@ -506,8 +516,9 @@ fn content_hash(item: &Bound<'_, PyAny>, name: &str, index: usize) -> PyResult<C
     )))
 }
 
-/// Content hashes: a sequence of 64-character lowercase hex strings, as raw bytes (uppercase
-/// is refused: folding hashes the text, so two spellings of one hash would fold differently).
+/// Content hashes: a sequence of 64-character lowercase hex strings or 32-byte `bytes` (the
+/// same hash either way), as raw bytes (uppercase is refused: folding hashes the text, so two
+/// spellings of one hash would fold differently).
 pub fn content_hashes(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<ContentHash>> {
     if let Ok(list) = obj.cast::<PyList>() {
         let mut out = Vec::with_capacity(list.len());
@@ -523,7 +534,7 @@ pub fn content_hashes(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<Conten
             .map(|(i, h)| content_hash(&h, name, i))
             .collect();
     }
-    batch_iter(obj, name, "str")?
+    batch_iter(obj, name, "str or bytes")?
         .enumerate()
         .map(|(i, h)| content_hash(&h?, name, i))
         .collect()

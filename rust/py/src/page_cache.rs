@@ -111,6 +111,23 @@ impl PyPageCache {
         core(result)
     }
 
+    /// `acquire`, answering what it appended: per group, the page ids (holes 0) of the slots
+    /// past the table's length before the call (`[]` where the table did not grow), as
+    /// `page_ids` shows them; None (and no change) when the pool has too few free pages. A
+    /// state group's working page that moves to the new last slot leaves a hole in its old
+    /// slot, which is not repeated here.
+    fn acquire_pages(
+        slf: &Bound<'_, Self>,
+        req: RequestId<'_>,
+        num_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Vec<Vec<u32>>>> {
+        let cache = slf.as_super().get();
+        let id = req.id()?;
+        let n = count(num_tokens, "num_tokens")?;
+        let result = lock(&cache.inner)?.acquire_pages(id, n);
+        core(result)
+    }
+
     /// Register base-page hashes (`content_hashes[j]` is base page `first_slot + j`) in every
     /// group; state groups register only the last key when the range ends at `end_tokens`
     /// on their page boundary. Does nothing with caching off.

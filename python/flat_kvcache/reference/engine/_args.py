@@ -212,12 +212,21 @@ def extra_key_bytes(extra_keys: object) -> list[bytes]:
 
 
 def as_content_hashes(content_hashes: object) -> list[str]:
-    """Base-page content hashes: 64-character lowercase hex strings (ValueError naming
-    ``content_hashes[i]``; uppercase is refused because folding hashes the text)."""
+    """Base-page content hashes as 64-character lowercase hex strings: each given as such a
+    string or as its 32 raw bytes (a ``bytes``, the same hash), ValueError naming
+    ``content_hashes[i]`` otherwise (uppercase is refused because folding hashes the text)."""
     hashes: list[str] = []
-    for index, value in enumerate(batch_items(content_hashes, "content_hashes", "str")):
+    for index, value in enumerate(batch_items(content_hashes, "content_hashes", "str or bytes")):
+        if isinstance(value, bytes):
+            if len(value) != HASH_HEX_LEN // 2:
+                raise ValueError(
+                    f"content_hashes[{index}] must be {HASH_HEX_LEN // 2} bytes (a raw content hash), "
+                    f"got {len(value)} bytes"
+                )
+            hashes.append(value.hex())
+            continue
         if not isinstance(value, str):
-            raise TypeError(f"content_hashes[{index}] must be a str, got {type(value).__name__}")
+            raise TypeError(f"content_hashes[{index}] must be a str or bytes, got {type(value).__name__}")
         if len(value) != HASH_HEX_LEN or not set(value) <= _LOWER_HEX_DIGITS:
             raise ValueError(
                 f"content_hashes[{index}] must be a {HASH_HEX_LEN}-character lowercase hex string, "

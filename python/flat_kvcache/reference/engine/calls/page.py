@@ -123,7 +123,7 @@ class PageApi(PageTables):
 
     # -- SPEC 7: across groups ------------------------------------------------------------------
 
-    def match_prefix(self, content_hashes: Sequence[str]) -> PrefixMatch:
+    def match_prefix(self, content_hashes: Sequence[str | bytes]) -> PrefixMatch:
         """Hybrid prefix match (SPEC 7), read-only: no count, order or key changes.
 
         ``bound = align_down(len * base, lcm)``. Sweep: match each group in match order up to
@@ -163,10 +163,30 @@ class PageApi(PageTables):
         self._check_page_level("acquire", key)
         return self._acquire(self._tables_or_new(key), count)
 
+    def acquire_pages(self, req: RequestId, num_tokens: int) -> list[list[int]] | None:
+        """:meth:`acquire`, answering what it appended: per group, the page ids (0 = hole) of
+        the slots past the table's length before the call (``[]`` where it did not grow), as
+        :meth:`page_ids` shows them; None (and no change) when the pool has too few free pages.
+
+        A state group's working page that moves to the new last slot leaves a hole in its old
+        slot, which is not repeated here (only the new slots are).
+        """
+        key = as_request_id(req)
+        count = as_count(num_tokens, "num_tokens")
+        self._check_page_level("acquire_pages", key)
+        tables = self._tables_or_new(key)
+        before = [len(table.pages) for table in tables]
+        if not self._acquire(tables, count):
+            return None
+        return [
+            self._view_ids(g, table.pages[length:])
+            for g, (table, length) in enumerate(zip(tables, before, strict=True))
+        ]
+
     def register(
         self,
         req: RequestId,
-        content_hashes: Sequence[str],
+        content_hashes: Sequence[str | bytes],
         *,
         first_slot: int = 0,
         end_tokens: int | None = None,
@@ -262,7 +282,7 @@ class PageApi(PageTables):
         return self._acquire(self._requests[key], count)
 
     def prefill_chunk(
-        self, req: RequestId, content_hashes: Sequence[str], num_tokens: int, num_computed_tokens: int
+        self, req: RequestId, content_hashes: Sequence[str | bytes], num_tokens: int, num_computed_tokens: int
     ) -> bool:
         """A later prefill chunk (SPEC 8): register, THEN reclaim, THEN acquire.
 
@@ -289,7 +309,7 @@ class PageApi(PageTables):
     def decode_step(
         self,
         req: RequestId,
-        content_hashes: Sequence[str],
+        content_hashes: Sequence[str | bytes],
         first_page_slot: int,
         num_tokens: int,
         num_computed_tokens: int,

@@ -87,6 +87,24 @@ impl FlatCache {
         Ok(self.coord.acquire(&mut self.entries[at].tables, n))
     }
 
+    /// [`Self::acquire`], answering what it appended: per group, the page ids (holes 0) of
+    /// the slots past the table's length before the call, as [`Self::page_ids`] shows them;
+    /// `None` (and no change but the request's creation) when the pool has too few free
+    /// pages. A caller that mirrors the tables reads only the new slots, not every table.
+    pub fn acquire_pages(&mut self, req: RequestIdRef<'_>, n: u64) -> CoreResult<Option<Vec<Vec<u32>>>> {
+        let at = self.ensure("acquire_pages", req)?;
+        let tables = &mut self.entries[at].tables;
+        let before: Vec<usize> = tables.iter().map(Table::len).collect();
+        if !self.coord.acquire(tables, n) {
+            return Ok(None);
+        }
+        let tables = &self.entries[at].tables;
+        // A table only grows on acquire; `get` keeps a shorter one from panicking.
+        Ok(Some(self.view_ids_from(tables, |g, t| {
+            before.get(g).and_then(|&len| t.pages().get(len..)).unwrap_or(&[])
+        })))
+    }
+
     /// Register base-page hashes (base pages `first_slot ..`) for `req`.
     pub fn register(
         &mut self,
@@ -194,13 +212,19 @@ impl FlatCache {
 
     /// The page ids of `tables` as indices of each group's view (pool ids without an arena).
     fn view_ids(&self, tables: &[Table]) -> Vec<Vec<u32>> {
+        self.view_ids_from(tables, |_, t| t.pages())
+    }
+
+    /// The ids of the slots `slots(g, table)` picks from each group's table, as
+    /// [`Self::view_ids`] shows them.
+    fn view_ids_from<'t>(&self, tables: &'t [Table], slots: impl Fn(usize, &'t Table) -> &'t [u32]) -> Vec<Vec<u32>> {
         let pool = self.coord.pool();
         tables
             .iter()
             .enumerate()
             .map(|(g, t)| {
                 let base = pool.group_base(g);
-                t.pages().iter().map(|&p| p.saturating_sub(base)).collect()
+                slots(g, t).iter().map(|&p| p.saturating_sub(base)).collect()
             })
             .collect()
     }
@@ -285,6 +309,32 @@ mod tests {
     fn hashes(n: u32) -> Vec<ContentHash> {
         let tokens: Vec<u32> = (0..n).map(|t| t * 31 + 7).collect();
         hash_pages::<&str>(&tokens, 4, &[], &[]).unwrap()
+    }
+
+    #[test]
+    fn acquire_pages_answers_the_new_slots_of_each_table() {
+        // A full group of page 4 beside a state group of page 8: the full table grows a slot
+        // per 4 tokens, the state table puts its one page in its last new slot.
+        let groups = || vec![spec("f", GroupKind::Full, 4), spec("s", GroupKind::State, 8)];
+        let mut c = cache(groups(), 6, CacheOptions::default());
+        let mut twin = cache(groups(), 6, CacheOptions::default());
+        assert_eq!(c.acquire_pages(A, 6).unwrap(), Some(vec![vec![1, 2], vec![3]]));
+        assert!(twin.acquire(A, 6).unwrap());
+        assert_eq!(c.page_ids(A).unwrap(), twin.page_ids(A).unwrap());
+        // Room left in the last pages: nothing new anywhere.
+        assert_eq!(c.acquire_pages(A, 2).unwrap(), Some(vec![vec![], vec![]]));
+        // Too few free pages: None, nothing allocated.
+        assert_eq!(c.acquire_pages(A, 40).unwrap(), None);
+        assert_eq!(c.pool_stats().num_free, 2);
+        // Into a new state page: the unkeyed working page moves there, the slot it leaves is
+        // a hole that the answer does not repeat.
+        assert_eq!(c.acquire_pages(A, 1).unwrap(), Some(vec![vec![4], vec![3]]));
+        assert_eq!(c.page_ids(A).unwrap(), vec![vec![1, 2, 4], vec![0, 3]]);
+        // A new request is created even when nothing fits, as by acquire.
+        assert_eq!(c.acquire_pages(B, 400).unwrap(), None);
+        assert!(c.has_request(B));
+        assert_eq!(c.acquire_pages(B, 0).unwrap(), Some(vec![vec![], vec![]]));
+        c.check_invariants().unwrap();
     }
 
     #[test]
