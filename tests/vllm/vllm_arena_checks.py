@@ -34,7 +34,9 @@ import pytest
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch
-import transformers
+
+# tests/support (pytest's pythonpath): the tiny GDN hybrids vllm_e2e_checks.py serves too.
+from vllm_tiny_models import VOCAB, qwen3_next, qwen35
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -48,67 +50,9 @@ pytestmark = [
 
 ARENA_WORKER = "flat_kvcache.vllm.arena_plugin.ArenaCPUWorker"
 FLAT = "flat_kvcache.vllm.FlatScheduler"
-VOCAB = 512
 
 
-def _qwen35(folder: Path) -> Path:
-    """Tiny random-weight Qwen3.5 text model, the shape vllm_e2e_checks.py serves (test files
-    cannot import each other under importlib mode): three GDN layers before one full-attention
-    layer, GDN head dim 128 (what vLLM's CPU GDN kernels take), four 128-wide KV heads."""
-    config = transformers.Qwen3_5TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=128,
-        linear_num_key_heads=1,
-        linear_num_value_heads=2,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        layer_types=["linear_attention"] * 3 + ["full_attention"],
-    )
-    torch.manual_seed(0)
-    config.dtype = torch.float32
-    transformers.Qwen3_5ForCausalLM(config).save_pretrained(folder)
-    return folder
-
-
-def _qwen3_next(folder: Path) -> Path:
-    """Tiny Qwen3-Next: the same layer pattern with a mixture-of-experts MLP in every layer."""
-    config = transformers.Qwen3NextConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=128,
-        linear_num_key_heads=1,
-        linear_num_value_heads=2,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        layer_types=["linear_attention"] * 3 + ["full_attention"],
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=64,
-        decoder_sparse_step=1,
-    )
-    torch.manual_seed(0)
-    config.dtype = torch.float32
-    transformers.Qwen3NextForCausalLM(config).save_pretrained(folder)
-    return folder
-
-
-MODELS = {"qwen3.5": _qwen35, "qwen3-next": _qwen3_next}
+MODELS = {"qwen3.5": qwen35, "qwen3-next": qwen3_next}
 
 #: vLLM's CPU GDN path runs in bf16 only (its state too); 32-token blocks as vLLM's CPU attention
 #: needs (vLLM's hybrid step grows the attention block until a page holds a GDN state).
@@ -260,7 +204,7 @@ def test_arena_tokens_identical(tmp_path: Path, model: str) -> None:
 def test_arena_prefix_caching_align_identical(tmp_path: Path) -> None:
     """Prefix caching on (GDN groups in mode "align": vLLM copies a state between blocks through
     the layers' views, ``preprocess_mamba``): the shifted arena gives stock's tokens and hits."""
-    model_dir = _qwen35(tmp_path / "qwen3.5")
+    model_dir = qwen35(tmp_path / "qwen3.5")
     stock = serve(model_dir, None, prefix_caching=True)
     arena = serve(model_dir, ARENA_WORKER, prefix_caching=True, shifted=True)
     _check_arena(arena, shifted=True)

@@ -35,8 +35,11 @@ import pytest
 # One process: the engine core runs in-process (the scheduler can be read back) and starts faster.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-import torch
 import transformers
+
+# tests/support (pytest's pythonpath; a child run gets it on PYTHONPATH): the GDN hybrids, shared
+# with vllm_arena_checks.py.
+from vllm_tiny_models import VOCAB, qwen3_next, qwen35, save
 
 # Importing vLLM's CPU build imports torch modules that are deprecated in the torch it pins
 # (``torch.jit.script_method``): third-party noise, not this project's (pyproject turns warnings
@@ -52,7 +55,6 @@ pytestmark = [
 ]
 
 FLAT = "flat_kvcache.vllm.FlatScheduler"
-VOCAB = 512
 BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
 
 
@@ -68,7 +70,7 @@ def _llama(folder: Path) -> Path:
         max_position_embeddings=2048,
         tie_word_embeddings=False,
     )
-    return _save(transformers.LlamaForCausalLM, config, folder)
+    return save(transformers.LlamaForCausalLM, config, folder)
 
 
 def _gemma3(folder: Path) -> Path:
@@ -85,56 +87,7 @@ def _gemma3(folder: Path) -> Path:
         sliding_window=64,
         layer_types=["sliding_attention", "full_attention"] * 2,
     )
-    return _save(transformers.Gemma3ForCausalLM, config, folder)
-
-
-#: The GDN hybrids' shapes: three linear-attention (GDN) layers before one full-attention layer,
-#: GDN head dim 128 (what vLLM's CPU GDN kernels take). Four 128-wide KV heads make an attention
-#: token 2 KiB in bf16, so vLLM's hybrid config step sizes the attention block to hold one GDN
-#: state (about 70 KiB) at 64 tokens, and prompts of a few hundred tokens hit the prefix cache.
-_GDN_SHAPE: dict[str, Any] = dict(
-    vocab_size=VOCAB,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    head_dim=128,
-    linear_num_key_heads=1,
-    linear_num_value_heads=2,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
-    max_position_embeddings=2048,
-    tie_word_embeddings=False,
-    layer_types=["linear_attention"] * 3 + ["full_attention"],
-)
-
-
-def _qwen35(folder: Path) -> Path:
-    """Qwen3.5's text model: GDN and gated full attention, dense MLP."""
-    return _save(transformers.Qwen3_5ForCausalLM, transformers.Qwen3_5TextConfig(**_GDN_SHAPE), folder)
-
-
-def _qwen3_next(folder: Path) -> Path:
-    """Qwen3-Next: the same layer pattern with a mixture-of-experts MLP in every layer."""
-    config = transformers.Qwen3NextConfig(
-        **_GDN_SHAPE,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=64,
-        decoder_sparse_step=1,
-    )
-    return _save(transformers.Qwen3NextForCausalLM, config, folder)
-
-
-def _save(cls: Any, config: Any, folder: Path) -> Path:
-    torch.manual_seed(0)
-    config.dtype = torch.float32
-    model = cls(config)
-    model.save_pretrained(folder)
-    return folder
+    return save(transformers.Gemma3ForCausalLM, config, folder)
 
 
 _GDN_SETTINGS: dict[str, Any] = {
@@ -157,8 +110,8 @@ MODELS: dict[str, tuple[Any, dict[str, Any]]] = {
     "gemma3-sliding": (_gemma3, {"prefix_cache_retention_interval": None}),
     # vLLM's CPU GDN path runs in bf16 only (its state too); prefix caching puts the mamba groups
     # in mode "align", served under dense retention (docs/vllm.md).
-    "qwen3.5-gdn": (_qwen35, _GDN_SETTINGS),
-    "qwen3-next-gdn": (_qwen3_next, _GDN_SETTINGS),
+    "qwen3.5-gdn": (qwen35, _GDN_SETTINGS),
+    "qwen3-next-gdn": (qwen3_next, _GDN_SETTINGS),
 }
 
 
@@ -460,7 +413,16 @@ def spec_scenario_in_child(model_dir: Path, scheduler_cls: str | None, settings:
         capture_output=True,
         text=True,
         timeout=900,
-        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        env={
+            **os.environ,
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            # tests/support, which pytest's pythonpath gave this process (vllm_tiny_models).
+            "PYTHONPATH": os.pathsep.join(
+                p
+                for p in (str(Path(__file__).resolve().parents[1] / "support"), os.environ.get("PYTHONPATH"))
+                if p
+            ),
+        },
         check=False,
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith(_CHILD_MARK)]
