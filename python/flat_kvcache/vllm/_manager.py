@@ -895,8 +895,9 @@ class FlatKVCacheManager:
                     computed = min(request.num_computed_tokens, self.max_model_len)
                     filled = min(computed + num_new_tokens, request.num_tokens)
                     # vLLM hashes a block once its tokens are known, a step or more before
-                    # they are computed: call only when a page is full (or a store waits).
-                    if filled // self.block_size > tables.num_cached or self._store_from is not None:
+                    # they are computed: call only when a page is full (_cache_filled's test,
+                    # inline: this runs for every running request every step).
+                    if filled // self.block_size > tables.num_cached:
                         self._cache_full_pages(request, tables, filled)
                 return self.empty_kv_cache_blocks
             if self._plain:
@@ -1043,7 +1044,15 @@ class FlatKVCacheManager:
 
     def _cache_filled(self, request: Any, tables: _Tables, num_tokens: int) -> None:
         """:meth:`_cache_full_pages` at ``num_tokens``, called only when it has something to do:
-        a page made full that has a hash, or a store to record."""
+        a page made full that has a hash, or a store to record.
+
+        The one test of "a page to register": a hash the table has not registered
+        (``len(request.block_hashes) > tables.num_cached``) whose page ``num_tokens`` fills
+        (``num_tokens // block_size > tables.num_cached``). ``allocate_slots``' fast path and
+        :meth:`cache_blocks` inline it (each runs once per running request per step). A
+        pending store (``_store_from``) exists only inside ``allocate_slots``' general path,
+        between :meth:`_key_running_state` and the call here that records it, so only this
+        caller sees one."""
         if not self.enable_caching:
             return
         if self._store_from is not None or (
@@ -1137,7 +1146,7 @@ class FlatKVCacheManager:
         if (
             tables is not None
             and len(request.block_hashes) > tables.num_cached
-            and (num_computed_tokens // self.block_size > tables.num_cached or self._store_from is not None)
+            and num_computed_tokens // self.block_size > tables.num_cached
         ):
             self._cache_full_pages(request, tables, num_computed_tokens)
 
