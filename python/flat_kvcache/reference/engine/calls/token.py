@@ -416,6 +416,12 @@ class TokenApi(PageTables, Rows):
             return False
         state.computed = position + count
         self._reserves.pop(key, None)
+        if self._register_on_schedule:
+            # Same-step sharing (docs/requests-api.md): the coming forward writes the chunk's
+            # K/V in every layer before any attention reads it, so the pages it fills are
+            # registered now and a request admitted later in this step may hit them. A page the
+            # chunk fills only in part is not full and stays unregistered.
+            self._register_computed(tables, state)
         return True
 
     def _register_computed(self, tables: list[Table], state: TokenState) -> None:
