@@ -383,10 +383,11 @@ impl FlatCache {
     /// its own position `c`: register the full base pages below `c` not registered yet,
     /// reclaim slid-out pages at `c`, then acquire room for `c + n + lookahead` tokens all or
     /// nothing. On success the position moves to `c + n` and the request's reserve is
-    /// released; on `false` nothing is allocated and the position stays. Everything is
-    /// validated first (a slot that holds no token-level request, host-tier loads in flight,
-    /// more tokens than known counting repeats of a slot, `c + n + lookahead` past u64): on
-    /// error nothing has changed.
+    /// released (with `register_on_schedule`, the full pages below `c + n` are registered
+    /// then: same-step sharing); on `false` nothing is allocated and the position stays.
+    /// Everything is validated first (a slot that holds no token-level request, host-tier
+    /// loads in flight, more tokens than known counting repeats of a slot, `c + n +
+    /// lookahead` past u64): on error nothing has changed.
     pub fn schedule(&mut self, slots: &[u64], ns: &[u64], lookahead: u64) -> CoreResult<Vec<bool>> {
         if slots.len() != ns.len() {
             return Err(CoreError::invalid(format!(
