@@ -142,3 +142,12 @@ def test_the_option_must_be_a_bool(module: ModuleType, bad: object) -> None:
 def test_the_page_level_cache_has_no_such_option(module: ModuleType) -> None:
     with pytest.raises(TypeError, match="register_on_schedule"):
         module.PageCache([module.KVCacheSpec("full", 4, None)], 8, register_on_schedule=True)
+
+
+@pytest.mark.parametrize("module", ENGINES)
+def test_the_option_is_checked_after_the_ones_before_it_in_the_signature(module: ModuleType) -> None:
+    """docs/engine-api.md, "The checking order": ``register_on_schedule`` is the last keyword."""
+    with pytest.raises(ValueError, match="eviction_policy"):
+        hybrid(module, eviction_policy="often", register_on_schedule="yes")
+    with pytest.raises(TypeError, match="enable_kv_events"):
+        hybrid(module, enable_kv_events=2, register_on_schedule="yes")
