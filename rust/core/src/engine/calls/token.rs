@@ -1669,17 +1669,29 @@ mod tests {
             /// state P = 8; either eviction order; events on) keeps every invariant, the
             /// position never passes the known tokens, a failed schedule changes nothing, each
             /// new request takes the lowest free slot, and a refused finish / preempt (a slot
-            /// listed twice) changes nothing.
+            /// listed twice) changes nothing. Sometimes without the state group and with
+            /// same-step sharing (`register_on_schedule`).
             #[test]
             fn random_token_traffic_keeps_invariants(
                 ops in proptest::collection::vec(op(), 1..60),
                 hybrid_order in any::<bool>(),
+                attention_only in any::<bool>(),
+                register_on_schedule in any::<bool>(),
             ) {
                 let order = if hybrid_order { EvictionOrder::Hybrid } else { EvictionOrder::Group };
+                let mut specs = vec![spec("full", GroupKind::Full, 4), spec("swa", sw(10), 8)];
+                if !attention_only {
+                    specs.push(spec("st", GroupKind::State, 8));
+                }
                 let mut c = cache(
-                    vec![spec("full", GroupKind::Full, 4), spec("swa", sw(10), 8), spec("st", GroupKind::State, 8)],
+                    specs,
                     30,
-                    CacheOptions { eviction_order: order, enable_kv_events: true, ..CacheOptions::default() },
+                    CacheOptions {
+                        eviction_order: order,
+                        enable_kv_events: true,
+                        register_on_schedule,
+                        ..CacheOptions::default()
+                    },
                 );
                 let ids: Vec<RequestIdRef<'static>> = (0..4).map(RequestIdRef::Int).collect();
                 // The model: the slot of each id's live request.
