@@ -151,3 +151,24 @@ def test_the_option_is_checked_after_the_ones_before_it_in_the_signature(module:
         hybrid(module, eviction_policy="often", register_on_schedule="yes")
     with pytest.raises(TypeError, match="enable_kv_events"):
         hybrid(module, enable_kv_events=2, register_on_schedule="yes")
+
+
+@pytest.mark.parametrize("module", ENGINES)
+@pytest.mark.parametrize("flag", [False, True])
+def test_a_scheduled_chunk_counts_as_computed_with_or_without_the_option(
+    module: ModuleType, flag: bool
+) -> None:
+    """The promise the option relies on is the protocol's own (docs/requests-api.md): a
+    successful ``schedule`` moves the position past its chunk, and ``preempt`` registers every
+    full page below the position. So a writer preempted right after its schedule leaves its
+    chunk's pages keyed either way; the option only lets a request added before that preempt,
+    in the same step, hit them too. A caller that drops a scheduled chunk from the forward
+    breaks the cache with or without the option."""
+    cache = hybrid(module, register_on_schedule=flag)
+    a, _ = cache.add_request("a", PROMPT)
+    cache.schedule([a], [10])
+    same_step_hit = cache.add_request("b", PROMPT)[1]
+    assert same_step_hit == (8 if flag else 0)
+    cache.preempt([a])
+    assert cache.add_request("c", PROMPT)[1] == 8
+    cache.check_invariants()
