@@ -17,11 +17,15 @@ The loop is simulate's, phase for phase, in the calls vLLM's manager has:
 - running requests, in admission order, get their sizes cut from the token budget first (as
   simulate builds its one ``schedule`` call), then one ``allocate_slots`` call each (vLLM has no
   batch call); a request whose pages do not fit waits and its tokens go to admissions;
-- a page is cached when it is computed, as ``FlatKVCache`` registers it (at the request's next
-  ``schedule``, or its ``finish`` / ``preempt``): ``allocate_slots(delay_cache_blocks=True)`` and
-  ``cache_blocks(request, computed)`` before each allocation and each ``free``. vLLM's own
-  scheduler caches a page when it is allocated, so a request admitted in the same step already
-  hits its neighbours' prefix: a different decision (it raised vLLM's hit rate);
+- when a page is cached (``--cache-at``): ``allocation`` (the default) runs vLLM's manager as
+  vLLM's own scheduler does, caching a page's key when ``allocate_slots`` allocates it, so a
+  request admitted in the same step hits the prefix its neighbours' chunks write in that step;
+  simulate runs with ``register_on_schedule`` (``FlatKVCache(register_on_schedule=True)``:
+  ``schedule`` registers the full pages of the chunk it takes, docs/requests-api.md), the same
+  decision. ``computed`` caches a page once it is computed, as ``FlatKVCache`` registers it
+  without that option (at the request's next ``schedule``, or its ``finish`` / ``preempt``):
+  ``allocate_slots(delay_cache_blocks=True)`` and ``cache_blocks(request, computed)`` before each
+  allocation and each ``free``;
 - admission (``get_computed_blocks`` then ``allocate_slots``) keeps simulate's decode reserve
   free through ``reserved_blocks``: the pages promised to running requests whose next decode
   starts a page, plus the first decode's page when the chunk completes the prompt (what
@@ -177,6 +181,8 @@ def replay(
     longest = max(len(r.prompt) + r.output_len for r in trace)
     manager = _manager(v, specs, num_pages, longest + 16)
     pool = manager.block_pool
+    # --cache-at computed: pages are cached once computed (delay_cache_blocks, cache_blocks).
+    delay = args.cache_at == "computed"
     num_groups = len(specs)
     perf = time.perf_counter_ns
 
@@ -254,11 +260,12 @@ def replay(
         decodes = 0
         for live, n in asked:
             t0 = perf()
-            # FlatKVCache.schedule registers the request's computed full pages first, whether
-            # or not its new pages fit (delay_cache_blocks below keeps vLLM from caching pages
-            # at allocation, before they are computed).
-            manager.cache_blocks(live.req, live.computed)
-            blocks = manager.allocate_slots(live.req, n, delay_cache_blocks=True)
+            if delay:
+                # FlatKVCache.schedule registers the request's computed full pages first, whether
+                # or not its new pages fit (delay_cache_blocks below keeps vLLM from caching
+                # pages at allocation, before they are computed).
+                manager.cache_blocks(live.req, live.computed)
+            blocks = manager.allocate_slots(live.req, n, delay_cache_blocks=delay)
             elapsed = perf() - t0
             calls["allocate_slots"] += elapsed
             ns += elapsed
@@ -293,7 +300,7 @@ def replay(
                 num_new_computed_tokens=hit,
                 new_computed_blocks=cached,
                 reserved_blocks=held + first_decode,
-                delay_cache_blocks=True,
+                delay_cache_blocks=delay,
             )
             elapsed = perf() - t0
             calls["admit"] += elapsed
@@ -333,7 +340,8 @@ def replay(
         if done:
             t0 = perf()
             for live in done:
-                manager.cache_blocks(live.req, live.computed)  # finish() registers, then frees
+                if delay:
+                    manager.cache_blocks(live.req, live.computed)  # finish() registers, then frees
                 manager.free(live.req)
             elapsed = perf() - t0
             calls["free"] += elapsed
@@ -359,7 +367,8 @@ def replay(
                 running.remove(victim)
                 reserves.pop(victim.rid, None)
                 t0 = perf()
-                manager.cache_blocks(victim.req, victim.computed)  # as preempt() registers
+                if delay:
+                    manager.cache_blocks(victim.req, victim.computed)  # as preempt() registers
                 manager.free(victim.req)
                 elapsed = perf() - t0
                 calls["preempt"] += elapsed
@@ -424,6 +433,7 @@ def flat_config(args: argparse.Namespace, num_pages: int) -> SimulationConfig:
         max_running=args.max_running,
         eviction_order=EVICTION_ORDER,
         reuse_uncached_first=REUSE_UNCACHED_FIRST,
+        register_on_schedule=args.cache_at == "allocation",
         storage="equalized",
     )
 
@@ -442,6 +452,7 @@ def simulate_command(args: argparse.Namespace, num_pages: int) -> str:
         f"--page-size {args.page_size} --max-scheduled-tokens {args.max_scheduled_tokens} "
         f"--max-running {args.max_running} --eviction-order {EVICTION_ORDER} "
         + ("--reuse-uncached-first" if REUSE_UNCACHED_FIRST else "--no-reuse-uncached-first")
+        + (" --register-on-schedule" if args.cache_at == "allocation" else "")
     )
 
 
@@ -480,6 +491,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-pages", type=int, help="default: as flat-kvcache simulate")
     parser.add_argument("--max-scheduled-tokens", type=int, default=DEFAULT_MAX_SCHEDULED_TOKENS)
     parser.add_argument("--max-running", type=int, default=DEFAULT_MAX_RUNNING)
+    parser.add_argument(
+        "--cache-at",
+        choices=("allocation", "computed"),
+        default="allocation",
+        help="when a page is cached: when allocated (vLLM's scheduler; simulate with "
+        "--register-on-schedule, default) or once computed (delay_cache_blocks + cache_blocks; "
+        "simulate without it)",
+    )
     parser.add_argument(
         "--flat-runs",
         type=int,

@@ -644,8 +644,17 @@ class FlatKVCache(_PagedCacheBase):
         host_pages: int | Mapping[str, int] | None = 0,
         host_store: _HostStore = "write_through",
         eviction_policy: Literal["lru", "reuse"] = "lru",
+        register_on_schedule: bool = False,
     ) -> FlatKVCache:
         """The token-level engine over ``specs`` (non-empty) with a pool of ``num_pages >= 1`` pages.
+
+        ``register_on_schedule`` (same-step sharing, docs/requests-api.md): a successful
+        ``schedule`` registers at once the full pages of the chunk it takes (otherwise they are
+        registered at the request's next ``schedule``, ``finish`` or ``preempt``), so a request
+        admitted later in the same step hits them, as vLLM's scheduler does. Exact because the
+        forward writes every attention layer's K/V before that layer's attention reads any; the
+        caller must run every chunk it scheduled. Ignored for a model with state groups (a
+        checkpoint exists only once its chunk is computed).
 
         ``eviction_policy`` says which state checkpoints are kept (SPEC 13.8): ``"lru"``
         (default: every checkpoint SPEC 13.5 writes, until the pool evicts it, oldest first) or

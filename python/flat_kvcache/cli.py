@@ -463,6 +463,14 @@ def _add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
         + ")",
     )
     parser.add_argument(
+        "--register-on-schedule",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="same-step sharing: schedule registers the full pages of the chunk it takes, so a "
+        "request admitted later in the same step hits them, as vLLM's scheduler does (attention "
+        "groups; ignored with state groups; default off)",
+    )
+    parser.add_argument(
         "--host-pages",
         type=_int_at_least(0),
         default=0,
@@ -619,6 +627,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
             eviction_order=args.eviction_order,
             eviction_policy=args.eviction_policy,
             reuse_uncached_first=args.reuse_uncached_first,
+            register_on_schedule=args.register_on_schedule,
             num_pages=args.num_pages,
             page_size=args.page_size,
             max_scheduled_tokens=args.max_scheduled_tokens,

@@ -178,6 +178,7 @@ class CacheOptions(TypedDict, total=False):
     host_store: Literal["write_through", "evict"]
     arena: ArenaPlan | None
     eviction_policy: Literal["lru", "reuse"]
+    register_on_schedule: bool
 
 
 def cache_from_config(
@@ -221,7 +222,8 @@ def cache_from_config(
         that is a multiple of 64, where the state kernels' chunked prefill aligns).
     **options
         ``enable_caching``, ``eviction_order``, ``enable_kv_events``, ``reuse_uncached_first``,
-        ``host_pages``, ``host_store``, ``arena``, ``eviction_policy``: passed to ``FlatKVCache`` as given
+        ``host_pages``, ``host_store``, ``arena``, ``eviction_policy``, ``register_on_schedule``:
+        passed to ``FlatKVCache`` as given
         (:class:`CacheOptions`). With ``arena=`` (a plan from ``plan_arena`` for the same model),
         leave ``num_pages`` out: the arena sizes the pool (SPEC 13).
 

@@ -8,6 +8,8 @@ in the same test: same steps, finishes, preemptions, hit tokens, evictions, peak
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import math
 import re
@@ -425,6 +427,7 @@ def test_native_runs_build_the_cache_with_cache_from_config(monkeypatch: pytest.
         "reuse_uncached_first": True,
         "host_pages": 7,
         "eviction_policy": "lru",
+        "register_on_schedule": False,
     }
 
 
@@ -621,3 +624,43 @@ def test_equal_pages_for_a_state_model_are_asked_for() -> None:
         trace, SimulationConfig(model="qwen3.5-like", num_pages=5000, storage="equalized")
     ).summary
     assert summary["storage"] == "equalized" and summary["finished"] == 2
+
+
+# --- same-step sharing (SimulationConfig.register_on_schedule) ----------------------------------
+
+
+@pytest.mark.parametrize("model", ["gpt-oss-like", "llama3-8b-like"])
+def test_same_step_sharing_native_equals_reference_and_hits_in_the_admission_step(model: str) -> None:
+    """Three requests with one 64-token prefix arrive together and are all admitted in step 0:
+    with ``register_on_schedule`` the second and third hit the 4 pages (16 tokens each) the
+    first one's chunk fills in that step (their capped hit: the whole shared prefix); without
+    it they hit nothing. The native and the reference loops decide alike either way, and under
+    memory pressure (preemptions) on the option too."""
+    rng = np.random.default_rng(5)
+    shared = rng.integers(0, 1000, 64, dtype=np.uint32)
+    trace = [
+        TraceRequest(
+            i,
+            np.concatenate([shared, rng.integers(0, 1000, 20 + i, dtype=np.uint32)]),
+            np.arange(3, dtype=np.uint32),
+        )
+        for i in range(3)
+    ]
+    for flag, hits in ((False, [0, 0, 0]), (True, [0, 64, 64])):
+        records: dict[str, list[dict[str, Any]]] = {}
+        summaries = {}
+        for engine in ("native", "reference"):
+            sink = io.StringIO()
+            config = SimulationConfig(model=model, engine=engine, num_pages=200, register_on_schedule=flag)
+            summaries[engine] = simulate(trace, config, decisions=sink).summary
+            records[engine] = [json.loads(line) for line in sink.getvalue().splitlines()]
+        assert without_timing(summaries["native"]) == without_timing(summaries["reference"])
+        assert summaries["native"]["register_on_schedule"] is flag
+        first = records["native"][0]
+        assert [hit for _, hit, _ in first["admitted"]] == hits
+    pressure = default_trace(40, seed=1, prompt_len=(128, 512), shared_prefix_len=256, output_len=128)
+    pressed = SimulationConfig(num_pages=240, max_scheduled_tokens=1024, register_on_schedule=True)
+    reference = simulate(pressure, dataclasses.replace(pressed, engine="reference")).summary
+    native = simulate(pressure, pressed).summary
+    assert without_timing(native) == without_timing(reference)
+    assert reference["preemptions"] > 0 and reference["finished"] == 40

@@ -11,6 +11,7 @@ through flat_kvcache.torch.TransferExecutor, and the logits must still match.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -575,3 +576,136 @@ def test_host_buffers_mirror_the_device_buffers_and_check_their_arguments() -> N
     no_tier = fk.FlatKVCache(fk.kv_cache_specs(plan.groups), plan.num_pages)
     with pytest.raises(ValueError, match="host tier of 0 pages"):
         TransferExecutor(no_tier, kv_buffers(runner), host)
+
+
+# -- same-step sharing (FlatKVCache(register_on_schedule=True), docs/requests-api.md) ----------
+
+
+def same_step_runner(model: Any, *, num_pages: int = 64) -> PagedModelRunner:
+    """``setup``'s runner on a cache that registers a chunk's full pages when it is scheduled,
+    with every K/V buffer filled with NaN first: a read of a slot no forward wrote is NaN."""
+    plan = plan_for_pages(
+        model_shape(model.config),
+        page_size=4,
+        num_pages=num_pages,
+        max_live_requests=4,
+        max_scheduled_tokens=64,
+        max_context_len=256,
+    )
+    buffers = allocate_kv_buffers(plan, "cpu")
+    for tensor in buffers.tensors.values():
+        tensor.fill_(math.nan)
+    cache = fk.FlatKVCache(fk.kv_cache_specs(plan.groups), plan.num_pages, register_on_schedule=True)
+    return PagedModelRunner(model, cache, buffers, poison_new_pages=True)
+
+
+#: A shared prefix of 24 tokens; the writer's first chunk ends inside its fifth page.
+SHARED = 24
+WRITER_CHUNK = 18
+
+
+def same_step_prompts() -> tuple[list[int], list[int]]:
+    shared = prompt(SHARED, 60)
+    return [*shared, *prompt(5, 61)], [*shared, *prompt(7, 62)]
+
+
+def admit_in_the_writers_step(runner: PagedModelRunner) -> tuple[int, int, list[int], list[int]]:
+    """Writer ``a`` is scheduled for its first 18 tokens; then ``b``, with the same 24-token
+    prefix, is added in the same step: it hits the 4 pages (16 tokens) the writer's chunk fills,
+    not the fifth, which the chunk fills only in part. Returns both slots and token lists."""
+    a_tokens, b_tokens = same_step_prompts()
+    a, hit = runner.add_request("a", a_tokens)
+    assert hit == 0
+    assert runner.cache.schedule([a], [WRITER_CHUNK]).all()
+    b, hit = runner.add_request("b", b_tokens)
+    assert hit == 16
+    full = runner.cache.block_tables([a, b])["full_attention"]
+    assert list(full[1][:4]) == list(full[0][:4])  # the hitter's first pages are the writer's
+    assert full[1][4] != full[0][4]  # the part-filled page is not shared
+    assert runner.cache.schedule([b], [len(b_tokens) - 16]).all()
+    return a, b, a_tokens, b_tokens
+
+
+@pytest.mark.parametrize("order", ["writer_first", "hitter_first"])
+def test_a_request_admitted_in_its_prefix_writers_step_reads_what_that_forward_writes(order: str) -> None:
+    """Issue 38: B hits pages A's chunk fills, in the step that computes that chunk, and both
+    run in one packed forward. Every attention layer writes the whole batch's K/V before it
+    attends (``write_kv`` then ``paged_attention``), so B's attention reads A's K/V of this very
+    forward, whatever the order of the two in the batch, and B's logits are the unpaged ones.
+    The buffers start as NaN and fresh pages are poisoned: a page read before it is written
+    gives NaN (``test_..._fails_when_the_hitter_reads_before_the_writer_writes`` shows it)."""
+    model = gpt_oss(layers=2)
+    runner = same_step_runner(model)
+    a, b, a_tokens, b_tokens = admit_in_the_writers_step(runner)
+    batch = [(a, a_tokens[:WRITER_CHUNK]), (b, b_tokens[16:])]
+    if order == "hitter_first":
+        batch.reverse()
+    logits = dict(
+        zip([s for s, _ in batch], runner.step([s for s, _ in batch], [t for _, t in batch]), strict=True)
+    )
+    a_error = (logits[a] - reference_logits(model, a_tokens[:WRITER_CHUNK])).abs().max()
+    b_error = (logits[b] - reference_logits(model, b_tokens)[16:]).abs().max()
+    assert float(a_error) <= TOLERANCE
+    assert float(b_error) <= TOLERANCE
+
+
+def test_a_same_step_hit_fails_when_the_hitter_reads_before_the_writer_writes() -> None:
+    """The comparison has teeth: the same schedule, but B's forward runs before A's (a runner
+    that did not batch them, or a kernel that attended before writing the step's K/V). B then
+    reads pages A has not written: NaN, far from the unpaged logits; A, which reads only its
+    own pages, still matches."""
+    model = gpt_oss(layers=2)
+    runner = same_step_runner(model)
+    a, b, a_tokens, b_tokens = admit_in_the_writers_step(runner)
+    (b_logits,) = runner.step([b], [b_tokens[16:]])
+    (a_logits,) = runner.step([a], [a_tokens[:WRITER_CHUNK]])
+    assert not bool(torch.isfinite(b_logits).all())
+    assert float((a_logits - reference_logits(model, a_tokens[:WRITER_CHUNK])).abs().max()) <= TOLERANCE
+
+
+def test_same_step_sharing_through_a_scheduler_loop() -> None:
+    """The loop of ``flat-kvcache simulate`` in small: each step schedules the running requests,
+    then admits waiting ones (each scheduled at once), then runs one forward; requests that
+    share a prefix and arrive together hit each other's pages in their admission step, and every
+    computed position matches the unpaged model."""
+    model = gpt_oss(layers=2)
+    runner = same_step_runner(model, num_pages=96)
+    shared = prompt(21, 70)
+    prompts = {f"r{i}": [*shared, *prompt(3 + i, 71 + i)] for i in range(3)}
+    records = {req: RequestRecord(prompt=list(p), tokens=list(p)) for req, p in prompts.items()}
+    running: list[str] = []
+    waiting = list(prompts)
+    cache = runner.cache
+
+    def slot_of(req: str) -> int:
+        slot = records[req].slot
+        assert slot is not None
+        return slot
+
+    for _ in range(40):
+        if not waiting and not running:
+            break
+        batch = [(req, len(records[req].tokens) - cache.num_computed_tokens(slot_of(req))) for req in running]
+        assert cache.schedule([slot_of(req) for req, _ in batch], [n for _, n in batch]).all()
+        while waiting:
+            req = waiting.pop(0)
+            slot, hit = runner.add_request(req, records[req].tokens)
+            records[req].slot = slot
+            records[req].hits.append(hit)
+            n = len(records[req].tokens) - hit
+            assert cache.schedule([slot], [n]).all()
+            batch.append((req, n))
+            running.append(req)
+        ends = [cache.num_computed_tokens(slot_of(req)) for req, _ in batch]
+        chunks = [records[req].tokens[end - n : end] for (req, n), end in zip(batch, ends, strict=True)]
+        logits = runner.step([slot_of(req) for req, _ in batch], chunks)
+        for (req, n), end, out in zip(batch, ends, logits, strict=True):
+            record = records[req]
+            record.computed.append((list(range(end - n, end)), out))
+            record.tokens.append(int(out[-1].argmax()))
+            cache.append_tokens([slot_of(req)], [record.tokens[-1]])
+            if len(record.tokens) - len(record.prompt) >= 4:
+                runner.release(slot_of(req))
+                running.remove(req)
+    assert [records[f"r{i}"].hits[0] for i in range(3)] == [0, 20, 20]  # 5 full pages, same step
+    assert_matches(model, records)

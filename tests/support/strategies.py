@@ -141,6 +141,8 @@ def configs(draw: st.DrawFn) -> dict[str, Any]:
         "num_pages": draw(st.integers(2, 28)),
         "enable_caching": draw(st.booleans().map(lambda off: not off) | st.just(True)),
         "eviction_order": draw(st.sampled_from(["hybrid", "group"])),
+        # Same-step sharing (docs/requests-api.md): schedule registers the pages it fills.
+        "register_on_schedule": draw(st.booleans()),
     }
 
 
@@ -164,6 +166,7 @@ def both_caches(config: dict[str, Any], **options: Any) -> list[Any]:
                 config["num_pages"],
                 enable_caching=config["enable_caching"],
                 eviction_order=config["eviction_order"],
+                register_on_schedule=config["register_on_schedule"],
                 **options,
             )
         )

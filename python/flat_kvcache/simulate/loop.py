@@ -26,7 +26,10 @@ One step, in order:
    hit and gives the request the lowest free slot, its row of the persistent block tables) in
    one call; then ``schedule([slot], [chunk])`` takes the chunk. The first
    request that does not fit stops admission (no overtaking). While ``budget()`` is below one
-   page per group no first chunk can fit, and the check is skipped.
+   page per group no first chunk can fit, and the check is skipped. With
+   ``register_on_schedule`` every chunk scheduled earlier in the step (the running requests'
+   and earlier admissions') has registered the pages it fills, so a hit counts them (vLLM's
+   scheduler caches a page when it allocates it).
 4. The block tables: ``update_rows()`` writes the cells that changed into the persistent
    ``[max_running, cols]`` tables bound at the start (``tables="rows"``, the default: row
    ``s`` is the request in slot ``s``), or ``block_tables(slots, out=...)`` rewrites the batch's
@@ -37,7 +40,8 @@ One step, in order:
    page get one token of reserve in one ``reserve(slots, ones)`` call, so admissions leave them
    their page (at any other position the next token fits in the pages a request has and the
    reserve would be 0).
-6. SPEC 9 retraction: when nothing in flight progressed for two consecutive steps, the running
+6. SPEC 9 retraction: when nothing in flight progressed for two consecutive steps (so no chunk
+   scheduled in this step is dropped from its forward, as ``register_on_schedule`` requires), the running
    request holding the most tokens (the latest admitted on a tie) is preempted
    (``preempt([slot])``), its generated tokens folded into its prompt, and it goes back to the front of
    the queue; each further stuck step retracts one more. If that request is the only one
@@ -137,6 +141,7 @@ def engine_options(config: SimulationConfig) -> dict[str, Any]:
         "reuse_uncached_first": config.reuse_uncached_first,
         "host_pages": config.host_pages,
         "eviction_policy": config.eviction_policy,
+        "register_on_schedule": config.register_on_schedule,
     }
 
 
@@ -212,6 +217,10 @@ class SimulationConfig:
     #: Which state checkpoints the cache keeps (SPEC 13.8): ``"lru"`` or ``"reuse"``.
     eviction_policy: Literal["lru", "reuse"] = "lru"
     reuse_uncached_first: bool = DEFAULT_REUSE_UNCACHED_FIRST
+    #: Same-step sharing (``FlatKVCache(register_on_schedule=)``): a request admitted in the step
+    #: that schedules its prefix's pages hits them, as under vLLM's scheduler. The loop keeps the
+    #: option's promise: it preempts only in a step that scheduled nothing.
+    register_on_schedule: bool = False
     num_pages: int | None = None
     page_size: int = DEFAULT_PAGE_SIZE
     max_scheduled_tokens: int = DEFAULT_MAX_SCHEDULED_TOKENS
@@ -732,6 +741,7 @@ class _Loop:
             "eviction_order": config.eviction_order,
             "eviction_policy": config.eviction_policy,
             "reuse_uncached_first": config.reuse_uncached_first,
+            "register_on_schedule": config.register_on_schedule,
             "tables": config.tables,
             "groups": [
                 {

@@ -53,7 +53,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         (
             "engine",
             f"{summary['engine']} (eviction order {summary['eviction_order']}, freed uncached pages "
-            + ("reused first)" if summary["reuse_uncached_first"] else "appended)"),
+            + ("reused first" if summary["reuse_uncached_first"] else "appended")
+            + (", pages registered when scheduled)" if summary.get("register_on_schedule") else ")"),
         ),
         ("model", f"{summary['model']}: {groups}"),
         (

@@ -112,6 +112,7 @@ impl PyPagedCache {
         host_store: Passed<'_>,
         eviction_policy: Option<&Passed<'_>>,
         move_state_pages: &FlagParam<'_>,
+        register_on_schedule: &FlagParam<'_>,
         arena: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         // docs/engine-api.md, "The checking order": each argument's form in signature order
@@ -129,6 +130,7 @@ impl PyPagedCache {
             host_store: HostStore::WriteThrough,
             eviction_policy: EvictionPolicy::Lru,
             move_state_pages: true,
+            register_on_schedule: false,
         };
         let host = HostPagesArg::extract(host_pages)?;
         options.host_store = host_store_arg(&host_store)?;
@@ -136,6 +138,7 @@ impl PyPagedCache {
             options.eviction_policy = eviction_policy_arg(policy)?;
         }
         options.move_state_pages = move_state_pages.or(true, "move_state_pages")?;
+        options.register_on_schedule = register_on_schedule.or(false, "register_on_schedule")?;
         match (num_pages, arena) {
             (Some(n), Some(_)) => Err(PyValueError::new_err(format!(
                 "num_pages must be None with arena= (the arena sizes the pool), got {}",
@@ -482,10 +485,15 @@ impl PyFlatKVCache {
     /// checkpoint SPEC 13.5 writes, until the pool evicts it) or `"reuse"` (where reuse is
     /// likely: the body's end on the sharing grain learned from the prompts seen, probationary
     /// prompt checkpoints dropped at finish, decode checkpoints kept on evidence of reuse).
+    ///
+    /// `register_on_schedule` (same-step sharing, docs/requests-api.md): `schedule` registers
+    /// the full pages of the chunk it takes at once, so a request admitted later in the same
+    /// step hits them (the forward writes every layer's K/V before attention reads it); the
+    /// caller must then run every chunk it scheduled. Ignored with state groups.
     #[new]
     #[pyo3(
-        signature = (specs, num_pages = None, *, arena = None, enable_caching = FlagParam::OMITTED, eviction_order = Passed::OMITTED, enable_kv_events = FlagParam::OMITTED, reuse_uncached_first = FlagParam::OMITTED, host_pages = None, host_store = Passed::OMITTED, eviction_policy = Passed::OMITTED),
-        text_signature = "(specs, num_pages=None, *, arena=None, enable_caching=True, eviction_order='hybrid', enable_kv_events=False, reuse_uncached_first=True, host_pages=0, host_store='write_through', eviction_policy='lru')"
+        signature = (specs, num_pages = None, *, arena = None, enable_caching = FlagParam::OMITTED, eviction_order = Passed::OMITTED, enable_kv_events = FlagParam::OMITTED, reuse_uncached_first = FlagParam::OMITTED, host_pages = None, host_store = Passed::OMITTED, eviction_policy = Passed::OMITTED, register_on_schedule = FlagParam::OMITTED),
+        text_signature = "(specs, num_pages=None, *, arena=None, enable_caching=True, eviction_order='hybrid', enable_kv_events=False, reuse_uncached_first=True, host_pages=0, host_store='write_through', eviction_policy='lru', register_on_schedule=False)"
     )]
     #[allow(clippy::too_many_arguments, reason = "the Python constructor's keyword arguments")]
     fn new(
@@ -499,6 +507,7 @@ impl PyFlatKVCache {
         host_pages: Option<&Bound<'_, PyAny>>,
         host_store: Passed<'_>,
         eviction_policy: Passed<'_>,
+        register_on_schedule: FlagParam<'_>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let cache = PyPagedCache::build(
             specs,
@@ -511,6 +520,7 @@ impl PyFlatKVCache {
             host_store,
             Some(&eviction_policy),
             &FlagParam::OMITTED,
+            &register_on_schedule,
             arena,
         )?;
         let own = Self {

@@ -72,6 +72,7 @@ impl PyPageCache {
             host_store,
             None,
             &move_state_pages,
+            &FlagParam::OMITTED,
             None,
         )?;
         Ok(PyClassInitializer::from(cache).add_subclass(Self))

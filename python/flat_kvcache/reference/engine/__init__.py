@@ -81,6 +81,7 @@ def _flat_kv_cache_arguments(
     host_pages: object = 0,
     host_store: object = "write_through",
     eviction_policy: object = "lru",
+    register_on_schedule: object = False,
 ) -> None:
     """``FlatKVCache``'s parameters: binding them raises Python's ``TypeError`` for a missing,
     repeated or unexpected argument, named ``FlatKVCache.__new__()`` as the native class

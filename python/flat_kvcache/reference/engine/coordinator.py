@@ -201,6 +201,7 @@ class Coordinator:
         host_store: str = "write_through",
         eviction_policy: str = "lru",
         move_state_pages: bool = True,
+        register_on_schedule: bool = False,
     ) -> None:
         # docs/engine-api.md, "The checking order": each argument's form in signature order
         # (``arena=`` is read against the specs below), then what they say together.
@@ -245,6 +246,7 @@ class Coordinator:
         if not isinstance(eviction_policy, str) or eviction_policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction_policy must be 'lru' or 'reuse', got {clipped_repr(eviction_policy)}")
         moves = as_flag(move_state_pages, "move_state_pages")
+        on_schedule = as_flag(register_on_schedule, "register_on_schedule")
         #: Which state checkpoints are kept (SPEC 13.8, ``policy``), and what ``reuse`` learned.
         self._policy = eviction_policy
         self._evidence = ReuseEvidence()
@@ -279,6 +281,10 @@ class Coordinator:
         self._specs = spec_list
         #: The state groups' indices (read per request per step).
         self._state_groups = [g for g, spec in enumerate(spec_list) if spec.kind == STATE]
+        #: Same-step sharing (docs/requests-api.md): ``schedule`` registers the full pages of
+        #: the chunk it takes. Off with state groups: a checkpoint exists only once its chunk is
+        #: computed, and a hit there ends on one, so early attention pages never extend a hit.
+        self._register_on_schedule = on_schedule and not self._state_groups
         #: The lcm of the state groups' page sizes (None without state groups).
         self._state_grain = (
             math.lcm(*(spec_list[g].page_size for g in self._state_groups)) if self._state_groups else None

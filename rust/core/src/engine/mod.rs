@@ -83,6 +83,12 @@ pub struct CacheOptions {
     /// page there and the previous one stays in its slot until reclaim releases it (vLLM's
     /// `MambaManager` in mode "align"; [`group::GroupManager::set_moves_working_page`]).
     pub move_state_pages: bool,
+    /// Token-level requests register the full pages of a scheduled chunk when `schedule`
+    /// takes it, not at their next `schedule` (SPEC 8, "Same-step sharing"): a request
+    /// admitted later in the same step hits them, as vLLM's scheduler does (it caches a page
+    /// when it allocates it). Exact for attention groups only (every layer writes a step's
+    /// K/V before its attention reads any), so a model with state groups ignores it.
+    pub register_on_schedule: bool,
 }
 
 impl Default for CacheOptions {
@@ -96,6 +102,7 @@ impl Default for CacheOptions {
             host_store: host::HostStore::WriteThrough,
             eviction_policy: policy::EvictionPolicy::Lru,
             move_state_pages: true,
+            register_on_schedule: false,
         }
     }
 }
@@ -158,6 +165,8 @@ pub struct FlatCache {
     rows: Option<calls::rows::RowBinding>,
     /// The serial of the next request.
     next_serial: u64,
+    /// [`CacheOptions::register_on_schedule`], false for a model with state groups.
+    register_on_schedule: bool,
 }
 
 impl FlatCache {
@@ -218,6 +227,9 @@ impl FlatCache {
         coord.set_reuse_uncached_first(options.reuse_uncached_first);
         coord.set_eviction_policy(options.eviction_policy);
         coord.set_move_state_pages(options.move_state_pages);
+        // A state checkpoint exists only once its chunk is computed, and with state groups
+        // a hit ends on one: pages registered early could never extend a hit there.
+        let stateless = coord.specs().iter().all(|s| s.kind != group::GroupKind::State);
         Self {
             coord,
             index: HashMap::default(),
@@ -229,6 +241,7 @@ impl FlatCache {
             scratch: Vec::new(),
             rows: None,
             next_serial: 0,
+            register_on_schedule: options.register_on_schedule && stateless,
         }
     }
 

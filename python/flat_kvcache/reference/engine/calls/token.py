@@ -4,7 +4,8 @@ Each live request holds a *slot*, the lowest int no live request holds (given by
 ``add_request`` / ``admit``, freed by ``finish`` / ``preempt``); every later call names
 requests by slot, and the per-step calls take a whole array of slots. ``add_request`` hashes
 the prompt and claims its capped prefix hit; ``append_tokens`` hashes each base page once as it
-fills; ``schedule`` registers, reclaims and acquires at each request's position; ``finish`` /
+fills; ``schedule`` registers, reclaims and acquires at each request's position (and, with
+``register_on_schedule``, registers the pages the chunk fills, for same-step sharing); ``finish`` /
 ``preempt`` register what was computed and free the request and its slot. Every call checks
 all its arguments before anything changes.
 """
@@ -310,7 +311,9 @@ class TokenApi(PageTables, Rows):
 
         Register the completed full pages, reclaim slid-out pages, then acquire room for
         ``computed + n + lookahead`` tokens all or nothing. True: the position moved by ``n``
-        and the reserve was released. False: nothing allocated, the position stays.
+        and the reserve was released (with ``register_on_schedule``, the full pages below the
+        new position are registered then: same-step sharing). False: nothing allocated, the
+        position stays.
 
         Everything is validated first: the lengths, then per slot in order that it holds a
         request with no host-tier loads in flight and that the tokens asked of it so far in
@@ -416,6 +419,12 @@ class TokenApi(PageTables, Rows):
             return False
         state.computed = position + count
         self._reserves.pop(key, None)
+        if self._register_on_schedule:
+            # Same-step sharing (docs/requests-api.md): the coming forward writes the chunk's
+            # K/V in every layer before any attention reads it, so the pages it fills are
+            # registered now and a request admitted later in this step may hit them. A page the
+            # chunk fills only in part is not full and stays unregistered.
+            self._register_computed(tables, state)
         return True
 
     def _register_computed(self, tables: list[Table], state: TokenState) -> None:

@@ -383,10 +383,11 @@ impl FlatCache {
     /// its own position `c`: register the full base pages below `c` not registered yet,
     /// reclaim slid-out pages at `c`, then acquire room for `c + n + lookahead` tokens all or
     /// nothing. On success the position moves to `c + n` and the request's reserve is
-    /// released; on `false` nothing is allocated and the position stays. Everything is
-    /// validated first (a slot that holds no token-level request, host-tier loads in flight,
-    /// more tokens than known counting repeats of a slot, `c + n + lookahead` past u64): on
-    /// error nothing has changed.
+    /// released (with `register_on_schedule`, the full pages below `c + n` are registered
+    /// then: same-step sharing); on `false` nothing is allocated and the position stays.
+    /// Everything is validated first (a slot that holds no token-level request, host-tier
+    /// loads in flight, more tokens than known counting repeats of a slot, `c + n +
+    /// lookahead` past u64): on error nothing has changed.
     pub fn schedule(&mut self, slots: &[u64], ns: &[u64], lookahead: u64) -> CoreResult<Vec<bool>> {
         if slots.len() != ns.len() {
             return Err(CoreError::invalid(format!(
@@ -509,15 +510,41 @@ impl FlatCache {
                 }
                 state.computed = c + n;
                 self.reserved -= u128::from(std::mem::take(&mut entry.reserve));
+                if self.register_on_schedule && self.register_scheduled(at)? {
+                    let entry = &mut self.entries[at];
+                    if let Some(state) = entry.tokens.as_mut() {
+                        state.fast_until = fast_until(&self.coord, &entry.tables, state);
+                    }
+                }
                 return Ok(true);
             }
         }
         let scheduled = self.schedule_slow(at, n, lookahead)?;
+        if scheduled && self.register_on_schedule {
+            self.register_scheduled(at)?;
+        }
         let entry = &mut self.entries[at];
         if let Some(state) = entry.tokens.as_mut() {
             state.fast_until = fast_until(&self.coord, &entry.tables, state);
         }
         Ok(scheduled)
+    }
+
+    /// Same-step sharing ([`crate::engine::CacheOptions::register_on_schedule`]): after a
+    /// successful schedule, register the full pages below the new position, which the coming
+    /// forward writes, so a request admitted later in this step can hit them. Exact because
+    /// every attention layer writes the step's K/V into the pages before its attention reads
+    /// any (the option is off for models with state groups); a page the chunk fills only in
+    /// part is not full yet and is not registered. Returns whether it registered a page
+    /// (then `fast_until` must move on).
+    fn register_scheduled(&mut self, at: usize) -> CoreResult<bool> {
+        let entry = &mut self.entries[at];
+        let Some(state) = entry.tokens.as_mut() else {
+            return Ok(false);
+        };
+        let before = state.registered;
+        register_computed(&mut self.coord, &entry.tables, state)?;
+        Ok(state.registered != before)
     }
 
     /// [`Self::schedule_at`] the general way: register, reclaim, then acquire.
@@ -1642,17 +1669,29 @@ mod tests {
             /// state P = 8; either eviction order; events on) keeps every invariant, the
             /// position never passes the known tokens, a failed schedule changes nothing, each
             /// new request takes the lowest free slot, and a refused finish / preempt (a slot
-            /// listed twice) changes nothing.
+            /// listed twice) changes nothing. Sometimes without the state group and with
+            /// same-step sharing (`register_on_schedule`).
             #[test]
             fn random_token_traffic_keeps_invariants(
                 ops in proptest::collection::vec(op(), 1..60),
                 hybrid_order in any::<bool>(),
+                attention_only in any::<bool>(),
+                register_on_schedule in any::<bool>(),
             ) {
                 let order = if hybrid_order { EvictionOrder::Hybrid } else { EvictionOrder::Group };
+                let mut specs = vec![spec("full", GroupKind::Full, 4), spec("swa", sw(10), 8)];
+                if !attention_only {
+                    specs.push(spec("st", GroupKind::State, 8));
+                }
                 let mut c = cache(
-                    vec![spec("full", GroupKind::Full, 4), spec("swa", sw(10), 8), spec("st", GroupKind::State, 8)],
+                    specs,
                     30,
-                    CacheOptions { eviction_order: order, enable_kv_events: true, ..CacheOptions::default() },
+                    CacheOptions {
+                        eviction_order: order,
+                        enable_kv_events: true,
+                        register_on_schedule,
+                        ..CacheOptions::default()
+                    },
                 );
                 let ids: Vec<RequestIdRef<'static>> = (0..4).map(RequestIdRef::Int).collect();
                 // The model: the slot of each id's live request.
@@ -1795,5 +1834,46 @@ mod tests {
                 prop_assert_eq!(c.check_invariants(), Ok(()));
             }
         }
+    }
+
+    /// Same-step sharing (`register_on_schedule`): the hybrid example (full P = 4, sliding
+    /// P = 4, W = 8) where a 16-token prompt is scheduled 10 tokens at a time. The pages
+    /// `[0, 8)` are full after the first chunk, `[8, 12)` only in part, so a request added
+    /// after that schedule hits 8 tokens (without the option: nothing, the pages register at
+    /// the writer's next schedule). With a state group the option changes nothing.
+    #[test]
+    fn register_on_schedule_shares_the_pages_a_chunk_fills_in_the_same_step() {
+        let on = CacheOptions {
+            register_on_schedule: true,
+            ..CacheOptions::default()
+        };
+        let specs = || vec![spec("full", GroupKind::Full, 4), spec("swa", sw(8), 4)];
+        for (options, want) in [(CacheOptions::default(), 0), (on, 8)] {
+            let mut c = cache(specs(), 64, options);
+            let (sa, _) = add(&mut c, A, toks(0..16));
+            assert!(sched(&mut c, sa, 10, 0).unwrap());
+            let (sb, hit) = add(&mut c, B, toks(0..16));
+            assert_eq!(hit, want);
+            if want > 0 {
+                // The same pages: the hitter reads what the writer's chunk writes.
+                assert_eq!(c.page_ids(B).unwrap()[0], c.page_ids(A).unwrap()[0][..2].to_vec());
+            }
+            // The writer's next chunk (the fast path when its pages have room) registers
+            // through page 3: a third request hits the cap, 12 tokens.
+            assert!(sched(&mut c, sa, 6, 0).unwrap());
+            let (_, third) = add(&mut c, C, toks(0..16));
+            assert_eq!(third, if want > 0 { 12 } else { 8 });
+            assert!(sched(&mut c, sb, 16 - hit, 0).unwrap());
+            c.check_invariants().unwrap();
+        }
+        let mut state = cache(
+            vec![spec("full", GroupKind::Full, 4), spec("st", GroupKind::State, 4)],
+            64,
+            on,
+        );
+        let (sa, _) = add(&mut state, A, toks(0..16));
+        assert!(sched(&mut state, sa, 8, 0).unwrap());
+        assert_eq!(add(&mut state, B, toks(0..16)).1, 0);
+        state.check_invariants().unwrap();
     }
 }
