@@ -8,6 +8,7 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # type: ignore[import-not-found]
 from vllm.v1.core.sched.scheduler import Scheduler  # type: ignore[import-not-found]
 
+from flat_kvcache.vllm._arena import ArenaKVCacheManager, plan_vllm_arena
 from flat_kvcache.vllm._manager import FlatKVCacheManager, adapter_options, check_supported
 
 # vLLM's engine passes these by keyword; binding them finds the configs whatever the form.
@@ -35,7 +36,19 @@ class FlatScheduler(AsyncScheduler):  # type: ignore[misc]
         kv_cache_config = bound.arguments["kv_cache_config"]
         block_size = bound.arguments["block_size"]
         check_supported(vllm_config, kv_cache_config, block_size, bound.arguments["hash_block_size"])
+        options = adapter_options(vllm_config)
+        arena = None
+        if options["arena_page_size"] is not None:
+            # The arena under vLLM's ids (_arena.py): the worker computes the same plan from the
+            # same two configs (flat_kvcache.vllm.arena_plugin.ArenaCPUWorker).
+            arena = plan_vllm_arena(vllm_config, kv_cache_config, options["arena_page_size"])
         super().__init__(*args, **kwargs)
+        self.kv_cache_manager: FlatKVCacheManager | ArenaKVCacheManager
+        if arena is not None:
+            self.kv_cache_manager = ArenaKVCacheManager(
+                arena, max_model_len=self.max_model_len, log_stats=self.log_stats
+            )
+            return
         self.kv_cache_manager = FlatKVCacheManager(
             kv_cache_config,
             max_model_len=self.max_model_len,
@@ -45,5 +58,5 @@ class FlatScheduler(AsyncScheduler):  # type: ignore[misc]
             watermark=self.scheduler_config.watermark,
             max_in_flight_tokens=vllm_config.max_in_flight_tokens,
             enable_kv_cache_events=self.enable_kv_cache_events,
-            mamba_checkpoints=adapter_options(vllm_config)["mamba_checkpoints"],
+            mamba_checkpoints=options["mamba_checkpoints"],
         )
