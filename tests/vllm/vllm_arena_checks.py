@@ -11,7 +11,9 @@ the shapes vllm_e2e_checks.py builds) are served by vLLM's own worker and with
 off vLLM's strides; with FlatScheduler too), prefix caching off, and on in mode "align": the
 greedy tokens (and cached tokens) must be identical, and each arena run must really run on the
 arena (every layer's cache a view into the one buffer, rows one unit apart). A second check calls
-vLLM's CPU attention and GDN kernels directly on dense tensors and on arena views.
+vLLM's CPU attention and GDN kernels directly on dense tensors and on arena views. The last
+serves the arena's own ids (``arena_page_size``: 32-token attention pages, one state slot per
+request, FlatScheduler's ``ArenaKVCacheManager``) against stock, with a tight budget too.
 """
 
 from __future__ import annotations

@@ -112,6 +112,11 @@ class VllmArena:
         )
         return int(has_state) + (pages / self.pages_per_unit if self.pages_per_unit else 0.0)
 
+    def capacity_tokens(self, max_model_len: int) -> int:
+        """The KV capacity by vLLM's formula (``get_kv_cache_capacity``: requests of
+        ``max_model_len`` tokens held at once, times ``max_model_len``), the null unit aside."""
+        return int((self.num_units - 1) / self.request_units(max_model_len) * max_model_len)
+
 
 def plan_vllm_arena(vllm_config: Any, kv_cache_config: Any, page_size: int) -> VllmArena:
     """The arena for ``kv_cache_config`` (the engine core's, as the scheduler and the worker

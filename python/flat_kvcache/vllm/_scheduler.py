@@ -5,11 +5,14 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from vllm.logger import init_logger  # type: ignore[import-not-found]
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # type: ignore[import-not-found]
 from vllm.v1.core.sched.scheduler import Scheduler  # type: ignore[import-not-found]
 
 from flat_kvcache.vllm._arena import ArenaKVCacheManager, plan_vllm_arena
 from flat_kvcache.vllm._manager import FlatKVCacheManager, adapter_options, check_supported
+
+logger = init_logger(__name__)
 
 # vLLM's engine passes these by keyword; binding them finds the configs whatever the form.
 _INIT_SIGNATURE = inspect.signature(Scheduler.__init__)
@@ -47,6 +50,18 @@ class FlatScheduler(AsyncScheduler):  # type: ignore[misc]
         if arena is not None:
             self.kv_cache_manager = ArenaKVCacheManager(
                 arena, max_model_len=self.max_model_len, log_stats=self.log_stats
+            )
+            logger.info(
+                "flat-kvcache arena ids: %d units of %d bytes (%d bytes of vLLM's allocation); "
+                "attention pages of %d tokens, %d a unit, %d bytes apart; KV capacity %d tokens "
+                "by vLLM's formula (requests of max_model_len held at once x max_model_len)",
+                arena.num_units,
+                arena.unit_bytes,
+                arena.budget_bytes,
+                arena.plan.page_size,
+                arena.pages_per_unit,
+                arena.page_stride,
+                arena.capacity_tokens(self.max_model_len),
             )
             return
         self.kv_cache_manager = FlatKVCacheManager(

@@ -10,7 +10,15 @@ point is needed)::
 ``initialize_kv_cache_tensors``: instead of vLLM's ``allocate_kv_cache`` (one backing allocation
 placed by the engine core's ``KVCacheTensor`` list, every layer's page padded to one size) it
 allocates ONE buffer of :class:`VllmArenaLayout` and binds every layer a view into it through
-the layers' own ``bind_kv_cache``, as vLLM does. Block ids are vLLM's, unchanged (this step):
+the layers' own ``bind_kv_cache``, as vLLM does.
+
+With ``additional_config={"flat_kvcache": {"arena_page_size": P}}`` (and
+``scheduler_cls="flat_kvcache.vllm.FlatScheduler"``, prefix caching off) the ids are the arena's
+own (``flat_kvcache.vllm._arena``): the runner runs on the plan's ``KVCacheConfig`` (attention
+groups at ``P``-token pages) and binds :func:`paged_arena_views`, each group's views indexed by
+its own ids, which the scheduler's ``ArenaKVCacheManager`` hands out from the same plan.
+
+Without the option, block ids are vLLM's, unchanged (the first step):
 unit ``u`` of the arena is block id ``u``, and it holds, for the group that owns the block,
 each of that group's layers' page (or state) side by side, unpadded (each layer's bytes rounded
 up to :data:`ALIGN`). The exact layouts the kernels read and what the next steps change:
