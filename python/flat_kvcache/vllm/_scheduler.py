@@ -12,7 +12,8 @@ from vllm.v1.core.sched.scheduler import Scheduler  # type: ignore[import-not-fo
 from flat_kvcache.vllm._arena import ArenaKVCacheManager, plan_vllm_arena
 from flat_kvcache.vllm._manager import FlatKVCacheManager, adapter_options, check_supported
 
-logger = init_logger(__name__)
+# Under vLLM's "vllm" logger, the only one its logging config gives a handler and a level.
+logger = init_logger(f"vllm.{__name__}")
 
 # vLLM's engine passes these by keyword; binding them finds the configs whatever the form.
 _INIT_SIGNATURE = inspect.signature(Scheduler.__init__)

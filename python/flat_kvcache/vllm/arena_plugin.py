@@ -68,7 +68,8 @@ __all__ = [
     "paged_arena_views",
 ]
 
-logger = init_logger(__name__)
+# Under vLLM's "vllm" logger, the only one its logging config gives a handler and a level.
+logger = init_logger(f"vllm.{__name__}")
 
 #: Bytes each layer's region inside a unit is rounded up to: a cache line, and a multiple of
 #: every dtype's itemsize so each view's offset and stride are whole elements.
