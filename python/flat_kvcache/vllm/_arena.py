@@ -259,6 +259,13 @@ class ArenaKVCacheManager:
             arena.unit_bytes, arena.num_units, arena.arena_page_bytes, enable_caching=False
         )
         self._bases = [self.pool.group_base(g) for g in range(len(arena.plan.groups))]
+        for g, (_, place) in enumerate(arena.group_roles):
+            # The pool's ids of each group must be exactly the rows of the worker's views.
+            if self.pool.group_ids(place) != arena.num_ids(g):
+                raise RuntimeError(
+                    f"flat_kvcache arena: the pool has {self.pool.group_ids(place)} ids for KV cache "
+                    f"group {g}, the worker's views {arena.num_ids(g)} rows"
+                )
         self._pages = [g for g, (kind, _) in enumerate(arena.group_roles) if kind == "pages"]
         self._states = [g for g, (kind, _) in enumerate(arena.group_roles) if kind == "state"]
         self._page_arena = arena.group_roles[self._pages[0]][1] if self._pages else -1
