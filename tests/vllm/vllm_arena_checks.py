@@ -11,7 +11,9 @@ the shapes vllm_e2e_checks.py builds) are served by vLLM's own worker and with
 off vLLM's strides; with FlatScheduler too), prefix caching off, and on in mode "align": the
 greedy tokens (and cached tokens) must be identical, and each arena run must really run on the
 arena (every layer's cache a view into the one buffer, rows one unit apart). A second check calls
-vLLM's CPU attention and GDN kernels directly on dense tensors and on arena views.
+vLLM's CPU attention and GDN kernels directly on dense tensors and on arena views. The last
+serves the arena's own ids (``arena_page_size``: 32-token attention pages, one state slot per
+request, FlatScheduler's ``ArenaKVCacheManager``) against stock, with a tight budget too.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from vllm_tiny_models import VOCAB, qwen3_next, qwen35
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     from flat_kvcache.vllm import arena_plugin
+    from flat_kvcache.vllm._arena import VllmArena
     from vllm import LLM, SamplingParams  # type: ignore[import-not-found,attr-defined,unused-ignore]
 
 pytestmark = [
@@ -120,9 +123,20 @@ def _arena_facts(worker: Any) -> dict[str, Any]:
         unit_bytes=layout.unit_bytes,
         num_units=layout.num_units,
         arena_bytes=layout.total_bytes,
+        layers=layers,
+    )
+    if isinstance(layout, VllmArena):
+        # The arena's own ids: the groups' block sizes the runner runs on, the page stride.
+        facts.update(
+            stock_bytes=layout.budget_bytes,
+            page_stride=layout.page_stride,
+            block_sizes=[g.kv_cache_spec.block_size for g in runner.kv_cache_config.kv_cache_groups],
+            plan_unit_bytes=layout.plan.unit_bytes,
+        )
+        return facts
+    facts.update(
         stock_bytes=layout.stock_bytes,
         group_bytes=[layout.group_bytes(g) for g in range(len(runner.kv_cache_config.kv_cache_groups))],
-        layers=layers,
     )
     return facts
 
@@ -134,9 +148,12 @@ def serve(
     prefix_caching: bool = False,
     shifted: bool = False,
     scheduler_cls: str | None = None,
+    extra_round: list[list[int]] | None = None,
+    **overrides: Any,
 ) -> dict[str, Any]:
-    """Both rounds on one engine (in this process: ``shifted`` swaps the plugin's layout)."""
-    settings = dict(SETTINGS, enable_prefix_caching=prefix_caching)
+    """Both rounds on one engine (in this process: ``shifted`` swaps the plugin's layout), then
+    ``extra_round`` if given; ``overrides`` replace engine arguments of :data:`SETTINGS`."""
+    settings = dict(SETTINGS, enable_prefix_caching=prefix_caching, **overrides)
     if worker_cls is not None:
         settings["worker_cls"] = worker_cls
     if scheduler_cls is not None:
@@ -148,23 +165,54 @@ def serve(
     finally:
         arena_plugin.layout_for_vllm_ids = _PLUGIN_LAYOUT
     try:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        preempted: list[tuple[str, int]] = []
+        preempt = scheduler._preempt_request
+
+        def counting(request: Any, *args: Any, **kwargs: Any) -> Any:
+            preempted.append((request.request_id, request.num_output_tokens))
+            return preempt(request, *args, **kwargs)
+
+        scheduler._preempt_request = counting
+        peak = [0]
+        schedule = scheduler.schedule
+
+        def watching(*args: Any, **kwargs: Any) -> Any:
+            out = schedule(*args, **kwargs)
+            peak[0] = max(peak[0], len(scheduler.running))
+            return out
+
+        scheduler.schedule = watching
         greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
         outputs = []
-        for prompts in _prompts():
+        for prompts in (*_prompts(), *([extra_round] if extra_round else [])):
             outputs += llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
-        groups = [
-            type(g.kv_cache_spec).__name__
-            for g in llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
-        ]
+        manager = scheduler.kv_cache_manager
         return {
             "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+            "request_ids": [o.request_id for o in outputs],
             "cached": [o.num_cached_tokens for o in outputs],
-            "groups": groups,
+            "groups": [type(g.kv_cache_spec).__name__ for g in scheduler.kv_cache_config.kv_cache_groups],
+            "manager": type(manager).__name__,
+            "preemptions": preempted,
+            "peak_running": peak[0],
+            # vLLM's reported KV capacity (tokens of max_model_len requests the pool holds at once).
+            "capacity": llm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens,
+            "arena_capacity": _arena_capacity(manager, settings["max_model_len"]),
             "facts": llm.collective_rpc(_arena_facts)[0],
         }
     finally:
         del llm
         gc.collect()
+
+
+def _arena_capacity(manager: Any, max_model_len: int) -> int | None:
+    """The arena's KV capacity by vLLM's own formula (``get_kv_cache_capacity``: the requests of
+    ``max_model_len`` tokens the pool holds at once, times ``max_model_len``), None off the arena."""
+    arena = getattr(manager, "arena", None)
+    if arena is None:
+        return None
+    return int((arena.num_units - 1) / arena.request_units(max_model_len) * max_model_len)
 
 
 def _check_arena(run: dict[str, Any], shifted: bool) -> None:
@@ -406,3 +454,86 @@ if __name__ == "__main__":
             scheduler_cls=FLAT if which == "flat" else None,
         )
         print(json.dumps(result))
+
+
+# -- the arena's own ids (issue 37 stage 3, first slice: prefix caching off) --------------------
+
+#: The arena under vLLM's ids: attention pages of 32 tokens (vLLM's CPU attention kernel block)
+#: instead of the 64-token blocks vLLM grows for the tiny Qwen3.5, every GDN layer's state in one
+#: unpadded slot (flat_kvcache.vllm._arena). Whole prompts per step (2,048 batched tokens), so a
+#: request's chunk cuts do not depend on what else runs.
+ARENA_IDS: dict[str, Any] = dict(
+    scheduler_cls=FLAT,
+    additional_config={"flat_kvcache": {"arena_page_size": 32}},
+    max_num_batched_tokens=2048,
+)
+TIGHT_BYTES = 3 << 20
+
+
+def _resumed(run: dict[str, Any], prompts: list[list[int]]) -> dict[int, tuple[int, list[int]]]:
+    """Per request the run preempted (output index -> (outputs it had at its last preemption,
+    the prompt it was recomputed from: its prompt and those outputs))."""
+    last: dict[int, int] = {}
+    for internal, done in run["preemptions"]:
+        for index, external in enumerate(run["request_ids"]):
+            if internal == external or internal.startswith(f"{external}-"):
+                last[index] = done
+    return {i: (n, prompts[i] + run["tokens"][i][:n]) for i, n in last.items()}
+
+
+def test_arena_ids_tokens_identical_and_capacity(tmp_path: Path) -> None:
+    """Prefix caching off on both sides, the tiny Qwen3.5: FlatScheduler handing out the arena's
+    own ids (32-token attention pages, one state slot per request for every GDN layer) gives stock
+    vLLM's greedy tokens; at a tight budget it preempts, and each preempted request continues as
+    stock continues the prompt it was recomputed from (its prompt and the tokens it had: stock's
+    own computation of the same cut); and it holds more: vLLM's capacity formula and the requests
+    running at once."""
+    model_dir = qwen35(tmp_path / "qwen3.5")
+    wide = serve(model_dir, ARENA_WORKER, **ARENA_IDS)
+    tight = serve(model_dir, ARENA_WORKER, **dict(ARENA_IDS, kv_cache_memory_bytes=TIGHT_BYTES))
+    prompts = [p for round_ in _prompts() for p in round_]
+    resumed = _resumed(tight, prompts)
+    assert resumed, "the tight budget must preempt"
+    order = sorted(resumed)
+    stock = serve(
+        model_dir,
+        None,
+        max_num_batched_tokens=2048,
+        extra_round=[resumed[i][1] for i in order],
+    )
+    count = len(prompts)
+    for run in (wide, tight):
+        facts = run["facts"]
+        assert run["manager"] == "ArenaKVCacheManager"
+        assert facts["runner"] == "ArenaCPUModelRunner"
+        # The runner's attention group runs at the page size; the GDN groups keep one block.
+        assert facts["block_sizes"] == [1024, 1024, 1024, 32]
+        assert facts["arena_bytes"] <= facts["stock_bytes"]
+        for name, layer in facts["layers"].items():
+            assert layer["same_storage"], name
+            rows = facts["page_stride"] if name.endswith("self_attn.attn") else facts["unit_bytes"]
+            assert set(layer["row_bytes"]) == {rows}, (name, layer)
+    assert wide["tokens"] == stock["tokens"][:count]
+    extra = dict(zip(order, stock["tokens"][count:], strict=True))
+    for i in range(count):
+        if i in resumed:
+            done = resumed[i][0]
+            assert tight["tokens"][i][done:] == extra[i][: 40 - done], i
+        else:
+            assert tight["tokens"][i] == stock["tokens"][i], i
+    # Capacity, vLLM's own formula (requests of max_model_len held at once x max_model_len): the
+    # arena's at the same bytes is at least stock's.
+    assert wide["arena_capacity"] >= wide["capacity"]
+    print(
+        json.dumps(
+            {
+                "capacity_24MiB": {"stock": wide["capacity"], "arena": wide["arena_capacity"]},
+                "tight_3MiB": {
+                    "arena_peak_running": tight["peak_running"],
+                    "arena_preemptions": tight["preemptions"],
+                    "stock_capacity": tight["capacity"],
+                    "arena_capacity": tight["arena_capacity"],
+                },
+            }
+        )
+    )

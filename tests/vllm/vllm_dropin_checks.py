@@ -1105,6 +1105,11 @@ REUSE_CONFIG = {"flat_kvcache": {"mamba_checkpoints": "reuse"}}
         ({"flat_kvcache": {"mamba_checkpoint": "reuse"}}, "'mamba_checkpoint'"),
         ({"flat_kvcache": {"mamba_checkpoints": "reuse", "grain": 512}}, "'grain'"),
         ({"flat_kvcache": "reuse"}, "'reuse'"),
+        ({"flat_kvcache": {"arena_page_size": 0}}, "arena_page_size = 0"),
+        ({"flat_kvcache": {"arena_page_size": True}}, "arena_page_size = True"),
+        ({"flat_kvcache": {"arena_page_size": "32"}}, "arena_page_size = '32'"),
+        # The arena's ids index the views ArenaCPUWorker binds: with vLLM's own worker, refused.
+        ({"flat_kvcache": {"arena_page_size": 32}}, "worker_cls='auto'"),
     ],
 )
 def test_mamba_checkpoints_bad_option_refused(model_dir: Path, extra: dict[str, Any], named: str) -> None:

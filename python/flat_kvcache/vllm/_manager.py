@@ -67,13 +67,16 @@ class UnsupportedVllmConfigError(ValueError):
 MAMBA_CHECKPOINTS = ("vllm", "reuse")
 
 
-def adapter_options(vllm_config: Any) -> dict[str, str]:
+def adapter_options(vllm_config: Any) -> dict[str, Any]:
     """This adapter's options, read from ``vllm_config.additional_config["flat_kvcache"]``.
 
-    Returns ``{"mamba_checkpoints": "vllm" | "reuse"}`` (``"vllm"`` when the entry is absent).
-    Any other key, or another value, is an :class:`UnsupportedVllmConfigError` naming it; the
-    other entries of ``additional_config`` belong to other plugins and are not read."""
-    options = {"mamba_checkpoints": "vllm"}
+    Returns ``{"mamba_checkpoints": "vllm" | "reuse", "arena_page_size": int | None}``
+    (``"vllm"`` and None when absent). ``arena_page_size`` (tokens per attention page, > 0) turns
+    on the SPEC 13 arena under vLLM's ids (``flat_kvcache.vllm._arena``; the scheduler and
+    ``ArenaCPUWorker`` both read it). Any other key, or another value, is an
+    :class:`UnsupportedVllmConfigError` naming it; the other entries of ``additional_config``
+    belong to other plugins and are not read."""
+    options: dict[str, Any] = {"mamba_checkpoints": "vllm", "arena_page_size": None}
     extra = getattr(vllm_config, "additional_config", None)
     if not isinstance(extra, dict) or "flat_kvcache" not in extra:
         return options
@@ -85,11 +88,18 @@ def adapter_options(vllm_config: Any) -> dict[str, str]:
             "e.g. {'mamba_checkpoints': 'reuse'})"
         )
     for key, value in ours.items():
-        if key != "mamba_checkpoints":
+        if key == "arena_page_size":
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise UnsupportedVllmConfigError(
+                    f"{prefix} arena_page_size = {value!r} (additional_config['flat_kvcache']; "
+                    "tokens per attention page, an int > 0)"
+                )
+        elif key != "mamba_checkpoints":
             raise UnsupportedVllmConfigError(
-                f"{prefix} the option additional_config['flat_kvcache'][{key!r}] (known: 'mamba_checkpoints')"
+                f"{prefix} the option additional_config['flat_kvcache'][{key!r}] "
+                "(known: 'mamba_checkpoints', 'arena_page_size')"
             )
-        if value not in MAMBA_CHECKPOINTS:
+        elif value not in MAMBA_CHECKPOINTS:
             raise UnsupportedVllmConfigError(
                 f"{prefix} mamba_checkpoints = {value!r} (additional_config['flat_kvcache']; "
                 f"one of {', '.join(repr(v) for v in MAMBA_CHECKPOINTS)})"

@@ -5,10 +5,15 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from vllm.logger import init_logger  # type: ignore[import-not-found]
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # type: ignore[import-not-found]
 from vllm.v1.core.sched.scheduler import Scheduler  # type: ignore[import-not-found]
 
+from flat_kvcache.vllm._arena import ArenaKVCacheManager, plan_vllm_arena
 from flat_kvcache.vllm._manager import FlatKVCacheManager, adapter_options, check_supported
+
+# Under vLLM's "vllm" logger, the only one its logging config gives a handler and a level.
+logger = init_logger(f"vllm.{__name__}")
 
 # vLLM's engine passes these by keyword; binding them finds the configs whatever the form.
 _INIT_SIGNATURE = inspect.signature(Scheduler.__init__)
@@ -35,7 +40,31 @@ class FlatScheduler(AsyncScheduler):  # type: ignore[misc]
         kv_cache_config = bound.arguments["kv_cache_config"]
         block_size = bound.arguments["block_size"]
         check_supported(vllm_config, kv_cache_config, block_size, bound.arguments["hash_block_size"])
+        options = adapter_options(vllm_config)
+        arena = None
+        if options["arena_page_size"] is not None:
+            # The arena under vLLM's ids (_arena.py): the worker computes the same plan from the
+            # same two configs (flat_kvcache.vllm.arena_plugin.ArenaCPUWorker).
+            arena = plan_vllm_arena(vllm_config, kv_cache_config, options["arena_page_size"])
         super().__init__(*args, **kwargs)
+        self.kv_cache_manager: FlatKVCacheManager | ArenaKVCacheManager
+        if arena is not None:
+            self.kv_cache_manager = ArenaKVCacheManager(
+                arena, max_model_len=self.max_model_len, log_stats=self.log_stats
+            )
+            logger.info(
+                "flat-kvcache arena ids: %d units of %d bytes (%d bytes of vLLM's allocation); "
+                "attention pages of %d tokens, %d a unit, %d bytes apart; KV capacity %d tokens "
+                "by vLLM's formula (requests of max_model_len held at once x max_model_len)",
+                arena.num_units,
+                arena.unit_bytes,
+                arena.budget_bytes,
+                arena.plan.page_size,
+                arena.pages_per_unit,
+                arena.page_stride,
+                arena.capacity_tokens(self.max_model_len),
+            )
+            return
         self.kv_cache_manager = FlatKVCacheManager(
             kv_cache_config,
             max_model_len=self.max_model_len,
@@ -45,5 +74,5 @@ class FlatScheduler(AsyncScheduler):  # type: ignore[misc]
             watermark=self.scheduler_config.watermark,
             max_in_flight_tokens=vllm_config.max_in_flight_tokens,
             enable_kv_cache_events=self.enable_kv_cache_events,
-            mamba_checkpoints=adapter_options(vllm_config)["mamba_checkpoints"],
+            mamba_checkpoints=options["mamba_checkpoints"],
         )

@@ -10,7 +10,15 @@ point is needed)::
 ``initialize_kv_cache_tensors``: instead of vLLM's ``allocate_kv_cache`` (one backing allocation
 placed by the engine core's ``KVCacheTensor`` list, every layer's page padded to one size) it
 allocates ONE buffer of :class:`VllmArenaLayout` and binds every layer a view into it through
-the layers' own ``bind_kv_cache``, as vLLM does. Block ids are vLLM's, unchanged (this step):
+the layers' own ``bind_kv_cache``, as vLLM does.
+
+With ``additional_config={"flat_kvcache": {"arena_page_size": P}}`` (and
+``scheduler_cls="flat_kvcache.vllm.FlatScheduler"``, prefix caching off) the ids are the arena's
+own (``flat_kvcache.vllm._arena``): the runner runs on the plan's ``KVCacheConfig`` (attention
+groups at ``P``-token pages) and binds :func:`paged_arena_views`, each group's views indexed by
+its own ids, which the scheduler's ``ArenaKVCacheManager`` hands out from the same plan.
+
+Without the option, block ids are vLLM's, unchanged (the first step):
 unit ``u`` of the arena is block id ``u``, and it holds, for the group that owns the block,
 each of that group's layers' page (or state) side by side, unpadded (each layer's bytes rounded
 up to :data:`ALIGN`). The exact layouts the kernels read and what the next steps change:
@@ -46,6 +54,7 @@ from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found]
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # type: ignore[import-not-found]
 from vllm.v1.worker.utils import bind_kv_cache  # type: ignore[import-not-found]
 
+from flat_kvcache.vllm._arena import VllmArena, arena_page_size, plan_vllm_arena
 from flat_kvcache.vllm._manager import UnsupportedVllmConfigError
 
 __all__ = [
@@ -56,9 +65,11 @@ __all__ = [
     "VllmArenaLayout",
     "arena_layer_views",
     "layout_for_vllm_ids",
+    "paged_arena_views",
 ]
 
-logger = init_logger(__name__)
+# Under vLLM's "vllm" logger, the only one its logging config gives a handler and a level.
+logger = init_logger(f"vllm.{__name__}")
 
 #: Bytes each layer's region inside a unit is rounded up to: a cache line, and a multiple of
 #: every dtype's itemsize so each view's offset and stride are whole elements.
@@ -206,6 +217,56 @@ def arena_layer_views(
     return views
 
 
+def paged_arena_views(
+    buffer: torch.Tensor, arena: VllmArena, kv_cache_layout: Any
+) -> dict[str, torch.Tensor]:
+    """Each layer's view into ``buffer`` (1-D ``int8``, ``arena.total_bytes``) for the arena's
+    own ids (``flat_kvcache.vllm._arena``): an attention layer ``[pages, H, N, C]`` (N the page
+    size) whose row ``p`` is page ``p`` at byte ``p * page_stride`` plus the layer's offset in the
+    page; a mamba / GDN layer ``[units, 1, 1, state bytes]`` whose row ``s`` is state slot ``s``
+    (unit ``s``) plus the layer's offset in the slot. Dim 0 of each view is its group's ids."""
+    if buffer.dtype != torch.int8 or buffer.dim() != 1 or buffer.numel() != arena.total_bytes:
+        raise ValueError(f"the arena buffer must be 1-D int8 of {arena.total_bytes} bytes")
+    if any(axis not in kv_cache_layout.stride_order[-3:] for axis in (_H, _N, _C)):
+        raise UnsupportedVllmConfigError(
+            f"KV cache layout {kv_cache_layout.name}: a page's [H, N, C] is not one contiguous run, "
+            "so it cannot sit in an arena page"
+        )
+    config = arena.kv_cache_config
+    views: dict[str, torch.Tensor] = {}
+    for group_id, group in enumerate(config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        kind, _ = arena.group_roles[group_id]
+        rows = arena.num_ids(group_id)
+        for name in group.layer_names:
+            offset, nbytes = arena.layer_offsets[name]
+            if kind == "state":
+                views[name] = torch.as_strided(
+                    buffer, (rows, 1, 1, nbytes), (arena.unit_bytes, nbytes, nbytes, 1), offset
+                )
+                continue
+            dtype = spec.dtype
+            item = dtype.itemsize
+            content_bytes = int(spec.state_content_size_bytes)
+            if content_bytes % item or arena.page_stride % item or offset % item:
+                raise UnsupportedVllmConfigError(
+                    f"layer {name}: its page content of {content_bytes} bytes is not whole {dtype} elements"
+                )
+            heads, tokens, content = int(spec.num_heads), int(spec.num_states), content_bytes // item
+            if heads * tokens * content * item != nbytes:
+                raise UnsupportedVllmConfigError(
+                    f"layer {name}: the plan's page ({nbytes} bytes) is not vLLM's"
+                )
+            h, n, c = _interior_strides(kv_cache_layout, heads, tokens, content)
+            views[name] = torch.as_strided(
+                buffer.view(dtype),
+                (rows, heads, tokens, content),
+                (arena.page_stride // item, h, n, c),
+                offset // item,
+            )
+    return views
+
+
 class ArenaCPUModelRunner(CPUModelRunner):  # type: ignore[misc]
     """vLLM's ``CPUModelRunner`` whose KV cache is one arena buffer (:func:`layout_for_vllm_ids`).
 
@@ -214,7 +275,36 @@ class ArenaCPUModelRunner(CPUModelRunner):  # type: ignore[misc]
     """
 
     flat_arena: torch.Tensor
-    flat_arena_layout: VllmArenaLayout
+    flat_arena_layout: VllmArenaLayout | VllmArena
+
+    def initialize_kv_cache(
+        self,
+        kv_cache_config: KVCacheConfig,
+        is_profiling: bool = False,
+        kv_cache_allocation_context: AbstractContextManager[Any] | None = None,
+    ) -> None:
+        # With the ``arena_page_size`` option the runner runs on the arena's config (attention
+        # groups at the page size, each group's ids its own), planned from the engine core's
+        # config exactly as FlatScheduler plans it.
+        page_size = arena_page_size(self.vllm_config)
+        self._flat_paged: VllmArena | None = None
+        if page_size is not None:
+            scheduler = self.vllm_config.scheduler_config.scheduler_cls
+            name = (
+                scheduler
+                if isinstance(scheduler, str)
+                else f"{scheduler.__module__}.{scheduler.__qualname__}"
+            )
+            if not name.startswith("flat_kvcache.vllm"):
+                raise UnsupportedVllmConfigError(
+                    "the flat_kvcache arena (arena_page_size) hands out its own ids: it needs "
+                    f"scheduler_cls='flat_kvcache.vllm.FlatScheduler', not {name!r}"
+                )
+            self._flat_paged = plan_vllm_arena(self.vllm_config, kv_cache_config, page_size)
+            kv_cache_config = self._flat_paged.kv_cache_config
+        super().initialize_kv_cache(
+            kv_cache_config, is_profiling, kv_cache_allocation_context=kv_cache_allocation_context
+        )
 
     def initialize_kv_cache_tensors(
         self,
@@ -234,12 +324,18 @@ class ArenaCPUModelRunner(CPUModelRunner):  # type: ignore[misc]
                     f"KV cache group {group_id}: the attention kernel block ({kernel} tokens) differs "
                     f"from the manager block ({spec.block_size}); the kernel-block split is not mapped yet"
                 )
-        arena = layout_for_vllm_ids(kv_cache_config)
+        layout = self.cache_config.get_resolved_kv_cache_layout()
+        paged = getattr(self, "_flat_paged", None)
+        arena: VllmArenaLayout | VllmArena = (
+            paged if paged is not None else layout_for_vllm_ids(kv_cache_config)
+        )
         with kv_cache_allocation_context or nullcontext():
             buffer = torch.zeros(arena.total_bytes, dtype=torch.int8, device=self.device)
-        kv_caches = arena_layer_views(
-            buffer, arena, kv_cache_config, self.cache_config.get_resolved_kv_cache_layout()
-        )
+        if paged is not None:
+            kv_caches = paged_arena_views(buffer, paged, layout)
+        else:
+            assert isinstance(arena, VllmArenaLayout)
+            kv_caches = arena_layer_views(buffer, arena, kv_cache_config, layout)
         # Layers that read another layer's KV cache (cross-layer sharing) get its view.
         for layer_name, target in self.shared_kv_cache_layers.items():
             kv_caches[layer_name] = kv_caches[target]
@@ -259,7 +355,7 @@ class ArenaCPUModelRunner(CPUModelRunner):  # type: ignore[misc]
             arena.num_units,
             arena.unit_bytes,
             arena.total_bytes,
-            arena.stock_bytes,
+            arena.budget_bytes if isinstance(arena, VllmArena) else arena.stock_bytes,
         )
         return kv_caches
 
