@@ -246,7 +246,7 @@ def test_an_evicted_checkpoint_falls_back_to_an_earlier_one(kind: str, engine: M
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_whole_prefixes_drop_only_pages_no_checkpoint_can_resume(kind: str, engine: ModuleType) -> None:
-    # SPEC 13.8f under the reuse policy: a finished request's full-attention pages past its last
+    # SPEC 13.8c under the reuse policy: a finished request's full-attention pages past its last
     # kept checkpoint lose their keys (no hit can resume there), and when a checkpoint is evicted
     # the pages only its path held go too. Every later hit must still compute exactly.
     s = setup(kind, engine, num_units=12, max_live=1, eviction_policy="reuse", enable_kv_events=True)
