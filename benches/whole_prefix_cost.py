@@ -1,4 +1,4 @@
-"""What whole hybrid prefixes (SPEC 13.8f, the ``reuse`` policy) cost on long conversations.
+"""What whole hybrid prefixes (SPEC 13.8c, the ``reuse`` policy) cost on long conversations.
 
 At a request's finish the ``reuse`` policy remembers the path of each checkpoint it kept, and
 when a checkpoint leaves the cache it forgets it. Counting every whole path costs the whole

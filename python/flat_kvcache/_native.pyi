@@ -656,11 +656,10 @@ class FlatKVCache(_PagedCacheBase):
         caller must run every chunk it scheduled. Ignored for a model with state groups (a
         checkpoint exists only once its chunk is computed).
 
-        ``eviction_policy`` says which state checkpoints are kept (SPEC 13.8): ``"lru"``
-        (default: every checkpoint SPEC 13.5 writes, until the pool evicts it, oldest first) or
-        ``"reuse"`` (where reuse is likely: the body's end on the sharing grain learned from
-        the divergence points of the prompts seen, probationary prompt checkpoints dropped at
-        finish, decode checkpoints kept on evidence of reuse).
+        ``eviction_policy`` is the state checkpoint policy (SPEC 13.8): both ``"lru"``
+        (default) and ``"reuse"`` keep every checkpoint SPEC 13.5 writes until the pool evicts
+        it, oldest first; ``"reuse"`` adds the body's end on the sharing grain learned from the
+        divergence points of the prompts seen, and whole hybrid prefixes.
 
         ``eviction_order`` ``"hybrid"`` frees a request's pages by slot end token, descending,
         across all groups (SPEC 12.3); ``"group"`` frees group 0's table tail first, then group

@@ -449,9 +449,9 @@ def _add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
         "--eviction-policy",
         choices=("lru", "reuse"),
         default="lru",
-        help="which state checkpoints the cache keeps (SPEC 13.8): every one until evicted "
-        "(lru, default) or where reuse is likely (reuse: the body's end on the sharing grain "
-        "learned from the prompts seen, probationary checkpoints dropped at finish)",
+        help="the state checkpoint policy (SPEC 13.8): both keep every checkpoint until evicted; "
+        "reuse adds the body's end on the sharing grain learned from the prompts seen and whole "
+        "hybrid prefixes (lru, default)",
     )
     parser.add_argument(
         "--reuse-uncached-first",

@@ -246,7 +246,7 @@ def test_an_evicted_checkpoint_falls_back_to_an_earlier_one(kind: str, engine: M
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_whole_prefixes_drop_only_pages_no_checkpoint_can_resume(kind: str, engine: ModuleType) -> None:
-    # SPEC 13.8f under the reuse policy: a finished request's full-attention pages past its last
+    # SPEC 13.8c under the reuse policy: a finished request's full-attention pages past its last
     # kept checkpoint lose their keys (no hit can resume there), and when a checkpoint is evicted
     # the pages only its path held go too. Every later hit must still compute exactly.
     s = setup(kind, engine, num_units=12, max_live=1, eviction_policy="reuse", enable_kv_events=True)
@@ -254,9 +254,9 @@ def test_whole_prefixes_drop_only_pages_no_checkpoint_can_resume(kind: str, engi
     full = next(g for g, spec in enumerate(specs) if spec.kind == "full")
     base = tokens(6, 30)
     first = run_greedy(s.runner, {"a": base}, 2, chunk_size=12, max_running=1)
-    # a: checkpoints at 8, 16, 24 (chunks cut on the grain; 8 and 16 are dropped at finish, 24 is
-    # its last); its 7 full pages of 4 tokens hold [0, 28): page 6 ([24, 28)) lies past every
-    # checkpoint and is the only one dropped.
+    # a: checkpoints at 8, 16, 24 (chunks cut on the grain; all kept); its 7 full pages of 4
+    # tokens hold [0, 28): page 6 ([24, 28)) lies past every checkpoint and is the only one
+    # dropped.
     removed = [
         h.hex()
         for e in s.cache.take_events()
@@ -273,6 +273,23 @@ def test_whole_prefixes_drop_only_pages_no_checkpoint_can_resume(kind: str, engi
     (hit,) = records["c"].hits
     assert hit % G == 0 and starts(records["c"])[0] == hit
     exact(s, {**first, **records})
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_earlier_chunk_end_checkpoint_resumes_exactly_under_reuse(kind: str, engine: ModuleType) -> None:
+    # SPEC 13.8: a checkpoint at t serves every later prompt that shares at least t tokens, so
+    # under reuse a finished request keeps its earlier chunk ends too. a (chunks of 12, cut on
+    # the grain) leaves 8, 16 and 24; b shares 18 tokens and diverges before 24: it resumes at
+    # 16 and computes only the rest, with the model's own logits.
+    s = setup(kind, engine, eviction_policy="reuse")
+    base = tokens(8, 30)
+    prompts = {"a": base, "b": [*base[:18], *tokens(62, 6)]}
+    records = run_greedy(s.runner, prompts, 2, chunk_size=12, max_running=1)
+    assert starts(records["a"])[:4] == [0, 8, 16, 24]
+    assert records["b"].hits == [16]
+    assert starts(records["b"])[0] == 16
+    exact(s, records)
 
 
 @pytest.mark.parametrize("kind", ALL_KINDS)

@@ -4,13 +4,12 @@ A model with one full-attention group (4-token pages) and one state group (check
 G = 8) over an arena roomy enough that nothing is evicted, so every difference below comes from
 the policy's own rules:
 
+- every checkpoint SPEC 13.5 writes stays cached until the pool evicts it, under both policies:
+  a checkpoint at t serves every later prompt that shares at least t tokens, wherever it
+  diverges after t (no drop at finish);
 - the sharing grain S is the largest G * 2**k dividing 9 in 10 of the divergence points seen,
   once 16 were seen (G before);
-- under S > G a prompt's body ends at the last multiple of S before its last token;
-- at finish, prompt checkpoints are dropped except the branch point and the last one when it
-  lies on S;
-- at finish, a decode checkpoint is kept by the n-th request that has one for n a power of two
-  (the probes), and by every one once a kept one was hit.
+- under S > G a prompt's body ends at the last multiple of S before its last token.
 
 ``lru`` keeps today's rules (the same calls give the SPEC 13.5 cuts and hits).
 """
@@ -90,7 +89,7 @@ def test_the_body_ends_on_the_learned_sharing_grain(engine: ModuleType) -> None:
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_probationary_prompt_checkpoints_are_dropped_at_finish(engine: ModuleType) -> None:
+def test_every_prompt_checkpoint_serves_the_prompts_that_reach_it(engine: ModuleType) -> None:
     reuse, lru = make(engine, "reuse"), make(engine, "lru")
     teach(reuse)
     teach(lru)
@@ -99,10 +98,13 @@ def test_probationary_prompt_checkpoints_are_dropped_at_finish(engine: ModuleTyp
     # 64 under G = 8 too), then the tail; checkpoints at 16, 32, 48 and 64
     assert run(reuse, "long", prompt, limit=16)[1] == [16, 16, 16, 16, 6]
     assert run(lru, "long", prompt, limit=16)[1] == [16, 16, 16, 16, 6]
+    # A prompt sharing 52 tokens reaches the checkpoints at 16, 32 and 48 and diverges past 48:
+    # the deepest, 48, serves it under both policies (SPEC 13.8: none is dropped at finish).
     follower = [*prompt[:52], *base(5, seed=51)]
-    # lru kept 48; reuse dropped 16, 32 and 48 at finish (not the last, 64; no branch point)
     assert run(lru, "follower", follower)[0] == 48
-    assert run(reuse, "follower", follower)[0] == 0
+    assert run(reuse, "follower", follower)[0] == 48
+    # One sharing 20 tokens diverges past 16 only: 16 serves it.
+    assert run(reuse, "short", [*prompt[:20], *base(5, seed=53)])[0] == 16
     # the next turn resumes at the last under both
     turn = [*prompt, *base(5, seed=52)]
     assert run(lru, "turn", turn)[0] == 64
@@ -110,21 +112,51 @@ def test_probationary_prompt_checkpoints_are_dropped_at_finish(engine: ModuleTyp
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_decode_checkpoints_are_kept_on_probes_then_on_evidence(engine: ModuleType) -> None:
-    cache = make(engine, "reuse")
+def test_every_decode_checkpoint_stays_for_the_next_turn(engine: ModuleType) -> None:
     # Each request: a 9-token prompt, then 16 decoded tokens: decode's latest checkpoint is at
-    # 24 (computed reaches 24 after the 15th decode step; the 16th token is not computed).
-    prompts = [base(9, seed=200 + i) for i in range(9)]
-    answers = [[*p, *(10_000 + j for j in range(15))] for p in prompts]
-    for i, prompt in enumerate(prompts):
-        run(cache, f"r{i}", prompt, decode=16)
-    # The probes are the 1st, 2nd, 4th and 8th requests (kept); the others resume at the
-    # prompt's checkpoint, 8.
-    hits = [run(cache, f"again{i}", [*answers[i], 7])[0] for i in range(9)]
-    assert hits == [24, 24, 8, 24, 8, 8, 8, 24, 8]
-    # The probe's checkpoint was hit (again0): evidence; from now on every one is kept.
-    run(cache, "after", base(9, seed=300), decode=16)
-    assert run(cache, "after-again", [*base(9, seed=300), *(10_000 + j for j in range(15)), 7])[0] == 24
+    # 24 (computed reaches 24 after the 15th decode step; the 16th token is not computed). A
+    # next turn carrying the answer shares 24 + tokens with it: it resumes at 24, for every
+    # request (SPEC 13.5d, 13.8: no request's decode checkpoint is dropped at finish).
+    for policy in ("reuse", "lru"):
+        cache = make(engine, policy)
+        prompts = [base(9, seed=200 + i) for i in range(9)]
+        for i, prompt in enumerate(prompts):
+            run(cache, f"r{i}", prompt, decode=16)
+        answers = [[*p, *(10_000 + j for j in range(15))] for p in prompts]
+        hits = [run(cache, f"again{i}", [*answers[i], 7])[0] for i in range(9)]
+        assert hits == [24] * 9, policy
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_issue_38_an_earlier_chunk_end_serves_a_prompt_diverging_past_it(engine: ModuleType) -> None:
+    # Issue 38's reproduction on the qwen3.5-like preset over a 40 GiB arena (nothing evicted):
+    # a 4,000-token prompt computed in 1,024-token chunks leaves checkpoints at 1,024, 2,048
+    # and 3,072 (13.5a) and at its body's end; a prompt of its first 3,000 tokens and 100
+    # others shares at least 2,048 tokens and diverges before 3,072, so the checkpoint at
+    # 2,048 serves it, under either policy (it used to be 0 under reuse).
+    import dataclasses
+
+    from flat_kvcache import plan_arena
+    from flat_kvcache._types import STATE, kv_cache_specs
+    from flat_kvcache.config import group_specs_from_config
+    from flat_kvcache.presets import get_preset
+    from flat_kvcache.torch import ModelShape
+
+    cfg = get_preset("qwen3.5-like")
+    arena = plan_arena(ModelShape.from_config(cfg).components(), 16, 40 * 2**30)
+    # 16-token attention pages, state checkpoints every 64 tokens (cache_from_config's default).
+    specs = [
+        dataclasses.replace(spec, page_size=64) if spec.kind == STATE else spec
+        for spec in kv_cache_specs(group_specs_from_config(cfg, page_size=16))
+    ]
+    prompt = base(4000, seed=3)
+    for policy in ("reuse", "lru"):
+        cache = engine.FlatKVCache(specs, arena=arena, eviction_policy=policy)
+        slot, _ = cache.add_request("long", prompt)
+        while (n := cache.next_chunk(slot, 1024)) > 0:
+            assert cache.schedule([slot], [n])[0]
+        cache.finish([slot])
+        assert cache.prefix_hit_tokens([*prompt[:3000], *base(100, seed=4)]) == 2048, policy
 
 
 @pytest.mark.parametrize("engine", ENGINES)

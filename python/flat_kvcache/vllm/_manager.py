@@ -785,8 +785,8 @@ class FlatKVCacheManager:
     def _reuse_keeps(self, request: Any, placement: _Placement, slot: int) -> bool:
         """Whether the reuse policy keys the mamba state ending at slot ``slot``: a placed prompt
         checkpoint, or the decode checkpoint (the last block boundary the request can reach with
-        ``max_tokens``; none for a request that stops earlier) when ``ReuseEvidence`` keeps it
-        (always once a kept one was hit, else only the probes). Other states stay unkeyed."""
+        ``max_tokens``; none for a request that stops earlier), kept like any cached block
+        (SPEC 13.8: eviction decides). Other states stay unkeyed."""
         page = self._page
         end = (slot + 1) * page
         if end in placement.points:
@@ -797,7 +797,7 @@ class FlatKVCacheManager:
         if end != reach // page * page:
             return False
         placement.decided_decode = True
-        return self._evidence.keep_decode()
+        return True
 
     # -- allocation ----------------------------------------------------------------------------
 
@@ -1220,12 +1220,9 @@ class FlatKVCacheManager:
         (:meth:`_reuse_keeps`), keyed; then the scheduler's next chunk stop moved to the next
         placed checkpoint past the registered pages."""
         placement = self._placement(request)
-        first = self._state[0]
         for slot in tables.live:
             if start <= slot < num_full and self._reuse_keeps(request, placement, slot):
                 self._key_state(request.request_id, tables, hashes, slot)
-                if (slot + 1) * self._page >= request.num_prompt_tokens:
-                    self._evidence.kept_decode(tables.blocks[first][slot].block_id, bytes(hashes[slot]).hex())
         reached = num_full * self._page
         following = next((p for p in placement.points if p > reached), 0)
         if following:
@@ -1261,16 +1258,11 @@ class FlatKVCacheManager:
 
     def _note_hit_keys(self, request: Any, tables: _Tables) -> None:
         """After a claim: the hit's pages hold keys (a sliding group's last hit slot, the mamba
-        groups' hit state); under the reuse policy the hit state is evidence (a kept decode
-        checkpoint hit)."""
+        groups' hit state)."""
         for g, _ in self._sliding:
             blocks = tables.blocks[g]
             tables.keyed[g] = len(blocks) - 1 if blocks and not blocks[-1].is_null else -1
         tables.keyed_states = set(tables.live)
-        if self._reuse and tables.live:
-            slot = tables.live[-1]
-            page = tables.blocks[self._state[0]][slot].block_id
-            self._evidence.note_hit(page, bytes(self._hashes(request, slot + 1)[slot]).hex())
 
     def _estimate_sparse(self, tables: _Tables) -> int:
         """vLLM's ``estimate_cached_tokens`` (the least over groups of the largest token count a

@@ -481,10 +481,9 @@ impl PyFlatKVCache {
     /// their own: an int gives every group that many, a mapping `{group_id: pages}` the groups
     /// it names (the others none: they are not tiered).
     ///
-    /// `eviction_policy` says which state checkpoints are kept (SPEC 13.8): `"lru"` (every
-    /// checkpoint SPEC 13.5 writes, until the pool evicts it) or `"reuse"` (where reuse is
-    /// likely: the body's end on the sharing grain learned from the prompts seen, probationary
-    /// prompt checkpoints dropped at finish, decode checkpoints kept on evidence of reuse).
+    /// `eviction_policy` is the state checkpoint policy (SPEC 13.8): both keep every checkpoint
+    /// SPEC 13.5 writes until the pool evicts it; `"reuse"` adds the body's end on the sharing
+    /// grain learned from the prompts seen and whole hybrid prefixes (`"lru"` is the default).
     ///
     /// `register_on_schedule` (same-step sharing, docs/requests-api.md): `schedule` registers
     /// the full pages of the chunk it takes at once, so a request admitted later in the same

@@ -45,5 +45,5 @@ class TokenState:
     #: The latest checkpoint decode wrote, ``(page, key)`` (SPEC 13.5d keeps one).
     decode_checkpoint: tuple[int, str] | None = None
     #: The checkpoints written while computing the prompt, ``(page, key, tokens)``, for the
-    #: reuse policy's probation at finish (SPEC 13.8; empty under lru).
+    #: reuse policy at finish (SPEC 13.8; empty under lru).
     prompt_checkpoints: list[tuple[int, str, int]] = field(default_factory=list)

@@ -1,8 +1,10 @@
-//! Which state checkpoints a cache keeps (SPEC 13.8): `lru`, today's rules (every checkpoint
-//! SPEC 13.5 writes stays until the pool evicts it, oldest first), or `reuse`, which keeps a
-//! checkpoint only where reuse is likely and learns where that is from the prompts it sees.
+//! Which state checkpoints a cache keeps and where it writes them (SPEC 13.8). Under both
+//! policies every checkpoint SPEC 13.5 writes stays cached until the pool evicts it (13.7):
+//! a checkpoint at `t` serves every later prompt that shares at least `t` tokens with it,
+//! wherever that prompt diverges after `t`, so none is dropped on a guess of where prompts
+//! will diverge; eviction, which sees memory pressure, is the one place checkpoints leave.
 //!
-//! The `reuse` policy:
+//! `reuse` adds, from what the cache sees:
 //! - **The sharing grain `S`.** Each prompt admitted with state groups whose full-attention
 //!   match stops before the prompt's cap (it left a cached path: a divergence point `d`) is
 //!   evidence of where prompts share: `S` is the largest `G * 2^k` (`G` the state grain,
@@ -10,28 +12,11 @@
 //!   `MIN_OBSERVATIONS` were seen (before that, and when no level has 90 %, `S = G`).
 //! - **The body's end at `S`.** A prompt's body ends at the last multiple of `S` before its
 //!   last token (SPEC 13.5b with `S` in place of `G`; `G` when no multiple of `S` lies ahead).
-//! - **Probationary prompt checkpoints.** When a request finishes, its prompt checkpoints are
-//!   dropped if nobody holds them (a request that hit one holds it), except its branch point
-//!   (13.5c) and its last one when that is a multiple of `S` (the body's end, or the last
-//!   chunk's end): the next turn of a conversation resumes at the last, a branching prompt at
-//!   the branch point, and an earlier chunk's end (13.5a) serves only a prompt that diverges
-//!   exactly there while costing a whole state checkpoint.
-//! - **Decode checkpoints on evidence.** When a request finishes, its latest decode checkpoint
-//!   (13.5d) is kept if a kept decode checkpoint was ever hit, and otherwise only by the
-//!   requests that have one whose count is a power of two (1st, 2nd, 4th, 8th, ...: probes
-//!   that gather the evidence and back off while none is hit, so a workload whose outputs
-//!   never come back pays for a logarithmic number of them); the others are dropped. A
-//!   preempted request keeps everything (it comes back for it).
 //! - **Whole hybrid prefixes** (`prefixes.rs`, kept by the coordinator): a full-attention
 //!   page on the path of no cached checkpoint loses its key at its request's finish, or when
 //!   the last checkpoint whose path held it leaves the cache.
 //!
 //! Everything here is O(1) per call; nothing scans the pool.
-
-use hashbrown::HashMap;
-use rustc_hash::FxBuildHasher;
-
-use crate::engine::hash::GroupKey;
 
 /// Divergence points needed before the sharing grain moves from `G`.
 pub const MIN_OBSERVATIONS: u64 = 16;
@@ -44,7 +29,7 @@ pub enum EvictionPolicy {
     /// Every checkpoint SPEC 13.5 writes is kept until the pool evicts it, oldest first.
     #[default]
     Lru,
-    /// Checkpoints are kept where reuse is likely (module doc).
+    /// Checkpoints are written where prompts are seen to diverge (module doc).
     Reuse,
 }
 
@@ -67,19 +52,13 @@ impl EvictionPolicy {
     }
 }
 
-/// What the `reuse` policy learned so far.
+/// Where prompts diverge, as the `reuse` policy saw it so far.
 #[derive(Clone, Debug, Default)]
 pub struct ReuseEvidence {
     /// Divergence points seen.
     seen: u64,
     /// Of them, the multiples of `G * 2^k`, for `k = 0..=MAX_LEVEL`.
     multiples: [u64; MAX_LEVEL + 1],
-    /// Finished requests that had a decode checkpoint.
-    decode_seen: u64,
-    /// Hits on kept decode checkpoints.
-    decode_hits: u64,
-    /// Kept decode checkpoints by page (the key tells a page that was handed out since).
-    decode_keys: HashMap<u32, GroupKey, FxBuildHasher>,
 }
 
 impl ReuseEvidence {
@@ -124,32 +103,6 @@ impl ReuseEvidence {
     pub fn observations(&self) -> u64 {
         self.seen
     }
-
-    /// A prefix hit restored the checkpoint `key` in `page`: evidence if it is a kept decode
-    /// checkpoint.
-    pub fn note_hit(&mut self, page: u32, key: &GroupKey) {
-        if self.decode_keys.get(&page) == Some(key) {
-            self.decode_hits = self.decode_hits.saturating_add(1);
-        }
-    }
-
-    /// Whether a finishing request keeps its decode checkpoint (counts the request): always
-    /// once a kept one was hit, before that only the probes (the `n`-th such request for `n` a
-    /// power of two).
-    pub fn keep_decode(&mut self) -> bool {
-        self.decode_seen = self.decode_seen.saturating_add(1);
-        self.decode_hits > 0 || self.decode_seen.is_power_of_two()
-    }
-
-    /// Remember that decode checkpoint `key` in `page` was kept.
-    pub fn kept_decode(&mut self, page: u32, key: GroupKey) {
-        self.decode_keys.insert(page, key);
-    }
-
-    /// Hits on kept decode checkpoints.
-    pub fn decode_hits(&self) -> u64 {
-        self.decode_hits
-    }
 }
 
 #[cfg(test)]
@@ -178,19 +131,5 @@ mod tests {
         e.observe(64, 64);
         e.observe(192, 64);
         assert_eq!(e.sharing_grain(64), 64);
-    }
-
-    #[test]
-    fn decode_checkpoints_are_kept_on_probes_then_on_evidence() {
-        let mut e = ReuseEvidence::default();
-        let kept: Vec<usize> = (1..=100).filter(|_| e.keep_decode()).collect();
-        assert_eq!(kept, [1, 2, 4, 8, 16, 32, 64], "the probes back off while none is hit");
-        let key = GroupKey::new([7; 32], 0);
-        e.kept_decode(5, key);
-        e.note_hit(5, &GroupKey::new([8; 32], 0));
-        assert_eq!(e.decode_hits(), 0, "another key in the page is no evidence");
-        e.note_hit(5, &key);
-        assert_eq!(e.decode_hits(), 1);
-        assert!((0..5).all(|_| e.keep_decode()));
     }
 }

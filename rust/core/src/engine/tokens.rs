@@ -38,7 +38,7 @@ pub(super) struct TokenState {
     /// previous is dropped when the next is written.
     pub(super) decode_checkpoint: Option<(u32, GroupKey)>,
     /// The checkpoints written while computing the prompt (page, key, tokens), for the
-    /// `reuse` policy's probation (SPEC 13.8; empty under `lru`).
+    /// `reuse` policy at finish (SPEC 13.8; empty under `lru`).
     pub(super) prompt_checkpoints: Vec<(u32, GroupKey, u64)>,
 }
 

@@ -159,12 +159,6 @@ class TokenApi(PageTables, Rows):
             self._counters["host_hits_tokens"] += self._host_hit_tokens(pages, hit)
             if hit > 0 and self._state_groups:
                 self._counters["checkpoints_hit"] += 1
-                if len(self._state_groups) == 1:
-                    state.computed = hit
-                    page = self._state_page(self._requests[key], state, self._state_groups[0])
-                    held = self._pool._key_held_by(page) if page else None
-                    if held is not None:
-                        self._evidence.note_hit(page, held)
         state.computed = hit
         state.registered = hit // self._base
         return slot, hit
@@ -459,7 +453,8 @@ class TokenApi(PageTables, Rows):
         return None if key is None else (page, key)
 
     def _note_prompt_checkpoint(self, tables: list[Table], state: TokenState) -> None:
-        """SPEC 13.8 (reuse): remember a checkpoint written while computing the prompt."""
+        """SPEC 13.8 (reuse): remember a checkpoint written while computing the prompt (its path
+        is kept at finish, whole hybrid prefixes)."""
         found = self._checkpoint_at(tables, state)
         if found is None:
             return
@@ -477,30 +472,17 @@ class TokenApi(PageTables, Rows):
             self._events.extend(removed_events(keys))
 
     def _end_of_request(self, state: TokenState) -> None:
-        """SPEC 13.8 (reuse), when a request finished (its pages released): drop its
-        probationary prompt checkpoints (all but its branch point and its last one on the sharing
-        grain) and, without evidence of reuse, its decode checkpoint."""
-        sharing = self._sharing_grain()
-        if self._policy != "reuse" or sharing is None:
-            return
-        last = state.prompt_checkpoints[-1][2] if state.prompt_checkpoints else 0
-        for page, key, tokens in state.prompt_checkpoints:
-            if tokens != state.branch and not (tokens == last and tokens % sharing == 0):
-                self._drop_checkpoint(page, key)
-        if state.decode_checkpoint is not None:
-            page, key = state.decode_checkpoint
-            if self._evidence.keep_decode():
-                self._evidence.kept_decode(page, key)
-            else:
-                self._drop_checkpoint(page, key)
+        """SPEC 13.8 (reuse), when a request finished (its pages released): every checkpoint it
+        wrote stays cached (evicted like a page, 13.7); with whole hybrid prefixes, its free
+        full-attention pages on no cached checkpoint's path lose their keys."""
         if self._whole_prefixes():
             self._keep_whole_prefixes(state)
 
     def _keep_whole_prefixes(self, state: TokenState) -> None:
-        """SPEC 13.8 (reuse, whole hybrid prefixes; prefixes.py), at a request's finish after the
-        probation: remember the path of each of its checkpoints still cached (a prompt
-        checkpoint at ``t`` holds ``[0, t)``; the decode checkpoint sits at the last multiple of
-        the state grain), then drop its free full-attention pages no remembered path holds."""
+        """SPEC 13.8 (reuse, whole hybrid prefixes; prefixes.py), at a request's finish:
+        remember the path of each of its checkpoints still cached (a prompt checkpoint at ``t``
+        holds ``[0, t)``; the decode checkpoint sits at the last multiple of the state grain),
+        then drop its free full-attention pages no remembered path holds."""
         hashes = list(state.hashes)
         for page, key, tokens in state.prompt_checkpoints:
             if self._pool._key_held_by(page) == key:

@@ -189,12 +189,6 @@ impl FlatCache {
             c.host_hits_tokens = c.host_hits_tokens.saturating_add(host_hit);
             if hit > 0 && self.coord.state_grain().is_some() {
                 c.checkpoints_hit = c.checkpoints_hit.saturating_add(1);
-                if let Some(g) = self.coord.single_state_group() {
-                    let page = state_page(&self.coord, &self.entries[at].tables, g, hit);
-                    if let Some(&key) = self.coord.pool().key_of(page) {
-                        self.coord.evidence_mut().note_hit(page, &key);
-                    }
-                }
             }
         }
         Ok((at, hit))
@@ -725,7 +719,7 @@ fn checkpoint_at(coord: &Coordinator, tables: &[Table], state: &TokenState) -> O
 }
 
 /// SPEC 13.8 (`reuse`): a checkpoint written while computing the prompt is remembered, for
-/// the probation at finish.
+/// its path to be kept at finish (whole hybrid prefixes).
 fn note_prompt_checkpoint(coord: &Coordinator, tables: &[Table], state: &mut TokenState) {
     let Some((page, key)) = checkpoint_at(coord, tables, state) else {
         return;
@@ -739,38 +733,17 @@ fn note_prompt_checkpoint(coord: &Coordinator, tables: &[Table], state: &mut Tok
     }
 }
 
-/// SPEC 13.8 (`reuse`), when a request finishes (its pages released): drop its probationary
-/// prompt checkpoints (all but its branch point and its last one on the sharing grain) and,
-/// without evidence of reuse, its decode checkpoint; each only if nobody holds it.
+/// SPEC 13.8 (`reuse`), when a request finishes (its pages released): every checkpoint it
+/// wrote stays cached (evicted like a page, 13.7); with whole hybrid prefixes, its free
+/// full-attention pages on no cached checkpoint's path lose their keys.
 fn end_of_request(coord: &mut Coordinator, state: &TokenState) {
-    if coord.eviction_policy() != EvictionPolicy::Reuse {
-        return;
-    }
-    let Some(sharing) = coord.sharing_grain() else {
-        return;
-    };
-    // Written in order of position: the last is the deepest.
-    let last = state.prompt_checkpoints.last().map_or(0, |&(_, _, tokens)| tokens);
-    for &(page, key, tokens) in &state.prompt_checkpoints {
-        let kept = tokens == state.branch || (tokens == last && tokens % sharing == 0);
-        if !kept {
-            coord.drop_checkpoint(page, key);
-        }
-    }
-    if let Some((page, key)) = state.decode_checkpoint {
-        if coord.evidence_mut().keep_decode() {
-            coord.evidence_mut().kept_decode(page, key);
-        } else {
-            coord.drop_checkpoint(page, key);
-        }
-    }
     if coord.whole_prefixes() {
         keep_whole_prefixes(coord, state);
     }
 }
 
-/// SPEC 13.8 (`reuse`, whole hybrid prefixes; `prefixes.rs`), at a request's finish after
-/// the probation: remember the path of each of its checkpoints still cached (a prompt
+/// SPEC 13.8 (`reuse`, whole hybrid prefixes; `prefixes.rs`), at a request's finish:
+/// remember the path of each of its checkpoints still cached (a prompt
 /// checkpoint at `t` holds `[0, t)`; the decode checkpoint sits at the last multiple of the
 /// state grain), then drop its free full-attention pages that no remembered path holds.
 fn keep_whole_prefixes(coord: &mut Coordinator, state: &TokenState) {
