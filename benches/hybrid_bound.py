@@ -60,6 +60,11 @@ a strict bound on the engine in one respect: the timing is the unconstrained eng
 the engine may run a request longer (contention) or later (queueing), which moves the
 intervals either way.
 
+**A check of the model** (not a bound): ``model_lru`` replays an online LRU over the attention
+layers alone in the same model (same pages, timing and capacity), to set beside the engine's
+measured attention-only ``lru`` (``--matrix``): where they agree, the model's memory and timing
+are the engine's.
+
     python benches/hybrid_bound.py                                # 3 workloads x 4 prefixes x B25, B50
     python benches/hybrid_bound.py --matrix matrix.json           # with the measured hit rates
     python benches/hybrid_bound.py --workload multi_turn --prefix 0.1 --budget 25
@@ -80,6 +85,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,6 +165,7 @@ class Replay:
     unique_blocks: int
     working_set: int
     carried: int
+    paths: list[list[int]]  # per request, the page hashes of prompt and output
 
 
 def _page_hashes(tokens: npt.NDArray[np.uint32]) -> list[int]:
@@ -188,6 +195,7 @@ def build_replay(path: Path, records: list[dict[str, Any]], count: int, ms_per_s
     pending: list[tuple[int, int, int]] = []  # (step computed, finish, hash): not yet computed
     offsets = [0]
     starts: list[int] = []
+    paths: list[list[int]] = []
     # The running requests' prompt pages, merged per hash over the requests holding them.
     held: dict[int, list[int]] = {}
     hold_diff = np.zeros(horizon + 2, dtype=np.float64)
@@ -202,6 +210,7 @@ def build_replay(path: Path, records: list[dict[str, Any]], count: int, ms_per_s
                 latest[key] = done
         length = int(prompt_len[r])
         hashes = _page_hashes(np.concatenate([request.prompt, request.output]))
+        paths.append(hashes)
         for j in range((length - 1) // PAGE):
             found = latest.get(hashes[j])
             if found is None:
@@ -262,6 +271,7 @@ def build_replay(path: Path, records: list[dict[str, Any]], count: int, ms_per_s
         unique_blocks=len(blocks),
         working_set=working_set_bytes(records[:count], ms_per_step),
         carried=carried,
+        paths=paths,
     )
 
 
@@ -285,15 +295,65 @@ class Problem:
     prompt_tokens: int
 
 
+def _capacity_steps(replay: Replay, budget: int, hybrid: bool, capacity: str) -> FloatArray:
+    """C(t) per step (``--capacity``)."""
+    if capacity == "running":
+        held = replay.hold_pages + (STATE_BYTES * replay.running if hybrid else 0)
+        return np.maximum(budget - held, 0.0).astype(np.float64)
+    return np.full(len(replay.hold_pages), float(budget - replay.working_set))
+
+
+def model_lru(replay: Replay, budget: int, capacity: str) -> float:
+    """The attention-only model's hit rate under an online LRU (a check of the model against the
+    engine's measured attention-only ``lru``, not a bound): at arrival the hit is the deepest
+    page prefix cached or held by a running request; the prompt's pages move to the request
+    (held, as the bound counts them, in the running requests' bytes); at finish its path's
+    pages go back to the cache, deepest first in eviction order; the least recently used page
+    is evicted while the cache exceeds C(t), checked at each arrival and finish."""
+    cap = _capacity_steps(replay, budget, False, capacity)
+    page_bytes = PAGE * KV_BYTES_PER_TOKEN
+    cache: OrderedDict[int, None] = OrderedDict()
+    running: dict[int, int] = {}  # prompt page hash -> running requests holding it
+    events = sorted(
+        [(int(replay.arrival[r]), 1, r) for r in range(len(replay.paths))]
+        + [(int(replay.finish[r]), 0, r) for r in range(len(replay.paths))]
+    )  # finishes before arrivals at one step
+    hits = 0
+    for step, kind, r in events:
+        path = replay.paths[r]
+        length = int(replay.prompt_len[r])
+        full = length // PAGE
+        if kind == 1:
+            limit = (length - 1) // PAGE
+            depth = 0
+            while depth < limit and (path[depth] in cache or path[depth] in running):
+                depth += 1
+            hits += PAGE * depth
+            for key in path[:full]:
+                cache.pop(key, None)
+                running[key] = running.get(key, 0) + 1
+        else:
+            for key in path[:full]:
+                count = running[key] - 1
+                if count:
+                    running[key] = count
+                else:
+                    del running[key]
+            for key in reversed(path):
+                cache[key] = None
+                cache.move_to_end(key)
+        room = cap[min(step, len(cap) - 1)] // page_bytes
+        while len(cache) > room:
+            cache.popitem(last=False)
+    return hits / replay.prompt_tokens
+
+
 def make_problem(replay: Replay, budget: int, hybrid: bool, capacity: str) -> Problem:
     steps = len(replay.hold_pages)
-    if capacity == "running":
-        cap_steps = budget - replay.hold_pages - (STATE_BYTES * replay.running if hybrid else 0)
-    else:
-        cap_steps = np.full(steps, float(budget - replay.working_set))
+    cap_steps = _capacity_steps(replay, budget, hybrid, capacity)
     bounds = np.unique(np.concatenate([[0, steps], replay.arrival, replay.finish]))
     bounds = bounds[bounds <= steps]
-    cap_seg = np.minimum.reduceat(np.maximum(cap_steps, 0.0), bounds[:-1]).astype(np.float64)
+    cap_seg = np.minimum.reduceat(cap_steps, bounds[:-1]).astype(np.float64)
     counts = np.diff(replay.offsets)
     if hybrid:
         counts = counts - counts % (GRAIN // PAGE)  # deeper pages serve no checkpoint hit
@@ -420,9 +480,16 @@ def feasible(problem: Problem, order: IntArray, want: IntArray) -> IntArray:
 
 def bound(problem: Problem, iterations: int) -> dict[str, float]:
     """The Lagrangian bound (the smallest UB over the subgradient iterations) and the best
-    feasible schedule's hits (:func:`feasible`), both as hit rates of the prompt tokens."""
+    feasible schedule's hits (:func:`feasible`), both as hit rates of the prompt tokens; and
+    ``demand``: the most, over time, that the hits with no memory limit would hold over the
+    capacity (below 1: memory never binds, the bound is every request's deepest usable hit)."""
     price = np.zeros(len(problem.capacity))
     best_ub = _hits_max(problem)  # no memory limit: every request at its deepest usable depth
+    _, _, unlimited = _choose(problem, price)
+    held = problem.capacity > 0
+    demand = float(np.max(unlimited[held] / problem.capacity[held], initial=0.0))
+    if np.any(unlimited[~held] > 0):
+        demand = math.inf
     best_lb = 0.0
     theta = 1.0
     stale = 0
@@ -448,7 +515,12 @@ def bound(problem: Problem, iterations: int) -> dict[str, float]:
             break
         step = theta * (best_ub - best_lb) / norm
         price = np.maximum(price - step * gradient, 0.0)
-    return {"bound": best_ub / problem.prompt_tokens, "offline": best_lb / problem.prompt_tokens}
+    return {
+        "bound": best_ub / problem.prompt_tokens,
+        "offline": best_lb / problem.prompt_tokens,
+        "unlimited": _hits_max(problem) / problem.prompt_tokens,
+        "demand": demand,
+    }
 
 
 def _hits_max(problem: Problem) -> float:
@@ -526,10 +598,12 @@ def measure(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
                     "carried_answers": replay.carried,
                 }
                 for capacity in args.capacity:
-                    result[capacity] = {
-                        key: bound(make_problem(replay, budget, hybrid, capacity), args.iterations)
-                        for key, hybrid in (("hybrid", True), ("attention", False))
-                    }
+                    result[capacity] = {}
+                    for key, hybrid in (("hybrid", True), ("attention", False)):
+                        bounds = bound(make_problem(replay, budget, hybrid, capacity), args.iterations)
+                        if not hybrid:
+                            bounds["model_lru"] = model_lru(replay, budget, capacity)
+                        result[capacity][key] = bounds
                 measured = matrix.get((shape, len(records), count, round(fraction, 4)))
                 if measured is not None:
                     result["measured"] = dict(measured["hit_rates"])
@@ -544,7 +618,8 @@ def measure(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
                     print(
                         f"  B{round(100 * fraction)} {capacity}: hybrid bound {100 * hyb['bound']:.2f}% "
                         f"(offline {100 * hyb['offline']:.2f}%), attention bound "
-                        f"{100 * att['bound']:.2f}% (offline {100 * att['offline']:.2f}%) "
+                        f"{100 * att['bound']:.2f}% (offline {100 * att['offline']:.2f}%), demand / capacity "
+                        f"{hyb['demand']:.2f} / {att['demand']:.2f} "
                         f"(elapsed {time.perf_counter() - start:.1f} s)",
                         file=sys.stderr,
                         flush=True,
@@ -582,6 +657,7 @@ def format_table(result: dict[str, Any]) -> str:
             f"offline hybrid ({capacity})",
             f"bound attention ({capacity})",
         ]
+    head += [f"model lru attention ({capacity})" for capacity in capacities]
     head += ["measured attention", "lru", "reuse"]
     head += [f"bound hybrid ({capacity}) / measured attention" for capacity in capacities]
     head += [f"reuse / bound hybrid ({capacity})" for capacity in capacities]
@@ -599,6 +675,7 @@ def format_table(result: dict[str, Any]) -> str:
                 _pct(cell[capacity]["hybrid"]["offline"]),
                 _pct(cell[capacity]["attention"]["bound"]),
             ]
+        row += [_pct(cell[capacity]["attention"]["model_lru"]) for capacity in capacities]
         row += [_pct(measured.get("attention")), _pct(measured.get("lru")), _pct(measured.get("reuse"))]
         row += [
             _ratio(cell[capacity]["hybrid"]["bound"], measured.get("attention")) for capacity in capacities
