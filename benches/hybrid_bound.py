@@ -32,7 +32,7 @@ step per output token, on an engine never short of anything.
   sum over r of the bytes of r's items whose intervals hold step t <= C(t) at every step t, and
   the most hit tokens. (Checkpoints cost from their producer's finish, not from when it wrote
   them: generous.)
-- *Capacity* C(t) (``--capacity``): ``running`` (default): Bx less the least the running
+- *Capacity* C(t) (``--capacity``, both by default): ``running``: Bx less the least the running
   requests hold at step t in this model: a state slot each (hybrid), the K/V of their prompts'
   full pages after prefill counted once across requests that share them, their partial last
   pages and their output as decoded. It is >= Bx - W (W: the peak of the running requests'
@@ -69,7 +69,7 @@ are the engine's.
     python benches/hybrid_bound.py --matrix matrix.json           # with the measured hit rates
     python benches/hybrid_bound.py --workload multi_turn --prefix 0.1 --budget 25
     python benches/hybrid_bound.py --json > bound.json
-    python benches/hybrid_bound.py --smoke                        # seconds
+    python benches/hybrid_bound.py --smoke                        # under a second
 
 ``--matrix FILE`` (repeatable) reads ``policy_matrix.py --json`` output and adds the measured
 attention-only / lru / reuse hit rates of the same cells. Progress goes to stderr.
