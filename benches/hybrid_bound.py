@@ -81,7 +81,6 @@ import argparse
 import heapq
 import json
 import math
-import os
 import sys
 import tempfile
 import time
@@ -100,49 +99,23 @@ from flat_kvcache.simulate import (
 )
 from flat_kvcache.simulate.workloads import SHAPES, carry_answers, generate, write_mooncake
 
-TRACE_NAME = "mooncake_conversation.jsonl"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hybrid_hits import TRACE_NAME, _find_trace
+from policy_matrix import PREFIXES, preset_costs, working_set_bytes
+
 #: The workloads whose hybrid / attention-only ratio is below 0.85 in the 2026-12-06 matrix.
 MISSED = ("conversation", "multi_turn", "mix")
-PREFIXES = (0.10, 0.25, 0.50, 1.0)
 FRACTIONS = (0.25, 0.50)
 PAGE = 16
 GRAIN = 64
-#: ``qwen3.5-like``: K and V of its 12 full-attention layers per token, bf16
-#: (``hybrid_hits.attention_kv_bytes_per_token``), and its state slot (the 36 linear-attention
-#: layers' conv and recurrent state: ``ModelShape.components()``'s ``const_bytes``), as the
-#: matrix JSON records them (``attention_kv_bytes_per_token``, ``state_bytes``); fixed here so
-#: the bench needs no torch. ``--matrix`` checks them against the file.
-KV_BYTES_PER_TOKEN = 24_576
-STATE_BYTES = 77_266_944
+#: ``qwen3.5-like``'s state slot and its attention layers' K/V per token, as the policy matrix
+#: computes them (its JSON records them as ``state_bytes``, ``attention_kv_bytes_per_token``;
+#: ``--matrix`` checks them against the file).
+STATE_BYTES, KV_BYTES_PER_TOKEN = preset_costs()
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
-
-
-def _find_trace() -> Path | None:
-    """``FLAT_KVCACHE_MOONCAKE_TRACE``, or ``shared/traces/`` in or beside the checkout."""
-    root = Path(__file__).resolve().parents[1]
-    candidates = [root / "shared" / "traces" / TRACE_NAME, root.parent / "shared" / "traces" / TRACE_NAME]
-    if "FLAT_KVCACHE_MOONCAKE_TRACE" in os.environ:
-        candidates.insert(0, Path(os.environ["FLAT_KVCACHE_MOONCAKE_TRACE"]))
-    return next((path for path in candidates if path.is_file()), None)
-
-
-def working_set_bytes(records: list[dict[str, Any]], ms_per_step: float) -> int:
-    """W of ``policy_matrix.working_set_bytes`` (the same formula, without its torch import)."""
-    events: list[tuple[int, int, int]] = []
-    for record in records:
-        start = math.floor(record["timestamp"] / ms_per_step)
-        steps = math.ceil(record["input_length"] / DEFAULT_MAX_SCHEDULED_TOKENS) + record["output_length"]
-        held = STATE_BYTES + (record["input_length"] + record["output_length"]) * KV_BYTES_PER_TOKEN
-        events.append((start, 1, held))
-        events.append((start + steps, -1, held))
-    events.sort(key=lambda event: (event[0], event[1]))
-    total = peak = 0
-    for _, kind, held in events:
-        total += kind * held
-        peak = max(peak, total)
-    return peak
 
 
 @dataclass
@@ -269,7 +242,7 @@ def build_replay(path: Path, records: list[dict[str, Any]], count: int, ms_per_s
         running=running,
         prompt_tokens=int(prompt_len.sum()),
         unique_blocks=len(blocks),
-        working_set=working_set_bytes(records[:count], ms_per_step),
+        working_set=working_set_bytes(records[:count], ms_per_step, STATE_BYTES, KV_BYTES_PER_TOKEN),
         carried=carried,
         paths=paths,
     )

@@ -106,6 +106,14 @@ def working_set_bytes(
     return peak
 
 
+def preset_costs() -> tuple[int, int]:
+    """The ``qwen3.5-like`` hybrid's state slot (its SPEC 13 arena unit: every linear-attention
+    layer's conv and recurrent state) and its attention layers' K/V bytes per token."""
+    hybrid = get_preset(PRESET)
+    state_bytes = sum(c.const_bytes for c in ModelShape.from_config(hybrid).components())
+    return state_bytes, attention_kv_bytes_per_token(_attention_only(hybrid))
+
+
 def _ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
@@ -114,9 +122,8 @@ def measure(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     hybrid = get_preset(PRESET)
     attention = _attention_only(hybrid)
     models = {"hybrid": hybrid, "attention only": attention}
-    kv_bytes_per_token = attention_kv_bytes_per_token(attention)
-    # The hybrid's working state per running request (its SPEC 13 arena unit).
-    state_bytes = sum(c.const_bytes for c in ModelShape.from_config(hybrid).components())
+    # The hybrid's working state per running request, and the K/V of a token.
+    state_bytes, kv_bytes_per_token = preset_costs()
     prefixes, fractions = (PREFIXES[-2:], FRACTIONS[-1:]) if args.smoke else (PREFIXES, FRACTIONS)
     total_runs = len(args.workload) * len(prefixes) * len(fractions) * len(RUNS)
     done = 0
