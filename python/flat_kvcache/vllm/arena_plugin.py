@@ -171,6 +171,53 @@ def _interior_strides(layout: Any, heads: int, tokens: int, content: int) -> tup
     return strides[_H], strides[_N], strides[_C]
 
 
+def _check_arena_buffer(buffer: torch.Tensor, total_bytes: int, kv_cache_layout: Any, room: str) -> None:
+    """``buffer`` is 1-D ``int8`` of ``total_bytes``, and the layout keeps a page's ``[H, N, C]``
+    one contiguous run (so it can sit in ``room``: an arena unit or page)."""
+    if buffer.dtype != torch.int8 or buffer.dim() != 1 or buffer.numel() != total_bytes:
+        raise ValueError(f"the arena buffer must be 1-D int8 of {total_bytes} bytes")
+    if any(axis not in kv_cache_layout.stride_order[-3:] for axis in (_H, _N, _C)):
+        raise UnsupportedVllmConfigError(
+            f"KV cache layout {kv_cache_layout.name}: a page's [H, N, C] is not one contiguous run, "
+            f"so it cannot sit in an arena {room}"
+        )
+
+
+def _state_view(buffer: torch.Tensor, rows: int, row_bytes: int, offset: int, nbytes: int) -> torch.Tensor:
+    """A mamba / GDN layer's ``[rows, 1, 1, nbytes]`` ``int8`` view, rows ``row_bytes`` apart from
+    byte ``offset``: what the layer's own ``bind_kv_cache`` cuts into its states."""
+    return torch.as_strided(buffer, (rows, 1, 1, nbytes), (row_bytes, nbytes, nbytes, 1), offset)
+
+
+def _attention_view(
+    buffer: torch.Tensor,
+    spec: Any,
+    name: str,
+    rows: int,
+    row_bytes: int,
+    offset: int,
+    kv_cache_layout: Any,
+    nbytes: int | None = None,
+) -> torch.Tensor:
+    """An attention layer's ``[rows, H, N, C]`` view of its dtype (``C`` = K and V of a token's
+    head), rows ``row_bytes`` apart from byte ``offset``, the page interior in the layout's order;
+    ``nbytes`` (when given) is the plan's page, which must be vLLM's."""
+    dtype = spec.dtype
+    item = dtype.itemsize
+    content_bytes = int(spec.state_content_size_bytes)
+    if content_bytes % item or row_bytes % item or offset % item:
+        raise UnsupportedVllmConfigError(
+            f"layer {name}: its page content of {content_bytes} bytes is not whole {dtype} elements"
+        )
+    heads, tokens, content = int(spec.num_heads), int(spec.num_states), content_bytes // item
+    if nbytes is not None and heads * tokens * content * item != nbytes:
+        raise UnsupportedVllmConfigError(f"layer {name}: the plan's page ({nbytes} bytes) is not vLLM's")
+    h, n, c = _interior_strides(kv_cache_layout, heads, tokens, content)
+    return torch.as_strided(
+        buffer.view(dtype), (rows, heads, tokens, content), (row_bytes // item, h, n, c), offset // item
+    )
+
+
 def arena_layer_views(
     buffer: torch.Tensor, arena: VllmArenaLayout, kv_cache_config: Any, kv_cache_layout: Any
 ) -> dict[str, torch.Tensor]:
@@ -179,41 +226,24 @@ def arena_layer_views(
     ``[num_units, H, N, C]`` of its dtype (``C`` = K and V of a token's head), a mamba / GDN
     layer ``[num_units, 1, 1, state bytes]`` of ``int8`` that the layer's own ``bind_kv_cache``
     cuts into its conv and temporal states. Dim 0 steps one unit."""
-    if buffer.dtype != torch.int8 or buffer.dim() != 1 or buffer.numel() != arena.total_bytes:
-        raise ValueError(f"the arena buffer must be 1-D int8 of {arena.total_bytes} bytes")
-    if any(axis not in kv_cache_layout.stride_order[-3:] for axis in (_H, _N, _C)):
-        raise UnsupportedVllmConfigError(
-            f"KV cache layout {kv_cache_layout.name}: a page's [H, N, C] is not one contiguous run, "
-            "so it cannot sit in an arena unit"
-        )
+    _check_arena_buffer(buffer, arena.total_bytes, kv_cache_layout, "unit")
     groups = kv_cache_config.kv_cache_groups
     views: dict[str, torch.Tensor] = {}
     for place in arena.layers:
-        spec = groups[place.group_id].kv_cache_spec
         if place.kind == "state":
-            views[place.layer_name] = torch.as_strided(
+            views[place.layer_name] = _state_view(
+                buffer, arena.num_units, arena.unit_bytes, place.offset, place.nbytes
+            )
+        else:
+            views[place.layer_name] = _attention_view(
                 buffer,
-                (arena.num_units, 1, 1, place.nbytes),
-                (arena.unit_bytes, place.nbytes, place.nbytes, 1),
+                groups[place.group_id].kv_cache_spec,
+                place.layer_name,
+                arena.num_units,
+                arena.unit_bytes,
                 place.offset,
+                kv_cache_layout,
             )
-            continue
-        dtype = spec.dtype
-        item = dtype.itemsize
-        content_bytes = int(spec.state_content_size_bytes)
-        if content_bytes % item or arena.unit_bytes % item or place.offset % item:
-            raise UnsupportedVllmConfigError(
-                f"layer {place.layer_name}: its page content of {content_bytes} bytes "
-                f"is not whole {dtype} elements"
-            )
-        heads, tokens, content = int(spec.num_heads), int(spec.num_states), content_bytes // item
-        h, n, c = _interior_strides(kv_cache_layout, heads, tokens, content)
-        views[place.layer_name] = torch.as_strided(
-            buffer.view(dtype),
-            (arena.num_units, heads, tokens, content),
-            (arena.unit_bytes // item, h, n, c),
-            place.offset // item,
-        )
     return views
 
 
@@ -225,45 +255,27 @@ def paged_arena_views(
     size) whose row ``p`` is page ``p`` at byte ``p * page_stride`` plus the layer's offset in the
     page; a mamba / GDN layer ``[units, 1, 1, state bytes]`` whose row ``s`` is state slot ``s``
     (unit ``s``) plus the layer's offset in the slot. Dim 0 of each view is its group's ids."""
-    if buffer.dtype != torch.int8 or buffer.dim() != 1 or buffer.numel() != arena.total_bytes:
-        raise ValueError(f"the arena buffer must be 1-D int8 of {arena.total_bytes} bytes")
-    if any(axis not in kv_cache_layout.stride_order[-3:] for axis in (_H, _N, _C)):
-        raise UnsupportedVllmConfigError(
-            f"KV cache layout {kv_cache_layout.name}: a page's [H, N, C] is not one contiguous run, "
-            "so it cannot sit in an arena page"
-        )
+    _check_arena_buffer(buffer, arena.total_bytes, kv_cache_layout, "page")
     config = arena.kv_cache_config
     views: dict[str, torch.Tensor] = {}
     for group_id, group in enumerate(config.kv_cache_groups):
-        spec = group.kv_cache_spec
         kind, _ = arena.group_roles[group_id]
         rows = arena.num_ids(group_id)
         for name in group.layer_names:
             offset, nbytes = arena.layer_offsets[name]
             if kind == "state":
-                views[name] = torch.as_strided(
-                    buffer, (rows, 1, 1, nbytes), (arena.unit_bytes, nbytes, nbytes, 1), offset
+                views[name] = _state_view(buffer, rows, arena.unit_bytes, offset, nbytes)
+            else:
+                views[name] = _attention_view(
+                    buffer,
+                    group.kv_cache_spec,
+                    name,
+                    rows,
+                    arena.page_stride,
+                    offset,
+                    kv_cache_layout,
+                    nbytes,
                 )
-                continue
-            dtype = spec.dtype
-            item = dtype.itemsize
-            content_bytes = int(spec.state_content_size_bytes)
-            if content_bytes % item or arena.page_stride % item or offset % item:
-                raise UnsupportedVllmConfigError(
-                    f"layer {name}: its page content of {content_bytes} bytes is not whole {dtype} elements"
-                )
-            heads, tokens, content = int(spec.num_heads), int(spec.num_states), content_bytes // item
-            if heads * tokens * content * item != nbytes:
-                raise UnsupportedVllmConfigError(
-                    f"layer {name}: the plan's page ({nbytes} bytes) is not vLLM's"
-                )
-            h, n, c = _interior_strides(kv_cache_layout, heads, tokens, content)
-            views[name] = torch.as_strided(
-                buffer.view(dtype),
-                (rows, heads, tokens, content),
-                (arena.page_stride // item, h, n, c),
-                offset // item,
-            )
     return views
 
 
