@@ -3,8 +3,9 @@
 Issue 38 asks for hybrid / attention-only >= 0.85 at B25 and B50 on every workload of
 ``benches/policy_matrix.py``, or, where that is beyond reach, the reason measured: what a policy
 that knows the future hits in the same bytes. This bench computes that for the same replay
-(workload, prefix of requests, budget Bx) without running the engine: pure Python and numpy over
-the trace, no torch, no native extension.
+(workload, prefix of requests, budget Bx) without running the engine: Python and numpy over the
+trace (the preset's byte costs come from ``policy_matrix.preset_costs``, which needs the torch
+extra, as the matrix does).
 
 **The model.** Requests in arrival order (``load_trace`` of the workload's Mooncake file, then
 ``carry_answers``, as ``policy_matrix.py`` replays them), each a token sequence: its prompt, then
