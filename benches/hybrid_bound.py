@@ -66,6 +66,13 @@ layers alone in the same model (same pages, timing and capacity), to set beside 
 measured attention-only ``lru`` (``--matrix``): where they agree, the model's memory and timing
 are the engine's.
 
+**The online counterpart of the offline schedule** (not a bound): ``model_lru`` of the hybrid
+(``model_lru_hybrid``) keeps what the offline schedule keeps, each request's path and the
+checkpoint its continuation resumes from (its decode checkpoint, SPEC 13.5d, and a branch point,
+13.5c), and evicts the least recently used item instead of knowing the future. Bound minus it is
+what knowing the future adds to that keeping; it minus the engine's ``reuse`` is what the engine
+loses to everything the model leaves out (its other checkpoints, its allocator, its timing).
+
     python benches/hybrid_bound.py                                # 3 workloads x 4 prefixes x B25, B50
     python benches/hybrid_bound.py --matrix matrix.json           # with the measured hit rates
     python benches/hybrid_bound.py --workload multi_turn --prefix 0.1 --budget 25
@@ -322,6 +329,83 @@ def model_lru(replay: Replay, budget: int, capacity: str) -> float:
     return hits / replay.prompt_tokens
 
 
+def model_lru_hybrid(replay: Replay, budget: int, capacity: str) -> float:
+    """The hybrid model's hit rate under an online LRU that keeps what the offline schedule
+    keeps, a request's path and the checkpoint its continuation resumes from, but evicts the
+    least recently used item instead of knowing the future (not a bound: what the best-shaped
+    online keeping gets in the model). At arrival the hit is the deepest multiple of G, at
+    most prompt - 1, whose checkpoint is cached with every page below it cached or held by a
+    running request; the hit checkpoint becomes the most recently used; a request whose pages
+    match past its hit writes a branch checkpoint at the deepest matched multiple of G (SPEC
+    13.5c). At finish its path's pages go back to the cache deepest first, then its branch
+    checkpoint, then its decode checkpoint at the last multiple of G within prompt + output -
+    1 (13.5d), the most recently used. Items (a page of 16 x K/V, a checkpoint of a state
+    slot) are evicted least recently used first while the cache exceeds C(t) (hybrid), checked
+    at each arrival and finish."""
+    cap = _capacity_steps(replay, budget, True, capacity)
+    page_bytes = PAGE * KV_BYTES_PER_TOKEN
+    output_len = replay.finish - replay.arrival - -(-replay.prompt_len // DEFAULT_MAX_SCHEDULED_TOKENS)
+    cache: OrderedDict[tuple[int, int], int] = OrderedDict()  # (kind 0 page / 1 checkpoint, hash) -> bytes
+    used = 0
+    running: dict[int, int] = {}
+    branch: dict[int, int] = {}  # request -> depth of the branch checkpoint it writes
+    events = sorted(
+        [(int(replay.arrival[r]), 1, r) for r in range(len(replay.paths))]
+        + [(int(replay.finish[r]), 0, r) for r in range(len(replay.paths))]
+    )
+    hits = 0
+
+    def put(key: tuple[int, int], size: int) -> None:
+        nonlocal used
+        if key in cache:
+            cache.move_to_end(key)
+        else:
+            cache[key] = size
+            used += size
+
+    for step, kind, r in events:
+        path = replay.paths[r]
+        length = int(replay.prompt_len[r])
+        full = length // PAGE
+        if kind == 1:
+            limit = (length - 1) // PAGE
+            depth = 0
+            while depth < limit and ((0, path[depth]) in cache or path[depth] in running):
+                depth += 1
+            hit = (depth * PAGE) // GRAIN * GRAIN
+            while hit > 0 and (1, path[hit // PAGE - 1]) not in cache:
+                hit -= GRAIN
+            hits += hit
+            if hit > 0:
+                cache.move_to_end((1, path[hit // PAGE - 1]))
+            deepest = (depth * PAGE) // GRAIN * GRAIN
+            if deepest > hit:
+                branch[r] = deepest
+            for j in range(full):
+                key = path[j]
+                if (0, key) in cache:
+                    used -= cache.pop((0, key))
+                running[key] = running.get(key, 0) + 1
+        else:
+            for key in path[:full]:
+                count = running[key] - 1
+                if count:
+                    running[key] = count
+                else:
+                    del running[key]
+            for key in reversed(path):
+                put((0, key), page_bytes)
+            tip = (length + int(output_len[r]) - 1) // GRAIN * GRAIN
+            for at in (branch.pop(r, 0), min(tip, len(path) * PAGE // GRAIN * GRAIN)):
+                if at > 0:
+                    put((1, path[at // PAGE - 1]), STATE_BYTES)
+        room = cap[min(step, len(cap) - 1)]
+        while used > room and cache:
+            _, size = cache.popitem(last=False)
+            used -= size
+    return hits / replay.prompt_tokens
+
+
 def make_problem(replay: Replay, budget: int, hybrid: bool, capacity: str) -> Problem:
     steps = len(replay.hold_pages)
     cap_steps = _capacity_steps(replay, budget, hybrid, capacity)
@@ -575,7 +659,9 @@ def measure(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
                     result[capacity] = {}
                     for key, hybrid in (("hybrid", True), ("attention", False)):
                         bounds = bound(make_problem(replay, budget, hybrid, capacity), args.iterations)
-                        if not hybrid:
+                        if hybrid:
+                            bounds["model_lru"] = model_lru_hybrid(replay, budget, capacity)
+                        else:
                             bounds["model_lru"] = model_lru(replay, budget, capacity)
                         result[capacity][key] = bounds
                 measured = matrix.get((shape, len(records), count, round(fraction, 4)))
@@ -632,6 +718,7 @@ def format_table(result: dict[str, Any]) -> str:
             f"bound attention ({capacity})",
         ]
     head += [f"model lru attention ({capacity})" for capacity in capacities]
+    head += [f"model lru hybrid ({capacity})" for capacity in capacities]
     head += ["measured attention", "lru", "reuse"]
     head += [f"bound hybrid ({capacity}) / measured attention" for capacity in capacities]
     head += [f"reuse / bound hybrid ({capacity})" for capacity in capacities]
@@ -650,6 +737,7 @@ def format_table(result: dict[str, Any]) -> str:
                 _pct(cell[capacity]["attention"]["bound"]),
             ]
         row += [_pct(cell[capacity]["attention"]["model_lru"]) for capacity in capacities]
+        row += [_pct(cell[capacity]["hybrid"].get("model_lru")) for capacity in capacities]
         row += [_pct(measured.get("attention")), _pct(measured.get("lru")), _pct(measured.get("reuse"))]
         row += [
             _ratio(cell[capacity]["hybrid"]["bound"], measured.get("attention")) for capacity in capacities
