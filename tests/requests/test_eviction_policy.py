@@ -9,7 +9,9 @@ the policy's own rules:
   diverges after t (no drop at finish);
 - the sharing grain S is the largest G * 2**k dividing 9 in 10 of the divergence points seen,
   once 16 were seen (G before);
-- under S > G a prompt's body ends at the last multiple of S before its last token.
+- under S > G a prompt's body ends at the last multiple of S before its last token;
+- body ends are written until 16 were, then while prompts resume at them per body end written
+  at least as often as at finish checkpoints per finish checkpoint left.
 
 ``lru`` keeps today's rules (the same calls give the SPEC 13.5 cuts and hits).
 """
@@ -316,3 +318,75 @@ def test_multi_turn_conversations_drop_the_same_pages_in_both_engines(
             events.append(event_stream(cache))
         results.append((hits, events, cache.stats()["checkpoints_evicted"]))
     assert results[0] == results[1]
+
+
+# SPEC 13.8b, the body-end rule: a body end is worth the recompute it saves the prompts that
+# share at least its depth of the path and diverge before the request's finish checkpoint; a
+# next turn that carries the answer resumes at the finish checkpoint and gains nothing from it.
+# `reuse` writes body ends until 16 were written, then while one written is resumed from at
+# least as often as a finish checkpoint; `lru` always writes them.
+
+
+def conversation(cache: Any, i: int, follow: str) -> list[int]:
+    """Conversation ``i``: a 21-token first turn (body end 16) with 11 decoded tokens (its
+    finish checkpoint at 32); then, with ``follow="answer"``, a next turn carrying the prompt,
+    the answer and 13 new tokens (45 tokens: it resumes at the finish checkpoint, 32, and
+    writes its own body end, 40); with ``follow="body"``, a prompt sharing the first 18
+    tokens only (it resumes at the body end, 16, and, with no multiple of 8 ahead before its
+    last token but 16, writes none). Returns the first turn's chunks."""
+    first = base(21, seed=300 + i)
+    chunks = run(cache, f"c{i}", first, decode=11)[1]
+    if follow == "answer":
+        turn = [*first, *(10_000 + j for j in range(11)), *base(13, seed=400 + i)]
+        assert run(cache, f"t{i}", turn)[0] == 32
+    else:
+        assert run(cache, f"t{i}", [*first[:18], *base(5, seed=400 + i)])[0] == 16
+    return chunks
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_body_ends_stop_where_next_turns_carry_the_answer(engine: ModuleType) -> None:
+    reuse, lru = make(engine, "reuse"), make(engine, "lru")
+    # Each conversation writes two body ends (16 and 40), none resumed from, and one finish
+    # checkpoint (the next turn decodes nothing), resumed from once: after 8 conversations 16
+    # body ends were written with no hit, against 8 finish checkpoints with 8, so they stop.
+    seen = [conversation(reuse, i, "answer") for i in range(10)]
+    assert seen[:8] == [[16, 5]] * 8
+    assert seen[8:] == [[21]] * 2
+    assert [conversation(lru, i, "answer") for i in range(10)] == [[16, 5]] * 10
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_body_ends_stay_where_prompts_resume_at_them(engine: ModuleType) -> None:
+    reuse, lru = make(engine, "reuse"), make(engine, "lru")
+    # Each conversation writes one body end, resumed from once, and one finish checkpoint,
+    # never resumed from: body ends are worth more, and keep being written.
+    assert [conversation(reuse, i, "body") for i in range(24)] == [[16, 5]] * 24
+    assert [conversation(lru, i, "body") for i in range(24)] == [[16, 5]] * 24
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    turns=st.lists(
+        st.tuples(st.integers(0, 5), st.integers(0, 60), st.integers(1, 30), st.integers(0, 20)),
+        min_size=20,
+        max_size=60,
+    ),
+    roomy=st.booleans(),
+)
+def test_the_body_end_rule_decides_alike_in_both_engines(
+    turns: list[tuple[int, int, int, int]], roomy: bool
+) -> None:
+    # Prompts that take a prefix of a growing per-topic history (which carries earlier answers)
+    # and add new tokens, so prompts resume at body ends, finish checkpoints and elsewhere;
+    # tight memory evicts checkpoints, so state pages change role. Both engines give the same
+    # hits and cuts, turn by turn.
+    arena = 400 * 1024 if roomy else 40 * 1024
+    caches = [make(flat_kvcache, "reuse", arena), make(flat_kvcache.reference, "reuse", arena)]
+    history: dict[int, list[int]] = {}
+    for i, (topic, keep, new, decode) in enumerate(turns):
+        past = history.get(topic, base(8, seed=500 + topic))
+        prompt = [*past[: min(keep, len(past))], *base(new, seed=600 + i)]
+        seen = [run(cache, f"r{i}", prompt, limit=24, decode=decode) for cache in caches]
+        assert seen[0] == seen[1], i
+        history[topic] = [*prompt, *(10_000 + j for j in range(decode))]

@@ -9,30 +9,43 @@ prompts will diverge. ``reuse`` adds, from what the cache sees:
 - the sharing grain ``S``: the largest ``G * 2**k`` (``k <= MAX_LEVEL``) dividing at least 90 %
   of the divergence points seen (a full-attention match that stopped before the capped prompt),
   once ``MIN_OBSERVATIONS`` were seen; else the state grain ``G``;
-- the body's end on ``S`` (SPEC 13.5b with ``S``; ``G`` when no multiple of ``S`` lies ahead);
+- the body's end on ``S`` (SPEC 13.5b with ``S``; ``G`` when no multiple of ``S`` lies ahead),
+  written until ``MIN_OBSERVATIONS`` were written, then while the prompts resumed at body ends
+  per body end written are at least those resumed at finish checkpoints per finish checkpoint
+  left (SPEC 13.8b: a body end serves only prompts diverging before the finish checkpoint);
 - whole hybrid prefixes (``prefixes.py``): full-attention pages on no cached checkpoint's path
   lose their keys.
 """
 
 from __future__ import annotations
 
-__all__ = ["EVICTION_POLICIES", "MAX_LEVEL", "MIN_OBSERVATIONS", "ReuseEvidence"]
+__all__ = ["BODY", "EVICTION_POLICIES", "FINISH", "MAX_LEVEL", "MIN_OBSERVATIONS", "OTHER", "ReuseEvidence"]
 
 #: Divergence points needed before the sharing grain moves from ``G``.
 MIN_OBSERVATIONS = 16
 #: The largest sharing grain is ``G * 2**MAX_LEVEL``.
 MAX_LEVEL = 6
+#: What a checkpoint was written as, for the body-end rule (SPEC 13.8b).
+BODY, FINISH, OTHER = "body", "finish", "other"
 #: The ``eviction_policy`` names.
 EVICTION_POLICIES = ("lru", "reuse")
 
 
 class ReuseEvidence:
-    """Where prompts diverge, as the ``reuse`` policy saw it so far."""
+    """Where prompts diverge, and where they resume, as the ``reuse`` policy saw it so far."""
 
     def __init__(self) -> None:
         self.seen = 0
         #: Of the divergence points seen, the multiples of ``G * 2**k``, ``k = 0..MAX_LEVEL``.
         self.multiples = [0] * (MAX_LEVEL + 1)
+        #: The state pages whose checkpoint is a prompt's body end (SPEC 13.5b, ``BODY``) or a
+        #: request's finish checkpoint (13.5d, ``FINISH``).
+        self.roles: dict[int, str] = {}
+        #: Body ends written and prompts that resumed at one; finish checkpoints the same.
+        self.body_written = 0
+        self.body_hits = 0
+        self.finish_written = 0
+        self.finish_hits = 0
 
     def observe(self, point: int, grain: int) -> None:
         """Record divergence point ``point`` (tokens, > 0) of a state grain ``grain``."""
@@ -55,3 +68,33 @@ class ReuseEvidence:
             best = unit
             unit *= 2
         return best
+
+    def wrote(self, page: int, role: str) -> None:
+        """A checkpoint was written on state page ``page`` as ``role`` (``BODY``, ``FINISH`` or
+        ``OTHER``: a chunk end, a branch point, a decode checkpoint in flight)."""
+        if role == BODY:
+            self.body_written += 1
+        elif role == FINISH:
+            self.finish_written += 1
+        else:
+            self.roles.pop(page, None)
+            return
+        self.roles[page] = role
+
+    def resumed(self, page: int) -> None:
+        """An admitted prompt resumed at the checkpoint on state page ``page``."""
+        role = self.roles.get(page)
+        if role == BODY:
+            self.body_hits += 1
+        elif role == FINISH:
+            self.finish_hits += 1
+
+    def writes_body_end(self) -> bool:
+        """Whether prompts' body ends are checkpointed (SPEC 13.8b): until ``MIN_OBSERVATIONS``
+        were written, then while a body end written is resumed from at least as often as a
+        finish checkpoint (the request's other checkpoint past its prompt's last sharing-grain
+        boundary, which holds the same state memory and serves the prompts that share more)."""
+        return (
+            self.body_written < MIN_OBSERVATIONS
+            or self.body_hits * self.finish_written >= self.finish_hits * self.body_written
+        )

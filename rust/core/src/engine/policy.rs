@@ -10,13 +10,20 @@
 //!   evidence of where prompts share: `S` is the largest `G * 2^k` (`G` the state grain,
 //!   `k <= MAX_LEVEL`) that divides at least 90 % of the divergence points seen, once at least
 //!   `MIN_OBSERVATIONS` were seen (before that, and when no level has 90 %, `S = G`).
-//! - **The body's end at `S`.** A prompt's body ends at the last multiple of `S` before its
-//!   last token (SPEC 13.5b with `S` in place of `G`; `G` when no multiple of `S` lies ahead).
+//! - **The body's end at `S`, written while prompts resume there.** A prompt's body ends at
+//!   the last multiple of `S` before its last token (SPEC 13.5b with `S` in place of `G`; `G`
+//!   when no multiple of `S` lies ahead). It serves only prompts that diverge before the
+//!   request's finish checkpoint, so each hit is attributed to the role of the checkpoint it
+//!   resumed at (body end, finish checkpoint, other), and body ends are written until
+//!   `MIN_OBSERVATIONS` were written, then while hits per body end written are at least hits
+//!   per finish checkpoint left (SPEC 13.8b).
 //! - **Whole hybrid prefixes** (`prefixes.rs`, kept by the coordinator): a full-attention
 //!   page on the path of no cached checkpoint loses its key at its request's finish, or when
 //!   the last checkpoint whose path held it leaves the cache.
 //!
-//! Everything here is O(1) per call; nothing scans the pool.
+//! Everything here is O(1) per call (a hash lookup at most); nothing scans the pool.
+
+use std::collections::HashMap;
 
 /// Divergence points needed before the sharing grain moves from `G`.
 pub const MIN_OBSERVATIONS: u64 = 16;
@@ -52,13 +59,33 @@ impl EvictionPolicy {
     }
 }
 
-/// Where prompts diverge, as the `reuse` policy saw it so far.
+/// Where prompts diverge, and where they resume, as the `reuse` policy saw it so far.
 #[derive(Clone, Debug, Default)]
 pub struct ReuseEvidence {
     /// Divergence points seen.
     seen: u64,
     /// Of them, the multiples of `G * 2^k`, for `k = 0..=MAX_LEVEL`.
     multiples: [u64; MAX_LEVEL + 1],
+    /// The state pages whose checkpoint is a prompt's body end (SPEC 13.5b) or a request's
+    /// finish checkpoint (13.5d), by role.
+    roles: HashMap<u32, Role>,
+    /// Body ends written, and prompts that resumed at one.
+    body_written: u64,
+    body_hits: u64,
+    /// Finish checkpoints left, and prompts that resumed at one.
+    finish_written: u64,
+    finish_hits: u64,
+}
+
+/// What a checkpoint was written as, for the body-end rule (SPEC 13.8b).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// A prompt's body end (SPEC 13.5b).
+    Body,
+    /// A finished request's last checkpoint (13.5d).
+    Finish,
+    /// Any other checkpoint (a chunk end, a branch point, a decode checkpoint in flight).
+    Other,
 }
 
 impl ReuseEvidence {
@@ -103,6 +130,43 @@ impl ReuseEvidence {
     pub fn observations(&self) -> u64 {
         self.seen
     }
+
+    /// A checkpoint was written on state page `page` as `role`.
+    pub fn wrote(&mut self, page: u32, role: Role) {
+        match role {
+            Role::Body => self.body_written = self.body_written.saturating_add(1),
+            Role::Finish => self.finish_written = self.finish_written.saturating_add(1),
+            Role::Other => {
+                self.roles.remove(&page);
+                return;
+            }
+        }
+        self.roles.insert(page, role);
+    }
+
+    /// An admitted prompt resumed at the checkpoint on state page `page`.
+    pub fn resumed(&mut self, page: u32) {
+        match self.roles.get(&page) {
+            Some(Role::Body) => self.body_hits = self.body_hits.saturating_add(1),
+            Some(Role::Finish) => self.finish_hits = self.finish_hits.saturating_add(1),
+            _ => {}
+        }
+    }
+
+    /// Whether prompts' body ends are checkpointed (SPEC 13.8b): until `MIN_OBSERVATIONS`
+    /// were written, and then while a body end written is resumed from at least as often as a
+    /// finish checkpoint (the request's other checkpoint past its prompt's last sharing-grain
+    /// boundary, which holds the same state memory and serves the prompts that share more).
+    pub fn writes_body_end(&self) -> bool {
+        self.body_written < MIN_OBSERVATIONS
+            || u128::from(self.body_hits) * u128::from(self.finish_written)
+                >= u128::from(self.finish_hits) * u128::from(self.body_written)
+    }
+
+    /// Body ends written and resumed from; finish checkpoints left and resumed from.
+    pub fn resume_counts(&self) -> [u64; 4] {
+        [self.body_written, self.body_hits, self.finish_written, self.finish_hits]
+    }
 }
 
 #[cfg(test)]
@@ -131,5 +195,32 @@ mod tests {
         e.observe(64, 64);
         e.observe(192, 64);
         assert_eq!(e.sharing_grain(64), 64);
+    }
+
+    #[test]
+    fn body_ends_are_written_while_resumed_from_as_often_as_finish_checkpoints() {
+        let mut e = ReuseEvidence::default();
+        // Until MIN_OBSERVATIONS body ends were written, they are, whatever was resumed.
+        for page in 0..15 {
+            e.wrote(page, Role::Body);
+            e.wrote(100 + page, Role::Finish);
+            e.resumed(100 + page);
+        }
+        assert!(e.writes_body_end(), "fewer than 16 body ends written");
+        e.wrote(15, Role::Body);
+        // 16 body ends never resumed from, 15 finish checkpoints each resumed from once.
+        assert!(!e.writes_body_end());
+        // 15 prompts resume at body ends: 15 / 16 < 15 / 15, still not written.
+        for page in 0..15 {
+            e.resumed(page);
+        }
+        assert!(!e.writes_body_end());
+        e.resumed(15);
+        assert!(e.writes_body_end(), "16 / 16 >= 15 / 15");
+        // A page that takes another checkpoint has no role; a hit there counts for neither.
+        e.wrote(3, Role::Other);
+        e.resumed(3);
+        e.resumed(999);
+        assert_eq!(e.resume_counts(), [16, 16, 15, 15]);
     }
 }

@@ -41,6 +41,7 @@ from flat_kvcache.reference.engine.calls.rows import Rows
 from flat_kvcache.reference.engine.events import removed_events
 from flat_kvcache.reference.engine.hash import hash_page, hash_pages
 from flat_kvcache.reference.engine.host import HOST_BIT
+from flat_kvcache.reference.engine.policy import BODY, FINISH, OTHER
 from flat_kvcache.reference.engine.table import Table, TokenState
 
 __all__ = ["TokenApi"]
@@ -154,6 +155,12 @@ class TokenApi(PageTables, Rows):
                 # SPEC 13.8: the match left a cached path here (a divergence point).
                 self._evidence.observe(closed, self._state_grain)
             self._claim_tiered(key, pages, state)
+            if hit > 0 and self._policy == "reuse" and len(self._state_groups) == 1:
+                # SPEC 13.8b: which checkpoint the prompt resumes at.
+                group = self._state_groups[0]
+                at = (hit - 1) // self._specs[group].page_size
+                held = self._requests[key][group].pages
+                self._evidence.resumed(held[at] if at < len(held) else 0)
             self._counters["prefix_queries_tokens"] += len(tokens)
             self._counters["prefix_hits_tokens"] += hit
             self._counters["host_hits_tokens"] += self._host_hit_tokens(pages, hit)
@@ -237,6 +244,9 @@ class TokenApi(PageTables, Rows):
         # The body's end lies on the sharing grain (SPEC 13.8; the state grain under lru); with
         # none ahead the rest is one chunk. A chunk cut by the limit: on the state grain.
         sharing = self._sharing_grain() or grain
+        # Under reuse the body's end is written only while prompts resume there (SPEC 13.8b).
+        if rest <= limit and self._policy == "reuse" and not self._evidence.writes_body_end():
+            return rest
         if rest <= limit and sharing > grain:
             body = end - end % sharing
             return body - computed if body > computed else rest
@@ -460,6 +470,10 @@ class TokenApi(PageTables, Rows):
             return
         if not state.prompt_checkpoints or state.prompt_checkpoints[-1][:2] != found:
             state.prompt_checkpoints.append((found[0], found[1], state.computed))
+            # SPEC 13.8b: the body end is the last multiple of S before the prompt's last token.
+            sharing = max(self._sharing_grain() or 1, 1)
+            last = max(state.prompt_len - 1, 0)
+            self._evidence.wrote(found[0], BODY if state.computed == last - last % sharing else OTHER)
 
     def _drop_checkpoint(self, page: int, key: str) -> None:
         """Drop checkpoint ``key`` from ``page`` if it still holds it and nobody holds the page."""
@@ -475,6 +489,10 @@ class TokenApi(PageTables, Rows):
         """SPEC 13.8 (reuse), when a request finished (its pages released): every checkpoint it
         wrote stays cached (evicted like a page, 13.7); with whole hybrid prefixes, its free
         full-attention pages on no cached checkpoint's path lose their keys."""
+        found = state.decode_checkpoint
+        if self._policy == "reuse" and found is not None and self._pool._key_held_by(found[0]) == found[1]:
+            # SPEC 13.8b: the finish checkpoint is one a request leaves.
+            self._evidence.wrote(found[0], FINISH)
         if self._whole_prefixes():
             self._keep_whole_prefixes(state)
 
@@ -500,6 +518,8 @@ class TokenApi(PageTables, Rows):
         found = self._checkpoint_at(tables, state)
         if found is None:
             return
+        if self._policy == "reuse" and state.decode_checkpoint != found:
+            self._evidence.wrote(found[0], OTHER)
         previous, state.decode_checkpoint = state.decode_checkpoint, found
         if previous is not None and previous != found:
             self._drop_checkpoint(*previous)

@@ -11,7 +11,7 @@
 use crate::engine::coordinator::{Coordinator, PrefixMatch, TokenContext};
 use crate::engine::hash::{hash_page, GroupKey};
 use crate::engine::ids::RequestIdRef;
-use crate::engine::policy::EvictionPolicy;
+use crate::engine::policy::{EvictionPolicy, Role};
 use crate::engine::pool::NULL_PAGE;
 use crate::engine::table::Table;
 use crate::engine::tokens::{Prompt, StepSlots, TokenState};
@@ -183,6 +183,13 @@ impl FlatCache {
             } else {
                 self.coord.claim(&mut self.entries[at].tables, &m);
             }
+            // SPEC 13.8b (`reuse`): which checkpoint the prompt resumes at.
+            if hit > 0 && self.coord.eviction_policy() == EvictionPolicy::Reuse {
+                if let Some(g) = self.coord.single_state_group() {
+                    let page = state_page(&self.coord, &self.entries[at].tables, g, hit);
+                    self.coord.evidence_mut().resumed(page);
+                }
+            }
             let c = &mut self.counters;
             c.prefix_queries_tokens = c.prefix_queries_tokens.saturating_add(prompt_len);
             c.prefix_hits_tokens = c.prefix_hits_tokens.saturating_add(hit);
@@ -330,6 +337,13 @@ impl FlatCache {
         // The body's end lies on the sharing grain (SPEC 13.8: the state grain under `lru`);
         // with none ahead the rest is one chunk. A chunk cut by the limit: on the state grain.
         let sharing = self.coord.sharing_grain().unwrap_or(grain);
+        // Under `reuse` the body's end is written only while prompts resume there (SPEC 13.8b).
+        if rest <= max
+            && self.coord.eviction_policy() == EvictionPolicy::Reuse
+            && !self.coord.evidence().writes_body_end()
+        {
+            return rest;
+        }
         if rest <= max && sharing > grain {
             let body = end - end % sharing;
             return if body > c { body - c } else { rest };
@@ -720,7 +734,7 @@ fn checkpoint_at(coord: &Coordinator, tables: &[Table], state: &TokenState) -> O
 
 /// SPEC 13.8 (`reuse`): a checkpoint written while computing the prompt is remembered, for
 /// its path to be kept at finish (whole hybrid prefixes).
-fn note_prompt_checkpoint(coord: &Coordinator, tables: &[Table], state: &mut TokenState) {
+fn note_prompt_checkpoint(coord: &mut Coordinator, tables: &[Table], state: &mut TokenState) {
     let Some((page, key)) = checkpoint_at(coord, tables, state) else {
         return;
     };
@@ -730,6 +744,15 @@ fn note_prompt_checkpoint(coord: &Coordinator, tables: &[Table], state: &mut Tok
         .is_none_or(|&(p, k, _)| (p, k) != (page, key))
     {
         state.prompt_checkpoints.push((page, key, state.computed));
+        // SPEC 13.8b: the body end is the last multiple of `S` before the prompt's last token.
+        let sharing = coord.sharing_grain().unwrap_or(1).max(1);
+        let last = state.prompt_len.saturating_sub(1);
+        let role = if state.computed == last - last % sharing {
+            Role::Body
+        } else {
+            Role::Other
+        };
+        coord.evidence_mut().wrote(page, role);
     }
 }
 
@@ -737,6 +760,12 @@ fn note_prompt_checkpoint(coord: &Coordinator, tables: &[Table], state: &mut Tok
 /// wrote stays cached (evicted like a page, 13.7); with whole hybrid prefixes, its free
 /// full-attention pages on no cached checkpoint's path lose their keys.
 fn end_of_request(coord: &mut Coordinator, state: &TokenState) {
+    // SPEC 13.8b: the finish checkpoint is one a request leaves.
+    if let Some((page, key)) = state.decode_checkpoint {
+        if coord.eviction_policy() == EvictionPolicy::Reuse && coord.pool().key_of(page) == Some(&key) {
+            coord.evidence_mut().wrote(page, Role::Finish);
+        }
+    }
     if coord.whole_prefixes() {
         keep_whole_prefixes(coord, state);
     }
@@ -780,6 +809,9 @@ fn keep_latest_decode_checkpoint(coord: &mut Coordinator, tables: &[Table], stat
     let Some((page, key)) = checkpoint_at(coord, tables, state) else {
         return;
     };
+    if coord.eviction_policy() == EvictionPolicy::Reuse && state.decode_checkpoint != Some((page, key)) {
+        coord.evidence_mut().wrote(page, Role::Other);
+    }
     if let Some((old_page, old_key)) = state.decode_checkpoint.replace((page, key)) {
         if (old_page, old_key) != (page, key) {
             coord.drop_checkpoint(old_page, old_key);
