@@ -642,3 +642,46 @@ def test_arena_prefix_caching_hits_below_stock_block(tmp_path: Path) -> None:
             }
         )
     )
+
+
+def test_arena_prefix_caching_refusals() -> None:
+    """With prefix caching the arena refuses async scheduling (the engine hashes the tokens it
+    schedules) and a mamba mode other than vLLM's "align", each naming the option."""
+    from flat_kvcache.vllm._arena import plan_vllm_arena
+    from flat_kvcache.vllm._manager import UnsupportedVllmConfigError
+    from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found,unused-ignore]
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        MambaSpec,
+    )
+
+    def config(async_scheduling: bool, mode: str) -> tuple[Any, Any]:
+        vllm_config = types.SimpleNamespace(
+            parallel_config=types.SimpleNamespace(worker_cls=ARENA_WORKER),
+            cache_config=types.SimpleNamespace(enable_prefix_caching=True),
+            scheduler_config=types.SimpleNamespace(
+                async_scheduling=async_scheduling, watermark=0.0, max_num_seqs=2
+            ),
+            speculative_config=None,
+        )
+        spec = MambaSpec(
+            block_size=1088,
+            shapes=((3, 64), (2, 16, 16)),
+            dtypes=(torch.bfloat16, torch.bfloat16),
+            mamba_cache_mode=mode,
+        )
+        kv_cache_config = KVCacheConfig(
+            num_blocks=8,
+            kv_cache_tensors=[KVCacheTensor(size=8 << 20, layers=["l0"], layer_stride=0, block_stride=0)],
+            kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)],
+        )
+        return vllm_config, kv_cache_config
+
+    with pytest.raises(UnsupportedVllmConfigError, match="async_scheduling=False"):
+        plan_vllm_arena(*config(True, "align"), 32)
+    with pytest.raises(UnsupportedVllmConfigError, match="mamba cache mode 'none'"):
+        plan_vllm_arena(*config(False, "none"), 32)
+    plan = plan_vllm_arena(*config(False, "align"), 32)
+    assert plan.prefix_caching and plan.state_grain == 64
+    assert plan.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size == 64
