@@ -685,3 +685,49 @@ def test_arena_prefix_caching_refusals() -> None:
     plan = plan_vllm_arena(*config(False, "align"), 32)
     assert plan.prefix_caching and plan.state_grain == 64
     assert plan.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size == 64
+
+
+def serve_tight(model_dir: Path, arena_bytes: int | None) -> dict[str, Any]:
+    """A, B, C and D (D shares A's first 200 tokens) at once, two running at most, 120 greedy
+    tokens each; then B and C again. ``arena_bytes``: the arena at that budget, else stock."""
+    settings = dict(SETTINGS, **CACHING)
+    settings.update(max_num_seqs=2)
+    if arena_bytes is not None:
+        settings.update(ARENA_IDS, worker_cls=ARENA_WORKER, kv_cache_memory_bytes=arena_bytes)
+        settings.update(CACHING)
+    llm = LLM(model=str(model_dir), **settings)
+    try:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        preempted: list[tuple[str, int]] = []
+        preempt = scheduler._preempt_request
+
+        def counting(request: Any, *args: Any, **kwargs: Any) -> Any:
+            preempted.append((request.request_id, request.num_computed_tokens))
+            return preempt(request, *args, **kwargs)
+
+        scheduler._preempt_request = counting
+        a, b, c = _turns()
+        rng = random.Random(9)
+        d = a[:200] + [rng.randrange(VOCAB) for _ in range(150)]
+        greedy = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+        tokens = []
+        for prompts in ((a, b, c, d), (b, c)):
+            results = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+            tokens += [list(r.outputs[0].token_ids) for r in results]
+        return {"tokens": tokens, "preemptions": preempted}
+    finally:
+        del llm
+        gc.collect()
+
+
+def test_arena_prefix_caching_tight_budget(tmp_path: Path) -> None:
+    """Prefix caching on, the thin tiny Qwen3.5 in 5 arena units (4 after the null one), two
+    requests running at most: the arena preempts (a preempted request leaves the engine through
+    ``finish`` and comes back through its hit lookup) and evicts checkpoints, and every request
+    still gets stock's greedy tokens (stock at 24 MiB, not preempting)."""
+    model_dir = qwen35_thin(tmp_path / "qwen3.5-thin")
+    stock = serve_tight(model_dir, None)
+    tight = serve_tight(model_dir, 2 << 20)
+    assert not stock["preemptions"] and tight["preemptions"]
+    assert tight["tokens"] == stock["tokens"]
+    print(json.dumps({"tight_2MiB_preemptions": tight["preemptions"]}))
