@@ -30,7 +30,11 @@ class FlatScheduler(AsyncScheduler):  # type: ignore[misc]
     Options come from vLLM's ``additional_config`` (``LLM(..., additional_config={"flat_kvcache":
     {"mamba_checkpoints": "reuse"}})``, ``--additional-config``): ``mamba_checkpoints`` "vllm"
     (the default: vLLM's own decisions) or "reuse" (GDN / mamba hybrids with prefix caching: the
-    project's reuse policy places and keeps the mamba state checkpoints; docs/vllm.md).
+    project's reuse policy places and keeps the mamba state checkpoints; docs/vllm.md), and
+    ``arena_page_size`` (the SPEC 13 arena's own ids, with
+    ``flat_kvcache.vllm.arena_plugin.ArenaCPUWorker``): :class:`ArenaKVCacheManager` with
+    prefix caching off, :class:`ArenaPrefixKVCacheManager` with it on (then prefill chunks are
+    cut where that engine checkpoints: :meth:`_mamba_block_aligned_split`).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
