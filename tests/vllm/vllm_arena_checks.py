@@ -13,7 +13,11 @@ greedy tokens (and cached tokens) must be identical, and each arena run must rea
 arena (every layer's cache a view into the one buffer, rows one unit apart). A second check calls
 vLLM's CPU attention and GDN kernels directly on dense tensors and on arena views. The last
 serves the arena's own ids (``arena_page_size``: 32-token attention pages, one state slot per
-request, FlatScheduler's ``ArenaKVCacheManager``) against stock, with a tight budget too.
+request, FlatScheduler's ``ArenaKVCacheManager``) against stock, with a tight budget too. The
+last three serve the arena's ids with prefix caching (``ArenaPrefixKVCacheManager`` over
+``FlatKVCache``) on a thin-attention Qwen3.5 whose stock block is 1,088 tokens: hits at 64-token
+checkpoints where stock hits nothing, stock's tokens, a control without the state copy, a tight
+budget that preempts, and the refusals.
 """
 
 from __future__ import annotations
