@@ -17,7 +17,8 @@ request, FlatScheduler's ``ArenaKVCacheManager``) against stock, with a tight bu
 last three serve the arena's ids with prefix caching (``ArenaPrefixKVCacheManager`` over
 ``FlatKVCache``) on a thin-attention Qwen3.5 whose stock block is 1,088 tokens: hits at 64-token
 checkpoints where stock hits nothing, stock's tokens, a control without the state copy, a tight
-budget that preempts, and the refusals.
+budget that preempts, and the refusals; and the tiny Qwen3-Next on the arena's ids, prefix caching
+off and on, against stock.
 """
 
 from __future__ import annotations
@@ -560,15 +561,18 @@ def _turns() -> tuple[list[int], list[int], list[int]]:
     return tuple(shared + [rng.randrange(VOCAB) for _ in range(n)] for n in (10, 30, 50))  # type: ignore[return-value]
 
 
-def serve_turns(model_dir: Path, arena: bool, *, skip_state_copy: bool = False) -> dict[str, Any]:
+def serve_turns(
+    model_dir: Path, arena: bool, *, skip_state_copy: bool = False, caching: bool = True
+) -> dict[str, Any]:
     """A alone, then B and C together, then A's next turn (A, its 40 tokens, 30 more): per
     request its cached tokens and greedy tokens. ``skip_state_copy`` turns vLLM's mode "align"
     copy from the last step's state column into the current one (``do_mamba_copy_block``) into
-    a no-op: the read -> write copy the arena relies on."""
+    a no-op: the read -> write copy the arena relies on. ``caching=False``: prefix caching off
+    (the same 2,048 batched tokens, so the same chunks)."""
     from vllm.v1.worker import mamba_utils  # type: ignore[import-not-found,unused-ignore]
 
     settings = dict(SETTINGS, **(dict(ARENA_IDS, worker_cls=ARENA_WORKER) if arena else {}))
-    settings.update(CACHING)
+    settings.update(CACHING if caching else dict(CACHING, enable_prefix_caching=False))
     copy = mamba_utils.do_mamba_copy_block
     copies = [0]
 
@@ -646,6 +650,35 @@ def test_arena_prefix_caching_hits_below_stock_block(tmp_path: Path) -> None:
             }
         )
     )
+
+
+def test_arena_ids_qwen3_next_turns(tmp_path: Path) -> None:
+    """The tiny Qwen3-Next (four 128-wide KV heads: stock's block is 64 tokens, so stock hits
+    too) on the arena's ids: with prefix caching off on both sides (the same chunks) the arena's
+    greedy tokens are stock's; with it on, the arena hits where stock hits (B and C at A's body
+    checkpoint, A's next turn at its decode checkpoint) and gives stock's tokens."""
+    model_dir = qwen3_next(tmp_path / "qwen3-next")
+    runs = {
+        (arena, caching): serve_turns(model_dir, arena, caching=caching)
+        for arena in (False, True)
+        for caching in (False, True)
+    }
+    assert runs[True, True]["manager"] == "ArenaPrefixKVCacheManager"
+    assert runs[True, False]["manager"] == "ArenaKVCacheManager"
+    assert runs[True, True]["facts"]["runner"] == "ArenaCPUModelRunner"
+
+    def hits(run: dict[str, Any]) -> dict[str, int]:
+        return {name: cached for name, (cached, _) in run["requests"].items()}
+
+    def tokens(run: dict[str, Any]) -> dict[str, list[int]]:
+        return {name: out for name, (_, out) in run["requests"].items()}
+
+    assert hits(runs[False, False]) == hits(runs[True, False]) == dict.fromkeys(["A", "B", "C", "A2"], 0)
+    assert tokens(runs[True, False]) == tokens(runs[False, False])
+    assert hits(runs[True, True]) == hits(runs[False, True])
+    assert hits(runs[True, True])["B"] > 0 and hits(runs[True, True])["A2"] > hits(runs[True, True])["B"]
+    assert tokens(runs[True, True]) == tokens(runs[False, True])
+    print(json.dumps({"hits": hits(runs[True, True])}))
 
 
 def test_arena_prefix_caching_refusals() -> None:
