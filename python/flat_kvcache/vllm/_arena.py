@@ -56,7 +56,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock  # type: ignore[import-not-
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec  # type: ignore[import-not-found]
 from vllm.v1.metrics.stats import PrefixCacheStats  # type: ignore[import-not-found]
 
-from flat_kvcache import ArenaPlan, BlockPool, ComponentSpec, plan_arena
+from flat_kvcache import ArenaPlan, BlockPool, ComponentSpec, FlatKVCache, KVCacheSpec, plan_arena
 from flat_kvcache.vllm._manager import UnsupportedVllmConfigError, _CoordinatorView, adapter_options
 
 __all__ = [
@@ -299,6 +299,21 @@ class ArenaKVCacheManager:
         self.watermark_blocks = 0
         self.prefix_cache_stats: Any = PrefixCacheStats() if log_stats else None
         self.coordinator = _CoordinatorView(self.kv_cache_config)
+        self._pages = [g for g, (kind, _) in enumerate(arena.group_roles) if kind == "pages"]
+        self._states = [g for g, (kind, _) in enumerate(arena.group_roles) if kind == "state"]
+        self._page_arena = arena.group_roles[self._pages[0]][1] if self._pages else -1
+        self._state_arena = arena.group_roles[self._states[0]][1] if self._states else -1
+        self._page = arena.plan.page_size
+        self._requests: dict[str, _Request] = {}
+        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
+        self._record_new_block_ids = bool(self.kv_cache_config.needs_kv_cache_zeroing)
+        self._new_block_ids: list[int] = []
+        self._bind_ids()
+
+    def _bind_ids(self) -> None:
+        """The allocator of the ids: here a :class:`flat_kvcache.BlockPool` on the arena's units,
+        checked to hand out exactly the rows of the worker's views."""
+        arena = self.arena
         self.pool = BlockPool.with_arena(
             arena.unit_bytes, arena.num_units, arena.arena_page_bytes, enable_caching=False
         )
@@ -310,15 +325,6 @@ class ArenaKVCacheManager:
                     f"flat_kvcache arena: the pool has {self.pool.group_ids(place)} ids for KV cache "
                     f"group {g}, the worker's views {arena.num_ids(g)} rows"
                 )
-        self._pages = [g for g, (kind, _) in enumerate(arena.group_roles) if kind == "pages"]
-        self._states = [g for g, (kind, _) in enumerate(arena.group_roles) if kind == "state"]
-        self._page_arena = arena.group_roles[self._pages[0]][1] if self._pages else -1
-        self._state_arena = arena.group_roles[self._states[0]][1] if self._states else -1
-        self._page = arena.plan.page_size
-        self._requests: dict[str, _Request] = {}
-        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
-        self._record_new_block_ids = bool(self.kv_cache_config.needs_kv_cache_zeroing)
-        self._new_block_ids: list[int] = []
 
     # -- stats -------------------------------------------------------------------------------
 
@@ -516,10 +522,16 @@ class ArenaPrefixKVCacheManager(ArenaKVCacheManager):
     """
 
     def __init__(self, arena: VllmArena, *, max_model_len: int, log_stats: bool = False) -> None:
-        from flat_kvcache import FlatKVCache, KVCacheSpec
-
         super().__init__(arena, max_model_len=max_model_len, log_stats=log_stats)
         self.enable_caching = True
+        self._columns = {_PAGE_GROUP: 0, _STATE_GROUP: 1 if self._pages else 0}
+        self._cached: dict[str, _CachedRequest] = {}
+        self.grain = arena.state_grain
+
+    def _bind_ids(self) -> None:
+        """The allocator of the ids: :class:`flat_kvcache.FlatKVCache` on an arena plan of the
+        worker's geometry, checked to hand out exactly the rows of its views (no BlockPool)."""
+        arena = self.arena
         # The engine's plan: the vLLM layer's geometry (a page is one page stride, a state slot
         # one unit), so its ids are the rows of the worker's views.
         components: list[ComponentSpec] = []
@@ -547,9 +559,6 @@ class ArenaPrefixKVCacheManager(ArenaKVCacheManager):
                 )
         self.engine_plan = plan
         self.cache = FlatKVCache(specs, arena=plan)
-        self._columns = {_PAGE_GROUP: 0, _STATE_GROUP: 1 if self._pages else 0}
-        self._cached: dict[str, _CachedRequest] = {}
-        self.grain = arena.state_grain
 
     # -- stats -------------------------------------------------------------------------------
 
