@@ -11,7 +11,10 @@ the policy's own rules:
   once 16 were seen (G before);
 - under S > G a prompt's body ends at the last multiple of S before its last token;
 - body ends are written until 16 were, then while prompts resume at them per body end written
-  at least as often as at finish checkpoints per finish checkpoint left.
+  at least as often as at finish checkpoints per finish checkpoint left;
+- at a request's finish its finish checkpoint, and each of its chunk ends still cached, are
+  kept until 16 of their role were kept, then while prompts resume at that role per checkpoint
+  kept at least as often as at body ends per body end written (else released, uncached).
 
 ``lru`` keeps today's rules (the same calls give the SPEC 13.5 cuts and hits).
 """
@@ -390,3 +393,62 @@ def test_the_body_end_rule_decides_alike_in_both_engines(
         seen = [run(cache, f"r{i}", prompt, limit=24, decode=decode) for cache in caches]
         assert seen[0] == seen[1], i
         history[topic] = [*prompt, *(10_000 + j for j in range(decode))]
+
+
+# SPEC 13.8b, the finish and chunk-end rules: a request's finish checkpoint and its earlier
+# chunk ends are worth the recompute they save the prompts that resume at them; where prompts
+# resume at body ends instead, they only hold state memory. `reuse` keeps each at its request's
+# finish until 16 of its role were kept, then while one kept is resumed from at least as often
+# as a body end written; `lru` keeps every one until evicted.
+
+
+def answer_probe(cache: Any, i: int) -> int:
+    """The hit of conversation ``i``'s next turn carrying its answer (see :func:`conversation`):
+    32 at its finish checkpoint, 16 at its body end once the finish checkpoint was released."""
+    first = base(21, seed=300 + i)
+    return int(cache.prefix_hit_tokens([*first, *(10_000 + j for j in range(11)), *base(13, seed=400 + i)]))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_finish_checkpoints_are_released_where_prompts_resume_at_body_ends(engine: ModuleType) -> None:
+    reuse, lru = make(engine, "reuse"), make(engine, "lru")
+    # Each conversation leaves one finish checkpoint (32), never resumed from, and one body end
+    # (16), resumed from once: the first 16 finish checkpoints are kept, the next released.
+    seen = []
+    for i in range(20):
+        conversation(reuse, i, "body")
+        seen.append(answer_probe(reuse, i))
+    assert seen == [32] * 16 + [16] * 4
+    for i in range(20):
+        conversation(lru, i, "body")
+        assert answer_probe(lru, i) == 32
+
+
+def long_prompt(cache: Any, i: int, follow: int) -> tuple[int, int]:
+    """A 37-token prompt computed in chunks of at most 8: chunk ends 8, 16 and 24, body end 32;
+    then a prompt sharing its first ``follow`` tokens and 3 others, decoding nothing. Returns
+    the hit of a prompt sharing its first 20 tokens, probed before the follower runs, and the
+    follower's hit."""
+    first = base(37, seed=700 + i)
+    assert run(cache, f"l{i}", first, limit=8)[1] == [8, 8, 8, 8, 5]
+    probe = int(cache.prefix_hit_tokens([*first[:20], *base(5, seed=800 + i)]))
+    return probe, run(cache, f"f{i}", [*first[:follow], *base(3, seed=900 + i)])[0]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_chunk_ends_stay_where_prompts_resume_at_them(engine: ModuleType) -> None:
+    # Each follower shares 20 tokens and resumes at the chunk end at 16; its own body end (16 +
+    # 8 = 24) is never resumed from: chunk ends are worth more, and all are kept.
+    for policy in ("reuse", "lru"):
+        cache = make(engine, policy)
+        assert [long_prompt(cache, i, 20) for i in range(12)] == [(16, 16)] * 12, policy
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_chunk_ends_are_released_where_prompts_never_resume_at_them(engine: ModuleType) -> None:
+    # Each follower shares 34 tokens and resumes at the body end (32); no prompt resumes at a
+    # chunk end. Five prompts keep 15 chunk ends; the sixth keeps its 16th (8) and releases
+    # 16 and 24; from the seventh on every chunk end is released at finish.
+    reuse, lru = make(engine, "reuse"), make(engine, "lru")
+    assert [long_prompt(reuse, i, 34) for i in range(9)] == [(16, 32)] * 5 + [(8, 32)] + [(0, 32)] * 3
+    assert [long_prompt(lru, i, 34) for i in range(9)] == [(16, 32)] * 9

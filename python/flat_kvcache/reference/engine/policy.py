@@ -1,7 +1,7 @@
 """Which state checkpoints a cache keeps and where it writes them (SPEC 13.8; the native
 ``engine/policy.rs``).
 
-Both policies keep every checkpoint SPEC 13.5 writes until the pool evicts it (13.7): a
+``lru`` keeps every checkpoint SPEC 13.5 writes until the pool evicts it (13.7): a
 checkpoint at ``t`` serves every later prompt that shares at least ``t`` tokens with it,
 wherever that prompt diverges after ``t``, so no checkpoint is dropped on a guess of where
 prompts will diverge. ``reuse`` adds, from what the cache sees:
@@ -13,20 +13,33 @@ prompts will diverge. ``reuse`` adds, from what the cache sees:
   written until ``MIN_OBSERVATIONS`` were written, then while the prompts resumed at body ends
   per body end written are at least those resumed at finish checkpoints per finish checkpoint
   left (SPEC 13.8b: a body end serves only prompts diverging before the finish checkpoint);
+- at a request's finish, its finish checkpoint and each of its chunk ends (a prompt checkpoint
+  other than its body end and branch point) still cached are kept until ``MIN_OBSERVATIONS``
+  of that role were kept, then while hits per checkpoint of that role kept are at least hits
+  per body end written; otherwise released (SPEC 13.8b);
 - whole hybrid prefixes (``prefixes.py``): full-attention pages on no cached checkpoint's path
   lose their keys.
 """
 
 from __future__ import annotations
 
-__all__ = ["BODY", "EVICTION_POLICIES", "FINISH", "MAX_LEVEL", "MIN_OBSERVATIONS", "OTHER", "ReuseEvidence"]
+__all__ = [
+    "BODY",
+    "CHUNK",
+    "EVICTION_POLICIES",
+    "FINISH",
+    "MAX_LEVEL",
+    "MIN_OBSERVATIONS",
+    "OTHER",
+    "ReuseEvidence",
+]
 
 #: Divergence points needed before the sharing grain moves from ``G``.
 MIN_OBSERVATIONS = 16
 #: The largest sharing grain is ``G * 2**MAX_LEVEL``.
 MAX_LEVEL = 6
 #: What a checkpoint was written as, for the body-end rule (SPEC 13.8b).
-BODY, FINISH, OTHER = "body", "finish", "other"
+BODY, FINISH, CHUNK, OTHER = "body", "finish", "chunk", "other"
 #: The ``eviction_policy`` names.
 EVICTION_POLICIES = ("lru", "reuse")
 
@@ -46,6 +59,9 @@ class ReuseEvidence:
         self.body_hits = 0
         self.finish_written = 0
         self.finish_hits = 0
+        #: Chunk-end checkpoints kept at their request's finish, and prompts that resumed at one.
+        self.chunk_kept = 0
+        self.chunk_hits = 0
 
     def observe(self, point: int, grain: int) -> None:
         """Record divergence point ``point`` (tokens, > 0) of a state grain ``grain``."""
@@ -76,6 +92,8 @@ class ReuseEvidence:
             self.body_written += 1
         elif role == FINISH:
             self.finish_written += 1
+        elif role == CHUNK:
+            pass
         else:
             self.roles.pop(page, None)
             return
@@ -88,6 +106,34 @@ class ReuseEvidence:
             self.body_hits += 1
         elif role == FINISH:
             self.finish_hits += 1
+        elif role == CHUNK:
+            self.chunk_hits += 1
+
+    def is_chunk_end(self, page: int) -> bool:
+        """Whether the checkpoint on state page ``page`` was written as a chunk end (SPEC 13.8b)."""
+        return self.roles.get(page) == CHUNK
+
+    def keep_chunk_end(self) -> bool:
+        """At a request's finish, whether one of its chunk-end checkpoints still cached is kept
+        (counted as kept) or released (SPEC 13.8b): kept until ``MIN_OBSERVATIONS`` were kept,
+        then while a chunk end kept is resumed from at least as often as a body end written."""
+        keep = (
+            self.chunk_kept < MIN_OBSERVATIONS
+            or self.chunk_hits * self.body_written >= self.body_hits * self.chunk_kept
+        )
+        if keep:
+            self.chunk_kept += 1
+        return keep
+
+    def keep_finish(self) -> bool:
+        """At a request's finish, whether its finish checkpoint, still cached, is kept (then
+        :meth:`wrote` counts it as left) or released (SPEC 13.8b): kept until
+        ``MIN_OBSERVATIONS`` were left, then while one left is resumed from at least as often as
+        a body end written."""
+        return (
+            self.finish_written < MIN_OBSERVATIONS
+            or self.finish_hits * self.body_written >= self.body_hits * self.finish_written
+        )
 
     def writes_body_end(self) -> bool:
         """Whether prompts' body ends are checkpointed (SPEC 13.8b): until ``MIN_OBSERVATIONS``

@@ -1,8 +1,9 @@
-//! Which state checkpoints a cache keeps and where it writes them (SPEC 13.8). Under both
-//! policies every checkpoint SPEC 13.5 writes stays cached until the pool evicts it (13.7):
-//! a checkpoint at `t` serves every later prompt that shares at least `t` tokens with it,
+//! Which state checkpoints a cache keeps and where it writes them (SPEC 13.8). Under `lru`
+//! every checkpoint SPEC 13.5 writes stays cached until the pool evicts it (13.7): a
+//! checkpoint at `t` serves every later prompt that shares at least `t` tokens with it,
 //! wherever that prompt diverges after `t`, so none is dropped on a guess of where prompts
-//! will diverge; eviction, which sees memory pressure, is the one place checkpoints leave.
+//! will diverge; `reuse` releases one at its request's finish only on what prompts were seen
+//! to resume from (below).
 //!
 //! `reuse` adds, from what the cache sees:
 //! - **The sharing grain `S`.** Each prompt admitted with state groups whose full-attention
@@ -17,6 +18,11 @@
 //!   resumed at (body end, finish checkpoint, other), and body ends are written until
 //!   `MIN_OBSERVATIONS` were written, then while hits per body end written are at least hits
 //!   per finish checkpoint left (SPEC 13.8b).
+//! - **Finish checkpoints and chunk ends kept while they pay.** At a request's finish, its
+//!   finish checkpoint and each of its chunk-end checkpoints (a prompt checkpoint other than
+//!   its body end and branch point) still cached are kept until `MIN_OBSERVATIONS` of that
+//!   role were kept, then while hits per checkpoint of that role kept are at least hits per
+//!   body end written; otherwise released (uncached, the slot back to the pool) (SPEC 13.8b).
 //! - **Whole hybrid prefixes** (`prefixes.rs`, kept by the coordinator): a full-attention
 //!   page on the path of no cached checkpoint loses its key at its request's finish, or when
 //!   the last checkpoint whose path held it leaves the cache.
@@ -75,6 +81,9 @@ pub struct ReuseEvidence {
     /// Finish checkpoints left, and prompts that resumed at one.
     finish_written: u64,
     finish_hits: u64,
+    /// Chunk-end checkpoints kept at their request's finish, and prompts that resumed at one.
+    chunk_kept: u64,
+    chunk_hits: u64,
 }
 
 /// What a checkpoint was written as, for the body-end rule (SPEC 13.8b).
@@ -84,7 +93,9 @@ pub enum Role {
     Body,
     /// A finished request's last checkpoint (13.5d).
     Finish,
-    /// Any other checkpoint (a chunk end, a branch point, a decode checkpoint in flight).
+    /// A prompt checkpoint other than its body end and branch point: a chunk end (13.5a).
+    Chunk,
+    /// Any other checkpoint (a branch point, a decode checkpoint in flight).
     Other,
 }
 
@@ -136,6 +147,7 @@ impl ReuseEvidence {
         match role {
             Role::Body => self.body_written = self.body_written.saturating_add(1),
             Role::Finish => self.finish_written = self.finish_written.saturating_add(1),
+            Role::Chunk => {}
             Role::Other => {
                 self.roles.remove(&page);
                 return;
@@ -149,8 +161,27 @@ impl ReuseEvidence {
         match self.roles.get(&page) {
             Some(Role::Body) => self.body_hits = self.body_hits.saturating_add(1),
             Some(Role::Finish) => self.finish_hits = self.finish_hits.saturating_add(1),
+            Some(Role::Chunk) => self.chunk_hits = self.chunk_hits.saturating_add(1),
             _ => {}
         }
+    }
+
+    /// Whether the checkpoint on state page `page` was written as a chunk end (SPEC 13.8b).
+    pub fn is_chunk_end(&self, page: u32) -> bool {
+        self.roles.get(&page) == Some(&Role::Chunk)
+    }
+
+    /// At a request's finish, whether one of its chunk-end checkpoints still cached is kept
+    /// (counted as kept) or released (SPEC 13.8b): kept until `MIN_OBSERVATIONS` were kept,
+    /// then while a chunk end kept is resumed from at least as often as a body end written.
+    pub fn keep_chunk_end(&mut self) -> bool {
+        let keep = self.chunk_kept < MIN_OBSERVATIONS
+            || u128::from(self.chunk_hits) * u128::from(self.body_written)
+                >= u128::from(self.body_hits) * u128::from(self.chunk_kept);
+        if keep {
+            self.chunk_kept = self.chunk_kept.saturating_add(1);
+        }
+        keep
     }
 
     /// Whether prompts' body ends are checkpointed (SPEC 13.8b): until `MIN_OBSERVATIONS`
@@ -166,6 +197,20 @@ impl ReuseEvidence {
     /// Body ends written and resumed from; finish checkpoints left and resumed from.
     pub fn resume_counts(&self) -> [u64; 4] {
         [self.body_written, self.body_hits, self.finish_written, self.finish_hits]
+    }
+
+    /// At a request's finish, whether its finish checkpoint, still cached, is kept (counted as
+    /// left) or released (SPEC 13.8b): kept until `MIN_OBSERVATIONS` were left, then while one
+    /// left is resumed from at least as often as a body end written.
+    pub fn keep_finish(&self) -> bool {
+        self.finish_written < MIN_OBSERVATIONS
+            || u128::from(self.finish_hits) * u128::from(self.body_written)
+                >= u128::from(self.body_hits) * u128::from(self.finish_written)
+    }
+
+    /// Chunk ends kept at finish and resumed from.
+    pub fn chunk_counts(&self) -> [u64; 2] {
+        [self.chunk_kept, self.chunk_hits]
     }
 }
 
@@ -222,5 +267,36 @@ mod tests {
         e.resumed(3);
         e.resumed(999);
         assert_eq!(e.resume_counts(), [16, 16, 15, 15]);
+    }
+
+    #[test]
+    fn finish_checkpoints_and_chunk_ends_are_kept_while_resumed_from_as_often_as_body_ends() {
+        let mut e = ReuseEvidence::default();
+        // Two body ends written, one resumed from: 1 / 2 per body end.
+        e.wrote(0, Role::Body);
+        e.wrote(1, Role::Body);
+        e.resumed(0);
+        // Until MIN_OBSERVATIONS of a role were kept, they are, whatever was resumed.
+        for page in 0..16 {
+            assert!(e.keep_finish(), "fewer than 16 finish checkpoints left");
+            e.wrote(100 + page, Role::Finish);
+            e.wrote(200 + page, Role::Chunk);
+            assert!(e.is_chunk_end(200 + page));
+            assert!(e.keep_chunk_end(), "fewer than 16 chunk ends kept");
+        }
+        // 16 of each kept, none resumed from: 0 / 16 < 1 / 2, both released now.
+        assert!(!e.keep_finish());
+        assert!(!e.keep_chunk_end());
+        // 8 prompts resume at each: 8 / 16 >= 1 / 2, both kept again.
+        for page in 0..8 {
+            e.resumed(100 + page);
+            e.resumed(200 + page);
+        }
+        assert!(e.keep_finish());
+        assert!(e.keep_chunk_end());
+        assert_eq!(e.chunk_counts(), [17, 8]);
+        // A chunk end's page that takes another checkpoint is no chunk end any more.
+        e.wrote(200, Role::Other);
+        assert!(!e.is_chunk_end(200));
     }
 }

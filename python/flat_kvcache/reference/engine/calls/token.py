@@ -41,7 +41,7 @@ from flat_kvcache.reference.engine.calls.rows import Rows
 from flat_kvcache.reference.engine.events import removed_events
 from flat_kvcache.reference.engine.hash import hash_page, hash_pages
 from flat_kvcache.reference.engine.host import HOST_BIT
-from flat_kvcache.reference.engine.policy import BODY, FINISH, OTHER
+from flat_kvcache.reference.engine.policy import BODY, CHUNK, FINISH, OTHER
 from flat_kvcache.reference.engine.table import Table, TokenState
 
 __all__ = ["TokenApi"]
@@ -473,7 +473,13 @@ class TokenApi(PageTables, Rows):
             # SPEC 13.8b: the body end is the last multiple of S before the prompt's last token.
             sharing = max(self._sharing_grain() or 1, 1)
             last = max(state.prompt_len - 1, 0)
-            self._evidence.wrote(found[0], BODY if state.computed == last - last % sharing else OTHER)
+            if state.computed == last - last % sharing:
+                role = BODY
+            elif state.computed == state.branch:
+                role = OTHER
+            else:
+                role = CHUNK
+            self._evidence.wrote(found[0], role)
 
     def _drop_checkpoint(self, page: int, key: str) -> None:
         """Drop checkpoint ``key`` from ``page`` if it still holds it and nobody holds the page."""
@@ -486,13 +492,25 @@ class TokenApi(PageTables, Rows):
             self._events.extend(removed_events(keys))
 
     def _end_of_request(self, state: TokenState) -> None:
-        """SPEC 13.8 (reuse), when a request finished (its pages released): every checkpoint it
-        wrote stays cached (evicted like a page, 13.7); with whole hybrid prefixes, its free
+        """SPEC 13.8 (reuse), when a request finished (its pages released): its finish
+        checkpoint and chunk ends are kept (evicted like a page, 13.7) while their role pays
+        (13.8b), every other checkpoint it wrote stays cached; with whole hybrid prefixes, its free
         full-attention pages on no cached checkpoint's path lose their keys."""
         found = state.decode_checkpoint
         if self._policy == "reuse" and found is not None and self._pool._key_held_by(found[0]) == found[1]:
-            # SPEC 13.8b: the finish checkpoint is one a request leaves.
-            self._evidence.wrote(found[0], FINISH)
+            # SPEC 13.8b: the finish checkpoint is one a request leaves, while it pays.
+            if self._evidence.keep_finish():
+                self._evidence.wrote(found[0], FINISH)
+            else:
+                self._drop_checkpoint(*found)
+        # SPEC 13.8b: its chunk-end checkpoints still cached are kept only while they pay.
+        for page, key, _ in state.prompt_checkpoints:
+            if (
+                self._pool._key_held_by(page) == key
+                and self._evidence.is_chunk_end(page)
+                and not self._evidence.keep_chunk_end()
+            ):
+                self._drop_checkpoint(page, key)
         if self._whole_prefixes():
             self._keep_whole_prefixes(state)
 

@@ -749,21 +749,37 @@ fn note_prompt_checkpoint(coord: &mut Coordinator, tables: &[Table], state: &mut
         let last = state.prompt_len.saturating_sub(1);
         let role = if state.computed == last - last % sharing {
             Role::Body
-        } else {
+        } else if state.computed == state.branch {
             Role::Other
+        } else {
+            Role::Chunk
         };
         coord.evidence_mut().wrote(page, role);
     }
 }
 
-/// SPEC 13.8 (`reuse`), when a request finishes (its pages released): every checkpoint it
-/// wrote stays cached (evicted like a page, 13.7); with whole hybrid prefixes, its free
+/// SPEC 13.8 (`reuse`), when a request finishes (its pages released): its finish checkpoint
+/// and chunk ends are kept (evicted like a page, 13.7) while their role pays (13.8b), every
+/// other checkpoint it wrote stays cached; with whole hybrid prefixes, its free
 /// full-attention pages on no cached checkpoint's path lose their keys.
 fn end_of_request(coord: &mut Coordinator, state: &TokenState) {
-    // SPEC 13.8b: the finish checkpoint is one a request leaves.
+    // SPEC 13.8b: the finish checkpoint is one a request leaves, while finish checkpoints pay.
     if let Some((page, key)) = state.decode_checkpoint {
         if coord.eviction_policy() == EvictionPolicy::Reuse && coord.pool().key_of(page) == Some(&key) {
-            coord.evidence_mut().wrote(page, Role::Finish);
+            if coord.evidence().keep_finish() {
+                coord.evidence_mut().wrote(page, Role::Finish);
+            } else {
+                coord.drop_checkpoint(page, key);
+            }
+        }
+    }
+    // SPEC 13.8b: its chunk-end checkpoints still cached are kept only while they pay.
+    for &(page, key, _) in &state.prompt_checkpoints {
+        if coord.pool().key_of(page) == Some(&key)
+            && coord.evidence().is_chunk_end(page)
+            && !coord.evidence_mut().keep_chunk_end()
+        {
+            coord.drop_checkpoint(page, key);
         }
     }
     if coord.whole_prefixes() {
