@@ -284,6 +284,17 @@ def _capacity_steps(replay: Replay, budget: int, hybrid: bool, capacity: str) ->
     return np.full(len(replay.hold_pages), float(budget - replay.working_set))
 
 
+def _release(running: dict[Any, int], keys: Any) -> None:
+    """A finished request lets go of its pages: each key's count of running holders drops by one
+    (the key leaves ``running`` at zero)."""
+    for key in keys:
+        count = running[key] - 1
+        if count:
+            running[key] = count
+        else:
+            del running[key]
+
+
 def model_lru(replay: Replay, budget: int, capacity: str) -> float:
     """The attention-only model's hit rate under an online LRU (a check of the model against the
     engine's measured attention-only ``lru``, not a bound): at arrival the hit is the deepest
@@ -314,12 +325,7 @@ def model_lru(replay: Replay, budget: int, capacity: str) -> float:
                 cache.pop(key, None)
                 running[key] = running.get(key, 0) + 1
         else:
-            for key in path[:full]:
-                count = running[key] - 1
-                if count:
-                    running[key] = count
-                else:
-                    del running[key]
+            _release(running, path[:full])
             for key in reversed(path):
                 cache[key] = None
                 cache.move_to_end(key)
@@ -387,12 +393,7 @@ def model_lru_hybrid(replay: Replay, budget: int, capacity: str) -> float:
                     used -= cache.pop((0, key))
                 running[key] = running.get(key, 0) + 1
         else:
-            for key in path[:full]:
-                count = running[key] - 1
-                if count:
-                    running[key] = count
-                else:
-                    del running[key]
+            _release(running, path[:full])
             for key in reversed(path):
                 put((0, key), page_bytes)
             tip = (length + int(output_len[r]) - 1) // GRAIN * GRAIN

@@ -51,7 +51,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -78,7 +78,12 @@ from hybrid_hits import (
 
 PREFIXES = (0.10, 0.25, 0.50, 1.0)
 #: (key, model, policy) of the three runs at each budget.
-RUNS = (("attention", "attention only", "lru"), ("lru", "hybrid", "lru"), ("reuse", "hybrid", "reuse"))
+#: (result key, model, checkpoint policy) of each run in a cell.
+RUNS: tuple[tuple[str, str, Literal["lru", "reuse"]], ...] = (
+    ("attention", "attention only", "lru"),
+    ("lru", "hybrid", "lru"),
+    ("reuse", "hybrid", "reuse"),
+)
 
 
 def working_set_bytes(
