@@ -44,6 +44,14 @@ BODY, FINISH, CHUNK, OTHER = "body", "finish", "chunk", "other"
 EVICTION_POLICIES = ("lru", "reuse")
 
 
+def _pays(count: int, hits: int, ref_count: int, ref_hits: int) -> bool:
+    """The rule every role of SPEC 13.8b follows: a role is kept (written) until
+    ``MIN_OBSERVATIONS`` of it were counted, then while prompts resume at it per checkpoint
+    (``hits / count``) at least as often as at the role it is compared with (``ref_hits /
+    ref_count``), cross-multiplied."""
+    return count < MIN_OBSERVATIONS or hits * ref_count >= ref_hits * count
+
+
 class ReuseEvidence:
     """Where prompts diverge, and where they resume, as the ``reuse`` policy saw it so far."""
 
@@ -51,8 +59,8 @@ class ReuseEvidence:
         self.seen = 0
         #: Of the divergence points seen, the multiples of ``G * 2**k``, ``k = 0..MAX_LEVEL``.
         self.multiples = [0] * (MAX_LEVEL + 1)
-        #: The state pages whose checkpoint is a prompt's body end (SPEC 13.5b, ``BODY``) or a
-        #: request's finish checkpoint (13.5d, ``FINISH``).
+        #: The state pages whose checkpoint is a prompt's body end (SPEC 13.5b, ``BODY``), a chunk
+        #: end (13.5a, ``CHUNK``) or a request's finish checkpoint (13.5d, ``FINISH``).
         self.roles: dict[int, str] = {}
         #: Body ends written and prompts that resumed at one; finish checkpoints the same.
         self.body_written = 0
@@ -86,8 +94,8 @@ class ReuseEvidence:
         return best
 
     def wrote(self, page: int, role: str) -> None:
-        """A checkpoint was written on state page ``page`` as ``role`` (``BODY``, ``FINISH`` or
-        ``OTHER``: a chunk end, a branch point, a decode checkpoint in flight)."""
+        """A checkpoint was written on state page ``page`` as ``role`` (``BODY``, ``FINISH``,
+        ``CHUNK`` or ``OTHER``: a branch point, a decode checkpoint in flight)."""
         if role == BODY:
             self.body_written += 1
         elif role == FINISH:
@@ -117,10 +125,7 @@ class ReuseEvidence:
         """At a request's finish, whether one of its chunk-end checkpoints still cached is kept
         (counted as kept) or released (SPEC 13.8b): kept until ``MIN_OBSERVATIONS`` were kept,
         then while a chunk end kept is resumed from at least as often as a body end written."""
-        keep = (
-            self.chunk_kept < MIN_OBSERVATIONS
-            or self.chunk_hits * self.body_written >= self.body_hits * self.chunk_kept
-        )
+        keep = _pays(self.chunk_kept, self.chunk_hits, self.body_written, self.body_hits)
         if keep:
             self.chunk_kept += 1
         return keep
@@ -130,17 +135,11 @@ class ReuseEvidence:
         :meth:`wrote` counts it as left) or released (SPEC 13.8b): kept until
         ``MIN_OBSERVATIONS`` were left, then while one left is resumed from at least as often as
         a body end written."""
-        return (
-            self.finish_written < MIN_OBSERVATIONS
-            or self.finish_hits * self.body_written >= self.body_hits * self.finish_written
-        )
+        return _pays(self.finish_written, self.finish_hits, self.body_written, self.body_hits)
 
     def writes_body_end(self) -> bool:
         """Whether prompts' body ends are checkpointed (SPEC 13.8b): until ``MIN_OBSERVATIONS``
         were written, then while a body end written is resumed from at least as often as a
         finish checkpoint (the request's other checkpoint past its prompt's last sharing-grain
         boundary, which holds the same state memory and serves the prompts that share more)."""
-        return (
-            self.body_written < MIN_OBSERVATIONS
-            or self.body_hits * self.finish_written >= self.finish_hits * self.body_written
-        )
+        return _pays(self.body_written, self.body_hits, self.finish_written, self.finish_hits)

@@ -72,8 +72,8 @@ pub struct ReuseEvidence {
     seen: u64,
     /// Of them, the multiples of `G * 2^k`, for `k = 0..=MAX_LEVEL`.
     multiples: [u64; MAX_LEVEL + 1],
-    /// The state pages whose checkpoint is a prompt's body end (SPEC 13.5b) or a request's
-    /// finish checkpoint (13.5d), by role.
+    /// The state pages whose checkpoint is a prompt's body end (SPEC 13.5b), a chunk end
+    /// (13.5a) or a request's finish checkpoint (13.5d), by role.
     roles: HashMap<u32, Role>,
     /// Body ends written, and prompts that resumed at one.
     body_written: u64,
@@ -175,9 +175,7 @@ impl ReuseEvidence {
     /// (counted as kept) or released (SPEC 13.8b): kept until `MIN_OBSERVATIONS` were kept,
     /// then while a chunk end kept is resumed from at least as often as a body end written.
     pub fn keep_chunk_end(&mut self) -> bool {
-        let keep = self.chunk_kept < MIN_OBSERVATIONS
-            || u128::from(self.chunk_hits) * u128::from(self.body_written)
-                >= u128::from(self.body_hits) * u128::from(self.chunk_kept);
+        let keep = pays(self.chunk_kept, self.chunk_hits, self.body_written, self.body_hits);
         if keep {
             self.chunk_kept = self.chunk_kept.saturating_add(1);
         }
@@ -189,9 +187,7 @@ impl ReuseEvidence {
     /// finish checkpoint (the request's other checkpoint past its prompt's last sharing-grain
     /// boundary, which holds the same state memory and serves the prompts that share more).
     pub fn writes_body_end(&self) -> bool {
-        self.body_written < MIN_OBSERVATIONS
-            || u128::from(self.body_hits) * u128::from(self.finish_written)
-                >= u128::from(self.finish_hits) * u128::from(self.body_written)
+        pays(self.body_written, self.body_hits, self.finish_written, self.finish_hits)
     }
 
     /// Body ends written and resumed from; finish checkpoints left and resumed from.
@@ -203,15 +199,21 @@ impl ReuseEvidence {
     /// left) or released (SPEC 13.8b): kept until `MIN_OBSERVATIONS` were left, then while one
     /// left is resumed from at least as often as a body end written.
     pub fn keep_finish(&self) -> bool {
-        self.finish_written < MIN_OBSERVATIONS
-            || u128::from(self.finish_hits) * u128::from(self.body_written)
-                >= u128::from(self.body_hits) * u128::from(self.finish_written)
+        pays(self.finish_written, self.finish_hits, self.body_written, self.body_hits)
     }
 
     /// Chunk ends kept at finish and resumed from.
     pub fn chunk_counts(&self) -> [u64; 2] {
         [self.chunk_kept, self.chunk_hits]
     }
+}
+
+/// The rule every role of SPEC 13.8b follows: a role is kept (written) until
+/// `MIN_OBSERVATIONS` of it were counted, then while prompts resume at it per checkpoint
+/// (`hits / count`) at least as often as at the role it is compared with (`ref_hits /
+/// ref_count`); cross-multiplied in `u128`, so nothing overflows or divides by zero.
+fn pays(count: u64, hits: u64, ref_count: u64, ref_hits: u64) -> bool {
+    count < MIN_OBSERVATIONS || u128::from(hits) * u128::from(ref_count) >= u128::from(ref_hits) * u128::from(count)
 }
 
 #[cfg(test)]
