@@ -716,17 +716,6 @@ class ArenaPrefixKVCacheManager(ArenaKVCacheManager):
             return self.empty_kv_cache_blocks
         return KVCacheBlocks(tuple(entry.blocks))
 
-    def get_block_ids_for_computed_tokens(
-        self, request_id: str, num_computed_tokens: int
-    ) -> tuple[list[int], ...]:
-        keep = _cdiv(num_computed_tokens, self._page)
-        return tuple(
-            ids if g in self._states else ids[:keep] for g, ids in enumerate(self.get_block_ids(request_id))
-        )
-
-    def estimate_cached_tokens(self, request: Any) -> int:
-        return 0
-
     def free(self, request: Any) -> None:
         """Finish (or preempt) the request: the engine registers its full pages and its finish
         checkpoint (SPEC 13.5d) and frees the rest."""
