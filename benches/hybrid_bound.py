@@ -284,6 +284,15 @@ def _capacity_steps(replay: Replay, budget: int, hybrid: bool, capacity: str) ->
     return np.full(len(replay.hold_pages), float(budget - replay.working_set))
 
 
+def _events(replay: Replay) -> list[tuple[int, int, int]]:
+    """Every request's arrival ``(step, 1, r)`` and finish ``(step, 0, r)`` in step order,
+    finishes before arrivals at one step."""
+    return sorted(
+        [(int(replay.arrival[r]), 1, r) for r in range(len(replay.paths))]
+        + [(int(replay.finish[r]), 0, r) for r in range(len(replay.paths))]
+    )
+
+
 def _release(running: dict[Any, int], keys: Any) -> None:
     """A finished request lets go of its pages: each key's count of running holders drops by one
     (the key leaves ``running`` at zero)."""
@@ -306,10 +315,7 @@ def model_lru(replay: Replay, budget: int, capacity: str) -> float:
     page_bytes = PAGE * KV_BYTES_PER_TOKEN
     cache: OrderedDict[int, None] = OrderedDict()
     running: dict[int, int] = {}  # prompt page hash -> running requests holding it
-    events = sorted(
-        [(int(replay.arrival[r]), 1, r) for r in range(len(replay.paths))]
-        + [(int(replay.finish[r]), 0, r) for r in range(len(replay.paths))]
-    )  # finishes before arrivals at one step
+    events = _events(replay)
     hits = 0
     for step, kind, r in events:
         path = replay.paths[r]
@@ -355,10 +361,7 @@ def model_lru_hybrid(replay: Replay, budget: int, capacity: str) -> float:
     used = 0
     running: dict[int, int] = {}
     branch: dict[int, int] = {}  # request -> depth of the branch checkpoint it writes
-    events = sorted(
-        [(int(replay.arrival[r]), 1, r) for r in range(len(replay.paths))]
-        + [(int(replay.finish[r]), 0, r) for r in range(len(replay.paths))]
-    )
+    events = _events(replay)
     hits = 0
 
     def put(key: tuple[int, int], size: int) -> None:
