@@ -47,7 +47,9 @@ from vllm_tiny_models import VOCAB, qwen3_next, qwen35, qwen35_thin
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
-    from flat_kvcache.vllm import arena_plugin
+    # arena_plugin first: it imports vLLM's CPU worker before the shared runner module.
+    from flat_kvcache.vllm import arena_plugin  # isort: split
+    from flat_kvcache.vllm import _arena_runner
     from flat_kvcache.vllm._arena import VllmArena
     from vllm import LLM, SamplingParams  # type: ignore[import-not-found,attr-defined,unused-ignore]
 
@@ -100,7 +102,7 @@ def _shifted_layout(kv_cache_config: Any) -> arena_plugin.VllmArenaLayout:
     return dataclasses.replace(base, unit_bytes=base.unit_bytes + 320, layers=layers)
 
 
-_PLUGIN_LAYOUT = arena_plugin.layout_for_vllm_ids
+_PLUGIN_LAYOUT = _arena_runner.layout_for_vllm_ids
 
 
 def _arena_facts(worker: Any) -> dict[str, Any]:
@@ -164,11 +166,11 @@ def serve(
     if scheduler_cls is not None:
         settings["scheduler_cls"] = scheduler_cls
     if shifted:
-        arena_plugin.layout_for_vllm_ids = _shifted_layout
+        _arena_runner.layout_for_vllm_ids = _shifted_layout
     try:
         llm = LLM(model=str(model_dir), **settings)
     finally:
-        arena_plugin.layout_for_vllm_ids = _PLUGIN_LAYOUT
+        _arena_runner.layout_for_vllm_ids = _PLUGIN_LAYOUT
     try:
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         preempted: list[tuple[str, int]] = []
@@ -768,3 +770,4 @@ def test_arena_prefix_caching_tight_budget(tmp_path: Path) -> None:
     assert not stock["preemptions"] and tight["preemptions"]
     assert tight["tokens"] == stock["tokens"]
     print(json.dumps({"tight_2MiB_preemptions": tight["preemptions"]}))
+
