@@ -29,7 +29,7 @@ Not run in CI on a GPU; CI runs the same flow on vLLM's CPU build (``--device cp
 
     pip install vllm==0.33.0 transformers && pip install .   # or PYTHONPATH=python
     python benches/vllm_arena_gpu.py                          # 8 of Qwen3.5-27B's 64 layers
-    python benches/vllm_arena_gpu.py --layers 16 --kv-cache-memory 16GiB --json
+    python benches/vllm_arena_gpu.py --layers 16 --kv-cache-mib 16384 --json
     VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONPATH=python python benches/vllm_arena_gpu.py --device cpu
 
 ``--page-size`` is the arena's attention page: 32 tokens runs unsplit under FlashAttention 3
@@ -51,7 +51,6 @@ import json
 import multiprocessing
 import os
 import random
-import re
 import sys
 import tempfile
 import time
@@ -111,7 +110,7 @@ TINY_QWEN35: dict[str, Any] = dict(
 DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     "cuda": dict(
         layers=8,
-        kv_cache_memory="8GiB",
+        kv_cache_mib=8192,
         max_model_len=8192,
         max_num_seqs=64,
         conversations=16,
@@ -120,7 +119,7 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     ),
     "cpu": dict(
         layers=4,
-        kv_cache_memory="24MiB",
+        kv_cache_mib=24,
         max_model_len=1024,
         max_num_seqs=8,
         conversations=3,
@@ -128,16 +127,6 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
         max_tokens=24,
     ),
 }
-
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
-
-
-def parse_bytes(text: str) -> int:
-    """``"8GiB"``, ``"24MiB"`` or a plain byte count."""
-    match = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"expected a size such as 8GiB or 24MiB, got {text!r}")
-    return int(match.group(1)) * _UNITS[match.group(2).lower()]
 
 
 def model_config(device: str, layers: int) -> dict[str, Any]:
@@ -194,7 +183,7 @@ def engine_settings(args: argparse.Namespace, side: str, caching: bool) -> dict[
         skip_tokenizer_init=True,
         seed=0,
         dtype="bfloat16",
-        kv_cache_memory_bytes=args.kv_cache_memory,
+        kv_cache_memory_bytes=args.kv_cache_mib << 20,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=2048,
@@ -345,7 +334,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         },
         "requests": len(off_stock["tokens"]),
         "arena_page_size": args.page_size,
-        "kv_cache_memory_bytes": args.kv_cache_memory,
+        "kv_cache_memory_bytes": args.kv_cache_mib << 20,
         "tokens_identical_caching_off": not differing,
         "differing_requests_caching_off": differing[:20],
         "tokens_identical_caching_on": on_stock["tokens"] == on_arena["tokens"],
@@ -417,7 +406,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, help="model depth, a multiple of 4 (cuda: 8 of 64; cpu: 4)")
     parser.add_argument("--model-dir", type=Path, help="model folder (built if it has no config.json)")
     parser.add_argument("--page-size", type=int, default=32, help="arena_page_size (tokens a page)")
-    parser.add_argument("--kv-cache-memory", type=parse_bytes, help="kv_cache_memory_bytes of each side")
+    parser.add_argument("--kv-cache-mib", type=int, help="kv_cache_memory_bytes of each side, in MiB")
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--conversations", type=int, help="conversations sharing the system prefix")
@@ -430,7 +419,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     for name, value in DEVICE_DEFAULTS[args.device].items():
         if getattr(args, name) is None:
-            setattr(args, name, parse_bytes(value) if name == "kv_cache_memory" else value)
+            setattr(args, name, value)
     if args.layers < 4 or args.layers % 4:
         parser.error(f"--layers {args.layers}: Qwen3.5's pattern needs a multiple of 4")
     if args.conversations < 2:
