@@ -47,7 +47,9 @@ from vllm_tiny_models import VOCAB, qwen3_next, qwen35, qwen35_thin
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
-    from flat_kvcache.vllm import arena_plugin
+    # arena_plugin first: it imports vLLM's CPU worker before the shared runner module.
+    from flat_kvcache.vllm import arena_plugin  # isort: split
+    from flat_kvcache.vllm import _arena_runner
     from flat_kvcache.vllm._arena import VllmArena
     from vllm import LLM, SamplingParams  # type: ignore[import-not-found,attr-defined,unused-ignore]
 
@@ -100,7 +102,7 @@ def _shifted_layout(kv_cache_config: Any) -> arena_plugin.VllmArenaLayout:
     return dataclasses.replace(base, unit_bytes=base.unit_bytes + 320, layers=layers)
 
 
-_PLUGIN_LAYOUT = arena_plugin.layout_for_vllm_ids
+_PLUGIN_LAYOUT = _arena_runner.layout_for_vllm_ids
 
 
 def _arena_facts(worker: Any) -> dict[str, Any]:
@@ -164,11 +166,11 @@ def serve(
     if scheduler_cls is not None:
         settings["scheduler_cls"] = scheduler_cls
     if shifted:
-        arena_plugin.layout_for_vllm_ids = _shifted_layout
+        _arena_runner.layout_for_vllm_ids = _shifted_layout
     try:
         llm = LLM(model=str(model_dir), **settings)
     finally:
-        arena_plugin.layout_for_vllm_ids = _PLUGIN_LAYOUT
+        _arena_runner.layout_for_vllm_ids = _PLUGIN_LAYOUT
     try:
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         preempted: list[tuple[str, int]] = []
@@ -768,3 +770,41 @@ def test_arena_prefix_caching_tight_budget(tmp_path: Path) -> None:
     assert not stock["preemptions"] and tight["preemptions"]
     assert tight["tokens"] == stock["tokens"]
     print(json.dumps({"tight_2MiB_preemptions": tight["preemptions"]}))
+
+
+# -- benches/vllm_arena_gpu.py's flow on the CPU build (issue 37 item 5) -------------------------
+
+
+def test_gpu_bench_flow_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The GPU script's main path with ``--device cpu`` (``ArenaCPUWorker``, its tiny thin
+    Qwen3.5 built into ``tmp_path``, the four engines in this process): with prefix caching off
+    the arena's greedy tokens are stock's (exit status 0); with it on the arena hits (at 64-token
+    checkpoints) where stock, whose block is 1,088 tokens, hits nothing; and the capacities are
+    reported: with prefix caching on the arena holds more than stock's mode "align", with it off
+    within 1 % of stock's mode "none" (the null unit and 1,024-token requests in a 1,088-token
+    block, docs/vllm.md)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benches" / "vllm_arena_gpu.py"
+    spec = importlib.util.spec_from_file_location("vllm_arena_gpu", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = ["--device", "cpu", "--in-process", "--conversations", "2", "--max-tokens", "8", "--json"]
+    status = bench.main([*argv, "--model-dir", str(tmp_path / "qwen3.5-thin")])
+    out = capsys.readouterr().out
+    report = json.loads(out[out.index('{\n  "device"') :])
+    assert status == 0 and report["tokens_identical_caching_off"], report["differing_requests_caching_off"]
+    assert report["requests"] == 4
+    assert report["managers"] == {"stock": "KVCacheManager", "arena": "ArenaPrefixKVCacheManager"}
+    assert report["hit_grain"] == {"stock_block": 1088, "arena_checkpoint": 64}
+    hits = report["hits"]
+    assert hits["stock"] == [0, 0, 0, 0]
+    assert sum(hits["arena"]) > 0 and all(h % 64 == 0 for h in hits["arena"]), hits
+    on, off = report["capacity_tokens"]["caching_on"], report["capacity_tokens"]["caching_off"]
+    assert on["arena"] > on["stock"] > 0, on
+    assert abs(off["arena"] - off["stock"]) <= off["stock"] // 100, off
+    for setting in ("caching_off", "caching_on"):
+        assert all(report["steps"][setting][side] > 0 for side in ("stock", "arena"))
+        assert all(report["ms_per_step"][setting][side] > 0 for side in ("stock", "arena"))
+    print(json.dumps({k: report[k] for k in ("hits", "capacity_tokens", "seconds", "ms_per_step")}))

@@ -1329,3 +1329,175 @@ def test_mamba_checkpoints_reuse_runs_tight_pools(model_dir: Path) -> None:
             scheduler.kv_cache_manager.take_events()
         assert preempted > 0 and hits > 0, (preempted, hits)
         assert scheduler.kv_cache_manager.cache.num_free_pages == setup.num_blocks - 1
+
+
+# -- the arena's CUDA worker (issue 37 item 5), checked on vLLM 0.33's CUDA build without a GPU ---
+
+
+def test_arena_gpu_runner_takes_the_mixin_methods() -> None:
+    """``ArenaGPUModelRunner`` resolves the arena's methods from the mixin the CPU runner takes
+    them from, and vLLM's ``GPUModelRunner`` has methods of those names with the same parameters
+    (a vLLM upgrade that renames one, or moves it off the runner, fails here); the zeroing table
+    the GPU runner rebuilds is vLLM's ``KVBlockZeroer``, called with parameters it has."""
+    import inspect
+
+    from flat_kvcache.vllm._arena_runner import ArenaRunnerMixin
+    from flat_kvcache.vllm.arena_gpu import ArenaGPUModelRunner, ArenaGPUWorker
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # type: ignore[import-not-found,unused-ignore]
+    from vllm.v1.worker.gpu_worker import Worker  # type: ignore[import-not-found,unused-ignore]
+    from vllm.v1.worker.utils import KVBlockZeroer  # type: ignore[import-not-found,unused-ignore]
+
+    assert ArenaGPUModelRunner.__mro__[1:3] == (ArenaRunnerMixin, GPUModelRunner)
+    assert ArenaGPUWorker.__mro__[1] is Worker
+    for name in ("initialize_kv_cache", "initialize_kv_cache_tensors"):
+        assert getattr(ArenaGPUModelRunner, name) is getattr(ArenaRunnerMixin, name), name
+        assert name in vars(GPUModelRunner), name
+        theirs = list(inspect.signature(getattr(GPUModelRunner, name)).parameters)
+        ours = list(inspect.signature(getattr(ArenaRunnerMixin, name)).parameters)
+        assert ours == theirs, (name, ours, theirs)
+    assert "_init_kv_zero_meta" in vars(GPUModelRunner)
+    assert list(inspect.signature(GPUModelRunner._init_kv_zero_meta).parameters) == ["self"]
+    zeroer = set(inspect.signature(KVBlockZeroer).parameters)
+    assert {
+        "device",
+        "attn_groups_iter",
+        "kernel_block_sizes",
+        "static_forward_context",
+        "num_blocks",
+        "runner_only_attn_layers",
+    } <= zeroer
+    assert "init_device" in vars(Worker) and "_make_model_runner" in vars(Worker)
+
+
+def test_arena_views_are_what_flash_attention_reads(model_dir: Path) -> None:
+    """On a CPU tensor, the views the GPU runner binds (the mixin's, vLLM's ids) have the shape
+    and strides of vLLM 0.33's own ``allocate_kv_cache`` views of the same Qwen3.5 config for each
+    layout whose page interior is one run (the others are refused, naming the layout), and split
+    into FlashAttention's key and value caches (``[blocks, tokens, heads, head_size]``, the last
+    dimension contiguous) as its forward splits them. The arena's 32-token page is a kernel block
+    FlashAttention takes unsplit."""
+    from flat_kvcache.vllm._arena_runner import arena_layer_views, layout_for_vllm_ids
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend  # type: ignore[import-not-found,unused-ignore]
+    from vllm.v1.kv_cache_interface import FullAttentionSpec  # type: ignore[import-not-found,unused-ignore]
+    from vllm.v1.kv_cache_layout import KVCacheLayout  # type: ignore[import-not-found,unused-ignore]
+    from vllm.v1.worker.utils import (  # type: ignore[import-not-found,unused-ignore]
+        allocate_kv_cache,
+        select_common_block_size,
+    )
+
+    setup = SchedulerSetup(model_dir=model_dir, layer_types=QWEN35_LAYERS, num_blocks=128)
+    _, kv_cache_config, _, _ = build_configs(setup)
+    attention = [
+        (name, group.kv_cache_spec)
+        for group in kv_cache_config.kv_cache_groups
+        if isinstance(group.kv_cache_spec, FullAttentionSpec)
+        for name in group.layer_names
+    ]
+    assert attention
+    arena = layout_for_vllm_ids(kv_cache_config)
+    served = []
+    for layout in KVCacheLayout:
+        buffer = torch.zeros(arena.total_bytes, dtype=torch.int8)
+        if set(layout.stride_order[-3:]) != {2, 3, 4}:
+            with pytest.raises(UnsupportedVllmConfigError, match=layout.name):
+                arena_layer_views(buffer, arena, kv_cache_config, layout)
+            continue
+        ours = arena_layer_views(buffer, arena, kv_cache_config, layout)
+        theirs = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
+        for name, spec in attention:
+            assert ours[name].shape == theirs[name].shape, (layout.name, name)
+            assert ours[name].dtype == theirs[name].dtype
+            # Within a block the strides are vLLM's; from block to block, one arena unit.
+            assert ours[name].stride()[1:] == theirs[name].stride()[1:], (layout.name, name)
+            assert ours[name].stride(0) * ours[name].element_size() == arena.unit_bytes
+            key, value = torch.split(ours[name].transpose(1, 2), spec.head_size, dim=-1)
+            blocks = arena.num_units
+            assert key.shape == value.shape == (blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+            assert key.stride(-1) == value.stride(-1) == 1
+        served.append(layout.name)
+    assert "LBNHC" in served and "LBHNC" in served
+    spec = attention[0][1]
+    assert (
+        select_common_block_size(32, [FlashAttentionBackend], [dataclasses.replace(spec, block_size=32)])
+        == 32
+    )
+
+
+def test_arena_gpu_zeroing_table_indexes_pages(model_dir: Path) -> None:
+    """The CUDA build zeroes new attention ids with ``KVBlockZeroer``, built from the config's
+    ``num_blocks``: on the arena's own ids (``arena_page_size``; with ``ArenaGPUWorker``, which
+    the scheduler-side plan accepts on vLLM 0.33) an attention id is a page, several a unit, so
+    vLLM's table would zero ``pages_per_unit`` pages from ``id * pages_per_unit``.
+    ``ArenaGPUModelRunner._init_kv_zero_meta`` (run here on a stand-in runner holding the arena's
+    views of a CPU buffer) builds it one page per id: every segment steps one page stride and
+    spans the layer's page, so the bytes zeroed for page ``p`` are exactly row ``p`` of the view."""
+    import types
+
+    from flat_kvcache.vllm._arena import ARENA_GPU_WORKER, plan_vllm_arena
+    from flat_kvcache.vllm._arena_runner import paged_arena_views
+    from flat_kvcache.vllm.arena_gpu import ArenaGPUModelRunner
+    from vllm.v1.kv_cache_layout import KVCacheLayout  # type: ignore[import-not-found,unused-ignore]
+    from vllm.v1.worker.utils import KVBlockZeroer  # type: ignore[import-not-found,unused-ignore]
+
+    setup = SchedulerSetup(
+        model_dir=model_dir,
+        layer_types=QWEN35_LAYERS,
+        num_blocks=128,
+        max_num_seqs=16,
+        enable_prefix_caching=False,
+        additional_config={"flat_kvcache": {"arena_page_size": 2}},
+    )
+    vllm_config, kv_cache_config, _, _ = build_configs(setup)
+    vllm_config.parallel_config.worker_cls = ARENA_GPU_WORKER
+    vllm_config.scheduler_config.async_scheduling = False
+    # 2-token pages, so the harness's tiny model (small GDN states) has several in a unit; the
+    # zeroing table's arithmetic does not depend on the page size.
+    arena = plan_vllm_arena(vllm_config, kv_cache_config, 2)
+    assert arena.pages_per_unit > 1
+    buffer = torch.zeros(arena.total_bytes, dtype=torch.int8)
+    views = paged_arena_views(buffer, arena, KVCacheLayout.LBNHC)
+    config = arena.kv_cache_config
+    groups = [
+        types.SimpleNamespace(
+            kv_cache_spec=group.kv_cache_spec,
+            kv_cache_group_id=g,
+            layer_names=group.layer_names,
+            kernel_block_stride=0,
+        )
+        for g, group in enumerate(config.kv_cache_groups)
+    ]
+    pages = [g for g, (kind, _) in enumerate(arena.group_roles) if kind == "pages"]
+    assert len(pages) == 1
+    forward = {name: types.SimpleNamespace(kv_cache=view) for name, view in views.items()}
+    runner: Any = types.SimpleNamespace(
+        _flat_paged=arena,
+        device=torch.device("cpu"),
+        _kv_cache_spec_attn_group_iterator=lambda: iter(groups),
+        _kernel_block_sizes=[group.kv_cache_spec.block_size for group in config.kv_cache_groups],
+        compilation_config=types.SimpleNamespace(static_forward_context=forward),
+        runner_only_attn_layers=set(),
+    )
+    ArenaGPUModelRunner._init_kv_zero_meta(runner)
+    addrs, strides, sizes, *_ = runner._kv_block_zeroer._meta
+    attention_layers = config.kv_cache_groups[pages[0]].layer_names
+    assert len(addrs) == len(attention_layers)
+    base = buffer.data_ptr()
+    for name, addr, stride, size in zip(
+        attention_layers, addrs.tolist(), strides.tolist(), sizes.tolist(), strict=True
+    ):
+        view = views[name]
+        last = view.shape[0] - 1
+        assert addr == view.data_ptr() and stride * 4 == arena.page_stride
+        assert size * 4 == view[0].numel() * view.element_size()
+        # The bytes zeroed for the last page are its row, inside the buffer.
+        assert addr + last * stride * 4 == view[last].data_ptr()
+        assert view[last].data_ptr() + size * 4 <= base + arena.total_bytes
+    # vLLM's own table (num_blocks from the config: the units) steps several pages per id.
+    stock = KVBlockZeroer(
+        runner.device,
+        attn_groups_iter=iter(groups),
+        kernel_block_sizes=runner._kernel_block_sizes,
+        static_forward_context=forward,
+        num_blocks=config.num_blocks,
+    )
+    assert set(stock._meta[1].tolist()) == {arena.page_stride * arena.pages_per_unit // 4}

@@ -79,8 +79,10 @@ _PAGE_GROUP = "pages"
 #: a resumed prefill's chunks where an uncut one has them.
 STATE_GRAIN = 64
 
-#: The worker that binds the arena's views (flat_kvcache.vllm.arena_plugin).
+#: The worker that binds the arena's views on vLLM's CPU build (flat_kvcache.vllm.arena_plugin).
 ARENA_WORKER = "flat_kvcache.vllm.arena_plugin.ArenaCPUWorker"
+#: The one on vLLM's CUDA build (flat_kvcache.vllm.arena_gpu).
+ARENA_GPU_WORKER = "flat_kvcache.vllm.arena_gpu.ArenaGPUWorker"
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -156,7 +158,7 @@ def plan_vllm_arena(vllm_config: Any, kv_cache_config: Any, page_size: int) -> V
     off) or "align" (on), speculative decoding,
     groups other than full attention and mamba, more than one attention group (vLLM's CPU
     runner zeroes one flat id list in every full-attention layer, so a second group's ids would
-    zero the first's pages), a worker other than ``ArenaCPUWorker``.
+    zero the first's pages), a worker other than ``ArenaCPUWorker`` or ``ArenaGPUWorker``.
     """
 
     def refuse(what: str) -> None:
@@ -164,8 +166,11 @@ def plan_vllm_arena(vllm_config: Any, kv_cache_config: Any, page_size: int) -> V
 
     worker = vllm_config.parallel_config.worker_cls
     worker_name = worker if isinstance(worker, str) else f"{worker.__module__}.{worker.__qualname__}"
-    if worker_name != ARENA_WORKER:
-        refuse(f"worker_cls={worker_name!r}: the ids index the arena's views, which {ARENA_WORKER} binds")
+    if worker_name not in (ARENA_WORKER, ARENA_GPU_WORKER):
+        refuse(
+            f"worker_cls={worker_name!r}: the ids index the arena's views, which {ARENA_WORKER} "
+            f"(vLLM's CPU build) or {ARENA_GPU_WORKER} (its CUDA build) binds"
+        )
     caching = bool(vllm_config.cache_config.enable_prefix_caching)
     if caching and vllm_config.scheduler_config.async_scheduling:
         # The engine hashes the tokens it schedules: a decode scheduled before its input token is
