@@ -31,6 +31,7 @@ sequential (one core each): the full matrix is 5 workloads x 4 prefixes x 3 budg
     python benches/policy_matrix.py --json > m.json     # machine-readable
     python benches/policy_matrix.py --plot matrix.png   # and a grid of hit rates (matplotlib)
     python benches/policy_matrix.py --workload doc_qa   # one workload (repeatable)
+    python benches/policy_matrix.py --workload mix --prefix 0.1 --bx 25   # one cell
     python benches/policy_matrix.py --write-traces DIR  # keep the generated Mooncake files
     python benches/policy_matrix.py --smoke             # 40 requests each: does it run (CI)
 
@@ -130,6 +131,8 @@ def measure(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     # The hybrid's working state per running request, and the K/V of a token.
     state_bytes, kv_bytes_per_token = preset_costs()
     prefixes, fractions = (PREFIXES[-2:], FRACTIONS[-1:]) if args.smoke else (PREFIXES, FRACTIONS)
+    prefixes = tuple(args.prefix or prefixes)
+    fractions = tuple(x / 100 for x in args.bx) if args.bx else fractions
     total_runs = len(args.workload) * len(prefixes) * len(fractions) * len(RUNS)
     done = 0
     start = time.perf_counter()
@@ -293,6 +296,20 @@ def main(argv: list[str] | None = None) -> int:
         default="working-set",
         help="working-set: Bx = the running requests' peak bytes + x %% of the unique blocks' K/V (the "
         "default); plain: x %% of the unique blocks' K/V alone (hybrid_hits.py's)",
+    )
+    parser.add_argument(
+        "--prefix",
+        action="append",
+        type=float,
+        default=None,
+        help="only this prefix: 0.1, 0.25, 0.5, 1 (repeatable)",
+    )
+    parser.add_argument(
+        "--bx",
+        action="append",
+        type=int,
+        default=None,
+        help="only the budget Bx of this x: 10, 25, 50 (repeatable)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of the hit rates (matplotlib)")
