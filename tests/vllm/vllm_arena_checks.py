@@ -808,6 +808,8 @@ def test_gpu_bench_flow_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert spread["max_num_batched_tokens"] == 128 and isinstance(spread["first_differences"], dict)
     firsts = report["first_differences_caching_on"]
     assert sorted(int(i) for i in firsts) == report["differing_requests_caching_on"], firsts
+    assert set(report["divergences_caching_on"]) == set(firsts), report["divergences_caching_on"]
+    assert 0 <= spread["min_margin"] < float("inf"), spread
     for setting in ("caching_off", "caching_on"):
         assert all(report["steps"][setting][side] > 0 for side in ("stock", "arena"))
         assert all(report["ms_per_step"][setting][side] > 0 for side in ("stock", "arena"))
