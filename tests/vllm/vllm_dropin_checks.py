@@ -1501,3 +1501,30 @@ def test_arena_gpu_zeroing_table_indexes_pages(model_dir: Path) -> None:
         num_blocks=config.num_blocks,
     )
     assert set(stock._meta[1].tolist()) == {arena.page_stride * arena.pages_per_unit // 4}
+
+
+@pytest.mark.parametrize("as_class", [False, True], ids=["name", "class"])
+def test_arena_runner_refuses_a_scheduler_that_is_not_flat(model_dir: Path, as_class: bool) -> None:
+    """With ``arena_page_size`` the runner's views are indexed by the arena's own ids, which only
+    FlatScheduler's manager hands out: the mixin's ``initialize_kv_cache`` refuses vLLM's own
+    scheduler before planning anything, naming it, whether vLLM's config holds it as its dotted
+    name or as the class."""
+    import types
+
+    from flat_kvcache.vllm._arena_runner import ArenaRunnerMixin
+
+    setup = SchedulerSetup(
+        model_dir=model_dir,
+        layer_types=QWEN35_LAYERS,
+        num_blocks=128,
+        additional_config={"flat_kvcache": {"arena_page_size": 32}},
+    )
+    vllm_config, kv_cache_config, _, _ = build_configs(setup)
+    vllm_config.scheduler_config.scheduler_cls = (
+        Scheduler if as_class else f"{Scheduler.__module__}.{Scheduler.__qualname__}"
+    )
+    runner: Any = types.SimpleNamespace(vllm_config=vllm_config)
+    with pytest.raises(
+        UnsupportedVllmConfigError, match=r"not 'vllm\.v1\.core\.sched\.scheduler\.Scheduler'"
+    ):
+        ArenaRunnerMixin.initialize_kv_cache(runner, kv_cache_config)

@@ -85,6 +85,12 @@ ARENA_WORKER = "flat_kvcache.vllm.arena_plugin.ArenaCPUWorker"
 ARENA_GPU_WORKER = "flat_kvcache.vllm.arena_gpu.ArenaGPUWorker"
 
 
+def class_path(value: Any) -> str:
+    """The qualified name of a class vLLM's config holds as a class or as its dotted name
+    (``worker_cls``, ``scheduler_cls``)."""
+    return value if isinstance(value, str) else f"{value.__module__}.{value.__qualname__}"
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -164,8 +170,7 @@ def plan_vllm_arena(vllm_config: Any, kv_cache_config: Any, page_size: int) -> V
     def refuse(what: str) -> None:
         raise UnsupportedVllmConfigError(f"the flat_kvcache arena (arena_page_size) does not support {what}")
 
-    worker = vllm_config.parallel_config.worker_cls
-    worker_name = worker if isinstance(worker, str) else f"{worker.__module__}.{worker.__qualname__}"
+    worker_name = class_path(vllm_config.parallel_config.worker_cls)
     if worker_name not in (ARENA_WORKER, ARENA_GPU_WORKER):
         refuse(
             f"worker_cls={worker_name!r}: the ids index the arena's views, which {ARENA_WORKER} "

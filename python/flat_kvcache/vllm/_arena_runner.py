@@ -25,7 +25,7 @@ from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found]
 )
 from vllm.v1.worker.utils import bind_kv_cache  # type: ignore[import-not-found]
 
-from flat_kvcache.vllm._arena import VllmArena, arena_page_size, plan_vllm_arena
+from flat_kvcache.vllm._arena import VllmArena, arena_page_size, class_path, plan_vllm_arena
 from flat_kvcache.vllm._manager import UnsupportedVllmConfigError
 
 __all__ = [
@@ -283,12 +283,7 @@ class ArenaRunnerMixin:
         page_size = arena_page_size(self.vllm_config)
         self._flat_paged = None
         if page_size is not None:
-            scheduler = self.vllm_config.scheduler_config.scheduler_cls
-            name = (
-                scheduler
-                if isinstance(scheduler, str)
-                else f"{scheduler.__module__}.{scheduler.__qualname__}"
-            )
+            name = class_path(self.vllm_config.scheduler_config.scheduler_cls)
             if not name.startswith("flat_kvcache.vllm"):
                 raise UnsupportedVllmConfigError(
                     "the flat_kvcache arena (arena_page_size) hands out its own ids: it needs "
