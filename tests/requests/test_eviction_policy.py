@@ -424,6 +424,39 @@ def test_finish_checkpoints_are_released_where_prompts_resume_at_body_ends(engin
         assert answer_probe(lru, i) == 32
 
 
+def decode_checkpoints(cache: Any, seed: int) -> int:
+    """Checkpoints written while a 21-token prompt decodes 11 tokens and finishes (computed
+    reaches 32, so decode crosses the boundaries 24 and 32 of G = 8: SPEC 13.5d writes one at
+    each, the one at 32 when the finish registers the last computed page)."""
+    slot, _ = cache.add_request(f"probe{seed}", base(21, seed=seed))
+    while (n := cache.next_chunk(slot, 1 << 20)) > 0:
+        assert cache.schedule([slot], [n])[0]
+    before = cache.stats()["checkpoints_written"]
+    for i in range(11):
+        cache.append_tokens([slot], [10_000 + i])
+        assert cache.schedule([slot], [1])[0]
+    cache.finish([slot])
+    return int(cache.stats()["checkpoints_written"] - before)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_decode_writes_no_checkpoint_once_finish_checkpoints_are_released(engine: ModuleType) -> None:
+    # SPEC 13.8b: a decode checkpoint is the finish checkpoint in the making; once finish
+    # checkpoints are released at finish (they do not pay against body ends), writing one
+    # would hold a second state slot through the decode for nothing, so none is written.
+    reuse, lru = make(engine, "reuse"), make(engine, "lru")
+    assert decode_checkpoints(reuse, 700) == 2  # nothing learned yet: both boundaries
+    for i in range(16):
+        conversation(reuse, i, "body")
+        conversation(lru, i, "body")
+    assert decode_checkpoints(lru, 701) == 2
+    assert decode_checkpoints(reuse, 701) == 0
+    # The next turn carrying that answer resumes at its body end (16), recomputing the rest.
+    turn = [*base(21, seed=701), *(10_000 + j for j in range(11)), *base(13, seed=702)]
+    assert int(reuse.prefix_hit_tokens(turn)) == 16
+    assert int(lru.prefix_hit_tokens(turn)) == 32
+
+
 def long_prompt(cache: Any, i: int, follow: int) -> tuple[int, int]:
     """A 37-token prompt computed in chunks of at most 8: chunk ends 8, 16 and 24, body end 32;
     then a prompt sharing its first ``follow`` tokens and 3 others, decoding nothing. Returns

@@ -446,7 +446,11 @@ class TokenApi(PageTables, Rows):
         # only, 13.5d). The prompt's end is one only once a token follows it: then it is the
         # state decode starts from, the first decode checkpoint.
         decoding = state.computed >= state.prompt_len and len(state.tokens) > state.prompt_len
-        end = state.computed if state.computed != state.prompt_len or decoding else None
+        # SPEC 13.8b: under ``reuse`` a decode checkpoint is written only while finish
+        # checkpoints are kept; one that would be released at the finish holds a state slot for
+        # the whole decode and serves nothing.
+        writes = not decoding or self._policy != "reuse" or self._evidence.keep_finish()
+        end = state.computed if writes and (state.computed != state.prompt_len or decoding) else None
         self._register(tables, state.hashes[first:full], first, end, state)
         state.registered = full
         if decoding:

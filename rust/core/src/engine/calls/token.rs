@@ -705,7 +705,11 @@ fn register_computed(coord: &mut Coordinator, tables: &[Table], state: &mut Toke
     // one): then it is the state decode starts from, the first decode checkpoint.
     let decoding = state.computed >= state.prompt_len
         && u64::try_from(state.tokens.len()).map_or(true, |known| known > state.prompt_len);
-    let end_tokens = (state.computed != state.prompt_len || decoding).then_some(state.computed);
+    // SPEC 13.8b: under `reuse` a decode checkpoint is written only while finish checkpoints
+    // are kept; one that would be released at the finish holds a state slot for the whole
+    // decode and serves nothing.
+    let writes = !decoding || coord.eviction_policy() != EvictionPolicy::Reuse || coord.evidence().keep_finish();
+    let end_tokens = (writes && (state.computed != state.prompt_len || decoding)).then_some(state.computed);
     coord.register_with(
         tables,
         &state.hashes[first..full],
