@@ -295,7 +295,7 @@ def test_an_earlier_chunk_end_checkpoint_resumes_exactly_under_reuse(kind: str, 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("policy", ["lru", "reuse"])
-def test_a_finish_checkpoint_released_at_finish_is_recomputed_exactly(
+def test_a_finish_checkpoint_the_policy_does_not_keep_is_recomputed_exactly(
     kind: str, engine: ModuleType, policy: str
 ) -> None:
     """SPEC 13.8b: under reuse a finished request's finish checkpoint (13.5d) is kept until 16
@@ -303,11 +303,12 @@ def test_a_finish_checkpoint_released_at_finish_is_recomputed_exactly(
     often as at body ends per body end written; else it is released (its slot back to the
     pool). w0 and a have 22-token prompts and 3 greedy tokens: a body end at 16 (13.5b) and a
     finish checkpoint at 24 (24 tokens computed). w0's body end is resumed from once (by w1),
-    16 short requests each leave a finish checkpoint at 8 and none is resumed from, so a's is
-    released, and the next turn b, which carries a's answer, resumes at a's body end and
-    recomputes [16, 24) with the model's own logits: no read of the released slot. Under lru
-    (13.8: every checkpoint stays until evicted) b resumes at 24. The arena is roomy: nothing
-    is evicted, so only the release can take b's checkpoint away."""
+    16 short requests each leave a finish checkpoint at 8 and none is resumed from, so a's
+    decode writes none (a decode checkpoint is written only while finish checkpoints are kept:
+    a writes its body end only), and the next turn b, which carries a's answer, resumes at a's
+    body end and recomputes [16, 24) with the model's own logits: no read of a slot that was
+    never written. Under lru (13.8: every checkpoint stays until evicted) b resumes at 24. The
+    arena is roomy: nothing is evicted, so only the policy can take b's checkpoint away."""
     s = setup(kind, engine, num_units=256, max_live=16, eviction_policy=policy)
     first = tokens(80, 22)
     records = run_greedy(s.runner, {"w0": first}, 3)
@@ -319,8 +320,11 @@ def test_a_finish_checkpoint_released_at_finish_is_recomputed_exactly(
     warm = {f"w{i}": tokens(80 + i, 6) for i in range(2, 18)}
     records |= run_greedy(s.runner, warm, 3, max_running=16)
     assert all(records[r].hits == [0] for r in warm)
+    written = s.cache.stats()["checkpoints_written"]
     records |= run_greedy(s.runner, {"a": tokens(99, 22)}, 3)
     assert starts(records["a"]) == [0, 16, 22, 23]
+    # a's body end at 16, and under lru its finish checkpoint at 24
+    assert s.cache.stats()["checkpoints_written"] - written == (2 if policy == "lru" else 1)
     records |= run_greedy(s.runner, {"b": [*records["a"].tokens, 3, 1, 4]}, 1)
     assert s.cache.stats()["checkpoints_evicted"] == 0
     resumed = 24 if policy == "lru" else 16
