@@ -72,6 +72,11 @@ checkpoint its continuation resumes from (its decode checkpoint, SPEC 13.5d, and
 13.5c), and evicts the least recently used item instead of knowing the future. Bound minus it is
 what knowing the future adds to that keeping; it minus the engine's ``reuse`` is what the engine
 loses to everything the model leaves out (its other checkpoints, its allocator, its timing).
+The same with the decode hold charged (``model lru hybrid, decode held``): the engine keeps a
+decoding request's latest decode checkpoint (SPEC 13.5d, the finish checkpoint in the making) in
+a state slot beside the working one from the first boundary decode reaches to the finish, which
+the model above and the bound charge only from the finish; this column takes a state slot per
+such request off C(t).
 
     python benches/hybrid_bound.py                                # 3 workloads x 4 prefixes x B25, B50
     python benches/hybrid_bound.py --matrix matrix.json           # with the measured hit rates
@@ -133,7 +138,9 @@ class Replay:
     Request r (in arrival order) may use its first ``usable[r]`` pages: ``start[o[r] + j]`` is
     the step from which page j must stay cached to serve r (``== arrival[r]``: free, a running
     producer holds it), ``o = offsets``. Steps: ``hold_pages[t]`` the least K/V the running
-    requests hold at step t, ``running[t]`` how many run."""
+    requests hold at step t, ``running[t]`` how many run, ``decoding[t]`` how many of them hold
+    a decode checkpoint (SPEC 13.5d: from the decode step that reaches the first multiple of G
+    at or past the prompt's end to the finish, a state slot beside the working one)."""
 
     arrival: IntArray
     finish: IntArray
@@ -142,6 +149,7 @@ class Replay:
     start: IntArray  # flat, one per usable page
     hold_pages: FloatArray
     running: IntArray
+    decoding: IntArray
     prompt_tokens: int
     unique_blocks: int
     working_set: int
@@ -182,6 +190,7 @@ def build_replay(path: Path, records: list[dict[str, Any]], count: int, ms_per_s
     hold_diff = np.zeros(horizon + 2, dtype=np.float64)
     slope = np.zeros(horizon + 2, dtype=np.float64)
     running_diff = np.zeros(horizon + 2, dtype=np.int64)
+    decoding_diff = np.zeros(horizon + 2, dtype=np.int64)
     page_bytes = PAGE * KV_BYTES_PER_TOKEN
     for r, request in enumerate(trace):
         t = int(arrival[r])
@@ -232,11 +241,18 @@ def build_replay(path: Path, records: list[dict[str, Any]], count: int, ms_per_s
         hold_diff[f] -= KV_BYTES_PER_TOKEN * (f - a - p)
         running_diff[a] += 1
         running_diff[f] -= 1
+        # The decode checkpoint: boundary b, computed by decode step b - length (step 1 when the
+        # prompt ends on it: "once a token follows"), if the finish's computed tokens reach it.
+        boundary = -(-length // GRAIN) * GRAIN
+        if boundary <= length + int(output_len[r]) - 1:
+            decoding_diff[a + p + max(1, boundary - length) - 1] += 1
+            decoding_diff[f] -= 1
     for lo, hi in held.values():
         hold_diff[lo] += page_bytes
         hold_diff[hi] -= page_bytes
     hold_pages = np.cumsum(hold_diff + np.cumsum(slope))[:horizon]
     running = np.cumsum(running_diff)[:horizon]
+    decoding = np.cumsum(decoding_diff)[:horizon]
     blocks: set[int] = set()
     for record in records[:count]:
         blocks.update(record["hash_ids"])
@@ -248,6 +264,7 @@ def build_replay(path: Path, records: list[dict[str, Any]], count: int, ms_per_s
         start=np.array(starts, dtype=np.int64),
         hold_pages=hold_pages,
         running=running,
+        decoding=decoding,
         prompt_tokens=int(prompt_len.sum()),
         unique_blocks=len(blocks),
         working_set=working_set_bytes(records[:count], ms_per_step, STATE_BYTES, KV_BYTES_PER_TOKEN),
@@ -341,7 +358,7 @@ def model_lru(replay: Replay, budget: int, capacity: str) -> float:
     return hits / replay.prompt_tokens
 
 
-def model_lru_hybrid(replay: Replay, budget: int, capacity: str) -> float:
+def model_lru_hybrid(replay: Replay, budget: int, capacity: str, *, decode_held: bool = False) -> float:
     """The hybrid model's hit rate under an online LRU that keeps what the offline schedule
     keeps, a request's path and the checkpoint its continuation resumes from, but evicts the
     least recently used item instead of knowing the future (not a bound: what the best-shaped
@@ -353,8 +370,12 @@ def model_lru_hybrid(replay: Replay, budget: int, capacity: str) -> float:
     checkpoint, then its decode checkpoint at the last multiple of G within prompt + output -
     1 (13.5d), the most recently used. Items (a page of 16 x K/V, a checkpoint of a state
     slot) are evicted least recently used first while the cache exceeds C(t) (hybrid), checked
-    at each arrival and finish."""
+    at each arrival and finish. ``decode_held``: C(t) less a state slot per request holding a
+    decode checkpoint (``Replay.decoding``), as the engine holds one (SPEC 13.5d) where the
+    bound charges a checkpoint only from its producer's finish."""
     cap = _capacity_steps(replay, budget, True, capacity)
+    if decode_held:
+        cap = np.maximum(cap - STATE_BYTES * replay.decoding.astype(np.float64), 0.0)
     page_bytes = PAGE * KV_BYTES_PER_TOKEN
     output_len = replay.finish - replay.arrival - -(-replay.prompt_len // DEFAULT_MAX_SCHEDULED_TOKENS)
     cache: OrderedDict[tuple[int, int], int] = OrderedDict()  # (kind 0 page / 1 checkpoint, hash) -> bytes
@@ -665,6 +686,9 @@ def measure(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
                         bounds = bound(make_problem(replay, budget, hybrid, capacity), args.iterations)
                         if hybrid:
                             bounds["model_lru"] = model_lru_hybrid(replay, budget, capacity)
+                            bounds["model_lru_decode_held"] = model_lru_hybrid(
+                                replay, budget, capacity, decode_held=True
+                            )
                         else:
                             bounds["model_lru"] = model_lru(replay, budget, capacity)
                         result[capacity][key] = bounds
@@ -723,6 +747,7 @@ def format_table(result: dict[str, Any]) -> str:
         ]
     head += [f"model lru attention ({capacity})" for capacity in capacities]
     head += [f"model lru hybrid ({capacity})" for capacity in capacities]
+    head += [f"model lru hybrid, decode held ({capacity})" for capacity in capacities]
     head += ["measured attention", "lru", "reuse"]
     head += [f"bound hybrid ({capacity}) / measured attention" for capacity in capacities]
     head += [f"reuse / bound hybrid ({capacity})" for capacity in capacities]
@@ -742,6 +767,7 @@ def format_table(result: dict[str, Any]) -> str:
             ]
         row += [_pct(cell[capacity]["attention"]["model_lru"]) for capacity in capacities]
         row += [_pct(cell[capacity]["hybrid"].get("model_lru")) for capacity in capacities]
+        row += [_pct(cell[capacity]["hybrid"].get("model_lru_decode_held")) for capacity in capacities]
         row += [_pct(measured.get("attention")), _pct(measured.get("lru")), _pct(measured.get("reuse"))]
         row += [
             _ratio(cell[capacity]["hybrid"]["bound"], measured.get("attention")) for capacity in capacities
