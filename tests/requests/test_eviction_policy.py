@@ -14,7 +14,9 @@ the policy's own rules:
   at least as often as at finish checkpoints per finish checkpoint left;
 - at a request's finish its finish checkpoint, and each of its chunk ends still cached, are
   kept until 16 of their role were kept, then while prompts resume at that role per checkpoint
-  kept at least as often as at body ends per body end written (else released, uncached).
+  kept at least as often as at body ends per body end written (else released, uncached);
+- decode writes a decode checkpoint (the finish checkpoint in the making) only while finish
+  checkpoints are kept.
 
 ``lru`` keeps today's rules (the same calls give the SPEC 13.5 cuts and hits).
 """
