@@ -36,6 +36,7 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # spinning BLAS threads steal a core (benches/README.md)
 
 import argparse
+import io
 import json
 import math
 import sys
@@ -138,9 +139,12 @@ def run_arena(
     max_running: int = DEFAULT_MAX_RUNNING,
     grain: int = 64,
     policy: Literal["lru", "reuse"] = "lru",
+    split: int | None = None,
 ) -> dict[str, Any]:
     """One run on the SPEC 13 storage: the arena ``plan_arena`` lays out for ``budget`` bytes,
-    ``page_size``-token attention pages, state pages (checkpoints) of ``grain`` tokens."""
+    ``page_size``-token attention pages, state pages (checkpoints) of ``grain`` tokens. With
+    ``split``, also ``halves``: the hit rates of ``trace[:split]`` and ``trace[split:]`` within
+    the one run (each request's hit at its first admission over its prompt tokens)."""
     shape = ModelShape.from_config(cfg)
     try:
         arena = plan_arena(shape.components(), page_size, budget)
@@ -155,8 +159,9 @@ def run_arena(
         eviction_policy=policy,
     )
     start = time.perf_counter()
+    sink = io.StringIO() if split is not None else None
     try:
-        summary = simulate(trace, config).summary
+        summary = simulate(trace, config, decisions=sink).summary
     except ValueError as exc:  # the arena holds no unit for one token of a request (a tiny trace)
         return {"model": label, "budget_bytes": budget, "error": str(exc), "hit_rate": 0.0}
     seconds = time.perf_counter() - start
@@ -185,7 +190,22 @@ def run_arena(
         "checkpoints": summary["checkpoints"],
         "cache_ms": summary["timing"]["cache_total_ms"],
         "seconds": round(seconds, 2),
-    }
+    } | ({} if sink is None or split is None else {"halves": _halves(sink.getvalue(), trace, split)})
+
+
+def _halves(decisions: str, trace: list[Any], split: int) -> list[float]:
+    """The hit rates of ``trace[:split]`` and ``trace[split:]`` from a run's decision records."""
+    index = {request.request_id: i for i, request in enumerate(trace)}
+    first_hit: dict[int, int] = {}
+    for line in decisions.splitlines():
+        for rid, hit, _ in json.loads(line)["admitted"]:
+            first_hit.setdefault(rid, hit)
+    rates = []
+    for part in (range(split), range(split, len(trace))):
+        tokens = sum(len(trace[i].prompt) for i in part)
+        hits = sum(hit for rid, hit in first_hit.items() if index[rid] in part)
+        rates.append(hits / tokens if tokens else 0.0)
+    return rates
 
 
 def _run_arena(

@@ -2,8 +2,8 @@
 
 For every workload of ``flat_kvcache.simulate.workloads`` (the shared conversation trace; agent /
 tool use; document QA; multi-turn with long answers the next turn carries; a mix that shifts from
-multi-turn to document QA halfway) and every prefix of it (its first 10 %, 25 %, 50 % and 100 %
-of requests), the replay of ``benches/hybrid_hits.py``:
+multi-turn to document QA halfway, and the same shift reversed) and every prefix of it (its
+first 10 %, 25 %, 50 % and 100 % of requests), the replay of ``benches/hybrid_hits.py``:
 
 1. Models: the ``qwen3.5-like`` preset (12 full + 36 linear-attention layers) with
    ``eviction_policy="lru"`` and ``"reuse"`` (SPEC 13.8), and its attention layers alone (no
@@ -25,7 +25,9 @@ of requests), the replay of ``benches/hybrid_hits.py``:
    back as the next turn); hit rate = prefix hit tokens / prompt tokens.
 
 One table: hit rates, reuse / lru, and hybrid / attention-only for each policy. Runs are
-sequential (one core each): the full matrix is 5 workloads x 4 prefixes x 3 budgets x 3 runs.
+sequential (one core each): the full matrix is 6 workloads x 4 prefixes x 3 budgets x 3 runs.
+For the two mixes, a prefix that reaches the second half also reports each half's hit rate
+within the run (a second table).
 
     python benches/policy_matrix.py                     # 2000 requests per workload, the table
     python benches/policy_matrix.py --json > m.json     # machine-readable
@@ -62,7 +64,7 @@ from flat_kvcache.simulate import (
     DEFAULT_MS_PER_STEP,
     load_trace,
 )
-from flat_kvcache.simulate.workloads import SHAPES, carry_answers, generate, write_mooncake
+from flat_kvcache.simulate.workloads import HALVES, SHAPES, carry_answers, generate, write_mooncake
 from flat_kvcache.torch import ModelShape
 from hybrid_hits import (
     FRACTIONS,
@@ -152,12 +154,21 @@ def measure(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
                 if args.budget == "working-set"
                 else 0
             )
+            # A shifting workload's prefix that reaches its second half: each half's hit rate too.
+            half = len(records) // 2 or 1
+            split = half if shape in HALVES and count > half else None
             for fraction in fractions:
                 budget = working_set + budget_bytes(fraction, blocks, kv_bytes_per_token)
                 runs: dict[str, dict[str, Any]] = {}
                 for key, model, policy in RUNS:
                     runs[key] = run_arena(
-                        f"{PRESET} {model}", models[model], budget, trace, prompt_tokens, policy=policy
+                        f"{PRESET} {model}",
+                        models[model],
+                        budget,
+                        trace,
+                        prompt_tokens,
+                        policy=policy,
+                        split=split,
                     )
                     done += 1
                     elapsed = time.perf_counter() - start
@@ -189,6 +200,11 @@ def measure(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
                         ),
                         "runs": runs,
                     }
+                    | (
+                        {}
+                        if split is None
+                        else {"split": split, "halves": {key: run.get("halves") for key, run in runs.items()}}
+                    )
                 )
         workloads.append({"workload": shape, "requests": len(records), "rows": rows})
     return {
@@ -231,6 +247,31 @@ def format_table(result: dict[str, Any]) -> str:
                 + (f" (does not fit: {', '.join(errors)})" if errors else "")
                 + " |"
             )
+    halves = [
+        (workload["workload"], row)
+        for workload in result["workloads"]
+        for row in workload["rows"]
+        if "halves" in row
+    ]
+    if halves:
+        lines += [
+            "",
+            "Each half of a shifting workload within the same run (a request's hit at its first admission):",
+            "",
+            "| workload | prefix | budget | half | attention only | hybrid lru | hybrid reuse "
+            "| reuse / lru |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name, row in halves:
+            for i, label in enumerate(HALVES[name]):
+                rate = {key: (row["halves"][key] or [0.0, 0.0])[i] for key in row["halves"]}
+                part = f"{'first' if i == 0 else 'second'} ({label})"
+                lines.append(
+                    f"| {name} | {round(100 * row['prefix'])} % | B{round(100 * row['fraction'])} | {part} "
+                    f"| {100 * rate['attention']:.2f} % | {100 * rate['lru']:.2f} % "
+                    f"| {100 * rate['reuse']:.2f} % "
+                    f"| {_cell(_ratio(rate['reuse'], rate['lru']))} |"
+                )
     return "\n".join(lines)
 
 

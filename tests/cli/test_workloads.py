@@ -20,6 +20,7 @@ import pytest
 from flat_kvcache.simulate import MOONCAKE_BLOCK_TOKENS, load_trace
 from flat_kvcache.simulate.workloads import (
     GENERATED_SHAPES,
+    HALVES,
     carry_answers,
     generate,
     read_mooncake,
@@ -152,14 +153,28 @@ def test_multi_turn_turns_extend_the_previous_turn_and_its_answer(traces: dict[s
     assert np.median([r["output_length"] for r in records]) >= 300
 
 
-def test_mix_shifts_from_multi_turn_to_doc_qa_halfway(traces: dict[str, list[Record]]) -> None:
-    records = traces["mix"]
-    first, second = records[: N // 2], records[N // 2 :]
-    # The first half starts with the chat system prompt, the second with the QA template.
-    first_blocks = {r["hash_ids"][0] for r in first}
-    second_blocks = {r["hash_ids"][0] for r in second}
-    assert len(first_blocks) == 1 and len(second_blocks) == 1 and first_blocks != second_blocks
-    assert max(r["timestamp"] for r in first) <= min(r["timestamp"] for r in second)
+def _continued(records: list[Record]) -> int:
+    """How many of ``records`` a later one extends (holds whole, plus more)."""
+    return sum(
+        any(later["hash_ids"][: len(r["hash_ids"])] == r["hash_ids"] for later in records[i + 1 :])
+        for i, r in enumerate(records)
+    )
+
+
+@pytest.mark.parametrize("shape", sorted(HALVES))
+def test_the_mixes_shift_shape_halfway(traces: dict[str, list[Record]], shape: str) -> None:
+    records = traces[shape]
+    halves = {"first": records[: N // 2], "second": records[N // 2 :]}
+    # Each half starts with its own template (the chat system prompt, the QA instruction).
+    starts = {name: {r["hash_ids"][0] for r in half} for name, half in halves.items()}
+    assert len(starts["first"]) == 1 and len(starts["second"]) == 1 and starts["first"] != starts["second"]
+    assert max(r["timestamp"] for r in halves["first"]) <= min(r["timestamp"] for r in halves["second"])
+    # The multi_turn half continues its turns; the doc_qa half's questions never carry another
+    # question whole (each ends in its own last block).
+    chat, qa = ("first", "second") if HALVES[shape] == ("multi_turn", "doc_qa") else ("second", "first")
+    assert HALVES[shape] in {("multi_turn", "doc_qa"), ("doc_qa", "multi_turn")}
+    assert _continued(halves[chat]) >= N // 8
+    assert _continued(halves[qa]) == 0
 
 
 @pytest.mark.parametrize("shape", GENERATED_SHAPES)

@@ -53,6 +53,9 @@ length is a log-normal draw given as median and sigma, clipped to a range):
 - ``mix``: the first half of the requests is ``multi_turn``, the second ``doc_qa`` (its
   sessions start when the first half's last request arrives): the sharing shifts from
   continuation to mid-prompt halfway.
+- ``mix_reversed``: the same shift the other way, ``doc_qa`` then ``multi_turn``: a policy that
+  learned in the first half that finish checkpoints are never resumed from must notice in the
+  second half that every next turn resumes at one (issue 38: it once stayed below LRU there).
 
 Arrivals: sessions start as a Poisson process whose rate gives about
 :data:`REQUESTS_PER_SECOND` requests per second (the shared trace's mean rate, 12,031 requests in
@@ -83,6 +86,7 @@ from flat_kvcache.simulate.trace import DEFAULT_MS_PER_STEP, MOONCAKE_BLOCK_TOKE
 
 __all__ = [
     "GENERATED_SHAPES",
+    "HALVES",
     "REQUESTS_PER_SECOND",
     "SHAPES",
     "carry_answers",
@@ -92,7 +96,9 @@ __all__ = [
 ]
 
 #: Every shape, in the order the benches report them.
-SHAPES = ("conversation", "agent", "doc_qa", "multi_turn", "mix")
+SHAPES = ("conversation", "agent", "doc_qa", "multi_turn", "mix", "mix_reversed")
+#: The shapes whose halves differ, with the shape of each half.
+HALVES = {"mix": ("multi_turn", "doc_qa"), "mix_reversed": ("doc_qa", "multi_turn")}
 #: The shapes this module makes up (``conversation`` is read from a file).
 GENERATED_SHAPES = SHAPES[1:]
 #: Mean arrival rate of every generated shape (the shared conversation trace's).
@@ -333,12 +339,11 @@ def generate(
             raise ValueError("the conversation shape is the shared trace: pass its path as trace")
         return read_mooncake(trace, num_requests)
     draw = _Draw(np.random.default_rng([seed, SHAPES.index(shape)]))
-    if shape != "mix":
+    if shape not in HALVES:
         return _records(_sessions(shape, draw, num_requests, _MEAN_REQUESTS[shape]))
-    first = _sessions("multi_turn", draw, num_requests // 2 or 1, _MEAN_REQUESTS["multi_turn"])
-    second = _sessions(
-        "doc_qa", draw, num_requests - len(first), _MEAN_REQUESTS["doc_qa"], first[-1].timestamp_ms
-    )
+    one, two = HALVES[shape]
+    first = _sessions(one, draw, num_requests // 2 or 1, _MEAN_REQUESTS[one])
+    second = _sessions(two, draw, num_requests - len(first), _MEAN_REQUESTS[two], first[-1].timestamp_ms)
     return _records(first + second)
 
 
