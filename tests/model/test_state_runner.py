@@ -299,9 +299,9 @@ def test_a_finish_checkpoint_the_policy_does_not_keep_is_recomputed_exactly(
     kind: str, engine: ModuleType, policy: str
 ) -> None:
     """SPEC 13.8b: under reuse a finished request's finish checkpoint (13.5d) is kept until 16
-    were kept, then only while prompts resume at finish checkpoints per one kept at least as
-    often as at body ends per body end written; else it is released (its slot back to the
-    pool). w0 and a have 22-token prompts and 3 greedy tokens: a body end at 16 (13.5b) and a
+    were left, then only while prompts were seen to resume at finish checkpoints (or their
+    ghosts) and as many as the evictions they cause would have served; else it is released (its
+    slot back to the pool). w0 and a have 22-token prompts and 3 greedy tokens: a body end at 16 (13.5b) and a
     finish checkpoint at 24 (24 tokens computed). w0's body end is resumed from once (by w1),
     16 short requests each leave a finish checkpoint at 8 and none is resumed from, so a's
     decode writes none (a decode checkpoint is written only while finish checkpoints are kept:
@@ -330,6 +330,38 @@ def test_a_finish_checkpoint_the_policy_does_not_keep_is_recomputed_exactly(
     resumed = 24 if policy == "lru" else 16
     assert records["b"].hits == [resumed]
     assert starts(records["b"])[0] == resumed
+    exact(s, records)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("policy", ["lru", "reuse"])
+def test_a_finish_checkpoint_kept_again_after_its_ghost_was_reached_is_resumed_exactly(
+    kind: str, engine: ModuleType, policy: str
+) -> None:
+    """SPEC 13.8b, the finish rule coming back: w0's body end is resumed from, and 16 short
+    requests leave finish checkpoints no prompt resumes at, so under reuse c's decode writes
+    none and its finish leaves a ghost at 24. d carries c's answer: it resumes at c's body
+    end (16), recomputes [16, 24) and reaches the ghost, so finish checkpoints have served a
+    prompt and nothing was evicted: e's decode writes its checkpoint again and f, carrying
+    e's answer, resumes at e's finish checkpoint (24), reading the state slot e's decode
+    wrote. Under lru every next turn resumes at 24. Every logit equals the unpaged model's."""
+    s = setup(kind, engine, num_units=256, max_live=16, eviction_policy=policy)
+    # w1 resumes at w0's body end (16): body ends pay, so the rule before this one (finish
+    # checkpoints against body ends) released every finish checkpoint from here on for good.
+    first = tokens(80, 22)
+    records = run_greedy(s.runner, {"w0": first}, 3)
+    records |= run_greedy(s.runner, {"w1": [*first[:18], *tokens(81, 4)]}, 1)
+    assert records["w1"].hits == [16]
+    warm = {f"w{i}": tokens(80 + i, 6) for i in range(2, 18)}
+    records |= run_greedy(s.runner, warm, 3, max_running=16)
+    for turn, then, seed in (("c", "d", 97), ("e", "f", 98)):
+        records |= run_greedy(s.runner, {turn: tokens(seed, 22)}, 3)
+        records |= run_greedy(s.runner, {then: [*records[turn].tokens, 2, 7, 1]}, 1)
+    assert s.cache.stats()["checkpoints_evicted"] == 0
+    assert records["d"].hits == [24 if policy == "lru" else 16]
+    assert records["f"].hits == [24]
+    assert starts(records["f"])[0] == 24
     exact(s, records)
 
 

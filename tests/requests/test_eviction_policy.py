@@ -12,11 +12,16 @@ the policy's own rules:
 - under S > G a prompt's body ends at the last multiple of S before its last token;
 - body ends are written until 16 were, then while prompts resume at them per body end written
   at least as often as at finish checkpoints per finish checkpoint left;
-- at a request's finish its finish checkpoint, and each of its chunk ends still cached, are
-  kept until 16 of their role were kept, then while prompts resume at that role per checkpoint
-  kept at least as often as at body ends per body end written (else released, uncached);
-- decode writes a decode checkpoint (the finish checkpoint in the making) only while finish
-  checkpoints are kept.
+- at a request's finish its finish checkpoint is kept until 16 were left, then while the prompts
+  resumed at finish checkpoints or their ghosts (one not kept is remembered by its boundary)
+  are more than none and at least p_M * min(finish checkpoints left, evictions), p_M the
+  prompts that reached an evicted checkpoint's ghost per such eviction; in decode a decode
+  checkpoint is written only while that holds;
+- each of its chunk ends still cached is kept until 16 were kept, then while prompts resume at
+  chunk ends per chunk end kept at least as often as at body ends per body end written (else
+  released, uncached);
+- the counts those rules compare decay by 1 - 1/slots per admitted prompt (slots: the state
+  pages; the arenas here are roomy, so the decay is small).
 
 ``lru`` keeps today's rules (the same calls give the SPEC 13.5 cuts and hits).
 """
@@ -384,7 +389,8 @@ def test_the_body_end_rule_decides_alike_in_both_engines(
 ) -> None:
     # Prompts that take a prefix of a growing per-topic history (which carries earlier answers)
     # and add new tokens, so prompts resume at body ends, finish checkpoints and elsewhere;
-    # tight memory evicts checkpoints, so state pages change role. Both engines give the same
+    # tight memory evicts checkpoints, so state pages change role and evicted checkpoints leave
+    # ghosts that prompts reach (the finish rule turns both ways within a run). Both engines give the same
     # hits and cuts, turn by turn.
     arena = 400 * 1024 if roomy else 40 * 1024
     caches = [make(flat_kvcache, "reuse", arena), make(flat_kvcache.reference, "reuse", arena)]
@@ -424,6 +430,32 @@ def test_finish_checkpoints_are_released_where_prompts_resume_at_body_ends(engin
     for i in range(20):
         conversation(lru, i, "body")
         assert answer_probe(lru, i) == 32
+
+
+def answer_turn(cache: Any, i: int) -> int:
+    """Conversation ``i``'s first turn (21 tokens, 11 decoded: body end 16, finish boundary 32)
+    then its next turn carrying the answer; returns the next turn's hit (32 at the finish
+    checkpoint, 16 at the body end where none was kept)."""
+    first = base(21, seed=300 + i)
+    run(cache, f"c{i}", first, decode=11)
+    return run(cache, f"t{i}", [*first, *(10_000 + j for j in range(11)), *base(13, seed=400 + i)])[0]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_finish_checkpoints_come_back_when_next_turns_carry_the_answer(engine: ModuleType) -> None:
+    # Issue 38's shift (document questions, then conversations): 16 finish checkpoints never
+    # resumed from turn the finish role off. A finish checkpoint not kept is still remembered
+    # (a ghost at its boundary), so the first next turn that carries its answer, resuming at
+    # the body end (16) where the ghost lay at 32, is a prompt a finish checkpoint would have
+    # served: finish checkpoints now have worth, nothing was evicted (a slot kept costs no
+    # other hit), so the next conversations' finish checkpoints are kept and resumed from.
+    reuse, lru = make(engine, "reuse"), make(engine, "lru")
+    for i in range(16):
+        conversation(reuse, i, "body")
+        conversation(lru, i, "body")
+    assert answer_probe(reuse, 15) == 32 and decode_checkpoints(reuse, 703) == 0
+    assert [answer_turn(reuse, i) for i in range(20, 24)] == [16, 32, 32, 32]
+    assert [answer_turn(lru, i) for i in range(20, 24)] == [32] * 4
 
 
 def decode_checkpoints(cache: Any, seed: int) -> int:
@@ -487,3 +519,35 @@ def test_chunk_ends_are_released_where_prompts_never_resume_at_them(engine: Modu
     reuse, lru = make(engine, "reuse"), make(engine, "lru")
     assert [long_prompt(reuse, i, 34) for i in range(9)] == [(16, 32)] * 5 + [(8, 32)] + [(0, 32)] * 3
     assert [long_prompt(lru, i, 34) for i in range(9)] == [(16, 32)] * 9
+
+
+def test_the_finish_rule_weighs_finish_hits_against_the_evictions_they_cause() -> None:
+    # SPEC 13.8b on the reference's evidence, hand-computed: finish checkpoints are kept while
+    # the prompts that resume at them (kept or ghost) are at least the prompts the evictions
+    # they cause would have served, p_M * min(finish checkpoints left, evictions), where p_M is
+    # the share of evicted checkpoints (not finish ones) a later prompt would have resumed at.
+    from flat_kvcache.reference.engine.policy import FINISH, ReuseEvidence
+
+    e = ReuseEvidence()
+    for page in range(16):
+        assert e.keep_finish()  # warm-up
+        e.wrote(100 + page, FINISH)
+    assert not e.keep_finish()  # 16 left, none resumed from: worth nothing
+    e.left_ghost("g1", 4)
+    assert e.ghost_resumed(["x", "g1"], 0, 8, 4, 4)  # would have resumed at 8 > 0
+    assert e.keep_finish()  # 1 hit of 17, nothing evicted: a slot costs nothing
+    for i in range(4):
+        e.note_boundary(f"k{i}", f"b{i}")
+        e.evicted(f"k{i}", 8)
+    for i in range(3):
+        assert not e.ghost_resumed([f"b{i}"], 0, 4, 4, 4)  # a marginal hit, no finish hit
+    assert not e.keep_finish()  # 1 < 3/4 * min(17, 4)
+    assert not e.ghost_resumed(["b0"], 0, 4, 4, 4)  # a ghost is taken once
+    e.resumed(100)
+    e.resumed(101)
+    assert e.keep_finish()  # 3 >= 3/4 * 4
+    e.note_boundary("kept", "b-kept")
+    e.mark_finish("kept")
+    e.evicted("kept", 8)  # a finish checkpoint evicted: an eviction they cause, no ghost
+    assert not e.ghost_resumed(["b-kept"], 0, 4, 4, 4)
+    assert not e.keep_finish()  # 3 < 3/4 * min(17, 5)

@@ -371,7 +371,11 @@ class Coordinator:
         self._full_at_base = [
             g for g, spec in enumerate(spec_list) if spec.kind == FULL and spec.page_size == self._base
         ]
-        self._pool._record_evictions = self._events_enabled or self._whole_prefixes()
+        self._pool._record_evictions = (
+            self._events_enabled
+            or self._whole_prefixes()
+            or (self._policy == "reuse" and len(self._state_groups) == 1)
+        )
 
     # -- properties -----------------------------------------------------------------------------
 
@@ -597,6 +601,13 @@ class Coordinator:
         whole prefixes, an evicted checkpoint's path is forgotten and the pages only it held
         are dropped (their events follow)."""
         keys = self._pool._take_evicted()
+        if self._policy == "reuse" and len(self._state_groups) == 1:
+            # SPEC 13.8b: an evicted checkpoint leaves a ghost (the marginal worth of a slot).
+            group = self._state_groups[0]
+            capacity = max(self._pool.group_ids(group) - 1, 0)
+            for key in keys:
+                if int(key[HASH_HEX_LEN:], 16) == group:
+                    self._evidence.evicted(key, capacity)
         if self._whole_prefixes() and len(self._prefixes):
             for key in list(keys):
                 if self._prefixes.remembers(key):

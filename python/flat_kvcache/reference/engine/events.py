@@ -13,6 +13,7 @@ from flat_kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVC
 from flat_kvcache.reference.engine._args import HASH_HEX_LEN
 from flat_kvcache.reference.engine.group import GroupManager
 from flat_kvcache.reference.engine.hash import fold_hashes
+from flat_kvcache.reference.engine.policy import ReuseEvidence
 from flat_kvcache.reference.engine.pool import BlockPool
 from flat_kvcache.reference.engine.prefixes import PathCounts
 from flat_kvcache.reference.engine.table import Table, TokenState
@@ -83,6 +84,7 @@ class KVEvents:
     _events_enabled: bool
     _pool: BlockPool
     _prefixes: PathCounts
+    _evidence: ReuseEvidence
 
     def take_events(self) -> list[KVCacheEvent]:
         """The events recorded since the last call, oldest first (``[]`` when events are off)."""
@@ -102,6 +104,7 @@ class KVEvents:
         for key in dropped:
             # Every free page lost its key already: only the paths are forgotten.
             self._prefixes.forget(key, lambda _hash: None)
+            self._evidence.forget_boundary(key)
         if self._events_enabled:
             if pinned == 0:
                 self._events.append(AllBlocksCleared())

@@ -12,16 +12,27 @@ prompts will diverge. ``reuse`` adds, from what the cache sees:
 - the body's end on ``S`` (SPEC 13.5b with ``S``; ``G`` when no multiple of ``S`` lies ahead),
   written until ``MIN_OBSERVATIONS`` were written, then while the prompts resumed at body ends
   per body end written are at least those resumed at finish checkpoints per finish checkpoint
-  left (SPEC 13.8b: a body end serves only prompts diverging before the finish checkpoint);
-- at a request's finish, its finish checkpoint and each of its chunk ends (a prompt checkpoint
-  other than its body end and branch point) still cached are kept until ``MIN_OBSERVATIONS``
-  of that role were kept, then while hits per checkpoint of that role kept are at least hits
-  per body end written; otherwise released (SPEC 13.8b);
+  left, kept or ghosts (SPEC 13.8b: a body end serves only prompts diverging before the finish
+  checkpoint);
+- at a request's finish its finish checkpoint (in decode, its decode checkpoint) is kept until
+  ``MIN_OBSERVATIONS`` were left, then while the prompts resumed at finish checkpoints or their
+  ghosts, ``H_F``, are more than none and at least ``p_M * min(N_F, E)``: ``p_M`` the prompts
+  that reached the ghost of an evicted checkpoint (not a kept finish one) per such eviction,
+  ``N_F`` the finish checkpoints left, ``E`` the checkpoints evicted (SPEC 13.8b: a finish
+  checkpoint is worth the prompts it serves and costs the evictions it causes);
+- at a request's finish each of its chunk ends (a prompt checkpoint other than its body end
+  and branch point) still cached is kept until ``MIN_OBSERVATIONS`` were kept, then while hits
+  per chunk end kept are at least hits per body end written; otherwise released (SPEC 13.8b);
+- every count the rules compare decays by ``1 - 1/slots`` per admitted prompt (``slots`` the
+  state pages the pool holds);
 - whole hybrid prefixes (``prefixes.py``): full-attention pages on no cached checkpoint's path
   lose their keys.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
 
 __all__ = [
     "BODY",
@@ -40,16 +51,39 @@ MIN_OBSERVATIONS = 16
 MAX_LEVEL = 6
 #: What a checkpoint was written as, for the body-end rule (SPEC 13.8b).
 BODY, FINISH, CHUNK, OTHER = "body", "finish", "chunk", "other"
+# Where each decayed count sits in ``ReuseEvidence.recent`` (the native engine's order): body
+# ends written and resumed at; finish checkpoints left (kept or ghosts) and resumed at (or at a
+# ghost); chunk ends kept and resumed at; checkpoints evicted other than kept finish ones and
+# prompts that reached their ghosts; every checkpoint evicted.
+(
+    _BODY_N,
+    _BODY_HITS,
+    _FINISH_N,
+    _FINISH_HITS,
+    _CHUNK_N,
+    _CHUNK_HITS,
+    _EVICTED_N,
+    _EVICTED_HITS,
+    _EVICTIONS,
+) = range(9)
 #: The ``eviction_policy`` names.
 EVICTION_POLICIES = ("lru", "reuse")
 
 
-def _pays(count: int, hits: int, ref_count: int, ref_hits: int) -> bool:
+def _pays(total: int, count: float, hits: float, ref_count: float, ref_hits: float) -> bool:
     """The rule every role of SPEC 13.8b follows: a role is kept (written) until
-    ``MIN_OBSERVATIONS`` of it were counted, then while prompts resume at it per checkpoint
-    (``hits / count``) at least as often as at the role it is compared with (``ref_hits /
-    ref_count``), cross-multiplied."""
-    return count < MIN_OBSERVATIONS or hits * ref_count >= ref_hits * count
+    ``MIN_OBSERVATIONS`` of it were counted (``total``), then while prompts resume at it per
+    checkpoint (``hits / count``, decayed counts) at least as often as at the role it is
+    compared with (``ref_hits / ref_count``), cross-multiplied."""
+    return total < MIN_OBSERVATIONS or hits * ref_count >= ref_hits * count
+
+
+def _remember(ghosts: OrderedDict[str, None], page_hash: str, capacity: int) -> None:
+    """Remember ``page_hash`` as the newest of ``ghosts``, at most ``capacity`` of them."""
+    ghosts.pop(page_hash, None)
+    ghosts[page_hash] = None
+    while len(ghosts) > capacity:
+        ghosts.popitem(last=False)
 
 
 class ReuseEvidence:
@@ -70,6 +104,18 @@ class ReuseEvidence:
         #: Chunk-end checkpoints kept at their request's finish, and prompts that resumed at one.
         self.chunk_kept = 0
         self.chunk_hits = 0
+        #: Ghosts: finish checkpoints not kept, by the base-page hash of their boundary, oldest
+        #: first (SPEC 13.8b).
+        self.ghosts: OrderedDict[str, None] = OrderedDict()
+        #: Cached checkpoints by key: the base-page hash of their boundary and whether it is a
+        #: kept finish checkpoint, so that one the pool evicts leaves an evicted ghost.
+        self.boundary: dict[str, list[object]] = {}
+        #: Ghosts of evicted checkpoints (not kept finish ones), oldest first: a prompt that
+        #: reaches one past its hit is a prompt a slot more of cache would have served.
+        self.evicted_ghosts: OrderedDict[str, None] = OrderedDict()
+        #: The counts the rules compare, decayed by :meth:`decay` at each admitted prompt
+        #: (indexed by ``_BODY_N`` .. ``_EVICTIONS``); the counts above decide the warm-up.
+        self.recent = [0.0] * 9
 
     def observe(self, point: int, grain: int) -> None:
         """Record divergence point ``point`` (tokens, > 0) of a state grain ``grain``."""
@@ -98,8 +144,10 @@ class ReuseEvidence:
         ``CHUNK`` or ``OTHER``: a branch point, a decode checkpoint in flight)."""
         if role == BODY:
             self.body_written += 1
+            self.recent[_BODY_N] += 1.0
         elif role == FINISH:
             self.finish_written += 1
+            self.recent[_FINISH_N] += 1.0
         elif role == CHUNK:
             pass
         else:
@@ -112,10 +160,87 @@ class ReuseEvidence:
         role = self.roles.get(page)
         if role == BODY:
             self.body_hits += 1
+            self.recent[_BODY_HITS] += 1.0
         elif role == FINISH:
             self.finish_hits += 1
+            self.recent[_FINISH_HITS] += 1.0
         elif role == CHUNK:
             self.chunk_hits += 1
+            self.recent[_CHUNK_HITS] += 1.0
+
+    def left_ghost(self, page_hash: str, capacity: int) -> None:
+        """A finished request's finish checkpoint was not kept (none written, or released): it
+        is remembered as a ghost under ``page_hash``, the base-page hash of its boundary, and
+        counted as a finish checkpoint left, so the finish rate keeps learning while none is
+        kept (SPEC 13.8b). At most ``capacity`` ghosts, the oldest forgotten first; none with
+        ``capacity == 0``."""
+        if capacity == 0:
+            return
+        self.finish_written += 1
+        self.recent[_FINISH_N] += 1.0
+        _remember(self.ghosts, page_hash, capacity)
+
+    def note_boundary(self, key: str, page_hash: str) -> None:
+        """A checkpoint ``key`` whose boundary's base-page hash is ``page_hash`` was written."""
+        self.boundary[key] = [page_hash, False]
+
+    def mark_finish(self, key: str) -> None:
+        """The checkpoint ``key`` is a finish checkpoint kept."""
+        entry = self.boundary.get(key)
+        if entry is not None:
+            entry[1] = True
+
+    def forget_boundary(self, key: str) -> None:
+        """The checkpoint ``key`` left the cache other than by eviction."""
+        self.boundary.pop(key, None)
+
+    def evicted(self, key: str, capacity: int) -> None:
+        """The pool evicted checkpoint ``key``: counted and remembered as an evicted ghost."""
+        entry = self.boundary.pop(key, None)
+        if entry is None:
+            return
+        self.recent[_EVICTIONS] += 1.0
+        if entry[1]:
+            return
+        self.recent[_EVICTED_N] += 1.0
+        if capacity > 0:
+            _remember(self.evicted_ghosts, str(entry[0]), capacity)
+
+    def ghost_resumed(self, hashes: Sequence[str], hit: int, cap: int, grain: int, base: int) -> bool:
+        """An admitted prompt with base-page hashes ``hashes`` resumed at ``hit`` tokens. Walking
+        its boundaries ``b`` (multiples of ``grain``, ``hit < b <= cap``) deepest first, the
+        first evicted ghost met counts as a prompt a slot more would have served, and a finish
+        ghost met counts as a prompt resumed at a finish checkpoint and ends the walk; each
+        ghost counted is forgotten. Returns whether a finish ghost was met."""
+        if (not self.ghosts and not self.evicted_ghosts) or grain == 0 or base == 0:
+            return False
+        b = cap // grain * grain
+        marginal = False
+        while b > hit:
+            index = b // base - 1
+            if 0 <= index < len(hashes):
+                h = hashes[index]
+                if h in self.ghosts:
+                    del self.ghosts[h]
+                    self.finish_hits += 1
+                    self.recent[_FINISH_HITS] += 1.0
+                    return True
+                if not marginal and h in self.evicted_ghosts:
+                    del self.evicted_ghosts[h]
+                    marginal = True
+                    self.recent[_EVICTED_HITS] += 1.0
+            b -= grain
+        return False
+
+    def decay(self, slots: int) -> None:
+        """An admitted prompt ages the evidence: every count the rules compare is multiplied by
+        ``1 - 1 / slots``, ``slots`` the state pages the pool holds (about one turnover of the
+        checkpoints it can keep), so a role's rate follows what the cache sees now and turns
+        back when the workload changes shape. Nothing with ``slots == 0``."""
+        if slots == 0:
+            return
+        factor = 1.0 - 1.0 / slots
+        self.recent = [x * factor for x in self.recent]
 
     def is_chunk_end(self, page: int) -> bool:
         """Whether the checkpoint on state page ``page`` was written as a chunk end (SPEC 13.8b)."""
@@ -125,21 +250,30 @@ class ReuseEvidence:
         """At a request's finish, whether one of its chunk-end checkpoints still cached is kept
         (counted as kept) or released (SPEC 13.8b): kept until ``MIN_OBSERVATIONS`` were kept,
         then while a chunk end kept is resumed from at least as often as a body end written."""
-        keep = _pays(self.chunk_kept, self.chunk_hits, self.body_written, self.body_hits)
+        r = self.recent
+        keep = _pays(self.chunk_kept, r[_CHUNK_N], r[_CHUNK_HITS], r[_BODY_N], r[_BODY_HITS])
         if keep:
             self.chunk_kept += 1
+            self.recent[_CHUNK_N] += 1.0
         return keep
 
     def keep_finish(self) -> bool:
         """At a request's finish, whether its finish checkpoint, still cached, is kept (then
-        :meth:`wrote` counts it as left) or released (SPEC 13.8b): kept until
-        ``MIN_OBSERVATIONS`` were left, then while one left is resumed from at least as often as
-        a body end written."""
-        return _pays(self.finish_written, self.finish_hits, self.body_written, self.body_hits)
+        :meth:`wrote` counts it as left) or released (SPEC 13.8b); in decode, whether a decode
+        checkpoint is written. Kept until ``MIN_OBSERVATIONS`` were left, then while the
+        prompts resumed at finish checkpoints or their ghosts are more than none and at least
+        ``p_M * min(N_F, E)`` (module doc; decayed counts, cross-multiplied)."""
+        if self.finish_written < MIN_OBSERVATIONS:
+            return True
+        r = self.recent
+        hits = r[_FINISH_HITS]
+        caused = min(r[_FINISH_N], r[_EVICTIONS])
+        return hits > 0.0 and hits * r[_EVICTED_N] >= r[_EVICTED_HITS] * caused
 
     def writes_body_end(self) -> bool:
         """Whether prompts' body ends are checkpointed (SPEC 13.8b): until ``MIN_OBSERVATIONS``
         were written, then while a body end written is resumed from at least as often as a
         finish checkpoint (the request's other checkpoint past its prompt's last sharing-grain
         boundary, which holds the same state memory and serves the prompts that share more)."""
-        return _pays(self.body_written, self.body_hits, self.finish_written, self.finish_hits)
+        r = self.recent
+        return _pays(self.body_written, r[_BODY_N], r[_BODY_HITS], r[_FINISH_N], r[_FINISH_HITS])

@@ -337,6 +337,7 @@ impl Coordinator {
         let Some(dropped) = self.pool.drop_free_key(page) else {
             return false;
         };
+        self.evidence.forget_boundary(&dropped);
         let mut keys = vec![dropped];
         if self.whole_prefixes() {
             Self::drop_path(
@@ -361,7 +362,9 @@ impl Coordinator {
 
     /// The pool records evictions for the events and for whole prefixes.
     fn sync_recording(&mut self) {
-        let on = self.events.enabled() || self.whole_prefixes();
+        let on = self.events.enabled()
+            || self.whole_prefixes()
+            || (self.policy == EvictionPolicy::Reuse && self.single_state.is_some());
         self.pool.set_record_evictions(on);
     }
 
@@ -429,6 +432,16 @@ impl Coordinator {
             return;
         }
         let mut keys = self.pool.take_evicted();
+        if self.policy == EvictionPolicy::Reuse {
+            if let Some(g) = self.single_state {
+                let capacity = self.pool.group_ids(g).saturating_sub(1);
+                for key in &keys {
+                    if key.group as usize == g {
+                        self.evidence.evicted(key, capacity);
+                    }
+                }
+            }
+        }
         if self.whole_prefixes() && !self.prefixes.is_empty() {
             for i in 0..keys.len() {
                 let key = keys[i];
@@ -521,6 +534,7 @@ impl Coordinator {
         for key in &dropped {
             // Every free page lost its key already: only the paths are forgotten.
             self.prefixes.forget(key, |_| {});
+            self.evidence.forget_boundary(key);
         }
         if !self.events.enabled() {
             return count;

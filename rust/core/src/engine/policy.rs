@@ -15,21 +15,34 @@
 //!   the last multiple of `S` before its last token (SPEC 13.5b with `S` in place of `G`; `G`
 //!   when no multiple of `S` lies ahead). It serves only prompts that diverge before the
 //!   request's finish checkpoint, so each hit is attributed to the role of the checkpoint it
-//!   resumed at (body end, finish checkpoint, other), and body ends are written until
-//!   `MIN_OBSERVATIONS` were written, then while hits per body end written are at least hits
-//!   per finish checkpoint left (SPEC 13.8b).
-//! - **Finish checkpoints and chunk ends kept while they pay.** At a request's finish, its
-//!   finish checkpoint and each of its chunk-end checkpoints (a prompt checkpoint other than
-//!   its body end and branch point) still cached are kept until `MIN_OBSERVATIONS` of that
-//!   role were kept, then while hits per checkpoint of that role kept are at least hits per
-//!   body end written; otherwise released (uncached, the slot back to the pool) (SPEC 13.8b).
+//!   resumed at (body end, finish checkpoint or its ghost, chunk end, other), and body ends
+//!   are written until `MIN_OBSERVATIONS` were written, then while hits per body end written
+//!   are at least hits per finish checkpoint left (SPEC 13.8b).
+//! - **Finish checkpoints kept while they serve more prompts than the evictions they cause.**
+//!   A finish checkpoint not kept leaves a ghost (its boundary's base-page hash), and so does
+//!   every checkpoint the pool evicts other than a kept finish checkpoint (an evicted ghost);
+//!   an admitted prompt that reaches a ghost past its hit is a hit for finish checkpoints, or
+//!   for the memory an eviction took. At its finish a request's finish checkpoint (in decode,
+//!   its decode checkpoint) is kept until `MIN_OBSERVATIONS` were left, then while finish hits
+//!   `H_F > 0` and `H_F >= p_M * min(N_F, E)`: `p_M` the prompts that reached an evicted ghost
+//!   per such eviction, `N_F` the finish checkpoints left, `E` the checkpoints evicted.
+//! - **Chunk ends kept while they pay.** At a request's finish each of its chunk-end
+//!   checkpoints (a prompt checkpoint other than its body end and branch point) still cached
+//!   is kept until `MIN_OBSERVATIONS` were kept, then while hits per chunk end kept are at
+//!   least hits per body end written; otherwise released (uncached, the slot back to the pool).
+//! - Every count the rules compare decays by `1 - 1/slots` per admitted prompt (`slots` the
+//!   state pages the pool holds), so the rules follow what the cache sees now.
 //! - **Whole hybrid prefixes** (`prefixes.rs`, kept by the coordinator): a full-attention
 //!   page on the path of no cached checkpoint loses its key at its request's finish, or when
 //!   the last checkpoint whose path held it leaves the cache.
 //!
-//! Everything here is O(1) per call (a hash lookup at most); nothing scans the pool.
+//! Everything here is O(1) per call (a hash lookup or insert at most), but
+//! [`ReuseEvidence::ghost_resumed`], one lookup per state-grain boundary between a prompt's hit
+//! and its cap; nothing scans the pool.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+
+use crate::engine::hash::{ContentHash, GroupKey};
 
 /// Divergence points needed before the sharing grain moves from `G`.
 pub const MIN_OBSERVATIONS: u64 = 16;
@@ -84,6 +97,73 @@ pub struct ReuseEvidence {
     /// Chunk-end checkpoints kept at their request's finish, and prompts that resumed at one.
     chunk_kept: u64,
     chunk_hits: u64,
+    /// Ghosts: finish checkpoints not kept, by the base-page hash of their boundary.
+    ghosts: Ghosts,
+    /// Cached checkpoints by key: the base-page hash of their boundary and whether it is a
+    /// kept finish checkpoint, so that one the pool evicts leaves a ghost in `evicted`.
+    boundary: HashMap<GroupKey, (ContentHash, bool)>,
+    /// Ghosts of evicted checkpoints (not kept finish checkpoints): a prompt that reaches one
+    /// past its hit is a prompt a slot more of cache would have served.
+    evicted: Ghosts,
+    /// The counts the rules compare, decayed by [`Self::decay`] at each admitted prompt
+    /// (indexed by `BODY_N` .. `EVICTIONS`); the counts above decide the warm-up.
+    recent: [f64; 9],
+}
+
+// Where each decayed count sits in `ReuseEvidence::recent`.
+/// Body ends written.
+const BODY_N: usize = 0;
+/// Prompts resumed at a body end.
+const BODY_HITS: usize = 1;
+/// Finish checkpoints left (kept or ghosts).
+const FINISH_N: usize = 2;
+/// Prompts resumed at a finish checkpoint or its ghost.
+const FINISH_HITS: usize = 3;
+/// Chunk ends kept.
+const CHUNK_N: usize = 4;
+/// Prompts resumed at a chunk end.
+const CHUNK_HITS: usize = 5;
+/// Checkpoints evicted other than kept finish checkpoints (those leave evicted ghosts).
+const EVICTED_N: usize = 6;
+/// Prompts that reached an evicted ghost past their hit.
+const EVICTED_HITS: usize = 7;
+/// Checkpoints evicted, kept finish checkpoints included.
+const EVICTIONS: usize = 8;
+
+/// Keys remembered in arrival order, at most a capacity, the oldest forgotten first.
+#[derive(Clone, Debug, Default)]
+struct Ghosts {
+    /// Each key with the sequence number of its latest insert.
+    map: HashMap<ContentHash, u64>,
+    /// Inserts oldest first; an entry whose number no longer matches `map` is stale.
+    order: VecDeque<(ContentHash, u64)>,
+    seq: u64,
+}
+
+impl Ghosts {
+    /// Remember `hash` as the newest; forget the oldest beyond `capacity`.
+    fn insert(&mut self, hash: ContentHash, capacity: usize) {
+        self.seq = self.seq.wrapping_add(1);
+        self.map.insert(hash, self.seq);
+        self.order.push_back((hash, self.seq));
+        while self.map.len() > capacity {
+            let Some((old, seq)) = self.order.pop_front() else {
+                break;
+            };
+            if self.map.get(&old) == Some(&seq) {
+                self.map.remove(&old);
+            }
+        }
+        if self.order.len() > capacity.saturating_mul(2) {
+            let map = &self.map;
+            self.order.retain(|(h, seq)| map.get(h) == Some(seq));
+        }
+    }
+
+    /// Forget `hash`; whether it was remembered.
+    fn take(&mut self, hash: &ContentHash) -> bool {
+        self.map.remove(hash).is_some()
+    }
 }
 
 /// What a checkpoint was written as, for the body-end rule (SPEC 13.8b).
@@ -145,8 +225,14 @@ impl ReuseEvidence {
     /// A checkpoint was written on state page `page` as `role`.
     pub fn wrote(&mut self, page: u32, role: Role) {
         match role {
-            Role::Body => self.body_written = self.body_written.saturating_add(1),
-            Role::Finish => self.finish_written = self.finish_written.saturating_add(1),
+            Role::Body => {
+                self.body_written = self.body_written.saturating_add(1);
+                self.recent[BODY_N] += 1.0;
+            }
+            Role::Finish => {
+                self.finish_written = self.finish_written.saturating_add(1);
+                self.recent[FINISH_N] += 1.0;
+            }
             Role::Chunk => {}
             Role::Other => {
                 self.roles.remove(&page);
@@ -159,9 +245,18 @@ impl ReuseEvidence {
     /// An admitted prompt resumed at the checkpoint on state page `page`.
     pub fn resumed(&mut self, page: u32) {
         match self.roles.get(&page) {
-            Some(Role::Body) => self.body_hits = self.body_hits.saturating_add(1),
-            Some(Role::Finish) => self.finish_hits = self.finish_hits.saturating_add(1),
-            Some(Role::Chunk) => self.chunk_hits = self.chunk_hits.saturating_add(1),
+            Some(Role::Body) => {
+                self.body_hits = self.body_hits.saturating_add(1);
+                self.recent[BODY_HITS] += 1.0;
+            }
+            Some(Role::Finish) => {
+                self.finish_hits = self.finish_hits.saturating_add(1);
+                self.recent[FINISH_HITS] += 1.0;
+            }
+            Some(Role::Chunk) => {
+                self.chunk_hits = self.chunk_hits.saturating_add(1);
+                self.recent[CHUNK_HITS] += 1.0;
+            }
             _ => {}
         }
     }
@@ -175,9 +270,11 @@ impl ReuseEvidence {
     /// (counted as kept) or released (SPEC 13.8b): kept until `MIN_OBSERVATIONS` were kept,
     /// then while a chunk end kept is resumed from at least as often as a body end written.
     pub fn keep_chunk_end(&mut self) -> bool {
-        let keep = pays(self.chunk_kept, self.chunk_hits, self.body_written, self.body_hits);
+        let r = &self.recent;
+        let keep = pays(self.chunk_kept, r[CHUNK_N], r[CHUNK_HITS], r[BODY_N], r[BODY_HITS]);
         if keep {
             self.chunk_kept = self.chunk_kept.saturating_add(1);
+            self.recent[CHUNK_N] += 1.0;
         }
         keep
     }
@@ -187,7 +284,8 @@ impl ReuseEvidence {
     /// finish checkpoint (the request's other checkpoint past its prompt's last sharing-grain
     /// boundary, which holds the same state memory and serves the prompts that share more).
     pub fn writes_body_end(&self) -> bool {
-        pays(self.body_written, self.body_hits, self.finish_written, self.finish_hits)
+        let r = &self.recent;
+        pays(self.body_written, r[BODY_N], r[BODY_HITS], r[FINISH_N], r[FINISH_HITS])
     }
 
     /// Body ends written and resumed from; finish checkpoints left and resumed from.
@@ -196,24 +294,122 @@ impl ReuseEvidence {
     }
 
     /// At a request's finish, whether its finish checkpoint, still cached, is kept (counted as
-    /// left) or released (SPEC 13.8b): kept until `MIN_OBSERVATIONS` were left, then while one
-    /// left is resumed from at least as often as a body end written.
+    /// left) or released (SPEC 13.8b); in decode, whether a decode checkpoint is written. Kept
+    /// until `MIN_OBSERVATIONS` were left, then while the prompts resumed at finish checkpoints
+    /// or their ghosts, `H_F`, are more than none and at least `p_M * min(N_F, E)`: `p_M` the
+    /// prompts that reached an evicted ghost per checkpoint evicted (not a kept finish one),
+    /// `N_F` the finish checkpoints left, `E` the checkpoints evicted (decayed counts,
+    /// cross-multiplied).
     pub fn keep_finish(&self) -> bool {
-        pays(self.finish_written, self.finish_hits, self.body_written, self.body_hits)
+        let r = &self.recent;
+        self.finish_written < MIN_OBSERVATIONS
+            || (r[FINISH_HITS] > 0.0
+                && r[FINISH_HITS] * r[EVICTED_N] >= r[EVICTED_HITS] * r[FINISH_N].min(r[EVICTIONS]))
+    }
+
+    /// An admitted prompt ages the evidence: every count the rules compare is multiplied by
+    /// `1 - 1 / slots`, `slots` the state pages the pool holds (about one turnover of the
+    /// checkpoints it can keep), so a role's rate follows what the cache sees now and turns
+    /// back when the workload changes shape. Nothing with `slots == 0`.
+    pub fn decay(&mut self, slots: usize) {
+        if slots == 0 {
+            return;
+        }
+        // Pools hold far fewer than 2^32 pages; a larger count would only slow the decay.
+        let factor = 1.0 - 1.0 / f64::from(u32::try_from(slots).unwrap_or(u32::MAX));
+        for x in &mut self.recent {
+            *x *= factor;
+        }
     }
 
     /// Chunk ends kept at finish and resumed from.
     pub fn chunk_counts(&self) -> [u64; 2] {
         [self.chunk_kept, self.chunk_hits]
     }
+
+    /// A finished request's finish checkpoint was not kept (none written, or released): it is
+    /// remembered as a ghost under `hash`, the base-page hash of its boundary, and counted as
+    /// a finish checkpoint left, so the finish rate keeps learning while none is kept (SPEC
+    /// 13.8b). At most `capacity` ghosts are remembered, the oldest forgotten first; none with
+    /// `capacity == 0`.
+    pub fn left_ghost(&mut self, hash: ContentHash, capacity: usize) {
+        if capacity == 0 {
+            return;
+        }
+        self.finish_written = self.finish_written.saturating_add(1);
+        self.recent[FINISH_N] += 1.0;
+        self.ghosts.insert(hash, capacity);
+    }
+
+    /// A checkpoint `key` whose boundary's base-page hash is `hash` was written (cached).
+    pub fn note_boundary(&mut self, key: GroupKey, hash: ContentHash) {
+        self.boundary.insert(key, (hash, false));
+    }
+
+    /// The checkpoint `key` is a finish checkpoint kept.
+    pub fn mark_finish(&mut self, key: &GroupKey) {
+        if let Some(entry) = self.boundary.get_mut(key) {
+            entry.1 = true;
+        }
+    }
+
+    /// The checkpoint `key` left the cache other than by eviction (released, dropped).
+    pub fn forget_boundary(&mut self, key: &GroupKey) {
+        self.boundary.remove(key);
+    }
+
+    /// The pool evicted checkpoint `key`: counted, and remembered as an evicted ghost (at most
+    /// `capacity`).
+    pub fn evicted(&mut self, key: &GroupKey, capacity: usize) {
+        if let Some((hash, finish)) = self.boundary.remove(key) {
+            self.recent[EVICTIONS] += 1.0;
+            if finish {
+                return;
+            }
+            self.recent[EVICTED_N] += 1.0;
+            if capacity > 0 {
+                self.evicted.insert(hash, capacity);
+            }
+        }
+    }
+
+    /// An admitted prompt whose base-page hashes are `hashes` resumed at `hit` tokens. Walking
+    /// its boundaries `b` (multiples of `grain`, `hit < b <= cap`, base pages of `base` tokens)
+    /// deepest first: the first evicted ghost met counts as a prompt a slot more would have
+    /// served, and a finish ghost met counts as a prompt resumed at a finish checkpoint and
+    /// ends the walk; each ghost counted is forgotten. Returns whether a finish ghost was met
+    /// (the prompt then counts for no other role).
+    pub fn ghost_resumed(&mut self, hashes: &[ContentHash], hit: u64, cap: u64, grain: u64, base: u64) -> bool {
+        if (self.ghosts.map.is_empty() && self.evicted.map.is_empty()) || grain == 0 || base == 0 {
+            return false;
+        }
+        let mut b = cap / grain * grain;
+        let mut marginal = false;
+        while b > hit {
+            let index = usize::try_from(b / base).unwrap_or(usize::MAX);
+            if let Some(hash) = index.checked_sub(1).and_then(|i| hashes.get(i)) {
+                if self.ghosts.take(hash) {
+                    self.finish_hits = self.finish_hits.saturating_add(1);
+                    self.recent[FINISH_HITS] += 1.0;
+                    return true;
+                }
+                if !marginal && self.evicted.take(hash) {
+                    marginal = true;
+                    self.recent[EVICTED_HITS] += 1.0;
+                }
+            }
+            b -= grain;
+        }
+        false
+    }
 }
 
 /// The rule every role of SPEC 13.8b follows: a role is kept (written) until
 /// `MIN_OBSERVATIONS` of it were counted, then while prompts resume at it per checkpoint
-/// (`hits / count`) at least as often as at the role it is compared with (`ref_hits /
-/// ref_count`); cross-multiplied in `u128`, so nothing overflows or divides by zero.
-fn pays(count: u64, hits: u64, ref_count: u64, ref_hits: u64) -> bool {
-    count < MIN_OBSERVATIONS || u128::from(hits) * u128::from(ref_count) >= u128::from(ref_hits) * u128::from(count)
+/// (`hits / count`, decayed counts) at least as often as at the role it is compared with
+/// (`ref_hits / ref_count`); cross-multiplied, so nothing divides by zero.
+fn pays(total: u64, count: f64, hits: f64, ref_count: f64, ref_hits: f64) -> bool {
+    total < MIN_OBSERVATIONS || hits * ref_count >= ref_hits * count
 }
 
 #[cfg(test)]
@@ -272,33 +468,86 @@ mod tests {
     }
 
     #[test]
-    fn finish_checkpoints_and_chunk_ends_are_kept_while_resumed_from_as_often_as_body_ends() {
+    fn chunk_ends_are_kept_while_resumed_from_as_often_as_body_ends() {
         let mut e = ReuseEvidence::default();
         // Two body ends written, one resumed from: 1 / 2 per body end.
         e.wrote(0, Role::Body);
         e.wrote(1, Role::Body);
         e.resumed(0);
-        // Until MIN_OBSERVATIONS of a role were kept, they are, whatever was resumed.
+        // Until MIN_OBSERVATIONS were kept, they are, whatever was resumed.
         for page in 0..16 {
-            assert!(e.keep_finish(), "fewer than 16 finish checkpoints left");
-            e.wrote(100 + page, Role::Finish);
             e.wrote(200 + page, Role::Chunk);
             assert!(e.is_chunk_end(200 + page));
             assert!(e.keep_chunk_end(), "fewer than 16 chunk ends kept");
         }
-        // 16 of each kept, none resumed from: 0 / 16 < 1 / 2, both released now.
-        assert!(!e.keep_finish());
+        // 16 kept, none resumed from: 0 / 16 < 1 / 2, released now.
         assert!(!e.keep_chunk_end());
-        // 8 prompts resume at each: 8 / 16 >= 1 / 2, both kept again.
+        // 8 prompts resume at them: 8 / 16 >= 1 / 2, kept again.
         for page in 0..8 {
-            e.resumed(100 + page);
             e.resumed(200 + page);
         }
-        assert!(e.keep_finish());
         assert!(e.keep_chunk_end());
         assert_eq!(e.chunk_counts(), [17, 8]);
         // A chunk end's page that takes another checkpoint is no chunk end any more.
         e.wrote(200, Role::Other);
         assert!(!e.is_chunk_end(200));
+    }
+
+    fn hash(i: u8) -> ContentHash {
+        [i; 32]
+    }
+
+    #[test]
+    fn finish_checkpoints_are_kept_while_they_serve_more_prompts_than_the_evictions_they_cause() {
+        let mut e = ReuseEvidence::default();
+        // Until MIN_OBSERVATIONS were left, they are kept, whatever was resumed.
+        for page in 0..16 {
+            assert!(e.keep_finish(), "fewer than 16 finish checkpoints left");
+            e.wrote(100 + page, Role::Finish);
+        }
+        // None resumed from: worth nothing, released (even with nothing evicted).
+        assert!(!e.keep_finish());
+        // Released ones leave ghosts; a prompt that would have resumed at one (at 8, deeper
+        // than its hit 0) counts for finish checkpoints: 1 of 17, nothing evicted: kept.
+        e.left_ghost(hash(1), 4);
+        assert!(e.ghost_resumed(&[hash(9), hash(1)], 0, 8, 4, 4));
+        assert_eq!(e.resume_counts()[2..], [17, 1]);
+        assert!(e.keep_finish());
+        // 4 checkpoints (not finish ones) evicted, 3 of them later wanted by a prompt: a slot
+        // that holds a finish checkpoint costs 3 / 4 of a prompt where one is evicted for it,
+        // and 17 finish checkpoints left cause at most the 4 evictions seen: 1 < 3 / 4 * 4.
+        for i in 0..4u8 {
+            let key = GroupKey::new(hash(10 + i), 1);
+            e.note_boundary(key, hash(20 + i));
+            e.evicted(&key, 8);
+        }
+        for i in 0..3u8 {
+            assert!(
+                !e.ghost_resumed(&[hash(20 + i)], 0, 4, 4, 4),
+                "an evicted ghost is no finish hit"
+            );
+        }
+        assert!(!e.keep_finish());
+        // A ghost is taken once: the same prompt again finds none.
+        assert!(!e.ghost_resumed(&[hash(20)], 0, 4, 4, 4));
+        assert!(!e.keep_finish());
+        // Two more prompts resume at finish checkpoints: 3 >= 3 / 4 * 4, kept again.
+        e.resumed(100);
+        e.resumed(101);
+        assert!(e.keep_finish());
+        // A finish checkpoint kept and evicted counts as an eviction finish checkpoints cause,
+        // not as one whose ghost measures what a slot is worth; one the policy released, not
+        // at all.
+        let kept = GroupKey::new(hash(30), 1);
+        e.note_boundary(kept, hash(31));
+        e.mark_finish(&kept);
+        e.evicted(&kept, 8);
+        assert!(!e.ghost_resumed(&[hash(31)], 0, 4, 4, 4));
+        let released = GroupKey::new(hash(32), 1);
+        e.note_boundary(released, hash(33));
+        e.forget_boundary(&released);
+        e.evicted(&released, 8);
+        // 5 evictions now: 3 < 3 / 4 * 5, released.
+        assert!(!e.keep_finish());
     }
 }

@@ -155,12 +155,20 @@ class TokenApi(PageTables, Rows):
                 # SPEC 13.8: the match left a cached path here (a divergence point).
                 self._evidence.observe(closed, self._state_grain)
             self._claim_tiered(key, pages, state)
-            if hit > 0 and self._policy == "reuse" and len(self._state_groups) == 1:
-                # SPEC 13.8b: which checkpoint the prompt resumes at.
-                group = self._state_groups[0]
-                at = (hit - 1) // self._specs[group].page_size
-                held = self._requests[key][group].pages
-                self._evidence.resumed(held[at] if at < len(held) else 0)
+            if self._policy == "reuse" and len(self._state_groups) == 1 and self._state_grain is not None:
+                # SPEC 13.8b: which checkpoint the prompt resumes at, and whether it would have
+                # resumed deeper at a finish checkpoint that was not kept (a ghost).
+                self._evidence.decay(self._pool.group_ids(self._state_groups[0]) - 1)
+                ghost = self._evidence.ghost_resumed(
+                    hashes, hit, len(tokens) - 1, self._state_grain, self._base
+                )
+                # A prompt that a finish checkpoint not kept would have served deeper counts for
+                # the finish role, not for the checkpoint it fell back to.
+                if hit > 0 and not ghost:
+                    group = self._state_groups[0]
+                    at = (hit - 1) // self._specs[group].page_size
+                    held = self._requests[key][group].pages
+                    self._evidence.resumed(held[at] if at < len(held) else 0)
             self._counters["prefix_queries_tokens"] += len(tokens)
             self._counters["prefix_hits_tokens"] += hit
             self._counters["host_hits_tokens"] += self._host_hit_tokens(pages, hit)
@@ -484,11 +492,20 @@ class TokenApi(PageTables, Rows):
             else:
                 role = CHUNK
             self._evidence.wrote(found[0], role)
+            self._note_boundary(state, found[1])
+
+    def _note_boundary(self, state: TokenState, key: str) -> None:
+        """SPEC 13.8b (reuse): remember the boundary of checkpoint ``key`` at the request's
+        position, so that its eviction leaves a ghost."""
+        index = state.computed // self._base - 1
+        if 0 <= index < len(state.hashes):
+            self._evidence.note_boundary(key, state.hashes[index])
 
     def _drop_checkpoint(self, page: int, key: str) -> None:
         """Drop checkpoint ``key`` from ``page`` if it still holds it and nobody holds the page."""
         if self._pool._key_held_by(page) != key or self._pool._drop_free_key(page) is None:
             return
+        self._evidence.forget_boundary(key)
         keys = [key]
         if self._whole_prefixes():
             self._drop_path(key, keys)
@@ -501,12 +518,21 @@ class TokenApi(PageTables, Rows):
         (13.8b), every other checkpoint it wrote stays cached; with whole hybrid prefixes, its free
         full-attention pages on no cached checkpoint's path lose their keys."""
         found = state.decode_checkpoint
-        if self._policy == "reuse" and found is not None and self._pool._key_held_by(found[0]) == found[1]:
-            # SPEC 13.8b: the finish checkpoint is one a request leaves, while it pays.
-            if self._evidence.keep_finish():
+        if self._policy == "reuse":
+            # SPEC 13.8b: the finish checkpoint is one a request leaves, while it pays; one not
+            # kept (released, or never written by decode) leaves a ghost.
+            held = found is not None and self._pool._key_held_by(found[0]) == found[1]
+            keep = self._evidence.keep_finish()
+            if held and keep:
+                assert found is not None
                 self._evidence.wrote(found[0], FINISH)
-            else:
+                self._evidence.mark_finish(found[1])
+            elif held:
+                assert found is not None
                 self._drop_checkpoint(*found)
+                self._leave_ghost(state)
+            elif not keep and found is None:
+                self._leave_ghost(state)
         # SPEC 13.8b: its chunk-end checkpoints still cached are kept only while they pay.
         for page, key, _ in state.prompt_checkpoints:
             if (
@@ -517,6 +543,23 @@ class TokenApi(PageTables, Rows):
                 self._drop_checkpoint(page, key)
         if self._whole_prefixes():
             self._keep_whole_prefixes(state)
+
+    def _leave_ghost(self, state: TokenState) -> None:
+        """SPEC 13.8b (reuse): a finished request whose finish checkpoint was not kept leaves a
+        ghost at the boundary it would have had (the last multiple of the state grain within
+        its computed tokens, if decode reached one at or past the prompt's end), at most as
+        many as the pool has state pages."""
+        grain = self._state_grain
+        if len(self._state_groups) != 1 or grain is None:
+            return
+        at = state.computed // grain * grain
+        if at == 0 or at < state.prompt_len or len(state.tokens) <= state.prompt_len:
+            return
+        index = at // self._base - 1
+        if not 0 <= index < len(state.hashes):
+            return
+        capacity = self._pool.group_ids(self._state_groups[0]) - 1
+        self._evidence.left_ghost(state.hashes[index], max(capacity, 0))
 
     def _keep_whole_prefixes(self, state: TokenState) -> None:
         """SPEC 13.8 (reuse, whole hybrid prefixes; prefixes.py), at a request's finish:
@@ -542,6 +585,7 @@ class TokenApi(PageTables, Rows):
             return
         if self._policy == "reuse" and state.decode_checkpoint != found:
             self._evidence.wrote(found[0], OTHER)
+            self._note_boundary(state, found[1])
         previous, state.decode_checkpoint = state.decode_checkpoint, found
         if previous is not None and previous != found:
             self._drop_checkpoint(*previous)

@@ -183,11 +183,25 @@ impl FlatCache {
             } else {
                 self.coord.claim(&mut self.entries[at].tables, &m);
             }
-            // SPEC 13.8b (`reuse`): which checkpoint the prompt resumes at.
-            if hit > 0 && self.coord.eviction_policy() == EvictionPolicy::Reuse {
-                if let Some(g) = self.coord.single_state_group() {
-                    let page = state_page(&self.coord, &self.entries[at].tables, g, hit);
-                    self.coord.evidence_mut().resumed(page);
+            // SPEC 13.8b (`reuse`): which checkpoint the prompt resumes at, and whether it
+            // would have resumed deeper at a finish checkpoint that was not kept (a ghost).
+            if self.coord.eviction_policy() == EvictionPolicy::Reuse {
+                if let (Some(g), Some(grain)) = (self.coord.single_state_group(), self.coord.state_grain()) {
+                    let slots = self.coord.pool().group_ids(g).saturating_sub(1);
+                    self.coord.evidence_mut().decay(slots);
+                    let base = self.coord.base_page_size();
+                    let cap = prompt_len.saturating_sub(1);
+                    let ghost = self.entries[at].tokens.as_ref().is_some_and(|state| {
+                        self.coord
+                            .evidence_mut()
+                            .ghost_resumed(&state.hashes, hit, cap, grain, base)
+                    });
+                    // A prompt that a finish checkpoint not kept would have served deeper counts
+                    // for the finish role, not for the checkpoint it fell back to.
+                    if hit > 0 && !ghost {
+                        let page = state_page(&self.coord, &self.entries[at].tables, g, hit);
+                        self.coord.evidence_mut().resumed(page);
+                    }
                 }
             }
             let c = &mut self.counters;
@@ -759,6 +773,16 @@ fn note_prompt_checkpoint(coord: &mut Coordinator, tables: &[Table], state: &mut
             Role::Chunk
         };
         coord.evidence_mut().wrote(page, role);
+        note_boundary(coord, state, key);
+    }
+}
+
+/// SPEC 13.8b (`reuse`): remember the boundary of the checkpoint `key` at the request's
+/// position, so that its eviction leaves a ghost.
+fn note_boundary(coord: &mut Coordinator, state: &TokenState, key: GroupKey) {
+    let index = usize::try_from(state.computed / coord.base_page_size()).unwrap_or(usize::MAX);
+    if let Some(&hash) = index.checked_sub(1).and_then(|i| state.hashes.get(i)) {
+        coord.evidence_mut().note_boundary(key, hash);
     }
 }
 
@@ -768,13 +792,23 @@ fn note_prompt_checkpoint(coord: &mut Coordinator, tables: &[Table], state: &mut
 /// full-attention pages on no cached checkpoint's path lose their keys.
 fn end_of_request(coord: &mut Coordinator, state: &TokenState) {
     // SPEC 13.8b: the finish checkpoint is one a request leaves, while finish checkpoints pay.
-    if let Some((page, key)) = state.decode_checkpoint {
-        if coord.eviction_policy() == EvictionPolicy::Reuse && coord.pool().key_of(page) == Some(&key) {
-            if coord.evidence().keep_finish() {
+    if coord.eviction_policy() == EvictionPolicy::Reuse {
+        let held = state
+            .decode_checkpoint
+            .filter(|(page, key)| coord.pool().key_of(*page) == Some(key));
+        let keep = coord.evidence().keep_finish();
+        match held {
+            Some((page, key)) if keep => {
                 coord.evidence_mut().wrote(page, Role::Finish);
-            } else {
-                coord.drop_checkpoint(page, key);
+                coord.evidence_mut().mark_finish(&key);
             }
+            Some((page, key)) => {
+                coord.drop_checkpoint(page, key);
+                leave_ghost(coord, state);
+            }
+            // Decode wrote none while finish checkpoints were not kept (SPEC 13.8b).
+            None if !keep && state.decode_checkpoint.is_none() => leave_ghost(coord, state),
+            None => {}
         }
     }
     // SPEC 13.8b: its chunk-end checkpoints still cached are kept only while they pay.
@@ -789,6 +823,27 @@ fn end_of_request(coord: &mut Coordinator, state: &TokenState) {
     if coord.whole_prefixes() {
         keep_whole_prefixes(coord, state);
     }
+}
+
+/// SPEC 13.8b (`reuse`): a finished request whose finish checkpoint was not kept leaves a
+/// ghost at the boundary it would have had (the last multiple of the state grain within its
+/// computed tokens, if decode reached one at or past the prompt's end), at most as many as the
+/// pool has state pages.
+fn leave_ghost(coord: &mut Coordinator, state: &TokenState) {
+    let (Some(g), Some(grain)) = (coord.single_state_group(), coord.state_grain()) else {
+        return;
+    };
+    let at = state.computed / grain * grain;
+    let decoded = u64::try_from(state.tokens.len()).map_or(true, |known| known > state.prompt_len);
+    if at == 0 || at < state.prompt_len || !decoded {
+        return;
+    }
+    let index = usize::try_from(at / coord.base_page_size()).unwrap_or(usize::MAX);
+    let Some(&hash) = index.checked_sub(1).and_then(|i| state.hashes.get(i)) else {
+        return;
+    };
+    let capacity = coord.pool().group_ids(g).saturating_sub(1);
+    coord.evidence_mut().left_ghost(hash, capacity);
 }
 
 /// SPEC 13.8 (`reuse`, whole hybrid prefixes; `prefixes.rs`), at a request's finish:
@@ -831,6 +886,7 @@ fn keep_latest_decode_checkpoint(coord: &mut Coordinator, tables: &[Table], stat
     };
     if coord.eviction_policy() == EvictionPolicy::Reuse && state.decode_checkpoint != Some((page, key)) {
         coord.evidence_mut().wrote(page, Role::Other);
+        note_boundary(coord, state, key);
     }
     if let Some((old_page, old_key)) = state.decode_checkpoint.replace((page, key)) {
         if (old_page, old_key) != (page, key) {
