@@ -14,9 +14,10 @@ the policy's own rules:
   at least as often as at finish checkpoints per finish checkpoint left;
 - at a request's finish its finish checkpoint is kept until 16 were left, then while the prompts
   resumed at finish checkpoints or their ghosts (one not kept is remembered by its boundary)
-  are more than none and at least p_M * min(finish checkpoints left, evictions), p_M the
-  prompts that reached an evicted checkpoint's ghost per such eviction; in decode a decode
-  checkpoint is written only while that holds;
+  are more than none and at least p_M * C, p_M the prompts that reached an evicted
+  checkpoint's ghost per such eviction, C the evictions the finish role (decode checkpoints,
+  kept finish checkpoints) caused, each counted as the role's share of the cached
+  checkpoints; in decode a decode checkpoint is written only while that holds;
 - each of its chunk ends still cached is kept until 16 were kept, then while prompts resume at
   chunk ends per chunk end kept at least as often as at body ends per body end written (else
   released, uncached);
@@ -523,9 +524,10 @@ def test_chunk_ends_are_released_where_prompts_never_resume_at_them(engine: Modu
 
 def test_the_finish_rule_weighs_finish_hits_against_the_evictions_they_cause() -> None:
     # SPEC 13.8b on the reference's evidence, hand-computed: finish checkpoints are kept while
-    # the prompts that resume at them (kept or ghost) are at least the prompts the evictions
-    # they cause would have served, p_M * min(finish checkpoints left, evictions), where p_M is
-    # the share of evicted checkpoints (not finish ones) a later prompt would have resumed at.
+    # the prompts that resume at them (kept or ghost) are more than none and at least the
+    # prompts the evictions they cause would have served: p_M * C, p_M the share of evicted
+    # checkpoints (not of the finish role) a later prompt reached, C each eviction times the
+    # finish role's share of the cached checkpoints then.
     from flat_kvcache.reference.engine.policy import FINISH, ReuseEvidence
 
     e = ReuseEvidence()
@@ -536,18 +538,25 @@ def test_the_finish_rule_weighs_finish_hits_against_the_evictions_they_cause() -
     e.left_ghost("g1", 4)
     assert e.ghost_resumed(["x", "g1"], 0, 8, 4, 4)  # would have resumed at 8 > 0
     assert e.keep_finish()  # 1 hit of 17, nothing evicted: a slot costs nothing
+    e.note_boundary("f0", "bf0", True)  # two decode checkpoints cached (the finish role)
+    e.note_boundary("f1", "bf1", True)
     for i in range(4):
-        e.note_boundary(f"k{i}", f"b{i}")
-        e.evicted(f"k{i}", 8)
+        e.note_boundary(f"k{i}", f"b{i}", False)
+    for i in range(4):
+        e.evicted(f"k{i}", 8)  # of 6, 5, 4, 3 cached: C += 2/6, 2/5, 2/4, 2/3, 1.9 in all
     for i in range(3):
         assert not e.ghost_resumed([f"b{i}"], 0, 4, 4, 4)  # a marginal hit, no finish hit
-    assert not e.keep_finish()  # 1 < 3/4 * min(17, 4)
+    assert not e.keep_finish()  # 1 < 3/4 * 1.9
     assert not e.ghost_resumed(["b0"], 0, 4, 4, 4)  # a ghost is taken once
     e.resumed(100)
     e.resumed(101)
-    assert e.keep_finish()  # 3 >= 3/4 * 4
-    e.note_boundary("kept", "b-kept")
-    e.mark_finish("kept")
-    e.evicted("kept", 8)  # a finish checkpoint evicted: an eviction they cause, no ghost
-    assert not e.ghost_resumed(["b-kept"], 0, 4, 4, 4)
-    assert not e.keep_finish()  # 3 < 3/4 * min(17, 5)
+    assert e.keep_finish()  # 3 >= 3/4 * 1.9
+    e.evicted("f0", 8)  # the role's own eviction (share 2/2): C = 2.9, and no ghost
+    assert not e.ghost_resumed(["bf0"], 0, 4, 4, 4)
+    assert e.keep_finish()  # 3 >= 3/4 * 2.9
+    e.forget_boundary("f1")  # released by the policy: no eviction, the role holds nothing now
+    e.note_boundary("k9", "b9", False)
+    e.evicted("k9", 8)  # share 0: C stays 2.9
+    assert not e.ghost_resumed(["g-none", "b9"], 0, 8, 4, 4)  # a marginal hit: 4 of 5
+    assert e.keep_finish()  # 3 * 5 >= 4 * 2.9
+    assert e.recent[-1] == pytest.approx(2.9)

@@ -16,10 +16,11 @@ prompts will diverge. ``reuse`` adds, from what the cache sees:
   checkpoint);
 - at a request's finish its finish checkpoint (in decode, its decode checkpoint) is kept until
   ``MIN_OBSERVATIONS`` were left, then while the prompts resumed at finish checkpoints or their
-  ghosts, ``H_F``, are more than none and at least ``p_M * min(N_F, E)``: ``p_M`` the prompts
-  that reached the ghost of an evicted checkpoint (not a kept finish one) per such eviction,
-  ``N_F`` the finish checkpoints left, ``E`` the checkpoints evicted (SPEC 13.8b: a finish
-  checkpoint is worth the prompts it serves and costs the evictions it causes);
+  ghosts, ``H_F``, are more than none and at least ``p_M * C``: ``p_M`` the prompts that
+  reached the ghost of an evicted checkpoint (not of the finish role: decode checkpoints and
+  the finish checkpoints they become) per such eviction, ``C`` the evictions the finish role
+  caused, each eviction times the role's share of the cached checkpoints then (SPEC 13.8b: a
+  finish checkpoint is worth the prompts it serves and costs the evictions it causes);
 - at a request's finish each of its chunk ends (a prompt checkpoint other than its body end
   and branch point) still cached is kept until ``MIN_OBSERVATIONS`` were kept, then while hits
   per chunk end kept are at least hits per body end written; otherwise released (SPEC 13.8b);
@@ -53,8 +54,9 @@ MAX_LEVEL = 6
 BODY, FINISH, CHUNK, OTHER = "body", "finish", "chunk", "other"
 # Where each decayed count sits in ``ReuseEvidence.recent`` (the native engine's order): body
 # ends written and resumed at; finish checkpoints left (kept or ghosts) and resumed at (or at a
-# ghost); chunk ends kept and resumed at; checkpoints evicted other than kept finish ones and
-# prompts that reached their ghosts; every checkpoint evicted.
+# ghost); chunk ends kept and resumed at; checkpoints evicted other than the finish role's and
+# prompts that reached their ghosts; every checkpoint evicted; the evictions the finish role
+# caused (each eviction times the finish role's share of the cached checkpoints then).
 (
     _BODY_N,
     _BODY_HITS,
@@ -65,7 +67,8 @@ BODY, FINISH, CHUNK, OTHER = "body", "finish", "chunk", "other"
     _EVICTED_N,
     _EVICTED_HITS,
     _EVICTIONS,
-) = range(9)
+    _CAUSED,
+) = range(10)
 #: The ``eviction_policy`` names.
 EVICTION_POLICIES = ("lru", "reuse")
 
@@ -107,15 +110,17 @@ class ReuseEvidence:
         #: Ghosts: finish checkpoints not kept, by the base-page hash of their boundary, oldest
         #: first (SPEC 13.8b).
         self.ghosts: OrderedDict[str, None] = OrderedDict()
-        #: Cached checkpoints by key: the base-page hash of their boundary and whether it is a
-        #: kept finish checkpoint, so that one the pool evicts leaves an evicted ghost.
+        #: Cached checkpoints by key: the base-page hash of their boundary and whether it is of
+        #: the finish role (a decode checkpoint), so that one the pool evicts leaves a ghost.
         self.boundary: dict[str, list[object]] = {}
-        #: Ghosts of evicted checkpoints (not kept finish ones), oldest first: a prompt that
+        #: Ghosts of evicted checkpoints (not of the finish role), oldest first: a prompt that
         #: reaches one past its hit is a prompt a slot more of cache would have served.
         self.evicted_ghosts: OrderedDict[str, None] = OrderedDict()
         #: The counts the rules compare, decayed by :meth:`decay` at each admitted prompt
         #: (indexed by ``_BODY_N`` .. ``_EVICTIONS``); the counts above decide the warm-up.
-        self.recent = [0.0] * 9
+        self.recent = [0.0] * 10
+        #: Cached checkpoints in the finish role (decode checkpoints, kept finish checkpoints).
+        self.finish_cached = 0
 
     def observe(self, point: int, grain: int) -> None:
         """Record divergence point ``point`` (tokens, > 0) of a state grain ``grain``."""
@@ -180,27 +185,32 @@ class ReuseEvidence:
         self.recent[_FINISH_N] += 1.0
         _remember(self.ghosts, page_hash, capacity)
 
-    def note_boundary(self, key: str, page_hash: str) -> None:
-        """A checkpoint ``key`` whose boundary's base-page hash is ``page_hash`` was written."""
-        self.boundary[key] = [page_hash, False]
-
-    def mark_finish(self, key: str) -> None:
-        """The checkpoint ``key`` is a finish checkpoint kept."""
-        entry = self.boundary.get(key)
-        if entry is not None:
-            entry[1] = True
+    def note_boundary(self, key: str, page_hash: str, finish: bool) -> None:
+        """A checkpoint ``key`` whose boundary's base-page hash is ``page_hash`` was written,
+        in the finish role (a decode checkpoint) or not."""
+        old = self.boundary.get(key)
+        if old is not None and old[1]:
+            self.finish_cached = max(self.finish_cached - 1, 0)
+        self.boundary[key] = [page_hash, finish]
+        if finish:
+            self.finish_cached += 1
 
     def forget_boundary(self, key: str) -> None:
         """The checkpoint ``key`` left the cache other than by eviction."""
-        self.boundary.pop(key, None)
+        entry = self.boundary.pop(key, None)
+        if entry is not None and entry[1]:
+            self.finish_cached = max(self.finish_cached - 1, 0)
 
     def evicted(self, key: str, capacity: int) -> None:
         """The pool evicted checkpoint ``key``: counted and remembered as an evicted ghost."""
+        share = self.finish_cached / max(len(self.boundary), 1)
         entry = self.boundary.pop(key, None)
         if entry is None:
             return
         self.recent[_EVICTIONS] += 1.0
+        self.recent[_CAUSED] += share
         if entry[1]:
+            self.finish_cached = max(self.finish_cached - 1, 0)
             return
         self.recent[_EVICTED_N] += 1.0
         if capacity > 0:
@@ -262,12 +272,12 @@ class ReuseEvidence:
         :meth:`wrote` counts it as left) or released (SPEC 13.8b); in decode, whether a decode
         checkpoint is written. Kept until ``MIN_OBSERVATIONS`` were left, then while the
         prompts resumed at finish checkpoints or their ghosts are more than none and at least
-        ``p_M * min(N_F, E)`` (module doc; decayed counts, cross-multiplied)."""
+        ``p_M * C`` (module doc; decayed counts, cross-multiplied)."""
         if self.finish_written < MIN_OBSERVATIONS:
             return True
         r = self.recent
         hits = r[_FINISH_HITS]
-        caused = min(r[_FINISH_N], r[_EVICTIONS])
+        caused = r[_CAUSED]
         return hits > 0.0 and hits * r[_EVICTED_N] >= r[_EVICTED_HITS] * caused
 
     def writes_body_end(self) -> bool:

@@ -20,12 +20,14 @@
 //!   are at least hits per finish checkpoint left (SPEC 13.8b).
 //! - **Finish checkpoints kept while they serve more prompts than the evictions they cause.**
 //!   A finish checkpoint not kept leaves a ghost (its boundary's base-page hash), and so does
-//!   every checkpoint the pool evicts other than a kept finish checkpoint (an evicted ghost);
-//!   an admitted prompt that reaches a ghost past its hit is a hit for finish checkpoints, or
-//!   for the memory an eviction took. At its finish a request's finish checkpoint (in decode,
-//!   its decode checkpoint) is kept until `MIN_OBSERVATIONS` were left, then while finish hits
-//!   `H_F > 0` and `H_F >= p_M * min(N_F, E)`: `p_M` the prompts that reached an evicted ghost
-//!   per such eviction, `N_F` the finish checkpoints left, `E` the checkpoints evicted.
+//!   every checkpoint the pool evicts other than one of the finish role (decode checkpoints
+//!   and the finish checkpoints they become) (an evicted ghost); an admitted prompt that
+//!   reaches a ghost past its hit is a hit for finish checkpoints, or for the memory an
+//!   eviction took. At its finish a request's finish checkpoint (in decode, its decode
+//!   checkpoint) is kept until `MIN_OBSERVATIONS` were left, then while finish hits `H_F > 0`
+//!   and `H_F >= p_M * C`: `p_M` the prompts that reached an evicted ghost per such eviction,
+//!   `C` the evictions the finish role caused (each eviction times the role's share of the
+//!   cached checkpoints then).
 //! - **Chunk ends kept while they pay.** At a request's finish each of its chunk-end
 //!   checkpoints (a prompt checkpoint other than its body end and branch point) still cached
 //!   is kept until `MIN_OBSERVATIONS` were kept, then while hits per chunk end kept are at
@@ -99,15 +101,18 @@ pub struct ReuseEvidence {
     chunk_hits: u64,
     /// Ghosts: finish checkpoints not kept, by the base-page hash of their boundary.
     ghosts: Ghosts,
-    /// Cached checkpoints by key: the base-page hash of their boundary and whether it is a
-    /// kept finish checkpoint, so that one the pool evicts leaves a ghost in `evicted`.
+    /// Cached checkpoints by key: the base-page hash of their boundary and whether it is of
+    /// the finish role (a decode checkpoint, kept or not yet at its finish), so that one the
+    /// pool evicts leaves a ghost in `evicted`.
     boundary: HashMap<GroupKey, (ContentHash, bool)>,
-    /// Ghosts of evicted checkpoints (not kept finish checkpoints): a prompt that reaches one
+    /// Ghosts of evicted checkpoints (not of the finish role): a prompt that reaches one
     /// past its hit is a prompt a slot more of cache would have served.
     evicted: Ghosts,
     /// The counts the rules compare, decayed by [`Self::decay`] at each admitted prompt
     /// (indexed by `BODY_N` .. `EVICTIONS`); the counts above decide the warm-up.
-    recent: [f64; 9],
+    recent: [f64; 10],
+    /// Cached checkpoints in the finish role (decode checkpoints and kept finish checkpoints).
+    finish_cached: usize,
 }
 
 // Where each decayed count sits in `ReuseEvidence::recent`.
@@ -123,12 +128,15 @@ const FINISH_HITS: usize = 3;
 const CHUNK_N: usize = 4;
 /// Prompts resumed at a chunk end.
 const CHUNK_HITS: usize = 5;
-/// Checkpoints evicted other than kept finish checkpoints (those leave evicted ghosts).
+/// Checkpoints evicted other than the finish role's (those leave evicted ghosts).
 const EVICTED_N: usize = 6;
 /// Prompts that reached an evicted ghost past their hit.
 const EVICTED_HITS: usize = 7;
-/// Checkpoints evicted, kept finish checkpoints included.
+/// Checkpoints evicted, the finish role's included.
 const EVICTIONS: usize = 8;
+/// The evictions the finish role caused: each eviction times the finish role's share of the
+/// cached checkpoints then (decode checkpoints and kept finish checkpoints).
+const CAUSED: usize = 9;
 
 /// Keys remembered in arrival order, at most a capacity, the oldest forgotten first.
 #[derive(Clone, Debug, Default)]
@@ -296,15 +304,13 @@ impl ReuseEvidence {
     /// At a request's finish, whether its finish checkpoint, still cached, is kept (counted as
     /// left) or released (SPEC 13.8b); in decode, whether a decode checkpoint is written. Kept
     /// until `MIN_OBSERVATIONS` were left, then while the prompts resumed at finish checkpoints
-    /// or their ghosts, `H_F`, are more than none and at least `p_M * min(N_F, E)`: `p_M` the
-    /// prompts that reached an evicted ghost per checkpoint evicted (not a kept finish one),
-    /// `N_F` the finish checkpoints left, `E` the checkpoints evicted (decayed counts,
-    /// cross-multiplied).
+    /// or their ghosts, `H_F`, are more than none and at least `p_M * C`: `p_M` the
+    /// prompts that reached an evicted ghost per checkpoint evicted (not of the finish role),
+    /// `C` the evictions the finish role caused (decayed counts, cross-multiplied).
     pub fn keep_finish(&self) -> bool {
         let r = &self.recent;
         self.finish_written < MIN_OBSERVATIONS
-            || (r[FINISH_HITS] > 0.0
-                && r[FINISH_HITS] * r[EVICTED_N] >= r[EVICTED_HITS] * r[FINISH_N].min(r[EVICTIONS]))
+            || (r[FINISH_HITS] > 0.0 && r[FINISH_HITS] * r[EVICTED_N] >= r[EVICTED_HITS] * r[CAUSED])
     }
 
     /// An admitted prompt ages the evidence: every count the rules compare is multiplied by
@@ -315,8 +321,7 @@ impl ReuseEvidence {
         if slots == 0 {
             return;
         }
-        // Pools hold far fewer than 2^32 pages; a larger count would only slow the decay.
-        let factor = 1.0 - 1.0 / f64::from(u32::try_from(slots).unwrap_or(u32::MAX));
+        let factor = 1.0 - 1.0 / count_f64(slots);
         for x in &mut self.recent {
             *x *= factor;
         }
@@ -342,28 +347,33 @@ impl ReuseEvidence {
     }
 
     /// A checkpoint `key` whose boundary's base-page hash is `hash` was written (cached).
-    pub fn note_boundary(&mut self, key: GroupKey, hash: ContentHash) {
-        self.boundary.insert(key, (hash, false));
-    }
-
-    /// The checkpoint `key` is a finish checkpoint kept.
-    pub fn mark_finish(&mut self, key: &GroupKey) {
-        if let Some(entry) = self.boundary.get_mut(key) {
-            entry.1 = true;
+    pub fn note_boundary(&mut self, key: GroupKey, hash: ContentHash, finish: bool) {
+        if let Some((_, was)) = self.boundary.insert(key, (hash, finish)) {
+            if was {
+                self.finish_cached = self.finish_cached.saturating_sub(1);
+            }
+        }
+        if finish {
+            self.finish_cached += 1;
         }
     }
 
     /// The checkpoint `key` left the cache other than by eviction (released, dropped).
     pub fn forget_boundary(&mut self, key: &GroupKey) {
-        self.boundary.remove(key);
+        if let Some((_, true)) = self.boundary.remove(key) {
+            self.finish_cached = self.finish_cached.saturating_sub(1);
+        }
     }
 
     /// The pool evicted checkpoint `key`: counted, and remembered as an evicted ghost (at most
     /// `capacity`).
     pub fn evicted(&mut self, key: &GroupKey, capacity: usize) {
+        let share = count_f64(self.finish_cached) / count_f64(self.boundary.len().max(1));
         if let Some((hash, finish)) = self.boundary.remove(key) {
             self.recent[EVICTIONS] += 1.0;
+            self.recent[CAUSED] += share;
             if finish {
+                self.finish_cached = self.finish_cached.saturating_sub(1);
                 return;
             }
             self.recent[EVICTED_N] += 1.0;
@@ -402,6 +412,11 @@ impl ReuseEvidence {
         }
         false
     }
+}
+
+/// A count as `f64` (pools hold far fewer than 2^32 pages; a larger count saturates).
+fn count_f64(n: usize) -> f64 {
+    f64::from(u32::try_from(n).unwrap_or(u32::MAX))
 }
 
 /// The rule every role of SPEC 13.8b follows: a role is kept (written) until
@@ -513,13 +528,18 @@ mod tests {
         assert!(e.ghost_resumed(&[hash(9), hash(1)], 0, 8, 4, 4));
         assert_eq!(e.resume_counts()[2..], [17, 1]);
         assert!(e.keep_finish());
-        // 4 checkpoints (not finish ones) evicted, 3 of them later wanted by a prompt: a slot
-        // that holds a finish checkpoint costs 3 / 4 of a prompt where one is evicted for it,
-        // and 17 finish checkpoints left cause at most the 4 evictions seen: 1 < 3 / 4 * 4.
+        // Cached: two decode checkpoints (the finish role) and four others; the four others are
+        // evicted, 3 of them later wanted by a prompt: an eviction costs 3 / 4 of a prompt, and
+        // the finish role held 2 of the 6, 5, 4, 3 cached checkpoints at each eviction, so it
+        // caused 2/6 + 2/5 + 2/4 + 2/3 = 1.9 of them: 1 < 3 / 4 * 1.9, released.
+        let finish_role = [GroupKey::new(hash(40), 1), GroupKey::new(hash(41), 1)];
+        e.note_boundary(finish_role[0], hash(50), true);
+        e.note_boundary(finish_role[1], hash(51), true);
         for i in 0..4u8 {
-            let key = GroupKey::new(hash(10 + i), 1);
-            e.note_boundary(key, hash(20 + i));
-            e.evicted(&key, 8);
+            e.note_boundary(GroupKey::new(hash(10 + i), 1), hash(20 + i), false);
+        }
+        for i in 0..4u8 {
+            e.evicted(&GroupKey::new(hash(10 + i), 1), 8);
         }
         for i in 0..3u8 {
             assert!(
@@ -530,24 +550,14 @@ mod tests {
         assert!(!e.keep_finish());
         // A ghost is taken once: the same prompt again finds none.
         assert!(!e.ghost_resumed(&[hash(20)], 0, 4, 4, 4));
-        assert!(!e.keep_finish());
-        // Two more prompts resume at finish checkpoints: 3 >= 3 / 4 * 4, kept again.
+        // Two more prompts resume at finish checkpoints: 3 >= 3 / 4 * 1.9, kept again.
         e.resumed(100);
         e.resumed(101);
         assert!(e.keep_finish());
-        // A finish checkpoint kept and evicted counts as an eviction finish checkpoints cause,
-        // not as one whose ghost measures what a slot is worth; one the policy released, not
-        // at all.
-        let kept = GroupKey::new(hash(30), 1);
-        e.note_boundary(kept, hash(31));
-        e.mark_finish(&kept);
-        e.evicted(&kept, 8);
-        assert!(!e.ghost_resumed(&[hash(31)], 0, 4, 4, 4));
-        let released = GroupKey::new(hash(32), 1);
-        e.note_boundary(released, hash(33));
-        e.forget_boundary(&released);
-        e.evicted(&released, 8);
-        // 5 evictions now: 3 < 3 / 4 * 5, released.
-        assert!(!e.keep_finish());
+        // A finish-role checkpoint evicted is an eviction the role caused (its share was 2 / 2),
+        // and leaves no ghost that measures what a slot is worth: 3 >= 3 / 4 * 2.9.
+        e.evicted(&finish_role[0], 8);
+        assert!(!e.ghost_resumed(&[hash(50)], 0, 4, 4, 4));
+        assert!(e.keep_finish());
     }
 }

@@ -492,14 +492,15 @@ class TokenApi(PageTables, Rows):
             else:
                 role = CHUNK
             self._evidence.wrote(found[0], role)
-            self._note_boundary(state, found[1])
+            self._note_boundary(state, found[1], finish=False)
 
-    def _note_boundary(self, state: TokenState, key: str) -> None:
+    def _note_boundary(self, state: TokenState, key: str, *, finish: bool) -> None:
         """SPEC 13.8b (reuse): remember the boundary of checkpoint ``key`` at the request's
-        position, so that its eviction leaves a ghost."""
+        position, so that its eviction leaves a ghost, and whether it is in the finish role (a
+        decode checkpoint: the finish checkpoint in the making)."""
         index = state.computed // self._base - 1
         if 0 <= index < len(state.hashes):
-            self._evidence.note_boundary(key, state.hashes[index])
+            self._evidence.note_boundary(key, state.hashes[index], finish)
 
     def _drop_checkpoint(self, page: int, key: str) -> None:
         """Drop checkpoint ``key`` from ``page`` if it still holds it and nobody holds the page."""
@@ -526,7 +527,6 @@ class TokenApi(PageTables, Rows):
             if held and keep:
                 assert found is not None
                 self._evidence.wrote(found[0], FINISH)
-                self._evidence.mark_finish(found[1])
             elif held:
                 assert found is not None
                 self._drop_checkpoint(*found)
@@ -585,7 +585,7 @@ class TokenApi(PageTables, Rows):
             return
         if self._policy == "reuse" and state.decode_checkpoint != found:
             self._evidence.wrote(found[0], OTHER)
-            self._note_boundary(state, found[1])
+            self._note_boundary(state, found[1], finish=True)
         previous, state.decode_checkpoint = state.decode_checkpoint, found
         if previous is not None and previous != found:
             self._drop_checkpoint(*previous)

@@ -773,16 +773,16 @@ fn note_prompt_checkpoint(coord: &mut Coordinator, tables: &[Table], state: &mut
             Role::Chunk
         };
         coord.evidence_mut().wrote(page, role);
-        note_boundary(coord, state, key);
+        note_boundary(coord, state, key, false);
     }
 }
 
 /// SPEC 13.8b (`reuse`): remember the boundary of the checkpoint `key` at the request's
 /// position, so that its eviction leaves a ghost.
-fn note_boundary(coord: &mut Coordinator, state: &TokenState, key: GroupKey) {
+fn note_boundary(coord: &mut Coordinator, state: &TokenState, key: GroupKey, finish: bool) {
     let index = usize::try_from(state.computed / coord.base_page_size()).unwrap_or(usize::MAX);
     if let Some(&hash) = index.checked_sub(1).and_then(|i| state.hashes.get(i)) {
-        coord.evidence_mut().note_boundary(key, hash);
+        coord.evidence_mut().note_boundary(key, hash, finish);
     }
 }
 
@@ -798,10 +798,7 @@ fn end_of_request(coord: &mut Coordinator, state: &TokenState) {
             .filter(|(page, key)| coord.pool().key_of(*page) == Some(key));
         let keep = coord.evidence().keep_finish();
         match held {
-            Some((page, key)) if keep => {
-                coord.evidence_mut().wrote(page, Role::Finish);
-                coord.evidence_mut().mark_finish(&key);
-            }
+            Some((page, _)) if keep => coord.evidence_mut().wrote(page, Role::Finish),
             Some((page, key)) => {
                 coord.drop_checkpoint(page, key);
                 leave_ghost(coord, state);
@@ -886,7 +883,7 @@ fn keep_latest_decode_checkpoint(coord: &mut Coordinator, tables: &[Table], stat
     };
     if coord.eviction_policy() == EvictionPolicy::Reuse && state.decode_checkpoint != Some((page, key)) {
         coord.evidence_mut().wrote(page, Role::Other);
-        note_boundary(coord, state, key);
+        note_boundary(coord, state, key, true);
     }
     if let Some((old_page, old_key)) = state.decode_checkpoint.replace((page, key)) {
         if (old_page, old_key) != (page, key) {
