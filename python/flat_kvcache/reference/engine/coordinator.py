@@ -379,6 +379,13 @@ class Coordinator:
 
     # -- properties -----------------------------------------------------------------------------
 
+    def _state_slots(self) -> int:
+        """The state pages the pool can hold for the single state group (its ids less the null
+        page): the evidence's decay horizon and ghost capacity (SPEC 13.8b); 0 without one."""
+        if len(self._state_groups) != 1:
+            return 0
+        return max(self._pool.group_ids(self._state_groups[0]) - 1, 0)
+
     def _sharing_grain(self) -> int | None:
         """The grain prompts share at (SPEC 13.8): the state grain under ``lru``, the learned
         sharing grain under ``reuse``; None without state groups."""
@@ -604,7 +611,7 @@ class Coordinator:
         if self._policy == "reuse" and len(self._state_groups) == 1:
             # SPEC 13.8b: an evicted checkpoint leaves a ghost (the marginal worth of a slot).
             group = self._state_groups[0]
-            capacity = max(self._pool.group_ids(group) - 1, 0)
+            capacity = self._state_slots()
             for key in keys:
                 if int(key[HASH_HEX_LEN:], 16) == group:
                     self._evidence.evicted(key, capacity)

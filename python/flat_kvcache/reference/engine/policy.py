@@ -55,7 +55,7 @@ BODY, FINISH, CHUNK, OTHER = "body", "finish", "chunk", "other"
 # Where each decayed count sits in ``ReuseEvidence.recent`` (the native engine's order): body
 # ends written and resumed at; finish checkpoints left (kept or ghosts) and resumed at (or at a
 # ghost); chunk ends kept and resumed at; checkpoints evicted other than the finish role's and
-# prompts that reached their ghosts; every checkpoint evicted; the evictions the finish role
+# prompts that reached their ghosts; the evictions the finish role
 # caused (each eviction times the finish role's share of the cached checkpoints then).
 (
     _BODY_N,
@@ -66,9 +66,8 @@ BODY, FINISH, CHUNK, OTHER = "body", "finish", "chunk", "other"
     _CHUNK_HITS,
     _EVICTED_N,
     _EVICTED_HITS,
-    _EVICTIONS,
     _CAUSED,
-) = range(10)
+) = range(9)
 #: The ``eviction_policy`` names.
 EVICTION_POLICIES = ("lru", "reuse")
 
@@ -117,8 +116,8 @@ class ReuseEvidence:
         #: reaches one past its hit is a prompt a slot more of cache would have served.
         self.evicted_ghosts: OrderedDict[str, None] = OrderedDict()
         #: The counts the rules compare, decayed by :meth:`decay` at each admitted prompt
-        #: (indexed by ``_BODY_N`` .. ``_EVICTIONS``); the counts above decide the warm-up.
-        self.recent = [0.0] * 10
+        #: (indexed by ``_BODY_N`` .. ``_CAUSED``); the counts above decide the warm-up.
+        self.recent = [0.0] * 9
         #: Cached checkpoints in the finish role (decode checkpoints, kept finish checkpoints).
         self.finish_cached = 0
 
@@ -207,7 +206,6 @@ class ReuseEvidence:
         entry = self.boundary.pop(key, None)
         if entry is None:
             return
-        self.recent[_EVICTIONS] += 1.0
         self.recent[_CAUSED] += share
         if entry[1]:
             self.finish_cached = max(self.finish_cached - 1, 0)

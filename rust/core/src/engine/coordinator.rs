@@ -434,7 +434,7 @@ impl Coordinator {
         let mut keys = self.pool.take_evicted();
         if self.policy == EvictionPolicy::Reuse {
             if let Some(g) = self.single_state {
-                let capacity = self.pool.group_ids(g).saturating_sub(1);
+                let capacity = self.state_slots();
                 for key in &keys {
                     if key.group as usize == g {
                         self.evidence.evicted(key, capacity);
@@ -587,6 +587,13 @@ impl Coordinator {
     /// What the `reuse` policy learned (read-only).
     pub fn evidence(&self) -> &ReuseEvidence {
         &self.evidence
+    }
+
+    /// The state pages the pool can hold for the single state group (its ids less the null
+    /// page): the evidence's decay horizon and ghost capacity (SPEC 13.8b); 0 without one.
+    pub fn state_slots(&self) -> usize {
+        self.single_state
+            .map_or(0, |g| self.pool.group_ids(g).saturating_sub(1))
     }
 
     /// What the `reuse` policy learned.

@@ -109,8 +109,8 @@ pub struct ReuseEvidence {
     /// past its hit is a prompt a slot more of cache would have served.
     evicted: Ghosts,
     /// The counts the rules compare, decayed by [`Self::decay`] at each admitted prompt
-    /// (indexed by `BODY_N` .. `EVICTIONS`); the counts above decide the warm-up.
-    recent: [f64; 10],
+    /// (indexed by `BODY_N` .. `CAUSED`); the counts above decide the warm-up.
+    recent: [f64; 9],
     /// Cached checkpoints in the finish role (decode checkpoints and kept finish checkpoints).
     finish_cached: usize,
 }
@@ -132,11 +132,9 @@ const CHUNK_HITS: usize = 5;
 const EVICTED_N: usize = 6;
 /// Prompts that reached an evicted ghost past their hit.
 const EVICTED_HITS: usize = 7;
-/// Checkpoints evicted, the finish role's included.
-const EVICTIONS: usize = 8;
 /// The evictions the finish role caused: each eviction times the finish role's share of the
 /// cached checkpoints then (decode checkpoints and kept finish checkpoints).
-const CAUSED: usize = 9;
+const CAUSED: usize = 8;
 
 /// Keys remembered in arrival order, at most a capacity, the oldest forgotten first.
 #[derive(Clone, Debug, Default)]
@@ -370,7 +368,6 @@ impl ReuseEvidence {
     pub fn evicted(&mut self, key: &GroupKey, capacity: usize) {
         let share = count_f64(self.finish_cached) / count_f64(self.boundary.len().max(1));
         if let Some((hash, finish)) = self.boundary.remove(key) {
-            self.recent[EVICTIONS] += 1.0;
             self.recent[CAUSED] += share;
             if finish {
                 self.finish_cached = self.finish_cached.saturating_sub(1);

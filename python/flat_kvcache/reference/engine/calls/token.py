@@ -158,7 +158,7 @@ class TokenApi(PageTables, Rows):
             if self._policy == "reuse" and len(self._state_groups) == 1 and self._state_grain is not None:
                 # SPEC 13.8b: which checkpoint the prompt resumes at, and whether it would have
                 # resumed deeper at a finish checkpoint that was not kept (a ghost).
-                self._evidence.decay(self._pool.group_ids(self._state_groups[0]) - 1)
+                self._evidence.decay(self._state_slots())
                 ghost = self._evidence.ghost_resumed(
                     hashes, hit, len(tokens) - 1, self._state_grain, self._base
                 )
@@ -498,9 +498,15 @@ class TokenApi(PageTables, Rows):
         """SPEC 13.8b (reuse): remember the boundary of checkpoint ``key`` at the request's
         position, so that its eviction leaves a ghost, and whether it is in the finish role (a
         decode checkpoint: the finish checkpoint in the making)."""
-        index = state.computed // self._base - 1
-        if 0 <= index < len(state.hashes):
-            self._evidence.note_boundary(key, state.hashes[index], finish)
+        page_hash = self._boundary_hash(state, state.computed)
+        if page_hash is not None:
+            self._evidence.note_boundary(key, page_hash, finish)
+
+    def _boundary_hash(self, state: TokenState, tokens: int) -> str | None:
+        """The base-page hash that names a boundary at ``tokens`` (a multiple of the base page)
+        of the request's path: that of its last base page; None at 0 or past the hashes known."""
+        index = tokens // self._base - 1
+        return state.hashes[index] if 0 <= index < len(state.hashes) else None
 
     def _drop_checkpoint(self, page: int, key: str) -> None:
         """Drop checkpoint ``key`` from ``page`` if it still holds it and nobody holds the page."""
@@ -555,11 +561,9 @@ class TokenApi(PageTables, Rows):
         at = state.computed // grain * grain
         if at == 0 or at < state.prompt_len or len(state.tokens) <= state.prompt_len:
             return
-        index = at // self._base - 1
-        if not 0 <= index < len(state.hashes):
-            return
-        capacity = self._pool.group_ids(self._state_groups[0]) - 1
-        self._evidence.left_ghost(state.hashes[index], max(capacity, 0))
+        page_hash = self._boundary_hash(state, at)
+        if page_hash is not None:
+            self._evidence.left_ghost(page_hash, self._state_slots())
 
     def _keep_whole_prefixes(self, state: TokenState) -> None:
         """SPEC 13.8 (reuse, whole hybrid prefixes; prefixes.py), at a request's finish:

@@ -9,7 +9,7 @@
 //! every group), so page-level calls on a token-level request cannot desynchronise it.
 
 use crate::engine::coordinator::{Coordinator, PrefixMatch, TokenContext};
-use crate::engine::hash::{hash_page, GroupKey};
+use crate::engine::hash::{hash_page, ContentHash, GroupKey};
 use crate::engine::ids::RequestIdRef;
 use crate::engine::policy::{EvictionPolicy, Role};
 use crate::engine::pool::NULL_PAGE;
@@ -187,7 +187,7 @@ impl FlatCache {
             // would have resumed deeper at a finish checkpoint that was not kept (a ghost).
             if self.coord.eviction_policy() == EvictionPolicy::Reuse {
                 if let (Some(g), Some(grain)) = (self.coord.single_state_group(), self.coord.state_grain()) {
-                    let slots = self.coord.pool().group_ids(g).saturating_sub(1);
+                    let slots = self.coord.state_slots();
                     self.coord.evidence_mut().decay(slots);
                     let base = self.coord.base_page_size();
                     let cap = prompt_len.saturating_sub(1);
@@ -780,10 +780,16 @@ fn note_prompt_checkpoint(coord: &mut Coordinator, tables: &[Table], state: &mut
 /// SPEC 13.8b (`reuse`): remember the boundary of the checkpoint `key` at the request's
 /// position, so that its eviction leaves a ghost.
 fn note_boundary(coord: &mut Coordinator, state: &TokenState, key: GroupKey, finish: bool) {
-    let index = usize::try_from(state.computed / coord.base_page_size()).unwrap_or(usize::MAX);
-    if let Some(&hash) = index.checked_sub(1).and_then(|i| state.hashes.get(i)) {
+    if let Some(hash) = boundary_hash(coord, state, state.computed) {
         coord.evidence_mut().note_boundary(key, hash, finish);
     }
+}
+
+/// The base-page hash that names a boundary at `tokens` (a multiple of the base page) of the
+/// request's path: that of its last base page; `None` at 0 or past the hashes known.
+fn boundary_hash(coord: &Coordinator, state: &TokenState, tokens: u64) -> Option<ContentHash> {
+    let index = usize::try_from(tokens / coord.base_page_size()).ok()?;
+    index.checked_sub(1).and_then(|i| state.hashes.get(i)).copied()
 }
 
 /// SPEC 13.8 (`reuse`), when a request finishes (its pages released): its finish checkpoint
@@ -827,7 +833,7 @@ fn end_of_request(coord: &mut Coordinator, state: &TokenState) {
 /// computed tokens, if decode reached one at or past the prompt's end), at most as many as the
 /// pool has state pages.
 fn leave_ghost(coord: &mut Coordinator, state: &TokenState) {
-    let (Some(g), Some(grain)) = (coord.single_state_group(), coord.state_grain()) else {
+    let (Some(_), Some(grain)) = (coord.single_state_group(), coord.state_grain()) else {
         return;
     };
     let at = state.computed / grain * grain;
@@ -835,12 +841,10 @@ fn leave_ghost(coord: &mut Coordinator, state: &TokenState) {
     if at == 0 || at < state.prompt_len || !decoded {
         return;
     }
-    let index = usize::try_from(at / coord.base_page_size()).unwrap_or(usize::MAX);
-    let Some(&hash) = index.checked_sub(1).and_then(|i| state.hashes.get(i)) else {
-        return;
-    };
-    let capacity = coord.pool().group_ids(g).saturating_sub(1);
-    coord.evidence_mut().left_ghost(hash, capacity);
+    if let Some(hash) = boundary_hash(coord, state, at) {
+        let capacity = coord.state_slots();
+        coord.evidence_mut().left_ghost(hash, capacity);
+    }
 }
 
 /// SPEC 13.8 (`reuse`, whole hybrid prefixes; `prefixes.rs`), at a request's finish:
