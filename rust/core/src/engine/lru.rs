@@ -80,6 +80,21 @@ impl LruList {
         (next != 0).then_some(next)
     }
 
+    /// Insert `node` (in range, not on the list) behind the members for which `older` holds,
+    /// searching from the back: after the last member, from the back, for which `older` is
+    /// true (at the front if none). O(members passed).
+    pub fn insert_behind(&mut self, node: u32, mut older: impl FnMut(u32) -> bool) {
+        let mut at = self.links[0].prev;
+        while at != 0 && !older(at) {
+            at = self.links[at as usize].prev;
+        }
+        let next = self.links[at as usize].next;
+        self.links[node as usize] = Link { prev: at, next };
+        self.links[at as usize].next = node;
+        self.links[next as usize].prev = node;
+        self.len += 1;
+    }
+
     /// Remove `node`, which must be on the list.
     #[inline]
     pub fn unlink(&mut self, node: u32) {
@@ -280,6 +295,21 @@ impl LruLists {
         self.lens[list] -= 1;
     }
 
+    /// Insert `node` (on no list) into `list` behind the members for which `older` holds,
+    /// searching from the back (at the front if none). O(members passed).
+    pub fn insert_behind(&mut self, list: usize, node: u32, mut older: impl FnMut(u32) -> bool) {
+        let sentinel = self.sentinel(list);
+        let mut at = self.links[sentinel as usize].prev;
+        while at != sentinel && !older(at) {
+            at = self.links[at as usize].prev;
+        }
+        let next = self.links[at as usize].next;
+        self.links[node as usize] = Link { prev: at, next };
+        self.links[at as usize].next = node;
+        self.links[next as usize].prev = node;
+        self.lens[list] += 1;
+    }
+
     /// Append `node` (on no list) at the back of `list`.
     #[inline]
     pub fn push_back(&mut self, list: usize, node: u32) {
@@ -407,6 +437,32 @@ mod tests {
         for k in 0..3 {
             lists.check(k, "l").unwrap();
         }
+    }
+
+    #[test]
+    fn insert_behind_places_a_node_after_the_last_older_member() {
+        // Nodes 1..=3 aged 10, 20, 30, oldest first; a node of age 25 goes behind 20, one of 5
+        // to the front, one of 40 to the back, one of 30 behind the 30 already there.
+        let age = |m: u32| [0u64, 10, 20, 30, 0, 25, 5, 40, 30][m as usize];
+        let mut list = LruList::empty(8).unwrap();
+        for node in 1..=3 {
+            list.push_back(node);
+        }
+        for node in 5..=8 {
+            list.insert_behind(node, |m| age(m) <= age(node));
+        }
+        assert_eq!(order(&list), vec![6, 1, 2, 5, 3, 8, 7]);
+        list.check("l").unwrap();
+        let mut lists = LruLists::empty(8, 2).unwrap();
+        for node in 1..=3 {
+            lists.push_back(1, node);
+        }
+        for node in [5, 6] {
+            lists.insert_behind(1, node, |m| age(m) <= age(node));
+        }
+        assert_eq!(lists.iter(1).collect::<Vec<_>>(), vec![6, 1, 2, 5, 3]);
+        assert_eq!(lists.len(0), 0);
+        lists.check(1, "l").unwrap();
     }
 
     #[test]

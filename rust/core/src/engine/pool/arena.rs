@@ -614,6 +614,43 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
         }
     }
 
+    /// The eviction stamp of a cached page of count 0 (its idle unit's, or its own on a busy
+    /// unit's cached pages); arena mode.
+    pub(super) fn arena_stamp(&self, page: u32) -> u64 {
+        let a = self.arena.as_deref().expect("arena mode");
+        let u = a.unit_of[page as usize];
+        if a.live[u as usize] == 0 {
+            a.unit_stamp[u as usize]
+        } else {
+            a.stamp[page as usize]
+        }
+    }
+
+    /// A cached page of count 0 takes eviction stamp `stamp` (`None`: the clock's next) and its
+    /// place in the order by it: its idle unit among the idle units, or the page among its
+    /// group's cached pages (arena mode). O(entries newer than `stamp`).
+    pub(super) fn arena_restamp(&mut self, page: u32, stamp: Option<u64>) {
+        let a = self.arena.as_deref_mut().expect("arena mode");
+        let stamp = stamp.unwrap_or_else(|| {
+            a.clock += 1;
+            a.clock
+        });
+        let u = a.unit_of[page as usize];
+        if a.live[u as usize] == 0 {
+            a.idle_units.unlink(u);
+            a.unit_stamp[u as usize] = stamp;
+            let stamps = &a.unit_stamp;
+            a.idle_units.insert_behind(u, |v| stamps[v as usize] <= stamp);
+        } else {
+            let g = a.class[u as usize] as usize;
+            a.pages.unlink(cached_list(g), page);
+            a.stamp[page as usize] = stamp;
+            let stamps = &a.stamp;
+            a.pages
+                .insert_behind(cached_list(g), page, |p| stamps[p as usize] <= stamp);
+        }
+    }
+
     /// The keys of every cached page of count 0, in arena order (each group's cached pages,
     /// then the idle units least recently idle first, ids ascending); arena mode.
     pub(super) fn arena_cached_free(&self) -> Vec<u32> {

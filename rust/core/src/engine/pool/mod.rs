@@ -699,6 +699,24 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
         }
     }
 
+    /// The eviction stamp of `page` if it is a cached page of count 0 in arena mode (the pool
+    /// evicts lower stamps first); `None` otherwise.
+    pub(crate) fn eviction_stamp(&self, page: u32) -> Option<u64> {
+        let i = page as usize;
+        (self.arena.is_some() && i != 0 && i < self.refs.len() && self.refs[i] == 0 && self.keys[i].is_some())
+            .then(|| self.arena_stamp(page))
+    }
+
+    /// Date the cached page of count 0 `page` at eviction stamp `stamp` (`None`: now, the
+    /// newest): it is evicted after every page and unit stamped earlier and before those
+    /// stamped later. Arena mode only (the free list of a plain pool has no dates: a no-op
+    /// there, as for a page that is not cached and free).
+    pub(crate) fn date(&mut self, page: u32, stamp: Option<u64>) {
+        if self.eviction_stamp(page).is_some() {
+            self.arena_restamp(page, stamp);
+        }
+    }
+
     /// Release `pages` in reverse order (a chain's tail is evicted before its head; uncached
     /// pages pushed to the front therefore end up in list order); null entries are skipped. Validated first: a page out of range or a count that would go
     /// below zero (repeats in the call counted) is an error and changes nothing.
