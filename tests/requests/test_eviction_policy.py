@@ -18,6 +18,8 @@ the policy's own rules:
   checkpoint's ghost per such eviction, C the evictions the finish role (decode checkpoints,
   kept finish checkpoints) caused, each counted as the role's share of the cached
   checkpoints; in decode a decode checkpoint is written only while that holds;
+- a decode checkpoint after a request's first is dated, in the pool's eviction order, at the
+  first one's date (the request's decode start), and a kept finish checkpoint at the finish;
 - each of its chunk ends still cached is kept until 16 were kept, then while prompts resume at
   chunk ends per chunk end kept at least as often as at body ends per body end written (else
   released, uncached);
@@ -490,6 +492,80 @@ def test_decode_writes_no_checkpoint_once_finish_checkpoints_are_released(engine
     turn = [*base(21, seed=701), *(10_000 + j for j in range(11)), *base(13, seed=702)]
     assert int(reuse.prefix_hit_tokens(turn)) == 16
     assert int(lru.prefix_hit_tokens(turn)) == 32
+
+
+def checkpoint_names(paths: dict[str, list[int]]) -> dict[str, str]:
+    """State keys of the checkpoints on each named token path: key -> "name@t" (t a multiple of
+    G), from the path's page hashes folded G / P at a time (SPEC 13.6)."""
+    names = {}
+    for name, tokens in paths.items():
+        for i, key in enumerate(flat_kvcache.fold_hashes(hashes_of(tokens), 0, G // P)):
+            names[key] = f"{name}@{(i + 1) * G}"
+    return names
+
+
+def removed_checkpoints(cache: Any, names: dict[str, str]) -> list[str]:
+    """The state checkpoints removed (evicted or dropped) since the last call, by name."""
+    out = []
+    for e in cache.take_events():
+        if isinstance(e, flat_kvcache.events.BlockRemoved) and e.group_index == 1:
+            out += [names.get(h.hex(), "?") for h in e.block_hashes]
+    return out
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_decode_checkpoint_ages_from_its_requests_decode_start(engine: ModuleType) -> None:
+    # SPEC 13.8b (reuse): a decode checkpoint serves no prompt while its request decodes, so
+    # rewriting it a grain on is no use of the cache: each one after the first takes the first
+    # one's date in the eviction order (the decode start), and a kept finish checkpoint is
+    # dated at the finish. Under lru each is as new as its write. An 11 KiB arena, 2 live.
+    # A (9-token prompt) decodes 10 tokens: its body end A@8 is cached at the end of its
+    # prefill, its first decode checkpoint A@16 when decode passes 16. B (9 tokens) runs and
+    # finishes after 10 decoded tokens: B@8, then its finish checkpoint B@16, both newer than
+    # A's decode start. A decodes 10 more: A@24 replaces A@16 (dropped).
+    names = checkpoint_names(
+        {
+            "A": [*base(9, seed=1), *(10_000 + j for j in range(40))],
+            "B": [*base(9, seed=2), *(10_000 + j for j in range(40))],
+        }
+    )
+    found = {}
+    for policy in ("reuse", "lru"):
+        cache = make(engine, policy, 11 * 1024, live=2)
+        slot, _ = cache.add_request("A", base(9, seed=1))
+        for n in (8, 1):  # cut at the body end (SPEC 13.5b), as next_chunk cuts it
+            assert cache.next_chunk(slot, 1 << 20) == n and cache.schedule([slot], [n])[0]
+        decoded = 0
+
+        def decode(n: int, cache: Any = cache, slot: int = slot) -> None:
+            nonlocal decoded
+            for _ in range(n):
+                cache.append_tokens([slot], [10_000 + decoded])
+                decoded += 1
+                assert cache.schedule([slot], [1])[0]
+
+        decode(10)
+        run(cache, "B", base(9, seed=2), decode=10)
+        decode(10)
+        assert removed_checkpoints(cache, names) == ["A@16"], policy
+        # C needs two state slots: the two oldest checkpoints go. By date: A@8, then (reuse)
+        # A@24 dated at A's decode start, before B@8 and B@16; (lru) B@8, A@24 being the newest.
+        run(cache, "C", base(9, seed=10))
+        after_c = removed_checkpoints(cache, names)
+        # A decodes 15 more and finishes at 44: decode passed 40 three tokens before, so A@40
+        # was cached (and, under reuse, dated at A's decode start) while A decoded; it is A's
+        # finish checkpoint (kept: fewer than 16 were left), dated at the finish under reuse.
+        decode(15)
+        cache.finish([slot])
+        removed_checkpoints(cache, names)
+        # D needs a slot: under reuse the oldest is B@16 (A@40 is newer, dated at A's finish);
+        # A's next turn resumes at A@40.
+        run(cache, "D", base(9, seed=11))
+        after_d = removed_checkpoints(cache, names)
+        turn = [*base(9, seed=1), *(10_000 + j for j in range(31)), 7]
+        found[policy] = (after_c, after_d, int(cache.prefix_hit_tokens(turn)))
+    assert found["reuse"] == (["A@8", "A@24"], ["B@16"], 40)
+    assert found["lru"][0] == ["A@8", "B@8"]
 
 
 def long_prompt(cache: Any, i: int, follow: int) -> tuple[int, int]:

@@ -21,6 +21,10 @@ prompts will diverge. ``reuse`` adds, from what the cache sees:
   the finish checkpoints they become) per such eviction, ``C`` the evictions the finish role
   caused, each eviction times the role's share of the cached checkpoints then (SPEC 13.8b: a
   finish checkpoint is worth the prompts it serves and costs the evictions it causes);
+- in arena storage each decode checkpoint after a request's first takes the first one's
+  eviction stamp (its decode start), and a kept finish checkpoint is dated at the finish
+  (``calls/token.py`` through the pool's ``_date``; SPEC 13.8b: rewriting a decode checkpoint
+  is no use of the cache);
 - at a request's finish each of its chunk ends (a prompt checkpoint other than its body end
   and branch point) still cached is kept until ``MIN_OBSERVATIONS`` were kept, then while hits
   per chunk end kept are at least hits per body end written; otherwise released (SPEC 13.8b);

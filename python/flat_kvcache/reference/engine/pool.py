@@ -113,6 +113,23 @@ def _push_front(items: OrderedDict[int, None], item: int) -> None:
     items.move_to_end(item, last=False)
 
 
+def _insert_behind(items: OrderedDict[int, None], ages: dict[int, int], item: int, age: int) -> None:
+    """Move ``item`` (on ``items``, oldest first by ``ages``) to age ``age``: behind every member
+    no newer than it, searching from the back (the native ``insert_behind``)."""
+    del items[item]
+    ages[item] = age
+    newer = []
+    while items:
+        last = next(reversed(items))
+        if ages[last] <= age:
+            break
+        items.popitem()
+        newer.append(last)
+    items[item] = None
+    for other in reversed(newer):
+        items[other] = None
+
+
 def _front(items: OrderedDict[int, None]) -> int:
     return next(iter(items))
 
@@ -894,6 +911,36 @@ class BlockPool:
             del arena.idle_units[unit]
             arena.group_of_unit[unit] = _UNBOUND
             _push_front(arena.free_units, unit)
+
+    def _eviction_stamp(self, page: int) -> int | None:
+        """The eviction stamp of ``page`` if it is a cached page of count 0 in arena mode (its
+        idle unit's, or its own on a busy unit's cached pages; lower stamps are evicted first);
+        ``None`` otherwise (the native ``eviction_stamp``)."""
+        arena = self._arena
+        if arena is None or not 0 < page < len(self._ref_counts):
+            return None
+        if self._ref_counts[page] != 0 or self._key_of[page] is None:
+            return None
+        unit = arena.unit_of[page]
+        return arena.unit_age[unit] if arena.live[unit] == 0 else arena.page_age[page]
+
+    def _date(self, page: int, stamp: int | None) -> None:
+        """Date the cached page of count 0 ``page`` at eviction stamp ``stamp`` (``None``: the
+        clock's next, the newest): evicted after every page and unit stamped earlier, before those
+        stamped later. Arena mode only (a plain pool's free list has no dates: a no-op, as for a
+        page not cached and free), as the native ``date``."""
+        if self._eviction_stamp(page) is None:
+            return
+        arena = self._arena
+        assert arena is not None
+        if stamp is None:
+            stamp = arena.tick()
+        unit = arena.unit_of[page]
+        if arena.live[unit] == 0:
+            _insert_behind(arena.idle_units, arena.unit_age, unit, stamp)
+        else:
+            g = arena.group_of_unit[unit]
+            _insert_behind(arena.cached_pages[g], arena.page_age, page, stamp)
 
     def _arena_cached_free(self) -> list[int]:
         """Every cached page of count 0, in arena order: each group's cached pages, then the idle

@@ -44,6 +44,11 @@ class TokenState:
     step: tuple[int, int, int] | None = None
     #: The latest checkpoint decode wrote, ``(page, key)`` (SPEC 13.5d keeps one).
     decode_checkpoint: tuple[int, str] | None = None
+    #: SPEC 13.8b (reuse, arena storage): the eviction stamp of the request's first decode
+    #: checkpoint once free, the date every later one takes (rewriting it a grain on is no use
+    #: of the cache), and whether the latest one was dated yet.
+    decode_since: int | None = None
+    decode_dated: bool = False
     #: The checkpoints written while computing the prompt, ``(page, key, tokens)``, for the
     #: reuse policy at finish (SPEC 13.8; empty under lru).
     prompt_checkpoints: list[tuple[int, str, int]] = field(default_factory=list)

@@ -326,6 +326,18 @@ impl Coordinator {
         Some((self.checkpoints_written, evicted))
     }
 
+    /// SPEC 13.8b: the eviction stamp of the free cached checkpoint `page` (arena storage),
+    /// `None` otherwise.
+    pub fn checkpoint_stamp(&self, page: u32) -> Option<u64> {
+        self.pool.eviction_stamp(page)
+    }
+
+    /// SPEC 13.8b: date the free cached checkpoint `page` at eviction stamp `stamp` (`None`:
+    /// now); a no-op outside arena storage.
+    pub fn date_checkpoint(&mut self, page: u32, stamp: Option<u64>) {
+        self.pool.date(page, stamp);
+    }
+
     /// Forget the checkpoint `key` held by `page` (a request's previous decode checkpoint,
     /// SPEC 13.5d keeps only its latest) when the page still holds exactly that key and nobody
     /// references it: the page stays free, a `BlockRemoved` is recorded. Returns whether it

@@ -28,6 +28,10 @@
 //!   and `H_F >= p_M * C`: `p_M` the prompts that reached an evicted ghost per such eviction,
 //!   `C` the evictions the finish role caused (each eviction times the role's share of the
 //!   cached checkpoints then).
+//! - **Decode checkpoints dated at their request's decode start** (arena storage; done by
+//!   `calls/token.rs` through the pool's `date`): each decode checkpoint after a request's
+//!   first takes the first one's eviction stamp, a kept finish checkpoint is dated at the
+//!   finish, so decoding requests' checkpoints do not stay the newest through the decode.
 //! - **Chunk ends kept while they pay.** At a request's finish each of its chunk-end
 //!   checkpoints (a prompt checkpoint other than its body end and branch point) still cached
 //!   is kept until `MIN_OBSERVATIONS` were kept, then while hits per chunk end kept are at

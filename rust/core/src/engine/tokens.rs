@@ -37,6 +37,11 @@ pub(super) struct TokenState {
     /// The latest checkpoint decode wrote (its page and key): SPEC 13.5d keeps one, the
     /// previous is dropped when the next is written.
     pub(super) decode_checkpoint: Option<(u32, GroupKey)>,
+    /// SPEC 13.8b (`reuse`, arena storage): the eviction stamp of the request's first decode
+    /// checkpoint once free, the date every later one takes (rewriting it a grain on is no
+    /// use of the cache), and whether the latest one was dated yet.
+    pub(super) decode_since: Option<u64>,
+    pub(super) decode_dated: bool,
     /// The checkpoints written while computing the prompt (page, key, tokens), for the
     /// `reuse` policy at finish (SPEC 13.8; empty under `lru`).
     pub(super) prompt_checkpoints: Vec<(u32, GroupKey, u64)>,

@@ -424,6 +424,7 @@ class TokenApi(PageTables, Rows):
         self._register_computed(tables, state)
         position = state.computed
         self._reclaim(tables, position)
+        self._date_decode_checkpoint(state)
         # Allocated tokens (claimed plus acquired) are the same in every group.
         allocated = len(tables[0].pages) * self._managers[0].page_size - tables[0].tail_avail
         needed = position + count + ahead - allocated
@@ -533,6 +534,8 @@ class TokenApi(PageTables, Rows):
             if held and keep:
                 assert found is not None
                 self._evidence.wrote(found[0], FINISH)
+                # Its request's finish is its first use: the newest in the eviction order.
+                self._pool._date(found[0], None)
             elif held:
                 assert found is not None
                 self._drop_checkpoint(*found)
@@ -592,7 +595,29 @@ class TokenApi(PageTables, Rows):
             self._note_boundary(state, found[1], finish=True)
         previous, state.decode_checkpoint = state.decode_checkpoint, found
         if previous is not None and previous != found:
+            state.decode_dated = False
             self._drop_checkpoint(*previous)
+
+    def _date_decode_checkpoint(self, state: TokenState) -> None:
+        """SPEC 13.8b (reuse, arena storage): a decode checkpoint serves no prompt while its
+        request decodes (the next one replaces it a grain on; a continuation resumes at the
+        finish), so writing it is no use of the cache: once free, each decode checkpoint after
+        the first takes the first one's eviction stamp, the request's decode start, and ages from
+        there; a kept finish checkpoint is dated at the finish (``_end_of_request``)."""
+        found = state.decode_checkpoint
+        if state.decode_dated or self._policy != "reuse" or found is None:
+            return
+        page, key = found
+        if self._pool._key_held_by(page) != key:
+            return
+        stamp = self._pool._eviction_stamp(page)
+        if stamp is None:
+            return
+        if state.decode_since is None:
+            state.decode_since = stamp
+        else:
+            self._pool._date(page, state.decode_since)
+        state.decode_dated = True
 
     # -- ending requests ------------------------------------------------------------------------
 

@@ -159,6 +159,8 @@ impl FlatCache {
             prompt_len,
             step: None,
             decode_checkpoint: None,
+            decode_since: None,
+            decode_dated: false,
             prompt_checkpoints: Vec::new(),
         };
         let at = self.insert(req, Some(state));
@@ -582,6 +584,7 @@ impl FlatCache {
         // the tables (an acquire served by the last page's free slots changes no cell).
         let shape_before = bound.then(|| shape(&entry.tables));
         self.coord.reclaim(&mut entry.tables, c, self.eviction);
+        date_decode_checkpoint(&mut self.coord, state);
         // Validated by the callers: c + n + lookahead fits u64.
         let target = c.saturating_add(n).saturating_add(lookahead);
         let need = target.saturating_sub(allocated(&self.coord, &entry.tables));
@@ -804,7 +807,11 @@ fn end_of_request(coord: &mut Coordinator, state: &TokenState) {
             .filter(|(page, key)| coord.pool().key_of(*page) == Some(key));
         let keep = coord.evidence().keep_finish();
         match held {
-            Some((page, _)) if keep => coord.evidence_mut().wrote(page, Role::Finish),
+            Some((page, _)) if keep => {
+                coord.evidence_mut().wrote(page, Role::Finish);
+                // Its request's finish is its first use: the newest in the eviction order.
+                coord.date_checkpoint(page, None);
+            }
             Some((page, key)) => {
                 coord.drop_checkpoint(page, key);
                 leave_ghost(coord, state);
@@ -891,9 +898,35 @@ fn keep_latest_decode_checkpoint(coord: &mut Coordinator, tables: &[Table], stat
     }
     if let Some((old_page, old_key)) = state.decode_checkpoint.replace((page, key)) {
         if (old_page, old_key) != (page, key) {
+            state.decode_dated = false;
             coord.drop_checkpoint(old_page, old_key);
         }
     }
+}
+
+/// SPEC 13.8b (`reuse`, arena storage): a decode checkpoint serves no prompt while its request
+/// decodes (the next one replaces it a grain on; a continuation resumes at the finish), so
+/// writing it is no use of the cache: once free, each decode checkpoint after the first takes
+/// the first one's eviction stamp, the request's decode start, and ages from there; a kept
+/// finish checkpoint is dated at the finish ([`end_of_request`]).
+fn date_decode_checkpoint(coord: &mut Coordinator, state: &mut TokenState) {
+    if state.decode_dated || coord.eviction_policy() != EvictionPolicy::Reuse {
+        return;
+    }
+    let Some((page, key)) = state.decode_checkpoint else {
+        return;
+    };
+    if coord.pool().key_of(page) != Some(&key) {
+        return;
+    }
+    let Some(stamp) = coord.checkpoint_stamp(page) else {
+        return;
+    };
+    match state.decode_since {
+        None => state.decode_since = Some(stamp),
+        Some(since) => coord.date_checkpoint(page, Some(since)),
+    }
+    state.decode_dated = true;
 }
 
 /// The first position at which scheduling would register or reclaim something, given the
