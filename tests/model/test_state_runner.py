@@ -365,6 +365,30 @@ def test_a_finish_checkpoint_kept_again_after_its_ghost_was_reached_is_resumed_e
     exact(s, records)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_decode_checkpoints_evicted_mid_decode_leave_every_logit_exact(kind: str, engine: ModuleType) -> None:
+    """SPEC 13.8b (reuse): four requests decode 40 tokens each at once over a 14-unit arena, so
+    the pool evicts checkpoints all along, the decoding requests' own among them (each decode
+    checkpoint after a request's first is dated at its decode start, the oldest in the order),
+    and requests are preempted and recompute. Their next turns carry the answers: the first
+    resumes inside its previous turn's answer (a checkpoint decode wrote, kept at the finish),
+    every hit sits on the grain (a first admission's below its prompt's last token), and every
+    logit equals the unpaged model's."""
+    s = setup(kind, engine, num_units=14, max_live=4, eviction_policy="reuse")
+    prompts = {f"p{i}": tokens(300 + i, 9 + 3 * i) for i in range(4)}
+    records = run_greedy(s.runner, prompts, 40, max_running=4)
+    turns = {f"n{i}": [*records[f"p{i}"].tokens, 5, 6] for i in range(4)}
+    records |= run_greedy(s.runner, turns, 2, max_running=4)
+    assert s.cache.stats()["checkpoints_evicted"] > 0
+    assert records["n0"].hits[0] > len(prompts["p0"])
+    for req, record in records.items():
+        # a preempted request comes back with its computed tokens: its later hits may pass its
+        # prompt's end, never its first
+        assert all(hit % G == 0 for hit in record.hits) and record.hits[0] < len(record.prompt), req
+    exact(s, records)
+
+
 @pytest.mark.parametrize("kind", ALL_KINDS)
 def test_fresh_state_slots_are_poisoned_until_written(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     s = setup(kind, flat_kvcache)
