@@ -17,7 +17,7 @@ use crate::engine::group::{EvictionOrder, GroupKind, GroupManager, RegisterPlan,
 use crate::engine::hash::{fold_run, ContentHash, GroupKey};
 use crate::engine::host::{Device, HostStore, HostTier, LoadEvent, Transfer};
 use crate::engine::policy::{EvictionPolicy, ReuseEvidence};
-use crate::engine::pool::{ArenaGeometry, BlockPool, NULL_PAGE};
+use crate::engine::pool::{ArenaGeometry, BlockPool, Place, NULL_PAGE};
 use crate::engine::prefixes::PathCounts;
 use crate::engine::table::Table;
 use crate::error::{CoreError, CoreResult};
@@ -333,9 +333,15 @@ impl Coordinator {
     }
 
     /// SPEC 13.8b: date the free cached checkpoint `page` at eviction stamp `stamp` (`None`:
-    /// now); a no-op outside arena storage.
-    pub fn date_checkpoint(&mut self, page: u32, stamp: Option<u64>) {
-        self.pool.date(page, stamp);
+    /// now), searching from `hint` where still valid; a no-op outside arena storage.
+    pub fn date_checkpoint(&mut self, page: u32, stamp: Option<u64>, hint: Option<Place>) {
+        self.pool.date(page, stamp, hint);
+    }
+
+    /// SPEC 13.8b: where the free cached checkpoint `page` sits in the eviction order (arena
+    /// storage), a hint for a later [`Self::date_checkpoint`] near it.
+    pub fn checkpoint_place(&self, page: u32) -> Option<Place> {
+        self.pool.place(page)
     }
 
     /// Forget the checkpoint `key` held by `page` (a request's previous decode checkpoint,

@@ -80,6 +80,31 @@ impl LruList {
         (next != 0).then_some(next)
     }
 
+    /// The node before `node` (a member), or 0 at the front.
+    #[inline]
+    pub fn prev_or_front(&self, node: u32) -> u32 {
+        self.links[node as usize].prev
+    }
+
+    /// Insert `node` (in range, not on the list) after `anchor` (a member, or 0: the front) and
+    /// after the members that follow it for which `older` holds, searching forward. O(members
+    /// passed).
+    pub fn insert_after_from(&mut self, anchor: u32, node: u32, mut older: impl FnMut(u32) -> bool) {
+        let mut at = anchor;
+        loop {
+            let next = self.links[at as usize].next;
+            if next == 0 || !older(next) {
+                break;
+            }
+            at = next;
+        }
+        let next = self.links[at as usize].next;
+        self.links[node as usize] = Link { prev: at, next };
+        self.links[at as usize].next = node;
+        self.links[next as usize].prev = node;
+        self.len += 1;
+    }
+
     /// Insert `node` (in range, not on the list) behind the members for which `older` holds,
     /// searching from the back: after the last member, from the back, for which `older` is
     /// true (at the front if none). O(members passed).
@@ -295,6 +320,37 @@ impl LruLists {
         self.lens[list] -= 1;
     }
 
+    /// The node before `node` (a member of `list`), or 0 at the front.
+    #[inline]
+    pub fn prev_or_front(&self, list: usize, node: u32) -> u32 {
+        let prev = self.links[node as usize].prev;
+        if prev == self.sentinel(list) {
+            0
+        } else {
+            prev
+        }
+    }
+
+    /// Insert `node` (on no list) into `list` after `anchor` (a member, or 0: the front) and
+    /// after the members that follow it for which `older` holds, searching forward. O(members
+    /// passed).
+    pub fn insert_after_from(&mut self, list: usize, anchor: u32, node: u32, mut older: impl FnMut(u32) -> bool) {
+        let sentinel = self.sentinel(list);
+        let mut at = if anchor == 0 { sentinel } else { anchor };
+        loop {
+            let next = self.links[at as usize].next;
+            if next == sentinel || !older(next) {
+                break;
+            }
+            at = next;
+        }
+        let next = self.links[at as usize].next;
+        self.links[node as usize] = Link { prev: at, next };
+        self.links[at as usize].next = node;
+        self.links[next as usize].prev = node;
+        self.lens[list] += 1;
+    }
+
     /// Insert `node` (on no list) into `list` behind the members for which `older` holds,
     /// searching from the back (at the front if none). O(members passed).
     pub fn insert_behind(&mut self, list: usize, node: u32, mut older: impl FnMut(u32) -> bool) {
@@ -463,6 +519,22 @@ mod tests {
         assert_eq!(lists.iter(1).collect::<Vec<_>>(), vec![6, 1, 2, 5, 3]);
         assert_eq!(lists.len(0), 0);
         lists.check(1, "l").unwrap();
+        // From an anchor, forward: node 8 (30) from 1 passes 2, 5, 3 (all <= 30); node 7 (40)
+        // from the front passes everything; the previous entry of each, 0 at the front.
+        lists.insert_after_from(1, 1, 8, |m| age(m) <= age(8));
+        lists.insert_after_from(1, 0, 7, |m| age(m) <= age(7));
+        assert_eq!(lists.iter(1).collect::<Vec<_>>(), vec![6, 1, 2, 5, 3, 8, 7]);
+        assert_eq!((lists.prev_or_front(1, 6), lists.prev_or_front(1, 5)), (0, 2));
+        lists.check(1, "l").unwrap();
+        let mut list = LruList::empty(8).unwrap();
+        for node in [6, 1, 3] {
+            list.push_back(node);
+        }
+        list.insert_after_from(6, 2, |m| age(m) <= age(2));
+        list.insert_after_from(0, 5, |m| age(m) <= age(5));
+        assert_eq!(order(&list), vec![6, 1, 2, 5, 3]);
+        assert_eq!((list.prev_or_front(6), list.prev_or_front(3)), (0, 5));
+        list.check("l").unwrap();
     }
 
     #[test]

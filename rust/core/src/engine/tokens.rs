@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use super::hash::{hash_pages, ContentHash, GroupKey};
+use super::pool::Place;
 use crate::error::{CoreError, CoreResult};
 
 /// The token state of a request created by `add_request`.
@@ -42,6 +43,9 @@ pub(super) struct TokenState {
     /// use of the cache), and whether the latest one was dated yet.
     pub(super) decode_since: Option<u64>,
     pub(super) decode_dated: bool,
+    /// Where the request's previous decode checkpoint sat in the eviction order when it was
+    /// dropped: where the next one goes, a hint for dating it.
+    pub(super) decode_place: Option<Place>,
     /// The checkpoints written while computing the prompt (page, key, tokens), for the
     /// `reuse` policy at finish (SPEC 13.8; empty under `lru`).
     pub(super) prompt_checkpoints: Vec<(u32, GroupKey, u64)>,

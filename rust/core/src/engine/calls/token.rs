@@ -161,6 +161,7 @@ impl FlatCache {
             decode_checkpoint: None,
             decode_since: None,
             decode_dated: false,
+            decode_place: None,
             prompt_checkpoints: Vec::new(),
         };
         let at = self.insert(req, Some(state));
@@ -810,7 +811,7 @@ fn end_of_request(coord: &mut Coordinator, state: &TokenState) {
             Some((page, _)) if keep => {
                 coord.evidence_mut().wrote(page, Role::Finish);
                 // Its request's finish is its first use: the newest in the eviction order.
-                coord.date_checkpoint(page, None);
+                coord.date_checkpoint(page, None, None);
             }
             Some((page, key)) => {
                 coord.drop_checkpoint(page, key);
@@ -899,6 +900,9 @@ fn keep_latest_decode_checkpoint(coord: &mut Coordinator, tables: &[Table], stat
     if let Some((old_page, old_key)) = state.decode_checkpoint.replace((page, key)) {
         if (old_page, old_key) != (page, key) {
             state.decode_dated = false;
+            if coord.eviction_policy() == EvictionPolicy::Reuse && coord.pool().key_of(old_page) == Some(&old_key) {
+                state.decode_place = coord.checkpoint_place(old_page);
+            }
             coord.drop_checkpoint(old_page, old_key);
         }
     }
@@ -924,7 +928,7 @@ fn date_decode_checkpoint(coord: &mut Coordinator, state: &mut TokenState) {
     };
     match state.decode_since {
         None => state.decode_since = Some(stamp),
-        Some(since) => coord.date_checkpoint(page, Some(since)),
+        Some(since) => coord.date_checkpoint(page, Some(since), state.decode_place),
     }
     state.decode_dated = true;
 }

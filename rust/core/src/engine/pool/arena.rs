@@ -40,6 +40,16 @@ use crate::error::{CoreError, CoreResult};
 /// A unit bound to no group.
 pub(super) const UNBOUND: u32 = u32::MAX;
 
+/// Where a free cached page sits in the arena's eviction order (the pool's `place`):
+/// the entry before it (0 at the front), on the idle units or on its group's cached pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Place {
+    /// Whether the entry is a unit (its page's unit was idle) or a page.
+    unit: bool,
+    /// The unit or page before it; 0 when it was at the front.
+    before: u32,
+}
+
 /// The list of group `g`'s free pages that hold no key, in [`Arena::pages`].
 #[inline]
 pub(super) const fn fresh_list(g: usize) -> usize {
@@ -626,10 +636,35 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
         }
     }
 
+    /// Where a cached page of count 0 sits in the eviction order (arena mode): the entry
+    /// before it, on the idle units (`true`, a unit) or its group's cached pages (`false`, a
+    /// page), 0 at the front. A hint for [`Self::arena_restamp`].
+    pub(super) fn arena_place(&self, page: u32) -> Place {
+        let a = self.arena.as_deref().expect("arena mode");
+        let u = a.unit_of[page as usize];
+        if a.live[u as usize] == 0 {
+            Place {
+                unit: true,
+                before: a.idle_units.prev_or_front(u),
+            }
+        } else {
+            let g = a.class[u as usize] as usize;
+            Place {
+                unit: false,
+                before: a.pages.prev_or_front(cached_list(g), page),
+            }
+        }
+    }
+
     /// A cached page of count 0 takes eviction stamp `stamp` (`None`: the clock's next) and its
     /// place in the order by it: its idle unit among the idle units, or the page among its
-    /// group's cached pages (arena mode). O(entries newer than `stamp`).
-    pub(super) fn arena_restamp(&mut self, page: u32, stamp: Option<u64>) {
+    /// group's cached pages (arena mode). Searched forward from `hint` (a place taken by
+    /// [`Self::arena_place`]) where it is still on the same list and no newer than `stamp`,
+    /// else from the young end: O(entries passed), the same place either way (the lists are
+    /// in stamp order).
+    pub(super) fn arena_restamp(&mut self, page: u32, stamp: Option<u64>, hint: Option<Place>) {
+        let keys = &self.keys;
+        let refs = &self.refs;
         let a = self.arena.as_deref_mut().expect("arena mode");
         let stamp = stamp.unwrap_or_else(|| {
             a.clock += 1;
@@ -639,15 +674,41 @@ impl<K: Clone + Eq + std::hash::Hash> super::BlockPool<K> {
         if a.live[u as usize] == 0 {
             a.idle_units.unlink(u);
             a.unit_stamp[u as usize] = stamp;
+            let anchor = hint.filter(|h| h.unit).map(|h| h.before).filter(|&v| {
+                v == 0
+                    || (v != u
+                        && a.class[v as usize] != UNBOUND
+                        && a.live[v as usize] == 0
+                        && a.unit_stamp[v as usize] <= stamp)
+            });
             let stamps = &a.unit_stamp;
-            a.idle_units.insert_behind(u, |v| stamps[v as usize] <= stamp);
+            match anchor {
+                Some(v) => a.idle_units.insert_after_from(v, u, |w| stamps[w as usize] <= stamp),
+                None => a.idle_units.insert_behind(u, |w| stamps[w as usize] <= stamp),
+            }
         } else {
             let g = a.class[u as usize] as usize;
             a.pages.unlink(cached_list(g), page);
             a.stamp[page as usize] = stamp;
+            let anchor = hint.filter(|h| !h.unit).map(|h| h.before).filter(|&p| {
+                let i = p as usize;
+                p == 0
+                    || (p != page
+                        && refs[i] == 0
+                        && keys[i].is_some()
+                        && a.group_of[i] as usize == g
+                        && a.live[a.unit_of[i] as usize] > 0
+                        && a.stamp[i] <= stamp)
+            });
             let stamps = &a.stamp;
-            a.pages
-                .insert_behind(cached_list(g), page, |p| stamps[p as usize] <= stamp);
+            match anchor {
+                Some(p) => a
+                    .pages
+                    .insert_after_from(cached_list(g), p, page, |q| stamps[q as usize] <= stamp),
+                None => a
+                    .pages
+                    .insert_behind(cached_list(g), page, |q| stamps[q as usize] <= stamp),
+            }
         }
     }
 

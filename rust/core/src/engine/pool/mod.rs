@@ -23,8 +23,8 @@ use crate::error::{CoreError, CoreResult};
 
 mod arena;
 
-pub use arena::ArenaGeometry;
 use arena::{Arena, ClaimEffect};
+pub use arena::{ArenaGeometry, Place};
 
 /// The null page: never free, never cached, never counted.
 pub const NULL_PAGE: u32 = 0;
@@ -709,12 +709,19 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
 
     /// Date the cached page of count 0 `page` at eviction stamp `stamp` (`None`: now, the
     /// newest): it is evicted after every page and unit stamped earlier and before those
-    /// stamped later. Arena mode only (the free list of a plain pool has no dates: a no-op
+    /// stamped later; `hint`, a [`Self::place`] taken earlier near where it goes, saves the
+    /// search when still valid (the place is the same either way). Arena mode only (the free list of a plain pool has no dates: a no-op
     /// there, as for a page that is not cached and free).
-    pub(crate) fn date(&mut self, page: u32, stamp: Option<u64>) {
+    pub(crate) fn date(&mut self, page: u32, stamp: Option<u64>, hint: Option<Place>) {
         if self.eviction_stamp(page).is_some() {
-            self.arena_restamp(page, stamp);
+            self.arena_restamp(page, stamp, hint);
         }
+    }
+
+    /// Where the cached page of count 0 `page` sits in the eviction order (arena mode), a hint
+    /// for a later [`Self::date`] near it; `None` otherwise.
+    pub(crate) fn place(&self, page: u32) -> Option<Place> {
+        self.eviction_stamp(page).map(|_| self.arena_place(page))
     }
 
     /// Release `pages` in reverse order (a chain's tail is evicted before its head; uncached
@@ -1215,6 +1222,48 @@ mod properties {
     }
 
     proptest! {
+        /// Dating a free cached page of an arena (SPEC 13.8b) with a place taken earlier, still
+        /// valid or stale, puts it where the search from the young end puts it, and keeps every
+        /// invariant. A unit holds one page of group 0 (a state slot) or four of group 1, so
+        /// both the idle units and a group's cached pages are dated; the stamps are ones the
+        /// pool gave (an earlier page's) or the clock's next.
+        #[test]
+        fn dating_with_a_hint_places_like_the_search(ops in proptest::collection::vec((0u8..4, 0usize..64, 0usize..64), 0..80)) {
+            let geometry = ArenaGeometry { unit_bytes: 4, num_units: 9, page_bytes: vec![4, 1] };
+            let mut pool: BlockPool<u32> = BlockPool::with_arena(&geometry, true).unwrap();
+            let (mut held, mut places, mut key) = (Vec::new(), Vec::new(), 0u32);
+            for (kind, a, b) in ops {
+                let free = pool.arena_cached_free();
+                match kind {
+                    0 => {
+                        let mut out = Vec::new();
+                        if pool.allocate_group_into(&mut out, a % 2, 1) {
+                            key += 1;
+                            pool.cache(u64::from(out[0]), key).unwrap();
+                            held.push(out[0]);
+                        }
+                    }
+                    1 if !held.is_empty() => {
+                        let page = held.swap_remove(a % held.len());
+                        pool.free(&[u64::from(page)]).unwrap();
+                    }
+                    2 if !free.is_empty() => places.extend(pool.place(free[a % free.len()])),
+                    3 if !free.is_empty() => {
+                        let page = free[a % free.len()];
+                        let stamp = (b % 4 != 0).then(|| pool.eviction_stamp(free[b % free.len()])).flatten();
+                        let hint = places.get(b % places.len().max(1)).copied();
+                        let mut plain = pool.clone();
+                        plain.date(page, stamp, None);
+                        pool.date(page, stamp, hint);
+                        prop_assert_eq!(pool.arena_cached_free(), plain.arena_cached_free());
+                        prop_assert_eq!(pool.eviction_stamp(page), plain.eviction_stamp(page));
+                    }
+                    _ => {}
+                }
+                prop_assert_eq!(pool.check(), Ok(()));
+            }
+        }
+
         /// Random op sequences keep every pool invariant, and failed ops change nothing.
         #[test]
         fn random_ops_keep_invariants(ops in proptest::collection::vec(op(), 0..60), front in any::<bool>()) {
