@@ -15,9 +15,10 @@ the policy's own rules:
 - at a request's finish its finish checkpoint is kept until 16 were left, then while the prompts
   resumed at finish checkpoints or their ghosts (one not kept is remembered by its boundary)
   are more than none and at least p_M * C, p_M the prompts that reached an evicted
-  checkpoint's ghost per such eviction, C the evictions the finish role (decode checkpoints,
-  kept finish checkpoints) caused, each counted as the role's share of the cached
-  checkpoints; in decode a decode checkpoint is written only while that holds;
+  checkpoint's ghost per such eviction, C such evictions (of checkpoints not of the finish
+  role: decode checkpoints, kept finish checkpoints) the finish role caused, each counted as
+  the role's share of the cached checkpoints; in decode a decode checkpoint is written only
+  while that holds;
 - a decode checkpoint after a request's first is dated, in the pool's eviction order, at the
   first one's date (the request's decode start), and a kept finish checkpoint at the finish;
 - each of its chunk ends still cached is kept until 16 were kept, then while prompts resume at
@@ -602,8 +603,9 @@ def test_the_finish_rule_weighs_finish_hits_against_the_evictions_they_cause() -
     # SPEC 13.8b on the reference's evidence, hand-computed: finish checkpoints are kept while
     # the prompts that resume at them (kept or ghost) are more than none and at least the
     # prompts the evictions they cause would have served: p_M * C, p_M the share of evicted
-    # checkpoints (not of the finish role) a later prompt reached, C each eviction times the
-    # finish role's share of the cached checkpoints then.
+    # checkpoints (not of the finish role) a later prompt reached, C each such eviction times
+    # the finish role's share of the cached checkpoints then (its own evicted cost no other
+    # prompt).
     from flat_kvcache.reference.engine.policy import FINISH, ReuseEvidence
 
     e = ReuseEvidence()
@@ -627,12 +629,15 @@ def test_the_finish_rule_weighs_finish_hits_against_the_evictions_they_cause() -
     e.resumed(100)
     e.resumed(101)
     assert e.keep_finish()  # 3 >= 3/4 * 1.9
-    e.evicted("f0", 8)  # the role's own eviction (share 2/2): C = 2.9, and no ghost
+    e.note_boundary("f2", "bf2", True)
+    for key in ("f0", "f1", "f2"):
+        e.evicted(key, 8)  # the role's own checkpoints (share 1 each): no charge, no ghost
     assert not e.ghost_resumed(["bf0"], 0, 4, 4, 4)
-    assert e.keep_finish()  # 3 >= 3/4 * 2.9
-    e.forget_boundary("f1")  # released by the policy: no eviction, the role holds nothing now
+    assert e.keep_finish()  # 3 >= 3/4 * 1.9 (charged, C would be 4.9: 3 < 3.675, released)
+    e.note_boundary("f3", "bf3", True)
+    e.forget_boundary("f3")  # released by the policy: no eviction, the role holds nothing now
     e.note_boundary("k9", "b9", False)
-    e.evicted("k9", 8)  # share 0: C stays 2.9
+    e.evicted("k9", 8)  # share 0: C stays 1.9
     assert not e.ghost_resumed(["g-none", "b9"], 0, 8, 4, 4)  # a marginal hit: 4 of 5
-    assert e.keep_finish()  # 3 * 5 >= 4 * 2.9
-    assert e.recent[-1] == pytest.approx(2.9)
+    assert e.keep_finish()  # 3 * 5 >= 4 * 1.9
+    assert e.recent[-1] == pytest.approx(1.9)

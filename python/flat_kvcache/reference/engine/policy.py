@@ -18,9 +18,10 @@ prompts will diverge. ``reuse`` adds, from what the cache sees:
   ``MIN_OBSERVATIONS`` were left, then while the prompts resumed at finish checkpoints or their
   ghosts, ``H_F``, are more than none and at least ``p_M * C``: ``p_M`` the prompts that
   reached the ghost of an evicted checkpoint (not of the finish role: decode checkpoints and
-  the finish checkpoints they become) per such eviction, ``C`` the evictions the finish role
-  caused, each eviction times the role's share of the cached checkpoints then (SPEC 13.8b: a
-  finish checkpoint is worth the prompts it serves and costs the evictions it causes);
+  the finish checkpoints they become) per such eviction, ``C`` such evictions the finish role
+  caused, each times the role's share of the cached checkpoints then (SPEC 13.8b: a finish
+  checkpoint is worth the prompts it serves and costs the evictions of other roles' checkpoints
+  it causes; its own evicted cost no other prompt);
 - in arena storage each decode checkpoint after a request's first takes the first one's
   eviction stamp (its decode start), and a kept finish checkpoint is dated at the finish
   (``calls/token.py`` through the pool's ``_date``; SPEC 13.8b: rewriting a decode checkpoint
@@ -59,8 +60,8 @@ BODY, FINISH, CHUNK, OTHER = "body", "finish", "chunk", "other"
 # Where each decayed count sits in ``ReuseEvidence.recent`` (the native engine's order): body
 # ends written and resumed at; finish checkpoints left (kept or ghosts) and resumed at (or at a
 # ghost); chunk ends kept and resumed at; checkpoints evicted other than the finish role's and
-# prompts that reached their ghosts; the evictions the finish role
-# caused (each eviction times the finish role's share of the cached checkpoints then).
+# prompts that reached their ghosts; the evictions of other roles' checkpoints the finish role
+# caused (each such eviction times the finish role's share of the cached checkpoints then).
 (
     _BODY_N,
     _BODY_HITS,
@@ -205,15 +206,18 @@ class ReuseEvidence:
             self.finish_cached = max(self.finish_cached - 1, 0)
 
     def evicted(self, key: str, capacity: int) -> None:
-        """The pool evicted checkpoint ``key``: counted and remembered as an evicted ghost."""
+        """The pool evicted checkpoint ``key``: one not of the finish role is counted, charged
+        to the finish role by its share of the cached checkpoints, and remembered as an evicted
+        ghost."""
         share = self.finish_cached / max(len(self.boundary), 1)
         entry = self.boundary.pop(key, None)
         if entry is None:
             return
-        self.recent[_CAUSED] += share
         if entry[1]:
+            # The finish role's own checkpoint: what it costs the role is in its hits.
             self.finish_cached = max(self.finish_cached - 1, 0)
             return
+        self.recent[_CAUSED] += share
         self.recent[_EVICTED_N] += 1.0
         if capacity > 0:
             _remember(self.evicted_ghosts, str(entry[0]), capacity)

@@ -26,8 +26,9 @@
 //!   eviction took. At its finish a request's finish checkpoint (in decode, its decode
 //!   checkpoint) is kept until `MIN_OBSERVATIONS` were left, then while finish hits `H_F > 0`
 //!   and `H_F >= p_M * C`: `p_M` the prompts that reached an evicted ghost per such eviction,
-//!   `C` the evictions the finish role caused (each eviction times the role's share of the
-//!   cached checkpoints then).
+//!   `C` the evictions of other roles' checkpoints the finish role caused (each such eviction
+//!   times the role's share of the cached checkpoints then; the role's own checkpoints evicted
+//!   cost no other prompt).
 //! - **Decode checkpoints dated at their request's decode start** (arena storage; done by
 //!   `calls/token.rs` through the pool's `date`): each decode checkpoint after a request's
 //!   first takes the first one's eviction stamp, a kept finish checkpoint is dated at the
@@ -136,8 +137,9 @@ const CHUNK_HITS: usize = 5;
 const EVICTED_N: usize = 6;
 /// Prompts that reached an evicted ghost past their hit.
 const EVICTED_HITS: usize = 7;
-/// The evictions the finish role caused: each eviction times the finish role's share of the
-/// cached checkpoints then (decode checkpoints and kept finish checkpoints).
+/// The evictions of checkpoints not of the finish role that the finish role caused: each such
+/// eviction times the finish role's share of the cached checkpoints then (decode checkpoints
+/// and kept finish checkpoints).
 const CAUSED: usize = 8;
 
 /// Keys remembered in arrival order, at most a capacity, the oldest forgotten first.
@@ -367,16 +369,18 @@ impl ReuseEvidence {
         }
     }
 
-    /// The pool evicted checkpoint `key`: counted, and remembered as an evicted ghost (at most
-    /// `capacity`).
+    /// The pool evicted checkpoint `key`: one not of the finish role is counted, charged to the
+    /// finish role by its share of the cached checkpoints, and remembered as an evicted ghost
+    /// (at most `capacity`).
     pub fn evicted(&mut self, key: &GroupKey, capacity: usize) {
         let share = count_f64(self.finish_cached) / count_f64(self.boundary.len().max(1));
         if let Some((hash, finish)) = self.boundary.remove(key) {
-            self.recent[CAUSED] += share;
             if finish {
+                // The finish role's own checkpoint: what it costs the role is in its hits.
                 self.finish_cached = self.finish_cached.saturating_sub(1);
                 return;
             }
+            self.recent[CAUSED] += share;
             self.recent[EVICTED_N] += 1.0;
             if capacity > 0 {
                 self.evicted.insert(hash, capacity);
@@ -555,9 +559,15 @@ mod tests {
         e.resumed(100);
         e.resumed(101);
         assert!(e.keep_finish());
-        // A finish-role checkpoint evicted is an eviction the role caused (its share was 2 / 2),
-        // and leaves no ghost that measures what a slot is worth: 3 >= 3 / 4 * 2.9.
-        e.evicted(&finish_role[0], 8);
+        // The finish role's own checkpoints evicted cost no other prompt: they add nothing to C
+        // and leave no ghost. Three of them (the two above and one more, each then the role's
+        // share 1 of what is cached): charged, C would be 1.9 + 3 = 4.9 and 3 < 3 / 4 * 4.9,
+        // released; C stays 1.9: kept.
+        let third = GroupKey::new(hash(42), 1);
+        e.note_boundary(third, hash(52), true);
+        for key in [finish_role[0], finish_role[1], third] {
+            e.evicted(&key, 8);
+        }
         assert!(!e.ghost_resumed(&[hash(50)], 0, 4, 4, 4));
         assert!(e.keep_finish());
     }
