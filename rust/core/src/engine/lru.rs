@@ -18,6 +18,36 @@ struct Link {
     next: u32,
 }
 
+/// From `at` (a member or `sentinel`), the last of the nodes that follow it for which `older`
+/// holds (`at` itself if none).
+fn skip_forward(links: &[Link], mut at: u32, sentinel: u32, mut older: impl FnMut(u32) -> bool) -> u32 {
+    loop {
+        let next = links[at as usize].next;
+        if next == sentinel || !older(next) {
+            return at;
+        }
+        at = next;
+    }
+}
+
+/// From the back of the list of `sentinel`, the first member for which `older` holds
+/// (`sentinel` if none).
+fn skip_backward(links: &[Link], sentinel: u32, mut older: impl FnMut(u32) -> bool) -> u32 {
+    let mut at = links[sentinel as usize].prev;
+    while at != sentinel && !older(at) {
+        at = links[at as usize].prev;
+    }
+    at
+}
+
+/// Link `node` (on no list) in right after `at` (a member or a sentinel).
+fn link_after(links: &mut [Link], at: u32, node: u32) {
+    let next = links[at as usize].next;
+    links[node as usize] = Link { prev: at, next };
+    links[at as usize].next = node;
+    links[next as usize].prev = node;
+}
+
 /// A doubly-linked list of node ids `1..=capacity`, front first; node 0 is the sentinel.
 #[derive(Clone, Debug)]
 pub struct LruList {
@@ -89,34 +119,18 @@ impl LruList {
     /// Insert `node` (in range, not on the list) after `anchor` (a member, or 0: the front) and
     /// after the members that follow it for which `older` holds, searching forward. O(members
     /// passed).
-    pub fn insert_after_from(&mut self, anchor: u32, node: u32, mut older: impl FnMut(u32) -> bool) {
-        let mut at = anchor;
-        loop {
-            let next = self.links[at as usize].next;
-            if next == 0 || !older(next) {
-                break;
-            }
-            at = next;
-        }
-        let next = self.links[at as usize].next;
-        self.links[node as usize] = Link { prev: at, next };
-        self.links[at as usize].next = node;
-        self.links[next as usize].prev = node;
+    pub fn insert_after_from(&mut self, anchor: u32, node: u32, older: impl FnMut(u32) -> bool) {
+        let at = skip_forward(&self.links, anchor, 0, older);
+        link_after(&mut self.links, at, node);
         self.len += 1;
     }
 
     /// Insert `node` (in range, not on the list) behind the members for which `older` holds,
     /// searching from the back: after the last member, from the back, for which `older` is
     /// true (at the front if none). O(members passed).
-    pub fn insert_behind(&mut self, node: u32, mut older: impl FnMut(u32) -> bool) {
-        let mut at = self.links[0].prev;
-        while at != 0 && !older(at) {
-            at = self.links[at as usize].prev;
-        }
-        let next = self.links[at as usize].next;
-        self.links[node as usize] = Link { prev: at, next };
-        self.links[at as usize].next = node;
-        self.links[next as usize].prev = node;
+    pub fn insert_behind(&mut self, node: u32, older: impl FnMut(u32) -> bool) {
+        let at = skip_backward(&self.links, 0, older);
+        link_after(&mut self.links, at, node);
         self.len += 1;
     }
 
@@ -334,35 +348,20 @@ impl LruLists {
     /// Insert `node` (on no list) into `list` after `anchor` (a member, or 0: the front) and
     /// after the members that follow it for which `older` holds, searching forward. O(members
     /// passed).
-    pub fn insert_after_from(&mut self, list: usize, anchor: u32, node: u32, mut older: impl FnMut(u32) -> bool) {
+    pub fn insert_after_from(&mut self, list: usize, anchor: u32, node: u32, older: impl FnMut(u32) -> bool) {
         let sentinel = self.sentinel(list);
-        let mut at = if anchor == 0 { sentinel } else { anchor };
-        loop {
-            let next = self.links[at as usize].next;
-            if next == sentinel || !older(next) {
-                break;
-            }
-            at = next;
-        }
-        let next = self.links[at as usize].next;
-        self.links[node as usize] = Link { prev: at, next };
-        self.links[at as usize].next = node;
-        self.links[next as usize].prev = node;
+        let from = if anchor == 0 { sentinel } else { anchor };
+        let at = skip_forward(&self.links, from, sentinel, older);
+        link_after(&mut self.links, at, node);
         self.lens[list] += 1;
     }
 
     /// Insert `node` (on no list) into `list` behind the members for which `older` holds,
     /// searching from the back (at the front if none). O(members passed).
-    pub fn insert_behind(&mut self, list: usize, node: u32, mut older: impl FnMut(u32) -> bool) {
+    pub fn insert_behind(&mut self, list: usize, node: u32, older: impl FnMut(u32) -> bool) {
         let sentinel = self.sentinel(list);
-        let mut at = self.links[sentinel as usize].prev;
-        while at != sentinel && !older(at) {
-            at = self.links[at as usize].prev;
-        }
-        let next = self.links[at as usize].next;
-        self.links[node as usize] = Link { prev: at, next };
-        self.links[at as usize].next = node;
-        self.links[next as usize].prev = node;
+        let at = skip_backward(&self.links, sentinel, older);
+        link_after(&mut self.links, at, node);
         self.lens[list] += 1;
     }
 
