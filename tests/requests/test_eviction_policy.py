@@ -507,11 +507,12 @@ def checkpoint_names(paths: dict[str, list[int]]) -> dict[str, str]:
 
 def removed_checkpoints(cache: Any, names: dict[str, str]) -> list[str]:
     """The state checkpoints removed (evicted or dropped) since the last call, by name."""
-    out = []
-    for e in cache.take_events():
-        if isinstance(e, flat_kvcache.events.BlockRemoved) and e.group_index == 1:
-            out += [names.get(h.hex(), "?") for h in e.block_hashes]
-    return out
+    return [
+        names.get(h, "?")
+        for kind, group, hashes in event_stream(cache)
+        if kind == "BlockRemoved" and group == 1
+        for h in hashes
+    ]
 
 
 @pytest.mark.parametrize("engine", ENGINES)
