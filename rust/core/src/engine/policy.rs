@@ -47,7 +47,10 @@
 //! [`ReuseEvidence::ghost_resumed`], one lookup per state-grain boundary between a prompt's hit
 //! and its cap; nothing scans the pool.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use hashbrown::HashMap;
+use rustc_hash::FxBuildHasher;
 
 use crate::engine::hash::{ContentHash, GroupKey};
 
@@ -94,7 +97,7 @@ pub struct ReuseEvidence {
     multiples: [u64; MAX_LEVEL + 1],
     /// The state pages whose checkpoint is a prompt's body end (SPEC 13.5b), a chunk end
     /// (13.5a) or a request's finish checkpoint (13.5d), by role.
-    roles: HashMap<u32, Role>,
+    roles: HashMap<u32, Role, FxBuildHasher>,
     /// Body ends written, and prompts that resumed at one.
     body_written: u64,
     body_hits: u64,
@@ -109,7 +112,7 @@ pub struct ReuseEvidence {
     /// Cached checkpoints by key: the base-page hash of their boundary and whether it is of
     /// the finish role (a decode checkpoint, kept or not yet at its finish), so that one the
     /// pool evicts leaves a ghost in `evicted`.
-    boundary: HashMap<GroupKey, (ContentHash, bool)>,
+    boundary: HashMap<GroupKey, (ContentHash, bool), FxBuildHasher>,
     /// Ghosts of evicted checkpoints (not of the finish role): a prompt that reaches one
     /// past its hit is a prompt a slot more of cache would have served.
     evicted: Ghosts,
@@ -146,7 +149,7 @@ const CAUSED: usize = 8;
 #[derive(Clone, Debug, Default)]
 struct Ghosts {
     /// Each key with the sequence number of its latest insert.
-    map: HashMap<ContentHash, u64>,
+    map: HashMap<ContentHash, u64, FxBuildHasher>,
     /// Inserts oldest first; an entry whose number no longer matches `map` is stale.
     order: VecDeque<(ContentHash, u64)>,
     seq: u64,
