@@ -421,9 +421,7 @@ impl Coordinator {
     /// Drop the key of the earliest-registered page holding `key` if it is free; the key
     /// joins `dropped`.
     fn drop_free(pool: &mut BlockPool<GroupKey>, key: GroupKey, dropped: &mut Vec<GroupKey>) {
-        if let Some(page) = pool.lookup(&key) {
-            dropped.extend(pool.drop_free_key(page));
-        }
+        dropped.extend(pool.drop_free_key_of(&key));
     }
 
     /// Forget checkpoint `key`'s path and drop the free full-attention pages only it held

@@ -539,6 +539,55 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
         key
     }
 
+    /// Drop `key` from the earliest-registered page holding it when that page is free (count
+    /// 0; it stays free where it is): [`Self::lookup`] then [`Self::drop_free_key`] with one
+    /// probe of the key map (the whole-prefix drops of `coordinator.rs` make one call per
+    /// page). Returns the key dropped, or `None` (nothing changes) when no page holds `key`
+    /// or that page is referenced. Not counted as an eviction.
+    pub fn drop_free_key_of(&mut self, key: &K) -> Option<K> {
+        if !self.enable_caching {
+            return None;
+        }
+        let fp = fingerprint(key);
+        let Ok(mut entry) = self.map.find_entry(fp, |s| s.fp == fp) else {
+            return None;
+        };
+        let slot = entry.get_mut();
+        let page = if slot.many == 0 {
+            let page = slot.page;
+            if self.refs[page as usize] != 0 || self.keys[page as usize].as_ref() != Some(key) {
+                return None;
+            }
+            entry.remove();
+            page
+        } else {
+            let at = slot.many as usize - 1;
+            let list = &mut self.overflow[at];
+            let keys = &self.keys;
+            let i = list.iter().position(|&p| keys[p as usize].as_ref() == Some(key))?;
+            let page = list[i];
+            if self.refs[page as usize] != 0 {
+                return None;
+            }
+            list.remove(i);
+            if let [only] = list.as_slice() {
+                // Back to one page: the list is returned for reuse.
+                slot.page = *only;
+                slot.many = 0;
+                list.clear();
+                self.overflow_free.push(page_u32(at));
+            }
+            page
+        };
+        let dropped = self.keys[page as usize].take();
+        self.num_cached -= 1;
+        self.num_cached_free -= 1;
+        if self.arena.is_some() {
+            self.arena_on_uncache(page);
+        }
+        dropped
+    }
+
     /// Drop the key of `page` (a page being handed out again): counted, and kept for KV
     /// events when recording.
     #[inline]
@@ -1209,6 +1258,33 @@ mod properties {
         Free(Vec<u64>),
         Cache(u64, u8),
         Lookup(u8),
+        DropKey(u8),
+    }
+
+    /// `drop_free_key_of(key)` on `pool` does what `lookup` then `drop_free_key` do on a clone:
+    /// the same key dropped, and the same pages, keys and free order after.
+    fn drops_like_two_steps<K: Clone + Eq + Hash + std::fmt::Debug>(
+        pool: &mut BlockPool<K>,
+        key: &K,
+    ) -> Result<(), TestCaseError> {
+        let mut two = pool.clone();
+        let want = two.lookup(key).and_then(|page| two.drop_free_key(page));
+        prop_assert_eq!(pool.drop_free_key_of(key), want);
+        prop_assert_eq!(&pool.keys, &two.keys);
+        prop_assert_eq!(
+            (pool.num_cached, pool.num_cached_free),
+            (two.num_cached, two.num_cached_free)
+        );
+        prop_assert_eq!(
+            pool.free_list().collect::<Vec<_>>(),
+            two.free_list().collect::<Vec<_>>()
+        );
+        if pool.arena.is_some() {
+            prop_assert_eq!(pool.arena_cached_free(), two.arena_cached_free());
+            prop_assert_eq!(pool.arena_stats(), two.arena_stats());
+        }
+        prop_assert_eq!(pool.lookup(key), two.lookup(key));
+        Ok(())
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -1218,6 +1294,7 @@ mod properties {
             proptest::collection::vec(0u64..10, 0..4).prop_map(Op::Free),
             (0u64..10, 0u8..4).prop_map(|(p, k)| Op::Cache(p, k)),
             (0u8..4).prop_map(Op::Lookup),
+            (0u8..4).prop_map(Op::DropKey),
         ]
     }
 
@@ -1228,7 +1305,7 @@ mod properties {
         /// both the idle units and a group's cached pages are dated; the stamps are ones the
         /// pool gave (an earlier page's) or the clock's next.
         #[test]
-        fn dating_with_a_hint_places_like_the_search(ops in proptest::collection::vec((0u8..4, 0usize..64, 0usize..64), 0..80)) {
+        fn dating_with_a_hint_places_like_the_search(ops in proptest::collection::vec((0u8..5, 0usize..64, 0usize..64), 0..80)) {
             let geometry = ArenaGeometry { unit_bytes: 4, num_units: 9, page_bytes: vec![4, 1] };
             let mut pool: BlockPool<u32> = BlockPool::with_arena(&geometry, true).unwrap();
             let (mut held, mut places, mut key) = (Vec::new(), Vec::new(), 0u32);
@@ -1258,6 +1335,15 @@ mod properties {
                         prop_assert_eq!(pool.arena_cached_free(), plain.arena_cached_free());
                         prop_assert_eq!(pool.eviction_stamp(page), plain.eviction_stamp(page));
                     }
+                    // Dropping a key in one probe: a free cached page's, a held page's or none.
+                    4 => {
+                        let k = match b % 3 {
+                            0 if !free.is_empty() => pool.key_of(free[a % free.len()]).copied().unwrap(),
+                            1 if !held.is_empty() => pool.key_of(held[a % held.len()]).copied().unwrap(),
+                            _ => key + 1,
+                        };
+                        drops_like_two_steps(&mut pool, &k)?;
+                    }
                     _ => {}
                 }
                 prop_assert_eq!(pool.check(), Ok(()));
@@ -1284,6 +1370,10 @@ mod properties {
                         if let Some(p) = pool.lookup(&k) {
                             prop_assert_eq!(pool.key_of(p), Some(&k));
                         }
+                        false
+                    }
+                    Op::DropKey(k) => {
+                        drops_like_two_steps(&mut pool, &k)?;
                         false
                     }
                 };
