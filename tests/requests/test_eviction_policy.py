@@ -11,7 +11,8 @@ the policy's own rules:
   once 16 were seen (G before);
 - under S > G a prompt's body ends at the last multiple of S before its last token;
 - body ends are written until 16 were, then while prompts resume at them per body end written
-  at least as often as at finish checkpoints per finish checkpoint left;
+  at least as often as at finish checkpoints per finish checkpoint left; a checkpoint counts for
+  its role at its first resume only;
 - at a request's finish its finish checkpoint is kept until 16 were left, then while the prompts
   resumed at finish checkpoints or their ghosts (one not kept is remembered by its boundary)
   are more than none and at least p_M * C, p_M the prompts that reached an evicted
@@ -377,6 +378,34 @@ def test_body_ends_stay_where_prompts_resume_at_them(engine: ModuleType) -> None
     # never resumed from: body ends are worth more, and keep being written.
     assert [conversation(reuse, i, "body") for i in range(24)] == [[16, 5]] * 24
     assert [conversation(lru, i, "body") for i in range(24)] == [[16, 5]] * 24
+
+
+def shared_resume(cache: Any, j: int) -> int:
+    """A prompt sharing the first 18 tokens of the shared 21-token prompt ``base(21, seed=299)``
+    (body end 16) and adding 5 of its own; returns its hit (16, at that body end)."""
+    return run(cache, f"s{j}", [*base(21, seed=299)[:18], *base(5, seed=900 + j)])[0]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_shared_prefix_resumed_again_and_again_counts_once_for_its_role(engine: ModuleType) -> None:
+    # SPEC 13.8b: a checkpoint counts for its role at its first resume only. A shared prefix's
+    # body end that every other prompt resumes at says nothing of what the next body end
+    # written will serve: its later resumes come whether or not more are written. Here one
+    # shared body end (16) is resumed at twice before each conversation, whose own body ends
+    # nobody resumes at and whose finish checkpoint its next turn resumes at once. Every
+    # divergence point is a multiple of 16 (the shared prompts part at the page 16, next
+    # turns at 32), so from the 16th on S = 16 and only first turns write a body end (16; a
+    # next turn's would be 32, its hit): the 16th body end is the 10th conversation's. Counted
+    # once, body ends then served 1 prompt per 16 written against 9 per 9 finish checkpoints
+    # left, so they stop; counted at every resume (20 per 16) they would go on. The shared
+    # body end itself keeps serving.
+    reuse = make(engine, "reuse")
+    assert run(reuse, "shared", base(21, seed=299))[1] == [16, 5]
+    seen = []
+    for i in range(12):
+        assert [shared_resume(reuse, 2 * i), shared_resume(reuse, 2 * i + 1)] == [16, 16]
+        seen.append(conversation(reuse, i, "answer"))
+    assert seen == [[16, 5]] * 10 + [[21]] * 2
 
 
 @settings(max_examples=40, deadline=None)

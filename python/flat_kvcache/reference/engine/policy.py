@@ -103,6 +103,9 @@ class ReuseEvidence:
         #: The state pages whose checkpoint is a prompt's body end (SPEC 13.5b, ``BODY``), a chunk
         #: end (13.5a, ``CHUNK``) or a request's finish checkpoint (13.5d, ``FINISH``).
         self.roles: dict[int, str] = {}
+        #: The state pages of ``roles`` whose checkpoint a prompt has resumed at since it was
+        #: written: only a checkpoint's first resume counts for its role (SPEC 13.8b).
+        self.served: set[int] = set()
         #: Body ends written and prompts that resumed at one; finish checkpoints the same.
         self.body_written = 0
         self.body_hits = 0
@@ -151,6 +154,7 @@ class ReuseEvidence:
     def wrote(self, page: int, role: str) -> None:
         """A checkpoint was written on state page ``page`` as ``role`` (``BODY``, ``FINISH``,
         ``CHUNK`` or ``OTHER``: a branch point, a decode checkpoint in flight)."""
+        self.served.discard(page)
         if role == BODY:
             self.body_written += 1
             self.recent[_BODY_N] += 1.0
@@ -165,8 +169,14 @@ class ReuseEvidence:
         self.roles[page] = role
 
     def resumed(self, page: int) -> None:
-        """An admitted prompt resumed at the checkpoint on state page ``page``."""
+        """An admitted prompt resumed at the checkpoint on state page ``page``: counted for the
+        checkpoint's role at its first resume only (SPEC 13.8b; a checkpoint resumed at again
+        and again is a shared prefix, whose later resumes come whether or not more checkpoints
+        of its role are written)."""
         role = self.roles.get(page)
+        if role is None or page in self.served:
+            return
+        self.served.add(page)
         if role == BODY:
             self.body_hits += 1
             self.recent[_BODY_HITS] += 1.0

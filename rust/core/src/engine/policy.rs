@@ -15,7 +15,8 @@
 //!   the last multiple of `S` before its last token (SPEC 13.5b with `S` in place of `G`; `G`
 //!   when no multiple of `S` lies ahead). It serves only prompts that diverge before the
 //!   request's finish checkpoint, so each hit is attributed to the role of the checkpoint it
-//!   resumed at (body end, finish checkpoint or its ghost, chunk end, other), and body ends
+//!   resumed at (body end, finish checkpoint or its ghost, chunk end, other; a checkpoint
+//!   counts at its first resume only, [`ReuseEvidence::resumed`]), and body ends
 //!   are written until `MIN_OBSERVATIONS` were written, then while hits per body end written
 //!   are at least hits per finish checkpoint left (SPEC 13.8b).
 //! - **Finish checkpoints kept while they serve more prompts than the evictions they cause.**
@@ -49,7 +50,7 @@
 
 use std::collections::VecDeque;
 
-use hashbrown::HashMap;
+use hashbrown::{HashMap, HashSet};
 use rustc_hash::FxBuildHasher;
 
 use crate::engine::hash::{ContentHash, GroupKey};
@@ -98,6 +99,9 @@ pub struct ReuseEvidence {
     /// The state pages whose checkpoint is a prompt's body end (SPEC 13.5b), a chunk end
     /// (13.5a) or a request's finish checkpoint (13.5d), by role.
     roles: HashMap<u32, Role, FxBuildHasher>,
+    /// The state pages of `roles` whose checkpoint a prompt has resumed at since it was
+    /// written: only a checkpoint's first resume counts for its role (SPEC 13.8b).
+    served: HashSet<u32, FxBuildHasher>,
     /// Body ends written, and prompts that resumed at one.
     body_written: u64,
     body_hits: u64,
@@ -239,6 +243,7 @@ impl ReuseEvidence {
 
     /// A checkpoint was written on state page `page` as `role`.
     pub fn wrote(&mut self, page: u32, role: Role) {
+        self.served.remove(&page);
         match role {
             Role::Body => {
                 self.body_written = self.body_written.saturating_add(1);
@@ -257,22 +262,33 @@ impl ReuseEvidence {
         self.roles.insert(page, role);
     }
 
-    /// An admitted prompt resumed at the checkpoint on state page `page`.
+    /// An admitted prompt resumed at the checkpoint on state page `page`: counted for the
+    /// checkpoint's role at its first resume only (SPEC 13.8b). A checkpoint resumed at
+    /// again and again is a shared prefix: its later resumes come whether or not more
+    /// checkpoints of its role are written (hits keep it cached, and a prompt that finds it
+    /// gone rewrites it at its branch point, SPEC 13.5c), so they say nothing of what the
+    /// next one written will serve.
     pub fn resumed(&mut self, page: u32) {
-        match self.roles.get(&page) {
-            Some(Role::Body) => {
+        let Some(&role) = self.roles.get(&page) else {
+            return;
+        };
+        if !self.served.insert(page) {
+            return;
+        }
+        match role {
+            Role::Body => {
                 self.body_hits = self.body_hits.saturating_add(1);
                 self.recent[BODY_HITS] += 1.0;
             }
-            Some(Role::Finish) => {
+            Role::Finish => {
                 self.finish_hits = self.finish_hits.saturating_add(1);
                 self.recent[FINISH_HITS] += 1.0;
             }
-            Some(Role::Chunk) => {
+            Role::Chunk => {
                 self.chunk_hits = self.chunk_hits.saturating_add(1);
                 self.recent[CHUNK_HITS] += 1.0;
             }
-            _ => {}
+            Role::Other => {}
         }
     }
 
@@ -488,6 +504,32 @@ mod tests {
         e.resumed(3);
         e.resumed(999);
         assert_eq!(e.resume_counts(), [16, 16, 15, 15]);
+    }
+
+    #[test]
+    fn a_checkpoint_counts_for_its_role_at_its_first_resume_only() {
+        let mut e = ReuseEvidence::default();
+        e.wrote(1, Role::Body);
+        e.wrote(2, Role::Finish);
+        e.wrote(3, Role::Chunk);
+        for _ in 0..3 {
+            for page in 1..=3 {
+                e.resumed(page);
+            }
+        }
+        assert_eq!(e.resume_counts(), [1, 1, 1, 1]);
+        assert_eq!(e.chunk_counts(), [0, 1]);
+        // A checkpoint written again on the page counts again at its first resume.
+        e.wrote(1, Role::Body);
+        e.resumed(1);
+        e.resumed(1);
+        assert_eq!(e.resume_counts(), [2, 2, 1, 1]);
+        // So does one of another role; a page that took a checkpoint of no role counts for none.
+        e.wrote(2, Role::Other);
+        e.resumed(2);
+        e.wrote(2, Role::Body);
+        e.resumed(2);
+        assert_eq!(e.resume_counts(), [3, 3, 1, 1]);
     }
 
     #[test]
