@@ -29,6 +29,8 @@ prompts will diverge. ``reuse`` adds, from what the cache sees:
 - at a request's finish each of its chunk ends (a prompt checkpoint other than its body end
   and branch point) still cached is kept until ``MIN_OBSERVATIONS`` were kept, then while hits
   per chunk end kept are at least hits per body end written; otherwise released (SPEC 13.8b);
+- a checkpoint counts for its role at its first resume only (SPEC 13.8b: a shared prefix's
+  later resumes come whether or not more checkpoints of its role are written);
 - every count the rules compare decays by ``1 - 1/slots`` per admitted prompt (``slots`` the
   state pages the pool holds);
 - whole hybrid prefixes (``prefixes.py``): full-attention pages on no cached checkpoint's path

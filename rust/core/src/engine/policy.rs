@@ -38,6 +38,9 @@
 //!   checkpoints (a prompt checkpoint other than its body end and branch point) still cached
 //!   is kept until `MIN_OBSERVATIONS` were kept, then while hits per chunk end kept are at
 //!   least hits per body end written; otherwise released (uncached, the slot back to the pool).
+//! - **A checkpoint counts for its role at its first resume only**: a shared prefix's later
+//!   resumes come whether or not more checkpoints of its role are written
+//!   ([`ReuseEvidence::resumed`]).
 //! - Every count the rules compare decays by `1 - 1/slots` per admitted prompt (`slots` the
 //!   state pages the pool holds), so the rules follow what the cache sees now.
 //! - **Whole hybrid prefixes** (`prefixes.rs`, kept by the coordinator): a full-attention
