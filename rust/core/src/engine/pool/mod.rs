@@ -61,6 +61,17 @@ fn fingerprint<Q: Hash + ?Sized>(key: &Q) -> u64 {
     FxBuildHasher.hash_one(key)
 }
 
+/// After a page left `slot`'s overflow list `list` (index `at` of `BlockPool::overflow`): with
+/// one page left the slot holds it alone again, and the list is returned for reuse.
+fn settle_overflow(slot: &mut Slot, list: &mut Vec<u32>, at: usize, overflow_free: &mut Vec<u32>) {
+    if let [only] = list.as_slice() {
+        slot.page = *only;
+        slot.many = 0;
+        list.clear();
+        overflow_free.push(page_u32(at));
+    }
+}
+
 /// The page pool of one cache.
 #[derive(Clone, Debug)]
 #[allow(
@@ -513,13 +524,7 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
                 if let Some(i) = list.iter().position(|&p| p == page) {
                     list.remove(i);
                 }
-                if let [only] = list.as_slice() {
-                    // Back to one page: the list is returned for reuse.
-                    slot.page = *only;
-                    slot.many = 0;
-                    list.clear();
-                    self.overflow_free.push(page_u32(at));
-                }
+                settle_overflow(slot, list, at, &mut self.overflow_free);
             }
         }
         Some(key)
@@ -570,13 +575,7 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
                 return None;
             }
             list.remove(i);
-            if let [only] = list.as_slice() {
-                // Back to one page: the list is returned for reuse.
-                slot.page = *only;
-                slot.many = 0;
-                list.clear();
-                self.overflow_free.push(page_u32(at));
-            }
+            settle_overflow(slot, list, at, &mut self.overflow_free);
             page
         };
         let dropped = self.keys[page as usize].take();
