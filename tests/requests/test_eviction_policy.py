@@ -11,8 +11,9 @@ the policy's own rules:
   once 16 were seen (G before);
 - under S > G a prompt's body ends at the last multiple of S before its last token;
 - body ends are written until 16 were, then while prompts resume at them per body end written
-  at least as often as at finish checkpoints per finish checkpoint left; a checkpoint counts for
-  its role at its first resume only;
+  at least as often as at finish checkpoints per finish checkpoint left, and at least p_M (below)
+  per body end written charged min(N_B, E) evictions; a checkpoint counts for its role at its
+  first resume only;
 - at a request's finish its finish checkpoint is kept until 16 were left, then while the prompts
   resumed at finish checkpoints or their ghosts (one not kept is remembered by its boundary)
   are more than none and at least p_M * C, p_M the prompts that reached an evicted
@@ -671,3 +672,38 @@ def test_the_finish_rule_weighs_finish_hits_against_the_evictions_they_cause() -
     assert not e.ghost_resumed(["g-none", "b9"], 0, 8, 4, 4)  # a marginal hit: 4 of 5
     assert e.keep_finish()  # 3 * 5 >= 4 * 1.9
     assert e.recent[-1] == pytest.approx(1.9)
+
+
+def test_body_ends_are_written_while_one_serves_what_an_eviction_costs() -> None:
+    # SPEC 13.8b on the reference's evidence, hand-computed: past the warm-up, body ends are
+    # written while one written is resumed from at least as often as a finish checkpoint left,
+    # and at least as often as an eviction costs: H_B * E >= E_H * min(N_B, E), p_M = E_H / E
+    # the prompts that reached an evicted checkpoint's ghost per eviction, each body end
+    # written charged one eviction but never more than the evictions there were.
+    from flat_kvcache.reference.engine.policy import BODY, ReuseEvidence
+
+    e = ReuseEvidence()
+    for page in range(16):
+        assert e.writes_body_end()  # warm-up
+        e.wrote(page, BODY)
+    e.resumed(0)
+    e.resumed(1)
+    assert e.writes_body_end()  # 2 of 16 served, no finish checkpoint left, nothing evicted
+    for i in range(4):
+        e.note_boundary(f"k{i}", f"b{i}", False)
+        e.evicted(f"k{i}", 64)
+    assert not e.ghost_resumed(["b0"], 0, 4, 4, 4)  # a prompt an eviction cost
+    assert not e.ghost_resumed(["b1"], 0, 4, 4, 4)
+    assert e.writes_body_end()  # 2 * 4 >= 2 * min(16, 4)
+    assert not e.ghost_resumed(["b2"], 0, 4, 4, 4)
+    assert not e.writes_body_end()  # 2 * 4 < 3 * 4
+    e.resumed(2)
+    assert e.writes_body_end()  # 3 * 4 >= 3 * 4
+    for i in range(4, 24):
+        e.note_boundary(f"k{i}", f"b{i}", False)
+        e.evicted(f"k{i}", 64)
+    assert not e.ghost_resumed(["b3"], 0, 4, 4, 4)
+    # 24 evictions, 4 of them cost a prompt: 16 body ends are charged 16 of them, not 24.
+    assert e.writes_body_end()  # 3 * 24 >= 4 * min(16, 24) (against 24: 72 < 96)
+    e.resumed(2)  # a second resume of the same checkpoint counts for nothing
+    assert e.body_hits == 3

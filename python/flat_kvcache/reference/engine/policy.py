@@ -13,7 +13,8 @@ prompts will diverge. ``reuse`` adds, from what the cache sees:
   written until ``MIN_OBSERVATIONS`` were written, then while the prompts resumed at body ends
   per body end written are at least those resumed at finish checkpoints per finish checkpoint
   left, kept or ghosts (SPEC 13.8b: a body end serves only prompts diverging before the finish
-  checkpoint);
+  checkpoint), and at least what an eviction costs: ``H_B >= p_M * min(N_B, E)`` (``p_M`` and
+  ``E`` those of the finish rule below; a body end written takes a state slot);
 - at a request's finish its finish checkpoint (in decode, its decode checkpoint) is kept until
   ``MIN_OBSERVATIONS`` were left, then while the prompts resumed at finish checkpoints or their
   ghosts, ``H_F``, are more than none and at least ``p_M * C``: ``p_M`` the prompts that
@@ -302,6 +303,12 @@ class ReuseEvidence:
         """Whether prompts' body ends are checkpointed (SPEC 13.8b): until ``MIN_OBSERVATIONS``
         were written, then while a body end written is resumed from at least as often as a
         finish checkpoint (the request's other checkpoint past its prompt's last sharing-grain
-        boundary, which holds the same state memory and serves the prompts that share more)."""
+        boundary, which holds the same state memory and serves the prompts that share more),
+        and as often as an eviction costs: ``H_B >= p_M * min(N_B, E)``, each body end written
+        charged one eviction (it takes a state slot, and under pressure a checkpoint leaves for
+        it), never more than the evictions ``E`` there were (cross-multiplied)."""
         r = self.recent
-        return _pays(self.body_written, r[_BODY_N], r[_BODY_HITS], r[_FINISH_N], r[_FINISH_HITS])
+        return _pays(self.body_written, r[_BODY_N], r[_BODY_HITS], r[_FINISH_N], r[_FINISH_HITS]) and (
+            self.body_written < MIN_OBSERVATIONS
+            or r[_BODY_HITS] * r[_EVICTED_N] >= r[_EVICTED_HITS] * min(r[_BODY_N], r[_EVICTED_N])
+        )

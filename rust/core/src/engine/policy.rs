@@ -18,7 +18,8 @@
 //!   resumed at (body end, finish checkpoint or its ghost, chunk end, other; a checkpoint
 //!   counts at its first resume only, [`ReuseEvidence::resumed`]), and body ends
 //!   are written until `MIN_OBSERVATIONS` were written, then while hits per body end written
-//!   are at least hits per finish checkpoint left (SPEC 13.8b).
+//!   are at least hits per finish checkpoint left and at least what an eviction costs
+//!   (`H_B >= p_M * min(N_B, E)`, `p_M` and `E` below) (SPEC 13.8b).
 //! - **Finish checkpoints kept while they serve more prompts than the evictions they cause.**
 //!   A finish checkpoint not kept leaves a ghost (its boundary's base-page hash), and so does
 //!   every checkpoint the pool evicts other than one of the finish role (decode checkpoints
@@ -316,10 +317,15 @@ impl ReuseEvidence {
     /// Whether prompts' body ends are checkpointed (SPEC 13.8b): until `MIN_OBSERVATIONS`
     /// were written, and then while a body end written is resumed from at least as often as a
     /// finish checkpoint (the request's other checkpoint past its prompt's last sharing-grain
-    /// boundary, which holds the same state memory and serves the prompts that share more).
+    /// boundary, which holds the same state memory and serves the prompts that share more),
+    /// and as often as an eviction costs: `H_B >= p_M * min(N_B, E)`, each body end written
+    /// charged one eviction (it takes a state slot, and under pressure a checkpoint leaves
+    /// for it), never more than the evictions `E` there were (cross-multiplied).
     pub fn writes_body_end(&self) -> bool {
         let r = &self.recent;
         pays(self.body_written, r[BODY_N], r[BODY_HITS], r[FINISH_N], r[FINISH_HITS])
+            && (self.body_written < MIN_OBSERVATIONS
+                || r[BODY_HITS] * r[EVICTED_N] >= r[EVICTED_HITS] * r[BODY_N].min(r[EVICTED_N]))
     }
 
     /// Body ends written and resumed from; finish checkpoints left and resumed from.
@@ -507,6 +513,40 @@ mod tests {
         e.resumed(3);
         e.resumed(999);
         assert_eq!(e.resume_counts(), [16, 16, 15, 15]);
+    }
+
+    #[test]
+    fn body_ends_are_written_while_one_serves_what_an_eviction_costs() {
+        let key = |i: u8| GroupKey::new([i; 32], 1);
+        let mut e = ReuseEvidence::default();
+        for page in 0..16 {
+            assert!(e.writes_body_end(), "warm-up");
+            e.wrote(page, Role::Body);
+        }
+        e.resumed(0);
+        e.resumed(1);
+        assert!(e.writes_body_end(), "nothing evicted: a slot costs nothing");
+        for i in 0..24 {
+            e.note_boundary(key(i), [i; 32], false);
+        }
+        for i in 0..4 {
+            e.evicted(&key(i), 64);
+        }
+        // Two prompts an eviction cost (their evicted ghosts past their hit).
+        for i in 0..2 {
+            assert!(!e.ghost_resumed(&[[i; 32]], 0, 4, 4, 4));
+        }
+        assert!(e.writes_body_end(), "2 * 4 >= 2 * min(16, 4)");
+        assert!(!e.ghost_resumed(&[[2; 32]], 0, 4, 4, 4));
+        assert!(!e.writes_body_end(), "2 * 4 < 3 * 4");
+        e.resumed(2);
+        assert!(e.writes_body_end(), "3 * 4 >= 3 * 4");
+        for i in 4..24 {
+            e.evicted(&key(i), 64);
+        }
+        assert!(!e.ghost_resumed(&[[3; 32]], 0, 4, 4, 4));
+        // 24 evictions, 4 of them cost a prompt: 16 body ends are charged 16, not 24.
+        assert!(e.writes_body_end(), "3 * 24 >= 4 * min(16, 24)");
     }
 
     #[test]
