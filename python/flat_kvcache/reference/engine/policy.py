@@ -294,10 +294,15 @@ class ReuseEvidence:
         ``p_M * C`` (module doc; decayed counts, cross-multiplied)."""
         if self.finish_written < MIN_OBSERVATIONS:
             return True
+        hits = self.recent[_FINISH_HITS]
+        return hits > 0.0 and self._covers_evictions(hits, self.recent[_CAUSED])
+
+    def _covers_evictions(self, hits: float, charged: float) -> bool:
+        """Whether ``hits`` prompts served are at least what ``charged`` evictions cost,
+        ``p_M`` each (decayed counts, cross-multiplied): the cost test of the finish and
+        body-end rules (SPEC 13.8b)."""
         r = self.recent
-        hits = r[_FINISH_HITS]
-        caused = r[_CAUSED]
-        return hits > 0.0 and hits * r[_EVICTED_N] >= r[_EVICTED_HITS] * caused
+        return hits * r[_EVICTED_N] >= r[_EVICTED_HITS] * charged
 
     def writes_body_end(self) -> bool:
         """Whether prompts' body ends are checkpointed (SPEC 13.8b): until ``MIN_OBSERVATIONS``
@@ -310,5 +315,5 @@ class ReuseEvidence:
         r = self.recent
         return _pays(self.body_written, r[_BODY_N], r[_BODY_HITS], r[_FINISH_N], r[_FINISH_HITS]) and (
             self.body_written < MIN_OBSERVATIONS
-            or r[_BODY_HITS] * r[_EVICTED_N] >= r[_EVICTED_HITS] * min(r[_BODY_N], r[_EVICTED_N])
+            or self._covers_evictions(r[_BODY_HITS], min(r[_BODY_N], r[_EVICTED_N]))
         )

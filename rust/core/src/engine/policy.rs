@@ -325,7 +325,7 @@ impl ReuseEvidence {
         let r = &self.recent;
         pays(self.body_written, r[BODY_N], r[BODY_HITS], r[FINISH_N], r[FINISH_HITS])
             && (self.body_written < MIN_OBSERVATIONS
-                || r[BODY_HITS] * r[EVICTED_N] >= r[EVICTED_HITS] * r[BODY_N].min(r[EVICTED_N]))
+                || self.covers_evictions(r[BODY_HITS], r[BODY_N].min(r[EVICTED_N])))
     }
 
     /// Body ends written and resumed from; finish checkpoints left and resumed from.
@@ -342,7 +342,15 @@ impl ReuseEvidence {
     pub fn keep_finish(&self) -> bool {
         let r = &self.recent;
         self.finish_written < MIN_OBSERVATIONS
-            || (r[FINISH_HITS] > 0.0 && r[FINISH_HITS] * r[EVICTED_N] >= r[EVICTED_HITS] * r[CAUSED])
+            || (r[FINISH_HITS] > 0.0 && self.covers_evictions(r[FINISH_HITS], r[CAUSED]))
+    }
+
+    /// Whether `hits` prompts served are at least what `charged` evictions cost, `p_M` each
+    /// (the prompts that reached an evicted checkpoint's ghost per eviction; decayed counts,
+    /// cross-multiplied): the cost test of the finish and body-end rules (SPEC 13.8b).
+    fn covers_evictions(&self, hits: f64, charged: f64) -> bool {
+        let r = &self.recent;
+        hits * r[EVICTED_N] >= r[EVICTED_HITS] * charged
     }
 
     /// An admitted prompt ages the evidence: every count the rules compare is multiplied by

@@ -506,11 +506,18 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
         self.free.iter()
     }
 
-    /// Drop the key of a free `page`; returns the key it held, if any.
-    fn drop_key(&mut self, page: u32) -> Option<K> {
+    /// Take the key of a free `page` out of `keys` and the cached counts (the key map is the
+    /// caller's); the key it held, if any.
+    fn take_free_key(&mut self, page: u32) -> Option<K> {
         let key = self.keys[page as usize].take()?;
         self.num_cached -= 1;
         self.num_cached_free -= 1;
+        Some(key)
+    }
+
+    /// Drop the key of a free `page`; returns the key it held, if any.
+    fn drop_key(&mut self, page: u32) -> Option<K> {
+        let key = self.take_free_key(page)?;
         let fp = fingerprint(&key);
         if let Ok(mut entry) = self.map.find_entry(fp, |s| s.fp == fp) {
             let slot = entry.get_mut();
@@ -578,9 +585,7 @@ impl<K: Clone + Eq + Hash> BlockPool<K> {
             settle_overflow(slot, list, at, &mut self.overflow_free);
             page
         };
-        let dropped = self.keys[page as usize].take();
-        self.num_cached -= 1;
-        self.num_cached_free -= 1;
+        let dropped = self.take_free_key(page);
         if self.arena.is_some() {
             self.arena_on_uncache(page);
         }
